@@ -1,0 +1,1 @@
+"""Everything NATS: subjects, the embedded server, streams, consumers and the registry."""

@@ -1,0 +1,152 @@
+"""Stream, consumer and bucket definitions, created idempotently by whoever starts first.
+
+Streams are bounded (``max_age``, ``max_bytes``, ``max_msgs`` with discard-new) so a
+stalled worker pool shows up as ``503 Retry-After`` at the API, not as a full disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from nats.js import JetStreamContext
+from nats.js import api as js_api
+from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
+from nats.js.kv import KeyValue
+
+from broker import subjects
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class BrokerConfig:
+    """Limits of the JetStream objects. Defaults work on one CPU machine."""
+
+    request_max_age: float = 600.0
+    request_max_bytes: int = 1 << 30
+    request_max_msgs: int = 100_000
+    kv_max_age: float = 600.0
+    kv_max_bytes: int = 256 << 20
+    dedup_window: float = 120.0
+    ack_wait: float = 30.0
+    max_deliver: int = 5
+    prefill_max_ack_pending: int = 256
+    decode_max_ack_pending: int = 256
+    worker_ttl: float = 10.0
+    file_storage: bool = True
+
+    def __post_init__(self) -> None:
+        if self.ack_wait <= 0 or self.max_deliver < 1:
+            raise ValueError("ack_wait must be positive and max_deliver at least 1")
+        if self.prefill_max_ack_pending < 1 or self.decode_max_ack_pending < 1:
+            raise ValueError("max_ack_pending must be at least 1")
+
+
+def _storage(config: BrokerConfig) -> js_api.StorageType:
+    return js_api.StorageType.FILE if config.file_storage else js_api.StorageType.MEMORY
+
+
+def request_stream(config: BrokerConfig) -> js_api.StreamConfig:
+    return js_api.StreamConfig(
+        name=subjects.REQUEST_STREAM,
+        subjects=[subjects.REQUEST_SUBJECTS],
+        retention=js_api.RetentionPolicy.WORK_QUEUE,
+        storage=_storage(config),
+        discard=js_api.DiscardPolicy.NEW,
+        max_age=config.request_max_age,
+        max_bytes=config.request_max_bytes,
+        max_msgs=config.request_max_msgs,
+        duplicate_window=config.dedup_window,
+    )
+
+
+def kv_stream(config: BrokerConfig) -> js_api.StreamConfig:
+    return js_api.StreamConfig(
+        name=subjects.KV_STREAM,
+        subjects=[subjects.KV_SUBJECTS],
+        retention=js_api.RetentionPolicy.WORK_QUEUE,
+        storage=_storage(config),
+        discard=js_api.DiscardPolicy.NEW,
+        max_age=config.kv_max_age,
+        max_bytes=config.kv_max_bytes,
+        duplicate_window=config.dedup_window,
+    )
+
+
+def _consumer(name: str, subject: str, max_ack_pending: int, config: BrokerConfig) -> js_api.ConsumerConfig:
+    return js_api.ConsumerConfig(
+        name=name,
+        durable_name=name,
+        filter_subject=subject,
+        ack_policy=js_api.AckPolicy.EXPLICIT,
+        deliver_policy=js_api.DeliverPolicy.ALL,
+        ack_wait=config.ack_wait,
+        max_deliver=config.max_deliver,
+        max_ack_pending=max_ack_pending,
+        max_waiting=512,
+    )
+
+
+async def _ensure_stream(js: JetStreamContext, stream: js_api.StreamConfig) -> None:
+    try:
+        await js.add_stream(stream)
+    except BadRequestError:
+        # Exists with other settings: bring limits up to date (subjects/retention are fixed).
+        await js.update_stream(stream)
+
+
+async def _ensure_consumer(js: JetStreamContext, stream: str, consumer: js_api.ConsumerConfig) -> None:
+    try:
+        # With ``name`` set the server creates or updates (max_ack_pending, ack_wait...).
+        await js.add_consumer(stream, consumer)
+    except BadRequestError as exc:
+        log.warning("consumer exists with settings that cannot change", extra={"consumer": consumer.name, "error": str(exc)})
+
+
+async def ensure_model(js: JetStreamContext, model: str, config: BrokerConfig) -> None:
+    """Create (or update) both streams and the model's two consumers. Idempotent."""
+    await _ensure_stream(js, request_stream(config))
+    await _ensure_stream(js, kv_stream(config))
+    await _ensure_consumer(
+        js,
+        subjects.REQUEST_STREAM,
+        _consumer(subjects.prefill_consumer(model), subjects.requests(model), config.prefill_max_ack_pending, config),
+    )
+    await _ensure_consumer(
+        js,
+        subjects.KV_STREAM,
+        _consumer(subjects.decode_consumer(model), subjects.kv_ready(model), config.decode_max_ack_pending, config),
+    )
+
+
+async def worker_bucket(js: JetStreamContext, config: BrokerConfig) -> KeyValue:
+    """The registry bucket; entries vanish ``worker_ttl`` seconds after their last heartbeat."""
+    try:
+        return await js.key_value(subjects.WORKER_BUCKET)
+    except (BucketNotFoundError, NotFoundError):
+        try:
+            return await js.create_key_value(
+                js_api.KeyValueConfig(
+                    bucket=subjects.WORKER_BUCKET, history=1, ttl=config.worker_ttl, storage=js_api.StorageType.MEMORY
+                )
+            )
+        except BadRequestError:
+            return await js.key_value(subjects.WORKER_BUCKET)
+
+
+@dataclasses.dataclass(frozen=True)
+class QueueDepth:
+    """A consumer's backlog: waiting in the stream plus delivered but not yet acked."""
+
+    pending: int
+    ack_pending: int
+
+    @property
+    def total(self) -> int:
+        return self.pending + self.ack_pending
+
+
+async def queue_depth(js: JetStreamContext, stream: str, consumer: str) -> QueueDepth:
+    info = await js.consumer_info(stream, consumer)
+    return QueueDepth(pending=info.num_pending or 0, ack_pending=info.num_ack_pending or 0)

@@ -1,0 +1,76 @@
+"""KV hand-off between prefill and decode: ``KVReady`` and ``KVRelease``.
+
+Only handles travel over NATS; the bytes move over the transfer backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from schemas.codec import Message
+from schemas.sampling import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Shape of one page in the pool: ``[num_layers, 2, page_size, num_kv_heads, head_dim]``."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: str
+
+    @property
+    def page_numel(self) -> int:
+        return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KVHandle:
+    """Where a request's KV lives: contiguous runs of pages in a registered pool.
+
+    ``segments`` are ``(address, nbytes)`` pairs in page order; together they hold
+    ``num_tokens`` tokens, ``page_size`` per page. ``expires_at`` is the Unix time after
+    which the owner may reuse the pages.
+    """
+
+    backend: str
+    endpoint: str
+    layout: KVLayout
+    segments: tuple[tuple[int, ...], ...]
+    num_tokens: int
+    expires_at: float
+
+    def __post_init__(self) -> None:
+        if any(len(s) != 2 or s[1] <= 0 for s in self.segments):
+            raise ValueError("segments must be (address, nbytes) pairs")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KVReady(Message):
+    """Prefill is done: the first token is out, the KV waits at ``handle``."""
+
+    rid: str
+    model: str
+    prompt_ids: tuple[int, ...]
+    output_ids: tuple[int, ...]
+    reply_to: str
+    sampling: SamplingParams
+    prefill_id: str
+    handle: KVHandle
+    cached_tokens: int = 0
+    deadline: float = 0.0
+    published_at: float = 0.0
+    request_published_at: float = 0.0
+    v: int = 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KVRelease(Message):
+    """Decode tells the prefill worker that it may free the request's pages."""
+
+    rid: str
+    prefill_id: str
+    ok: bool = True
+    v: int = 1

@@ -1,0 +1,40 @@
+"""``GenerateRequest``: the API (or any direct publisher) asks for a completion."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from schemas.codec import Message
+from schemas.sampling import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GenerateRequest(Message):
+    """One generation request, published to ``pd.req.<model>`` with ``Nats-Msg-Id = rid``.
+
+    ``reply_to`` is the core-NATS subject that receives the ``TokenChunk`` stream.
+    ``output_ids`` holds tokens already streamed when a stalled request is resumed;
+    the worker continues after them and numbers its chunks from ``len(output_ids)``.
+    ``deadline`` is a Unix time after which the request is dropped (0: none).
+    ``published_at`` is the publisher's Unix time, for queueing-delay figures.
+    """
+
+    rid: str
+    model: str
+    prompt_ids: tuple[int, ...]
+    reply_to: str
+    sampling: SamplingParams = SamplingParams()
+    output_ids: tuple[int, ...] = ()
+    deadline: float = 0.0
+    published_at: float = 0.0
+    v: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.rid:
+            raise ValueError("rid must not be empty")
+        if not self.prompt_ids:
+            raise ValueError("prompt_ids must not be empty")
+        if any(t < 0 for t in self.prompt_ids):
+            raise ValueError("prompt_ids must be non-negative")
+        if not self.reply_to:
+            raise ValueError("reply_to must not be empty")

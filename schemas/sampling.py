@@ -1,0 +1,60 @@
+"""Sampling parameters carried by a request from the API to the workers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. Validated on construction (``ValueError``).
+
+    ``temperature == 0`` means greedy. ``top_k <= 0`` and ``top_p == 1`` and
+    ``min_p == 0`` disable those filters. ``seed`` makes sampling reproducible for
+    the request, independent of what else is in the batch.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.max_new_tokens >= 1, "max_new_tokens must be at least 1")
+        _require(0.0 <= self.temperature <= 100.0, "temperature must be between 0 and 100")
+        _require(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]")
+        _require(0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]")
+        _require(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be between -2 and 2")
+        _require(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be between -2 and 2")
+        _require(0.0 < self.repetition_penalty <= 10.0, "repetition_penalty must be in (0, 10]")
+        _require(0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
+        _require(len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings")
+        _require(all(s for s in self.stop), "stop strings must not be empty")
+        _require(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative")
+        _require(self.seed is None or 0 <= self.seed < 2**63, "seed must be a non-negative 64-bit integer")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)

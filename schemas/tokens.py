@@ -1,0 +1,51 @@
+"""``TokenChunk``: tokens streamed back to whoever asked, on the request's reply subject."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from schemas.codec import Message
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ErrorInfo:
+    """An OpenAI-style error: ``type`` is e.g. ``invalid_request_error`` or ``server_error``."""
+
+    message: str
+    type: str = "server_error"
+    code: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenChunk(Message):
+    """Consecutive tokens of one request. ``seq`` is the index of ``token_ids[0]`` in
+    the output, so a receiver sees duplicates and gaps. The last chunk has a
+    ``finish_reason`` (``stop``, ``length``, ``abort``, ``error``) and ``usage``.
+    ``timings`` carries named durations in seconds (queueing, transfer) for benchmarks.
+    """
+
+    rid: str
+    seq: int
+    token_ids: tuple[int, ...] = ()
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    usage: Usage | None = None
+    error: ErrorInfo | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    worker_id: str = ""
+    timings: dict[str, float] | None = None
+    v: int = 1

@@ -1,0 +1,194 @@
+"""Paged attention registered in ``transformers``' attention registry.
+
+The stock model code computes q, k, v (with its own rotary embedding) and calls the
+attention function by name; ours writes the step's new k, v into the worker's page
+pool and attends over each sequence's pages. The step's layout travels in the
+``pd_attn`` keyword argument (an :class:`AttentionMetadata`), which ``transformers``
+forwards from ``model(...)`` down to every attention call.
+
+The batch is packed: one row of ``T`` tokens, decode tokens first (one per
+sequence), then prefill chunks. Pool layout (see :mod:`workers.engine.kv_pool`):
+``[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+ATTN_IMPLEMENTATION = "pdserve_paged"
+
+
+@dataclass
+class PrefillSpan:
+    """One sequence's chunk of new tokens in the packed batch."""
+
+    q_start: int  # index of the chunk's first token in the packed batch
+    q_len: int
+    ctx_len: int  # tokens of KV after this chunk (cached prefix + chunk)
+    block_table: torch.Tensor  # pages holding ctx_len tokens
+
+    @property
+    def is_fresh(self) -> bool:
+        return self.ctx_len == self.q_len
+
+
+@dataclass
+class DecodeGroup:
+    """Decode sequences of similar length, attended together padded to ``max_pages``."""
+
+    start: int  # first decode token index in the packed batch
+    count: int
+    block_tables: torch.Tensor  # [count, max_pages]
+    ctx_lens: torch.Tensor  # [count]
+    positions: torch.Tensor  # [count, max_pages * page_size] (0..S-1), for masks
+
+
+@dataclass
+class AttentionMetadata:
+    """The layout of one forward pass, shared by every layer."""
+
+    kv_pool: torch.Tensor
+    slot_pages: torch.Tensor  # [T] page of each new token
+    slot_offsets: torch.Tensor  # [T] offset in its page
+    decode_groups: list[DecodeGroup]
+    prefills: list[PrefillSpan]
+    workspace: Workspace
+    _masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
+
+    def decode_mask(self, group_index: int, window: int | None) -> torch.Tensor:
+        key = (group_index, window)
+        mask = self._masks.get(key)
+        if mask is None:
+            g = self.decode_groups[group_index]
+            lens = g.ctx_lens[:, None]
+            mask = g.positions < lens
+            if window is not None:
+                mask &= g.positions >= lens - window
+            mask = mask[:, None, None, :]
+            self._masks[key] = mask
+        return mask
+
+
+class Workspace:
+    """Reusable gather buffers: fresh large tensors cost a page fault per 4 KiB."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        key = (name, like.dtype, like.device)
+        numel = 1
+        for s in shape:
+            numel *= s
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(max(numel, 1), dtype=like.dtype, device=like.device)
+            self._buffers[key] = buf
+        return buf[:numel].view(shape)
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    pd_attn: AttentionMetadata | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """``transformers`` attention interface: q [1, Hq, T, D], k/v [1, Hkv, T, D] → [1, T, Hq, D]."""
+    if pd_attn is None:
+        raise RuntimeError("pdserve paged attention called without metadata (model does not forward kwargs)")
+    if softcap is not None or kwargs.get("s_aux") is not None:
+        raise NotImplementedError("attention softcapping and sinks are not supported by pdserve yet")
+    layer = module.layer_idx
+    q = query[0].transpose(0, 1)  # [T, Hq, D]
+    k = key[0].transpose(0, 1)  # [T, Hkv, D]
+    v = value[0].transpose(0, 1)
+    pool = pd_attn.kv_pool
+    pool[pd_attn.slot_pages, layer, 0, pd_attn.slot_offsets] = k.to(pool.dtype)
+    pool[pd_attn.slot_pages, layer, 1, pd_attn.slot_offsets] = v.to(pool.dtype)
+    out = torch.empty_like(q)
+    for i, group in enumerate(pd_attn.decode_groups):
+        _decode(pd_attn, i, group, layer, q, out, scaling, sliding_window)
+    for span in pd_attn.prefills:
+        _prefill(pd_attn, span, layer, q, k, v, out, scaling, sliding_window)
+    return out.unsqueeze(0), None
+
+
+def _gather(meta: AttentionMetadata, layer: int, block_table: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the pages in ``block_table`` ([B, M]) as [B, H, M*page_size, D] views."""
+    pool = meta.kv_pool
+    b, m = block_table.shape
+    _, _, _, page_size, heads, dim = pool.shape
+    buf = meta.workspace.get(name, (b * m, 2, page_size, heads, dim), pool)
+    torch.index_select(pool[:, layer], 0, block_table.reshape(-1), out=buf)
+    kv = buf.view(b, m, 2, page_size, heads, dim)
+    k = kv[:, :, 0].reshape(b, m * page_size, heads, dim).transpose(1, 2)
+    v = kv[:, :, 1].reshape(b, m * page_size, heads, dim).transpose(1, 2)
+    return k, v
+
+
+def _decode(
+    meta: AttentionMetadata,
+    index: int,
+    group: DecodeGroup,
+    layer: int,
+    q: torch.Tensor,
+    out: torch.Tensor,
+    scaling: float | None,
+    window: int | None,
+) -> None:
+    k, v = _gather(meta, layer, group.block_tables, "decode")
+    qd = q[group.start : group.start + group.count].unsqueeze(2)  # [B, Hq, 1, D]
+    mask = meta.decode_mask(index, window)
+    o = F.scaled_dot_product_attention(qd, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scaling, enable_gqa=True)
+    out[group.start : group.start + group.count] = o.squeeze(2)
+
+
+def _prefill(
+    meta: AttentionMetadata,
+    span: PrefillSpan,
+    layer: int,
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    out: torch.Tensor,
+    scaling: float | None,
+    window: int | None,
+) -> None:
+    sl = slice(span.q_start, span.q_start + span.q_len)
+    qs = q[sl].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+    if span.is_fresh:
+        k = k_new[sl].transpose(0, 1).unsqueeze(0)
+        v = v_new[sl].transpose(0, 1).unsqueeze(0)
+    else:
+        k, v = _gather(meta, layer, span.block_table.unsqueeze(0), "prefill")
+        k = k[:, :, : span.ctx_len].to(q.dtype)
+        v = v[:, :, : span.ctx_len].to(q.dtype)
+    if span.is_fresh and window is None:
+        o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scaling, enable_gqa=True)
+    else:
+        qpos = torch.arange(span.ctx_len - span.q_len, span.ctx_len, device=q.device)[:, None]
+        kpos = torch.arange(span.ctx_len, device=q.device)[None, :]
+        mask = kpos <= qpos
+        if window is not None:
+            mask &= kpos > qpos - window
+        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+    out[sl] = o[0].transpose(0, 1)
+
+
+def register() -> str:
+    """Register the attention under :data:`ATTN_IMPLEMENTATION`; returns the name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
+    return ATTN_IMPLEMENTATION

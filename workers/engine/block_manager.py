@@ -1,0 +1,149 @@
+"""Page allocator and prefix index. Plain Python, no I/O, no tensors.
+
+A page holds ``page_size`` consecutive tokens of one sequence (all layers, K and V).
+Pages are reference counted: a full page whose token content is known gets a chained
+hash (hash of the previous page's hash and its own tokens) and stays findable in the
+prefix index after its last owner lets go; such unreferenced cached pages form an LRU
+and are the first reused when the free list runs dry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+def page_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
+    """Chained hash of one full page: equal hashes mean equal whole prefixes."""
+    h = hashlib.blake2b(parent or b"", digest_size=16)
+    h.update(struct.pack(f"<{len(tokens)}q", *tokens))
+    return h.digest()
+
+
+class OutOfPages(RuntimeError):
+    pass
+
+
+class BlockManager:
+    """Owns page ids ``0..num_pages-1``: refcounts, free list, prefix index."""
+
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_cache: bool = True) -> None:
+        assert num_pages > 0 and page_size > 0
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.enable_prefix_cache = enable_prefix_cache
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
+        self._refs = [0] * num_pages
+        self._hash_of: dict[int, bytes] = {}
+        self._page_of: dict[bytes, int] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, refcount 0, LRU order
+
+    # ---- queries -----------------------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        """Pages that can be handed out now (free plus evictable cached)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used_pages(self) -> int:
+        return self.num_pages - self.num_free_pages
+
+    @property
+    def num_cached_pages(self) -> int:
+        return len(self._hash_of)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def can_allocate(self, num_pages: int) -> bool:
+        return num_pages <= self.num_free_pages
+
+    def ref_count(self, page: int) -> int:
+        return self._refs[page]
+
+    def match_prefix(self, tokens: Sequence[int]) -> list[bytes]:
+        """Hashes of the leading full pages of ``tokens`` (whether or not cached)."""
+        hashes: list[bytes] = []
+        parent: bytes | None = None
+        for start in range(0, len(tokens) - self.page_size + 1, self.page_size):
+            parent = page_hash(parent, tokens[start : start + self.page_size])
+            hashes.append(parent)
+        return hashes
+
+    def lookup(self, hashes: Sequence[bytes]) -> list[int]:
+        """Cached pages for the longest run of leading ``hashes`` found in the index."""
+        if not self.enable_prefix_cache:
+            return []
+        pages: list[int] = []
+        for h in hashes:
+            page = self._page_of.get(h)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    # ---- actions -----------------------------------------------------------
+    def allocate(self, num_pages: int) -> list[int]:
+        """``num_pages`` fresh pages with refcount 1; evicts LRU cached pages if needed."""
+        if not self.can_allocate(num_pages):
+            raise OutOfPages(f"need {num_pages} pages, {self.num_free_pages} free")
+        pages = []
+        for _ in range(num_pages):
+            if self._free:
+                page = self._free.pop()
+            else:
+                page, _ = self._evictable.popitem(last=False)
+                self._forget(page)
+            self._refs[page] = 1
+            pages.append(page)
+        return pages
+
+    def share(self, pages: Sequence[int]) -> None:
+        """Take one more reference on each page (prefix hits, holds)."""
+        for page in pages:
+            if self._refs[page] == 0:
+                self._evictable.pop(page, None)
+            self._refs[page] += 1
+
+    def free(self, pages: Sequence[int]) -> None:
+        """Drop one reference on each page; unreferenced cached pages stay findable."""
+        for page in reversed(pages):
+            assert self._refs[page] > 0, f"double free of page {page}"
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                if page in self._hash_of:
+                    self._evictable[page] = None
+                else:
+                    self._free.append(page)
+
+    def register(self, page: int, h: bytes) -> None:
+        """Record that ``page`` holds the full page with chained hash ``h``."""
+        if not self.enable_prefix_cache or page in self._hash_of:
+            return
+        if h in self._page_of:
+            return  # an equal page is already indexed; this copy stays private
+        self._hash_of[page] = h
+        self._page_of[h] = page
+
+    def reset_prefix_cache(self) -> None:
+        for page in list(self._evictable):
+            self._forget(page)
+            self._free.append(page)
+        self._evictable.clear()
+
+    def _forget(self, page: int) -> None:
+        h = self._hash_of.pop(page, None)
+        if h is not None and self._page_of.get(h) == page:
+            del self._page_of[h]
+
+    def check_invariants(self) -> None:
+        """For tests: every page is exactly one of free, evictable, referenced."""
+        free = set(self._free)
+        assert len(free) == len(self._free), "duplicate page in free list"
+        for page in range(self.num_pages):
+            states = (page in free) + (page in self._evictable) + (self._refs[page] > 0)
+            assert states == 1, f"page {page} is in {states} states"
+        for page in self._evictable:
+            assert page in self._hash_of

@@ -1,0 +1,41 @@
+"""Engine configuration: one frozen dataclass with defaults that work on one CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Knobs of the serving engine.
+
+    ``max_total_tokens`` sizes the KV page pool (tokens across all requests); when
+    ``None`` it is ``kv_memory_fraction`` of free device memory (GPU) or
+    ``cpu_kv_bytes`` of host memory (CPU). ``chunked_prefill_size`` is the token budget of one forward
+    pass; ``max_num_seqs`` caps the running batch.
+    """
+
+    page_size: int = 16
+    max_total_tokens: int | None = None
+    kv_memory_fraction: float = 0.85
+    max_num_seqs: int = 128
+    chunked_prefill_size: int = 2048
+    max_prefill_seqs: int = 16
+    enable_prefix_cache: bool = True
+    device: str = "cpu"
+    dtype: str = "auto"
+    num_threads: int | None = None
+    max_model_len: int | None = None
+    cpu_kv_bytes: int = 512 << 20
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError("page_size must be a power of two")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise ValueError("max_total_tokens must hold at least one page")
+        if not 0.0 < self.kv_memory_fraction <= 1.0:
+            raise ValueError("kv_memory_fraction must be in (0, 1]")
+        if self.max_num_seqs < 1 or self.max_prefill_seqs < 1:
+            raise ValueError("max_num_seqs and max_prefill_seqs must be at least 1")
+        if self.chunked_prefill_size < self.page_size:
+            raise ValueError("chunked_prefill_size must be at least one page")

@@ -1,0 +1,228 @@
+"""Loads a ``transformers`` causal LM, owns the KV pool, runs one packed forward pass.
+
+Any architecture whose attention goes through ``transformers``' attention registry
+works: the runner asks for :data:`ATTN_IMPLEMENTATION` and passes the step's layout
+as a keyword argument. The runner never decides what runs; the scheduler does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from schemas import KVLayout
+from workers.engine import attention
+from workers.engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan, Workspace
+from workers.engine.config import EngineConfig
+from workers.engine.kv_pool import KVPool, bytes_per_token, dtype_name
+from workers.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class ModelSpec:
+    """What to load: a local Hugging Face directory (or random weights from its config)."""
+
+    path: Path
+    dtype: str = "auto"
+    trust_remote_code: bool = False
+    load_format: str = "auto"  # "auto" (weights from disk) or "dummy" (random weights)
+    seed: int = 0
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: decode sequences (1 token each) and prefill chunks."""
+
+    decodes: list[Sequence]
+    prefills: list[tuple[Sequence, int]]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(n for _, n in self.prefills)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+def resolve_dtype(name: str, config_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        if name == "half":
+            return torch.float16
+        if name not in _DTYPES:
+            raise ValueError(f"unsupported dtype {name!r}; use auto, float32, float16 or bfloat16")
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # CPU half-precision matmuls are slow or missing
+    return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def load_model(spec: ModelSpec, device: torch.device) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    impl = attention.register()
+    config = AutoConfig.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code)
+    dtype = resolve_dtype(spec.dtype, getattr(config, "dtype", None), device)
+    if spec.load_format == "dummy":
+        torch.manual_seed(spec.seed)
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=impl, trust_remote_code=spec.trust_remote_code
+        )
+    elif spec.load_format == "auto":
+        model = AutoModelForCausalLM.from_pretrained(
+            spec.path, dtype=dtype, attn_implementation=impl, trust_remote_code=spec.trust_remote_code
+        )
+    else:
+        raise ValueError(f"unknown load format {spec.load_format!r}")
+    return model.to(device).eval()
+
+
+def kv_layout_of(model: torch.nn.Module, page_size: int) -> KVLayout:
+    config = model.config.get_text_config()
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return KVLayout(
+        num_layers=config.num_hidden_layers,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        dtype=dtype_name(next(model.parameters()).dtype),
+    )
+
+
+class ModelRunner:
+    def __init__(self, spec: ModelSpec, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        started = time.monotonic()
+        self.model = load_model(spec, self.device)
+        text_config = self.model.config.get_text_config()
+        self.vocab_size = text_config.vocab_size
+        self.max_model_len = config.max_model_len or getattr(text_config, "max_position_embeddings", 4096)
+        self.layout = kv_layout_of(self.model, config.page_size)
+        self.num_pages = self._num_pages()
+        self.pool = KVPool(self.layout, self.num_pages, self.device)
+        self.workspace = Workspace()
+        log.info(
+            "model loaded",
+            extra={
+                "path": str(spec.path),
+                "seconds": round(time.monotonic() - started, 2),
+                "pages": self.num_pages,
+                "kv_bytes": self.pool.nbytes,
+            },
+        )
+
+    def _num_pages(self) -> int:
+        page = self.config.page_size
+        if self.config.max_total_tokens is not None:
+            return self.config.max_total_tokens // page
+        per_token = bytes_per_token(self.layout, torch.empty((), dtype=next(self.model.parameters()).dtype).element_size())
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * self.config.kv_memory_fraction)
+        else:
+            budget = self.config.cpu_kv_bytes
+        return max(budget // (per_token * page), 1)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor | None]:
+        """Run the batch; returns the sequences that get a next token and their logits rows."""
+        meta, input_ids, positions, sample_index, sample_seqs = self._prepare(batch)
+        if not sample_seqs:
+            self.model(input_ids=input_ids, position_ids=positions, pd_attn=meta, use_cache=False, logits_to_keep=1)
+            return [], None
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=positions,
+            pd_attn=meta,
+            use_cache=False,
+            logits_to_keep=sample_index,
+        )
+        return sample_seqs, out.logits[0]
+
+    def _prepare(
+        self, batch: ScheduledBatch
+    ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor, list[Sequence]]:
+        page = self.config.page_size
+        ids: list[int] = []
+        pos: list[int] = []
+        pages: list[int] = []
+        offsets: list[int] = []
+        sample_index: list[int] = []
+        sample_seqs: list[Sequence] = []
+        decodes = sorted(batch.decodes, key=lambda s: s.num_tokens, reverse=True)
+        for seq in decodes:
+            p = seq.num_tokens - 1
+            ids.append(seq.last_token)
+            pos.append(p)
+            pages.append(seq.block_table[p // page])
+            offsets.append(p % page)
+            sample_index.append(len(ids) - 1)
+            sample_seqs.append(seq)
+        spans: list[PrefillSpan] = []
+        for seq, n in batch.prefills:
+            start = seq.num_computed
+            q_start = len(ids)
+            tokens = seq.tokens
+            ids.extend(tokens[start : start + n])
+            for p in range(start, start + n):
+                pos.append(p)
+                pages.append(seq.block_table[p // page])
+                offsets.append(p % page)
+            ctx = start + n
+            table = torch.tensor(seq.block_table[: -(-ctx // page)], dtype=torch.long, device=self.device)
+            spans.append(PrefillSpan(q_start, n, ctx, table))
+            if ctx == seq.num_tokens:
+                sample_index.append(len(ids) - 1)
+                sample_seqs.append(seq)
+        device = self.device
+        meta = AttentionMetadata(
+            kv_pool=self.pool.tensor,
+            slot_pages=torch.tensor(pages, dtype=torch.long, device=device),
+            slot_offsets=torch.tensor(offsets, dtype=torch.long, device=device),
+            decode_groups=self._decode_groups(decodes),
+            prefills=spans,
+            workspace=self.workspace,
+        )
+        return (
+            meta,
+            torch.tensor([ids], dtype=torch.long, device=device),
+            torch.tensor([pos], dtype=torch.long, device=device),
+            torch.tensor(sample_index, dtype=torch.long, device=device),
+            sample_seqs,
+        )
+
+    def _decode_groups(self, decodes: list[Sequence]) -> list[DecodeGroup]:
+        """Split decodes (sorted longest first) where padding to the group's longest gets wasteful."""
+        page = self.config.page_size
+        groups: list[DecodeGroup] = []
+        start = 0
+        while start < len(decodes):
+            max_pages = -(-decodes[start].num_tokens // page)
+            end = start + 1
+            while end < len(decodes) and (end - start < 8 or -(-decodes[end].num_tokens // page) * 2 > max_pages):
+                end += 1
+            members = decodes[start:end]
+            tables = [s.block_table[:max_pages] + [0] * (max_pages - len(s.block_table[:max_pages])) for s in members]
+            groups.append(
+                DecodeGroup(
+                    start=start,
+                    count=end - start,
+                    block_tables=torch.tensor(tables, dtype=torch.long, device=self.device),
+                    ctx_lens=torch.tensor([s.num_tokens for s in members], dtype=torch.long, device=self.device),
+                    positions=torch.arange(max_pages * page, device=self.device)[None, :],
+                )
+            )
+            start = end
+        return groups

@@ -1,0 +1,145 @@
+"""Batched token selection: penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
+
+Greedy rows take the argmax of the (penalised) logits. Sampled rows draw with the
+exponential race (argmax of p / E, E ~ Exp(1)), which equals a multinomial draw. A row
+with a ``seed`` draws its noise from a generator seeded by (seed, output index), so its
+tokens depend only on the seed and the logits: the same in PD and unified mode, after
+preemption, and whatever else shares the batch. Log-probabilities are those of the
+model's raw distribution (before penalties and temperature).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from schemas import SamplingParams, TokenLogprob
+
+_MASK = float("-inf")
+
+
+@dataclass
+class SampleRequest:
+    """What the sampler needs to know about one row."""
+
+    params: SamplingParams
+    prompt_ids: Seq[int]
+    output_ids: Seq[int]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+def seed_for(seed: int, index: int) -> int:
+    """Per-output-token seed: reproducible, independent of batch composition."""
+    return (seed * 6364136223846793005 + index * 1442695040888963407 + 1) % (2**63)
+
+
+class Sampler:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._generator = torch.Generator(device=device)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRequest]) -> SamplerOutput:
+        assert logits.shape[0] == len(rows)
+        logits = logits.float()
+        raw_logprobs = None
+        if any(r.params.logprobs for r in rows):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        if any(r.params.has_penalties for r in rows):
+            logits = logits.clone()
+            for i, r in enumerate(rows):
+                if r.params.has_penalties:
+                    _apply_penalties(logits[i], r)
+        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
+        sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+        if greedy:
+            index = torch.tensor(greedy, device=logits.device)
+            tokens[index] = logits[index].argmax(dim=-1)
+        if sampled:
+            index = torch.tensor(sampled, device=logits.device)
+            tokens[index] = self._sample(logits[index], [rows[i] for i in sampled])
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, _logprobs(raw_logprobs, rows, token_list))
+
+    def _sample(self, logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
+        temps = torch.tensor([r.params.temperature for r in rows], device=logits.device)
+        logits = logits / temps[:, None]
+        if any(_filters(r.params) for r in rows):
+            logits = _filter(logits, rows)
+        probs = torch.softmax(logits, dim=-1)
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
+                generator=self._generator
+            )
+        for i, r in enumerate(rows):
+            if r.params.seed is not None:
+                self._generator.manual_seed(seed_for(r.params.seed, len(r.output_ids)))
+                noise[i].exponential_(generator=self._generator)
+        return (probs / noise).argmax(dim=-1)
+
+    def reseed(self, seed: int) -> None:
+        self._generator.manual_seed(seed)
+
+
+def _filters(p: SamplingParams) -> bool:
+    return p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
+
+
+def _filter(logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
+    """Mask tokens outside each row's top-k / top-p / min-p set (at least one survives)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    device = logits.device
+    rank = torch.arange(vocab, device=device)[None, :]
+    top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in rows], device=device)
+    remove = rank >= top_k[:, None]
+    probs = torch.softmax(sorted_logits.masked_fill(remove, _MASK), dim=-1)
+    top_p = torch.tensor([r.params.top_p for r in rows], device=device)
+    before = probs.cumsum(dim=-1) - probs
+    remove |= before > top_p[:, None]
+    min_p = torch.tensor([r.params.min_p for r in rows], device=device)
+    remove |= probs < (min_p * probs[:, :1])
+    remove[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(remove, _MASK)
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _apply_penalties(row: torch.Tensor, r: SampleRequest) -> None:
+    """In place on one row. Repetition: prompt and output (HF); frequency/presence: output (OpenAI)."""
+    p = r.params
+    device = row.device
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), dtype=torch.long, device=device)
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and r.output_ids:
+        out = torch.tensor(list(r.output_ids), dtype=torch.long, device=device)
+        counts = torch.bincount(out, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def _logprobs(raw: torch.Tensor | None, rows: list[SampleRequest], tokens: list[int]) -> list[TokenLogprob | None]:
+    if raw is None:
+        return [None] * len(rows)
+    out: list[TokenLogprob | None] = []
+    max_top = max(r.params.top_logprobs for r in rows)
+    top_vals, top_ids = (raw.topk(max_top, dim=-1) if max_top > 0 else (None, None))
+    chosen = raw.gather(1, torch.tensor(tokens, device=raw.device)[:, None]).squeeze(1).tolist()
+    for i, r in enumerate(rows):
+        if not r.params.logprobs:
+            out.append(None)
+            continue
+        n = r.params.top_logprobs
+        ids = tuple(top_ids[i, :n].tolist()) if top_ids is not None and n else ()
+        vals = tuple(top_vals[i, :n].tolist()) if top_vals is not None and n else ()
+        out.append(TokenLogprob(chosen[i], ids, vals))
+    return out

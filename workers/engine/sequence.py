@@ -1,0 +1,63 @@
+"""A request inside the engine: its tokens, its pages, how far its KV is computed."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from schemas import SamplingParams, TokenLogprob
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # needs (more) prefill
+    RUNNING = "running"  # decoding
+    HELD = "held"  # prefill done, KV held for a decode worker (prefill role)
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """Token state of one request. ``tokens`` = prompt + generated output.
+
+    Invariant: the KV of ``tokens[:num_computed]`` is in ``block_table``'s pages.
+    """
+
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_cached: int = 0
+    num_registered_pages: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    prefill_only: bool = False
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    num_preemptions: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    page_hashes: list[bytes] = field(default_factory=list)
+    num_resumed: int = 0  # output tokens already streamed before this engine saw the request
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
