@@ -63,6 +63,7 @@ class KVReady(Message):
     deadline: float = 0.0
     published_at: float = 0.0
     request_published_at: float = 0.0
+    timings: dict[str, float] | None = None
     v: int = 1
 
 

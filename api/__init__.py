@@ -1,0 +1,1 @@
+"""The HTTP front door: OpenAI- and SGLang-compatible endpoints over NATS."""

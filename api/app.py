@@ -1,0 +1,176 @@
+"""The Starlette application: lifespan, state, and the non-generation endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import orjson
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from api.config import ApiConfig
+from api.errors import APIError, error_response
+from api.gateway import Gateway
+from api.model_info import ModelInfo, load_model_info
+from broker.connection import QueueFullError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass
+class AppState:
+    config: ApiConfig
+    info: ModelInfo
+    gateway: Gateway
+    started_at: float
+
+
+def state_of(request: Request) -> AppState:
+    return request.app.state.pd  # type: ignore[no-any-return]
+
+
+class ORJSONResponse(JSONResponse):
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content)
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``; if the client goes away first, cancel it (which cancels the request)."""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise APIError("client closed the request", 499, "client_closed")
+
+
+def translate(exc: Exception) -> APIError:
+    """Errors from the gateway as HTTP errors."""
+    from api.gateway import StreamError
+
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, QueueFullError):
+        return APIError(f"the request queue is full: {exc}", 503, "server_overloaded", "queue_full", headers={"Retry-After": "1"})
+    if isinstance(exc, StreamError):
+        if exc.kind == "invalid_request_error":
+            return APIError(str(exc), 400)
+        if exc.kind == "timeout":
+            return APIError(str(exc), 504, "timeout")
+        return APIError(str(exc), 500, exc.kind)
+    log.exception("unexpected error", exc_info=exc)
+    return APIError(f"internal error: {exc}", 500, "server_error")
+
+
+async def health(request: Request) -> Response:
+    workers = await state_of(request).gateway.workers()
+    roles = {role: sum(1 for w in workers if w.role == role) for role in ("prefill", "decode", "unified")}
+    ready = (roles["prefill"] >= 1 and roles["decode"] >= 1) or roles["unified"] >= 1
+    body = {"status": "ok" if ready else "unavailable", "workers": roles}
+    return ORJSONResponse(body, status_code=200 if ready else 503)
+
+
+async def models(request: Request) -> Response:
+    info = state_of(request).info
+    return ORJSONResponse(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": info.name,
+                    "object": "model",
+                    "created": info.created,
+                    "owned_by": "pdserve",
+                    "root": str(info.path),
+                    "parent": None,
+                    "max_model_len": info.context_length,
+                }
+            ],
+        }
+    )
+
+
+async def model_info(request: Request) -> Response:
+    info = state_of(request).info
+    return ORJSONResponse({"model_path": str(info.path), "tokenizer_path": str(info.path), "is_generation": True, "served_model_name": info.name})
+
+
+async def workers(request: Request) -> Response:
+    gateway = state_of(request).gateway
+    listing = await gateway.workers()
+    return ORJSONResponse(
+        [
+            {
+                "id": w.worker_id,
+                "role": w.role,
+                "model": w.model,
+                "host": w.host,
+                "pid": w.pid,
+                "capacity": w.capacity,
+                "pages_total": w.pages_total,
+                "pages_used": w.pages_used,
+                "page_size": w.page_size,
+                "requests_in_flight": w.requests_in_flight,
+                "transfer_endpoint": w.transfer_endpoint,
+                "age_seconds": round(time.time() - w.started_at, 1),
+                "last_seen_seconds": round(time.time() - w.updated_at, 1),
+            }
+            for w in listing
+        ]
+    )
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return error_response(exc)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return error_response(APIError(exc.detail or "error", exc.status_code, kind))
+
+
+def create_app(config: ApiConfig, info: ModelInfo | None = None) -> Starlette:
+    """The app; the model's tokenizer loads and NATS connects in the lifespan."""
+    from api.routes import generation_routes
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        model = info or load_model_info(config.model_path, config.model_name, config.trust_remote_code, config.context_length)
+        gateway = Gateway(config.nats_url, model.name, config.broker, config.api_id)
+        await gateway.start()
+        app.state.pd = AppState(config, model, gateway, time.time())
+        log.info("api ready", extra={"model": model.name, "api_id": gateway.api_id})
+        try:
+            yield
+        finally:
+            await gateway.stop()
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/get_model_info", model_info, methods=["GET"]),
+        Route("/workers", workers, methods=["GET"]),
+        *generation_routes(),
+    ]
+    return Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={APIError: _api_error, HTTPException: _http_error},
+    )

@@ -1,0 +1,106 @@
+"""From token chunks to text: deltas for streaming, one result for the rest."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from api.detokenizer import IncrementalDetokenizer, StopMatcher
+from api.gateway import Gateway
+from api.model_info import ModelInfo
+from api.protocol import Job
+from schemas import TokenLogprob, Usage
+
+
+@dataclass
+class Delta:
+    """New text of one request; the last delta has ``finish_reason`` and ``usage``."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    usage: Usage | None = None
+    timings: dict[str, float] | None = None
+
+
+@dataclass
+class Result:
+    rid: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str = "stop"
+    stop_reason: str | int | None = None
+    usage: Usage | None = None
+    first_token_seconds: float = 0.0
+    seconds: float = 0.0
+    timings: dict[str, float] | None = None
+
+
+async def deltas(
+    gateway: Gateway,
+    info: ModelInfo,
+    job: Job,
+    rid: str,
+    timeout: float,
+    stall_timeout: float,
+    skip_special_tokens: bool = True,
+) -> AsyncIterator[Delta]:
+    """Stream ``job``; text is cut exactly before the first stop string."""
+    detok = IncrementalDetokenizer(info.tokenizer, skip_special_tokens)
+    stop = StopMatcher(job.sampling.stop)
+    num_tokens = 0
+    async for chunk in gateway.generate(job.prompt_ids, job.sampling, rid, timeout, stall_timeout):
+        num_tokens += len(chunk.token_ids)
+        text = stop.feed(detok.add(chunk.token_ids))
+        done = chunk.finish_reason is not None
+        if done:
+            text += stop.feed(detok.flush()) + stop.flush()
+        if stop.matched is not None:
+            usage = chunk.usage or Usage(len(job.prompt_ids), num_tokens)
+            yield Delta(text, list(chunk.token_ids), list(chunk.logprobs or ()), "stop", stop.matched, usage, chunk.timings)
+            return
+        yield Delta(
+            text,
+            list(chunk.token_ids),
+            list(chunk.logprobs or ()),
+            chunk.finish_reason,
+            chunk.stop_reason,
+            chunk.usage,
+            chunk.timings,
+        )
+        if done:
+            return
+
+
+async def collect(
+    gateway: Gateway,
+    info: ModelInfo,
+    job: Job,
+    rid: str,
+    timeout: float,
+    stall_timeout: float,
+    skip_special_tokens: bool = True,
+) -> Result:
+    started = time.perf_counter()
+    result = Result(rid)
+    parts: list[str] = []
+    async for d in deltas(gateway, info, job, rid, timeout, stall_timeout, skip_special_tokens):
+        if not result.token_ids:
+            result.first_token_seconds = time.perf_counter() - started
+        parts.append(d.text)
+        result.token_ids.extend(d.token_ids)
+        result.logprobs.extend(d.logprobs)
+        if d.finish_reason is not None:
+            result.finish_reason = d.finish_reason
+            result.stop_reason = d.stop_reason
+            result.usage = d.usage
+            result.timings = d.timings
+    result.text = "".join(parts)
+    result.seconds = time.perf_counter() - started
+    if result.usage is None:
+        result.usage = Usage(len(job.prompt_ids), len(result.token_ids))
+    return result

@@ -1,0 +1,33 @@
+"""API server configuration."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from broker.streams import BrokerConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ApiConfig:
+    """``default_max_tokens`` applies where a request gives no limit (chat, /generate).
+    ``stall_timeout`` is how long a request may go without a token before it fails."""
+
+    nats_url: str
+    model_path: Path
+    model_name: str | None = None
+    host: str = "0.0.0.0"
+    port: int = 8000
+    api_id: str | None = None
+    request_timeout: float = 600.0
+    stall_timeout: float = 120.0
+    default_max_tokens: int = 1024
+    trust_remote_code: bool = False
+    context_length: int | None = None
+    broker: BrokerConfig = BrokerConfig()
+
+    def __post_init__(self) -> None:
+        if self.default_max_tokens < 1:
+            raise ValueError("default_max_tokens must be at least 1")
+        if self.request_timeout <= 0 or self.stall_timeout <= 0:
+            raise ValueError("timeouts must be positive")

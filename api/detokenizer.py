@@ -1,0 +1,90 @@
+"""Incremental detokenization and exact stop-string cutting for streamed output."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+
+class Tokenizer(Protocol):
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Decodes only a short window (from the last emitted boundary), and holds back a
+    delta that ends in an incomplete UTF-8 sequence (U+FFFD) until the next token
+    completes it, so multi-byte characters split across tokens come out whole.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, ids: Sequence[int]) -> str:
+        self.ids.extend(ids)
+        before = self._decode(self.ids[self._prefix : self._read])
+        after = self._decode(self.ids[self._prefix :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self.ids)
+            return after[len(before) :]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character comes out as U+FFFD)."""
+        before = self._decode(self.ids[self._prefix : self._read])
+        after = self._decode(self.ids[self._prefix :])
+        self._prefix = self._read = len(self.ids)
+        return after[len(before) :]
+
+
+class StopMatcher:
+    """Cuts text at the first stop string; holds back a tail that may begin one."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.buffer = ""
+        self.matched: str | None = None
+
+    def feed(self, text: str) -> str:
+        """Text safe to emit now. After a match, returns nothing more."""
+        if self.matched is not None:
+            return ""
+        if not self.stops:
+            return text
+        self.buffer += text
+        first: tuple[int, str] | None = None
+        for s in self.stops:
+            i = self.buffer.find(s)
+            if i >= 0 and (first is None or i < first[0]):
+                first = (i, s)
+        if first is not None:
+            self.matched = first[1]
+            out, self.buffer = self.buffer[: first[0]], ""
+            return out
+        hold = self._partial_tail()
+        out = self.buffer[: len(self.buffer) - hold]
+        self.buffer = self.buffer[len(self.buffer) - hold :]
+        return out
+
+    def flush(self) -> str:
+        if self.matched is not None:
+            return ""
+        out, self.buffer = self.buffer, ""
+        return out
+
+    def _partial_tail(self) -> int:
+        best = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.buffer)), best, -1):
+                if self.buffer.endswith(s[:k]):
+                    best = k
+                    break
+        return best

@@ -1,0 +1,337 @@
+"""Request bodies of the three generation APIs, validated into one internal form.
+
+Everything a client can get wrong is a 400 with an OpenAI-style body, raised before
+anything is published.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from api.errors import bad_request
+from api.model_info import ModelInfo
+from schemas import SamplingParams
+from schemas.sampling import MAX_STOP_STRINGS
+
+MAX_COMPLETION_LOGPROBS = 5
+
+
+@dataclass
+class Job:
+    """One generation: prompt ids, how to sample, how to answer."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    prompt_text: str | None = None
+
+
+@dataclass
+class Parsed:
+    jobs: list[Job]
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    skip_special_tokens: bool = True
+    rid: str | None = None
+    batch: bool = False  # the client sent a list of prompts
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+# ---- typed getters -------------------------------------------------------------
+def _number(body: dict[str, Any], key: str, default: float | None, low: float | None = None, high: float | None = None) -> float | None:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad_request(f"'{key}' must be a number", key)
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise bad_request(f"'{key}' must be between {low} and {high}; got {value}", key)
+    return float(value)
+
+
+def _int(body: dict[str, Any], key: str, default: int | None, low: int | None = None, high: int | None = None) -> int | None:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        else:
+            raise bad_request(f"'{key}' must be an integer", key)
+    if low is not None and value < low:
+        raise bad_request(f"'{key}' must be at least {low}; got {value}", key)
+    if high is not None and value > high:
+        raise bad_request(f"'{key}' must be at most {high}; got {value}", key)
+    return value
+
+
+def _f(body: dict[str, Any], key: str, default: float, low: float, high: float) -> float:
+    value = _number(body, key, default, low, high)
+    return default if value is None else value
+
+
+def _i(body: dict[str, Any], key: str, default: int, low: int) -> int:
+    value = _int(body, key, default, low)
+    return default if value is None else value
+
+
+def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"'{key}' must be a boolean", key)
+    return value
+
+
+def _stops(body: dict[str, Any], key: str = "stop") -> tuple[str, ...]:
+    value = body.get(key)
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise bad_request(f"'{key}' must be a string or a list of strings", key)
+    if len(value) > MAX_STOP_STRINGS:
+        raise bad_request(f"'{key}' may hold at most {MAX_STOP_STRINGS} strings", key)
+    if any(not s for s in value):
+        raise bad_request(f"'{key}' strings must not be empty", key)
+    return tuple(value)
+
+
+def _token_ids(value: Any, key: str, vocab: int | None = None) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise bad_request(f"'{key}' must be a list of integers", key)
+    if any(t < 0 or (vocab is not None and t >= vocab) for t in value):
+        raise bad_request(f"'{key}' holds a token id outside the vocabulary", key)
+    return list(value)
+
+
+# ---- common sampling -------------------------------------------------------------
+def _sampling(src: dict[str, Any], max_tokens: int, info: ModelInfo, num_prompt: int, logprobs: bool, top_logprobs: int) -> SamplingParams:
+    room = info.context_length - num_prompt
+    if num_prompt >= info.context_length:
+        raise bad_request(
+            f"the prompt has {num_prompt} tokens; the model's context is {info.context_length} tokens",
+            "prompt",
+            "context_length_exceeded",
+        )
+    if max_tokens > room:
+        raise bad_request(
+            f"max tokens {max_tokens} plus the prompt's {num_prompt} tokens exceed the model's context of {info.context_length}",
+            "max_tokens",
+            "context_length_exceeded",
+        )
+    stop_ids = src.get("stop_token_ids")
+    try:
+        return SamplingParams(
+            max_new_tokens=max_tokens,
+            temperature=_f(src, "temperature", 1.0, 0.0, 2.0 if "messages" in src else 100.0),
+            top_p=_f(src, "top_p", 1.0, 0.0, 1.0),
+            top_k=_i(src, "top_k", -1, -1),
+            min_p=_f(src, "min_p", 0.0, 0.0, 1.0),
+            seed=_int(src, "seed", None, 0, 2**63 - 1),
+            stop=_stops(src),
+            stop_token_ids=tuple(_token_ids(stop_ids, "stop_token_ids") if stop_ids is not None else ()),
+            ignore_eos=_bool(src, "ignore_eos", False),
+            frequency_penalty=_f(src, "frequency_penalty", 0.0, -2.0, 2.0),
+            presence_penalty=_f(src, "presence_penalty", 0.0, -2.0, 2.0),
+            repetition_penalty=_f(src, "repetition_penalty", 1.0, 0.0, 10.0),
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+        )
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+
+
+def check_model(body: dict[str, Any], info: ModelInfo, required: bool) -> None:
+    model = body.get("model")
+    if model is None:
+        if required:
+            raise bad_request("'model' is required", "model")
+        return
+    if not isinstance(model, str):
+        raise bad_request("'model' must be a string", "model")
+    if model != info.name:
+        raise bad_request(f"the model '{model}' does not exist; this server serves '{info.name}'", "model", "model_not_found")
+
+
+def _n(body: dict[str, Any]) -> None:
+    if _int(body, "n", 1, 1) != 1:
+        raise bad_request("only n=1 is supported", "n")
+
+
+def _default_max(info: ModelInfo, num_prompt: int, default: int) -> int:
+    return max(min(default, info.context_length - num_prompt), 1)
+
+
+def _encode(info: ModelInfo, text: str, param: str, special: bool = True) -> list[int]:
+    ids = info.tokenizer.encode(text, add_special_tokens=special)
+    if not ids:
+        raise bad_request(f"'{param}' must not be empty", param)
+    return list(ids)
+
+
+def _prompts(value: Any, info: ModelInfo, key: str) -> tuple[list[tuple[list[int], str | None]], bool]:
+    """A string, a list of ids, a list of strings or a list of id lists."""
+    vocab = len(info.tokenizer)
+    if isinstance(value, str):
+        if not value:
+            raise bad_request(f"'{key}' must not be empty", key)
+        return [(_encode(info, value, key), value)], False
+    if isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return [(_token_ids(value, key, vocab), None)], False
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        if any(not v for v in value):
+            raise bad_request(f"'{key}' must not hold empty strings", key)
+        return [(_encode(info, v, key), v) for v in value], True
+    if isinstance(value, list) and value and all(isinstance(v, list) and v for v in value):
+        return [(_token_ids(v, key, vocab), None) for v in value], True
+    raise bad_request(f"'{key}' must be a non-empty string, list of strings, or list of token ids", key)
+
+
+# ---- /v1/completions ----------------------------------------------------------------
+def parse_completion(body: dict[str, Any], info: ModelInfo, default_max_tokens: int) -> Parsed:
+    check_model(body, info, required=True)
+    _n(body)
+    if "prompt" not in body:
+        raise bad_request("'prompt' is required", "prompt")
+    prompts, batch = _prompts(body["prompt"], info, "prompt")
+    stream = _bool(body, "stream", False)
+    if batch and stream:
+        raise bad_request("streaming takes a single prompt", "stream")
+    logprobs = _int(body, "logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
+    jobs = []
+    for ids, text in prompts:
+        max_tokens = _int(body, "max_tokens", 16, 1)
+        assert max_tokens is not None
+        jobs.append(Job(ids, _sampling(body, max_tokens, info, len(ids), logprobs is not None, logprobs or 0), text))
+    return Parsed(
+        jobs,
+        stream=stream,
+        include_usage=_stream_usage(body),
+        echo=_bool(body, "echo", False),
+        batch=batch,
+    )
+
+
+def _stream_usage(body: dict[str, Any]) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise bad_request("'stream_options' must be an object", "stream_options")
+    return _bool(options, "include_usage", False)
+
+
+# ---- /v1/chat/completions -----------------------------------------------------------
+_ROLES = {"system", "user", "assistant", "tool", "developer"}
+
+
+def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise bad_request(f"messages[{i}] must be an object", "messages")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise bad_request(f"messages[{i}].role must be one of {sorted(_ROLES)}", "messages")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad_request(f"messages[{i}].content parts must be text parts", "messages")
+                parts.append(part["text"])
+            content = "".join(parts)
+        if content is None and role == "assistant":
+            content = ""
+        if not isinstance(content, str):
+            raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+def parse_chat(body: dict[str, Any], info: ModelInfo, default_max_tokens: int) -> Parsed:
+    check_model(body, info, required=True)
+    _n(body)
+    messages = chat_messages(body)
+    if not info.has_chat_template:
+        raise bad_request("this model has no chat template; use /v1/completions", "messages")
+    text = info.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = _encode(info, text, "messages", special=False)
+    max_tokens = _int(body, "max_completion_tokens", None, 1)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", None, 1)
+    if max_tokens is None:
+        max_tokens = _default_max(info, len(ids), default_max_tokens)
+    logprobs = _bool(body, "logprobs", False)
+    top = _int(body, "top_logprobs", 0, 0, 20) or 0
+    if top and not logprobs:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return Parsed(
+        [Job(ids, _sampling(body, max_tokens, info, len(ids), logprobs, top), text)],
+        stream=_bool(body, "stream", False),
+        include_usage=_stream_usage(body),
+    )
+
+
+# ---- /generate (SGLang) ---------------------------------------------------------------
+_SGLANG_SAMPLING = (
+    "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "seed", "n", "skip_special_tokens",
+)
+
+
+def parse_generate(body: dict[str, Any], info: ModelInfo, default_max_tokens: int) -> Parsed:
+    """SGLang's ``/generate``: ``text`` or ``input_ids``, ``sampling_params``; the
+    sampling keys may also sit at the top level (the seed's curl does this)."""
+    check_model(body, info, required=False)
+    params = body.get("sampling_params", {})
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise bad_request("'sampling_params' must be an object", "sampling_params")
+    merged = {k: body[k] for k in _SGLANG_SAMPLING if k in body}
+    merged.update(params)
+    _n(merged)
+    if ("text" in body) == ("input_ids" in body):
+        raise bad_request("give exactly one of 'text' and 'input_ids'", "text")
+    key = "text" if "text" in body else "input_ids"
+    prompts, batch = _prompts(body[key], info, key)
+    stream = _bool(body, "stream", False)
+    if batch and stream:
+        raise bad_request("streaming takes a single prompt", "stream")
+    want_logprobs = _bool(body, "return_logprob", False)
+    top = _int(body, "top_logprobs_num", 0, 0, 20) or 0
+    jobs = []
+    for ids, text in prompts:
+        max_new = _int(merged, "max_new_tokens", None, 1)
+        if max_new is None:
+            max_new = _default_max(info, len(ids), min(default_max_tokens, 128))
+        jobs.append(Job(ids, _sampling(merged, max_new, info, len(ids), want_logprobs, top), text))
+    rid = body.get("rid")
+    if rid is not None and (not isinstance(rid, str) or batch):
+        raise bad_request("'rid' must be a string (single prompt only)", "rid")
+    return Parsed(
+        jobs,
+        stream=stream,
+        skip_special_tokens=_bool(merged, "skip_special_tokens", True),
+        rid=rid,
+        batch=batch,
+    )

@@ -1,0 +1,226 @@
+"""``/generate``, ``/v1/completions`` and ``/v1/chat/completions``, streaming or not."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from api import formats
+from api.app import AppState, ORJSONResponse, state_of, translate, until_disconnect
+from api.completion import Delta, Result, collect, deltas
+from api.protocol import Job, Parsed, parse_chat, parse_completion, parse_generate, parse_json
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _sse(body: Any) -> bytes:
+    return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+_DONE = b"data: [DONE]\n\n"
+
+
+async def _parse(request: Request, parser: Callable[[dict[str, Any], Any, int], Parsed]) -> tuple[AppState, Parsed]:
+    state = state_of(request)
+    body = parse_json(await request.body())
+    return state, parser(body, state.info, state.config.default_max_tokens)
+
+
+async def _collect_all(request: Request, state: AppState, parsed: Parsed, rid: str, skip_special: bool = True) -> list[Result]:
+    cfg = state.config
+
+    async def run() -> list[Result]:
+        return await asyncio.gather(
+            *(
+                collect(state.gateway, state.info, job, f"{rid}-{i}" if parsed.batch else rid, cfg.request_timeout, cfg.stall_timeout, skip_special)
+                for i, job in enumerate(parsed.jobs)
+            )
+        )
+
+    try:
+        return await until_disconnect(request, run())
+    except Exception as exc:
+        raise translate(exc) from None
+
+
+async def _first_and_rest(request: Request, stream: AsyncIterator[Delta]) -> tuple[Delta | None, AsyncIterator[Delta]]:
+    """Wait for the first delta before answering 200, so queue-full and bad
+    requests still get a proper status code."""
+    try:
+        first = await until_disconnect(request, stream.__anext__())
+    except StopAsyncIteration:
+        return None, stream
+    except Exception as exc:
+        raise translate(exc) from None
+    return first, stream
+
+
+def _stream_deltas(state: AppState, job: Job, rid: str, skip_special: bool = True) -> AsyncIterator[Delta]:
+    cfg = state.config
+    return deltas(state.gateway, state.info, job, rid, cfg.request_timeout, cfg.stall_timeout, skip_special)
+
+
+async def _sse_body(first: Delta | None, rest: AsyncIterator[Delta], render: Callable[[Delta], list[Any]]) -> AsyncIterator[bytes]:
+    try:
+        if first is not None:
+            for event in render(first):
+                yield _sse(event)
+        async for d in rest:
+            for event in render(d):
+                yield _sse(event)
+    except Exception as exc:
+        yield _sse(translate(exc).body())
+    finally:
+        await rest.aclose()  # type: ignore[attr-defined]
+    yield _DONE
+
+
+# ---- /v1/completions ------------------------------------------------------------
+async def completions(request: Request) -> Response:
+    state, parsed = await _parse(request, parse_completion)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    name = state.info.name
+    if parsed.stream:
+        job = parsed.jobs[0]
+        first, rest = await _first_and_rest(request, _stream_deltas(state, job, rid))
+        prefix = [job.prompt_text or state.info.tokenizer.decode(job.prompt_ids)] if parsed.echo else []
+
+        def render(d: Delta) -> list[Any]:
+            text = (prefix.pop() if prefix else "") + d.text
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": formats.completion_logprobs(state.info, d.token_ids, d.logprobs),
+                "finish_reason": formats.openai_finish(d.finish_reason),
+            }
+            events: list[Any] = [{"id": rid, "object": "text_completion", "created": created, "model": name, "choices": [choice]}]
+            if d.finish_reason is not None and parsed.include_usage:
+                events.append({"id": rid, "object": "text_completion", "created": created, "model": name, "choices": [], "usage": formats.usage_body(d.usage)})
+            return events
+
+        return StreamingResponse(_sse_body(first, rest, render), media_type="text/event-stream", headers=SSE_HEADERS)
+    results = await _collect_all(request, state, parsed, rid)
+    choices = []
+    for i, (job, r) in enumerate(zip(parsed.jobs, results, strict=True)):
+        text = ((job.prompt_text or state.info.tokenizer.decode(job.prompt_ids)) if parsed.echo else "") + r.text
+        choices.append(
+            {
+                "index": i,
+                "text": text,
+                "logprobs": formats.completion_logprobs(state.info, r.token_ids, r.logprobs),
+                "finish_reason": formats.openai_finish(r.finish_reason),
+            }
+        )
+    return ORJSONResponse(
+        {"id": rid, "object": "text_completion", "created": created, "model": name, "choices": choices, "usage": _sum_usage(results)}
+    )
+
+
+def _sum_usage(results: list[Result]) -> dict[str, Any] | None:
+    from schemas import Usage
+
+    usages = [r.usage for r in results if r.usage is not None]
+    total = Usage(
+        sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages), sum(u.cached_tokens for u in usages)
+    )
+    return formats.usage_body(total)
+
+
+# ---- /v1/chat/completions -------------------------------------------------------
+async def chat_completions(request: Request) -> Response:
+    state, parsed = await _parse(request, parse_chat)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    name = state.info.name
+    job = parsed.jobs[0]
+    if parsed.stream:
+        first, rest = await _first_and_rest(request, _stream_deltas(state, job, rid))
+        sent_role = [False]
+
+        def render(d: Delta) -> list[Any]:
+            delta: dict[str, Any] = {}
+            if not sent_role[0]:
+                delta["role"] = "assistant"
+                sent_role[0] = True
+            if d.text:
+                delta["content"] = d.text
+            choice = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": formats.chat_logprobs(state.info, d.token_ids, d.logprobs),
+                "finish_reason": formats.openai_finish(d.finish_reason),
+            }
+            events: list[Any] = [{"id": rid, "object": "chat.completion.chunk", "created": created, "model": name, "choices": [choice]}]
+            if d.finish_reason is not None and parsed.include_usage:
+                events.append({"id": rid, "object": "chat.completion.chunk", "created": created, "model": name, "choices": [], "usage": formats.usage_body(d.usage)})
+            return events
+
+        return StreamingResponse(_sse_body(first, rest, render), media_type="text/event-stream", headers=SSE_HEADERS)
+    (r,) = await _collect_all(request, state, parsed, rid)
+    return ORJSONResponse(
+        {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": name,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": r.text},
+                    "logprobs": formats.chat_logprobs(state.info, r.token_ids, r.logprobs),
+                    "finish_reason": formats.openai_finish(r.finish_reason),
+                }
+            ],
+            "usage": formats.usage_body(r.usage),
+        }
+    )
+
+
+# ---- /generate (SGLang) ---------------------------------------------------------
+async def generate(request: Request) -> Response:
+    state, parsed = await _parse(request, parse_generate)
+    rid = parsed.rid or uuid.uuid4().hex
+    if parsed.stream:
+        job = parsed.jobs[0]
+        started = time.perf_counter()
+        first, rest = await _first_and_rest(request, _stream_deltas(state, job, rid, parsed.skip_special_tokens))
+        text: list[str] = []
+        ids: list[int] = []
+
+        def render(d: Delta) -> list[Any]:
+            text.append(d.text)
+            ids.extend(d.token_ids)
+            usage = d.usage
+            done = d.finish_reason is not None
+            meta = formats.sglang_meta(
+                rid, d, len(job.prompt_ids), len(ids), usage.cached_tokens if usage else 0, time.perf_counter() - started if done else None
+            )
+            formats.sglang_logprobs(meta, d.token_ids, d.logprobs)
+            return [{"text": "".join(text), "output_ids": list(ids), "meta_info": meta}]
+
+        return StreamingResponse(_sse_body(first, rest, render), media_type="text/event-stream", headers=SSE_HEADERS)
+    results = await _collect_all(request, state, parsed, rid, parsed.skip_special_tokens)
+    bodies = []
+    for job, r in zip(parsed.jobs, results, strict=True):
+        usage = r.usage
+        meta = formats.sglang_meta(r.rid, r, len(job.prompt_ids), len(r.token_ids), usage.cached_tokens if usage else 0, r.seconds)
+        formats.sglang_logprobs(meta, r.token_ids, r.logprobs)
+        bodies.append({"text": r.text, "output_ids": r.token_ids, "meta_info": meta})
+    return ORJSONResponse(bodies if parsed.batch else bodies[0])
+
+
+def generation_routes() -> list[Route]:
+    return [
+        Route("/generate", generate, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    ]

@@ -1,0 +1,190 @@
+"""``pdserve up``: the broker, the worker processes and the API on one machine.
+
+Workers run as child processes (``python -m pdserve <role>``); one that dies is
+restarted with a back-off. The API runs in this process under uvicorn. SIGINT or
+SIGTERM stops the API, then the workers (each drains), then the broker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdserve.cli import resolve_model
+
+log = logging.getLogger("pdserve.up")
+
+RESTART_BACKOFF_SECONDS = (1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+@dataclass
+class Child:
+    role: str
+    index: int
+    argv: list[str]
+    process: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL)
+        self.started_at = time.monotonic()
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+
+
+def worker_argv(args: argparse.Namespace, role: str, model_path: Path, nats_url: str, threads: int) -> list[str]:
+    argv = [
+        sys.executable, "-m", "pdserve", role,
+        "--model-path", str(model_path),
+        "--nats-url", nats_url,
+        "--data-dir", str(args.data_dir),
+        "--log-level", args.log_level,
+        "--device", args.device,
+        "--dtype", args.dtype,
+        "--load-format", args.load_format,
+        "--page-size", str(args.page_size),
+        "--chunked-prefill-size", str(args.chunked_prefill_size),
+        "--max-running-requests", str(args.max_running_requests),
+        "--kv-hold-seconds", str(args.kv_hold_seconds),
+        "--num-threads", str(threads),
+        "--host", args.transfer_host,
+    ]
+    optional = {
+        "--served-model-name": args.served_model_name,
+        "--max-total-tokens": args.max_total_tokens,
+        "--context-length": args.context_length,
+        "--disaggregation-ib-device": args.disaggregation_ib_device or None,
+    }
+    for flag, value in optional.items():
+        if value is not None:
+            argv += [flag, str(value)]
+    if args.trust_remote_code:
+        argv.append("--trust-remote-code")
+    if args.disable_prefix_cache:
+        argv.append("--disable-prefix-cache")
+    return argv
+
+
+def plan_roles(args: argparse.Namespace) -> list[str]:
+    if args.mode == "unified":
+        counts = {"unified": args.unified_workers}
+    else:
+        counts = {"prefill": args.prefill_workers, "decode": args.decode_workers}
+    for role, n in counts.items():
+        if n < 1:
+            raise SystemExit(f"pdserve up: error: --{role}-workers must be at least 1")
+    return [role for role, n in counts.items() for _ in range(n)]
+
+
+def run_up(args: argparse.Namespace) -> int:
+    from broker.server import start_nats_server
+
+    roles = plan_roles(args)
+    model_path = resolve_model(args)
+    server = None
+    if args.nats_url:
+        nats_url = args.nats_url
+    else:
+        server = start_nats_server(Path(args.data_dir) / "nats")
+        nats_url = server.url
+        log.info("nats-server started", extra={"url": nats_url, "monitor": server.monitor_url})
+    threads = args.num_threads or max(1, (os.cpu_count() or 1) // len(roles))
+    children = [Child(role, i, worker_argv(args, role, model_path, nats_url, threads)) for i, role in enumerate(roles)]
+    try:
+        for child in children:
+            child.start()
+        return asyncio.run(_serve(args, model_path, nats_url, children))
+    finally:
+        for child in children:
+            child.stop()
+        for child in children:
+            if child.process is not None:
+                try:
+                    child.process.wait(timeout=40)
+                except subprocess.TimeoutExpired:
+                    child.process.kill()
+        if server is not None:
+            server.stop()
+        log.info("pdserve stopped")
+
+
+async def _serve(args: argparse.Namespace, model_path: Path, nats_url: str, children: list[Child]) -> int:
+    import uvicorn
+
+    from api.app import create_app
+    from api.config import ApiConfig
+
+    config = ApiConfig(
+        nats_url=nats_url,
+        model_path=model_path,
+        model_name=args.served_model_name,
+        host=args.host,
+        port=args.port,
+        trust_remote_code=args.trust_remote_code,
+        context_length=args.context_length,
+    )
+    app = create_app(config)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="on"))
+    watcher = asyncio.create_task(_watch(children, server))
+    ready = asyncio.create_task(_announce(app, args, children))
+    try:
+        await server.serve()
+    finally:
+        watcher.cancel()
+        ready.cancel()
+        for task in (watcher, ready):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return 0
+
+
+async def _watch(children: list[Child], server: object) -> None:
+    """Restart workers that die, with a growing back-off."""
+    while True:
+        await asyncio.sleep(0.5)
+        for child in children:
+            proc = child.process
+            if proc is None or proc.poll() is None:
+                continue
+            code = proc.returncode
+            if time.monotonic() - child.started_at > 60:
+                child.restarts = 0
+            delay = RESTART_BACKOFF_SECONDS[min(child.restarts, len(RESTART_BACKOFF_SECONDS) - 1)]
+            log.error("worker exited; restarting", extra={"role": child.role, "index": child.index, "code": code, "in_seconds": delay})
+            child.process = None
+            child.restarts += 1
+            await asyncio.sleep(delay)
+            child.start()
+
+
+async def _announce(app: object, args: argparse.Namespace, children: list[Child]) -> None:
+    """Log one line when every worker has registered."""
+    want = {role: sum(1 for c in children if c.role == role) for role in {c.role for c in children}}
+    started = time.monotonic()
+    while True:
+        await asyncio.sleep(0.5)
+        state = getattr(getattr(app, "state", None), "pd", None)
+        if state is None:
+            continue
+        try:
+            workers = await state.gateway.workers()
+        except Exception:
+            continue
+        have = {role: sum(1 for w in workers if w.role == role) for role in want}
+        if all(have[r] >= n for r, n in want.items()):
+            host = "localhost" if args.host in ("0.0.0.0", "::") else args.host
+            summary = ", ".join(f"{n} {r}" for r, n in want.items())
+            log.info(f"pdserve is up at http://{host}:{args.port} ({summary}) after {time.monotonic() - started:.1f}s")
+            return

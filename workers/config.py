@@ -1,0 +1,53 @@
+"""Worker configuration: what to serve, where the broker is, how KV moves."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import uuid
+from pathlib import Path
+
+from broker.streams import BrokerConfig
+from workers.engine.config import EngineConfig
+
+ROLES = ("prefill", "decode", "unified")
+
+
+def new_worker_id(role: str) -> str:
+    return f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerConfig:
+    """One worker process. ``kv_hold_seconds`` is how long a prefill worker keeps KV
+    that no decode worker has pulled; ``kv_pull_margin`` is how much of that a decode
+    worker wants left before it pulls (else it recomputes the prompt itself)."""
+
+    role: str
+    model_path: Path
+    model_name: str
+    nats_url: str
+    engine: EngineConfig = EngineConfig()
+    broker: BrokerConfig = BrokerConfig()
+    worker_id: str = ""
+    host: str = "127.0.0.1"
+    dtype: str = "auto"
+    trust_remote_code: bool = False
+    load_format: str = "auto"
+    transfer_backend: str = "mooncake"
+    transfer_protocol: str = "tcp"
+    ib_device: str = ""
+    kv_hold_seconds: float = 30.0
+    kv_pull_margin: float = 2.0
+    heartbeat_seconds: float = 2.0
+    fetch_timeout: float = 1.0
+    drain_seconds: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}")
+        if self.kv_hold_seconds <= self.kv_pull_margin:
+            raise ValueError("kv_hold_seconds must exceed kv_pull_margin")
+        if not self.worker_id:
+            object.__setattr__(self, "worker_id", new_worker_id(self.role))

@@ -1,0 +1,55 @@
+"""Builds an engine from a worker configuration: tokenizer, stop ids, model, pool."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
+from workers.engine.model_runner import ModelRunner, ModelSpec
+
+log = logging.getLogger(__name__)
+
+
+def quiet_transformers() -> None:
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def eos_ids(model_path: Path, trust_remote_code: bool = False) -> set[int]:
+    """End-of-sequence ids from the generation config and the tokenizer."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    ids: set[int] = set()
+    try:
+        gen = GenerationConfig.from_pretrained(model_path)
+        eos = gen.eos_token_id
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    except OSError:
+        pass
+    tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    if tok.eos_token_id is not None:
+        ids.add(tok.eos_token_id)
+    return ids
+
+
+def build_engine(
+    model_path: Path,
+    config: EngineConfig,
+    dtype: str = "auto",
+    trust_remote_code: bool = False,
+    load_format: str = "auto",
+) -> Engine:
+    from transformers import AutoTokenizer
+
+    quiet_transformers()
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    runner = ModelRunner(ModelSpec(Path(model_path), dtype, trust_remote_code, load_format), config)
+
+    def detokenize(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    return Engine(runner, config, eos_ids(model_path, trust_remote_code), detokenize)

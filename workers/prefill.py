@@ -1,0 +1,147 @@
+"""The prefill worker: prompt in, first token out, KV held for a decode worker.
+
+Fetches ``GenerateRequest`` only while the engine has room (the pull is the
+back-pressure), streams the first token to the reply subject (time to first token),
+publishes ``KVReady`` with the transfer handle, then acks the request. Held pages are
+freed on ``KVRelease``, on ``Cancel`` or when the hold expires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from nats.aio.msg import Msg
+
+from broker import subjects
+from broker.connection import QueueFullError, publish_work
+from broker.consumer import PullConsumer
+from schemas import KVHandle, KVReady, KVRelease, MessageError
+from workers.engine.engine import RequestOutput
+from workers.runtime import Tracked, WorkerRuntime
+from workers.transfer import TransferBackend, create_transfer
+
+log = logging.getLogger(__name__)
+
+HOLD_GRACE_SECONDS = 5.0
+
+
+class PrefillWorker(WorkerRuntime):
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.transfer: TransferBackend | None = None
+        self.holds: dict[str, float] = {}  # rid -> monotonic time the pages may be freed
+        self.consumer: PullConsumer | None = None
+
+    async def setup(self) -> None:
+        cfg = self.config
+        self.transfer = create_transfer(cfg.transfer_backend, host=cfg.host, protocol=cfg.transfer_protocol, device_name=cfg.ib_device)
+        pool = self.engine.runner.pool
+        self.transfer.register(pool.data_ptr, pool.nbytes)
+        assert self.nc is not None
+        await self.nc.subscribe(subjects.kv_release(self.worker_id), cb=self._on_release)
+        self.consumer = PullConsumer(self.nc, subjects.REQUEST_STREAM, subjects.prefill_consumer(cfg.model_name))
+        await self.consumer.start()
+
+    def transfer_endpoint(self) -> str:
+        return self.transfer.endpoint if self.transfer else ""
+
+    async def fetch_loop(self) -> None:
+        assert self.consumer is not None
+        await self.pull_requests(self.consumer, prefill_only=True)
+
+    async def on_outputs(self, outputs: list[RequestOutput]) -> None:
+        await asyncio.gather(*(self._on_output(out) for out in outputs))
+
+    async def _on_output(self, out: RequestOutput) -> None:
+        t = self.tracked.get(out.rid)
+        req = self.requests.get(out.rid)
+        if t is None or req is None:
+            return
+        await self.publish_chunk(t.reply_to, self.chunk_of(out, t))
+        if not out.held:  # finished at the first token (stop token or max_new_tokens=1)
+            self._forget(out.rid)
+            await self.settle(t)
+            return
+        held = self.engine.held_pages(out.rid)
+        assert held is not None
+        pages, num_tokens = held
+        pool = self.engine.runner.pool
+        expires = time.time() + self.config.kv_hold_seconds
+        assert self.transfer is not None and self.js is not None
+        ready = KVReady(
+            rid=req.rid,
+            model=req.model,
+            prompt_ids=req.prompt_ids,
+            output_ids=req.output_ids + tuple(out.token_ids),
+            reply_to=req.reply_to,
+            sampling=req.sampling,
+            prefill_id=self.worker_id,
+            handle=KVHandle(
+                backend=self.transfer.name,
+                endpoint=self.transfer.endpoint,
+                layout=pool.layout,
+                segments=tuple(pool.segments(pages[: -(-num_tokens // pool.layout.page_size)])),
+                num_tokens=num_tokens,
+                expires_at=expires,
+            ),
+            cached_tokens=out.cached_tokens,
+            deadline=req.deadline,
+            published_at=time.time(),
+            request_published_at=req.published_at,
+            timings=dict(t.timings),
+        )
+        self.holds[req.rid] = time.monotonic() + self.config.kv_hold_seconds + HOLD_GRACE_SECONDS
+        try:
+            await publish_work(self.js, subjects.kv_ready(req.model), ready, msg_id=req.rid)
+        except (QueueFullError, Exception) as exc:
+            log.error("could not publish KVReady", extra={"rid": req.rid, "error": str(exc)})
+            self._free(req.rid)
+            if t.delivery is not None and not t.acked:
+                t.acked = True
+                await t.delivery.nak(delay=1.0)  # try again later, here or elsewhere
+            self._forget(req.rid)
+            return
+        await self.settle(t)
+        self._forget(req.rid, keep_hold=True)
+
+    def _forget(self, rid: str, keep_hold: bool = False) -> None:
+        self.tracked.pop(rid, None)
+        self.requests.pop(rid, None)
+        if not keep_hold:
+            self.holds.pop(rid, None)
+
+    def _free(self, rid: str) -> None:
+        self.holds.pop(rid, None)
+        self.engine.release(rid)
+
+    async def _on_release(self, msg: Msg) -> None:
+        try:
+            release = KVRelease.decode(msg.data)
+        except MessageError as exc:
+            log.warning("bad release message", extra={"error": str(exc)})
+            return
+        self._free(release.rid)
+
+    async def cancel(self, rid: str, reason: str) -> None:
+        self.holds.pop(rid, None)
+        await super().cancel(rid, reason)
+
+    async def on_tick(self) -> None:
+        now = time.monotonic()
+        for rid, until in list(self.holds.items()):
+            if now > until:
+                log.warning("held KV expired unclaimed", extra={"rid": rid})
+                self._free(rid)
+
+    def busy(self) -> bool:
+        return self.engine.has_work() or bool(self.holds)
+
+    async def teardown(self) -> None:
+        for rid in list(self.holds):
+            self._free(rid)
+        if self.consumer is not None:
+            await self.consumer.stop()
+        if self.transfer is not None:
+            self.transfer.close()

@@ -1,0 +1,53 @@
+"""Mooncake ``TransferEngine`` backend: peer-to-peer handshake, ``tcp`` or ``rdma``."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+
+from workers.transfer.base import TransferError
+
+log = logging.getLogger(__name__)
+
+
+class MooncakeTransfer:
+    name = "mooncake"
+
+    def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "") -> None:
+        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's glog INFO lines are noise
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as exc:
+            raise TransferError(
+                "Mooncake is not installed or cannot load: install pdserve[cpu] (needs Debian's libibverbs1) "
+                f"or pdserve[gpu]: {exc}"
+            ) from None
+        self._engine = TransferEngine()
+        rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
+        if rc != 0:
+            raise TransferError(f"Mooncake initialize({host}, {protocol}, {device_name!r}) returned {rc}")
+        self.protocol = protocol
+        self.endpoint = f"{host}:{self._engine.get_rpc_port()}"
+        self._registered: list[tuple[int, int]] = []
+
+    def register(self, address: int, nbytes: int) -> None:
+        rc = self._engine.register_memory(address, nbytes)
+        if rc != 0:
+            raise TransferError(f"Mooncake register_memory returned {rc}")
+        self._registered.append((address, nbytes))
+
+    def read(self, endpoint: str, reads: Sequence[tuple[int, int, int]]) -> None:
+        if not reads:
+            return
+        local = [r[0] for r in reads]
+        remote = [r[1] for r in reads]
+        lengths = [r[2] for r in reads]
+        rc = self._engine.batch_transfer_sync_read(endpoint, local, remote, lengths)
+        if rc != 0:
+            raise TransferError(f"Mooncake read of {len(reads)} segments from {endpoint} returned {rc}")
+
+    def close(self) -> None:
+        for address, _ in self._registered:
+            self._engine.unregister_memory(address)
+        self._registered.clear()
