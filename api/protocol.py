@@ -187,6 +187,8 @@ def _encode(info: ModelInfo, text: str, param: str, special: bool = True) -> lis
 def _prompts(value: Any, info: ModelInfo, key: str) -> tuple[list[tuple[list[int], str | None]], bool]:
     """A string, a list of ids, a list of strings or a list of id lists."""
     vocab = len(info.tokenizer)
+    if key == "input_ids" and (isinstance(value, str) or (isinstance(value, list) and any(isinstance(v, str) for v in value))):
+        raise bad_request("'input_ids' must be a list of token ids (or a list of such lists)", key)
     if isinstance(value, str):
         if not value:
             raise bad_request(f"'{key}' must not be empty", key)

@@ -48,6 +48,7 @@ def _engine(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-prefix-cache", action="store_true")
     g.add_argument("--num-threads", type=int, help="torch CPU threads (default: cores / workers under `up`)")
     g.add_argument("--kv-hold-seconds", type=float, default=30.0, help="how long prefill keeps unclaimed KV")
+    g.add_argument("--heartbeat-seconds", type=float, default=2.0, help="worker registry refresh interval")
 
 
 def _sglang(p: argparse.ArgumentParser) -> None:
@@ -170,6 +171,7 @@ def run_worker(args: argparse.Namespace, role: str) -> None:
         transfer_protocol="rdma" if args.disaggregation_ib_device else "tcp",
         ib_device=args.disaggregation_ib_device,
         kv_hold_seconds=args.kv_hold_seconds,
+        heartbeat_seconds=args.heartbeat_seconds,
     )
     log.info("loading model", extra={"role": role, "path": str(model_path)})
     engine = build_engine(model_path, config.engine, args.dtype, args.trust_remote_code, args.load_format)

@@ -58,6 +58,7 @@ def worker_argv(args: argparse.Namespace, role: str, model_path: Path, nats_url:
         "--chunked-prefill-size", str(args.chunked_prefill_size),
         "--max-running-requests", str(args.max_running_requests),
         "--kv-hold-seconds", str(args.kv_hold_seconds),
+        "--heartbeat-seconds", str(args.heartbeat_seconds),
         "--num-threads", str(threads),
         "--host", args.transfer_host,
     ]

@@ -107,7 +107,7 @@ def _filter(logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
     before = probs.cumsum(dim=-1) - probs
     remove |= before > top_p[:, None]
     min_p = torch.tensor([r.params.min_p for r in rows], device=device)
-    remove |= probs < (min_p * probs[:, :1])
+    remove |= probs < (min_p[:, None] * probs[:, :1])
     remove[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(remove, _MASK)
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

@@ -1,0 +1,32 @@
+"""Shared fixtures: a real nats-server per test, the tiny model built once per session."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[object]:
+    """A fresh ``nats-server -js`` on a free loopback port with its own store."""
+    from broker.server import start_nats_server
+
+    server = start_nats_server(tmp_path / "nats")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default random-weight Qwen2 model (4.3M parameters), built once."""
+    from workers.tiny_model import ensure_default_model
+
+    return ensure_default_model(tmp_path_factory.mktemp("data"))

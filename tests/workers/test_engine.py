@@ -1,0 +1,238 @@
+"""The engine against ``transformers``' own ``generate``: continuous batching, chunked
+prefill, prefix hits, preemption, two architectures, and the PD hand-off over Mooncake."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from schemas import SamplingParams
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine, RequestError
+from workers.engine.model_runner import ModelRunner, ModelSpec
+from workers.loader import build_engine, quiet_transformers
+
+GREEDY = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
+
+
+def run_all(engine: Engine) -> dict[str, list[int]]:
+    outs: dict[str, list[int]] = {}
+    for _ in range(100_000):
+        if not engine.has_work():
+            break
+        for o in engine.step():
+            outs.setdefault(o.rid, []).extend(o.token_ids)
+    assert not engine.has_work()
+    return outs
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    quiet_transformers()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            g = model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False, min_new_tokens=max_new_tokens)
+            outs.append(g[0, len(p) :].tolist())
+    return outs
+
+
+def random_prompts(n: int, vocab: int, seed: int = 0, low: int = 3, high: int = 300) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(low, high))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path) -> tuple[list[list[int]], list[list[int]]]:
+    prompts = random_prompts(10, 4000)
+    prompts += [prompts[0][:100] + [7, 8, 9], prompts[1] + [11, 12]]  # shared prefixes
+    return prompts, hf_greedy(tiny_model_dir, prompts, GREEDY.max_new_tokens)
+
+
+def make_engine(model_dir: Path, **overrides: object) -> Engine:
+    config = EngineConfig(**{"max_total_tokens": 32768, **overrides})  # type: ignore[arg-type]
+    return build_engine(model_dir, config)
+
+
+@pytest.mark.parametrize("chunk", [2048, 64])
+def test_greedy_matches_transformers_under_continuous_batching(tiny_model_dir: Path, reference, chunk: int) -> None:
+    prompts, expected = reference
+    engine = make_engine(tiny_model_dir, chunked_prefill_size=chunk, max_num_seqs=4)
+    for i, p in enumerate(prompts[:10]):
+        engine.add_request(f"r{i}", p, GREEDY)
+    outs = run_all(engine)
+    for i, p in enumerate(prompts[10:], start=10):  # second wave: prefix hits
+        engine.add_request(f"r{i}", p, GREEDY)
+    outs.update(run_all(engine))
+    assert [outs[f"r{i}"] for i in range(len(prompts))] == expected
+    assert engine.stats.cached_tokens >= 96  # the shared prefixes came from the cache
+    assert engine.blocks.num_used_pages == 0
+    engine.blocks.check_invariants()
+
+
+def test_requests_join_a_running_batch(tiny_model_dir: Path, reference) -> None:
+    prompts, expected = reference
+    engine = make_engine(tiny_model_dir, chunked_prefill_size=128)
+    outs: dict[str, list[int]] = {}
+    pending = list(enumerate(prompts))
+    while pending or engine.has_work():
+        if pending:  # one new request per step while others decode
+            i, p = pending.pop(0)
+            engine.add_request(f"r{i}", p, GREEDY)
+        for o in engine.step():
+            outs.setdefault(o.rid, []).extend(o.token_ids)
+    assert [outs[f"r{i}"] for i in range(len(prompts))] == expected
+
+
+def test_preemption_under_a_tiny_pool_completes_every_request(tiny_model_dir: Path) -> None:
+    prompts = random_prompts(8, 4000, seed=5, low=40, high=80)
+    params = SamplingParams(max_new_tokens=90, temperature=0.0, ignore_eos=True)
+    expected = hf_greedy(tiny_model_dir, prompts, params.max_new_tokens)
+    engine = make_engine(tiny_model_dir, max_total_tokens=16 * 30, chunked_prefill_size=256)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    outs = run_all(engine)
+    assert engine.scheduler.num_preemptions > 0
+    assert [outs[f"r{i}"] for i in range(len(prompts))] == expected
+    assert engine.blocks.num_used_pages == 0
+
+
+def test_request_too_long_for_context_or_pool_is_refused(tiny_model_dir: Path) -> None:
+    engine = make_engine(tiny_model_dir, max_total_tokens=16 * 8)
+    with pytest.raises(RequestError, match="KV pool"):
+        engine.add_request("big", list(range(3, 200)), GREEDY)
+    with pytest.raises(RequestError, match="context"):
+        make_engine(tiny_model_dir).add_request("huge", [5] * 5000, GREEDY)
+
+
+def test_second_architecture_llama(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=8,
+        num_key_value_heads=2, vocab_size=1000, max_position_embeddings=1024,
+    )
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    prompts = random_prompts(6, 1000, seed=3, high=120)
+    expected = hf_greedy(tmp_path, prompts, 12)
+    engine_config = EngineConfig(max_total_tokens=4096, chunked_prefill_size=48)
+    engine = Engine(ModelRunner(ModelSpec(tmp_path), engine_config), engine_config)
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    outs = run_all(engine)
+    assert [outs[f"r{i}"] for i in range(len(prompts))] == expected
+
+
+def test_abort_frees_pages_at_once_and_in_flight(tiny_model_dir: Path) -> None:
+    engine = make_engine(tiny_model_dir)
+    engine.add_request("a", list(range(3, 100)), GREEDY)
+    engine.add_request("b", list(range(3, 50)), GREEDY)
+    engine.step()
+    assert engine.blocks.num_used_pages > 0
+    batch = engine.schedule()
+    assert engine.abort("a")  # in flight: freed after the step
+    engine.postprocess(batch, engine.execute(batch))
+    assert engine.abort("b")
+    assert not engine.has_work()
+    assert engine.blocks.num_used_pages == 0
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny_model_dir: Path) -> None:
+    params = SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    prompt = list(range(10, 60))
+    alone = make_engine(tiny_model_dir)
+    alone.add_request("x", prompt, params)
+    crowd = make_engine(tiny_model_dir)
+    for i in range(5):
+        crowd.add_request(f"other{i}", list(range(20 + i, 90)), SamplingParams(max_new_tokens=16, temperature=1.0))
+    crowd.add_request("x", prompt, params)
+    assert run_all(alone)["x"] == run_all(crowd)["x"]
+    other = SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.9, top_k=50, seed=99, ignore_eos=True)
+    assert run_all_again(tiny_model_dir, prompt, other) != run_all_again(tiny_model_dir, prompt, params)
+
+
+def run_all_again(model_dir: Path, prompt: list[int], params: SamplingParams) -> list[int]:
+    engine = make_engine(model_dir)
+    engine.add_request("x", prompt, params)
+    return run_all(engine)["x"]
+
+
+def test_stop_conditions(tiny_model_dir: Path) -> None:
+    engine = make_engine(tiny_model_dir)
+    prompt = list(range(30, 80))
+    free_run = run_all_again(tiny_model_dir, prompt, GREEDY)
+    stop_id = free_run[5]
+    engine.add_request("ids", prompt, SamplingParams(max_new_tokens=20, temperature=0.0, stop_token_ids=(stop_id,)))
+    text = engine.detokenize(free_run[:8])  # type: ignore[misc]
+    stop_text = text[-3:] if text[-3:].strip() else text[-4:]
+    engine.add_request("text", prompt, SamplingParams(max_new_tokens=20, temperature=0.0, stop=(stop_text,)))
+    engine.add_request("len", prompt, SamplingParams(max_new_tokens=3, temperature=0.0))
+    finals = {}
+    outs: dict[str, list[int]] = {}
+    while engine.has_work():
+        for o in engine.step():
+            outs.setdefault(o.rid, []).extend(o.token_ids)
+            if o.finish_reason:
+                finals[o.rid] = (o.finish_reason, o.stop_reason)
+    assert outs["ids"] == free_run[: free_run.index(stop_id) + 1]
+    assert finals["ids"] == ("stop", stop_id)
+    assert finals["text"] == ("stop", stop_text)
+    assert stop_text in engine.detokenize(outs["text"])  # type: ignore[misc]
+    assert len(outs["text"]) <= 8
+    assert outs["len"] == free_run[:3] and finals["len"] == ("length", None)
+
+
+def test_logprobs_are_the_model_distribution(tiny_model_dir: Path) -> None:
+    engine = make_engine(tiny_model_dir)
+    engine.add_request("lp", [5, 6, 7, 8], SamplingParams(max_new_tokens=2, temperature=0.0, logprobs=True, top_logprobs=3))
+    outs = [o for o in iter_outputs(engine)]
+    first = outs[0].logprobs[0]
+    assert first.top_ids[0] == outs[0].token_ids[0]
+    assert first.logprob == pytest.approx(first.top_logprobs[0])
+    assert list(first.top_logprobs) == sorted(first.top_logprobs, reverse=True)
+
+
+def iter_outputs(engine: Engine):
+    while engine.has_work():
+        yield from engine.step()
+
+
+def test_pd_handoff_over_mooncake_equals_unified(tiny_model_dir: Path, reference) -> None:
+    """Prefill engine holds KV, decode engine pulls it with one batched Mooncake read."""
+    from workers.transfer import create_transfer, plan_reads
+
+    prompts, expected = reference
+    prefill = make_engine(tiny_model_dir)
+    decode = make_engine(tiny_model_dir)
+    src = create_transfer("mooncake", host="127.0.0.1", protocol="tcp")
+    dst = create_transfer("mooncake", host="127.0.0.1", protocol="tcp")
+    for engine, backend in ((prefill, src), (decode, dst)):
+        pool = engine.runner.pool
+        backend.register(pool.data_ptr, pool.nbytes)
+    try:
+        for i, p in enumerate(prompts):
+            prefill.add_request(f"r{i}", p, GREEDY, prefill_only=True)
+        firsts = {o.rid: o for o in iter_outputs(prefill)}
+        assert all(o.held for o in firsts.values())
+        page = prefill.runner.pool.layout.page_size
+        for i, p in enumerate(prompts):
+            rid = f"r{i}"
+            pages, num_tokens = prefill.held_pages(rid)
+            segments = prefill.runner.pool.segments(pages[: -(-num_tokens // page)])
+            seq = decode.reserve_import(rid, p, firsts[rid].token_ids, GREEDY)
+            assert seq is not None
+            reads = plan_reads(segments, decode.runner.pool.page_bytes, seq.block_table[: -(-num_tokens // page)], decode.runner.pool.data_ptr, seq.num_cached // page)
+            dst.read(src.endpoint, reads)
+            decode.commit_import(seq)
+            assert prefill.release(rid)
+        assert prefill.blocks.num_used_pages == 0
+        outs = run_all(decode)
+        assert [firsts[f"r{i}"].token_ids + outs[f"r{i}"] for i in range(len(prompts))] == expected
+        assert decode.blocks.num_used_pages == 0
+    finally:
+        src.close()
+        dst.close()
