@@ -138,7 +138,7 @@ class Gateway:
                     raise StreamError("request timed out", "timeout")
                 try:
                     chunk = await asyncio.wait_for(stream.queue.get(), wait)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     raise StreamError("no tokens arrived in time (workers busy or down)", "timeout") from None
                 if chunk.error is not None:
                     finished = True

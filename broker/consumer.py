@@ -95,7 +95,7 @@ class PullConsumer:
                 return None
             try:
                 msg = await self._sub.next_msg(timeout=remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return None
             status = _status(msg)
             if status is None:
@@ -113,7 +113,7 @@ class PullConsumer:
         while len(out) < batch:
             try:
                 msg = await self._sub.next_msg(timeout=2.0)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 break
             if _status(msg) is None:
                 out.append(msg)

@@ -109,7 +109,7 @@ class DecodeWorker(WorkerRuntime):
             return False
         self.tracked[ready.rid] = t
         self.importing.add(ready.rid)
-        asyncio.create_task(self._pull(ready, seq, t))
+        self.spawn(self._pull(ready, seq, t))
         return True
 
     def _can_pull(self, ready: KVReady) -> bool:
@@ -127,11 +127,11 @@ class DecodeWorker(WorkerRuntime):
         try:
             self.engine.add_request(ready.rid, list(ready.prompt_ids), ready.sampling, list(ready.output_ids))
         except RequestError as exc:
-            asyncio.create_task(self._refuse(ready, t, str(exc)))
+            self.spawn(self._refuse(ready, t, str(exc)))
             return True
         self.tracked[ready.rid] = t
         t.timings["recomputed"] = 1.0
-        asyncio.create_task(self._release(ready, ok=False))
+        self.spawn(self._release(ready, ok=False))
         self.wake()
         return True
 

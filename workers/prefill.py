@@ -19,7 +19,7 @@ from broker.connection import QueueFullError, publish_work
 from broker.consumer import PullConsumer
 from schemas import KVHandle, KVReady, KVRelease, MessageError
 from workers.engine.engine import RequestOutput
-from workers.runtime import Tracked, WorkerRuntime
+from workers.runtime import WorkerRuntime
 from workers.transfer import TransferBackend, create_transfer
 
 log = logging.getLogger(__name__)

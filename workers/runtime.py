@@ -15,8 +15,10 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -67,6 +69,7 @@ class WorkerRuntime:
         self._wake = asyncio.Event()
         self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[None]] = set()
         self._started_at = time.time()
 
     # ---- lifecycle ---------------------------------------------------------
@@ -187,6 +190,12 @@ class WorkerRuntime:
 
     def wake(self) -> None:
         self._wake.set()
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run ``coro`` in the background, keeping a reference until it ends."""
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def is_cancelled(self, rid: str) -> bool:
         return rid in self.cancelled

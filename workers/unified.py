@@ -6,7 +6,6 @@ either kind, or both, against the same API.
 
 from __future__ import annotations
 
-
 from broker import subjects
 from broker.consumer import PullConsumer
 from workers.engine.engine import RequestOutput

@@ -23,7 +23,7 @@ from schemas import SamplingParams, TokenLogprob
 from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
 from workers.engine.model_runner import ModelRunner, ScheduledBatch
-from workers.engine.sampler import SampleRequest, Sampler
+from workers.engine.sampler import Sampler, SampleRequest
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Sequence, Status
 
