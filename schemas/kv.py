@@ -13,13 +13,14 @@ from schemas.sampling import SamplingParams
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class KVLayout:
-    """Shape of one page in the pool: ``[num_layers, 2, page_size, num_kv_heads, head_dim]``."""
+    """Shape of one page in the pool; ``order`` names its dimensions, outermost first."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     page_size: int
     dtype: str
+    order: str = "layer,kv,head,token,dim"
 
     @property
     def page_numel(self) -> int:

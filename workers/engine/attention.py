@@ -8,7 +8,10 @@ forwards from ``model(...)`` down to every attention call.
 
 The batch is packed: one row of ``T`` tokens, decode tokens first (one per
 sequence), then prefill chunks. Pool layout (see :mod:`workers.engine.kv_pool`):
-``[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]``.
+``[num_pages, num_layers, 2, num_kv_heads, page_size, head_dim]``. Viewed as rows of
+``page_size * head_dim`` values, row ``((page * L + layer) * 2 + kv) * H + head`` is one
+head's K or V for one page, so one ``index_select`` per layer gathers a group's K and V
+directly in the ``[batch, heads, tokens, head_dim]`` order attention wants.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ class PrefillSpan:
     q_start: int  # index of the chunk's first token in the packed batch
     q_len: int
     ctx_len: int  # tokens of KV after this chunk (cached prefix + chunk)
-    block_table: torch.Tensor  # pages holding ctx_len tokens
+    rows: torch.Tensor | None  # [2, 1, H, pages] row ids of layer 0 (None when fresh)
 
     @property
     def is_fresh(self) -> bool:
@@ -38,13 +41,13 @@ class PrefillSpan:
 
 @dataclass
 class DecodeGroup:
-    """Decode sequences of similar length, attended together padded to ``max_pages``."""
+    """Decode sequences of similar length, attended together padded to the longest."""
 
     start: int  # first decode token index in the packed batch
     count: int
-    block_tables: torch.Tensor  # [count, max_pages]
+    rows: torch.Tensor  # [2, count, H, max_pages] row ids of layer 0
     ctx_lens: torch.Tensor  # [count]
-    positions: torch.Tensor  # [count, max_pages * page_size] (0..S-1), for masks
+    positions: torch.Tensor  # [1, max_pages * page_size]
 
 
 @dataclass
@@ -71,6 +74,14 @@ class AttentionMetadata:
             mask = mask[:, None, None, :]
             self._masks[key] = mask
         return mask
+
+
+def page_rows(pool: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """Row ids ``[2, B, H, M]`` of layer 0's K and V for pages ``[B, M]``."""
+    _, layers, _, heads, _, _ = pool.shape
+    head = torch.arange(heads, device=block_tables.device)[None, :, None]
+    k_rows = block_tables[:, None, :] * (layers * 2 * heads) + head
+    return torch.stack((k_rows, k_rows + heads))
 
 
 class Workspace:
@@ -114,8 +125,8 @@ def paged_attention(
     k = key[0].transpose(0, 1)  # [T, Hkv, D]
     v = value[0].transpose(0, 1)
     pool = pd_attn.kv_pool
-    pool[pd_attn.slot_pages, layer, 0, pd_attn.slot_offsets] = k.to(pool.dtype)
-    pool[pd_attn.slot_pages, layer, 1, pd_attn.slot_offsets] = v.to(pool.dtype)
+    pool[pd_attn.slot_pages, layer, 0, :, pd_attn.slot_offsets] = k.to(pool.dtype)
+    pool[pd_attn.slot_pages, layer, 1, :, pd_attn.slot_offsets] = v.to(pool.dtype)
     out = torch.empty_like(q)
     for i, group in enumerate(pd_attn.decode_groups):
         _decode(pd_attn, i, group, layer, q, out, scaling, sliding_window)
@@ -124,17 +135,16 @@ def paged_attention(
     return out.unsqueeze(0), None
 
 
-def _gather(meta: AttentionMetadata, layer: int, block_table: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the pages in ``block_table`` ([B, M]) as [B, H, M*page_size, D] views."""
+def _gather(meta: AttentionMetadata, layer: int, rows: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V ``[B, H, M * page_size, D]`` (contiguous) for layer-0 row ids ``[2, B, H, M]``."""
     pool = meta.kv_pool
-    b, m = block_table.shape
-    _, _, _, page_size, heads, dim = pool.shape
-    buf = meta.workspace.get(name, (b * m, 2, page_size, heads, dim), pool)
-    torch.index_select(pool[:, layer], 0, block_table.reshape(-1), out=buf)
-    kv = buf.view(b, m, 2, page_size, heads, dim)
-    k = kv[:, :, 0].reshape(b, m * page_size, heads, dim).transpose(1, 2)
-    v = kv[:, :, 1].reshape(b, m * page_size, heads, dim).transpose(1, 2)
-    return k, v
+    _, layers, _, heads, page_size, dim = pool.shape
+    _, b, h, m = rows.shape
+    table = pool.view(-1, page_size * dim)
+    buf = meta.workspace.get(name, (2 * b * h * m, page_size * dim), pool)
+    torch.index_select(table, 0, (rows + layer * 2 * heads).view(-1), out=buf)
+    kv = buf.view(2, b, h, m * page_size, dim)
+    return kv[0], kv[1]
 
 
 def _decode(
@@ -147,7 +157,7 @@ def _decode(
     scaling: float | None,
     window: int | None,
 ) -> None:
-    k, v = _gather(meta, layer, group.block_tables, "decode")
+    k, v = _gather(meta, layer, group.rows, "decode")
     qd = q[group.start : group.start + group.count].unsqueeze(2)  # [B, Hq, 1, D]
     mask = meta.decode_mask(index, window)
     o = F.scaled_dot_product_attention(qd, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scaling, enable_gqa=True)
@@ -167,11 +177,11 @@ def _prefill(
 ) -> None:
     sl = slice(span.q_start, span.q_start + span.q_len)
     qs = q[sl].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-    if span.is_fresh:
+    if span.rows is None:
         k = k_new[sl].transpose(0, 1).unsqueeze(0)
         v = v_new[sl].transpose(0, 1).unsqueeze(0)
     else:
-        k, v = _gather(meta, layer, span.block_table.unsqueeze(0), "prefill")
+        k, v = _gather(meta, layer, span.rows, "prefill")
         k = k[:, :, : span.ctx_len].to(q.dtype)
         v = v[:, :, : span.ctx_len].to(q.dtype)
     if span.is_fresh and window is None:

@@ -1,8 +1,10 @@
 """The KV page pool: one tensor per worker, registered whole with the transfer engine.
 
-Layout ``[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]``: a page holds
+Layout ``[num_pages, num_layers, 2, num_kv_heads, page_size, head_dim]``: a page holds
 all layers' K and V for ``page_size`` tokens, so a request's KV is a few contiguous
 runs of pages — few, large transfer segments (see FACTS: ~16 µs per segment over tcp).
+Inside a page each (layer, K|V, head) is one ``[page_size, head_dim]`` row block, so
+attention gathers a sequence's pages straight into ``[batch, heads, tokens, head_dim]``.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class KVPool:
         self.device = device
         pin = device.type == "cpu" and torch.cuda.is_available()
         self.tensor = torch.zeros(
-            (num_pages, layout.num_layers, 2, layout.page_size, layout.num_kv_heads, layout.head_dim),
+            (num_pages, layout.num_layers, 2, layout.num_kv_heads, layout.page_size, layout.head_dim),
             dtype=dtype_from_name(layout.dtype),
             device=device,
             pin_memory=pin,

@@ -16,7 +16,7 @@ import torch
 
 from schemas import KVLayout
 from workers.engine import attention
-from workers.engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan, Workspace
+from workers.engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan, Workspace, page_rows
 from workers.engine.config import EngineConfig
 from workers.engine.kv_pool import KVPool, bytes_per_token, dtype_name
 from workers.engine.sequence import Sequence
@@ -181,8 +181,11 @@ class ModelRunner:
                 pages.append(seq.block_table[p // page])
                 offsets.append(p % page)
             ctx = start + n
-            table = torch.tensor(seq.block_table[: -(-ctx // page)], dtype=torch.long, device=self.device)
-            spans.append(PrefillSpan(q_start, n, ctx, table))
+            rows = None
+            if ctx != n:
+                table = torch.tensor([seq.block_table[: -(-ctx // page)]], dtype=torch.long, device=self.device)
+                rows = page_rows(self.pool.tensor, table)
+            spans.append(PrefillSpan(q_start, n, ctx, rows))
             if ctx == seq.num_tokens:
                 sample_index.append(len(ids) - 1)
                 sample_seqs.append(seq)
@@ -219,7 +222,7 @@ class ModelRunner:
                 DecodeGroup(
                     start=start,
                     count=end - start,
-                    block_tables=torch.tensor(tables, dtype=torch.long, device=self.device),
+                    rows=page_rows(self.pool.tensor, torch.tensor(tables, dtype=torch.long, device=self.device)),
                     ctx_lens=torch.tensor([s.num_tokens for s in members], dtype=torch.long, device=self.device),
                     positions=torch.arange(max_pages * page, device=self.device)[None, :],
                 )
