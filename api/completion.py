@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -10,7 +11,7 @@ from api.detokenizer import IncrementalDetokenizer, StopMatcher
 from api.gateway import Gateway
 from api.model_info import ModelInfo
 from api.protocol import Job
-from schemas import TokenLogprob, Usage
+from schemas import TokenChunk, TokenLogprob, Usage
 
 
 @dataclass
@@ -52,8 +53,17 @@ async def deltas(
     """Stream ``job``; text is cut exactly before the first stop string."""
     detok = IncrementalDetokenizer(info.tokenizer, skip_special_tokens)
     stop = StopMatcher(job.sampling.stop)
+    chunks = gateway.generate(job.prompt_ids, job.sampling, rid, timeout, stall_timeout)
+    async with contextlib.aclosing(chunks):
+        async for delta in _deltas(chunks, job, detok, stop):
+            yield delta
+            if delta.finish_reason is not None:
+                return
+
+
+async def _deltas(chunks: AsyncIterator[TokenChunk], job: Job, detok: IncrementalDetokenizer, stop: StopMatcher) -> AsyncIterator[Delta]:
     num_tokens = 0
-    async for chunk in gateway.generate(job.prompt_ids, job.sampling, rid, timeout, stall_timeout):
+    async for chunk in chunks:
         num_tokens += len(chunk.token_ids)
         text = stop.feed(detok.add(chunk.token_ids))
         done = chunk.finish_reason is not None

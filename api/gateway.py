@@ -73,6 +73,7 @@ class Gateway:
         self.js: JetStreamContext | None = None
         self.registry: WorkerRegistry | None = None
         self.streams: dict[str, TokenStream] = {}
+        self._background: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         self.nc = await connect(self.nats_url, self.api_id)
@@ -145,13 +146,18 @@ class Gateway:
                     raise StreamError(chunk.error.message, chunk.error.type)
                 if chunk.finish_reason is not None:
                     finished = True
+                    self.streams.pop(rid, None)  # done before the caller stops iterating
                 yield chunk
                 if finished:
                     return
         finally:
             self.streams.pop(rid, None)
             if not finished:
-                await self.cancel(rid, "client went away")
+                # A task of its own: this generator may be closing inside a cancelled
+                # scope (client disconnect), where any await here would be cancelled too.
+                task = asyncio.get_running_loop().create_task(self.cancel(rid, "client went away"))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
 
     async def cancel(self, rid: str, reason: str) -> None:
         if self.nc is None or not self.nc.is_connected:

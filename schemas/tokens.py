@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from schemas.codec import Message
 
@@ -25,9 +26,15 @@ class ErrorInfo:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TokenLogprob:
+    """Finite values only (JSON has no infinity): impossible tokens get -9999.0."""
+
     logprob: float
     top_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.logprob) or not all(math.isfinite(v) for v in self.top_logprobs):
+            raise ValueError("logprobs must be finite")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -39,6 +39,7 @@ class WorkerConfig:
     transfer_protocol: str = "tcp"
     ib_device: str = ""
     kv_hold_seconds: float = 30.0
+    kv_hold_grace_seconds: float = 5.0
     kv_pull_margin: float = 2.0
     heartbeat_seconds: float = 2.0
     fetch_timeout: float = 1.0

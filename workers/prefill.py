@@ -24,8 +24,6 @@ from workers.transfer import TransferBackend, create_transfer
 
 log = logging.getLogger(__name__)
 
-HOLD_GRACE_SECONDS = 5.0
-
 
 class PrefillWorker(WorkerRuntime):
     def __init__(self, *args: object, **kwargs: object) -> None:
@@ -92,7 +90,7 @@ class PrefillWorker(WorkerRuntime):
             request_published_at=req.published_at,
             timings=dict(t.timings),
         )
-        self.holds[req.rid] = time.monotonic() + self.config.kv_hold_seconds + HOLD_GRACE_SECONDS
+        self.holds[req.rid] = time.monotonic() + self.config.kv_hold_seconds + self.config.kv_hold_grace_seconds
         try:
             await publish_work(self.js, subjects.kv_ready(req.model), ready, msg_id=req.rid)
         except (QueueFullError, Exception) as exc:

@@ -289,7 +289,12 @@ def test_rejects_missing_nested_field() -> None:
         # string where int
         (MESSAGES[3], ("seq",), "4", "TokenChunk.seq: expected an integer"),
         (MESSAGES[-1], ("pid",), "4242", "WorkerInfo.pid: expected an integer"),
-        (_generate(), ("sampling", "max_new_tokens"), "32", "GenerateRequest.sampling.max_new_tokens: expected an integer"),
+        (
+            _generate(),
+            ("sampling", "max_new_tokens"),
+            "32",
+            "GenerateRequest.sampling.max_new_tokens: expected an integer",
+        ),
         # bool where int
         (MESSAGES[3], ("seq",), True, "TokenChunk.seq: expected an integer"),
         (_generate(), ("sampling", "top_k"), False, "sampling.top_k: expected an integer"),
@@ -375,7 +380,9 @@ def test_rejects_invalid_generate_request_values(field: str, value: Any, fragmen
 
 @pytest.mark.parametrize("segments", [[[1, 0]], [[1, 2, 3]], [[1]], [[1, -4096]]])
 def test_rejects_invalid_kv_segments(segments: list[list[int]]) -> None:
-    _expect_error(KVReady, _mutated(MESSAGES[2], ("handle", "segments"), segments), "segments must be (address, nbytes) pairs")
+    _expect_error(
+        KVReady, _mutated(MESSAGES[2], ("handle", "segments"), segments), "segments must be (address, nbytes) pairs"
+    )
 
 
 def test_message_error_is_a_value_error() -> None:
@@ -392,3 +399,19 @@ def test_sampling_params_properties() -> None:
     assert SamplingParams(frequency_penalty=-0.1).has_penalties
     # boundaries that are valid
     SamplingParams(top_p=1.0, temperature=0.0, top_logprobs=20, min_p=1.0, seed=2**63 - 1, stop=("x",) * 16)
+
+
+def test_minus_infinity_logprob_never_makes_an_undecodable_payload() -> None:
+    """Whatever ``encode`` accepts, ``decode`` must read back (or ``encode`` must refuse).
+
+    A ``-inf`` top logprob (a token of probability 0, e.g. a masked logit) is a legal
+    value of ``TokenLogprob``; orjson writes it as ``null``.
+    """
+    try:
+        chunk = TokenChunk(rid="r", seq=0, token_ids=(1,), logprobs=(TokenLogprob(-0.5, (1, 5), (-0.5, float("-inf"))),))
+        data = chunk.encode()
+    except (ValueError, TypeError):
+        return  # refusing to encode is acceptable
+    back = TokenChunk.decode(data)
+    assert back.logprobs is not None
+    assert back.logprobs[0].top_logprobs[1] == float("-inf")

@@ -102,8 +102,12 @@ class Engine:
             raise RequestError(
                 f"the prompt has {total} tokens; the model's context is {self.max_model_len} tokens"
             )
+        pool = self.blocks.num_pages * self.config.page_size
         if not self.scheduler.fits_ever(total):
-            raise RequestError(f"the prompt has {total} tokens; the KV pool holds {self.blocks.num_pages * self.config.page_size}")
+            raise RequestError(f"the prompt has {total} tokens; the KV pool holds {pool}")
+        longest = num_prompt + sampling.max_new_tokens
+        if not self.scheduler.fits_ever(longest):
+            raise RequestError(f"the request may need {longest} tokens of KV; the KV pool holds {pool}")
 
     def add_request(
         self,

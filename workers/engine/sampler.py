@@ -10,6 +10,7 @@ model's raw distribution (before penalties and temperature).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ import torch
 from schemas import SamplingParams, TokenLogprob
 
 _MASK = float("-inf")
+LOGPROB_FLOOR = -9999.0  # what OpenAI reports for impossible tokens
 
 
 @dataclass
@@ -43,7 +45,9 @@ def seed_for(seed: int, index: int) -> int:
 class Sampler:
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._generator = torch.Generator(device=device)
+        self._generator = torch.Generator(device=device)  # unseeded rows
+        self._generator.manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+        self._seeded = torch.Generator(device=device)  # re-seeded per seeded row and token
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRequest]) -> SamplerOutput:
         assert logits.shape[0] == len(rows)
@@ -82,8 +86,8 @@ class Sampler:
             )
         for i, r in enumerate(rows):
             if r.params.seed is not None:
-                self._generator.manual_seed(seed_for(r.params.seed, len(r.output_ids)))
-                noise[i].exponential_(generator=self._generator)
+                self._seeded.manual_seed(seed_for(r.params.seed, len(r.output_ids)))
+                noise[i].exponential_(generator=self._seeded)
         return (probs / noise).argmax(dim=-1)
 
     def reseed(self, seed: int) -> None:
@@ -105,7 +109,7 @@ def _filter(logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
     probs = torch.softmax(sorted_logits.masked_fill(remove, _MASK), dim=-1)
     top_p = torch.tensor([r.params.top_p for r in rows], device=device)
     before = probs.cumsum(dim=-1) - probs
-    remove |= before > top_p[:, None]
+    remove |= (before >= top_p[:, None]) & (top_p[:, None] < 1.0)  # top_p == 1: no cut, whatever the rounding
     min_p = torch.tensor([r.params.min_p for r in rows], device=device)
     remove |= probs < (min_p[:, None] * probs[:, :1])
     remove[:, 0] = False
@@ -133,6 +137,9 @@ def _logprobs(raw: torch.Tensor | None, rows: list[SampleRequest], tokens: list[
     out: list[TokenLogprob | None] = []
     max_top = max(r.params.top_logprobs for r in rows)
     top_vals, top_ids = (raw.topk(max_top, dim=-1) if max_top > 0 else (None, None))
+    raw = raw.clamp(min=LOGPROB_FLOOR)  # -inf does not survive JSON
+    if top_vals is not None:
+        top_vals = top_vals.clamp(min=LOGPROB_FLOOR)
     chosen = raw.gather(1, torch.tensor(tokens, device=raw.device)[:, None]).squeeze(1).tolist()
     for i, r in enumerate(rows):
         if not r.params.logprobs:

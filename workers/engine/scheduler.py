@@ -78,27 +78,44 @@ class Scheduler:
     # ---- prefill -----------------------------------------------------------
     def _schedule_prefills(self, budget: int) -> list[tuple[Sequence, int]]:
         prefills: list[tuple[Sequence, int]] = []
-        watermark = len(self.running)
+        watermark = len(self.running)  # leave each running sequence room to grow a page
         active = len(self.running)
+        blocked = False
         for seq in list(self.waiting):
             if budget <= 0 or len(prefills) >= self.config.max_prefill_seqs:
                 break
-            if seq.num_computed == 0 and not seq.block_table:
+            started = seq.num_computed > seq.num_cached
+            if blocked and not started:
+                continue  # once short of pages, only half-done prefills go on (they finish and free)
+            if not seq.block_table and seq.num_computed == 0:
                 if active >= self.config.max_num_seqs:
-                    break
+                    blocked = True
+                    continue
                 self._admit(seq)
             n = min(seq.num_uncomputed, budget)
             need = self.blocks.pages_for(seq.num_computed + n) - len(seq.block_table)
             if need > 0 and not self.blocks.can_allocate(need + watermark):
-                if not seq.block_table or seq.num_computed == seq.num_cached:
-                    # Nothing computed yet: give back the prefix pages, retry later.
-                    self._release_pages(seq)
-                break
+                if not started:
+                    self._release_pages(seq)  # give back the prefix pages; retry later
+                blocked = True
+                continue
             self._grow(seq, seq.num_computed + n)
             prefills.append((seq, n))
             budget -= n
             active += 1
+        if blocked and not prefills and not self.running:
+            self._unblock()
         return prefills
+
+    def _unblock(self) -> None:
+        """Nothing runs and half-done prefills hold the pages the oldest one needs:
+        send the newest of them back to recompute later (its full pages stay cached)."""
+        holders = [s for s in self.waiting if s.block_table]
+        if holders:
+            newest = max(holders, key=lambda s: s.arrival)
+            self._release_pages(newest)
+            newest.num_preemptions += 1
+            self.num_preemptions += 1
 
     def _admit(self, seq: Sequence) -> None:
         """Attach cached pages of the longest known prefix (at least one token is left to compute)."""

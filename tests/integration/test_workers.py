@@ -1,0 +1,187 @@
+"""Workers in this process against a real nats-server and real Mooncake engines:
+held KV and its release, cancel and expiry; decode's fallbacks; hand-back on shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from api.gateway import Gateway
+from broker import streams, subjects
+from broker.connection import publish_work
+from broker.consumer import PullConsumer
+from schemas import Cancel, GenerateRequest, KVHandle, KVReady, KVRelease, SamplingParams, TokenChunk
+from workers.config import WorkerConfig
+from workers.decode import DecodeWorker
+from workers.engine.config import EngineConfig
+from workers.loader import build_engine
+from workers.prefill import PrefillWorker
+from workers.runtime import WorkerRuntime
+from workers.unified import UnifiedWorker
+
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+ROLES = {"prefill": PrefillWorker, "decode": DecodeWorker, "unified": UnifiedWorker}
+
+
+async def until(predicate: Any, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+async def workers(nats_server, tiny_model_dir: Path) -> AsyncIterator[Any]:
+    started: list[WorkerRuntime] = []
+
+    async def start(role: str, **overrides: Any) -> WorkerRuntime:
+        config = WorkerConfig(
+            role=role,
+            model_path=tiny_model_dir,
+            model_name=tiny_model_dir.name,
+            nats_url=nats_server.url,
+            engine=EngineConfig(max_total_tokens=16 * 512),
+            heartbeat_seconds=0.5,
+            **overrides,
+        )
+        worker = ROLES[role](config, build_engine(tiny_model_dir, config.engine))
+        await worker.start()
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        if not worker.stopped.is_set():
+            await worker.shutdown()
+
+
+async def replies(nc: Any, subject: str) -> asyncio.Queue[TokenChunk]:
+    queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
+
+    async def on(msg: Any) -> None:
+        await queue.put(TokenChunk.decode(msg.data))
+
+    await nc.subscribe(subject, cb=on)
+    return queue
+
+
+def reference(model_dir: Path, prompt: list[int], n: int) -> list[int]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, len(prompt) :].tolist()
+
+
+async def test_prefill_holds_kv_until_release_cancel_or_expiry(workers, nats_server, tiny_model_dir: Path) -> None:
+    prefill = await workers("prefill", kv_hold_seconds=3.0, kv_hold_grace_seconds=0.2)
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    model = tiny_model_dir.name
+    inbox = "pd.tokens.test.prefill"
+    chunks = await replies(nc, inbox)
+    kv = PullConsumer(nc, subjects.KV_STREAM, subjects.decode_consumer(model))
+    await kv.start()
+    used = prefill.engine.blocks
+    try:
+        for rid in ("released", "cancelled", "expired"):
+            req = GenerateRequest(rid=rid, model=model, prompt_ids=tuple(range(5, 90)), reply_to=inbox, sampling=GREEDY)
+            await publish_work(js, subjects.requests(model), req, msg_id=rid)
+            first = await asyncio.wait_for(chunks.get(), 15)
+            assert first.rid == rid and first.seq == 0 and len(first.token_ids) == 1
+            (msg,) = await kv.fetch(1, 10)
+            ready = KVReady.decode(msg.data)
+            await msg.ack()
+            assert ready.handle.num_tokens == 85 and ready.prefill_id == prefill.worker_id
+            assert sum(s[1] for s in ready.handle.segments) == 6 * prefill.engine.runner.pool.page_bytes
+            assert used.num_used_pages == 6 and rid in prefill.holds
+            started = time.monotonic()
+            if rid == "released":
+                await nc.publish(subjects.kv_release(prefill.worker_id), KVRelease(rid=rid, prefill_id=prefill.worker_id).encode())
+            elif rid == "cancelled":
+                await nc.publish(subjects.CANCEL, Cancel(rid=rid).encode())
+            await until(lambda: used.num_used_pages == 0)
+            if rid == "expired":
+                assert time.monotonic() - started > 2.0  # freed by the expiry, not earlier
+            assert not prefill.holds
+    finally:
+        await nc.close()
+
+
+async def _publish_ready(js: Any, ready: KVReady) -> None:
+    await publish_work(js, subjects.kv_ready(ready.model), ready, msg_id=ready.rid)
+
+
+@pytest.mark.parametrize("why", ["expired", "foreign layout"])
+async def test_decode_recomputes_when_it_cannot_pull(workers, nats_server, tiny_model_dir: Path, why: str) -> None:
+    decode = await workers("decode")
+    prompt = list(range(40, 110))
+    expected = reference(tiny_model_dir, prompt, GREEDY.max_new_tokens)
+    layout = decode.engine.runner.pool.layout
+    if why == "foreign layout":
+        layout = dataclasses.replace(layout, dtype="float16")
+    nc = await nats.connect(nats_server.url)
+    released: asyncio.Queue[KVRelease] = asyncio.Queue()
+
+    async def on_release(msg: Any) -> None:
+        await released.put(KVRelease.decode(msg.data))
+
+    await nc.subscribe(subjects.kv_release("gone-prefill"), cb=on_release)
+    chunks = await replies(nc, "pd.tokens.test.decode")
+    ready = KVReady(
+        rid=f"recompute-{why}",
+        model=tiny_model_dir.name,
+        prompt_ids=tuple(prompt),
+        output_ids=(expected[0],),
+        reply_to="pd.tokens.test.decode",
+        sampling=GREEDY,
+        prefill_id="gone-prefill",
+        handle=KVHandle("mooncake", "127.0.0.1:1", layout, ((4096, 5 * layout.page_numel * 4),), len(prompt), time.time() + (-1 if why == "expired" else 60)),
+    )
+    try:
+        await _publish_ready(nc.jetstream(), ready)
+        tokens: list[int] = []
+        while True:
+            chunk = await asyncio.wait_for(chunks.get(), 20)
+            assert chunk.error is None
+            assert chunk.seq == 1 + len(tokens)
+            tokens.extend(chunk.token_ids)
+            if chunk.finish_reason:
+                break
+        assert [expected[0], *tokens] == expected
+        release = await asyncio.wait_for(released.get(), 5)
+        assert release.rid == ready.rid and not release.ok
+        await until(lambda: decode.engine.blocks.num_used_pages == 0)
+    finally:
+        await nc.close()
+
+
+async def test_shutdown_hands_unfinished_requests_to_another_worker(workers, nats_server, tiny_model_dir: Path) -> None:
+    first = await workers("unified", drain_seconds=0.3)
+    gateway = Gateway(nats_server.url, tiny_model_dir.name, streams.BrokerConfig())
+    await gateway.start()
+    prompt = list(range(7, 60))
+    n = 400
+    params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+    received: list[int] = []
+    try:
+        async for chunk in gateway.generate(prompt, params, rid="handed-back"):
+            received.extend(chunk.token_ids)
+            if len(received) >= 20 and not first.stopping.is_set():
+                await first.shutdown()  # mid-stream: the request goes back to the queue
+                await workers("unified")
+            if chunk.finish_reason:
+                break
+        assert len(received) == n
+        assert received == reference(tiny_model_dir, prompt, n)
+        assert gateway.streams == {}
+    finally:
+        await gateway.stop()

@@ -1,0 +1,533 @@
+"""Request bodies of /v1/completions, /v1/chat/completions and /generate, with the real tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from api.errors import APIError
+from api.model_info import ModelInfo, load_model_info
+from api.protocol import parse_chat, parse_completion, parse_generate, parse_json
+from schemas import SamplingParams
+
+DEFAULT_MAX = 1024
+
+
+@pytest.fixture(scope="module")
+def info(tiny_model_dir: Path) -> ModelInfo:
+    return load_model_info(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def name(info: ModelInfo) -> str:
+    return info.name
+
+
+def _enc(info: ModelInfo, text: str) -> list[int]:
+    return list(info.tokenizer.encode(text, add_special_tokens=True))
+
+
+def _chat_ids(info: ModelInfo, messages: list[dict[str, Any]]) -> list[int]:
+    ids = info.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def _bad(fn: Any, body: Any, info: ModelInfo, *, code: str | None = None, param: str | None = None) -> APIError:
+    with pytest.raises(APIError) as exc_info:
+        fn(body, info, DEFAULT_MAX)
+    return _check_error(exc_info.value, code=code, param=param)
+
+
+def _check_error(exc: APIError, *, code: str | None = None, param: str | None = None) -> APIError:
+    assert exc.status == 400
+    body = exc.body()
+    error = body["error"]
+    assert isinstance(error, dict)
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["type"] == "invalid_request_error"
+    if code is not None:
+        assert error["code"] == code, error
+    if param is not None:
+        assert error["param"] == param, error
+    orjson.dumps(body)  # serialisable as is
+    return exc
+
+
+# ---- parse_json ------------------------------------------------------------------------
+
+
+def test_parse_json_accepts_object() -> None:
+    assert parse_json(b'{"a": 1, "b": [true, null]}') == {"a": 1, "b": [True, None]}
+
+
+@pytest.mark.parametrize("raw", [b"{", b"not json", b"", b"{'a': 1}", b'{"a": 1,}', b"\xff"])
+def test_parse_json_rejects_malformed(raw: bytes) -> None:
+    with pytest.raises(APIError) as exc_info:
+        parse_json(raw)
+    exc = _check_error(exc_info.value, code="invalid_json")
+    assert "not valid JSON" in exc.message
+
+
+@pytest.mark.parametrize("raw", [b"[]", b'[{"prompt": "x"}]', b"1", b'"prompt"', b"null", b"true"])
+def test_parse_json_rejects_non_object(raw: bytes) -> None:
+    with pytest.raises(APIError) as exc_info:
+        parse_json(raw)
+    exc = _check_error(exc_info.value, code="invalid_json")
+    assert "JSON object" in exc.message
+
+
+# ---- /v1/completions -------------------------------------------------------------------
+
+
+def test_completion_minimal(info: ModelInfo, name: str) -> None:
+    parsed = parse_completion({"model": name, "prompt": "Hello, world"}, info, DEFAULT_MAX)
+    assert len(parsed.jobs) == 1
+    job = parsed.jobs[0]
+    assert job.prompt_ids == _enc(info, "Hello, world")
+    assert job.prompt_text == "Hello, world"
+    assert job.sampling == SamplingParams(max_new_tokens=16)  # OpenAI's default for completions
+    assert not parsed.stream and not parsed.include_usage and not parsed.echo and not parsed.batch
+
+
+def test_completion_maps_fields(info: ModelInfo, name: str) -> None:
+    body = {
+        "model": name,
+        "prompt": "Once upon a time",
+        "max_tokens": 40,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": 20,
+        "min_p": 0.1,
+        "seed": 7,
+        "stop": ["\n", "THE END"],
+        "stop_token_ids": [5, 6],
+        "ignore_eos": True,
+        "frequency_penalty": 0.3,
+        "presence_penalty": -0.2,
+        "repetition_penalty": 1.1,
+        "logprobs": 3,
+        "echo": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "n": 1,
+        "user": "someone",  # unknown fields are ignored
+    }
+    parsed = parse_completion(body, info, DEFAULT_MAX)
+    assert parsed.stream and parsed.include_usage and parsed.echo
+    assert parsed.jobs[0].sampling == SamplingParams(
+        max_new_tokens=40,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=20,
+        min_p=0.1,
+        seed=7,
+        stop=("\n", "THE END"),
+        stop_token_ids=(5, 6),
+        ignore_eos=True,
+        frequency_penalty=0.3,
+        presence_penalty=-0.2,
+        repetition_penalty=1.1,
+        logprobs=True,
+        top_logprobs=3,
+    )
+
+
+def test_completion_stop_string_and_logprobs_zero(info: ModelInfo, name: str) -> None:
+    parsed = parse_completion({"model": name, "prompt": "x", "stop": "##", "logprobs": 0}, info, DEFAULT_MAX)
+    sampling = parsed.jobs[0].sampling
+    assert sampling.stop == ("##",)
+    assert sampling.logprobs and sampling.top_logprobs == 0
+
+
+def test_completion_stream_options_without_usage(info: ModelInfo, name: str) -> None:
+    body = {"model": name, "prompt": "x", "stream": True, "stream_options": {}}
+    assert not parse_completion(body, info, DEFAULT_MAX).include_usage
+
+
+def test_completion_token_ids_prompt(info: ModelInfo, name: str) -> None:
+    parsed = parse_completion({"model": name, "prompt": [10, 20, 30]}, info, DEFAULT_MAX)
+    assert parsed.jobs[0].prompt_ids == [10, 20, 30]
+    assert parsed.jobs[0].prompt_text is None
+    assert not parsed.batch
+
+
+def test_completion_batch_of_strings(info: ModelInfo, name: str) -> None:
+    prompts = ["first prompt", "請介紹一下你自己", "third"]
+    parsed = parse_completion({"model": name, "prompt": prompts, "max_tokens": 8}, info, DEFAULT_MAX)
+    assert parsed.batch
+    assert [j.prompt_ids for j in parsed.jobs] == [_enc(info, p) for p in prompts]
+    assert [j.prompt_text for j in parsed.jobs] == prompts
+    assert all(j.sampling.max_new_tokens == 8 for j in parsed.jobs)
+
+
+def test_completion_batch_of_token_lists(info: ModelInfo, name: str) -> None:
+    parsed = parse_completion({"model": name, "prompt": [[1, 2], [3]]}, info, DEFAULT_MAX)
+    assert parsed.batch
+    assert [j.prompt_ids for j in parsed.jobs] == [[1, 2], [3]]
+
+
+def test_completion_integral_float_max_tokens(info: ModelInfo, name: str) -> None:
+    parsed = parse_completion({"model": name, "prompt": "x", "max_tokens": 12.0}, info, DEFAULT_MAX)
+    assert parsed.jobs[0].sampling.max_new_tokens == 12
+
+
+def test_completion_max_tokens_fills_context_exactly(info: ModelInfo, name: str) -> None:
+    ids = [5] * 100
+    parsed = parse_completion(
+        {"model": name, "prompt": ids, "max_tokens": info.context_length - 100}, info, DEFAULT_MAX
+    )
+    assert parsed.jobs[0].sampling.max_new_tokens == info.context_length - 100
+
+
+@pytest.mark.parametrize(
+    ("changes", "param"),
+    [
+        ({"prompt": 42}, "prompt"),  # prompt as number
+        ({"prompt": None}, "prompt"),
+        ({"prompt": {"text": "x"}}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [1, "a"]}, "prompt"),
+        ({"prompt": [[1], []]}, "prompt"),
+        ({"prompt": [1, True]}, "prompt"),
+        ({"prompt": [-1]}, "prompt"),
+        ({"prompt": [10**9]}, "prompt"),  # outside the vocabulary
+        ({"prompt": ""}, "prompt"),  # empty prompt
+        ({"prompt": ["ok", ""]}, "prompt"),
+        ({"temperature": "0.7"}, "temperature"),  # temperature as string
+        ({"temperature": True}, "temperature"),
+        ({"temperature": -1}, "temperature"),
+        ({"temperature": 101}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": "5"}, "top_k"),
+        ({"top_k": -2}, "top_k"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 2**63}, "seed"),
+        ({"seed": 1.5}, "seed"),
+        ({"stop": 3}, "stop"),  # stop as int
+        ({"stop": [1, 2]}, "stop"),
+        ({"stop": ["ok", ""]}, "stop"),
+        ({"stop": ["s"] * 17}, "stop"),
+        ({"stop_token_ids": [1.5]}, "stop_token_ids"),
+        ({"stop_token_ids": "1"}, "stop_token_ids"),
+        ({"max_tokens": "16"}, "max_tokens"),  # max_tokens as string
+        ({"max_tokens": 0}, "max_tokens"),  # max_tokens < 1
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"max_tokens": 2.5}, "max_tokens"),
+        ({"logprobs": 6}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
+        ({"stream": "yes"}, "stream"),
+        ({"echo": 1}, "echo"),
+        ({"ignore_eos": "false"}, "ignore_eos"),
+        ({"frequency_penalty": 3}, "frequency_penalty"),
+        ({"stream_options": "usage"}, "stream_options"),
+        ({"stream_options": {"include_usage": "yes"}}, "include_usage"),
+        ({"n": 2}, "n"),  # n > 1
+        ({"n": 0}, "n"),
+        ({"model": 5}, "model"),
+    ],
+)
+def test_completion_rejects(info: ModelInfo, name: str, changes: dict[str, Any], param: str) -> None:
+    body = {"model": name, "prompt": "Hello", **changes}
+    _bad(parse_completion, body, info, param=param)
+
+
+def test_completion_rejects_invalid_sampling_value(info: ModelInfo, name: str) -> None:
+    # in range for the parser, refused by SamplingParams: still a 400
+    exc = _bad(parse_completion, {"model": name, "prompt": "x", "top_p": 0}, info)
+    assert "top_p" in exc.message
+    exc = _bad(parse_completion, {"model": name, "prompt": "x", "repetition_penalty": 0}, info)
+    assert "repetition_penalty" in exc.message
+
+
+def test_completion_requires_model_and_prompt(info: ModelInfo, name: str) -> None:
+    _bad(parse_completion, {"prompt": "x"}, info, param="model")
+    _bad(parse_completion, {"model": name}, info, param="prompt")
+
+
+def test_completion_unknown_model(info: ModelInfo) -> None:
+    exc = _bad(parse_completion, {"model": "gpt-4", "prompt": "x"}, info, code="model_not_found", param="model")
+    assert "gpt-4" in exc.message
+
+
+def test_completion_batch_cannot_stream(info: ModelInfo, name: str) -> None:
+    _bad(parse_completion, {"model": name, "prompt": ["a", "b"], "stream": True}, info, param="stream")
+
+
+def test_max_tokens_beyond_context(info: ModelInfo, name: str) -> None:
+    body = {"model": name, "prompt": "Hello", "max_tokens": info.context_length}
+    exc = _bad(parse_completion, body, info, code="context_length_exceeded", param="max_tokens")
+    assert str(info.context_length) in exc.message
+
+
+def test_prompt_longer_than_context(info: ModelInfo, name: str) -> None:
+    for length in (info.context_length, info.context_length + 10):
+        body = {"model": name, "prompt": [7] * length, "max_tokens": 1}
+        _bad(parse_completion, body, info, code="context_length_exceeded", param="prompt")
+    text = "hello " * (info.context_length + 5)
+    _bad(parse_completion, {"model": name, "prompt": text}, info, code="context_length_exceeded")
+    _bad(parse_generate, {"text": text}, info, code="context_length_exceeded")
+    long_chat = {"model": name, "messages": [{"role": "user", "content": text}]}
+    _bad(parse_chat, long_chat, info, code="context_length_exceeded")
+
+
+# ---- /v1/chat/completions ---------------------------------------------------------------
+
+
+def test_chat_applies_template(info: ModelInfo, name: str) -> None:
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "請介紹一下你自己"},
+        {"role": "assistant", "content": "我是一個模型。"},
+        {"role": "user", "content": "More 😀?"},
+    ]
+    parsed = parse_chat({"model": name, "messages": messages}, info, DEFAULT_MAX)
+    job = parsed.jobs[0]
+    assert job.prompt_ids == _chat_ids(info, messages)
+    assert job.prompt_text is not None and job.prompt_text.endswith("<|im_start|>assistant\n")
+    assert job.prompt_text.count("<|im_start|>") == 5
+    # the special markers are single tokens, not spelled out
+    im_start = info.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert job.prompt_ids.count(im_start) == 5
+    # no limit given: the default, within the context
+    assert job.sampling.max_new_tokens == DEFAULT_MAX
+    assert not parsed.stream and not parsed.include_usage
+
+
+def test_chat_content_parts_and_roles(info: ModelInfo, name: str) -> None:
+    body = {
+        "model": name,
+        "messages": [
+            {"role": "developer", "content": "Be nice."},
+            {"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]},
+            {"role": "assistant", "content": None},
+            {"role": "tool", "content": "42"},
+        ],
+    }
+    parsed = parse_chat(body, info, DEFAULT_MAX)
+    expected = [
+        {"role": "system", "content": "Be nice."},
+        {"role": "user", "content": "Hello there"},
+        {"role": "assistant", "content": ""},
+        {"role": "tool", "content": "42"},
+    ]
+    assert parsed.jobs[0].prompt_ids == _chat_ids(info, expected)
+    # the template renders list content the same way
+    as_parts = [dict(expected[0]), dict(body["messages"][1]), expected[2], expected[3]]  # type: ignore[index]
+    assert parsed.jobs[0].prompt_ids == _chat_ids(info, as_parts)
+
+
+def test_chat_maps_fields(info: ModelInfo, name: str) -> None:
+    body = {
+        "model": name,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 50,
+        "temperature": 0.2,
+        "top_p": 0.5,
+        "seed": 11,
+        "stop": "\n",
+        "logprobs": True,
+        "top_logprobs": 4,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "presence_penalty": 1.0,
+    }
+    parsed = parse_chat(body, info, DEFAULT_MAX)
+    assert parsed.stream and parsed.include_usage
+    assert parsed.jobs[0].sampling == SamplingParams(
+        max_new_tokens=50,
+        temperature=0.2,
+        top_p=0.5,
+        seed=11,
+        stop=("\n",),
+        logprobs=True,
+        top_logprobs=4,
+        presence_penalty=1.0,
+    )
+
+
+def test_chat_max_completion_tokens_wins(info: ModelInfo, name: str) -> None:
+    body = {
+        "model": name,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 50,
+        "max_completion_tokens": 9,
+    }
+    assert parse_chat(body, info, DEFAULT_MAX).jobs[0].sampling.max_new_tokens == 9
+
+
+def test_chat_default_max_tokens_is_capped_by_context(info: ModelInfo, name: str) -> None:
+    body = {"model": name, "messages": [{"role": "user", "content": "hi"}]}
+    job = parse_chat(body, info, 10**6).jobs[0]
+    assert job.sampling.max_new_tokens == info.context_length - len(job.prompt_ids)
+    assert parse_chat(body, info, 3).jobs[0].sampling.max_new_tokens == 3
+
+
+@pytest.mark.parametrize(
+    ("changes", "param"),
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": None}, "messages"),
+        ({"messages": ["hi"]}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),  # bad role
+        ({"messages": [{"role": "USER", "content": "hi"}]}, "messages"),
+        ({"messages": [{"content": "hi"}]}, "messages"),  # no role
+        ({"messages": [{"role": None, "content": "hi"}]}, "messages"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages"),
+        ({"messages": [{"role": "user"}]}, "messages"),  # only assistants may omit content
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}, "messages"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # top_logprobs without logprobs
+        ({"top_logprobs": 2, "logprobs": False}, "top_logprobs"),
+        ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+        ({"logprobs": 1}, "logprobs"),
+        ({"temperature": 2.5}, "temperature"),  # chat caps temperature at 2
+        ({"temperature": "hot"}, "temperature"),
+        ({"max_tokens": "many"}, "max_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"n": 3}, "n"),
+        ({"stop": 1}, "stop"),
+    ],
+)
+def test_chat_rejects(info: ModelInfo, name: str, changes: dict[str, Any], param: str) -> None:
+    body = {"model": name, "messages": [{"role": "user", "content": "hi"}], **changes}
+    _bad(parse_chat, body, info, param=param)
+
+
+def test_chat_unknown_model_and_missing_model(info: ModelInfo) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    _bad(parse_chat, {"model": "llama", "messages": messages}, info, code="model_not_found")
+    _bad(parse_chat, {"messages": messages}, info, param="model")
+
+
+def test_chat_max_tokens_beyond_context(info: ModelInfo, name: str) -> None:
+    body = {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": info.context_length - 5}
+    _bad(parse_chat, body, info, code="context_length_exceeded", param="max_tokens")
+
+
+# ---- /generate (SGLang) ------------------------------------------------------------------
+
+
+def test_generate_top_level_shorthand(info: ModelInfo) -> None:
+    body = {"text": "請介紹一下你自己", "max_new_tokens": 32, "temperature": 0.7}
+    parsed = parse_generate(body, info, DEFAULT_MAX)
+    job = parsed.jobs[0]
+    assert job.prompt_ids == _enc(info, "請介紹一下你自己")
+    assert job.prompt_text == "請介紹一下你自己"
+    assert job.sampling == SamplingParams(max_new_tokens=32, temperature=0.7)
+    assert not parsed.stream and not parsed.batch and parsed.rid is None and parsed.skip_special_tokens
+
+
+def test_generate_sampling_params(info: ModelInfo, name: str) -> None:
+    body = {
+        "model": name,
+        "text": "Hi",
+        "max_new_tokens": 5,  # overridden by sampling_params
+        "top_k": 3,  # kept: not in sampling_params
+        "sampling_params": {
+            "max_new_tokens": 12,
+            "temperature": 0,
+            "stop": ["x", "y"],
+            "stop_token_ids": [9],
+            "ignore_eos": True,
+            "repetition_penalty": 1.3,
+            "min_p": 0.05,
+            "seed": 99,
+            "skip_special_tokens": False,
+        },
+        "stream": True,
+        "rid": "my-request",
+        "return_logprob": True,
+        "top_logprobs_num": 3,
+    }
+    parsed = parse_generate(body, info, DEFAULT_MAX)
+    assert parsed.stream and parsed.rid == "my-request" and not parsed.skip_special_tokens
+    assert parsed.jobs[0].sampling == SamplingParams(
+        max_new_tokens=12,
+        temperature=0.0,
+        top_k=3,
+        stop=("x", "y"),
+        stop_token_ids=(9,),
+        ignore_eos=True,
+        repetition_penalty=1.3,
+        min_p=0.05,
+        seed=99,
+        logprobs=True,
+        top_logprobs=3,
+    )
+
+
+def test_generate_input_ids_and_batches(info: ModelInfo) -> None:
+    parsed = parse_generate({"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 2}}, info, DEFAULT_MAX)
+    assert parsed.jobs[0].prompt_ids == [3, 4, 5] and not parsed.batch
+    parsed = parse_generate({"input_ids": [[3, 4], [5]]}, info, DEFAULT_MAX)
+    assert parsed.batch and [j.prompt_ids for j in parsed.jobs] == [[3, 4], [5]]
+    parsed = parse_generate({"text": ["one", "two"]}, info, DEFAULT_MAX)
+    assert parsed.batch and [j.prompt_ids for j in parsed.jobs] == [_enc(info, "one"), _enc(info, "two")]
+
+
+def test_generate_default_max_new_tokens(info: ModelInfo) -> None:
+    assert parse_generate({"text": "x"}, info, DEFAULT_MAX).jobs[0].sampling.max_new_tokens == 128
+    assert parse_generate({"text": "x"}, info, 20).jobs[0].sampling.max_new_tokens == 20
+    assert parse_generate({"text": "x", "sampling_params": None}, info, 20).jobs[0].sampling.max_new_tokens == 20
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"text": ""}, "text"),  # empty text
+        ({"text": 5}, "text"),
+        ({"text": ["a", ""]}, "text"),
+        ({}, "text"),
+        ({"text": "x", "input_ids": [1]}, "text"),
+        ({"input_ids": []}, "input_ids"),
+        ({"input_ids": [1.0]}, "input_ids"),
+        ({"input_ids": [4352]}, "input_ids"),  # == vocabulary size
+        ({"input_ids": "hello"}, "input_ids"),  # text where ids belong
+        ({"input_ids": ["hello", "world"]}, "input_ids"),
+        ({"text": "x", "sampling_params": [1]}, "sampling_params"),
+        ({"text": "x", "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens"),
+        ({"text": "x", "max_new_tokens": "32"}, "max_new_tokens"),
+        ({"text": "x", "temperature": "0.7"}, "temperature"),
+        ({"text": "x", "sampling_params": {"stop": 1}}, "stop"),
+        ({"text": "x", "sampling_params": {"n": 2}}, "n"),
+        ({"text": "x", "n": 2}, "n"),
+        ({"text": "x", "sampling_params": {"skip_special_tokens": "no"}}, "skip_special_tokens"),
+        ({"text": ["a", "b"], "stream": True}, "stream"),
+        ({"text": "x", "rid": 5}, "rid"),
+        ({"text": ["a", "b"], "rid": "r"}, "rid"),
+        ({"text": "x", "return_logprob": "yes"}, "return_logprob"),
+        ({"text": "x", "top_logprobs_num": 21}, "top_logprobs_num"),
+        ({"text": "x", "model": "other"}, "model"),
+    ],
+)
+def test_generate_rejects(info: ModelInfo, body: dict[str, Any], param: str) -> None:
+    _bad(parse_generate, body, info, param=param)
+
+
+def test_generate_model_is_optional_but_checked(info: ModelInfo, name: str) -> None:
+    assert parse_generate({"text": "x", "model": name}, info, DEFAULT_MAX).jobs
+    _bad(parse_generate, {"text": "x", "model": "nope"}, info, code="model_not_found")
+
+
+def test_generate_max_new_tokens_beyond_context(info: ModelInfo) -> None:
+    body = {"text": "x", "sampling_params": {"max_new_tokens": info.context_length}}
+    _bad(parse_generate, body, info, code="context_length_exceeded")
+
+
+# ---- model info ---------------------------------------------------------------------------
+
+
+def test_model_info(info: ModelInfo, tiny_model_dir: Path) -> None:
+    assert info.name == tiny_model_dir.name
+    assert info.context_length == 4096
+    assert info.has_chat_template
+    assert info.tokenizer.eos_token_id in info.eos_token_ids
+    assert load_model_info(tiny_model_dir, name="alias", context_length=1000).context_length == 1000
