@@ -32,11 +32,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from schemas import SamplingParams  # noqa: E402
-from workers.engine.config import EngineConfig  # noqa: E402
-from workers.engine.engine import Engine  # noqa: E402
-from workers.loader import build_engine, quiet_transformers  # noqa: E402
-from workers.tiny_model import ensure_default_model  # noqa: E402
+from schemas import SamplingParams
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
+from workers.loader import build_engine, quiet_transformers
+from workers.tiny_model import ensure_default_model
 
 
 @dataclass

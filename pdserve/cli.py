@@ -96,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
         _sglang(w)
         w.add_argument("--nats-url", default=settings.default_nats_url())
         w.add_argument("--worker-id", default="")
+
+    from pdserve.bench.cli import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
@@ -227,6 +231,10 @@ def main(argv: list[str] | None = None) -> int:
             from pdserve.supervisor import run_up
 
             return run_up(args)
+        if args.command == "bench":
+            from pdserve.bench.cli import run as run_bench
+
+            return run_bench(args)
         if args.command == "api":
             run_api(args)
         else:

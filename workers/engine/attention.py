@@ -138,7 +138,7 @@ def paged_attention(
 def _gather(meta: AttentionMetadata, layer: int, rows: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V ``[B, H, M * page_size, D]`` (contiguous) for layer-0 row ids ``[2, B, H, M]``."""
     pool = meta.kv_pool
-    _, layers, _, heads, page_size, dim = pool.shape
+    _, _, _, heads, page_size, dim = pool.shape
     _, b, h, m = rows.shape
     table = pool.view(-1, page_size * dim)
     buf = meta.workspace.get(name, (2 * b * h * m, page_size * dim), pool)
