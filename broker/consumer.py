@@ -29,6 +29,17 @@ M = TypeVar("M", bound=Message)
 _STATUS = "Status"
 
 
+NO_WAIT_EXPIRES_NS = 50_000_000
+
+
+def _pending_after(msg: Msg) -> int:
+    """Messages the server still had for the consumer when it delivered ``msg``."""
+    try:
+        return int(msg.metadata.num_pending or 0)
+    except Exception:  # not a JetStream delivery: let the extra pull find out
+        return 1
+
+
 def _status(msg: Msg) -> str | None:
     if msg.headers and not msg.data:
         return msg.headers.get(_STATUS)
@@ -68,8 +79,9 @@ class PullConsumer:
                 if first is None:
                     return []
                 msgs.append(first)
-            if len(msgs) < max_msgs:
-                msgs.extend(await self._no_wait(max_msgs - len(msgs)))
+            more = min(max_msgs - len(msgs), _pending_after(msgs[-1]))
+            if more > 0:
+                msgs.extend(await self._no_wait(more))
             return msgs
 
     def _drain(self, max_msgs: int) -> list[Msg]:
@@ -107,8 +119,12 @@ class PullConsumer:
                 log.debug("pull status", extra={"status": status})
 
     async def _no_wait(self, batch: int) -> list[Msg]:
+        """What is waiting now, up to ``batch``. The short ``expires`` ends the request
+        even when ``max_ack_pending`` stops the server from filling it (it then sends
+        nothing, and a request left open would pull messages nobody is waiting for)."""
         assert self._sub is not None
-        await self._nc.publish(self._next, orjson.dumps({"batch": batch, "no_wait": True}), reply=self._inbox)
+        request = {"batch": batch, "no_wait": True, "expires": NO_WAIT_EXPIRES_NS}
+        await self._nc.publish(self._next, orjson.dumps(request), reply=self._inbox)
         out: list[Msg] = []
         while len(out) < batch:
             try:

@@ -76,10 +76,14 @@ def start_nats_server(
     data_dir = Path(data_dir)
     store = data_dir / "jetstream"
     ports_dir = data_dir / "ports"
-    store.mkdir(parents=True, exist_ok=True)
-    ports_dir.mkdir(parents=True, exist_ok=True)
     conf = data_dir / "nats.conf"
-    conf.write_text(f"max_payload: {max_payload}\n")
+    log_file = data_dir / "nats-server.log"
+    try:
+        store.mkdir(parents=True, exist_ok=True)
+        ports_dir.mkdir(parents=True, exist_ok=True)
+        conf.write_text(f"max_payload: {max_payload}\n")
+    except OSError as exc:
+        raise NatsServerError(f"cannot use {data_dir} for the broker's store: {exc}") from None
     args = [
         find_binary(),
         "-c", str(conf),
@@ -89,7 +93,7 @@ def start_nats_server(
         "-js",
         "-sd", str(store),
         "--ports_file_dir", str(ports_dir),
-        "-l", str(data_dir / "nats-server.log"),
+        "-l", str(log_file),
     ]
     log.info("starting nats-server", extra={"store": str(store)})
     process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -97,8 +101,10 @@ def start_nats_server(
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            err = process.stderr.read().decode(errors="replace") if process.stderr else ""
-            raise NatsServerError(f"nats-server exited with {process.returncode}: {err.strip()}")
+            err = process.stderr.read().decode(errors="replace").strip() if process.stderr else ""
+            raise NatsServerError(
+                f"nats-server exited with {process.returncode}: {err or _tail(log_file)} (log: {log_file})"
+            )
         if ports_file.exists():
             try:
                 ports = json.loads(ports_file.read_text())
@@ -111,6 +117,14 @@ def start_nats_server(
         time.sleep(0.02)
     process.kill()
     raise NatsServerError(f"nats-server did not start within {timeout:.0f}s")
+
+
+def _tail(path: Path, lines: int = 3) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "no log"
+    return " | ".join(line.strip() for line in text[-lines:])
 
 
 def _listening(url: str) -> bool:

@@ -121,9 +121,11 @@ async def ensure_model(js: JetStreamContext, model: str, config: BrokerConfig) -
 
 
 async def worker_bucket(js: JetStreamContext, config: BrokerConfig) -> KeyValue:
-    """The registry bucket; entries vanish ``worker_ttl`` seconds after their last heartbeat."""
+    """The registry bucket; entries vanish ``worker_ttl`` seconds after their last heartbeat.
+
+    An existing bucket with another TTL is brought to this one."""
     try:
-        return await js.key_value(subjects.WORKER_BUCKET)
+        bucket = await js.key_value(subjects.WORKER_BUCKET)
     except (BucketNotFoundError, NotFoundError):
         try:
             return await js.create_key_value(
@@ -131,8 +133,13 @@ async def worker_bucket(js: JetStreamContext, config: BrokerConfig) -> KeyValue:
                     bucket=subjects.WORKER_BUCKET, history=1, ttl=config.worker_ttl, storage=js_api.StorageType.MEMORY
                 )
             )
-        except BadRequestError:
-            return await js.key_value(subjects.WORKER_BUCKET)
+        except BadRequestError:  # created by someone else meanwhile
+            bucket = await js.key_value(subjects.WORKER_BUCKET)
+    info = await js.stream_info(f"KV_{subjects.WORKER_BUCKET}")
+    if info.config.max_age != config.worker_ttl:
+        window = min(info.config.duplicate_window or config.worker_ttl, config.worker_ttl)
+        await js.update_stream(dataclasses.replace(info.config, max_age=config.worker_ttl, duplicate_window=window))
+    return bucket
 
 
 @dataclasses.dataclass(frozen=True)
