@@ -91,9 +91,13 @@ def run_hf_static(model: torch.nn.Module, reqs: list[Request], concurrency: int,
 
 def run_hf_cb(model: torch.nn.Module, reqs: list[Request], concurrency: int) -> float:
     from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     config = GenerationConfig(do_sample=False, max_new_tokens=max(r.output_len for r in reqs), eos_token_id=-1)
-    manager = model.init_continuous_batching(generation_config=config)
+    longest = max(len(r.prompt) + r.output_len for r in reqs)
+    blocks = concurrency * (-(-longest // 256) + 1) + 8  # sized like pdserve's pool: enough, not all RAM
+    cb = ContinuousBatchingConfig(num_blocks=blocks, max_batch_tokens=2048, max_requests_per_batch=max(concurrency, 1))
+    manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=cb)
     manager.start()
     pending = list(enumerate(reqs))
     in_flight = 0

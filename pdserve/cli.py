@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -96,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         _sglang(w)
         w.add_argument("--nats-url", default=settings.default_nats_url())
         w.add_argument("--worker-id", default="")
+        w.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
 
     from pdserve.bench.cli import add_parser as add_bench_parser
 
@@ -148,8 +150,26 @@ def engine_config(args: argparse.Namespace) -> object:
     )
 
 
+def exit_with_parent() -> None:
+    """Linux: get SIGTERM when the supervising process dies, even by SIGKILL."""
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def run_worker(args: argparse.Namespace, role: str) -> None:
     import asyncio
+
+    if args.exit_with_parent:
+        exit_with_parent()
 
     from workers.config import WorkerConfig
     from workers.loader import build_engine

@@ -61,6 +61,7 @@ def worker_argv(args: argparse.Namespace, role: str, model_path: Path, nats_url:
         "--heartbeat-seconds", str(args.heartbeat_seconds),
         "--num-threads", str(threads),
         "--host", args.transfer_host,
+        "--exit-with-parent",
     ]
     optional = {
         "--served-model-name": args.served_model_name,

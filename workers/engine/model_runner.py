@@ -73,12 +73,17 @@ def load_model(spec: ModelSpec, device: torch.device) -> torch.nn.Module:
     dtype = resolve_dtype(spec.dtype, getattr(config, "dtype", None), device)
     if spec.load_format == "dummy":
         torch.manual_seed(spec.seed)
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=dtype, attn_implementation=impl, trust_remote_code=spec.trust_remote_code
-        )
+        with device:  # initialise on the device: a 7B model's random init on the CPU takes minutes
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=dtype, attn_implementation=impl, trust_remote_code=spec.trust_remote_code
+            )
     elif spec.load_format == "auto":
         model = AutoModelForCausalLM.from_pretrained(
-            spec.path, dtype=dtype, attn_implementation=impl, trust_remote_code=spec.trust_remote_code
+            spec.path,
+            dtype=dtype,
+            attn_implementation=impl,
+            trust_remote_code=spec.trust_remote_code,
+            device_map=None if device.type == "cpu" else device,
         )
     else:
         raise ValueError(f"unknown load format {spec.load_format!r}")
@@ -99,13 +104,15 @@ def kv_layout_of(model: torch.nn.Module, page_size: int) -> KVLayout:
 
 
 class ModelRunner:
-    def __init__(self, spec: ModelSpec, config: EngineConfig) -> None:
+    """``model``, if given, is used as is (it must already use :data:`ATTN_IMPLEMENTATION`)."""
+
+    def __init__(self, spec: ModelSpec, config: EngineConfig, model: torch.nn.Module | None = None) -> None:
         self.config = config
         self.device = torch.device(config.device)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         started = time.monotonic()
-        self.model = load_model(spec, self.device)
+        self.model = model if model is not None else load_model(spec, self.device)
         text_config = self.model.config.get_text_config()
         self.vocab_size = text_config.vocab_size
         self.max_model_len = config.max_model_len or getattr(text_config, "max_position_embeddings", 4096)
