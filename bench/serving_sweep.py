@@ -1,0 +1,512 @@
+"""PD-disaggregated vs unified serving, measured with ``pdserve bench`` on one machine.
+
+Starts ``pdserve up --mode pd`` (1 prefill + 1 decode worker) and then ``pdserve up --mode
+unified --unified-workers 2`` on the same model, each on its own free port and data dir
+under a temporary directory; runs the same request-rate sweep against each for two
+workloads (prefill-heavy and decode-heavy); stops each system with SIGTERM. Writes:
+
+* ``docs/img/serving_<workload>.png`` — PD and unified overlaid (TTFT, TPOT/ITL, goodput);
+* ``docs/data/serving_sweep.json`` — every point of every run, the SLOs and the crossovers;
+* the markdown tables and the crossover analysis on stdout (for ``docs/performance.md``).
+
+``--client-overhead`` instead (or also, with ``--also-client-overhead``) measures the
+benchmark client itself against ``pdserve bench stub`` in a separate process: achieved
+vs. offered request rate, the latency the client adds, and its CPU time per request.
+
+Examples::
+
+    python bench/serving_sweep.py                                   # defaults: rates 1,2,4,8; 40 prompts
+    python bench/serving_sweep.py --rates 2,8 --num-prompts 10 --out-img /tmp/x --out-data /tmp/x
+    python bench/serving_sweep.py --client-overhead --stub-rates 100,250,500,750,1000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+import os
+import platform
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from pdserve.bench.config import BenchConfig
+from pdserve.bench.metrics import SLO, RequestRecord, stat
+from pdserve.bench.report import markdown_table, write_json
+from pdserve.bench.runner import run_benchmark
+
+ROOT = Path(__file__).resolve().parent.parent
+MODES = {
+    "pd": ("PD (1 prefill + 1 decode)", ["--mode", "pd", "--prefill-workers", "1", "--decode-workers", "1"],
+           {"prefill": 1, "decode": 1}),
+    "unified": ("unified (2 workers)", ["--mode", "unified", "--unified-workers", "2"], {"unified": 2}),
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    input_len: int
+    output_len: int
+
+
+def _workload(text: str) -> Workload:
+    name, _, lens = text.partition("=")
+    i, _, o = lens.partition(":")
+    return Workload(name, int(i), int(o))
+
+
+# ---- the system under test ------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any non-zombie process of process group ``pgid`` is left (Linux /proc)."""
+    proc = Path("/proc")
+    if not proc.exists():
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    for d in proc.iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat_line = (d / "stat").read_text()
+        except OSError:
+            continue
+        rest = stat_line.rsplit(")", 1)[-1].split()
+        if len(rest) > 2 and rest[0] != "Z" and int(rest[2]) == pgid:
+            return True
+    return False
+
+
+class System:
+    """One ``pdserve up`` in its own session (process group), so that everything it starts
+    can be found and stopped at the end."""
+
+    def __init__(self, mode: str, model_path: Path, root: Path, extra: list[str]) -> None:
+        self.mode = mode
+        self.label, self.flags, self.roles = MODES[mode]
+        self.model_path = model_path
+        self.data_dir = root / mode
+        self.log_path = root / f"{mode}.log"
+        self.extra = extra
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 240.0) -> None:
+        argv = [sys.executable, "-m", "pdserve", "up", *self.flags, "--host", "127.0.0.1", "--port", str(self.port),
+                "--data-dir", str(self.data_dir), "--model-path", str(self.model_path), "--log-level", "WARNING", *self.extra]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "MC_LOG_LEVEL": "ERROR", "TOKENIZERS_PARALLELISM": "false"}
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"pdserve up ({self.mode}) exited early:\n{self.log_tail()}")
+            if self._ready():
+                return
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"pdserve up ({self.mode}) not ready after {timeout:.0f}s:\n{self.log_tail()}")
+
+    def _ready(self) -> bool:
+        """/health is 200 and every worker has registered (/health turns 200 with one)."""
+        try:
+            if httpx.get(self.url + "/health", timeout=2).status_code != 200:
+                return False
+            workers = httpx.get(self.url + "/workers", timeout=2).json()
+        except (httpx.HTTPError, ValueError):
+            return False
+        have = {role: sum(1 for w in workers if w.get("role") == role) for role in self.roles}
+        return all(have[r] >= n for r, n in self.roles.items())
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """SIGTERM to ``pdserve up``; then SIGTERM to anything of its process group still
+        running (``pdserve up`` may exit before its workers and broker: see the report),
+        SIGKILL after ``timeout``."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        if _group_alive(pgid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGTERM)
+            deadline = time.monotonic() + timeout / 2
+            while _group_alive(pgid) and time.monotonic() < deadline:
+                time.sleep(0.2)
+        if _group_alive(pgid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.proc = None
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+# ---- goodput at an SLO chosen after the runs ------------------------------------------------
+_FIELDS = {f.name for f in fields(RequestRecord)}
+
+
+def goodput(point: dict[str, Any], slo: SLO) -> tuple[float, float]:
+    """(req/s, fraction) of the point's requests meeting ``slo``."""
+    recs = [RequestRecord(**{k: v for k, v in row.items() if k in _FIELDS}) for row in point["requests"]]
+    good = sum(1 for r in recs if slo.met(r))
+    return good / point["metrics"]["duration_s"], good / max(1, len(recs))
+
+
+def _nice(x: float) -> float:
+    """Round up to 1, 2 or 5 times a power of ten."""
+    if x <= 0:
+        return 1.0
+    e = 10 ** math.floor(math.log10(x))
+    for m in (1, 2, 5, 10):
+        if x <= m * e:
+            return float(m * e)
+    return float(10 * e)
+
+
+def auto_slo(runs: dict[str, list[dict[str, Any]]], factor: float, ttft: float | None, tpot: float | None) -> SLO:
+    """The SLO for one workload: given values, else ``factor`` times the best p50 (TTFT,
+    TPOT) any mode reached at the lowest rate, rounded up to 1/2/5 x 10^k ms."""
+    firsts = [points[0]["metrics"] for points in runs.values() if points]
+    if ttft is None:
+        ttft = _nice(factor * min(stat(m, "ttft_ms", "p50") or math.inf for m in firsts))
+    if tpot is None:
+        tpot = _nice(factor * min(stat(m, "tpot_ms", "p50") or math.inf for m in firsts))
+    return SLO(ttft_ms=ttft, itl_ms=tpot, itl_metric="tpot")
+
+
+def crossover(rates: list[float], a: list[float], b: list[float], name_a: str, name_b: str, tie: float = 0.05) -> str:
+    """Where goodput ``a`` overtakes ``b`` or falls below it. Differences within ``tie``
+    (relative to the larger of the two) count as a tie: a few requests per point make
+    small differences noise. A sign change between two rates is placed by linear
+    interpolation; leaving a tie only names the interval."""
+
+    def sign(x: float, y: float) -> int:
+        if abs(x - y) <= tie * max(abs(x), abs(y), 1e-12):
+            return 0
+        return 1 if x > y else -1
+
+    signs = [sign(x, y) for x, y in zip(a, b, strict=True)]
+    span = f"{rates[0]:g}-{rates[-1]:g} req/s"
+    band = f"within {100 * tie:g}%"
+    if all(v == 0 for v in signs):
+        return f"No crossover in {span}: {name_a} and {name_b} goodput are {band} of each other at every measured rate."
+    events = []
+    prev_i, prev_s = None, 0
+    for i, v in enumerate(signs):
+        if v == 0:
+            continue
+        verb = "overtakes" if v > 0 else "falls below"
+        if prev_s == 0 and i > 0:
+            events.append(f"{name_a} goodput {verb} {name_b} between {rates[i - 1]:g} and {rates[i]:g} req/s "
+                          f"(tied, {band}, up to {rates[i - 1]:g})")
+        elif prev_s not in (0, v) and prev_i is not None:
+            d0, d1 = a[prev_i] - b[prev_i], a[i] - b[i]
+            r = rates[prev_i] + (rates[i] - rates[prev_i]) * d0 / (d0 - d1)
+            events.append(f"{name_a} goodput {verb} {name_b} between {rates[prev_i]:g} and {rates[i]:g} req/s (about {r:.2f} req/s)")
+        prev_i, prev_s = i, v
+    if not events:
+        where = "above" if prev_s > 0 else "below"
+        return f"No crossover in {span}: {name_a} goodput is {where} {name_b} (by more than {100 * tie:g}%) from the lowest rate on."
+    return "; ".join(events) + "."
+
+
+# ---- the sweep ------------------------------------------------------------------------------------
+def _fmt(v: float | None, digits: int = 1) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{digits}f}"
+
+
+def workload_table(wl: Workload, runs: dict[str, list[dict[str, Any]]], slo: SLO) -> str:
+    header = ["mode", "rate", "ok/fail", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p99",
+              "E2E p50", "goodput", "good %", "req queue p99", "kv queue p99"]
+    rows = []
+    for mode, points in runs.items():
+        for p in points:
+            m = p["metrics"]
+            gp, frac = goodput(p, slo)
+            timings = m.get("server_timings_ms") or {}
+            rq = (timings.get("request_queue") or {}).get("p99")
+            kq = (timings.get("kv_queue") or {}).get("p99")
+            rows.append([
+                mode, f"{p['request_rate']:g}", f"{m['completed']}/{m['failed']}", _fmt(m["request_throughput"], 2),
+                _fmt(m["output_throughput"]), _fmt(stat(m, "ttft_ms", "p50")), _fmt(stat(m, "ttft_ms", "p99")),
+                _fmt(stat(m, "tpot_ms", "p50"), 2), _fmt(stat(m, "tpot_ms", "p99"), 2), _fmt(stat(m, "itl_ms", "p99"), 2),
+                _fmt(stat(m, "e2e_latency_ms", "p50")), _fmt(gp, 2), _fmt(100 * frac, 0), _fmt(rq, 2), _fmt(kq, 2),
+            ])
+    return markdown_table(header, rows)
+
+
+async def sweep_system(url: str, wl: Workload, args: argparse.Namespace, tokenizer: str, quiet: bool) -> list[dict[str, Any]]:
+    cfg = BenchConfig(
+        base_url=url, backend=args.backend, tokenizer=tokenizer, num_prompts=args.num_prompts, warmup=args.warmup,
+        seed=args.seed, input_len=wl.input_len, output_len=wl.output_len, range_ratio=args.range_ratio,
+        burstiness=args.burstiness, sweep=args.rates, save_requests=True, quiet=quiet, sweep_pause=args.pause,
+    )
+    result = await run_benchmark(cfg)
+    return list(result["points"])
+
+
+def run_sweeps(args: argparse.Namespace) -> dict[str, Any]:
+    root = Path(tempfile.mkdtemp(prefix="pdserve-sweep-"))
+    if args.model_path:
+        model = Path(args.model_path)
+    else:
+        from workers.tiny_model import ensure_default_model
+
+        model = ensure_default_model(root / "model")
+    workloads = [_workload(w) for w in args.workloads]
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {wl.name: {} for wl in workloads}
+    started = time.time()
+    for mode in args.modes:
+        system = System(mode, model, root, args.up_args.split() if args.up_args else [])
+        print(f"starting {system.label} on {system.url} (log: {system.log_path})", file=sys.stderr, flush=True)
+        t0 = time.monotonic()
+        try:
+            system.start()
+            print(f"  ready after {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
+            for wl in workloads:
+                print(f"  {wl.name}: input {wl.input_len}, output {wl.output_len}, rates {args.rates}", file=sys.stderr, flush=True)
+                runs[wl.name][mode] = asyncio.run(sweep_system(system.url, wl, args, str(model), args.quiet))
+        finally:
+            system.stop()
+            print(f"  stopped {mode}", file=sys.stderr, flush=True)
+    return {"root": str(root), "model": str(model), "workloads": workloads, "runs": runs, "seconds": time.time() - started}
+
+
+def report(args: argparse.Namespace, sweep: dict[str, Any]) -> dict[str, Any]:
+    from pdserve.bench.plot import plot_sweeps
+
+    out_img, out_data = Path(args.out_img), Path(args.out_data)
+    lines = [
+        "## Serving sweep: PD-disaggregated vs unified",
+        "",
+        "`" + " ".join(["python bench/serving_sweep.py", *args.argv]) + "`",
+        "",
+        f"- machine: {platform.machine()}, {os.cpu_count()} CPU cores, {platform.system()}; model: "
+        f"`{Path(sweep['model']).name}` on CPU; both systems on the same machine, one after the other",
+        f"- PD: {MODES['pd'][0]}; unified: {MODES['unified'][0]}; backend `{args.backend}` (streaming), "
+        f"`ignore_eos`, token-id prompts (exact lengths)",
+        f"- {args.num_prompts} requests per point, Poisson arrivals (burstiness {args.burstiness:g}), {args.warmup} warm-up "
+        f"requests per point, fresh prompts per point (seed {args.seed} + point index)",
+        "- latencies in ms; TPOT = (E2E - TTFT) / (output tokens - 1); ITL = gaps between streamed events; "
+        "queue columns are the server's `meta_info.timings` (request_queue: JetStream request queue wait; "
+        "kv_queue: KV-ready event wait before a decode worker takes it)",
+        "",
+    ]
+    result: dict[str, Any] = {
+        "tool": "bench/serving_sweep.py",
+        "argv": args.argv,
+        "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "model": sweep["model"],
+        "seconds": sweep["seconds"],
+        "workloads": {},
+    }
+    for wl in sweep["workloads"]:
+        runs = sweep["runs"][wl.name]
+        slo = auto_slo(runs, args.slo_factor, args.slo_ttft, args.slo_tpot)
+        rates = [float(r) for r in args.rates]
+        lines += [f"### {wl.name}: input {wl.input_len} tokens, output {wl.output_len} tokens", ""]
+        how = "given" if args.slo_ttft is not None and args.slo_tpot is not None else \
+            f"{args.slo_factor:g}x the best p50 at {rates[0]:g} req/s, rounded up, where not given"
+        lines += [f"SLO for goodput: {slo.describe()} ({how}).", ""]
+        lines += [workload_table(wl, runs, slo), ""]
+        analysis = ""
+        if "pd" in runs and "unified" in runs:
+            gp_pd = [goodput(p, slo)[0] for p in runs["pd"]]
+            gp_un = [goodput(p, slo)[0] for p in runs["unified"]]
+            analysis = crossover(rates, gp_pd, gp_un, "PD", "unified", args.tie)
+            lines += [f"Crossover at this SLO: {analysis}", ""]
+        png = out_img / f"serving_{wl.name}.png"
+        series = [(MODES[m][0], points) for m, points in runs.items()]
+        for points in runs.values():
+            for p in points:
+                gp, frac = goodput(p, slo)
+                p["metrics"]["slo"] = {"ttft_ms": slo.ttft_ms, "itl_ms": slo.itl_ms, "itl_metric": slo.itl_metric, "text": slo.describe()}
+                p["metrics"]["goodput"], p["metrics"]["goodput_fraction"] = gp, frac
+        plot_sweeps(series, png, title=f"{wl.name}: input {wl.input_len}, output {wl.output_len} ({slo.describe()})")
+        rel = os.path.relpath(png, ROOT / "docs") if png.is_relative_to(ROOT / "docs") else str(png)
+        lines += [f"![{wl.name}]({rel})", ""]
+        if not args.save_requests:
+            for points in runs.values():
+                for p in points:
+                    p.pop("requests", None)
+        result["workloads"][wl.name] = {
+            "input_len": wl.input_len, "output_len": wl.output_len, "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.itl_ms},
+            "crossover": analysis, "runs": runs, "plot": str(png),
+        }
+    result["markdown"] = "\n".join(lines)
+    write_json(out_data / "serving_sweep.json", result)
+    return result
+
+
+# ---- the client against the stub --------------------------------------------------------------------
+def client_overhead(args: argparse.Namespace) -> dict[str, Any]:
+    """The benchmark client against ``pdserve bench stub`` (another process): achieved vs.
+    offered rate, latency added, client CPU per request."""
+    port = free_port()
+    stub = subprocess.Popen([sys.executable, "-m", "pdserve.bench", "stub", "--port", str(port), "--tokens", str(args.stub_tokens)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    rows = []
+    points = []
+    try:
+        assert stub.stdout is not None
+        stub.stdout.readline()
+        url = f"http://127.0.0.1:{port}"
+        plan: list[tuple[float, int | None]] = [(r, None) for r in args.stub_rates]
+        plan += [(math.inf, c) for c in args.stub_concurrency]
+        for rate, conc in plan:
+            n = args.stub_prompts if math.isinf(rate) else max(args.stub_prompts, int(rate * args.stub_seconds))
+            cfg = BenchConfig(base_url=url, num_prompts=n, request_rate=rate, max_concurrency=conc, input_len=32,
+                              output_len=args.stub_tokens, warmup=min(32, conc or 32), quiet=True, seed=args.seed)
+            ru0 = resource.getrusage(resource.RUSAGE_SELF)
+            result = asyncio.run(run_benchmark(cfg))
+            ru1 = resource.getrusage(resource.RUSAGE_SELF)
+            cpu = (ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime) / n
+            [p] = result["points"]
+            m = p["metrics"]
+            p["client_cpu_us_per_request"] = cpu * 1e6
+            points.append(p)
+            lag = m.get("send_lag_ms") or {}
+            rows.append([
+                "inf" if math.isinf(rate) else f"{rate:g}", str(conc or "-"), str(n), _fmt(m.get("offered_request_rate")),
+                _fmt(m["request_throughput"]), _fmt(stat(m, "ttft_ms", "p50"), 2), _fmt(stat(m, "ttft_ms", "p99"), 2),
+                _fmt(stat(m, "e2e_latency_ms", "p50"), 2), _fmt(stat(m, "e2e_latency_ms", "p99"), 2),
+                _fmt(lag.get("p50"), 2), _fmt(lag.get("p99"), 2), _fmt(cpu * 1e6, 0), str(m["failed"]),
+            ])
+            print(f"  stub rate {rows[-1][0]} conc {rows[-1][1]}: achieved {rows[-1][4]} req/s", file=sys.stderr, flush=True)
+    finally:
+        stub.terminate()
+        try:
+            stub.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            stub.kill()
+            stub.wait()
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = (math.nan,) * 3
+    header = ["target req/s", "max conc", "requests", "offered req/s", "achieved req/s", "TTFT p50", "TTFT p99", "E2E p50",
+              "E2E p99", "send lag p50", "send lag p99", "client CPU us/req", "failed"]
+    md = "\n".join([
+        "## Client overhead against the stub server",
+        "",
+        f"`pdserve bench stub --tokens {args.stub_tokens} --itl-ms 0` in its own process on loopback (it answers at once, one "
+        f"SSE event per token plus a usage event), the client in this one; {os.cpu_count()} CPU cores, load average "
+        f"{load[0]:.1f} at the end. Latencies in ms: against an instant server they are the client's own overhead plus "
+        "loopback and the stub's. Send lag = actual send time - scheduled arrival time (open loop only).",
+        "",
+        markdown_table(header, rows),
+        "",
+    ])
+    out = {"markdown": md, "points": points, "loadavg": load}
+    write_json(Path(args.out_data) / "client_overhead.json", out)
+    return out
+
+
+# ---- command line ---------------------------------------------------------------------------------
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p.add_argument("--rates", type=_floats, default=[1.0, 2.0, 4.0, 8.0], help="request rates (req/s) (default: 1,2,4,8)")
+    p.add_argument("--num-prompts", type=int, default=40, help="requests per point (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=2, help="warm-up requests per point (default: %(default)s)")
+    p.add_argument("--workloads", nargs="+", default=["prefill-heavy=1024:16", "decode-heavy=64:256"],
+                   help="NAME=INPUT:OUTPUT token lengths (default: %(default)s)")
+    p.add_argument("--modes", nargs="+", default=["pd", "unified"], choices=list(MODES), help="(default: pd unified)")
+    p.add_argument("--backend", default="generate", choices=["generate", "openai"], help="(default: %(default)s)")
+    p.add_argument("--range-ratio", type=float, default=0.0, help="length spread, see pdserve bench (default: %(default)s)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="1 = Poisson (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    p.add_argument("--pause", type=float, default=1.0, help="seconds between points (default: %(default)s)")
+    p.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO in ms (default: auto, see --slo-factor)")
+    p.add_argument("--slo-tpot", type=float, default=None, help="TPOT SLO in ms (default: auto, see --slo-factor)")
+    p.add_argument("--slo-factor", type=float, default=3.0,
+                   help="auto SLO = this times the best p50 at the lowest rate, rounded up (default: %(default)s)")
+    p.add_argument("--tie", type=float, default=0.05,
+                   help="goodput differences within this fraction count as ties in the crossover (default: %(default)s)")
+    p.add_argument("--model-path", default=None, help="model directory (default: build the tiny model in the temp dir)")
+    p.add_argument("--up-args", default="", help="extra arguments for both `pdserve up` (default: none)")
+    p.add_argument("--out-img", default=str(ROOT / "docs" / "img"), help="PNG directory (default: docs/img)")
+    p.add_argument("--out-data", default=str(ROOT / "docs" / "data"), help="JSON directory (default: docs/data)")
+    p.add_argument("--out-md", default=None, help="also write the markdown here (default: stdout only)")
+    p.add_argument("--save-requests", action="store_true", help="keep per-request rows in the JSON (default: off)")
+    p.add_argument("--keep-tmp", action="store_true",
+                   help="keep the temp dir (model, data dirs, pdserve logs); it is kept anyway when a run fails "
+                        "(default: off)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars (default: off)")
+    g = p.add_argument_group("client overhead against the stub")
+    g.add_argument("--client-overhead", action="store_true", help="measure the client against the stub only")
+    g.add_argument("--also-client-overhead", action="store_true", help="measure it after the serving sweep too")
+    g.add_argument("--stub-rates", type=_floats, default=[100.0, 250.0, 500.0, 750.0, 1000.0],
+                   help="open-loop target rates (default: 100,250,500,750,1000)")
+    g.add_argument("--stub-concurrency", type=_ints, default=[16, 64],
+                   help="closed-loop concurrencies at rate inf (max sustained rate) (default: 16,64)")
+    g.add_argument("--stub-seconds", type=float, default=4.0, help="seconds of arrivals per open-loop point (default: %(default)s)")
+    g.add_argument("--stub-prompts", type=int, default=1000, help="at least this many requests per point (default: %(default)s)")
+    g.add_argument("--stub-tokens", type=int, default=16, help="tokens per stub answer (default: %(default)s)")
+    args = p.parse_args(argv)
+    args.argv = argv
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse(argv)
+    texts = []
+    if not args.client_overhead:
+        sweep = run_sweeps(args)
+        texts.append(report(args, sweep)["markdown"])
+        if args.keep_tmp:
+            print(f"kept {sweep['root']} (model, data dirs, pdserve logs)", file=sys.stderr)
+        else:
+            shutil.rmtree(sweep["root"], ignore_errors=True)
+    if args.client_overhead or args.also_client_overhead:
+        texts.append(client_overhead(args)["markdown"])
+    md = "\n".join(texts)
+    print(md)
+    if args.out_md:
+        Path(args.out_md).write_text(md + "\n")
+    print(f"wrote JSON under {args.out_data}" + ("" if args.client_overhead else f" and PNGs under {args.out_img}"), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
