@@ -8,12 +8,15 @@ is read back from the ports file the server writes, so there is no race for it.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import logging
 import shutil
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,7 +99,9 @@ def start_nats_server(
         "-l", str(log_file),
     ]
     log.info("starting nats-server", extra={"store": str(store)})
-    process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    process = subprocess.Popen(
+        args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_die_with_parent()
+    )
     ports_file = ports_dir / f"{Path(args[0]).name}_{process.pid}.ports"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -117,6 +122,22 @@ def start_nats_server(
         time.sleep(0.02)
     process.kill()
     raise NatsServerError(f"nats-server did not start within {timeout:.0f}s")
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """Linux: the server gets SIGTERM if its parent dies (even by SIGKILL), so a crashed
+    ``pdserve up`` leaves no broker behind. Runs in the child between fork and exec."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except OSError:
+        return None
+
+    def set_death_signal() -> None:
+        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+    return set_death_signal
 
 
 def _tail(path: Path, lines: int = 3) -> str:

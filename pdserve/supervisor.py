@@ -138,7 +138,10 @@ async def _serve(args: argparse.Namespace, model_path: Path, nats_url: str, chil
         context_length=args.context_length,
     )
     app = create_app(config)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="on"))
+    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="on"))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, server.request_exit)
     watcher = asyncio.create_task(_watch(children, server))
     ready = asyncio.create_task(_announce(app, args, children))
     try:
@@ -150,6 +153,25 @@ async def _serve(args: argparse.Namespace, model_path: Path, nats_url: str, chil
             with contextlib.suppress(asyncio.CancelledError):
                 await task
     return 0
+
+
+class _Server:
+    """uvicorn's server without its signal capture: uvicorn re-raises a captured SIGTERM
+    after ``serve()`` returns, which would kill this process before it stops the workers
+    and the broker. Here SIGTERM/SIGINT just ask the server to exit."""
+
+    def __new__(cls, config: object) -> object:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):  # type: ignore[no-untyped-def, override]
+                yield
+
+            def request_exit(self) -> None:
+                self.should_exit = True
+
+        return Server(config)  # type: ignore[arg-type]
 
 
 async def _watch(children: list[Child], server: object) -> None:
