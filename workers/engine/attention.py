@@ -48,6 +48,7 @@ class DecodeGroup:
     rows: torch.Tensor  # [2, count, H, max_pages] row ids of layer 0
     ctx_lens: torch.Tensor  # [count]
     positions: torch.Tensor  # [1, max_pages * page_size]
+    length: int  # the longest context in the group
 
 
 @dataclass
@@ -55,8 +56,7 @@ class AttentionMetadata:
     """The layout of one forward pass, shared by every layer."""
 
     kv_pool: torch.Tensor
-    slot_pages: torch.Tensor  # [T] page of each new token
-    slot_offsets: torch.Tensor  # [T] offset in its page
+    write_rows: torch.Tensor  # [2, H, T] rows (of head_dim values) of layer 0 for each new K/V
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
     workspace: Workspace
@@ -74,6 +74,13 @@ class AttentionMetadata:
             mask = mask[:, None, None, :]
             self._masks[key] = mask
         return mask
+
+
+def write_rows(pool: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows ``[2, H, T]`` of ``pool.view(-1, head_dim)`` where layer 0's new K and V go."""
+    _, layers, _, heads, page_size, _ = pool.shape
+    kv_head = torch.arange(2 * heads, device=pages.device).view(2, heads, 1)
+    return (pages * (layers * 2 * heads) + kv_head) * page_size + offsets
 
 
 def page_rows(pool: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -121,14 +128,19 @@ def paged_attention(
     if softcap is not None or kwargs.get("s_aux") is not None:
         raise NotImplementedError("attention softcapping and sinks are not supported by pdserve yet")
     layer = module.layer_idx
+    pool = pd_attn.kv_pool
+    _, _, _, heads, page_size, dim = pool.shape
+    new_kv = torch.stack((key[0], value[0])).to(pool.dtype)  # [2, Hkv, T, D]
+    rows = pd_attn.write_rows + layer * 2 * heads * page_size
+    pool.view(-1, dim).index_copy_(0, rows.view(-1), new_kv.view(-1, dim))
     q = query[0].transpose(0, 1)  # [T, Hq, D]
+    groups = pd_attn.decode_groups
+    if len(groups) == 1 and not pd_attn.prefills:  # pure decode step: no output copy
+        return _decode_only(pd_attn, groups[0], layer, q, scaling, sliding_window), None
     k = key[0].transpose(0, 1)  # [T, Hkv, D]
     v = value[0].transpose(0, 1)
-    pool = pd_attn.kv_pool
-    pool[pd_attn.slot_pages, layer, 0, :, pd_attn.slot_offsets] = k.to(pool.dtype)
-    pool[pd_attn.slot_pages, layer, 1, :, pd_attn.slot_offsets] = v.to(pool.dtype)
     out = torch.empty_like(q)
-    for i, group in enumerate(pd_attn.decode_groups):
+    for i, group in enumerate(groups):
         _decode(pd_attn, i, group, layer, q, out, scaling, sliding_window)
     for span in pd_attn.prefills:
         _prefill(pd_attn, span, layer, q, k, v, out, scaling, sliding_window)
@@ -147,6 +159,19 @@ def _gather(meta: AttentionMetadata, layer: int, rows: torch.Tensor, name: str) 
     return kv[0], kv[1]
 
 
+def _decode_only(
+    meta: AttentionMetadata, group: DecodeGroup, layer: int, q: torch.Tensor, scaling: float | None, window: int | None
+) -> torch.Tensor:
+    k, v = _gather(meta, layer, group.rows, "decode")
+    if group.count == 1 and window is None:  # one sequence: attend its exact length, no mask
+        n = group.length
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), k[:, :, :n], v[:, :, :n], scale=scaling, enable_gqa=True)
+    else:
+        mask = meta.decode_mask(0, window)
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+    return o.view(1, group.count, q.shape[1], q.shape[2])
+
+
 def _decode(
     meta: AttentionMetadata,
     index: int,
@@ -160,7 +185,7 @@ def _decode(
     k, v = _gather(meta, layer, group.rows, "decode")
     qd = q[group.start : group.start + group.count].unsqueeze(2)  # [B, Hq, 1, D]
     mask = meta.decode_mask(index, window)
-    o = F.scaled_dot_product_attention(qd, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scaling, enable_gqa=True)
+    o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
     out[group.start : group.start + group.count] = o.squeeze(2)
 
 
@@ -182,8 +207,8 @@ def _prefill(
         v = v_new[sl].transpose(0, 1).unsqueeze(0)
     else:
         k, v = _gather(meta, layer, span.rows, "prefill")
-        k = k[:, :, : span.ctx_len].to(q.dtype)
-        v = v[:, :, : span.ctx_len].to(q.dtype)
+        k = k[:, :, : span.ctx_len]
+        v = v[:, :, : span.ctx_len]
     if span.is_fresh and window is None:
         o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scaling, enable_gqa=True)
     else:

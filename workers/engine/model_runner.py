@@ -16,7 +16,7 @@ import torch
 
 from schemas import KVLayout
 from workers.engine import attention
-from workers.engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan, Workspace, page_rows
+from workers.engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan, Workspace, page_rows, write_rows
 from workers.engine.config import EngineConfig
 from workers.engine.kv_pool import KVPool, bytes_per_token, dtype_name
 from workers.engine.sequence import Sequence
@@ -199,8 +199,11 @@ class ModelRunner:
         device = self.device
         meta = AttentionMetadata(
             kv_pool=self.pool.tensor,
-            slot_pages=torch.tensor(pages, dtype=torch.long, device=device),
-            slot_offsets=torch.tensor(offsets, dtype=torch.long, device=device),
+            write_rows=write_rows(
+                self.pool.tensor,
+                torch.tensor(pages, dtype=torch.long, device=device),
+                torch.tensor(offsets, dtype=torch.long, device=device),
+            ),
             decode_groups=self._decode_groups(decodes),
             prefills=spans,
             workspace=self.workspace,
@@ -232,6 +235,7 @@ class ModelRunner:
                     rows=page_rows(self.pool.tensor, torch.tensor(tables, dtype=torch.long, device=self.device)),
                     ctx_lens=torch.tensor([s.num_tokens for s in members], dtype=torch.long, device=self.device),
                     positions=torch.arange(max_pages * page, device=self.device)[None, :],
+                    length=members[0].num_tokens,
                 )
             )
             start = end
