@@ -31,6 +31,7 @@ from broker.registry import WorkerRegistry
 from schemas import Cancel, ErrorInfo, GenerateRequest, MessageError, TokenChunk, Usage, WorkerInfo
 from workers.config import WorkerConfig
 from workers.engine.engine import Engine, RequestError, RequestOutput
+from workers.engine.model_runner import ScheduledBatch
 
 log = logging.getLogger(__name__)
 
@@ -262,14 +263,8 @@ class WorkerRuntime:
                 log.exception("handling outputs failed")
             await asyncio.sleep(0)  # let fetches, cancels and releases in between steps
 
-    async def _fail_batch(self, batch: object) -> None:
-        from workers.engine.model_runner import ScheduledBatch
-
-        assert isinstance(batch, ScheduledBatch)
-        seqs = list(batch.decodes) + [s for s, _ in batch.prefills]
-        self.engine._in_flight = set()
-        for seq in seqs:
-            self.engine.abort(seq.rid)
+    async def _fail_batch(self, batch: ScheduledBatch) -> None:
+        for seq in self.engine.fail(batch):
             t = self.tracked.pop(seq.rid, None)
             if t is not None:
                 await self.send_error(t.reply_to, seq.rid, len(seq.output_ids), "engine step failed")

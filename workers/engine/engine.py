@@ -232,6 +232,15 @@ class Engine:
         self._aborted_in_flight = set()
         return outputs
 
+    def fail(self, batch: ScheduledBatch) -> list[Sequence]:
+        """The batch's forward pass raised: drop its requests (pages freed); returns them."""
+        seqs = list(batch.decodes) + [s for s, _ in batch.prefills]
+        self._in_flight = set()
+        self._aborted_in_flight = set()
+        for seq in seqs:
+            self._drop(seq, "error")
+        return seqs
+
     def step(self) -> list[RequestOutput]:
         batch = self.schedule()
         if batch.is_empty:

@@ -1,0 +1,124 @@
+"""The whole pipeline against the same engine offline, on the same work, in one run.
+
+Offline: the engine in this process runs the seeded mixed workload (prompts 16-1024,
+outputs 16-256, greedy, fixed lengths) with ``--concurrency`` requests in flight.
+Pipeline: ``pdserve up`` (PD: 1 prefill + 1 decode; unified: 1 worker) serves the same
+requests over HTTP -> NATS -> workers (-> Mooncake) with the same concurrency. The
+ratio is pipeline output tokens/s over offline output tokens/s.
+
+    python bench/pipeline_vs_offline.py --concurrency 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine_bench import Request, run_pdserve, workload  # noqa: E402
+
+from workers.engine.config import EngineConfig  # noqa: E402
+from workers.loader import build_engine  # noqa: E402
+from workers.tiny_model import ensure_default_model  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def through_http(url: str, reqs: list[Request], concurrency: int) -> tuple[float, list[float]]:
+    pending = list(reqs)
+    ttfts: list[float] = []
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+
+        async def one(r: Request) -> None:
+            body = {"input_ids": r.prompt, "stream": True, "sampling_params": {"max_new_tokens": r.output_len, "temperature": 0, "ignore_eos": True}}
+            started = time.perf_counter()
+            first = None
+            async with client.stream("POST", "/generate", json=body) as resp:
+                assert resp.status_code == 200, await resp.aread()
+                async for line in resp.aiter_lines():
+                    if first is None and line.startswith("data: {"):
+                        first = time.perf_counter() - started
+            ttfts.append(first or 0.0)
+
+        async def lane() -> None:
+            while pending:
+                await one(pending.pop(0))
+
+        started = time.perf_counter()
+        await asyncio.gather(*(lane() for _ in range(concurrency)))
+        return time.perf_counter() - started, ttfts
+
+
+def serve(mode: str, data_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "pdserve", "up", "--mode", mode, "--unified-workers", "1", "--port", str(port), "--host", "127.0.0.1",
+           "--data-dir", str(data_dir), "--log-level", "WARNING", "--max-running-requests", "256"]
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise SystemExit("pdserve did not come up")
+        time.sleep(0.5)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--modes", default="pd,unified")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    data_dir = Path(tempfile.mkdtemp(prefix="pdserve-pipe-"))
+    model = ensure_default_model(data_dir)
+    reqs = workload(args.requests, 1000 + args.concurrency, 4000, 16, 1024, 16, 256)
+    useful = sum(r.output_len for r in reqs)
+    engine = build_engine(model, EngineConfig(max_total_tokens=300_000, max_num_seqs=256))
+    run_pdserve(engine, workload(2, 99, 4000, 16, 64, 4, 8), 2)
+    offline = useful / run_pdserve(engine, reqs, args.concurrency)
+    del engine
+    print(f"offline engine: {offline:,.0f} output tok/s", file=sys.stderr)
+    result: dict[str, object] = {"requests": args.requests, "concurrency": args.concurrency, "output_tokens": useful, "offline_out_tok_s": offline}
+    for mode in args.modes.split(","):
+        proc, url = serve(mode, data_dir)
+        try:
+            asyncio.run(through_http(url, workload(4, 7, 4000, 16, 64, 4, 8), 4))  # warm-up
+            seconds, ttfts = asyncio.run(through_http(url, reqs, args.concurrency))
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+        tps = useful / seconds
+        ttfts.sort()
+        result[mode] = {"out_tok_s": tps, "ratio_to_offline": tps / offline, "ttft_p50_s": ttfts[len(ttfts) // 2]}
+        print(f"{mode}: {tps:,.0f} output tok/s = {tps / offline:.2f}x offline; TTFT p50 {ttfts[len(ttfts) // 2]:.2f}s", file=sys.stderr)
+    print(json.dumps(result, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
