@@ -28,11 +28,11 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine_bench import Request, run_pdserve, workload  # noqa: E402
+from engine_bench import Request, run_pdserve, workload
 
-from workers.engine.config import EngineConfig  # noqa: E402
-from workers.loader import build_engine  # noqa: E402
-from workers.tiny_model import ensure_default_model  # noqa: E402
+from workers.engine.config import EngineConfig
+from workers.loader import build_engine
+from workers.tiny_model import ensure_default_model
 
 
 def free_port() -> int:
