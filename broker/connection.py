@@ -22,18 +22,23 @@ class QueueFullError(RuntimeError):
 
 
 async def connect(url: str, name: str) -> Client:
-    """Connect with endless reconnects; connection problems are logged, not raised later."""
+    """Connect with endless reconnects; connection problems are logged, not raised later
+    (quietly while the connection is being drained or closed on purpose)."""
+    holder: list[Client] = []
+
+    def closing() -> bool:
+        return bool(holder) and (holder[0].is_draining or holder[0].is_closed)
 
     async def on_error(exc: Exception) -> None:
-        log.warning("nats error", extra={"error": str(exc), "client": name})
+        (log.debug if closing() else log.warning)("nats error", extra={"error": str(exc), "client": name})
 
     async def on_disconnect() -> None:
-        log.warning("nats disconnected", extra={"client": name})
+        (log.debug if closing() else log.warning)("nats disconnected", extra={"client": name})
 
     async def on_reconnect() -> None:
         log.info("nats reconnected", extra={"client": name})
 
-    return await nats.connect(
+    nc = await nats.connect(
         url,
         name=name,
         max_reconnect_attempts=-1,
@@ -42,6 +47,8 @@ async def connect(url: str, name: str) -> Client:
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
     )
+    holder.append(nc)
+    return nc
 
 
 async def publish_work(js: JetStreamContext, subject: str, message: Message, msg_id: str, timeout: float = 5.0) -> bool:
