@@ -14,10 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,17 +24,12 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import start_pdserve, stop_pdserve
 from engine_bench import Request, run_pdserve, workload
 
 from workers.engine.config import EngineConfig
 from workers.loader import build_engine
 from workers.tiny_model import ensure_default_model
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def through_http(url: str, reqs: list[Request], concurrency: int) -> tuple[float, list[float]]:
@@ -67,24 +58,6 @@ async def through_http(url: str, reqs: list[Request], concurrency: int) -> tuple
         return time.perf_counter() - started, ttfts
 
 
-def serve(mode: str, data_dir: Path, extra: list[str]) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "pdserve", "up", "--mode", mode, "--unified-workers", "1", "--port", str(port), "--host", "127.0.0.1",
-           "--data-dir", str(data_dir), "--log-level", "WARNING", "--max-running-requests", "256", *extra]
-    proc = subprocess.Popen(cmd, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline or proc.poll() is not None:
-            raise SystemExit("pdserve did not come up")
-        time.sleep(0.5)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, default=64)
@@ -108,7 +81,7 @@ def main() -> int:
 
     result: dict[str, object] = {"requests": args.requests, "concurrency": args.concurrency, "output_tokens": useful, "repeat": args.repeat}
     for mode in args.modes.split(","):
-        proc, url = serve(mode, data_dir, args.up_args.split())
+        proc, url = start_pdserve(mode, data_dir, ["--unified-workers", "1", "--max-running-requests", "256", *args.up_args.split()])
         pairs = []
         try:
             asyncio.run(through_http(url, workload(4, 7, 4000, 16, 64, 4, 8), 4))  # warm-up
@@ -119,8 +92,7 @@ def main() -> int:
                 pairs.append((base, useful / seconds, ttfts[len(ttfts) // 2]))
                 print(f"{mode}: offline {base:,.0f}, pipeline {useful / seconds:,.0f} output tok/s", file=sys.stderr)
         finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=60)
+            stop_pdserve(proc)
         ratios = sorted(p / b for b, p, _ in pairs)
         result[mode] = {
             "offline_out_tok_s": [b for b, _, _ in pairs],

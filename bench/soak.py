@@ -16,11 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,11 +24,8 @@ from pathlib import Path
 
 import httpx
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import start_pdserve, stop_pdserve
 
 
 def rss_mib(pid: int) -> float:
@@ -115,26 +108,11 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="pdserve-soak-"))
-    port = free_port()
-    cmd = [sys.executable, "-m", "pdserve", "up", "--mode", args.mode, "--port", str(port), "--host", "127.0.0.1", "--data-dir", str(tmp), "--log-level", "WARNING"]
-    proc = subprocess.Popen(cmd, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_pdserve(args.mode, Path(tempfile.mkdtemp(prefix="pdserve-soak-")))
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise SystemExit("pdserve did not come up")
-            time.sleep(0.5)
         result = asyncio.run(run(args, url))
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
+        stop_pdserve(proc)
     print(f"{result['requests']} requests in {result['seconds']:.0f}s, {result['errors']} errors; idle pools: {result['idle']}")
     print("| worker | RSS after first 100 (MiB) | RSS at end (MiB) | trend over 2nd half (MiB / 1,000 requests) |")
     print("|---|---|---|---|")

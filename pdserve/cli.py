@@ -12,8 +12,12 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pdserve import settings
+
+if TYPE_CHECKING:
+    from api.config import ApiConfig
 
 log = logging.getLogger("pdserve")
 
@@ -224,21 +228,25 @@ def run_api(args: argparse.Namespace) -> None:
     import uvicorn
 
     from api.app import create_app
+
+    config = api_config(args, args.nats_url, resolve_model(args))
+    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning")
+
+
+def api_config(args: argparse.Namespace, nats_url: str, model_path: Path) -> ApiConfig:
     from api.config import ApiConfig
 
-    model_path = resolve_model(args)
-    config = ApiConfig(
-        nats_url=args.nats_url,
+    return ApiConfig(
+        nats_url=nats_url,
         model_path=model_path,
         model_name=args.served_model_name,
         host=args.host,
         port=args.port,
-        default_max_tokens=args.default_max_tokens,
-        request_timeout=args.request_timeout,
+        default_max_tokens=getattr(args, "default_max_tokens", 1024),
+        request_timeout=getattr(args, "request_timeout", 600.0),
         trust_remote_code=args.trust_remote_code,
         context_length=args.context_length,
     )
-    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.cli import resolve_model
+from pdserve.cli import api_config, resolve_model
 
 log = logging.getLogger("pdserve.up")
 
@@ -126,18 +126,8 @@ async def _serve(args: argparse.Namespace, model_path: Path, nats_url: str, chil
     import uvicorn
 
     from api.app import create_app
-    from api.config import ApiConfig
 
-    config = ApiConfig(
-        nats_url=nats_url,
-        model_path=model_path,
-        model_name=args.served_model_name,
-        host=args.host,
-        port=args.port,
-        trust_remote_code=args.trust_remote_code,
-        context_length=args.context_length,
-    )
-    app = create_app(config)
+    app = create_app(api_config(args, nats_url, model_path))
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="on"))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -20,7 +20,7 @@ from schemas import KVReady, KVRelease
 from workers.engine.engine import RequestError, RequestOutput
 from workers.engine.sequence import Sequence
 from workers.runtime import Tracked, WorkerRuntime
-from workers.transfer import TransferBackend, TransferError, create_transfer, plan_reads
+from workers.transfer import TransferBackend, TransferError, plan_reads
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +37,7 @@ class DecodeWorker(WorkerRuntime):
 
     async def setup(self) -> None:
         cfg = self.config
-        self.transfer = create_transfer(cfg.transfer_backend, host=cfg.host, protocol=cfg.transfer_protocol, device_name=cfg.ib_device)
-        pool = self.engine.runner.pool
-        self.transfer.register(pool.data_ptr, pool.nbytes)
+        self.transfer = self.start_transfer()
         assert self.nc is not None
         self.consumer = PullConsumer(self.nc, subjects.KV_STREAM, subjects.decode_consumer(cfg.model_name))
         await self.consumer.start()

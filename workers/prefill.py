@@ -20,7 +20,7 @@ from broker.consumer import PullConsumer
 from schemas import KVHandle, KVReady, KVRelease, MessageError
 from workers.engine.engine import RequestOutput
 from workers.runtime import WorkerRuntime
-from workers.transfer import TransferBackend, create_transfer
+from workers.transfer import TransferBackend
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +34,7 @@ class PrefillWorker(WorkerRuntime):
 
     async def setup(self) -> None:
         cfg = self.config
-        self.transfer = create_transfer(cfg.transfer_backend, host=cfg.host, protocol=cfg.transfer_protocol, device_name=cfg.ib_device)
-        pool = self.engine.runner.pool
-        self.transfer.register(pool.data_ptr, pool.nbytes)
+        self.transfer = self.start_transfer()
         assert self.nc is not None
         await self.nc.subscribe(subjects.kv_release(self.worker_id), cb=self._on_release)
         self.consumer = PullConsumer(self.nc, subjects.REQUEST_STREAM, subjects.prefill_consumer(cfg.model_name))

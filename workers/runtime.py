@@ -32,6 +32,7 @@ from schemas import Cancel, ErrorInfo, GenerateRequest, MessageError, TokenChunk
 from workers.config import WorkerConfig
 from workers.engine.engine import Engine, RequestError, RequestOutput
 from workers.engine.model_runner import ScheduledBatch
+from workers.transfer import TransferBackend, create_transfer
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,14 @@ class WorkerRuntime:
 
     async def setup(self) -> None:
         """Role-specific start-up (transfer engine, extra subscriptions)."""
+
+    def start_transfer(self) -> TransferBackend:
+        """The configured KV transfer backend, with this worker's whole page pool registered."""
+        cfg = self.config
+        transfer = create_transfer(cfg.transfer_backend, host=cfg.host, protocol=cfg.transfer_protocol, device_name=cfg.ib_device)
+        pool = self.engine.runner.pool
+        transfer.register(pool.data_ptr, pool.nbytes)
+        return transfer
 
     async def serve(self) -> None:
         """Start, run until SIGTERM/SIGINT, then shut down gracefully."""

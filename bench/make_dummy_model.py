@@ -1,0 +1,51 @@
+"""A config-only model directory of a known architecture, for ``--load-format dummy``.
+
+The weights are random (each worker draws the same ones from seed 0 on its device);
+the tokenizer is the built-in tiny model's, so any prompt tokenizes. Token ids above
+the tokenizer's vocabulary are never produced by it but are valid model inputs.
+
+    python bench/make_dummy_model.py --dims qwen2.5-7b --out /tmp/qwen7b-dummy
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+DIMS = {
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768, rope_theta=1e6,
+                       tie_word_embeddings=False),
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6,
+                         tie_word_embeddings=True),
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dims", choices=sorted(DIMS), default="qwen2.5-7b")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    from transformers import AutoTokenizer, GenerationConfig, Qwen2Config
+
+    from workers.tiny_model import ensure_default_model
+
+    tiny = ensure_default_model(Path(tempfile.mkdtemp()))
+    tok = AutoTokenizer.from_pretrained(tiny)
+    config = Qwen2Config(**DIMS[args.dims], dtype=args.dtype, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    args.out.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(args.out)
+    tok.save_pretrained(args.out)
+    GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id).save_pretrained(args.out)
+    print(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
