@@ -144,6 +144,7 @@ def main() -> int:
     parser.add_argument("--output-len", default="16,256", help="min,max output tokens (default: %(default)s)")
     parser.add_argument("--modes", default="pdserve,hf-static,hf-cb", help="(default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeat", type=int, default=3, help="runs per mode; the table shows the median (default: %(default)s)")
     parser.add_argument("--data-dir", type=Path, default=Path(tempfile.gettempdir()) / "pdserve-bench")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
@@ -174,22 +175,27 @@ def main() -> int:
         useful = sum(r.output_len for r in reqs)
         row = {"concurrency": concurrency, "requests": n, "output_tokens": useful, "prompt_tokens": sum(len(r.prompt) for r in reqs)}
         warm = workload(2, 99, min(vocab, 4000), 16, 64, 4, 8)
+        runs: dict[str, list[float]] = {m: [] for m in modes}
+        for rep in range(args.repeat):  # modes interleaved, so each repeat shares the machine's mood
+            for mode in modes:
+                gc.collect()
+                progress(f"concurrency {concurrency}, run {rep + 1}/{args.repeat}: {mode} ({n} requests, {useful} output tokens)")
+                if mode == "pdserve":
+                    run_pdserve(engine, warm, 2)
+                    seconds = run_pdserve(engine, reqs, concurrency)
+                    engine.blocks.reset_prefix_cache()
+                elif mode == "hf-static":
+                    run_hf_static(hf, warm, 2, pad_id)
+                    seconds = run_hf_static(hf, reqs, concurrency, pad_id)
+                elif mode == "hf-cb":
+                    seconds = run_hf_cb(hf, reqs, concurrency)
+                else:
+                    raise SystemExit(f"unknown mode {mode}")
+                runs[mode].append(useful / seconds)
+                progress(f"  {useful / seconds:,.0f} output tok/s ({seconds:.1f}s)")
         for mode in modes:
-            gc.collect()
-            progress(f"concurrency {concurrency}: {mode} ({n} requests, {useful} output tokens)")
-            if mode == "pdserve":
-                run_pdserve(engine, warm, 2)
-                seconds = run_pdserve(engine, reqs, concurrency)
-                engine.blocks.reset_prefix_cache()
-            elif mode == "hf-static":
-                run_hf_static(hf, warm, 2, pad_id)
-                seconds = run_hf_static(hf, reqs, concurrency, pad_id)
-            elif mode == "hf-cb":
-                seconds = run_hf_cb(hf, reqs, concurrency)
-            else:
-                raise SystemExit(f"unknown mode {mode}")
-            row[mode] = useful / seconds
-            progress(f"  {useful / seconds:,.0f} output tok/s ({seconds:.1f}s)")
+            row[mode] = sorted(runs[mode])[len(runs[mode]) // 2]
+            row[f"{mode}_runs"] = runs[mode]
         hf_best = max((row[m] for m in modes if m.startswith("hf")), default=None)
         if "pdserve" in row and hf_best:
             row["ratio"] = row["pdserve"] / hf_best

@@ -18,6 +18,7 @@ from pdserve import settings
 
 if TYPE_CHECKING:
     from api.config import ApiConfig
+    from broker.streams import BrokerConfig
 
 log = logging.getLogger("pdserve")
 
@@ -30,6 +31,20 @@ class UsageError(Exception):
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", type=Path, default=settings.default_data_dir(), help="where the default model and the embedded broker's store live (default: %(default)s)")
     p.add_argument("--log-level", default=settings.default_log_level(), choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper)
+
+
+def _broker(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("broker")
+    g.add_argument("--prefill-max-ack-pending", type=int, default=256,
+                   help="requests the prefill (and unified) pool may hold unacked: its total capacity (default: %(default)s)")
+    g.add_argument("--decode-max-ack-pending", type=int, default=256,
+                   help="KV-ready events the decode pool may hold unacked (default: %(default)s)")
+
+
+def broker_config(args: argparse.Namespace) -> BrokerConfig:
+    from broker.streams import BrokerConfig
+
+    return BrokerConfig(prefill_max_ack_pending=args.prefill_max_ack_pending, decode_max_ack_pending=args.decode_max_ack_pending)
 
 
 def _model(p: argparse.ArgumentParser) -> None:
@@ -83,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--nats-url", help="use this NATS server instead of starting one")
     up.add_argument("--transfer-host", default="127.0.0.1", help="address workers' transfer engines listen on")
     up.add_argument("--disaggregation-ib-device", default="")
+    up.add_argument("--prefill-max-ack-pending", type=int, help="default: workers on the request queue x --max-running-requests")
+    up.add_argument("--decode-max-ack-pending", type=int, help="default: decode workers x --max-running-requests")
 
     api = sub.add_parser("api", help="run the HTTP API only")
     _common(api)
@@ -92,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--nats-url", default=settings.default_nats_url())
     api.add_argument("--default-max-tokens", type=int, default=1024)
     api.add_argument("--request-timeout", type=float, default=600.0)
+    _broker(api)
 
     for role in ("prefill", "decode", "unified"):
         w = sub.add_parser(role, help=f"run one {role} worker")
@@ -99,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         _model(w)
         _engine(w)
         _sglang(w)
+        _broker(w)
         w.add_argument("--nats-url", default=settings.default_nats_url())
         w.add_argument("--worker-id", default="")
         w.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
@@ -199,6 +218,7 @@ def run_worker(args: argparse.Namespace, role: str) -> None:
         ib_device=args.disaggregation_ib_device,
         kv_hold_seconds=args.kv_hold_seconds,
         heartbeat_seconds=args.heartbeat_seconds,
+        broker=broker_config(args),
     )
     log.info("loading model", extra={"role": role, "path": str(model_path)})
     engine = build_engine(model_path, config.engine, args.dtype, args.trust_remote_code, args.load_format)
@@ -246,6 +266,7 @@ def api_config(args: argparse.Namespace, nats_url: str, model_path: Path) -> Api
         request_timeout=getattr(args, "request_timeout", 600.0),
         trust_remote_code=args.trust_remote_code,
         context_length=args.context_length,
+        broker=broker_config(args),
     )
 
 

@@ -62,6 +62,8 @@ def worker_argv(args: argparse.Namespace, role: str, model_path: Path, nats_url:
         "--num-threads", str(threads),
         "--host", args.transfer_host,
         "--exit-with-parent",
+        "--prefill-max-ack-pending", str(args.prefill_max_ack_pending),
+        "--decode-max-ack-pending", str(args.decode_max_ack_pending),
     ]
     optional = {
         "--served-model-name": args.served_model_name,
@@ -90,10 +92,20 @@ def plan_roles(args: argparse.Namespace) -> list[str]:
     return [role for role, n in counts.items() for _ in range(n)]
 
 
+def size_consumers(args: argparse.Namespace, roles: list[str]) -> None:
+    """``max_ack_pending`` of each consumer = what its pool can hold in hand at once."""
+    per_worker = args.max_running_requests
+    if args.prefill_max_ack_pending is None:
+        args.prefill_max_ack_pending = per_worker * sum(1 for r in roles if r in ("prefill", "unified"))
+    if args.decode_max_ack_pending is None:
+        args.decode_max_ack_pending = per_worker * max(sum(1 for r in roles if r == "decode"), 1)
+
+
 def run_up(args: argparse.Namespace) -> int:
     from broker.server import start_nats_server
 
     roles = plan_roles(args)
+    size_consumers(args, roles)
     model_path = resolve_model(args)
     server = None
     if args.nats_url:

@@ -26,7 +26,7 @@ def nats_server(tmp_path: Path) -> Iterator[object]:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default random-weight Qwen2 model (4.3M parameters), built once."""
+    """The default random-weight Qwen2 model (5.4M parameters), built once."""
     from workers.tiny_model import ensure_default_model
 
     return ensure_default_model(tmp_path_factory.mktemp("data"))

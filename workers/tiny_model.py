@@ -15,13 +15,16 @@ without network access:
 
 The model's output is NOT meaningful text. It exists to exercise the serving path
 (tokenizer, chat template, prefill, decode, streaming detokenisation). The embedding rows
-of the special tokens (tied with the LM head) are scaled by ``SPECIAL_ROW_SCALE`` so the
-random model rarely emits EOS: in practice ``max_new_tokens`` decides how long a reply is.
+of the special tokens are scaled by ``SPECIAL_ROW_SCALE`` and the (untied) LM head is the
+embedding times ``LOGIT_SCALE``, so logits spread over a few units and the special tokens'
+near-zero logits are practically never sampled: ``max_new_tokens`` decides how long a reply is.
 
 Weight init: in transformers 5, ``Qwen2ForCausalLM(config)`` initialises the weights in
 ``post_init`` (``_init_weights``): Linear and Embedding get normal(0, ``initializer_range``),
 biases get zeros and RMSNorm weights get ones. Because ``pad_token_id`` becomes the
 embedding's ``padding_idx``, the ``<|endoftext|>`` row is zeroed, so its logit is always 0.
+(Before recipe 2 the head was tied and unscaled: logits spread ±0.3, and at temperature 0.7
+about one 32-token reply in 70 met an EOS early.)
 ``_check_random_init`` fails the build if the weights come out empty or zero.
 
 Tokenizer pipeline: with transformers 5, ``AutoTokenizer`` on a ``qwen2`` model
@@ -66,7 +69,7 @@ __all__ = ["DEFAULT_MODEL_NAME", "ensure_default_model"]
 DEFAULT_MODEL_NAME = "pdserve-tiny-qwen2"
 
 # Change this whenever the recipe changes; directories built by an older recipe get rebuilt.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 MARKER_NAME = ".pdserve-complete.json"
 CORPUS_PATH = pathlib.Path(__file__).resolve().parent / "data" / "tiny_corpus.txt"
 
@@ -104,6 +107,9 @@ CHAT_TEMPLATE = (
 
 SEED = 0
 SPECIAL_ROW_SCALE = 0.05
+# The LM head is the embedding times this: logits with a spread of a few units, so sampled
+# text concentrates on likely tokens and a special token's near-zero logit is ~never drawn.
+LOGIT_SCALE = 10.0
 ARCHITECTURE: dict[str, Any] = {
     "hidden_size": 256,
     "num_hidden_layers": 4,
@@ -305,7 +311,7 @@ def _make_config(vocab_size: int, ids: TokenIds) -> Qwen2Config:
         vocab_size=vocab_size,
         hidden_act="silu",
         rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
-        tie_word_embeddings=True,
+        tie_word_embeddings=False,
         use_cache=True,
         use_sliding_window=False,
         max_window_layers=ARCHITECTURE["num_hidden_layers"],
@@ -334,8 +340,9 @@ def _init_model(config: Qwen2Config, rare_ids: list[int]) -> Qwen2ForCausalLM:
     embeddings = embedding.weight
     _check_random_init(embeddings)
     with torch.no_grad():
-        # The LM head shares this tensor (tie_word_embeddings), so the logits shrink too.
         embeddings[rare_ids] *= SPECIAL_ROW_SCALE
+        # An untied head: the (scaled) embedding, so greedy choices are those of a tied model.
+        model.get_output_embeddings().weight.copy_(embeddings * LOGIT_SCALE)
     return model
 
 
@@ -399,10 +406,10 @@ locally (see `workers/tiny_model.py`) so it can run and be tested without downlo
 
 **Its output is not meaningful text.** The weights are random (seed {SEED}); only the
 shapes, the tokenizer and the file layout are real. The special-token embedding rows are
-scaled by {SPECIAL_ROW_SCALE} so that EOS is rare and `max_new_tokens` decides the
-reply length.
+scaled by {SPECIAL_ROW_SCALE} and the LM head is the embedding times {LOGIT_SCALE}, so that EOS
+is practically never sampled and `max_new_tokens` decides the reply length.
 
-- architecture: Qwen2ForCausalLM, float32, tied embeddings
+- architecture: Qwen2ForCausalLM, float32, untied LM head
 - layers: {ARCHITECTURE["num_hidden_layers"]}, hidden size: {ARCHITECTURE["hidden_size"]}, \
 heads: {ARCHITECTURE["num_attention_heads"]} query / {ARCHITECTURE["num_key_value_heads"]} key-value
 - parameters: {num_params:,}

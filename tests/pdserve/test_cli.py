@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.cli import UsageError, build_parser, check_worker_flags, engine_config
-from pdserve.supervisor import plan_roles, worker_argv
+from pdserve.supervisor import plan_roles, size_consumers, worker_argv
 
 SEED_PREFILL = (
     "prefill --model-path /data/model --port 7000 --host 0.0.0.0 --tensor-parallel-size 1 "
@@ -64,7 +64,10 @@ def test_a_directory_without_a_model_is_refused(tmp_path: Path) -> None:
 def test_up_plans_roles_and_forwards_engine_flags() -> None:
     args = build_parser().parse_args(["up", "--prefill-workers", "2", "--decode-workers", "3", "--max-total-tokens", "8192"])
     assert plan_roles(args) == ["prefill", "prefill", "decode", "decode", "decode"]
+    size_consumers(args, plan_roles(args))
     argv = worker_argv(args, "decode", Path("/m"), "nats://127.0.0.1:1", 1)
+    assert argv[argv.index("--prefill-max-ack-pending") + 1] == str(2 * args.max_running_requests)
+    assert argv[argv.index("--decode-max-ack-pending") + 1] == str(3 * args.max_running_requests)
     assert argv[3] == "decode" and "--exit-with-parent" in argv
     assert argv[argv.index("--max-total-tokens") + 1] == "8192"
     assert argv[argv.index("--nats-url") + 1] == "nats://127.0.0.1:1"

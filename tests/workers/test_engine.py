@@ -142,7 +142,7 @@ def test_abort_frees_pages_at_once_and_in_flight(tiny_model_dir: Path) -> None:
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny_model_dir: Path) -> None:
-    params = SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=16, temperature=3.0, top_p=0.95, top_k=200, seed=1234, ignore_eos=True)
     prompt = list(range(10, 60))
     alone = make_engine(tiny_model_dir)
     alone.add_request("x", prompt, params)
@@ -151,7 +151,7 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny_model_dir: Path
         crowd.add_request(f"other{i}", list(range(20 + i, 90)), SamplingParams(max_new_tokens=16, temperature=1.0))
     crowd.add_request("x", prompt, params)
     assert run_all(alone)["x"] == run_all(crowd)["x"]
-    other = SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.9, top_k=50, seed=99, ignore_eos=True)
+    other = SamplingParams(max_new_tokens=16, temperature=3.0, top_p=0.95, top_k=200, seed=99, ignore_eos=True)
     assert run_all_again(tiny_model_dir, prompt, other) != run_all_again(tiny_model_dir, prompt, params)
 
 
