@@ -73,6 +73,7 @@ class WorkerRuntime:
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
         self._started_at = time.time()
+        self.max_loop_lag = 0.0
 
     # ---- lifecycle ---------------------------------------------------------
     async def start(self) -> None:
@@ -83,7 +84,7 @@ class WorkerRuntime:
         await self.nc.subscribe(subjects.CANCEL, cb=self._on_cancel)
         await self.setup()
         await self.heartbeat()
-        for coro in (self._engine_loop(), self.fetch_loop(), self._heartbeat_loop(), self._deadline_loop()):
+        for coro in (self._engine_loop(), self.fetch_loop(), self._heartbeat_loop(), self._deadline_loop(), self._lag_loop()):
             self._tasks.append(asyncio.create_task(coro))
         log.info("worker ready", extra={"worker": self.worker_id, "role": self.config.role, "model": self.config.model_name})
 
@@ -352,6 +353,18 @@ class WorkerRuntime:
 
     async def on_tick(self) -> None:
         """Called about once a second (expiry of held KV and the like)."""
+
+    async def _lag_loop(self, interval: float = 0.05, report: float = 0.1) -> None:
+        """Watch the event loop: a late wake-up means fetches, cancels and token publishing
+        waited too (the engine thread holding the GIL, or a starved CPU)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            expected = loop.time() + interval
+            await asyncio.sleep(interval)
+            lag = loop.time() - expected
+            self.max_loop_lag = max(self.max_loop_lag, lag)
+            if lag > report:
+                log.warning("event loop stalled", extra={"ms": round(lag * 1e3)})
 
     async def _heartbeat_loop(self) -> None:
         while True:
