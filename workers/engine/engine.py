@@ -15,9 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-
-import torch
+from dataclasses import dataclass
 
 from schemas import SamplingParams, TokenLogprob
 from workers.engine.block_manager import BlockManager
@@ -67,7 +65,6 @@ class EngineStats:
     cached_tokens: int = 0
     generated_tokens: int = 0
     busy_seconds: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 class Engine:
@@ -255,8 +252,6 @@ class Engine:
             self.stats.prompt_tokens += len(seq.prompt_ids)
             self.stats.cached_tokens += seq.num_cached
         seq.output_ids.append(token)
-        if logprob is not None:
-            seq.logprobs.append(logprob)
         self.stats.generated_tokens += 1
         reason, stop = self._check_stop(seq, token)
         out = RequestOutput(
@@ -315,7 +310,3 @@ class Engine:
             return None
         return seq.block_table, len(seq.prompt_ids)
 
-
-def free_memory() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()

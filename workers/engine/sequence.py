@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from schemas import SamplingParams, TokenLogprob
+from schemas import SamplingParams
 
 
 class Status(enum.Enum):
@@ -38,7 +38,6 @@ class Sequence:
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     num_preemptions: int = 0
-    logprobs: list[TokenLogprob] = field(default_factory=list)
     page_hashes: list[bytes] = field(default_factory=list)
     num_resumed: int = 0  # output tokens already streamed before this engine saw the request
 
