@@ -66,7 +66,9 @@ def translate(exc: Exception) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, QueueFullError):
-        return APIError(f"the request queue is full: {exc}", 503, "server_overloaded", "queue_full", headers={"Retry-After": "1"})
+        return APIError(
+            f"the request queue is full: {exc}", 503, "server_overloaded", "queue_full", headers={"Retry-After": "1"}
+        )
     if isinstance(exc, StreamError):
         if exc.kind == "invalid_request_error":
             return APIError(str(exc), 400)
@@ -107,7 +109,14 @@ async def models(request: Request) -> Response:
 
 async def model_info(request: Request) -> Response:
     info = state_of(request).info
-    return ORJSONResponse({"model_path": str(info.path), "tokenizer_path": str(info.path), "is_generation": True, "served_model_name": info.name})
+    return ORJSONResponse(
+        {
+            "model_path": str(info.path),
+            "tokenizer_path": str(info.path),
+            "is_generation": True,
+            "served_model_name": info.name,
+        }
+    )
 
 
 async def workers(request: Request) -> Response:
@@ -152,7 +161,9 @@ def create_app(config: ApiConfig, info: ModelInfo | None = None) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        model = info or load_model_info(config.model_path, config.model_name, config.trust_remote_code, config.context_length)
+        model = info or load_model_info(
+            config.model_path, config.model_name, config.trust_remote_code, config.context_length
+        )
         gateway = Gateway(config.nats_url, model.name, config.broker, config.api_id)
         await gateway.start()
         app.state.pd = AppState(config, model, gateway, time.time())

@@ -61,7 +61,9 @@ async def deltas(
                 return
 
 
-async def _deltas(chunks: AsyncIterator[TokenChunk], job: Job, detok: IncrementalDetokenizer, stop: StopMatcher) -> AsyncIterator[Delta]:
+async def _deltas(
+    chunks: AsyncIterator[TokenChunk], job: Job, detok: IncrementalDetokenizer, stop: StopMatcher
+) -> AsyncIterator[Delta]:
     num_tokens = 0
     async for chunk in chunks:
         num_tokens += len(chunk.token_ids)
@@ -71,7 +73,9 @@ async def _deltas(chunks: AsyncIterator[TokenChunk], job: Job, detok: Incrementa
             text += stop.feed(detok.flush()) + stop.flush()
         if stop.matched is not None:
             usage = chunk.usage or Usage(len(job.prompt_ids), num_tokens)
-            yield Delta(text, list(chunk.token_ids), list(chunk.logprobs or ()), "stop", stop.matched, usage, chunk.timings)
+            yield Delta(
+                text, list(chunk.token_ids), list(chunk.logprobs or ()), "stop", stop.matched, usage, chunk.timings
+            )
             return
         yield Delta(
             text,

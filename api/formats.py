@@ -24,7 +24,9 @@ def _piece(info: ModelInfo, token_id: int) -> str:
     return info.tokenizer.decode([token_id])
 
 
-def completion_logprobs(info: ModelInfo, ids: list[int], lps: list[TokenLogprob], offset: int = 0) -> dict[str, Any] | None:
+def completion_logprobs(
+    info: ModelInfo, ids: list[int], lps: list[TokenLogprob], offset: int = 0
+) -> dict[str, Any] | None:
     if not lps:
         return None
     tokens = [_piece(info, t) for t in ids]
@@ -51,7 +53,10 @@ def chat_logprobs(info: ModelInfo, ids: list[int], lps: list[TokenLogprob]) -> d
 
     return {
         "content": [
-            {**entry(t, lp.logprob), "top_logprobs": [entry(i, v) for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)]}
+            {
+                **entry(t, lp.logprob),
+                "top_logprobs": [entry(i, v) for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)],
+            }
             for t, lp in zip(ids, lps, strict=True)
         ]
     }
@@ -74,7 +79,9 @@ def sglang_finish(reason: str | None, matched: str | int | None) -> dict[str, An
     return body
 
 
-def sglang_meta(rid: str, r: Result | Delta, prompt_tokens: int, completion_tokens: int, cached: int, seconds: float | None) -> dict[str, Any]:
+def sglang_meta(
+    rid: str, r: Result | Delta, prompt_tokens: int, completion_tokens: int, cached: int, seconds: float | None
+) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "id": rid,
         "prompt_tokens": prompt_tokens,

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from nats.aio.client import Client
@@ -105,7 +105,7 @@ class Gateway:
         rid: str | None = None,
         timeout: float = 600.0,
         stall_timeout: float = 120.0,
-    ) -> AsyncIterator[TokenChunk]:
+    ) -> AsyncGenerator[TokenChunk, None]:
         """Publish a request and yield its chunks until the one with a finish reason.
 
         Raises :class:`QueueFullError` before anything is published if the queue is
@@ -174,7 +174,9 @@ class Gateway:
     async def queue_depths(self) -> dict[str, streams.QueueDepth]:
         assert self.js is not None
         return {
-            "prefill": await streams.queue_depth(self.js, subjects.REQUEST_STREAM, subjects.prefill_consumer(self.model)),
+            "prefill": await streams.queue_depth(
+                self.js, subjects.REQUEST_STREAM, subjects.prefill_consumer(self.model)
+            ),
             "decode": await streams.queue_depth(self.js, subjects.KV_STREAM, subjects.decode_consumer(self.model)),
         }
 

@@ -25,7 +25,9 @@ class ModelInfo:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
 
-def load_model_info(path: Path, name: str | None = None, trust_remote_code: bool = False, context_length: int | None = None) -> ModelInfo:
+def load_model_info(
+    path: Path, name: str | None = None, trust_remote_code: bool = False, context_length: int | None = None
+) -> ModelInfo:
     """Tokenizer and limits of the model at ``path`` (no weights are loaded)."""
     import transformers
     from transformers import AutoTokenizer

@@ -50,7 +50,9 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 
 
 # ---- typed getters -------------------------------------------------------------
-def _number(body: dict[str, Any], key: str, default: float | None, low: float | None = None, high: float | None = None) -> float | None:
+def _number(
+    body: dict[str, Any], key: str, default: float | None, low: float | None = None, high: float | None = None
+) -> float | None:
     value = body.get(key, default)
     if value is None:
         return default
@@ -61,7 +63,9 @@ def _number(body: dict[str, Any], key: str, default: float | None, low: float | 
     return float(value)
 
 
-def _int(body: dict[str, Any], key: str, default: int | None, low: int | None = None, high: int | None = None) -> int | None:
+def _int(
+    body: dict[str, Any], key: str, default: int | None, low: int | None = None, high: int | None = None
+) -> int | None:
     value = body.get(key, default)
     if value is None:
         return default
@@ -120,7 +124,9 @@ def _token_ids(value: Any, key: str, vocab: int | None = None) -> list[int]:
 
 
 # ---- common sampling -------------------------------------------------------------
-def _sampling(src: dict[str, Any], max_tokens: int, info: ModelInfo, num_prompt: int, logprobs: bool, top_logprobs: int) -> SamplingParams:
+def _sampling(
+    src: dict[str, Any], max_tokens: int, info: ModelInfo, num_prompt: int, logprobs: bool, top_logprobs: int
+) -> SamplingParams:
     room = info.context_length - num_prompt
     if num_prompt >= info.context_length:
         raise bad_request(
@@ -165,7 +171,9 @@ def check_model(body: dict[str, Any], info: ModelInfo, required: bool) -> None:
     if not isinstance(model, str):
         raise bad_request("'model' must be a string", "model")
     if model != info.name:
-        raise bad_request(f"the model '{model}' does not exist; this server serves '{info.name}'", "model", "model_not_found")
+        raise bad_request(
+            f"the model '{model}' does not exist; this server serves '{info.name}'", "model", "model_not_found"
+        )
 
 
 def _n(body: dict[str, Any]) -> None:
@@ -187,7 +195,9 @@ def _encode(info: ModelInfo, text: str, param: str, special: bool = True) -> lis
 def _prompts(value: Any, info: ModelInfo, key: str) -> tuple[list[tuple[list[int], str | None]], bool]:
     """A string, a list of ids, a list of strings or a list of id lists."""
     vocab = len(info.tokenizer)
-    if key == "input_ids" and (isinstance(value, str) or (isinstance(value, list) and any(isinstance(v, str) for v in value))):
+    if key == "input_ids" and (
+        isinstance(value, str) or (isinstance(value, list) and any(isinstance(v, str) for v in value))
+    ):
         raise bad_request("'input_ids' must be a list of token ids (or a list of such lists)", key)
     if isinstance(value, str):
         if not value:
@@ -295,8 +305,20 @@ def parse_chat(body: dict[str, Any], info: ModelInfo, default_max_tokens: int) -
 
 # ---- /generate (SGLang) ---------------------------------------------------------------
 _SGLANG_SAMPLING = (
-    "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos",
-    "frequency_penalty", "presence_penalty", "repetition_penalty", "seed", "n", "skip_special_tokens",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "seed",
+    "n",
+    "skip_special_tokens",
 )
 
 

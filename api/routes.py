@@ -34,13 +34,23 @@ async def _parse(request: Request, parser: Callable[[dict[str, Any], Any, int], 
     return state, parser(body, state.info, state.config.default_max_tokens)
 
 
-async def _collect_all(request: Request, state: AppState, parsed: Parsed, rid: str, skip_special: bool = True) -> list[Result]:
+async def _collect_all(
+    request: Request, state: AppState, parsed: Parsed, rid: str, skip_special: bool = True
+) -> list[Result]:
     cfg = state.config
 
     async def run() -> list[Result]:
         return await asyncio.gather(
             *(
-                collect(state.gateway, state.info, job, f"{rid}-{i}" if parsed.batch else rid, cfg.request_timeout, cfg.stall_timeout, skip_special)
+                collect(
+                    state.gateway,
+                    state.info,
+                    job,
+                    f"{rid}-{i}" if parsed.batch else rid,
+                    cfg.request_timeout,
+                    cfg.stall_timeout,
+                    skip_special,
+                )
                 for i, job in enumerate(parsed.jobs)
             )
         )
@@ -68,7 +78,9 @@ def _stream_deltas(state: AppState, job: Job, rid: str, skip_special: bool = Tru
     return deltas(state.gateway, state.info, job, rid, cfg.request_timeout, cfg.stall_timeout, skip_special)
 
 
-async def _sse_body(first: Delta | None, rest: AsyncIterator[Delta], render: Callable[[Delta], list[Any]]) -> AsyncIterator[bytes]:
+async def _sse_body(
+    first: Delta | None, rest: AsyncIterator[Delta], render: Callable[[Delta], list[Any]]
+) -> AsyncIterator[bytes]:
     try:
         if first is not None:
             for event in render(first):
@@ -102,9 +114,20 @@ async def completions(request: Request) -> Response:
                 "logprobs": formats.completion_logprobs(state.info, d.token_ids, d.logprobs),
                 "finish_reason": formats.openai_finish(d.finish_reason),
             }
-            events: list[Any] = [{"id": rid, "object": "text_completion", "created": created, "model": name, "choices": [choice]}]
+            events: list[Any] = [
+                {"id": rid, "object": "text_completion", "created": created, "model": name, "choices": [choice]}
+            ]
             if d.finish_reason is not None and parsed.include_usage:
-                events.append({"id": rid, "object": "text_completion", "created": created, "model": name, "choices": [], "usage": formats.usage_body(d.usage)})
+                events.append(
+                    {
+                        "id": rid,
+                        "object": "text_completion",
+                        "created": created,
+                        "model": name,
+                        "choices": [],
+                        "usage": formats.usage_body(d.usage),
+                    }
+                )
             return events
 
         return StreamingResponse(_sse_body(first, rest, render), media_type="text/event-stream", headers=SSE_HEADERS)
@@ -121,7 +144,14 @@ async def completions(request: Request) -> Response:
             }
         )
     return ORJSONResponse(
-        {"id": rid, "object": "text_completion", "created": created, "model": name, "choices": choices, "usage": _sum_usage(results)}
+        {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": name,
+            "choices": choices,
+            "usage": _sum_usage(results),
+        }
     )
 
 
@@ -130,7 +160,9 @@ def _sum_usage(results: list[Result]) -> dict[str, Any] | None:
 
     usages = [r.usage for r in results if r.usage is not None]
     total = Usage(
-        sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages), sum(u.cached_tokens for u in usages)
+        sum(u.prompt_tokens for u in usages),
+        sum(u.completion_tokens for u in usages),
+        sum(u.cached_tokens for u in usages),
     )
     return formats.usage_body(total)
 
@@ -159,9 +191,20 @@ async def chat_completions(request: Request) -> Response:
                 "logprobs": formats.chat_logprobs(state.info, d.token_ids, d.logprobs),
                 "finish_reason": formats.openai_finish(d.finish_reason),
             }
-            events: list[Any] = [{"id": rid, "object": "chat.completion.chunk", "created": created, "model": name, "choices": [choice]}]
+            events: list[Any] = [
+                {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name, "choices": [choice]}
+            ]
             if d.finish_reason is not None and parsed.include_usage:
-                events.append({"id": rid, "object": "chat.completion.chunk", "created": created, "model": name, "choices": [], "usage": formats.usage_body(d.usage)})
+                events.append(
+                    {
+                        "id": rid,
+                        "object": "chat.completion.chunk",
+                        "created": created,
+                        "model": name,
+                        "choices": [],
+                        "usage": formats.usage_body(d.usage),
+                    }
+                )
             return events
 
         return StreamingResponse(_sse_body(first, rest, render), media_type="text/event-stream", headers=SSE_HEADERS)
@@ -202,7 +245,12 @@ async def generate(request: Request) -> Response:
             usage = d.usage
             done = d.finish_reason is not None
             meta = formats.sglang_meta(
-                rid, d, len(job.prompt_ids), len(ids), usage.cached_tokens if usage else 0, time.perf_counter() - started if done else None
+                rid,
+                d,
+                len(job.prompt_ids),
+                len(ids),
+                usage.cached_tokens if usage else 0,
+                time.perf_counter() - started if done else None,
             )
             formats.sglang_logprobs(meta, d.token_ids, d.logprobs)
             return [{"text": "".join(text), "output_ids": list(ids), "meta_info": meta}]
@@ -212,7 +260,9 @@ async def generate(request: Request) -> Response:
     bodies = []
     for job, r in zip(parsed.jobs, results, strict=True):
         usage = r.usage
-        meta = formats.sglang_meta(r.rid, r, len(job.prompt_ids), len(r.token_ids), usage.cached_tokens if usage else 0, r.seconds)
+        meta = formats.sglang_meta(
+            r.rid, r, len(job.prompt_ids), len(r.token_ids), usage.cached_tokens if usage else 0, r.seconds
+        )
         formats.sglang_logprobs(meta, r.token_ids, r.logprobs)
         bodies.append({"text": r.text, "output_ids": r.token_ids, "meta_info": meta})
     return ORJSONResponse(bodies if parsed.batch else bodies[0])

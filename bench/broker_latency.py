@@ -44,13 +44,26 @@ MODEL = "bench"
 
 def message(kind: str, rid: str) -> GenerateRequest | KVReady:
     prompt = tuple(range(100, 612))
-    req = GenerateRequest(rid=rid, model=MODEL, prompt_ids=prompt[:128], reply_to="pd.tokens.x." + rid, published_at=time.time())
+    req = GenerateRequest(
+        rid=rid, model=MODEL, prompt_ids=prompt[:128], reply_to="pd.tokens.x." + rid, published_at=time.time()
+    )
     if kind == "request":
         return req
     layout = KVLayout(num_layers=28, num_kv_heads=4, head_dim=128, page_size=16, dtype="bfloat16")
-    handle = KVHandle("mooncake", "127.0.0.1:12345", layout, ((140000000000, 4 * 16 * 28 * 2 * 4 * 128 * 2),), 512, time.time() + 30)
-    return KVReady(rid=rid, model=MODEL, prompt_ids=prompt, output_ids=(7,), reply_to=req.reply_to, sampling=SamplingParams(),
-                   prefill_id="prefill-x", handle=handle, published_at=time.time())
+    handle = KVHandle(
+        "mooncake", "127.0.0.1:12345", layout, ((140000000000, 4 * 16 * 28 * 2 * 4 * 128 * 2),), 512, time.time() + 30
+    )
+    return KVReady(
+        rid=rid,
+        model=MODEL,
+        prompt_ids=prompt,
+        output_ids=(7,),
+        reply_to=req.reply_to,
+        sampling=SamplingParams(),
+        prefill_id="prefill-x",
+        handle=handle,
+        published_at=time.time(),
+    )
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -96,7 +109,9 @@ def consumer_process(url: str, kind: str, consumer_kind: str, total: int, ready:
     out.send(asyncio.run(consume(url, kind, consumer_kind, total, ready)))
 
 
-async def measure(url: str, kind: str, consumer_kind: str, burst: int, rounds: int, publish_ms: list[float]) -> list[float]:
+async def measure(
+    url: str, kind: str, consumer_kind: str, burst: int, rounds: int, publish_ms: list[float]
+) -> list[float]:
     ctx = multiprocessing.get_context("spawn")
     ready = ctx.Event()
     receive, send = ctx.Pipe(duplex=False)
@@ -130,15 +145,30 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
             for burst in (1, 64):
                 for consumer in ("pdserve", "naive"):
                     pub: list[float] = []
-                    lat = await measure(server.url, kind, consumer, burst, args.rounds if burst == 1 else max(args.rounds // 5, 5), pub)
-                    row = {"storage": args.storage, "queue": kind, "in_flight": burst, "consumer": consumer, "n": len(lat),
-                           "p50_ms": percentile(lat, 0.5), "p99_ms": percentile(lat, 0.99), "publish_all_ms_p50": percentile(pub, 0.5)}
+                    lat = await measure(
+                        server.url, kind, consumer, burst, args.rounds if burst == 1 else max(args.rounds // 5, 5), pub
+                    )
+                    row = {
+                        "storage": args.storage,
+                        "queue": kind,
+                        "in_flight": burst,
+                        "consumer": consumer,
+                        "n": len(lat),
+                        "p50_ms": percentile(lat, 0.5),
+                        "p99_ms": percentile(lat, 0.99),
+                        "publish_all_ms_p50": percentile(pub, 0.5),
+                    }
                     rows.append(row)
-                    print(f"{kind:8} x{burst:<3} {consumer:8} p50 {row['p50_ms']:7.2f} ms  p99 {row['p99_ms']:7.2f} ms  (n={len(lat)})", file=sys.stderr)
+                    print(
+                        f"{kind:8} x{burst:<3} {consumer:8} p50 {row['p50_ms']:7.2f} ms  p99 {row['p99_ms']:7.2f} ms  (n={len(lat)})",
+                        file=sys.stderr,
+                    )
                     nc = await nats.connect(server.url)  # fresh durable consumers per row
                     js = nc.jetstream()
-                    await js.delete_consumer(subjects.REQUEST_STREAM if kind == "request" else subjects.KV_STREAM,
-                                             subjects.prefill_consumer(MODEL) if kind == "request" else subjects.decode_consumer(MODEL))
+                    await js.delete_consumer(
+                        subjects.REQUEST_STREAM if kind == "request" else subjects.KV_STREAM,
+                        subjects.prefill_consumer(MODEL) if kind == "request" else subjects.decode_consumer(MODEL),
+                    )
                     await streams.ensure_model(js, MODEL, config)
                     await nc.close()
         return {"rows": rows}
@@ -149,14 +179,20 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=200, help="rounds of one message (bursts: a fifth as many)")
-    parser.add_argument("--storage", choices=["file", "memory"], default="file", help="stream storage (default: %(default)s)")
+    parser.add_argument(
+        "--storage", choices=["file", "memory"], default="file", help="stream storage (default: %(default)s)"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     result = asyncio.run(main_async(args))
-    print("| queue | in flight | consumer | publish -> fetch p50 (ms) | p99 (ms) | publishing the whole burst, p50 (ms) |")
+    print(
+        "| queue | in flight | consumer | publish -> fetch p50 (ms) | p99 (ms) | publishing the whole burst, p50 (ms) |"
+    )
     print("|---|---|---|---|---|---|")
     for r in result["rows"]:  # type: ignore[index]
-        print(f"| {r['queue']} | {r['in_flight']} | {r['consumer']} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['publish_all_ms_p50']:.2f} |")
+        print(
+            f"| {r['queue']} | {r['in_flight']} | {r['consumer']} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['publish_all_ms_p50']:.2f} |"
+        )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return 0

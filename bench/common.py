@@ -19,11 +19,28 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_pdserve(mode: str, data_dir: Path, extra: list[str] | None = None, timeout: float = 180.0) -> tuple[subprocess.Popen[bytes], str]:
+def start_pdserve(
+    mode: str, data_dir: Path, extra: list[str] | None = None, timeout: float = 180.0
+) -> tuple[subprocess.Popen[bytes], str]:
     """`pdserve up --mode MODE` on a free port in its own process group; returns once healthy."""
     port = free_port()
-    cmd = [sys.executable, "-m", "pdserve", "up", "--mode", mode, "--port", str(port), "--host", "127.0.0.1",
-           "--data-dir", str(data_dir), "--log-level", "WARNING", *(extra or [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve",
+        "up",
+        "--mode",
+        mode,
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--data-dir",
+        str(data_dir),
+        "--log-level",
+        "WARNING",
+        *(extra or []),
+    ]
     proc = subprocess.Popen(cmd, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout

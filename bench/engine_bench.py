@@ -65,7 +65,11 @@ def run_pdserve(engine: Engine, reqs: list[Request], concurrency: int) -> float:
     while pending or engine.has_work():
         while pending and in_flight < concurrency:
             i, r = pending.pop(0)
-            engine.add_request(f"r{i}-{started}", r.prompt, SamplingParams(max_new_tokens=r.output_len, temperature=0.0, ignore_eos=True))
+            engine.add_request(
+                f"r{i}-{started}",
+                r.prompt,
+                SamplingParams(max_new_tokens=r.output_len, temperature=0.0, ignore_eos=True),
+            )
             in_flight += 1
         for out in engine.step():
             if out.finish_reason is not None:
@@ -85,7 +89,14 @@ def run_hf_static(model: torch.nn.Module, reqs: list[Request], concurrency: int,
                 ids[i, width - len(r.prompt) :] = torch.tensor(r.prompt)
                 mask[i, width - len(r.prompt) :] = 1
             n = max(r.output_len for r in batch)
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad_id)
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=pad_id,
+            )
     return time.perf_counter() - started
 
 
@@ -125,9 +136,16 @@ def make_100m(base: Path, out: Path) -> Path:
         return out
     tok = AutoTokenizer.from_pretrained(base)
     config = Qwen2Config(
-        vocab_size=len(tok) + (-len(tok)) % 64, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
-        num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=4096, tie_word_embeddings=True,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        vocab_size=len(tok) + (-len(tok)) % 64,
+        hidden_size=768,
+        intermediate_size=3072,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
     )
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).save_pretrained(out)
@@ -139,12 +157,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny", help="tiny, 100m, or a model directory (default: %(default)s)")
     parser.add_argument("--concurrency", default="1,8,64", help="comma-separated (default: %(default)s)")
-    parser.add_argument("--requests", type=int, default=0, help="requests per row (default: 4 at concurrency 1, else max(concurrency, 16))")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=0,
+        help="requests per row (default: 4 at concurrency 1, else max(concurrency, 16))",
+    )
     parser.add_argument("--input-len", default="16,1024", help="min,max prompt tokens (default: %(default)s)")
     parser.add_argument("--output-len", default="16,256", help="min,max output tokens (default: %(default)s)")
     parser.add_argument("--modes", default="pdserve,hf-static,hf-cb", help="(default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeat", type=int, default=3, help="runs per mode; the table shows the median (default: %(default)s)")
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="runs per mode; the table shows the median (default: %(default)s)"
+    )
     parser.add_argument("--data-dir", type=Path, default=Path(tempfile.gettempdir()) / "pdserve-bench")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
@@ -173,13 +198,20 @@ def main() -> int:
         n = args.requests or (4 if concurrency == 1 else max(concurrency, 16))
         reqs = workload(n, args.seed + concurrency, min(vocab, 4000), min_in, max_in, min_out, max_out)
         useful = sum(r.output_len for r in reqs)
-        row = {"concurrency": concurrency, "requests": n, "output_tokens": useful, "prompt_tokens": sum(len(r.prompt) for r in reqs)}
+        row = {
+            "concurrency": concurrency,
+            "requests": n,
+            "output_tokens": useful,
+            "prompt_tokens": sum(len(r.prompt) for r in reqs),
+        }
         warm = workload(2, 99, min(vocab, 4000), 16, 64, 4, 8)
         runs: dict[str, list[float]] = {m: [] for m in modes}
         for rep in range(args.repeat):  # modes interleaved, so each repeat shares the machine's mood
             for mode in modes:
                 gc.collect()
-                progress(f"concurrency {concurrency}, run {rep + 1}/{args.repeat}: {mode} ({n} requests, {useful} output tokens)")
+                progress(
+                    f"concurrency {concurrency}, run {rep + 1}/{args.repeat}: {mode} ({n} requests, {useful} output tokens)"
+                )
                 if mode == "pdserve":
                     run_pdserve(engine, warm, 2)
                     seconds = run_pdserve(engine, reqs, concurrency)
@@ -202,7 +234,9 @@ def main() -> int:
         rows.append(row)
 
     print(f"\nmodel {path.name}: {params / 1e6:.1f}M parameters, fp32, {torch.get_num_threads()} threads")
-    head = "| concurrency | requests | " + " | ".join(f"{m} out tok/s" for m in modes) + " | pdserve / best transformers |"
+    head = (
+        "| concurrency | requests | " + " | ".join(f"{m} out tok/s" for m in modes) + " | pdserve / best transformers |"
+    )
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for row in rows:

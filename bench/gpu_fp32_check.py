@@ -31,7 +31,9 @@ def main() -> int:
     impl = attention.register()
     torch.manual_seed(0)
     with device:
-        model = AutoModelForCausalLM.from_config(Qwen2Config(**DIMS["qwen2.5-7b"]), dtype=torch.float32, attn_implementation=impl).eval()
+        model = AutoModelForCausalLM.from_config(
+            Qwen2Config(**DIMS["qwen2.5-7b"]), dtype=torch.float32, attn_implementation=impl
+        ).eval()
     config = EngineConfig(device="cuda", max_total_tokens=20_000)
     engine = Engine(ModelRunner(ModelSpec(Path("qwen2.5-7b-fp32")), config, model=model), config)
     rng = random.Random(0)

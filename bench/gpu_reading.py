@@ -55,7 +55,9 @@ def use_attention(model: torch.nn.Module, name: str) -> None:
                 cfg._attn_implementation = name
 
 
-def hf_generate(model: torch.nn.Module, prompts: list[list[int]], n: int, device: torch.device, pad: int = 0) -> tuple[list[list[int]], float]:
+def hf_generate(
+    model: torch.nn.Module, prompts: list[list[int]], n: int, device: torch.device, pad: int = 0
+) -> tuple[list[list[int]], float]:
     use_attention(model, "sdpa")
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long, device=device)
@@ -66,7 +68,9 @@ def hf_generate(model: torch.nn.Module, prompts: list[list[int]], n: int, device
     with torch.inference_mode():
         sync(device)
         t = time.perf_counter()
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad)
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad
+        )
         sync(device)
         seconds = time.perf_counter() - t
     use_attention(model, attention.ATTN_IMPLEMENTATION)
@@ -101,11 +105,26 @@ def agree(a: list[int], b: list[int]) -> int:
     return n
 
 
-def measure(name: str, model: torch.nn.Module, device: torch.device, vocab: int, max_tokens: int, requests: int, prompt_len: int, new: int) -> dict[str, object]:
-    config = EngineConfig(device=str(device), max_total_tokens=max_tokens, max_num_seqs=max(requests, 8), chunked_prefill_size=8192)
+def measure(
+    name: str,
+    model: torch.nn.Module,
+    device: torch.device,
+    vocab: int,
+    max_tokens: int,
+    requests: int,
+    prompt_len: int,
+    new: int,
+) -> dict[str, object]:
+    config = EngineConfig(
+        device=str(device), max_total_tokens=max_tokens, max_num_seqs=max(requests, 8), chunked_prefill_size=8192
+    )
     engine = Engine(ModelRunner(ModelSpec(Path(name)), config, model=model), config)
     rng = random.Random(0)
-    row: dict[str, object] = {"model": name, "parameters": sum(p.numel() for p in model.parameters()), "dtype": str(next(model.parameters()).dtype)}
+    row: dict[str, object] = {
+        "model": name,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "dtype": str(next(model.parameters()).dtype),
+    }
     # correctness: 4 prompts of different lengths, 32 greedy tokens
     prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (17, 130, 300, 511)]
     say(f"{name}: greedy equality")
@@ -147,19 +166,46 @@ def main() -> int:
     impl = attention.register()
     rows = []
     tiny_dir = ensure_default_model(Path(tempfile.mkdtemp()))
-    tiny = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32, attn_implementation=impl).to(device).eval()
+    tiny = (
+        AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32, attn_implementation=impl).to(device).eval()
+    )
     rows.append(measure("tiny-qwen2 (default)", tiny, device, 4000, 200_000, args.requests, 512, 128))
     del tiny
-    dims = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, vocab_size=152064)
+    dims = dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+    )
     if args.small:
-        dims = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
+        dims = dict(
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=1000,
+        )
     config = Qwen2Config(**dims, max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=False)
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     say("building the 7B-dimension model with random weights")
     with device:
         big = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=impl).eval()
-    rows.append(measure("qwen2.5-7b dims, random " + str(dtype).removeprefix("torch."), big, device, min(dims["vocab_size"], 150000) - 1, 64 * 700, args.requests, 512, 128))
+    rows.append(
+        measure(
+            "qwen2.5-7b dims, random " + str(dtype).removeprefix("torch."),
+            big,
+            device,
+            min(dims["vocab_size"], 150000) - 1,
+            64 * 700,
+            args.requests,
+            512,
+            128,
+        )
+    )
     if device.type == "cuda":
         bytes_ = sum(p.numel() * p.element_size() for p in big.parameters())
         rows[-1]["weight_bytes"] = bytes_

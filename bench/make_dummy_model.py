@@ -17,12 +17,28 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 DIMS = {
-    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                       num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768, rope_theta=1e6,
-                       tie_word_embeddings=False),
-    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6,
-                         tie_word_embeddings=True),
+    "qwen2.5-7b": dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        max_position_embeddings=32768,
+        rope_theta=1e6,
+        tie_word_embeddings=False,
+    ),
+    "qwen2.5-0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        max_position_embeddings=32768,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -38,7 +54,9 @@ def main() -> int:
 
     tiny = ensure_default_model(Path(tempfile.mkdtemp()))
     tok = AutoTokenizer.from_pretrained(tiny)
-    config = Qwen2Config(**DIMS[args.dims], dtype=args.dtype, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config = Qwen2Config(
+        **DIMS[args.dims], dtype=args.dtype, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(args.out)
     tok.save_pretrained(args.out)

@@ -39,7 +39,11 @@ async def through_http(url: str, reqs: list[Request], concurrency: int) -> tuple
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
 
         async def one(r: Request) -> None:
-            body = {"input_ids": r.prompt, "stream": True, "sampling_params": {"max_new_tokens": r.output_len, "temperature": 0, "ignore_eos": True}}
+            body = {
+                "input_ids": r.prompt,
+                "stream": True,
+                "sampling_params": {"max_new_tokens": r.output_len, "temperature": 0, "ignore_eos": True},
+            }
             started = time.perf_counter()
             first = None
             async with client.stream("POST", "/generate", json=body) as resp:
@@ -65,7 +69,7 @@ def main() -> int:
     parser.add_argument("--modes", default="pd,unified")
     parser.add_argument("--repeat", type=int, default=3, help="offline/pipeline pairs per mode (default: %(default)s)")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--up-args", default="", help="extra `pdserve up` flags, e.g. \"--num-threads 2\"")
+    parser.add_argument("--up-args", default="", help='extra `pdserve up` flags, e.g. "--num-threads 2"')
     args = parser.parse_args()
     data_dir = Path(tempfile.mkdtemp(prefix="pdserve-pipe-"))
     model = ensure_default_model(data_dir)
@@ -79,9 +83,16 @@ def main() -> int:
         engine.blocks.reset_prefix_cache()  # the next pass must not start warm
         return tps
 
-    result: dict[str, object] = {"requests": args.requests, "concurrency": args.concurrency, "output_tokens": useful, "repeat": args.repeat}
+    result: dict[str, object] = {
+        "requests": args.requests,
+        "concurrency": args.concurrency,
+        "output_tokens": useful,
+        "repeat": args.repeat,
+    }
     for mode in args.modes.split(","):
-        proc, url = start_pdserve(mode, data_dir, ["--unified-workers", "1", "--max-running-requests", "256", *args.up_args.split()])
+        proc, url = start_pdserve(
+            mode, data_dir, ["--unified-workers", "1", "--max-running-requests", "256", *args.up_args.split()]
+        )
         pairs = []
         try:
             asyncio.run(through_http(url, workload(4, 7, 4000, 16, 64, 4, 8), 4))  # warm-up

@@ -49,8 +49,11 @@ from pdserve.bench.runner import run_benchmark
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = {
-    "pd": ("PD (1 prefill + 1 decode)", ["--mode", "pd", "--prefill-workers", "1", "--decode-workers", "1"],
-           {"prefill": 1, "decode": 1}),
+    "pd": (
+        "PD (1 prefill + 1 decode)",
+        ["--mode", "pd", "--prefill-workers", "1", "--decode-workers", "1"],
+        {"prefill": 1, "decode": 1},
+    ),
     "unified": ("unified (2 workers)", ["--mode", "unified", "--unified-workers", "2"], {"unified": 2}),
 }
 
@@ -113,8 +116,24 @@ class System:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 240.0) -> None:
-        argv = [sys.executable, "-m", "pdserve", "up", *self.flags, "--host", "127.0.0.1", "--port", str(self.port),
-                "--data-dir", str(self.data_dir), "--model-path", str(self.model_path), "--log-level", "WARNING", *self.extra]
+        argv = [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "up",
+            *self.flags,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--data-dir",
+            str(self.data_dir),
+            "--model-path",
+            str(self.model_path),
+            "--log-level",
+            "WARNING",
+            *self.extra,
+        ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "MC_LOG_LEVEL": "ERROR", "TOKENIZERS_PARALLELISM": "false"}
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -229,12 +248,16 @@ def crossover(rates: list[float], a: list[float], b: list[float], name_a: str, n
             continue
         verb = "overtakes" if v > 0 else "falls below"
         if prev_s == 0 and i > 0:
-            events.append(f"{name_a} goodput {verb} {name_b} between {rates[i - 1]:g} and {rates[i]:g} req/s "
-                          f"(tied, {band}, up to {rates[i - 1]:g})")
+            events.append(
+                f"{name_a} goodput {verb} {name_b} between {rates[i - 1]:g} and {rates[i]:g} req/s "
+                f"(tied, {band}, up to {rates[i - 1]:g})"
+            )
         elif prev_s not in (0, v) and prev_i is not None:
             d0, d1 = a[prev_i] - b[prev_i], a[i] - b[i]
             r = rates[prev_i] + (rates[i] - rates[prev_i]) * d0 / (d0 - d1)
-            events.append(f"{name_a} goodput {verb} {name_b} between {rates[prev_i]:g} and {rates[i]:g} req/s (about {r:.2f} req/s)")
+            events.append(
+                f"{name_a} goodput {verb} {name_b} between {rates[prev_i]:g} and {rates[i]:g} req/s (about {r:.2f} req/s)"
+            )
         prev_i, prev_s = i, v
     if not events:
         where = "above" if prev_s > 0 else "below"
@@ -248,8 +271,23 @@ def _fmt(v: float | None, digits: int = 1) -> str:
 
 
 def workload_table(wl: Workload, runs: dict[str, list[dict[str, Any]]], slo: SLO) -> str:
-    header = ["mode", "rate", "ok/fail", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p99",
-              "E2E p50", "goodput", "good %", "req queue p99", "kv queue p99"]
+    header = [
+        "mode",
+        "rate",
+        "ok/fail",
+        "req/s",
+        "out tok/s",
+        "TTFT p50",
+        "TTFT p99",
+        "TPOT p50",
+        "TPOT p99",
+        "ITL p99",
+        "E2E p50",
+        "goodput",
+        "good %",
+        "req queue p99",
+        "kv queue p99",
+    ]
     rows = []
     for mode, points in runs.items():
         for p in points:
@@ -258,20 +296,46 @@ def workload_table(wl: Workload, runs: dict[str, list[dict[str, Any]]], slo: SLO
             timings = m.get("server_timings_ms") or {}
             rq = (timings.get("request_queue") or {}).get("p99")
             kq = (timings.get("kv_queue") or {}).get("p99")
-            rows.append([
-                mode, f"{p['request_rate']:g}", f"{m['completed']}/{m['failed']}", _fmt(m["request_throughput"], 2),
-                _fmt(m["output_throughput"]), _fmt(stat(m, "ttft_ms", "p50")), _fmt(stat(m, "ttft_ms", "p99")),
-                _fmt(stat(m, "tpot_ms", "p50"), 2), _fmt(stat(m, "tpot_ms", "p99"), 2), _fmt(stat(m, "itl_ms", "p99"), 2),
-                _fmt(stat(m, "e2e_latency_ms", "p50")), _fmt(gp, 2), _fmt(100 * frac, 0), _fmt(rq, 2), _fmt(kq, 2),
-            ])
+            rows.append(
+                [
+                    mode,
+                    f"{p['request_rate']:g}",
+                    f"{m['completed']}/{m['failed']}",
+                    _fmt(m["request_throughput"], 2),
+                    _fmt(m["output_throughput"]),
+                    _fmt(stat(m, "ttft_ms", "p50")),
+                    _fmt(stat(m, "ttft_ms", "p99")),
+                    _fmt(stat(m, "tpot_ms", "p50"), 2),
+                    _fmt(stat(m, "tpot_ms", "p99"), 2),
+                    _fmt(stat(m, "itl_ms", "p99"), 2),
+                    _fmt(stat(m, "e2e_latency_ms", "p50")),
+                    _fmt(gp, 2),
+                    _fmt(100 * frac, 0),
+                    _fmt(rq, 2),
+                    _fmt(kq, 2),
+                ]
+            )
     return markdown_table(header, rows)
 
 
-async def sweep_system(url: str, wl: Workload, args: argparse.Namespace, tokenizer: str, quiet: bool) -> list[dict[str, Any]]:
+async def sweep_system(
+    url: str, wl: Workload, args: argparse.Namespace, tokenizer: str, quiet: bool
+) -> list[dict[str, Any]]:
     cfg = BenchConfig(
-        base_url=url, backend=args.backend, tokenizer=tokenizer, num_prompts=args.num_prompts, warmup=args.warmup,
-        seed=args.seed, input_len=wl.input_len, output_len=wl.output_len, range_ratio=args.range_ratio,
-        burstiness=args.burstiness, sweep=args.rates, save_requests=True, quiet=quiet, sweep_pause=args.pause,
+        base_url=url,
+        backend=args.backend,
+        tokenizer=tokenizer,
+        num_prompts=args.num_prompts,
+        warmup=args.warmup,
+        seed=args.seed,
+        input_len=wl.input_len,
+        output_len=wl.output_len,
+        range_ratio=args.range_ratio,
+        burstiness=args.burstiness,
+        sweep=args.rates,
+        save_requests=True,
+        quiet=quiet,
+        sweep_pause=args.pause,
     )
     result = await run_benchmark(cfg)
     return list(result["points"])
@@ -296,12 +360,22 @@ def run_sweeps(args: argparse.Namespace) -> dict[str, Any]:
             system.start()
             print(f"  ready after {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
             for wl in workloads:
-                print(f"  {wl.name}: input {wl.input_len}, output {wl.output_len}, rates {args.rates}", file=sys.stderr, flush=True)
+                print(
+                    f"  {wl.name}: input {wl.input_len}, output {wl.output_len}, rates {args.rates}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 runs[wl.name][mode] = asyncio.run(sweep_system(system.url, wl, args, str(model), args.quiet))
         finally:
             system.stop()
             print(f"  stopped {mode}", file=sys.stderr, flush=True)
-    return {"root": str(root), "model": str(model), "workloads": workloads, "runs": runs, "seconds": time.time() - started}
+    return {
+        "root": str(root),
+        "model": str(model),
+        "workloads": workloads,
+        "runs": runs,
+        "seconds": time.time() - started,
+    }
 
 
 def report(args: argparse.Namespace, sweep: dict[str, Any]) -> dict[str, Any]:
@@ -337,8 +411,11 @@ def report(args: argparse.Namespace, sweep: dict[str, Any]) -> dict[str, Any]:
         slo = auto_slo(runs, args.slo_factor, args.slo_ttft, args.slo_tpot)
         rates = [float(r) for r in args.rates]
         lines += [f"### {wl.name}: input {wl.input_len} tokens, output {wl.output_len} tokens", ""]
-        how = "given" if args.slo_ttft is not None and args.slo_tpot is not None else \
-            f"{args.slo_factor:g}x the best p50 at {rates[0]:g} req/s, rounded up, where not given"
+        how = (
+            "given"
+            if args.slo_ttft is not None and args.slo_tpot is not None
+            else f"{args.slo_factor:g}x the best p50 at {rates[0]:g} req/s, rounded up, where not given"
+        )
         lines += [f"SLO for goodput: {slo.describe()} ({how}).", ""]
         lines += [workload_table(wl, runs, slo), ""]
         analysis = ""
@@ -352,7 +429,12 @@ def report(args: argparse.Namespace, sweep: dict[str, Any]) -> dict[str, Any]:
         for points in runs.values():
             for p in points:
                 gp, frac = goodput(p, slo)
-                p["metrics"]["slo"] = {"ttft_ms": slo.ttft_ms, "itl_ms": slo.itl_ms, "itl_metric": slo.itl_metric, "text": slo.describe()}
+                p["metrics"]["slo"] = {
+                    "ttft_ms": slo.ttft_ms,
+                    "itl_ms": slo.itl_ms,
+                    "itl_metric": slo.itl_metric,
+                    "text": slo.describe(),
+                }
                 p["metrics"]["goodput"], p["metrics"]["goodput_fraction"] = gp, frac
         plot_sweeps(series, png, title=f"{wl.name}: input {wl.input_len}, output {wl.output_len} ({slo.describe()})")
         rel = os.path.relpath(png, ROOT / "docs") if png.is_relative_to(ROOT / "docs") else str(png)
@@ -362,8 +444,12 @@ def report(args: argparse.Namespace, sweep: dict[str, Any]) -> dict[str, Any]:
                 for p in points:
                     p.pop("requests", None)
         result["workloads"][wl.name] = {
-            "input_len": wl.input_len, "output_len": wl.output_len, "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.itl_ms},
-            "crossover": analysis, "runs": runs, "plot": str(png),
+            "input_len": wl.input_len,
+            "output_len": wl.output_len,
+            "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.itl_ms},
+            "crossover": analysis,
+            "runs": runs,
+            "plot": str(png),
         }
     result["markdown"] = "\n".join(lines)
     write_json(out_data / "serving_sweep.json", result)
@@ -375,8 +461,12 @@ def client_overhead(args: argparse.Namespace) -> dict[str, Any]:
     """The benchmark client against ``pdserve bench stub`` (another process): achieved vs.
     offered rate, latency added, client CPU per request."""
     port = free_port()
-    stub = subprocess.Popen([sys.executable, "-m", "pdserve.bench", "stub", "--port", str(port), "--tokens", str(args.stub_tokens)],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    stub = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.bench", "stub", "--port", str(port), "--tokens", str(args.stub_tokens)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     rows = []
     points = []
     try:
@@ -387,8 +477,17 @@ def client_overhead(args: argparse.Namespace) -> dict[str, Any]:
         plan += [(math.inf, c) for c in args.stub_concurrency]
         for rate, conc in plan:
             n = args.stub_prompts if math.isinf(rate) else max(args.stub_prompts, int(rate * args.stub_seconds))
-            cfg = BenchConfig(base_url=url, num_prompts=n, request_rate=rate, max_concurrency=conc, input_len=32,
-                              output_len=args.stub_tokens, warmup=min(32, conc or 32), quiet=True, seed=args.seed)
+            cfg = BenchConfig(
+                base_url=url,
+                num_prompts=n,
+                request_rate=rate,
+                max_concurrency=conc,
+                input_len=32,
+                output_len=args.stub_tokens,
+                warmup=min(32, conc or 32),
+                quiet=True,
+                seed=args.seed,
+            )
             ru0 = resource.getrusage(resource.RUSAGE_SELF)
             result = asyncio.run(run_benchmark(cfg))
             ru1 = resource.getrusage(resource.RUSAGE_SELF)
@@ -398,13 +497,28 @@ def client_overhead(args: argparse.Namespace) -> dict[str, Any]:
             p["client_cpu_us_per_request"] = cpu * 1e6
             points.append(p)
             lag = m.get("send_lag_ms") or {}
-            rows.append([
-                "inf" if math.isinf(rate) else f"{rate:g}", str(conc or "-"), str(n), _fmt(m.get("offered_request_rate")),
-                _fmt(m["request_throughput"]), _fmt(stat(m, "ttft_ms", "p50"), 2), _fmt(stat(m, "ttft_ms", "p99"), 2),
-                _fmt(stat(m, "e2e_latency_ms", "p50"), 2), _fmt(stat(m, "e2e_latency_ms", "p99"), 2),
-                _fmt(lag.get("p50"), 2), _fmt(lag.get("p99"), 2), _fmt(cpu * 1e6, 0), str(m["failed"]),
-            ])
-            print(f"  stub rate {rows[-1][0]} conc {rows[-1][1]}: achieved {rows[-1][4]} req/s", file=sys.stderr, flush=True)
+            rows.append(
+                [
+                    "inf" if math.isinf(rate) else f"{rate:g}",
+                    str(conc or "-"),
+                    str(n),
+                    _fmt(m.get("offered_request_rate")),
+                    _fmt(m["request_throughput"]),
+                    _fmt(stat(m, "ttft_ms", "p50"), 2),
+                    _fmt(stat(m, "ttft_ms", "p99"), 2),
+                    _fmt(stat(m, "e2e_latency_ms", "p50"), 2),
+                    _fmt(stat(m, "e2e_latency_ms", "p99"), 2),
+                    _fmt(lag.get("p50"), 2),
+                    _fmt(lag.get("p99"), 2),
+                    _fmt(cpu * 1e6, 0),
+                    str(m["failed"]),
+                ]
+            )
+            print(
+                f"  stub rate {rows[-1][0]} conc {rows[-1][1]}: achieved {rows[-1][4]} req/s",
+                file=sys.stderr,
+                flush=True,
+            )
     finally:
         stub.terminate()
         try:
@@ -416,19 +530,34 @@ def client_overhead(args: argparse.Namespace) -> dict[str, Any]:
         load = os.getloadavg()
     except OSError:
         load = (math.nan,) * 3
-    header = ["target req/s", "max conc", "requests", "offered req/s", "achieved req/s", "TTFT p50", "TTFT p99", "E2E p50",
-              "E2E p99", "send lag p50", "send lag p99", "client CPU us/req", "failed"]
-    md = "\n".join([
-        "## Client overhead against the stub server",
-        "",
-        f"`pdserve bench stub --tokens {args.stub_tokens} --itl-ms 0` in its own process on loopback (it answers at once, one "
-        f"SSE event per token plus a usage event), the client in this one; {os.cpu_count()} CPU cores, load average "
-        f"{load[0]:.1f} at the end. Latencies in ms: against an instant server they are the client's own overhead plus "
-        "loopback and the stub's. Send lag = actual send time - scheduled arrival time (open loop only).",
-        "",
-        markdown_table(header, rows),
-        "",
-    ])
+    header = [
+        "target req/s",
+        "max conc",
+        "requests",
+        "offered req/s",
+        "achieved req/s",
+        "TTFT p50",
+        "TTFT p99",
+        "E2E p50",
+        "E2E p99",
+        "send lag p50",
+        "send lag p99",
+        "client CPU us/req",
+        "failed",
+    ]
+    md = "\n".join(
+        [
+            "## Client overhead against the stub server",
+            "",
+            f"`pdserve bench stub --tokens {args.stub_tokens} --itl-ms 0` in its own process on loopback (it answers at once, one "
+            f"SSE event per token plus a usage event), the client in this one; {os.cpu_count()} CPU cores, load average "
+            f"{load[0]:.1f} at the end. Latencies in ms: against an instant server they are the client's own overhead plus "
+            "loopback and the stub's. Send lag = actual send time - scheduled arrival time (open loop only).",
+            "",
+            markdown_table(header, rows),
+            "",
+        ]
+    )
     out = {"markdown": md, "points": points, "loadavg": load}
     write_json(Path(args.out_data) / "client_overhead.json", out)
     return out
@@ -444,43 +573,75 @@ def _ints(text: str) -> list[int]:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
-    p.add_argument("--rates", type=_floats, default=[1.0, 2.0, 4.0, 8.0], help="request rates (req/s) (default: 1,2,4,8)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
+    p.add_argument(
+        "--rates", type=_floats, default=[1.0, 2.0, 4.0, 8.0], help="request rates (req/s) (default: 1,2,4,8)"
+    )
     p.add_argument("--num-prompts", type=int, default=40, help="requests per point (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=2, help="warm-up requests per point (default: %(default)s)")
-    p.add_argument("--workloads", nargs="+", default=["prefill-heavy=1024:16", "decode-heavy=64:256"],
-                   help="NAME=INPUT:OUTPUT token lengths (default: %(default)s)")
+    p.add_argument(
+        "--workloads",
+        nargs="+",
+        default=["prefill-heavy=1024:16", "decode-heavy=64:256"],
+        help="NAME=INPUT:OUTPUT token lengths (default: %(default)s)",
+    )
     p.add_argument("--modes", nargs="+", default=["pd", "unified"], choices=list(MODES), help="(default: pd unified)")
     p.add_argument("--backend", default="generate", choices=["generate", "openai"], help="(default: %(default)s)")
-    p.add_argument("--range-ratio", type=float, default=0.0, help="length spread, see pdserve bench (default: %(default)s)")
+    p.add_argument(
+        "--range-ratio", type=float, default=0.0, help="length spread, see pdserve bench (default: %(default)s)"
+    )
     p.add_argument("--burstiness", type=float, default=1.0, help="1 = Poisson (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     p.add_argument("--pause", type=float, default=1.0, help="seconds between points (default: %(default)s)")
     p.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO in ms (default: auto, see --slo-factor)")
     p.add_argument("--slo-tpot", type=float, default=None, help="TPOT SLO in ms (default: auto, see --slo-factor)")
-    p.add_argument("--slo-factor", type=float, default=3.0,
-                   help="auto SLO = this times the best p50 at the lowest rate, rounded up (default: %(default)s)")
-    p.add_argument("--tie", type=float, default=0.05,
-                   help="goodput differences within this fraction count as ties in the crossover (default: %(default)s)")
+    p.add_argument(
+        "--slo-factor",
+        type=float,
+        default=3.0,
+        help="auto SLO = this times the best p50 at the lowest rate, rounded up (default: %(default)s)",
+    )
+    p.add_argument(
+        "--tie",
+        type=float,
+        default=0.05,
+        help="goodput differences within this fraction count as ties in the crossover (default: %(default)s)",
+    )
     p.add_argument("--model-path", default=None, help="model directory (default: build the tiny model in the temp dir)")
     p.add_argument("--up-args", default="", help="extra arguments for both `pdserve up` (default: none)")
     p.add_argument("--out-img", default=str(ROOT / "docs" / "img"), help="PNG directory (default: docs/img)")
     p.add_argument("--out-data", default=str(ROOT / "docs" / "data"), help="JSON directory (default: docs/data)")
     p.add_argument("--out-md", default=None, help="also write the markdown here (default: stdout only)")
     p.add_argument("--save-requests", action="store_true", help="keep per-request rows in the JSON (default: off)")
-    p.add_argument("--keep-tmp", action="store_true",
-                   help="keep the temp dir (model, data dirs, pdserve logs); it is kept anyway when a run fails "
-                        "(default: off)")
+    p.add_argument(
+        "--keep-tmp",
+        action="store_true",
+        help="keep the temp dir (model, data dirs, pdserve logs); it is kept anyway when a run fails (default: off)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bars (default: off)")
     g = p.add_argument_group("client overhead against the stub")
     g.add_argument("--client-overhead", action="store_true", help="measure the client against the stub only")
     g.add_argument("--also-client-overhead", action="store_true", help="measure it after the serving sweep too")
-    g.add_argument("--stub-rates", type=_floats, default=[100.0, 250.0, 500.0, 750.0, 1000.0],
-                   help="open-loop target rates (default: 100,250,500,750,1000)")
-    g.add_argument("--stub-concurrency", type=_ints, default=[16, 64],
-                   help="closed-loop concurrencies at rate inf (max sustained rate) (default: 16,64)")
-    g.add_argument("--stub-seconds", type=float, default=4.0, help="seconds of arrivals per open-loop point (default: %(default)s)")
-    g.add_argument("--stub-prompts", type=int, default=1000, help="at least this many requests per point (default: %(default)s)")
+    g.add_argument(
+        "--stub-rates",
+        type=_floats,
+        default=[100.0, 250.0, 500.0, 750.0, 1000.0],
+        help="open-loop target rates (default: 100,250,500,750,1000)",
+    )
+    g.add_argument(
+        "--stub-concurrency",
+        type=_ints,
+        default=[16, 64],
+        help="closed-loop concurrencies at rate inf (max sustained rate) (default: 16,64)",
+    )
+    g.add_argument(
+        "--stub-seconds", type=float, default=4.0, help="seconds of arrivals per open-loop point (default: %(default)s)"
+    )
+    g.add_argument(
+        "--stub-prompts", type=int, default=1000, help="at least this many requests per point (default: %(default)s)"
+    )
     g.add_argument("--stub-tokens", type=int, default=16, help="tokens per stub answer (default: %(default)s)")
     args = p.parse_args(argv)
     args.argv = argv
@@ -504,7 +665,10 @@ def main(argv: list[str] | None = None) -> int:
     print(md)
     if args.out_md:
         Path(args.out_md).write_text(md + "\n")
-    print(f"wrote JSON under {args.out_data}" + ("" if args.client_overhead else f" and PNGs under {args.out_img}"), file=sys.stderr)
+    print(
+        f"wrote JSON under {args.out_data}" + ("" if args.client_overhead else f" and PNGs under {args.out_img}"),
+        file=sys.stderr,
+    )
     return 0
 
 

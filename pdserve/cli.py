@@ -29,27 +29,51 @@ class UsageError(Exception):
 
 # ---- flags -------------------------------------------------------------------------
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data-dir", type=Path, default=settings.default_data_dir(), help="where the default model and the embedded broker's store live (default: %(default)s)")
-    p.add_argument("--log-level", default=settings.default_log_level(), choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper)
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=settings.default_data_dir(),
+        help="where the default model and the embedded broker's store live (default: %(default)s)",
+    )
+    p.add_argument(
+        "--log-level",
+        default=settings.default_log_level(),
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        type=str.upper,
+    )
 
 
 def _broker(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("broker")
-    g.add_argument("--prefill-max-ack-pending", type=int, default=256,
-                   help="requests the prefill (and unified) pool may hold unacked: its total capacity (default: %(default)s)")
-    g.add_argument("--decode-max-ack-pending", type=int, default=256,
-                   help="KV-ready events the decode pool may hold unacked (default: %(default)s)")
+    g.add_argument(
+        "--prefill-max-ack-pending",
+        type=int,
+        default=256,
+        help="requests the prefill (and unified) pool may hold unacked: its total capacity (default: %(default)s)",
+    )
+    g.add_argument(
+        "--decode-max-ack-pending",
+        type=int,
+        default=256,
+        help="KV-ready events the decode pool may hold unacked (default: %(default)s)",
+    )
 
 
 def broker_config(args: argparse.Namespace) -> BrokerConfig:
     from broker.streams import BrokerConfig
 
-    return BrokerConfig(prefill_max_ack_pending=args.prefill_max_ack_pending, decode_max_ack_pending=args.decode_max_ack_pending)
+    return BrokerConfig(
+        prefill_max_ack_pending=args.prefill_max_ack_pending, decode_max_ack_pending=args.decode_max_ack_pending
+    )
 
 
 def _model(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--model-path", type=Path, help="local Hugging Face model directory (default: a small random model created in the data dir)")
+    g.add_argument(
+        "--model-path",
+        type=Path,
+        help="local Hugging Face model directory (default: a small random model created in the data dir)",
+    )
     g.add_argument("--served-model-name", help="name clients use (default: the directory name)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "half", "bfloat16"])
     g.add_argument("--trust-remote-code", action="store_true")
@@ -59,7 +83,9 @@ def _model(p: argparse.ArgumentParser) -> None:
 def _engine(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: %(default)s)")
-    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"], help="dummy: random weights from the model's config")
+    g.add_argument(
+        "--load-format", default="auto", choices=["auto", "dummy"], help="dummy: random weights from the model's config"
+    )
     g.add_argument("--max-total-tokens", type=int, help="KV pool size in tokens (default: from memory)")
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--chunked-prefill-size", type=int, default=2048)
@@ -76,13 +102,21 @@ def _sglang(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, help="serve GET /health on this port")
     g.add_argument("--tensor-parallel-size", "--tp-size", type=int, default=1)
     g.add_argument("--disaggregation-mode", choices=["prefill", "decode", "null"])
-    g.add_argument("--disaggregation-bootstrap-port", type=int, help="accepted for SGLang compatibility; pdserve needs no bootstrap server (handles travel over NATS)")
+    g.add_argument(
+        "--disaggregation-bootstrap-port",
+        type=int,
+        help="accepted for SGLang compatibility; pdserve needs no bootstrap server (handles travel over NATS)",
+    )
     g.add_argument("--disaggregation-transfer-backend", default="mooncake")
-    g.add_argument("--disaggregation-ib-device", default="", help="RDMA device (e.g. mlx5_2): Mooncake uses rdma instead of tcp")
+    g.add_argument(
+        "--disaggregation-ib-device", default="", help="RDMA device (e.g. mlx5_2): Mooncake uses rdma instead of tcp"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description="Prefill/decode-disaggregated LLM serving over NATS JetStream.")
+    parser = argparse.ArgumentParser(
+        prog="pdserve", description="Prefill/decode-disaggregated LLM serving over NATS JetStream."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="run everything: broker, workers and the HTTP API")
@@ -98,7 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--nats-url", help="use this NATS server instead of starting one")
     up.add_argument("--transfer-host", default="127.0.0.1", help="address workers' transfer engines listen on")
     up.add_argument("--disaggregation-ib-device", default="")
-    up.add_argument("--prefill-max-ack-pending", type=int, help="default: workers on the request queue x --max-running-requests")
+    up.add_argument(
+        "--prefill-max-ack-pending", type=int, help="default: workers on the request queue x --max-running-requests"
+    )
     up.add_argument("--decode-max-ack-pending", type=int, help="default: decode workers x --max-running-requests")
 
     api = sub.add_parser("api", help="run the HTTP API only")
@@ -133,18 +169,24 @@ def resolve_model(args: argparse.Namespace) -> Path:
     if args.model_path is not None:
         path = Path(args.model_path)
         if not (path / "config.json").exists():
-            raise UsageError(f"--model-path {path}: no config.json there (a local Hugging Face model directory is needed)")
+            raise UsageError(
+                f"--model-path {path}: no config.json there (a local Hugging Face model directory is needed)"
+            )
         return path
     from workers.tiny_model import ensure_default_model
 
     path = ensure_default_model(Path(args.data_dir), progress=lambda line: log.info(line))
-    log.warning("serving the built-in random-weight model: its output is not meaningful text", extra={"path": str(path)})
+    log.warning(
+        "serving the built-in random-weight model: its output is not meaningful text", extra={"path": str(path)}
+    )
     return path
 
 
 def check_worker_flags(args: argparse.Namespace, role: str) -> None:
     if args.tensor_parallel_size != 1:
-        raise UsageError(f"--tensor-parallel-size {args.tensor_parallel_size}: pdserve runs one device per worker for now; use 1")
+        raise UsageError(
+            f"--tensor-parallel-size {args.tensor_parallel_size}: pdserve runs one device per worker for now; use 1"
+        )
     mode = args.disaggregation_mode
     if mode is not None and not (mode == role or (mode == "null" and role == "unified")):
         raise UsageError(f"--disaggregation-mode {mode} does not match `pdserve {role}`")
@@ -199,7 +241,9 @@ def run_worker(args: argparse.Namespace, role: str) -> None:
 
     check_worker_flags(args, role)
     if args.disaggregation_bootstrap_port is not None:
-        log.info("--disaggregation-bootstrap-port is not needed by pdserve (handles travel over NATS); ignoring its value")
+        log.info(
+            "--disaggregation-bootstrap-port is not needed by pdserve (handles travel over NATS); ignoring its value"
+        )
     model_path = resolve_model(args)
     econf = engine_config(args)
     config = WorkerConfig(

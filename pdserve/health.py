@@ -31,7 +31,14 @@ async def serve_health(worker: WorkerRuntime, host: str, port: int) -> asyncio.A
             }
         )
         status = b"200 OK" if ok else b"503 Service Unavailable"
-        writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+        writer.write(
+            b"HTTP/1.1 "
+            + status
+            + b"\r\nContent-Type: application/json\r\nContent-Length: "
+            + str(len(body)).encode()
+            + b"\r\nConnection: close\r\n\r\n"
+            + body
+        )
         await writer.drain()
         writer.close()
 

@@ -16,8 +16,12 @@ class KeyValueFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(record.created))
-        extras = " ".join(f"{k}={_fmt(v)}" for k, v in record.__dict__.items() if k not in _STANDARD and not k.startswith("_"))
-        line = f"{ts}.{int(record.msecs):03d} {record.levelname:<7} {self.component} {record.name}: {record.getMessage()}"
+        extras = " ".join(
+            f"{k}={_fmt(v)}" for k, v in record.__dict__.items() if k not in _STANDARD and not k.startswith("_")
+        )
+        line = (
+            f"{ts}.{int(record.msecs):03d} {record.levelname:<7} {self.component} {record.name}: {record.getMessage()}"
+        )
         if extras:
             line += " " + extras
         if record.exc_info:

@@ -46,24 +46,43 @@ class Child:
 
 def worker_argv(args: argparse.Namespace, role: str, model_path: Path, nats_url: str, threads: int) -> list[str]:
     argv = [
-        sys.executable, "-m", "pdserve", role,
-        "--model-path", str(model_path),
-        "--nats-url", nats_url,
-        "--data-dir", str(args.data_dir),
-        "--log-level", args.log_level,
-        "--device", args.device,
-        "--dtype", args.dtype,
-        "--load-format", args.load_format,
-        "--page-size", str(args.page_size),
-        "--chunked-prefill-size", str(args.chunked_prefill_size),
-        "--max-running-requests", str(args.max_running_requests),
-        "--kv-hold-seconds", str(args.kv_hold_seconds),
-        "--heartbeat-seconds", str(args.heartbeat_seconds),
-        "--num-threads", str(threads),
-        "--host", args.transfer_host,
+        sys.executable,
+        "-m",
+        "pdserve",
+        role,
+        "--model-path",
+        str(model_path),
+        "--nats-url",
+        nats_url,
+        "--data-dir",
+        str(args.data_dir),
+        "--log-level",
+        args.log_level,
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--load-format",
+        args.load_format,
+        "--page-size",
+        str(args.page_size),
+        "--chunked-prefill-size",
+        str(args.chunked_prefill_size),
+        "--max-running-requests",
+        str(args.max_running_requests),
+        "--kv-hold-seconds",
+        str(args.kv_hold_seconds),
+        "--heartbeat-seconds",
+        str(args.heartbeat_seconds),
+        "--num-threads",
+        str(threads),
+        "--host",
+        args.transfer_host,
         "--exit-with-parent",
-        "--prefill-max-ack-pending", str(args.prefill_max_ack_pending),
-        "--decode-max-ack-pending", str(args.decode_max_ack_pending),
+        "--prefill-max-ack-pending",
+        str(args.prefill_max_ack_pending),
+        "--decode-max-ack-pending",
+        str(args.decode_max_ack_pending),
     ]
     optional = {
         "--served-model-name": args.served_model_name,
@@ -188,7 +207,10 @@ async def _watch(children: list[Child], server: object) -> None:
             if time.monotonic() - child.started_at > 60:
                 child.restarts = 0
             delay = RESTART_BACKOFF_SECONDS[min(child.restarts, len(RESTART_BACKOFF_SECONDS) - 1)]
-            log.error("worker exited; restarting", extra={"role": child.role, "index": child.index, "code": code, "in_seconds": delay})
+            log.error(
+                "worker exited; restarting",
+                extra={"role": child.role, "index": child.index, "code": code, "in_seconds": delay},
+            )
             child.process = None
             child.restarts += 1
             await asyncio.sleep(delay)

@@ -17,7 +17,8 @@ from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin
 
 import orjson
 
-T = TypeVar("T", bound="Message")
+T = TypeVar("T")
+M = TypeVar("M", bound="Message")
 
 
 class MessageError(ValueError):
@@ -34,7 +35,7 @@ class Message:
         return orjson.dumps(self)
 
     @classmethod
-    def decode(cls: type[T], data: bytes | str) -> T:
+    def decode(cls: type[M], data: bytes | str) -> M:
         try:
             raw = orjson.loads(data)
         except orjson.JSONDecodeError as exc:
@@ -47,7 +48,7 @@ class Message:
         return _build(cls, raw, cls.__name__)
 
     @classmethod
-    def from_dict(cls: type[T], raw: dict[str, Any]) -> T:
+    def from_dict(cls: type[M], raw: dict[str, Any]) -> M:
         return _build(cls, raw, cls.__name__)
 
 
@@ -59,9 +60,9 @@ def _hints(cls: type) -> dict[str, Any]:
 def _build(cls: type[T], raw: Any, where: str) -> T:
     if not isinstance(raw, dict):
         raise MessageError(f"{where}: expected an object")
-    hints = _hints(cls)
+    hints = _hints(cls)  # type: ignore[arg-type]  # classes are hashable
     kwargs: dict[str, Any] = {}
-    for field in dataclasses.fields(cls):
+    for field in dataclasses.fields(cls):  # type: ignore[arg-type]  # a dataclass by construction
         if field.name in raw:
             kwargs[field.name] = _check(raw[field.name], hints[field.name], f"{where}.{field.name}")
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
@@ -119,6 +120,6 @@ def _check(value: Any, hint: Any, where: str) -> Any:
         if not isinstance(value, str):
             raise MessageError(f"{where}: expected a string")
         return value
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _build(hint, value, where)
     raise TypeError(f"unsupported field type {hint!r} at {where}")

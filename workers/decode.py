@@ -90,7 +90,13 @@ class DecodeWorker(WorkerRuntime):
             await self.settle(t)
             return True
         if ready.model != self.config.model_name:
-            await self.send_error(ready.reply_to, ready.rid, len(ready.output_ids), f"model {ready.model!r} is not served here", "invalid_request_error")
+            await self.send_error(
+                ready.reply_to,
+                ready.rid,
+                len(ready.output_ids),
+                f"model {ready.model!r} is not served here",
+                "invalid_request_error",
+            )
             await self._release(ready, ok=False)
             await self.settle(t, ok=False)
             return True

@@ -84,9 +84,17 @@ class WorkerRuntime:
         await self.nc.subscribe(subjects.CANCEL, cb=self._on_cancel)
         await self.setup()
         await self.heartbeat()
-        for coro in (self._engine_loop(), self.fetch_loop(), self._heartbeat_loop(), self._deadline_loop(), self._lag_loop()):
+        for coro in (
+            self._engine_loop(),
+            self.fetch_loop(),
+            self._heartbeat_loop(),
+            self._deadline_loop(),
+            self._lag_loop(),
+        ):
             self._tasks.append(asyncio.create_task(coro))
-        log.info("worker ready", extra={"worker": self.worker_id, "role": self.config.role, "model": self.config.model_name})
+        log.info(
+            "worker ready", extra={"worker": self.worker_id, "role": self.config.role, "model": self.config.model_name}
+        )
 
     async def setup(self) -> None:
         """Role-specific start-up (transfer engine, extra subscriptions)."""
@@ -94,7 +102,9 @@ class WorkerRuntime:
     def start_transfer(self) -> TransferBackend:
         """The configured KV transfer backend, with this worker's whole page pool registered."""
         cfg = self.config
-        transfer = create_transfer(cfg.transfer_backend, host=cfg.host, protocol=cfg.transfer_protocol, device_name=cfg.ib_device)
+        transfer = create_transfer(
+            cfg.transfer_backend, host=cfg.host, protocol=cfg.transfer_protocol, device_name=cfg.ib_device
+        )
         pool = self.engine.runner.pool
         transfer.register(pool.data_ptr, pool.nbytes)
         return transfer
@@ -187,11 +197,19 @@ class WorkerRuntime:
         if req.rid in self.tracked:
             return  # a redelivery of something in hand: the ack will settle both
         if req.model != self.config.model_name:
-            await self.send_error(req.reply_to, req.rid, len(req.output_ids), f"model {req.model!r} is not served here", "invalid_request_error")
+            await self.send_error(
+                req.reply_to,
+                req.rid,
+                len(req.output_ids),
+                f"model {req.model!r} is not served here",
+                "invalid_request_error",
+            )
             await self.settle(t, ok=False)
             return
         try:
-            self.engine.add_request(req.rid, list(req.prompt_ids), req.sampling, list(req.output_ids), prefill_only=prefill_only)
+            self.engine.add_request(
+                req.rid, list(req.prompt_ids), req.sampling, list(req.output_ids), prefill_only=prefill_only
+            )
         except RequestError as exc:
             await self.send_error(req.reply_to, req.rid, len(req.output_ids), str(exc), "invalid_request_error")
             await self.settle(t, ok=False)
@@ -218,7 +236,9 @@ class WorkerRuntime:
                 await self.send_error(r.reply_to, r.rid, 0, f"malformed message: {r.error}", "invalid_request_error")
 
     async def send_error(self, reply_to: str, rid: str, seq: int, message: str, kind: str = "server_error") -> None:
-        chunk = TokenChunk(rid=rid, seq=seq, finish_reason="error", error=ErrorInfo(message, kind), worker_id=self.worker_id)
+        chunk = TokenChunk(
+            rid=rid, seq=seq, finish_reason="error", error=ErrorInfo(message, kind), worker_id=self.worker_id
+        )
         await self.publish_chunk(reply_to, chunk)
 
     async def publish_chunk(self, reply_to: str, chunk: TokenChunk) -> None:

@@ -138,18 +138,14 @@ class TokenIds:
         return (self.endoftext, self.im_start, self.im_end)
 
 
-def ensure_default_model(
-    data_dir: pathlib.Path, progress: ProgressFn | None = None
-) -> pathlib.Path:
+def ensure_default_model(data_dir: pathlib.Path, progress: ProgressFn | None = None) -> pathlib.Path:
     """Return the built-in tiny model directory under ``data_dir``, building it if needed."""
     target = pathlib.Path(data_dir) / "models" / DEFAULT_MODEL_NAME
     if _is_complete(target):
         return target
     report: ProgressFn = progress if progress is not None else _ignore
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = pathlib.Path(
-        tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    )
+    staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     try:
         build_model_dir(staging, report)
         _publish(staging, target, report)
@@ -167,9 +163,7 @@ def build_model_dir(out_dir: pathlib.Path, progress: ProgressFn) -> None:
 
     progress("initialising weights")
     config = _make_config(_round_up(tokenizer.get_vocab_size(), VOCAB_MULTIPLE), ids)
-    model = _init_model(
-        config, _rare_token_ids(ids, tokenizer.get_vocab_size(), config.vocab_size)
-    )
+    model = _init_model(config, _rare_token_ids(ids, tokenizer.get_vocab_size(), config.vocab_size))
 
     progress("saving weights")
     with _quiet_progress_bars():
@@ -202,9 +196,7 @@ def _train_tokenizer(corpus_path: pathlib.Path) -> Tokenizer:
     tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(
-                Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False
-            ),
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
@@ -229,9 +221,7 @@ def _special_ids(tokenizer: Tokenizer) -> TokenIds:
 
 
 def _save_tokenizer(tokenizer: Tokenizer, out_dir: pathlib.Path) -> None:
-    (out_dir / "tokenizer.json").write_text(
-        tokenizer.to_str(pretty=True) + "\n", encoding="utf-8"
-    )
+    (out_dir / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n", encoding="utf-8")
     added_tokens_decoder = {
         str(tokenizer.token_to_id(token)): {
             "content": token,
@@ -270,26 +260,16 @@ def _check_tokenizer(model_dir: pathlib.Path, ids: TokenIds) -> None:
     tok = AutoTokenizer.from_pretrained(model_dir)
     sample = "Hello,  world!\n請介紹一下你自己 😀\t(x) -> 42"
     problems: list[str] = []
-    if (
-        tok.eos_token_id != ids.im_end
-        or tok.pad_token_id != ids.endoftext
-        or tok.bos_token is not None
-    ):
-        problems.append(
-            f"eos/pad/bos = {tok.eos_token_id}/{tok.pad_token_id}/{tok.bos_token}"
-        )
+    if tok.eos_token_id != ids.im_end or tok.pad_token_id != ids.endoftext or tok.bos_token is not None:
+        problems.append(f"eos/pad/bos = {tok.eos_token_id}/{tok.pad_token_id}/{tok.bos_token}")
     encoded = tok.encode(sample)
     if tok.decode(encoded) != sample or ids.im_end in encoded:
         problems.append(f"round-trip of {sample!r} gave {tok.decode(encoded)!r}")
-    prompt = tok.apply_chat_template(
-        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
-    )
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
     if prompt != f"{IM_START}user\nhi{IM_END}\n{IM_START}assistant\n":
         problems.append(f"chat template rendered {prompt!r}")
     if problems:
-        raise RuntimeError(
-            f"tiny model tokenizer check failed in {model_dir}: {'; '.join(problems)}"
-        )
+        raise RuntimeError(f"tiny model tokenizer check failed in {model_dir}: {'; '.join(problems)}")
 
 
 # --- model -------------------------------------------------------------------------------
@@ -364,9 +344,7 @@ def _check_random_init(embeddings: torch.Tensor) -> None:
 
     std = float(embeddings.detach().std())
     if embeddings.dtype != torch.float32 or not 0.01 < std < 0.04:
-        raise RuntimeError(
-            f"unexpected weight init: dtype={embeddings.dtype} std={std:.4g}"
-        )
+        raise RuntimeError(f"unexpected weight init: dtype={embeddings.dtype} std={std:.4g}")
 
 
 @contextmanager
@@ -420,9 +398,7 @@ heads: {ARCHITECTURE["num_attention_heads"]} query / {ARCHITECTURE["num_key_valu
 
 
 def _write_marker(out_dir: pathlib.Path, vocab_size: int, num_params: int) -> None:
-    files = sorted(
-        p for p in out_dir.iterdir() if p.is_file() and p.name != MARKER_NAME
-    )
+    files = sorted(p for p in out_dir.iterdir() if p.is_file() and p.name != MARKER_NAME)
     marker = {
         "name": DEFAULT_MODEL_NAME,
         "recipe_version": RECIPE_VERSION,
@@ -441,9 +417,7 @@ def _make_readable(out_dir: pathlib.Path) -> None:
 
 
 def _write_json(path: pathlib.Path, payload: dict[str, Any]) -> None:
-    path.write_text(
-        json.dumps(payload, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
-    )
+    path.write_text(json.dumps(payload, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def _is_complete(model_dir: pathlib.Path) -> bool:

@@ -17,7 +17,9 @@ class UnifiedWorker(WorkerRuntime):
 
     async def setup(self) -> None:
         assert self.nc is not None
-        self.consumer = PullConsumer(self.nc, subjects.REQUEST_STREAM, subjects.prefill_consumer(self.config.model_name))
+        self.consumer = PullConsumer(
+            self.nc, subjects.REQUEST_STREAM, subjects.prefill_consumer(self.config.model_name)
+        )
         await self.consumer.start()
 
     async def fetch_loop(self) -> None:

@@ -67,84 +67,190 @@ def configure(p: argparse.ArgumentParser) -> None:
     """All the options of ``pdserve bench`` on ``p``."""
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = EPILOG
-    p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper,
-                   help="logging level (default: %(default)s)")
+    p.add_argument(
+        "--log-level",
+        default="WARNING",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        type=str.upper,
+        help="logging level (default: %(default)s)",
+    )
     g = p.add_argument_group("target")
     g.add_argument("--base-url", default=D.base_url, help="server to measure (default: %(default)s)")
-    g.add_argument("--backend", default=D.backend, choices=BACKENDS,
-                   help="request format: openai = /v1/completions, openai-chat = /v1/chat/completions, "
-                        "generate = SGLang /generate (default: %(default)s)")
-    g.add_argument("--endpoint", default=None,
-                   help=f"path to POST to (default: by backend: {', '.join(f'{k} {v}' for k, v in ENDPOINTS.items())})")
+    g.add_argument(
+        "--backend",
+        default=D.backend,
+        choices=BACKENDS,
+        help="request format: openai = /v1/completions, openai-chat = /v1/chat/completions, "
+        "generate = SGLang /generate (default: %(default)s)",
+    )
+    g.add_argument(
+        "--endpoint",
+        default=None,
+        help=f"path to POST to (default: by backend: {', '.join(f'{k} {v}' for k, v in ENDPOINTS.items())})",
+    )
     g.add_argument("--model", default=None, help="model name to send (default: the first model GET /v1/models lists)")
-    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
-                   help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY, else none)")
-    g.add_argument("--tokenizer", default=None,
-                   help="local tokenizer (directory with tokenizer.json, or a HF model dir): exact token-id prompts and "
-                        "output counting when the server reports no usage (default: none; random-word prompts)")
-    g.add_argument("--request-timeout", type=float, default=D.request_timeout,
-                   help="seconds to wait for the next bytes of a response (default: %(default)s)")
-    g.add_argument("--extra-body", type=_json_obj, default={},
-                   help="JSON object merged into every request body (default: none)")
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY, else none)",
+    )
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        help="local tokenizer (directory with tokenizer.json, or a HF model dir): exact token-id prompts and "
+        "output counting when the server reports no usage (default: none; random-word prompts)",
+    )
+    g.add_argument(
+        "--request-timeout",
+        type=float,
+        default=D.request_timeout,
+        help="seconds to wait for the next bytes of a response (default: %(default)s)",
+    )
+    g.add_argument(
+        "--extra-body", type=_json_obj, default={}, help="JSON object merged into every request body (default: none)"
+    )
 
     g = p.add_argument_group("load")
-    g.add_argument("--num-prompts", type=int, default=D.num_prompts, help="measured requests per run (default: %(default)s)")
-    g.add_argument("--request-rate", type=_rate, default=D.request_rate,
-                   help="open-loop arrival rate in requests/s; inf sends all at once (default: %(default)s)")
-    g.add_argument("--burstiness", type=float, default=D.burstiness,
-                   help="gamma shape of the inter-arrival times: 1 = Poisson, < 1 burstier, > 1 more regular "
-                        "(default: %(default)s)")
-    g.add_argument("--max-concurrency", type=int, default=None,
-                   help="at most this many requests in flight (closed loop with --request-rate inf) (default: no limit)")
-    g.add_argument("--warmup", type=int, default=D.warmup,
-                   help="requests sent (different prompts) and not measured before each run (default: %(default)s)")
-    g.add_argument("--seed", type=int, default=D.seed, help="seed of prompts, lengths and arrivals (default: %(default)s)")
+    g.add_argument(
+        "--num-prompts", type=int, default=D.num_prompts, help="measured requests per run (default: %(default)s)"
+    )
+    g.add_argument(
+        "--request-rate",
+        type=_rate,
+        default=D.request_rate,
+        help="open-loop arrival rate in requests/s; inf sends all at once (default: %(default)s)",
+    )
+    g.add_argument(
+        "--burstiness",
+        type=float,
+        default=D.burstiness,
+        help="gamma shape of the inter-arrival times: 1 = Poisson, < 1 burstier, > 1 more regular "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="at most this many requests in flight (closed loop with --request-rate inf) (default: no limit)",
+    )
+    g.add_argument(
+        "--warmup",
+        type=int,
+        default=D.warmup,
+        help="requests sent (different prompts) and not measured before each run (default: %(default)s)",
+    )
+    g.add_argument(
+        "--seed", type=int, default=D.seed, help="seed of prompts, lengths and arrivals (default: %(default)s)"
+    )
 
     g = p.add_argument_group("workload")
     g.add_argument("--dataset", default=D.dataset, choices=DATASETS, help="workload (default: %(default)s)")
     g.add_argument("--input-len", type=int, default=D.input_len, help="random: prompt tokens (default: %(default)s)")
-    g.add_argument("--output-len", type=int, default=D.output_len,
-                   help="random/prefix-chat: output tokens per request (default: %(default)s)")
-    g.add_argument("--range-ratio", type=float, default=D.range_ratio,
-                   help="random: lengths uniform in [len*(1-r), len*(1+r)], 0 <= r < 1 (default: %(default)s)")
-    g.add_argument("--prompt-format", default=D.prompt_format, choices=["auto", "ids", "text"],
-                   help="auto: token ids when --tokenizer is given (exact lengths), else text; openai-chat always "
-                        "sends messages (default: %(default)s)")
+    g.add_argument(
+        "--output-len",
+        type=int,
+        default=D.output_len,
+        help="random/prefix-chat: output tokens per request (default: %(default)s)",
+    )
+    g.add_argument(
+        "--range-ratio",
+        type=float,
+        default=D.range_ratio,
+        help="random: lengths uniform in [len*(1-r), len*(1+r)], 0 <= r < 1 (default: %(default)s)",
+    )
+    g.add_argument(
+        "--prompt-format",
+        default=D.prompt_format,
+        choices=["auto", "ids", "text"],
+        help="auto: token ids when --tokenizer is given (exact lengths), else text; openai-chat always "
+        "sends messages (default: %(default)s)",
+    )
     g.add_argument("--dataset-path", default=None, help="sharegpt: the ShareGPT-format JSON file (default: none)")
-    g.add_argument("--sharegpt-output-len", type=int, default=None,
-                   help="sharegpt: this output length instead of the recorded reply's (default: the reply's length)")
-    g.add_argument("--num-groups", type=int, default=D.num_groups,
-                   help="prefix-chat: groups, each with its own shared system prompt (default: %(default)s)")
-    g.add_argument("--prefix-len", type=int, default=D.prefix_len,
-                   help="prefix-chat: tokens of each group's system prompt (default: %(default)s)")
-    g.add_argument("--num-turns", type=int, default=D.num_turns,
-                   help="prefix-chat: user turns per conversation (default: %(default)s)")
-    g.add_argument("--turn-len", type=int, default=D.turn_len,
-                   help="prefix-chat: tokens of each user turn (default: %(default)s)")
-    g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                   help="do not send ignore_eos: true (default: send it, so output lengths are exact)")
-    g.add_argument("--temperature", type=float, default=D.temperature, help="sampling temperature (default: %(default)s)")
+    g.add_argument(
+        "--sharegpt-output-len",
+        type=int,
+        default=None,
+        help="sharegpt: this output length instead of the recorded reply's (default: the reply's length)",
+    )
+    g.add_argument(
+        "--num-groups",
+        type=int,
+        default=D.num_groups,
+        help="prefix-chat: groups, each with its own shared system prompt (default: %(default)s)",
+    )
+    g.add_argument(
+        "--prefix-len",
+        type=int,
+        default=D.prefix_len,
+        help="prefix-chat: tokens of each group's system prompt (default: %(default)s)",
+    )
+    g.add_argument(
+        "--num-turns",
+        type=int,
+        default=D.num_turns,
+        help="prefix-chat: user turns per conversation (default: %(default)s)",
+    )
+    g.add_argument(
+        "--turn-len", type=int, default=D.turn_len, help="prefix-chat: tokens of each user turn (default: %(default)s)"
+    )
+    g.add_argument(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        help="do not send ignore_eos: true (default: send it, so output lengths are exact)",
+    )
+    g.add_argument(
+        "--temperature", type=float, default=D.temperature, help="sampling temperature (default: %(default)s)"
+    )
 
     g = p.add_argument_group("SLOs (goodput)")
     g.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO in ms (default: none)")
-    g.add_argument("--slo-itl", type=float, default=None,
-                   help="per-token SLO in ms, on each request's TPOT or mean ITL (default: none)")
-    g.add_argument("--slo-itl-metric", default=D.slo_itl_metric, choices=["tpot", "mean-itl"],
-                   help="which per-request statistic --slo-itl bounds (default: %(default)s)")
+    g.add_argument(
+        "--slo-itl",
+        type=float,
+        default=None,
+        help="per-token SLO in ms, on each request's TPOT or mean ITL (default: none)",
+    )
+    g.add_argument(
+        "--slo-itl-metric",
+        default=D.slo_itl_metric,
+        choices=["tpot", "mean-itl"],
+        help="which per-request statistic --slo-itl bounds (default: %(default)s)",
+    )
 
     g = p.add_argument_group("sweep")
-    g.add_argument("--sweep", type=_rates, default=None, metavar="RATES",
-                   help="comma-separated request rates, run in turn (e.g. 1,2,4,8,inf) (default: one run)")
-    g.add_argument("--sweep-concurrency", type=_ints, default=None, metavar="NS",
-                   help="comma-separated max concurrencies, run in turn at --request-rate (default: none)")
-    g.add_argument("--sweep-pause", type=float, default=D.sweep_pause,
-                   help="seconds to wait between sweep points (default: %(default)s)")
+    g.add_argument(
+        "--sweep",
+        type=_rates,
+        default=None,
+        metavar="RATES",
+        help="comma-separated request rates, run in turn (e.g. 1,2,4,8,inf) (default: one run)",
+    )
+    g.add_argument(
+        "--sweep-concurrency",
+        type=_ints,
+        default=None,
+        metavar="NS",
+        help="comma-separated max concurrencies, run in turn at --request-rate (default: none)",
+    )
+    g.add_argument(
+        "--sweep-pause",
+        type=float,
+        default=D.sweep_pause,
+        help="seconds to wait between sweep points (default: %(default)s)",
+    )
 
     g = p.add_argument_group("output")
-    g.add_argument("--output-json", default=None, metavar="PATH",
-                   help="write config, metrics (every sweep point) and optionally requests here (default: none)")
+    g.add_argument(
+        "--output-json",
+        default=None,
+        metavar="PATH",
+        help="write config, metrics (every sweep point) and optionally requests here (default: none)",
+    )
     g.add_argument("--save-requests", action="store_true", help="include per-request rows in the JSON (default: off)")
-    g.add_argument("--plot", default=None, metavar="PNG", help="plot latencies against rate to this PNG (default: none)")
+    g.add_argument(
+        "--plot", default=None, metavar="PNG", help="plot latencies against rate to this PNG (default: none)"
+    )
     g.add_argument("--quiet", action="store_true", help="no progress bar and no tables (default: off)")
 
     sub = p.add_subparsers(dest="bench_command", metavar="{plot,stub}", required=False)
@@ -153,23 +259,39 @@ def configure(p: argparse.ArgumentParser) -> None:
     pl.add_argument("--labels", nargs="+", default=None, help="one legend label per input (default: file names)")
     pl.add_argument("--out", required=True, help="PNG to write")
     pl.add_argument("--title", default=None, help="figure title (default: none)")
-    pl.add_argument("--axis", default="request_rate", choices=["request_rate", "max_concurrency"],
-                    help="x axis (default: %(default)s)")
+    pl.add_argument(
+        "--axis",
+        default="request_rate",
+        choices=["request_rate", "max_concurrency"],
+        help="x axis (default: %(default)s)",
+    )
     st = sub.add_parser("stub", help="run an instant OpenAI/SGLang-compatible streaming stub server")
     st.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     st.add_argument("--port", type=int, default=9000, help="port; 0 picks a free one (default: %(default)s)")
-    st.add_argument("--tokens", type=int, default=None,
-                    help="tokens per answer (default: the request's max_tokens/max_new_tokens, else 16)")
-    st.add_argument("--itl-ms", type=float, default=0.0,
-                    help="delay between tokens; 0 sends the whole answer in one write (default: %(default)s)")
+    st.add_argument(
+        "--tokens",
+        type=int,
+        default=None,
+        help="tokens per answer (default: the request's max_tokens/max_new_tokens, else 16)",
+    )
+    st.add_argument(
+        "--itl-ms",
+        type=float,
+        default=0.0,
+        help="delay between tokens; 0 sends the whole answer in one write (default: %(default)s)",
+    )
     st.add_argument("--ttft-ms", type=float, default=0.0, help="delay before the first token (default: %(default)s)")
     st.add_argument("--model", default="stub-model", help="model name it reports (default: %(default)s)")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``bench`` on the ``pdserve`` command's subparsers."""
-    p = subparsers.add_parser("bench", help="serving benchmark: latency, throughput and goodput under load",
-                              description=__doc__, allow_abbrev=False)
+    p = subparsers.add_parser(
+        "bench",
+        help="serving benchmark: latency, throughput and goodput under load",
+        description=__doc__,
+        allow_abbrev=False,
+    )
     configure(p)
     return p
 

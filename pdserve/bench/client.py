@@ -45,7 +45,11 @@ def build_body(req: BenchRequest, opts: RequestOptions) -> dict[str, Any]:
         prompt = req.prompt
         if req.is_chat:
             prompt = "\n\n".join(m["content"] for m in prompt)  # type: ignore[index]
-        body: dict[str, Any] = {"input_ids" if isinstance(prompt, list) else "text": prompt, "sampling_params": params, "stream": True}
+        body: dict[str, Any] = {
+            "input_ids" if isinstance(prompt, list) else "text": prompt,
+            "sampling_params": params,
+            "stream": True,
+        }
         if opts.model:
             body["model"] = opts.model
     else:
@@ -213,7 +217,9 @@ def _error_text(err: Any) -> str:
     return str(err)
 
 
-def http_request(url: str, body: bytes, headers: dict[str, str] | None = None, timeout: float | None = 600.0) -> httpx.Request:
+def http_request(
+    url: str, body: bytes, headers: dict[str, str] | None = None, timeout: float | None = 600.0
+) -> httpx.Request:
     """A ready-to-send POST (built before the clock starts: URL parsing and header
     normalisation are a good part of httpx's per-request cost). ``timeout``: seconds to
     wait for the connection and for each read (None: forever)."""

@@ -280,7 +280,10 @@ def prefix_chat_requests(
 
     systems = [piece(prefix_len) for _ in range(num_groups)]
     convs = [
-        [([piece(turn_len) for _ in range(num_turns)], [piece(output_len) for _ in range(num_turns - 1)]) for _ in range(per_group)]
+        [
+            ([piece(turn_len) for _ in range(num_turns)], [piece(output_len) for _ in range(num_turns - 1)])
+            for _ in range(per_group)
+        ]
         for _ in range(num_groups)
     ]
     out: list[BenchRequest] = []

@@ -23,7 +23,10 @@ def x_value(point: dict[str, Any], axis: str = "request_rate") -> float:
 
 
 def plot_sweeps(
-    series: Sequence[tuple[str, list[dict[str, Any]]]], out: str | Path, title: str | None = None, axis: str = "request_rate"
+    series: Sequence[tuple[str, list[dict[str, Any]]]],
+    out: str | Path,
+    title: str | None = None,
+    axis: str = "request_rate",
 ) -> Path:
     """One figure with three panels; each (label, points) pair is one colour.
 
@@ -55,7 +58,9 @@ def plot_sweeps(
         axes[2].plot(xs, [p["metrics"]["request_throughput"] for p in pts], "o-", color=c, label=f"{label} throughput")
         if any("goodput" in p["metrics"] for p in pts):
             any_goodput = True
-            axes[2].plot(xs, [p["metrics"].get("goodput", math.nan) for p in pts], "s--", color=c, label=f"{label} goodput")
+            axes[2].plot(
+                xs, [p["metrics"].get("goodput", math.nan) for p in pts], "s--", color=c, label=f"{label} goodput"
+            )
     axes[0].set_title("time to first token")
     axes[0].set_ylabel("ms")
     axes[1].set_title("per-token latency")

@@ -58,8 +58,12 @@ def point_table(point: dict[str, Any], backend: str = "", title: str = "Serving 
         row("Requests with fewer tokens than asked", m["short_outputs"])
     if m.get("prefix_cache_hit_rate") is not None:
         row("Prefix cache hit rate", m["prefix_cache_hit_rate"], 3)
-    for key, name in (("ttft_ms", "Time to First Token"), ("tpot_ms", "Time per Output Token (excl. 1st)"),
-                      ("itl_ms", "Inter-token Latency"), ("e2e_latency_ms", "End-to-end Latency")):
+    for key, name in (
+        ("ttft_ms", "Time to First Token"),
+        ("tpot_ms", "Time per Output Token (excl. 1st)"),
+        ("itl_ms", "Inter-token Latency"),
+        ("e2e_latency_ms", "End-to-end Latency"),
+    ):
         d = m.get(key)
         if not d:
             continue
@@ -82,11 +86,13 @@ def point_table(point: dict[str, Any], backend: str = "", title: str = "Serving 
             else:
                 row(f"{key} (requests)", d.get("count"))
     if m.get("client_behind_schedule"):
-        lines.append("WARNING: the client fell behind its arrival schedule (see send lag): results are partly client-bound")
+        lines.append(
+            "WARNING: the client fell behind its arrival schedule (see send lag): results are partly client-bound"
+        )
     if m.get("errors"):
         section("Errors (count: message)")
         for msg, count in m["errors"].items():
-            lines.append(f"{count:>5}: {msg[:w + 9]}")
+            lines.append(f"{count:>5}: {msg[: w + 9]}")
     lines.append("=" * (w + 16))
     return "\n".join(lines)
 

@@ -35,6 +35,7 @@ log = logging.getLogger("pdserve.bench")
 WARMUP_SEED_OFFSET = 7919
 CLIENT_BEHIND_MS = 10.0  # median lag between scheduled and actual send above which results are client-bound
 
+
 def build_requests(cfg: BenchConfig, n: int, seed: int, tokenizer: Tokenizer | None) -> list[BenchRequest]:
     form = cfg.prompt_form()
     if cfg.dataset == "random":
@@ -141,12 +142,16 @@ async def run_point(
     if target.context_length:
         over = sum(1 for r in requests if r.prompt_len + r.output_len > target.context_length)
         if over:
-            log.warning("%d of %d requests exceed the model's context of %d tokens", over, len(requests), target.context_length)
+            log.warning(
+                "%d of %d requests exceed the model's context of %d tokens", over, len(requests), target.context_length
+            )
     # /generate bodies name the model only when asked to: SGLang's /generate rejects unknown keys
     model = cfg.model if cfg.backend == "generate" else target.model
     opts = RequestOptions(cfg.backend, model, cfg.ignore_eos, cfg.temperature, cfg.extra_body)
     headers = _headers(cfg)
-    prepared = [http_request(cfg.url, orjson.dumps(build_body(r, opts)), headers, cfg.request_timeout) for r in requests]
+    prepared = [
+        http_request(cfg.url, orjson.dumps(build_body(r, opts)), headers, cfg.request_timeout) for r in requests
+    ]
     offsets = arrival_offsets(len(requests), rate, cfg.burstiness, seed)
     n = len(requests)
     pool = max_concurrency or n
@@ -196,7 +201,9 @@ async def run_point(
         metrics["client_behind_schedule"] = True
         log.warning(
             "the client fell behind its arrival schedule (median send lag %.1f ms): it cannot sustain %s req/s here, "
-            "so the results are partly client-bound", lag["median"], point_rate(rate),
+            "so the results are partly client-bound",
+            lag["median"],
+            point_rate(rate),
         )
     point: dict[str, Any] = {
         "request_rate": "inf" if math.isinf(rate) else rate,

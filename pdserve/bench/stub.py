@@ -38,7 +38,12 @@ _SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-contro
 def _json_response(status: int, obj: Any) -> bytes:
     body = orjson.dumps(obj)
     reason = {200: b"OK", 400: b"Bad Request", 404: b"Not Found"}.get(status, b"Error")
-    return b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (status, reason, len(body), body)
+    return b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
+        status,
+        reason,
+        len(body),
+        body,
+    )
 
 
 def _prompt_tokens(body: dict[str, Any]) -> int:
@@ -134,7 +139,12 @@ class StubServer:
             if path == "/health":
                 writer.write(_json_response(200, {"status": "ok"}))
             elif path == "/v1/models":
-                writer.write(_json_response(200, {"object": "list", "data": [{"id": self.model, "object": "model", "max_model_len": 1 << 20}]}))
+                writer.write(
+                    _json_response(
+                        200,
+                        {"object": "list", "data": [{"id": self.model, "object": "model", "max_model_len": 1 << 20}]},
+                    )
+                )
             else:
                 writer.write(_json_response(404, {"error": {"message": f"no route {path}"}}))
             return
@@ -162,7 +172,10 @@ class StubServer:
                 "text": "".join(f" t{i}" for i in range(n)),
                 "output_ids": list(range(n)),
                 "meta_info": {
-                    "id": "stub", "prompt_tokens": prompt, "completion_tokens": n, "cached_tokens": 0,
+                    "id": "stub",
+                    "prompt_tokens": prompt,
+                    "completion_tokens": n,
+                    "cached_tokens": 0,
                     "finish_reason": {"type": "length", "length": n},
                     "timings": {"request_queue": 0.0, "kv_queue": 0.0},
                 },
@@ -203,16 +216,30 @@ class StubServer:
             last = i == n - 1
             finish = "length" if last else None
             if path == "/v1/completions":
-                obj: Any = {"id": "stub", "object": "text_completion", "model": self.model,
-                            "choices": [{"index": 0, "text": f" t{i}", "finish_reason": finish}]}
+                obj: Any = {
+                    "id": "stub",
+                    "object": "text_completion",
+                    "model": self.model,
+                    "choices": [{"index": 0, "text": f" t{i}", "finish_reason": finish}],
+                }
             elif path == "/v1/chat/completions":
                 delta = {"role": "assistant", "content": f" t{i}"} if i == 0 else {"content": f" t{i}"}
-                obj = {"id": "stub", "object": "chat.completion.chunk", "model": self.model,
-                       "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+                obj = {
+                    "id": "stub",
+                    "object": "chat.completion.chunk",
+                    "model": self.model,
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+                }
             else:
-                obj = {"text": "".join(f" t{k}" for k in range(i + 1)), "output_ids": list(range(i + 1)),
-                       "meta_info": {"id": "stub", "completion_tokens": i + 1,
-                                     "finish_reason": {"type": "length", "length": n} if last else None}}
+                obj = {
+                    "text": "".join(f" t{k}" for k in range(i + 1)),
+                    "output_ids": list(range(i + 1)),
+                    "meta_info": {
+                        "id": "stub",
+                        "completion_tokens": i + 1,
+                        "finish_reason": {"type": "length", "length": n} if last else None,
+                    },
+                }
             events.append(_sse(obj))
         if len(self._cache) < 256:
             self._cache[key] = events
@@ -222,12 +249,26 @@ class StubServer:
         text = "".join(f" t{i}" for i in range(n))
         usage = {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
         if path == "/generate":
-            return {"text": text, "output_ids": list(range(n)), "meta_info": {"prompt_tokens": prompt, "completion_tokens": n}}
+            return {
+                "text": text,
+                "output_ids": list(range(n)),
+                "meta_info": {"prompt_tokens": prompt, "completion_tokens": n},
+            }
         if path == "/v1/chat/completions":
-            return {"id": "stub", "object": "chat.completion", "model": self.model, "usage": usage,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}]}
-        return {"id": "stub", "object": "text_completion", "model": self.model, "usage": usage,
-                "choices": [{"index": 0, "text": text, "finish_reason": "length"}]}
+            return {
+                "id": "stub",
+                "object": "chat.completion",
+                "model": self.model,
+                "usage": usage,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}],
+            }
+        return {
+            "id": "stub",
+            "object": "text_completion",
+            "model": self.model,
+            "usage": usage,
+            "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+        }
 
 
 def serve(host: str, port: int, tokens: int | None, itl_ms: float, ttft_ms: float, model: str) -> int:

@@ -50,13 +50,32 @@ def test_random_zero_ratio_is_fixed_and_text_forms(tokenizer_dir: Path) -> None:
 def _sharegpt(tmp_path: Path) -> Path:
     long = " ".join(["w1"] * 2000)
     data = [
-        {"id": "a", "conversations": [{"from": "human", "value": "w1 w2 w3 w4 w5"}, {"from": "gpt", "value": "w6 w7 w8 w9 w10 w11"}]},
-        {"id": "b", "conversations": [{"from": "system", "value": "be nice"}, {"from": "human", "value": "w2 w3 w4 w5 w6 w7"},
-                                      {"from": "gpt", "value": "w1 w2 w3 w4"}, {"from": "human", "value": "later"}]},
-        {"id": "short", "conversations": [{"from": "human", "value": "w1"}, {"from": "gpt", "value": "w1 w2 w3 w4 w5"}]},
+        {
+            "id": "a",
+            "conversations": [
+                {"from": "human", "value": "w1 w2 w3 w4 w5"},
+                {"from": "gpt", "value": "w6 w7 w8 w9 w10 w11"},
+            ],
+        },
+        {
+            "id": "b",
+            "conversations": [
+                {"from": "system", "value": "be nice"},
+                {"from": "human", "value": "w2 w3 w4 w5 w6 w7"},
+                {"from": "gpt", "value": "w1 w2 w3 w4"},
+                {"from": "human", "value": "later"},
+            ],
+        },
+        {
+            "id": "short",
+            "conversations": [{"from": "human", "value": "w1"}, {"from": "gpt", "value": "w1 w2 w3 w4 w5"}],
+        },
         {"id": "long", "conversations": [{"from": "human", "value": long}, {"from": "gpt", "value": "w1 w2 w3 w4"}]},
         {"id": "noreply", "conversations": [{"from": "human", "value": "w1 w2 w3 w4"}]},
-        {"id": "gptfirst", "conversations": [{"from": "gpt", "value": "w1 w2 w3 w4"}, {"from": "human", "value": "w1 w2 w3 w4"}]},
+        {
+            "id": "gptfirst",
+            "conversations": [{"from": "gpt", "value": "w1 w2 w3 w4"}, {"from": "human", "value": "w1 w2 w3 w4"}],
+        },
         {"id": "empty", "conversations": []},
     ]
     path = tmp_path / "sharegpt.json"

@@ -42,7 +42,9 @@ def test_describe_scales_to_ms_and_uses_population_std() -> None:
     assert describe([]) is None
 
 
-def _timeline(backend: str, start: float, events: list[tuple[float, dict]], end: float, expected: int = 4) -> RequestRecord:
+def _timeline(
+    backend: str, start: float, events: list[tuple[float, dict]], end: float, expected: int = 4
+) -> RequestRecord:
     """Feed parsed SSE events with their arrival times through the client's parser."""
     rec = RequestRecord(0)
     st = _Stream(rec, start, backend)
@@ -64,9 +66,13 @@ def _gen(n: int, prompt: int = 7, final: bool = False) -> dict:
 
 def test_single_token_events_ttft_itl_tpot() -> None:
     # one token per event at 1.10, 1.12, 1.15, 1.19; stream ends at 1.20
-    events = [(1.10, {"choices": [{"text": "a"}]}), (1.12, {"choices": [{"text": "b"}]}),
-              (1.15, {"choices": [{"text": "c"}]}), (1.19, {"choices": [{"text": "d"}]}),
-              (1.195, {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 4}})]
+    events = [
+        (1.10, {"choices": [{"text": "a"}]}),
+        (1.12, {"choices": [{"text": "b"}]}),
+        (1.15, {"choices": [{"text": "c"}]}),
+        (1.19, {"choices": [{"text": "d"}]}),
+        (1.195, {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 4}}),
+    ]
     rec = _timeline("openai", 1.0, events, 1.20)
     assert rec.ok
     assert rec.ttft == pytest.approx(0.10)
@@ -91,8 +97,12 @@ def test_multi_token_event_counts_gap_once_for_itl_and_spreads_it_for_tpot() -> 
 
 def test_events_without_tokens_do_not_count() -> None:
     # chat: a role-only first delta, then content; a repeated /generate event without new tokens
-    events = [(0.05, {"choices": [{"delta": {"role": "assistant"}}]}), (0.2, {"choices": [{"delta": {"content": "hi"}}]}),
-              (0.3, {"choices": [{"delta": {"content": ""}}]}), (0.5, {"choices": [{"delta": {"content": "!"}}]})]
+    events = [
+        (0.05, {"choices": [{"delta": {"role": "assistant"}}]}),
+        (0.2, {"choices": [{"delta": {"content": "hi"}}]}),
+        (0.3, {"choices": [{"delta": {"content": ""}}]}),
+        (0.5, {"choices": [{"delta": {"content": "!"}}]}),
+    ]
     rec = _timeline("openai-chat", 0.0, events, 0.5, expected=2)
     assert rec.ttft == pytest.approx(0.2)
     assert rec.itl == pytest.approx([0.3])
@@ -113,14 +123,26 @@ def test_tpot_undefined_for_one_token() -> None:
     assert rec.tpot is None
 
 
-def _rec(i: int, ttft: float, latency: float, out: int, itl: list[float] | None = None, ok: bool = True) -> RequestRecord:
-    return RequestRecord(i, ok=ok, error=None if ok else "HTTP 503: full", ttft=ttft, latency=latency, itl=itl or [],
-                         prompt_tokens=10, output_tokens=out, expected_output_tokens=out, token_events=out)
+def _rec(
+    i: int, ttft: float, latency: float, out: int, itl: list[float] | None = None, ok: bool = True
+) -> RequestRecord:
+    return RequestRecord(
+        i,
+        ok=ok,
+        error=None if ok else "HTTP 503: full",
+        ttft=ttft,
+        latency=latency,
+        itl=itl or [],
+        prompt_tokens=10,
+        output_tokens=out,
+        expected_output_tokens=out,
+        token_events=out,
+    )
 
 
 def test_summarize_throughput_and_goodput() -> None:
     records = [
-        _rec(0, 0.05, 0.35, 4, [0.1, 0.1, 0.1]),   # TPOT 100 ms, mean ITL 100 ms
+        _rec(0, 0.05, 0.35, 4, [0.1, 0.1, 0.1]),  # TPOT 100 ms, mean ITL 100 ms
         _rec(1, 0.50, 0.62, 4, [0.04, 0.04, 0.04]),  # TTFT 500 ms
         _rec(2, 0.05, 0.11, 4, [0.02, 0.02, 0.02]),  # TPOT 20 ms
         _rec(3, 0.0, 0.0, 0, ok=False),

@@ -18,8 +18,17 @@ from pdserve.bench.stub import StubServer
 async def test_in_process_run_against_stub(backend: str, tokenizer_dir: Path) -> None:
     async with StubServer(itl_ms=1.0) as stub:
         cfg = BenchConfig(
-            base_url=f"http://127.0.0.1:{stub.port}", backend=backend, num_prompts=12, request_rate=200.0,
-            input_len=16, output_len=5, quiet=True, save_requests=True, warmup=2, slo_ttft=60_000, slo_itl=60_000,
+            base_url=f"http://127.0.0.1:{stub.port}",
+            backend=backend,
+            num_prompts=12,
+            request_rate=200.0,
+            input_len=16,
+            output_len=5,
+            quiet=True,
+            save_requests=True,
+            warmup=2,
+            slo_ttft=60_000,
+            slo_itl=60_000,
             tokenizer=str(tokenizer_dir) if backend == "generate" else None,
         )
         result = await run_benchmark(cfg)
@@ -49,8 +58,12 @@ async def test_in_process_run_against_stub(backend: str, tokenizer_dir: Path) ->
 async def test_closed_loop_concurrency_and_errors() -> None:
     async with StubServer(tokens=3) as stub:
         url = f"http://127.0.0.1:{stub.port}"
-        ok = await run_benchmark(BenchConfig(base_url=url, num_prompts=10, max_concurrency=2, input_len=8, output_len=3, quiet=True))
-        bad = await run_benchmark(BenchConfig(base_url=url, endpoint="/nope", num_prompts=3, input_len=8, output_len=3, quiet=True))
+        ok = await run_benchmark(
+            BenchConfig(base_url=url, num_prompts=10, max_concurrency=2, input_len=8, output_len=3, quiet=True)
+        )
+        bad = await run_benchmark(
+            BenchConfig(base_url=url, endpoint="/nope", num_prompts=3, input_len=8, output_len=3, quiet=True)
+        )
     m = ok["metrics"]
     assert m["completed"] == 10 and "send_lag_ms" not in m  # lag is only meaningful open-loop
     b = bad["metrics"]
@@ -61,7 +74,9 @@ async def test_closed_loop_concurrency_and_errors() -> None:
 async def test_unreachable_server_records_errors() -> None:
     async with StubServer() as stub:
         port = stub.port
-    cfg = BenchConfig(base_url=f"http://127.0.0.1:{port}", model="m", num_prompts=2, input_len=4, output_len=2, quiet=True)
+    cfg = BenchConfig(
+        base_url=f"http://127.0.0.1:{port}", model="m", num_prompts=2, input_len=4, output_len=2, quiet=True
+    )
     m = (await run_benchmark(cfg))["metrics"]
     assert m["failed"] == 2 and "ConnectError" in next(iter(m["errors"]))
 
@@ -69,11 +84,37 @@ async def test_unreachable_server_records_errors() -> None:
 def test_cli_sweep_json_and_plots(stub_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "sweep.json"
     png = tmp_path / "sweep.png"
-    rc = main([
-        "--base-url", stub_url, "--num-prompts", "8", "--input-len", "16", "--output-len", "4", "--sweep", "100,inf",
-        "--output-json", str(out), "--save-requests", "--plot", str(png), "--slo-ttft", "100000", "--dataset", "prefix-chat",
-        "--prefix-len", "32", "--turn-len", "8", "--num-groups", "2", "--num-turns", "2",
-    ])
+    rc = main(
+        [
+            "--base-url",
+            stub_url,
+            "--num-prompts",
+            "8",
+            "--input-len",
+            "16",
+            "--output-len",
+            "4",
+            "--sweep",
+            "100,inf",
+            "--output-json",
+            str(out),
+            "--save-requests",
+            "--plot",
+            str(png),
+            "--slo-ttft",
+            "100000",
+            "--dataset",
+            "prefix-chat",
+            "--prefix-len",
+            "32",
+            "--turn-len",
+            "8",
+            "--num-groups",
+            "2",
+            "--num-turns",
+            "2",
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     assert "Serving Benchmark Result" in text and "sweep summary" in text
@@ -90,8 +131,26 @@ def test_cli_sweep_json_and_plots(stub_url: str, tmp_path: Path, capsys: pytest.
     assert png.stat().st_size > 1000
 
     single = tmp_path / "single.json"
-    assert main(["--base-url", stub_url, "--num-prompts", "4", "--input-len", "8", "--output-len", "2", "--quiet",
-                 "--backend", "openai-chat", "--output-json", str(single)]) == 0
+    assert (
+        main(
+            [
+                "--base-url",
+                stub_url,
+                "--num-prompts",
+                "4",
+                "--input-len",
+                "8",
+                "--output-len",
+                "2",
+                "--quiet",
+                "--backend",
+                "openai-chat",
+                "--output-json",
+                str(single),
+            ]
+        )
+        == 0
+    )
     one = json.loads(single.read_text())
     assert one["metrics"]["completed"] == 4 and "requests" not in one["points"][0]
     assert capsys.readouterr().out == ""
@@ -110,7 +169,13 @@ def test_cli_rejects_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
 
 async def test_request_timeout_is_applied() -> None:
     async with StubServer(ttft_ms=3000) as stub:
-        cfg = BenchConfig(base_url=f"http://127.0.0.1:{stub.port}", num_prompts=2, input_len=4, output_len=2,
-                          request_timeout=0.2, quiet=True)
+        cfg = BenchConfig(
+            base_url=f"http://127.0.0.1:{stub.port}",
+            num_prompts=2,
+            input_len=4,
+            output_len=2,
+            request_timeout=0.2,
+            quiet=True,
+        )
         m = (await run_benchmark(cfg))["metrics"]
     assert m["failed"] == 2 and "ReadTimeout" in next(iter(m["errors"]))

@@ -54,7 +54,9 @@ def test_auto_slo_rounds_up_best_p50(sweep: ModuleType) -> None:
 
 
 def test_goodput_from_saved_rows(sweep: ModuleType) -> None:
-    rows = [RequestRecord(i, ok=True, ttft=t, latency=t + 0.3, output_tokens=4).row() for i, t in enumerate((0.05, 0.5))]
+    rows = [
+        RequestRecord(i, ok=True, ttft=t, latency=t + 0.3, output_tokens=4).row() for i, t in enumerate((0.05, 0.5))
+    ]
     rows.append(RequestRecord(2, ok=False, error="x").row())
     point = {"metrics": {"duration_s": 2.0}, "requests": rows}
     assert sweep.goodput(point, SLO(ttft_ms=100, itl_ms=200)) == (0.5, pytest.approx(1 / 3))

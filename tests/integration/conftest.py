@@ -39,13 +39,22 @@ def start_system(tmp: Path, model_dir: Path, nats_url: str, *extra: str) -> Syst
     log_path = tmp / "pdserve.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     argv = [
-        sys.executable, "-m", "pdserve", "up",
-        "--data-dir", str(tmp / "data"),
-        "--model-path", str(model_dir),
-        "--nats-url", nats_url,
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        "--heartbeat-seconds", "0.5",
+        sys.executable,
+        "-m",
+        "pdserve",
+        "up",
+        "--data-dir",
+        str(tmp / "data"),
+        "--model-path",
+        str(model_dir),
+        "--nats-url",
+        nats_url,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--heartbeat-seconds",
+        "0.5",
         *extra,
     ]
     with open(log_path, "wb") as log:

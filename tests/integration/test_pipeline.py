@@ -45,7 +45,9 @@ def test_seed_curl_answers_with_32_tokens(pd_system) -> None:
     assert len(out["output_ids"]) == 32
     assert out["meta_info"]["completion_tokens"] == 32
     assert out["meta_info"]["finish_reason"]["type"] == "length"
-    assert out["meta_info"]["prompt_tokens"] == len(AutoTokenizer.from_pretrained(pd_system.model_dir).encode("請介紹一下你自己"))
+    assert out["meta_info"]["prompt_tokens"] == len(
+        AutoTokenizer.from_pretrained(pd_system.model_dir).encode("請介紹一下你自己")
+    )
     assert isinstance(out["text"], str) and out["text"]
 
 
@@ -57,7 +59,13 @@ async def test_greedy_output_equals_transformers_for_concurrent_requests(pd_syst
     async with httpx.AsyncClient(base_url=pd_system.url, timeout=120) as client:
         replies = await asyncio.gather(
             *(
-                client.post("/generate", json={"input_ids": p, "sampling_params": {"max_new_tokens": m, "temperature": 0, "ignore_eos": True}})
+                client.post(
+                    "/generate",
+                    json={
+                        "input_ids": p,
+                        "sampling_params": {"max_new_tokens": m, "temperature": 0, "ignore_eos": True},
+                    },
+                )
                 for p, m in zip(prompts, max_new, strict=True)
             )
         )
@@ -65,14 +73,24 @@ async def test_greedy_output_equals_transformers_for_concurrent_requests(pd_syst
     model = AutoModelForCausalLM.from_pretrained(pd_system.model_dir, dtype=torch.float32).eval()
     with torch.inference_mode():
         for p, m, ids in zip(prompts, max_new, got, strict=True):
-            ref = model.generate(torch.tensor([p]), max_new_tokens=m, min_new_tokens=m, do_sample=False)[0, len(p) :].tolist()
+            ref = model.generate(torch.tensor([p]), max_new_tokens=m, min_new_tokens=m, do_sample=False)[
+                0, len(p) :
+            ].tolist()
             assert ids == ref
 
 
 async def test_generate_streams_sse(pd_system) -> None:
     async with httpx.AsyncClient(base_url=pd_system.url, timeout=60) as client:
-        plain = (await client.post("/generate", json={"text": "hello there", "sampling_params": {"max_new_tokens": 12, "temperature": 0}})).json()
-        events = await stream_post(client, "/generate", {"text": "hello there", "stream": True, "sampling_params": {"max_new_tokens": 12, "temperature": 0}})
+        plain = (
+            await client.post(
+                "/generate", json={"text": "hello there", "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+            )
+        ).json()
+        events = await stream_post(
+            client,
+            "/generate",
+            {"text": "hello there", "stream": True, "sampling_params": {"max_new_tokens": 12, "temperature": 0}},
+        )
     assert events[-1] == "[DONE]"
     last = events[-2]
     assert len(events) >= 3  # streamed in pieces, not one blob
@@ -85,7 +103,9 @@ async def test_completions_stream_matches_non_stream_and_reports_usage(pd_system
     body = {"model": pd_system.model_name, "prompt": "The quick brown fox", "max_tokens": 10, "temperature": 0}
     async with httpx.AsyncClient(base_url=pd_system.url, timeout=60) as client:
         plain = (await client.post("/v1/completions", json=body)).json()
-        events = await stream_post(client, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+        events = await stream_post(
+            client, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}}
+        )
     assert events[-1] == "[DONE]"
     chunks = [e for e in events[:-1] if e["choices"]]
     assert "".join(c["choices"][0]["text"] for c in chunks) == plain["choices"][0]["text"]
@@ -117,7 +137,11 @@ async def test_stop_string_cuts_text_exactly(pd_system) -> None:
     body = {"model": pd_system.model_name, "prompt": "Serving systems", "max_tokens": 24, "temperature": 0}
     async with httpx.AsyncClient(base_url=pd_system.url, timeout=60) as client:
         free = (await client.post("/v1/completions", json=body)).json()["choices"][0]["text"]
-        stop = next(free[i : i + 2] for i in range(4, len(free) - 2) if free[i : i + 2].strip() and "\ufffd" not in free[i : i + 2])
+        stop = next(
+            free[i : i + 2]
+            for i in range(4, len(free) - 2)
+            if free[i : i + 2].strip() and "\ufffd" not in free[i : i + 2]
+        )
         cut = (await client.post("/v1/completions", json={**body, "stop": [stop]})).json()
         events = await stream_post(client, "/v1/completions", {**body, "stop": stop, "stream": True})
     assert cut["choices"][0]["text"] == free[: free.index(stop)]
@@ -130,12 +154,19 @@ async def _pages_settle(url: str, timeout: float = 20.0) -> list[dict[str, Any]]
         deadline = time.monotonic() + timeout
         while True:
             workers = (await client.get("/workers")).json()
-            if all(w["pages_used"] == 0 and w["requests_in_flight"] == 0 for w in workers) or time.monotonic() > deadline:
+            if (
+                all(w["pages_used"] == 0 and w["requests_in_flight"] == 0 for w in workers)
+                or time.monotonic() > deadline
+            ):
                 return workers
 
 
 async def test_cancelled_stream_frees_pages_on_both_workers(pd_system) -> None:
-    body = {"text": "a long answer please", "stream": True, "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+    body = {
+        "text": "a long answer please",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True},
+    }
     seen = 0
     async with httpx.AsyncClient(base_url=pd_system.url, timeout=60) as client:
         async with client.stream("POST", "/generate", json=body) as r:
@@ -223,8 +254,18 @@ async def test_malformed_nats_messages_get_an_error_reply_and_are_not_redelivere
     await nc.subscribe(inbox, cb=on_reply)
     try:
         await js.publish(subject, b"\x00garbage")
-        await js.publish(subject, orjson.dumps({"v": 1, "rid": "bad-types", "model": pd_system.model_name, "prompt_ids": "abc", "reply_to": inbox}))
-        await js.publish(subject, orjson.dumps({"v": 9, "rid": "bad-version", "model": pd_system.model_name, "prompt_ids": [1], "reply_to": inbox}))
+        await js.publish(
+            subject,
+            orjson.dumps(
+                {"v": 1, "rid": "bad-types", "model": pd_system.model_name, "prompt_ids": "abc", "reply_to": inbox}
+            ),
+        )
+        await js.publish(
+            subject,
+            orjson.dumps(
+                {"v": 9, "rid": "bad-version", "model": pd_system.model_name, "prompt_ids": [1], "reply_to": inbox}
+            ),
+        )
         ok = GenerateRequest(rid="good-after-bad", model=pd_system.model_name, prompt_ids=(5, 6, 7), reply_to=inbox)
         await js.publish(subject, ok.encode())
         got: dict[str, list[TokenChunk]] = {}

@@ -78,7 +78,9 @@ async def replies(nc: Any, subject: str) -> asyncio.Queue[TokenChunk]:
 def reference(model_dir: Path, prompt: list[int], n: int) -> list[int]:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.inference_mode():
-        return model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, len(prompt) :].tolist()
+        return model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)[
+            0, len(prompt) :
+        ].tolist()
 
 
 async def test_prefill_holds_kv_until_release_cancel_or_expiry(workers, nats_server, tiny_model_dir: Path) -> None:
@@ -105,7 +107,9 @@ async def test_prefill_holds_kv_until_release_cancel_or_expiry(workers, nats_ser
             assert used.num_used_pages == 6 and rid in prefill.holds
             started = time.monotonic()
             if rid == "released":
-                await nc.publish(subjects.kv_release(prefill.worker_id), KVRelease(rid=rid, prefill_id=prefill.worker_id).encode())
+                await nc.publish(
+                    subjects.kv_release(prefill.worker_id), KVRelease(rid=rid, prefill_id=prefill.worker_id).encode()
+                )
             elif rid == "cancelled":
                 await nc.publish(subjects.CANCEL, Cancel(rid=rid).encode())
             await until(lambda: used.num_used_pages == 0)
@@ -144,7 +148,14 @@ async def test_decode_recomputes_when_it_cannot_pull(workers, nats_server, tiny_
         reply_to="pd.tokens.test.decode",
         sampling=GREEDY,
         prefill_id="gone-prefill",
-        handle=KVHandle("mooncake", "127.0.0.1:1", layout, ((4096, 5 * layout.page_numel * 4),), len(prompt), time.time() + (-1 if why == "expired" else 60)),
+        handle=KVHandle(
+            "mooncake",
+            "127.0.0.1:1",
+            layout,
+            ((4096, 5 * layout.page_numel * 4),),
+            len(prompt),
+            time.time() + (-1 if why == "expired" else 60),
+        ),
     )
     try:
         await _publish_ready(nc.jetstream(), ready)

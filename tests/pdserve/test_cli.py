@@ -56,13 +56,18 @@ def test_worker_exits_with_a_clear_message_before_loading_anything(tmp_path: Pat
 
 def test_a_directory_without_a_model_is_refused(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "pdserve", "prefill", "--model-path", str(tmp_path)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "pdserve", "prefill", "--model-path", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2 and "no config.json" in proc.stderr
 
 
 def test_up_plans_roles_and_forwards_engine_flags() -> None:
-    args = build_parser().parse_args(["up", "--prefill-workers", "2", "--decode-workers", "3", "--max-total-tokens", "8192"])
+    args = build_parser().parse_args(
+        ["up", "--prefill-workers", "2", "--decode-workers", "3", "--max-total-tokens", "8192"]
+    )
     assert plan_roles(args) == ["prefill", "prefill", "decode", "decode", "decode"]
     size_consumers(args, plan_roles(args))
     argv = worker_argv(args, "decode", Path("/m"), "nats://127.0.0.1:1", 1)

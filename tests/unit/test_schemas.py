@@ -408,7 +408,9 @@ def test_minus_infinity_logprob_never_makes_an_undecodable_payload() -> None:
     value of ``TokenLogprob``; orjson writes it as ``null``.
     """
     try:
-        chunk = TokenChunk(rid="r", seq=0, token_ids=(1,), logprobs=(TokenLogprob(-0.5, (1, 5), (-0.5, float("-inf"))),))
+        chunk = TokenChunk(
+            rid="r", seq=0, token_ids=(1,), logprobs=(TokenLogprob(-0.5, (1, 5), (-0.5, float("-inf"))),)
+        )
         data = chunk.encode()
     except (ValueError, TypeError):
         return  # refusing to encode is acceptable

@@ -36,7 +36,9 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
     outs = []
     with torch.inference_mode():
         for p in prompts:
-            g = model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False, min_new_tokens=max_new_tokens)
+            g = model.generate(
+                torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False, min_new_tokens=max_new_tokens
+            )
             outs.append(g[0, len(p) :].tolist())
     return outs
 
@@ -112,8 +114,13 @@ def test_request_too_long_for_context_or_pool_is_refused(tiny_model_dir: Path) -
 def test_second_architecture_llama(tmp_path: Path) -> None:
     torch.manual_seed(0)
     config = LlamaConfig(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=8,
-        num_key_value_heads=2, vocab_size=1000, max_position_embeddings=1024,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        max_position_embeddings=1024,
     )
     LlamaForCausalLM(config).save_pretrained(tmp_path)
     prompts = random_prompts(6, 1000, seed=3, high=120)
@@ -188,7 +195,9 @@ def test_stop_conditions(tiny_model_dir: Path) -> None:
 
 def test_logprobs_are_the_model_distribution(tiny_model_dir: Path) -> None:
     engine = make_engine(tiny_model_dir)
-    engine.add_request("lp", [5, 6, 7, 8], SamplingParams(max_new_tokens=2, temperature=0.0, logprobs=True, top_logprobs=3))
+    engine.add_request(
+        "lp", [5, 6, 7, 8], SamplingParams(max_new_tokens=2, temperature=0.0, logprobs=True, top_logprobs=3)
+    )
     outs = [o for o in iter_outputs(engine)]
     first = outs[0].logprobs[0]
     assert first.top_ids[0] == outs[0].token_ids[0]
@@ -225,7 +234,13 @@ def test_pd_handoff_over_mooncake_equals_unified(tiny_model_dir: Path, reference
             segments = prefill.runner.pool.segments(pages[: -(-num_tokens // page)])
             seq = decode.reserve_import(rid, p, firsts[rid].token_ids, GREEDY)
             assert seq is not None
-            reads = plan_reads(segments, decode.runner.pool.page_bytes, seq.block_table[: -(-num_tokens // page)], decode.runner.pool.data_ptr, seq.num_cached // page)
+            reads = plan_reads(
+                segments,
+                decode.runner.pool.page_bytes,
+                seq.block_table[: -(-num_tokens // page)],
+                decode.runner.pool.data_ptr,
+                seq.num_cached // page,
+            )
             dst.read(src.endpoint, reads)
             decode.commit_import(seq)
             assert prefill.release(rid)

@@ -88,10 +88,7 @@ def test_layout_and_progress(built: tuple[pathlib.Path, list[str]]) -> None:
         "model.safetensors",
         "tokenizer.json",
     }
-    assert (
-        expected | {"tokenizer_config.json", "README.md", tiny_model.MARKER_NAME}
-        <= names
-    )
+    assert expected | {"tokenizer_config.json", "README.md", tiny_model.MARKER_NAME} <= names
     # Only the published directory is left behind: no temp/staging directories.
     assert [p.name for p in model_dir.parent.iterdir()] == [DEFAULT_MODEL_NAME]
     assert "training tokenizer" in messages and "initialising weights" in messages
@@ -120,9 +117,7 @@ def test_non_nfc_text_is_normalised(tok: PreTrainedTokenizerBase) -> None:
     assert tok.decode(tok.encode("cafe\u0301")) == "caf\u00e9"
 
 
-def test_raw_tokenizer_json_matches_auto_tokenizer(
-    model_dir: pathlib.Path, tok: PreTrainedTokenizerBase
-) -> None:
+def test_raw_tokenizer_json_matches_auto_tokenizer(model_dir: pathlib.Path, tok: PreTrainedTokenizerBase) -> None:
     raw = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     for text in [*ROUND_TRIP_TEXTS, "<|im_start|>user\nhi<|im_end|>\n"]:
         assert raw.encode(text).ids == tok.encode(text), text
@@ -138,17 +133,13 @@ def test_tokenizer_learned_useful_merges(tok: PreTrainedTokenizerBase) -> None:
 
 def test_special_tokens(model_dir: pathlib.Path, tok: PreTrainedTokenizerBase) -> None:
     im_start, im_end, endoftext = (
-        tok.convert_tokens_to_ids(t)
-        for t in ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
+        tok.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
     )
     assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == im_end
     assert tok.pad_token == "<|endoftext|>" and tok.pad_token_id == endoftext
     assert tok.bos_token is None
     assert tok.encode("<|im_start|>x<|im_end|>")[::2] == [im_start, im_end]
-    assert (
-        tok.decode([im_start, *tok.encode("x"), im_end], skip_special_tokens=True)
-        == "x"
-    )
+    assert tok.decode([im_start, *tok.encode("x"), im_end], skip_special_tokens=True) == "x"
 
     config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     assert config["eos_token_id"] == im_end
@@ -161,9 +152,7 @@ def test_special_tokens(model_dir: pathlib.Path, tok: PreTrainedTokenizerBase) -
 
 
 def test_chat_template(tok: PreTrainedTokenizerBase) -> None:
-    def render(
-        messages: list[dict[str, Any]], add_generation_prompt: bool = True
-    ) -> str:
+    def render(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         rendered = tok.apply_chat_template(
             messages,  # type: ignore[arg-type]  # the stubs only allow string content
             add_generation_prompt=add_generation_prompt,
@@ -173,13 +162,8 @@ def test_chat_template(tok: PreTrainedTokenizerBase) -> None:
         return rendered
 
     user_hi: dict[str, Any] = {"role": "user", "content": "hi"}
-    assert (
-        render([user_hi]) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-    )
-    assert (
-        render([user_hi], add_generation_prompt=False)
-        == "<|im_start|>user\nhi<|im_end|>\n"
-    )
+    assert render([user_hi]) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert render([user_hi], add_generation_prompt=False) == "<|im_start|>user\nhi<|im_end|>\n"
     conversation: list[dict[str, Any]] = [
         {"role": "system", "content": "Be brief."},
         user_hi,
@@ -193,9 +177,7 @@ def test_chat_template(tok: PreTrainedTokenizerBase) -> None:
         "<|im_start|>user\n請介紹一下你自己<|im_end|>\n"
         "<|im_start|>assistant\n"
     )
-    ids = tok.apply_chat_template(
-        [user_hi], add_generation_prompt=True, tokenize=True, return_dict=False
-    )
+    ids = tok.apply_chat_template([user_hi], add_generation_prompt=True, tokenize=True, return_dict=False)
     token_ids = [i for i in ids if isinstance(i, int)] if isinstance(ids, list) else []
     assert token_ids == ids
     assert tok.decode(token_ids) == render([user_hi])
@@ -204,9 +186,7 @@ def test_chat_template(tok: PreTrainedTokenizerBase) -> None:
 # --- model -------------------------------------------------------------------------------
 
 
-def test_model_config_and_weights(
-    model: Qwen2ForCausalLM, tok: PreTrainedTokenizerBase
-) -> None:
+def test_model_config_and_weights(model: Qwen2ForCausalLM, tok: PreTrainedTokenizerBase) -> None:
     config = model.config
     assert config.model_type == "qwen2"
     shape = (config.hidden_size, config.num_hidden_layers, config.intermediate_size)
@@ -221,9 +201,7 @@ def test_model_config_and_weights(
 
     embeddings = model.model.embed_tokens.weight.detach()
     assert torch.allclose(model.lm_head.weight, embeddings * tiny_model.LOGIT_SCALE)
-    assert (
-        0.015 < float(embeddings.std()) < 0.025
-    )  # random normal(0, 0.02), not zeros/empty
+    assert 0.015 < float(embeddings.std()) < 0.025  # random normal(0, 0.02), not zeros/empty
     q_proj = model.model.layers[0].self_attn.q_proj.weight.detach()
     assert 0.015 < float(q_proj.std()) < 0.025
     typical = float(embeddings.norm(dim=1).mean())
@@ -243,15 +221,10 @@ def test_greedy_generate(model: Qwen2ForCausalLM, tok: PreTrainedTokenizerBase) 
     )
     inputs = tok(prompt, return_tensors="pt")
     outputs = [
-        model.generate(
-            **inputs, max_new_tokens=16, do_sample=False, pad_token_id=tok.pad_token_id
-        )
-        for _ in range(2)
+        model.generate(**inputs, max_new_tokens=16, do_sample=False, pad_token_id=tok.pad_token_id) for _ in range(2)
     ]
     new_tokens = outputs[0][0, inputs["input_ids"].shape[1] :]
-    assert new_tokens.shape == (
-        16,
-    )  # EOS is rare, so max_new_tokens decides the length
+    assert new_tokens.shape == (16,)  # EOS is rare, so max_new_tokens decides the length
     assert torch.equal(outputs[0], outputs[1])
     assert isinstance(tok.decode(new_tokens), str)
 
@@ -259,9 +232,7 @@ def test_greedy_generate(model: Qwen2ForCausalLM, tok: PreTrainedTokenizerBase) 
 # --- building ----------------------------------------------------------------------------
 
 
-def test_second_call_reuses_directory(
-    model_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_second_call_reuses_directory(model_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def no_rebuild(out_dir: pathlib.Path, progress: Callable[[str], None]) -> None:
         raise AssertionError("model directory was rebuilt")
 
@@ -270,25 +241,18 @@ def test_second_call_reuses_directory(
     before = (model_dir.stat().st_mtime_ns, marker.stat().st_mtime_ns)
     messages: list[str] = []
     start = time.perf_counter()
-    assert (
-        ensure_default_model(model_dir.parent.parent, progress=messages.append)
-        == model_dir
-    )
+    assert ensure_default_model(model_dir.parent.parent, progress=messages.append) == model_dir
     assert time.perf_counter() - start < 0.5
     assert (model_dir.stat().st_mtime_ns, marker.stat().st_mtime_ns) == before
     assert messages == []
 
 
-def test_deterministic_across_directories(
-    model_dir: pathlib.Path, tmp_path: pathlib.Path
-) -> None:
+def test_deterministic_across_directories(model_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
     other = ensure_default_model(tmp_path / "other")
     assert other != model_dir
     for name in ("tokenizer.json", "model.safetensors"):
         assert _sha256(other / name) == _sha256(model_dir / name), name
-    assert {p.name: _sha256(p) for p in other.iterdir()} == {
-        p.name: _sha256(p) for p in model_dir.iterdir()
-    }
+    assert {p.name: _sha256(p) for p in other.iterdir()} == {p.name: _sha256(p) for p in model_dir.iterdir()}
 
 
 def test_concurrent_winner_is_kept(
@@ -314,9 +278,7 @@ def test_incomplete_directory_is_replaced(
 ) -> None:
     target = tmp_path / "models" / DEFAULT_MODEL_NAME
     target.mkdir(parents=True)
-    (target / "config.json").write_text(
-        "{}", encoding="utf-8"
-    )  # no marker: a broken leftover
+    (target / "config.json").write_text("{}", encoding="utf-8")  # no marker: a broken leftover
     monkeypatch.setattr(
         tiny_model,
         "build_model_dir",

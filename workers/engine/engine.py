@@ -96,9 +96,7 @@ class Engine:
         if num_prompt < 1:
             raise RequestError("the prompt is empty")
         if total >= self.max_model_len:
-            raise RequestError(
-                f"the prompt has {total} tokens; the model's context is {self.max_model_len} tokens"
-            )
+            raise RequestError(f"the prompt has {total} tokens; the model's context is {self.max_model_len} tokens")
         pool = self.blocks.num_pages * self.config.page_size
         if not self.scheduler.fits_ever(total):
             raise RequestError(f"the prompt has {total} tokens; the KV pool holds {pool}")
@@ -118,12 +116,16 @@ class Engine:
             raise RequestError(f"request {rid!r} is already in the engine")
         outputs = list(output_ids or [])
         self.check_request(len(prompt_ids), sampling, len(outputs))
-        seq = Sequence(rid, list(prompt_ids), sampling, output_ids=outputs, num_resumed=len(outputs), prefill_only=prefill_only)
+        seq = Sequence(
+            rid, list(prompt_ids), sampling, output_ids=outputs, num_resumed=len(outputs), prefill_only=prefill_only
+        )
         self.seqs[rid] = seq
         self.scheduler.add(seq)
         return seq
 
-    def reserve_import(self, rid: str, prompt_ids: list[int], output_ids: list[int], sampling: SamplingParams) -> Sequence | None:
+    def reserve_import(
+        self, rid: str, prompt_ids: list[int], output_ids: list[int], sampling: SamplingParams
+    ) -> Sequence | None:
         """Pages for a prompt whose KV arrives by transfer, or ``None`` if the pool is short.
 
         The prefix already in this pool is reused: ``seq.num_cached`` tokens need no
@@ -309,4 +311,3 @@ class Engine:
         if seq is None:
             return None
         return seq.block_table, len(seq.prompt_ids)
-

@@ -134,7 +134,9 @@ class ModelRunner:
         page = self.config.page_size
         if self.config.max_total_tokens is not None:
             return self.config.max_total_tokens // page
-        per_token = bytes_per_token(self.layout, torch.empty((), dtype=next(self.model.parameters()).dtype).element_size())
+        per_token = bytes_per_token(
+            self.layout, torch.empty((), dtype=next(self.model.parameters()).dtype).element_size()
+        )
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * self.config.kv_memory_fraction)

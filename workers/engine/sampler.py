@@ -138,7 +138,7 @@ def _logprobs(raw: torch.Tensor | None, rows: list[SampleRequest], tokens: list[
         return [None] * len(rows)
     out: list[TokenLogprob | None] = []
     max_top = max(r.params.top_logprobs for r in rows)
-    top_vals, top_ids = (raw.topk(max_top, dim=-1) if max_top > 0 else (None, None))
+    top_vals, top_ids = raw.topk(max_top, dim=-1) if max_top > 0 else (None, None)
     raw = raw.clamp(min=LOGPROB_FLOOR)  # -inf does not survive JSON
     if top_vals is not None:
         top_vals = top_vals.clamp(min=LOGPROB_FLOOR)
