@@ -55,14 +55,33 @@ class PullConsumer:
         self._inbox = nc.new_inbox()
         self._sub: Subscription | None = None
         self._lock = asyncio.Lock()
+        self._pull_open_until = 0.0  # a lingering pull may be open at the server until then
 
     async def start(self) -> None:
         self._sub = await self._nc.subscribe(self._inbox)
 
     async def stop(self) -> None:
-        if self._sub is not None:
-            await self._sub.unsubscribe()
-            self._sub = None
+        """Stop consuming without stranding a message.
+
+        A lingering pull stays open at the server until it expires; a message it
+        delivers after we stopped listening would sit unacked for ``ack_wait``. So we
+        listen until it closes and hand back (nak) whatever it brings.
+        """
+        if self._sub is None:
+            return
+        while (remaining := self._pull_open_until - time.monotonic()) > 0:
+            try:
+                msg = await self._sub.next_msg(timeout=remaining + 0.2)
+            except TimeoutError:
+                break
+            status = _status(msg)
+            if status is None:
+                await msg.nak()
+            elif status in ("408", "404", "409"):
+                break
+        self._pull_open_until = 0.0
+        await self._sub.unsubscribe()
+        self._sub = None
 
     async def fetch(self, max_msgs: int, timeout: float) -> list[Msg]:
         """Up to ``max_msgs`` messages; waits at most ``timeout`` for the first one.
@@ -99,6 +118,7 @@ class PullConsumer:
     async def _linger(self, timeout: float) -> Msg | None:
         assert self._sub is not None
         expires_ns = max(int(timeout * 1e9), 1_000_000)
+        self._pull_open_until = time.monotonic() + expires_ns / 1e9
         await self._nc.publish(self._next, orjson.dumps({"batch": 1, "expires": expires_ns}), reply=self._inbox)
         deadline = time.monotonic() + timeout + 1.0
         while True:
@@ -110,10 +130,9 @@ class PullConsumer:
             except TimeoutError:
                 return None
             status = _status(msg)
-            if status is None:
-                return msg
-            if status in ("408", "404", "409"):
-                return None
+            if status is None or status in ("408", "404", "409"):
+                self._pull_open_until = 0.0  # the one-message pull is fulfilled or closed
+                return msg if status is None else None
             # 100 = idle heartbeat; anything else is logged and the wait goes on.
             if status != "100":
                 log.debug("pull status", extra={"status": status})
@@ -124,17 +143,18 @@ class PullConsumer:
         nothing, and a request left open would pull messages nobody is waiting for)."""
         assert self._sub is not None
         request = {"batch": batch, "no_wait": True, "expires": NO_WAIT_EXPIRES_NS}
+        self._pull_open_until = time.monotonic() + NO_WAIT_EXPIRES_NS / 1e9
         await self._nc.publish(self._next, orjson.dumps(request), reply=self._inbox)
         out: list[Msg] = []
         while len(out) < batch:
             try:
                 msg = await self._sub.next_msg(timeout=2.0)
             except TimeoutError:
+                return out
+            if _status(msg) is not None:
                 break
-            if _status(msg) is None:
-                out.append(msg)
-            else:
-                break
+            out.append(msg)
+        self._pull_open_until = 0.0  # filled, or closed by the server
         return out
 
 

@@ -15,7 +15,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,28 +121,35 @@ class WorkerRuntime:
 
     async def shutdown(self) -> None:
         """Stop taking work, let in-flight requests finish (up to ``drain_seconds``),
-        hand back the rest, free KV, leave the registry, drain the connection."""
+        hand back the rest, free KV, leave the registry, drain the connection. Each step
+        after the drain is bounded, so a broker in trouble cannot hold a worker forever."""
         self.stopping.set()
         self._wake.set()
         deadline = time.monotonic() + self.config.drain_seconds
         while self.busy() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        log.debug("shutdown: stopping tasks", extra={"worker": self.worker_id})
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        await self.hand_back()
-        await self.teardown()
+        await self._bounded("tasks", asyncio.gather(*self._tasks, return_exceptions=True))
+        await self._bounded("hand back", self.hand_back())
+        await self._bounded("teardown", self.teardown())
         if self.registry is not None:
-            with contextlib.suppress(Exception):
-                await self.registry.remove(self.worker_id)
+            await self._bounded("registry", self.registry.remove(self.worker_id))
         if self.nc is not None and self.nc.is_connected:
-            with contextlib.suppress(Exception):
-                await self.nc.drain()
+            await self._bounded("drain", self.nc.drain())
         self._engine_thread.shutdown(wait=True)
         self.stopped.set()
         log.info("worker stopped", extra={"worker": self.worker_id})
+
+    async def _bounded(self, step: str, work: Awaitable[object], seconds: float = 10.0) -> None:
+        try:
+            await asyncio.wait_for(work, seconds)
+        except TimeoutError:
+            log.warning("shutdown step timed out", extra={"step": step, "seconds": seconds})
+        except Exception as exc:
+            log.warning("shutdown step failed", extra={"step": step, "error": str(exc)})
+        log.debug("shutdown step done", extra={"step": step, "worker": self.worker_id})
 
     def busy(self) -> bool:
         return self.engine.has_work()
