@@ -79,7 +79,7 @@ class Gateway:
         self.nc = await connect(self.nats_url, self.api_id)
         self.js = self.nc.jetstream()
         await streams.ensure_model(self.js, self.model, self.broker)
-        self.registry = WorkerRegistry(await streams.worker_bucket(self.js, self.broker))
+        self.registry = WorkerRegistry(await streams.worker_bucket(self.js, self.broker), self.js)
         await self.nc.subscribe(subjects.tokens_prefix(self.api_id), cb=self._on_chunk)
 
     async def stop(self) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from nats.js.errors import KeyNotFoundError, NoKeysError
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from broker import subjects
@@ -14,8 +15,9 @@ log = logging.getLogger(__name__)
 
 
 class WorkerRegistry:
-    def __init__(self, bucket: KeyValue) -> None:
+    def __init__(self, bucket: KeyValue, js: JetStreamContext) -> None:
         self._bucket = bucket
+        self._js = js
 
     async def put(self, info: WorkerInfo) -> None:
         await self._bucket.put(subjects.worker_key(info.worker_id), info.encode())
@@ -27,11 +29,14 @@ class WorkerRegistry:
             pass
 
     async def list(self) -> list[WorkerInfo]:
-        """Live workers (entries expire ``worker_ttl`` after their last heartbeat)."""
-        try:
-            keys = await self._bucket.keys()
-        except NoKeysError:
-            return []
+        """Live workers (entries expire ``worker_ttl`` after their last heartbeat).
+
+        Keys come from the server's per-subject state of the bucket's stream: nats-py's
+        ``keys()`` watches the bucket and can end its scan early while heartbeats land,
+        leaving a live worker out."""
+        prefix = f"$KV.{subjects.WORKER_BUCKET}."
+        info = await self._js.stream_info(f"KV_{subjects.WORKER_BUCKET}", subjects_filter=prefix + ">")
+        keys = [subject[len(prefix) :] for subject in (info.state.subjects or {})]
         workers = []
         for key in keys:
             try:

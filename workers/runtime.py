@@ -80,7 +80,7 @@ class WorkerRuntime:
         self.nc = await connect(self.config.nats_url, self.worker_id)
         self.js = self.nc.jetstream()
         await streams.ensure_model(self.js, self.config.model_name, self.config.broker)
-        self.registry = WorkerRegistry(await streams.worker_bucket(self.js, self.config.broker))
+        self.registry = WorkerRegistry(await streams.worker_bucket(self.js, self.config.broker), self.js)
         await self.nc.subscribe(subjects.CANCEL, cb=self._on_cancel)
         await self.setup()
         await self.heartbeat()

@@ -380,7 +380,7 @@ async def test_worker_bucket_concurrent_creation(js: JetStreamContext) -> None:
 
 
 async def test_registry_put_list_remove(js: JetStreamContext) -> None:
-    registry = WorkerRegistry(await worker_bucket(js, BrokerConfig(worker_ttl=30.0)))
+    registry = WorkerRegistry(await worker_bucket(js, BrokerConfig(worker_ttl=30.0)), js)
     assert await registry.list() == []
     d1 = _worker("decode-1", role="decode")
     p2 = _worker("prefill-2")
@@ -409,7 +409,7 @@ async def test_registry_put_list_remove(js: JetStreamContext) -> None:
 
 async def test_registry_skips_bad_entries(js: JetStreamContext) -> None:
     bucket = await worker_bucket(js, BrokerConfig(worker_ttl=30.0))
-    registry = WorkerRegistry(bucket)
+    registry = WorkerRegistry(bucket, js)
     good = _worker("good")
     await registry.put(good)
     await bucket.put("garbage", b"not json")
@@ -419,7 +419,7 @@ async def test_registry_skips_bad_entries(js: JetStreamContext) -> None:
 
 async def test_registry_entries_expire_after_ttl(js: JetStreamContext, eventually: Any) -> None:
     ttl = 1.5
-    registry = WorkerRegistry(await worker_bucket(js, BrokerConfig(worker_ttl=ttl)))
+    registry = WorkerRegistry(await worker_bucket(js, BrokerConfig(worker_ttl=ttl)), js)
     alive, dead = _worker("alive"), _worker("dead")
     await registry.put(alive)
     await registry.put(dead)
@@ -451,3 +451,26 @@ async def test_registry_entries_expire_after_ttl(js: JetStreamContext, eventuall
         return await registry.list() == []
 
     await eventually(empty, timeout=ttl + 8.0, interval=0.05, what="expiry after heartbeats stop")
+
+
+async def test_registry_lists_every_worker_while_heartbeats_land(js: JetStreamContext) -> None:
+    """A listing taken while workers keep re-putting their entries misses none of them."""
+    registry = WorkerRegistry(await worker_bucket(js, BrokerConfig(worker_ttl=30.0)), js)
+    workers = [_worker(f"w{i}", role="prefill" if i % 2 else "decode") for i in range(6)]
+    for w in workers:
+        await registry.put(w)
+    stop = asyncio.Event()
+
+    async def heartbeats() -> None:
+        while not stop.is_set():
+            for w in workers:
+                await registry.put(w)
+
+    beating = asyncio.create_task(heartbeats())
+    try:
+        for _ in range(40):
+            listed = await registry.list()
+            assert sorted(w.worker_id for w in listed) == sorted(w.worker_id for w in workers)
+    finally:
+        stop.set()
+        await beating
