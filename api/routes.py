@@ -95,6 +95,18 @@ async def _sse_body(
     yield _DONE
 
 
+def _stream_events(head: dict[str, Any], choice: dict[str, Any], d: Delta, include_usage: bool) -> list[Any]:
+    """One OpenAI stream chunk, and after the last one the usage chunk if it was asked for."""
+    events: list[Any] = [{**head, "choices": [choice]}]
+    if d.finish_reason is not None and include_usage:
+        events.append({**head, "choices": [], "usage": formats.usage_body(d.usage)})
+    return events
+
+
+def _prompt_text(state: AppState, job: Job) -> str:
+    return job.prompt_text or state.info.tokenizer.decode(job.prompt_ids)
+
+
 # ---- /v1/completions ------------------------------------------------------------
 async def completions(request: Request) -> Response:
     state, parsed = await _parse(request, parse_completion)
@@ -104,7 +116,7 @@ async def completions(request: Request) -> Response:
     if parsed.stream:
         job = parsed.jobs[0]
         first, rest = await _first_and_rest(request, _stream_deltas(state, job, rid))
-        prefix = [job.prompt_text or state.info.tokenizer.decode(job.prompt_ids)] if parsed.echo else []
+        prefix = [_prompt_text(state, job)] if parsed.echo else []
 
         def render(d: Delta) -> list[Any]:
             text = (prefix.pop() if prefix else "") + d.text
@@ -114,27 +126,14 @@ async def completions(request: Request) -> Response:
                 "logprobs": formats.completion_logprobs(state.info, d.token_ids, d.logprobs),
                 "finish_reason": formats.openai_finish(d.finish_reason),
             }
-            events: list[Any] = [
-                {"id": rid, "object": "text_completion", "created": created, "model": name, "choices": [choice]}
-            ]
-            if d.finish_reason is not None and parsed.include_usage:
-                events.append(
-                    {
-                        "id": rid,
-                        "object": "text_completion",
-                        "created": created,
-                        "model": name,
-                        "choices": [],
-                        "usage": formats.usage_body(d.usage),
-                    }
-                )
-            return events
+            head = {"id": rid, "object": "text_completion", "created": created, "model": name}
+            return _stream_events(head, choice, d, parsed.include_usage)
 
         return StreamingResponse(_sse_body(first, rest, render), media_type="text/event-stream", headers=SSE_HEADERS)
     results = await _collect_all(request, state, parsed, rid)
     choices = []
     for i, (job, r) in enumerate(zip(parsed.jobs, results, strict=True)):
-        text = ((job.prompt_text or state.info.tokenizer.decode(job.prompt_ids)) if parsed.echo else "") + r.text
+        text = (_prompt_text(state, job) if parsed.echo else "") + r.text
         choices.append(
             {
                 "index": i,
@@ -191,21 +190,8 @@ async def chat_completions(request: Request) -> Response:
                 "logprobs": formats.chat_logprobs(state.info, d.token_ids, d.logprobs),
                 "finish_reason": formats.openai_finish(d.finish_reason),
             }
-            events: list[Any] = [
-                {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name, "choices": [choice]}
-            ]
-            if d.finish_reason is not None and parsed.include_usage:
-                events.append(
-                    {
-                        "id": rid,
-                        "object": "chat.completion.chunk",
-                        "created": created,
-                        "model": name,
-                        "choices": [],
-                        "usage": formats.usage_body(d.usage),
-                    }
-                )
-            return events
+            head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name}
+            return _stream_events(head, choice, d, parsed.include_usage)
 
         return StreamingResponse(_sse_body(first, rest, render), media_type="text/event-stream", headers=SSE_HEADERS)
     (r,) = await _collect_all(request, state, parsed, rid)
