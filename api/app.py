@@ -11,17 +11,16 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import orjson
+from pdserve.api.config import ApiConfig
+from pdserve.api.errors import APIError, error_response
+from pdserve.api.gateway import Gateway
+from pdserve.api.model_info import ModelInfo, load_model_info
+from pdserve.broker.connection import QueueFullError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-
-from api.config import ApiConfig
-from api.errors import APIError, error_response
-from api.gateway import Gateway
-from api.model_info import ModelInfo, load_model_info
-from broker.connection import QueueFullError
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +60,7 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
 
 def translate(exc: Exception) -> APIError:
     """Errors from the gateway as HTTP errors."""
-    from api.gateway import StreamError
+    from pdserve.api.gateway import StreamError
 
     if isinstance(exc, APIError):
         return exc
@@ -157,7 +156,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 def create_app(config: ApiConfig, info: ModelInfo | None = None) -> Starlette:
     """The app; the model's tokenizer loads and NATS connects in the lifespan."""
-    from api.routes import generation_routes
+    from pdserve.api.routes import generation_routes
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -7,11 +7,11 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from api.detokenizer import IncrementalDetokenizer, StopMatcher
-from api.gateway import Gateway
-from api.model_info import ModelInfo
-from api.protocol import Job
-from schemas import TokenChunk, TokenLogprob, Usage
+from pdserve.api.detokenizer import IncrementalDetokenizer, StopMatcher
+from pdserve.api.gateway import Gateway
+from pdserve.api.model_info import ModelInfo
+from pdserve.api.protocol import Job
+from pdserve.schemas import TokenChunk, TokenLogprob, Usage
 
 
 @dataclass

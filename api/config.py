@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from broker.streams import BrokerConfig
+from pdserve.broker.streams import BrokerConfig
 
 
 @dataclasses.dataclass(frozen=True)

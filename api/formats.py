@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from api.completion import Delta, Result
-from api.model_info import ModelInfo
-from schemas import TokenLogprob, Usage
+from pdserve.api.completion import Delta, Result
+from pdserve.api.model_info import ModelInfo
+from pdserve.schemas import TokenLogprob, Usage
 
 
 def usage_body(usage: Usage | None) -> dict[str, Any] | None:

@@ -17,11 +17,10 @@ from dataclasses import dataclass, field
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-
-from broker import streams, subjects
-from broker.connection import QueueFullError, connect, publish_work
-from broker.registry import WorkerRegistry
-from schemas import Cancel, GenerateRequest, MessageError, SamplingParams, TokenChunk, WorkerInfo
+from pdserve.broker import streams, subjects
+from pdserve.broker.connection import QueueFullError, connect, publish_work
+from pdserve.broker.registry import WorkerRegistry
+from pdserve.schemas import Cancel, GenerateRequest, MessageError, SamplingParams, TokenChunk, WorkerInfo
 
 log = logging.getLogger(__name__)
 

@@ -10,11 +10,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-
-from api.errors import bad_request
-from api.model_info import ModelInfo
-from schemas import SamplingParams
-from schemas.sampling import MAX_STOP_STRINGS
+from pdserve.api.errors import bad_request
+from pdserve.api.model_info import ModelInfo
+from pdserve.schemas import SamplingParams
+from pdserve.schemas.sampling import MAX_STOP_STRINGS
 
 MAX_COMPLETION_LOGPROBS = 5
 

@@ -9,14 +9,13 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
+from pdserve.api import formats
+from pdserve.api.app import AppState, ORJSONResponse, state_of, translate, until_disconnect
+from pdserve.api.completion import Delta, Result, collect, deltas
+from pdserve.api.protocol import Job, Parsed, parse_chat, parse_completion, parse_generate, parse_json
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
-
-from api import formats
-from api.app import AppState, ORJSONResponse, state_of, translate, until_disconnect
-from api.completion import Delta, Result, collect, deltas
-from api.protocol import Job, Parsed, parse_chat, parse_completion, parse_generate, parse_json
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -155,7 +154,7 @@ async def completions(request: Request) -> Response:
 
 
 def _sum_usage(results: list[Result]) -> dict[str, Any] | None:
-    from schemas import Usage
+    from pdserve.schemas import Usage
 
     usages = [r.usage for r in results if r.usage is not None]
     total = Usage(

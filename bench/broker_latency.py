@@ -33,11 +33,11 @@ import nats
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from broker import streams, subjects
-from broker.connection import publish_work
-from broker.consumer import PullConsumer
-from broker.server import start_nats_server
-from schemas import GenerateRequest, KVHandle, KVLayout, KVReady, SamplingParams
+from pdserve.broker import streams, subjects
+from pdserve.broker.connection import publish_work
+from pdserve.broker.consumer import PullConsumer
+from pdserve.broker.server import start_nats_server
+from pdserve.schemas import GenerateRequest, KVHandle, KVLayout, KVReady, SamplingParams
 
 MODEL = "bench"
 

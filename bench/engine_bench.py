@@ -32,11 +32,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from schemas import SamplingParams
-from workers.engine.config import EngineConfig
-from workers.engine.engine import Engine
-from workers.loader import build_engine, quiet_transformers
-from workers.tiny_model import ensure_default_model
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.loader import build_engine, quiet_transformers
+from pdserve.engine.tiny_model import ensure_default_model
+from pdserve.schemas import SamplingParams
 
 
 @dataclass

@@ -17,11 +17,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_reading import agree, engine_run, hf_generate
 from make_dummy_model import DIMS
-
-from workers.engine import attention
-from workers.engine.config import EngineConfig
-from workers.engine.engine import Engine
-from workers.engine.model_runner import ModelRunner, ModelSpec
+from pdserve.engine import attention
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.model_runner import ModelRunner, ModelSpec
 
 
 def main() -> int:

@@ -27,13 +27,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from schemas import SamplingParams
-from workers.engine import attention
-from workers.engine.config import EngineConfig
-from workers.engine.engine import Engine
-from workers.engine.model_runner import ModelRunner, ModelSpec
-from workers.loader import quiet_transformers
-from workers.tiny_model import ensure_default_model
+from pdserve.engine import attention
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.loader import quiet_transformers
+from pdserve.engine.model_runner import ModelRunner, ModelSpec
+from pdserve.engine.tiny_model import ensure_default_model
+from pdserve.schemas import SamplingParams
 
 
 def say(msg: str) -> None:

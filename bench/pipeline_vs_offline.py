@@ -26,10 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import start_pdserve, stop_pdserve
 from engine_bench import Request, run_pdserve, workload
-
-from workers.engine.config import EngineConfig
-from workers.loader import build_engine
-from workers.tiny_model import ensure_default_model
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.loader import build_engine
+from pdserve.engine.tiny_model import ensure_default_model
 
 
 async def through_http(url: str, reqs: list[Request], concurrency: int) -> tuple[float, list[float]]:

@@ -346,7 +346,7 @@ def run_sweeps(args: argparse.Namespace) -> dict[str, Any]:
     if args.model_path:
         model = Path(args.model_path)
     else:
-        from workers.tiny_model import ensure_default_model
+        from pdserve.engine.tiny_model import ensure_default_model
 
         model = ensure_default_model(root / "model")
     workloads = [_workload(w) for w in args.workloads]

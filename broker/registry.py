@@ -7,9 +7,8 @@ import logging
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
-
-from broker import subjects
-from schemas import MessageError, WorkerInfo
+from pdserve.broker import subjects
+from pdserve.schemas import MessageError, WorkerInfo
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 from pdserve import settings
 
 if TYPE_CHECKING:
-    from api.config import ApiConfig
-    from broker.streams import BrokerConfig
+    from pdserve.api.config import ApiConfig
+    from pdserve.broker.streams import BrokerConfig
 
 log = logging.getLogger("pdserve")
 
@@ -60,7 +60,7 @@ def _broker(p: argparse.ArgumentParser) -> None:
 
 
 def broker_config(args: argparse.Namespace) -> BrokerConfig:
-    from broker.streams import BrokerConfig
+    from pdserve.broker.streams import BrokerConfig
 
     return BrokerConfig(
         prefill_max_ack_pending=args.prefill_max_ack_pending, decode_max_ack_pending=args.decode_max_ack_pending
@@ -173,7 +173,7 @@ def resolve_model(args: argparse.Namespace) -> Path:
                 f"--model-path {path}: no config.json there (a local Hugging Face model directory is needed)"
             )
         return path
-    from workers.tiny_model import ensure_default_model
+    from pdserve.engine.tiny_model import ensure_default_model
 
     path = ensure_default_model(Path(args.data_dir), progress=lambda line: log.info(line))
     log.warning(
@@ -190,7 +190,7 @@ def check_worker_flags(args: argparse.Namespace, role: str) -> None:
     mode = args.disaggregation_mode
     if mode is not None and not (mode == role or (mode == "null" and role == "unified")):
         raise UsageError(f"--disaggregation-mode {mode} does not match `pdserve {role}`")
-    from workers.transfer import available_backends
+    from pdserve.workers.transfer import available_backends
 
     if args.disaggregation_transfer_backend not in available_backends():
         raise UsageError(
@@ -201,7 +201,7 @@ def check_worker_flags(args: argparse.Namespace, role: str) -> None:
 
 
 def engine_config(args: argparse.Namespace) -> object:
-    from workers.engine.config import EngineConfig
+    from pdserve.engine.config import EngineConfig
 
     return EngineConfig(
         page_size=args.page_size,
@@ -236,8 +236,8 @@ def run_worker(args: argparse.Namespace, role: str) -> None:
     if args.exit_with_parent:
         exit_with_parent()
 
-    from workers.config import WorkerConfig
-    from workers.loader import build_engine
+    from pdserve.engine.loader import build_engine
+    from pdserve.workers.config import WorkerConfig
 
     check_worker_flags(args, role)
     if args.disaggregation_bootstrap_port is not None:
@@ -266,9 +266,9 @@ def run_worker(args: argparse.Namespace, role: str) -> None:
     )
     log.info("loading model", extra={"role": role, "path": str(model_path)})
     engine = build_engine(model_path, config.engine, args.dtype, args.trust_remote_code, args.load_format)
-    from workers.decode import DecodeWorker
-    from workers.prefill import PrefillWorker
-    from workers.unified import UnifiedWorker
+    from pdserve.workers.decode import DecodeWorker
+    from pdserve.workers.prefill import PrefillWorker
+    from pdserve.workers.unified import UnifiedWorker
 
     cls = {"prefill": PrefillWorker, "decode": DecodeWorker, "unified": UnifiedWorker}[role]
     worker = cls(config, engine)
@@ -291,14 +291,14 @@ def run_worker(args: argparse.Namespace, role: str) -> None:
 def run_api(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from api.app import create_app
+    from pdserve.api.app import create_app
 
     config = api_config(args, args.nats_url, resolve_model(args))
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning")
 
 
 def api_config(args: argparse.Namespace, nats_url: str, model_path: Path) -> ApiConfig:
-    from api.config import ApiConfig
+    from pdserve.api.config import ApiConfig
 
     return ApiConfig(
         nats_url=nats_url,

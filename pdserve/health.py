@@ -6,7 +6,7 @@ import asyncio
 
 import orjson
 
-from workers.runtime import WorkerRuntime
+from pdserve.workers.runtime import WorkerRuntime
 
 
 async def serve_health(worker: WorkerRuntime, host: str, port: int) -> asyncio.AbstractServer:

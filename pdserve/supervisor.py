@@ -121,7 +121,7 @@ def size_consumers(args: argparse.Namespace, roles: list[str]) -> None:
 
 
 def run_up(args: argparse.Namespace) -> int:
-    from broker.server import start_nats_server
+    from pdserve.broker.server import start_nats_server
 
     roles = plan_roles(args)
     size_consumers(args, roles)
@@ -156,7 +156,7 @@ def run_up(args: argparse.Namespace) -> int:
 async def _serve(args: argparse.Namespace, model_path: Path, nats_url: str, children: list[Child]) -> int:
     import uvicorn
 
-    from api.app import create_app
+    from pdserve.api.app import create_app
 
     app = create_app(api_config(args, nats_url, model_path))
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="on"))

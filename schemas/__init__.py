@@ -1,12 +1,12 @@
 """Every message that crosses a process boundary: versioned frozen dataclasses, orjson-encoded."""
 
-from schemas.codec import Message, MessageError
-from schemas.control import Cancel
-from schemas.kv import KVHandle, KVLayout, KVReady, KVRelease
-from schemas.request import GenerateRequest
-from schemas.sampling import SamplingParams
-from schemas.tokens import ErrorInfo, TokenChunk, TokenLogprob, Usage
-from schemas.worker import WorkerInfo
+from pdserve.schemas.codec import Message, MessageError
+from pdserve.schemas.control import Cancel
+from pdserve.schemas.kv import KVHandle, KVLayout, KVReady, KVRelease
+from pdserve.schemas.request import GenerateRequest
+from pdserve.schemas.sampling import SamplingParams
+from pdserve.schemas.tokens import ErrorInfo, TokenChunk, TokenLogprob, Usage
+from pdserve.schemas.worker import WorkerInfo
 
 __all__ = [
     "Cancel",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from schemas.codec import Message
-from schemas.sampling import SamplingParams
+from pdserve.schemas.codec import Message
+from pdserve.schemas.sampling import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

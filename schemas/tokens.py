@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from schemas.codec import Message
+from pdserve.schemas.codec import Message
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from schemas.codec import Message
+from pdserve.schemas.codec import Message
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

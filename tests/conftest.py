@@ -15,7 +15,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture
 def nats_server(tmp_path: Path) -> Iterator[object]:
     """A fresh ``nats-server -js`` on a free loopback port with its own store."""
-    from broker.server import start_nats_server
+    from pdserve.broker.server import start_nats_server
 
     server = start_nats_server(tmp_path / "nats")
     try:
@@ -27,6 +27,6 @@ def nats_server(tmp_path: Path) -> Iterator[object]:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default random-weight Qwen2 model (5.4M parameters), built once."""
-    from workers.tiny_model import ensure_default_model
+    from pdserve.engine.tiny_model import ensure_default_model
 
     return ensure_default_model(tmp_path_factory.mktemp("data"))

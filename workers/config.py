@@ -8,8 +8,8 @@ import socket
 import uuid
 from pathlib import Path
 
-from broker.streams import BrokerConfig
-from workers.engine.config import EngineConfig
+from pdserve.broker.streams import BrokerConfig
+from pdserve.engine.config import EngineConfig
 
 ROLES = ("prefill", "decode", "unified")
 

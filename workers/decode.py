@@ -14,13 +14,13 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
-from broker import subjects
-from broker.consumer import Delivery, PullConsumer, decode_deliveries
-from schemas import KVReady, KVRelease
-from workers.engine.engine import RequestError, RequestOutput
-from workers.engine.sequence import Sequence
-from workers.runtime import Tracked, WorkerRuntime
-from workers.transfer import TransferBackend, TransferError, plan_reads
+from pdserve.broker import subjects
+from pdserve.broker.consumer import Delivery, PullConsumer, decode_deliveries
+from pdserve.engine.engine import RequestError, RequestOutput
+from pdserve.engine.sequence import Sequence
+from pdserve.schemas import KVReady, KVRelease
+from pdserve.workers.runtime import Tracked, WorkerRuntime
+from pdserve.workers.transfer import TransferBackend, TransferError, plan_reads
 
 log = logging.getLogger(__name__)
 

@@ -13,14 +13,13 @@ import logging
 import time
 
 from nats.aio.msg import Msg
-
-from broker import subjects
-from broker.connection import QueueFullError, publish_work
-from broker.consumer import PullConsumer
-from schemas import KVHandle, KVReady, KVRelease, MessageError
-from workers.engine.engine import RequestOutput
-from workers.runtime import WorkerRuntime
-from workers.transfer import TransferBackend
+from pdserve.broker import subjects
+from pdserve.broker.connection import QueueFullError, publish_work
+from pdserve.broker.consumer import PullConsumer
+from pdserve.engine.engine import RequestOutput
+from pdserve.schemas import KVHandle, KVReady, KVRelease, MessageError
+from pdserve.workers.runtime import WorkerRuntime
+from pdserve.workers.transfer import TransferBackend
 
 log = logging.getLogger(__name__)
 

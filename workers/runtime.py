@@ -23,16 +23,15 @@ from typing import Any
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-
-from broker import streams, subjects
-from broker.connection import connect
-from broker.consumer import Delivery, PullConsumer, Rejected, decode_deliveries
-from broker.registry import WorkerRegistry
-from schemas import Cancel, ErrorInfo, GenerateRequest, MessageError, TokenChunk, Usage, WorkerInfo
-from workers.config import WorkerConfig
-from workers.engine.engine import Engine, RequestError, RequestOutput
-from workers.engine.model_runner import ScheduledBatch
-from workers.transfer import TransferBackend, create_transfer
+from pdserve.broker import streams, subjects
+from pdserve.broker.connection import connect
+from pdserve.broker.consumer import Delivery, PullConsumer, Rejected, decode_deliveries
+from pdserve.broker.registry import WorkerRegistry
+from pdserve.engine.engine import Engine, RequestError, RequestOutput
+from pdserve.engine.model_runner import ScheduledBatch
+from pdserve.schemas import Cancel, ErrorInfo, GenerateRequest, MessageError, TokenChunk, Usage, WorkerInfo
+from pdserve.workers.config import WorkerConfig
+from pdserve.workers.transfer import TransferBackend, create_transfer
 
 log = logging.getLogger(__name__)
 

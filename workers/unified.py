@@ -6,10 +6,10 @@ either kind, or both, against the same API.
 
 from __future__ import annotations
 
-from broker import subjects
-from broker.consumer import PullConsumer
-from workers.engine.engine import RequestOutput
-from workers.runtime import WorkerRuntime
+from pdserve.broker import subjects
+from pdserve.broker.consumer import PullConsumer
+from pdserve.engine.engine import RequestOutput
+from pdserve.workers.runtime import WorkerRuntime
 
 
 class UnifiedWorker(WorkerRuntime):

@@ -14,9 +14,8 @@ from typing import Any
 import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-
-from broker.connection import connect
-from schemas import GenerateRequest
+from pdserve.broker.connection import connect
+from pdserve.schemas import GenerateRequest
 
 # A model name with characters that are not valid in a subject token.
 MODEL = "Qwen/Qwen2.5-0.5B"

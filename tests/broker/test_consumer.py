@@ -16,12 +16,11 @@ from typing import Any
 import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-
-from broker import subjects
-from broker.connection import connect, publish_work
-from broker.consumer import Delivery, PullConsumer, Rejected, decode_deliveries
-from broker.streams import BrokerConfig, QueueDepth, ensure_model, queue_depth
-from schemas import GenerateRequest, KVReady
+from pdserve.broker import subjects
+from pdserve.broker.connection import connect, publish_work
+from pdserve.broker.consumer import Delivery, PullConsumer, Rejected, decode_deliveries
+from pdserve.broker.streams import BrokerConfig, QueueDepth, ensure_model, queue_depth
+from pdserve.schemas import GenerateRequest, KVReady
 
 STREAM = subjects.REQUEST_STREAM
 

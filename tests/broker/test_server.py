@@ -12,13 +12,12 @@ from typing import Any
 
 import nats
 import pytest
-
-from broker import subjects
-from broker.connection import connect, publish_work
-from broker.consumer import PullConsumer, decode_deliveries
-from broker.server import NatsServer, NatsServerError, find_binary, start_nats_server, wait_for_server
-from broker.streams import BrokerConfig, ensure_model, queue_depth
-from schemas import GenerateRequest
+from pdserve.broker import subjects
+from pdserve.broker.connection import connect, publish_work
+from pdserve.broker.consumer import PullConsumer, decode_deliveries
+from pdserve.broker.server import NatsServer, NatsServerError, find_binary, start_nats_server, wait_for_server
+from pdserve.broker.streams import BrokerConfig, ensure_model, queue_depth
+from pdserve.schemas import GenerateRequest
 
 
 def _port(url: str) -> int:

@@ -10,13 +10,12 @@ import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js import api as js_api
-
-from broker import subjects
-from broker.connection import QueueFullError, publish_work
-from broker.consumer import PullConsumer
-from broker.registry import WorkerRegistry
-from broker.streams import BrokerConfig, QueueDepth, ensure_model, queue_depth, worker_bucket
-from schemas import KVHandle, KVLayout, KVReady, SamplingParams, WorkerInfo
+from pdserve.broker import subjects
+from pdserve.broker.connection import QueueFullError, publish_work
+from pdserve.broker.consumer import PullConsumer
+from pdserve.broker.registry import WorkerRegistry
+from pdserve.broker.streams import BrokerConfig, QueueDepth, ensure_model, queue_depth, worker_bucket
+from pdserve.schemas import KVHandle, KVLayout, KVReady, SamplingParams, WorkerInfo
 
 CONFIG = BrokerConfig(
     request_max_age=90.0,

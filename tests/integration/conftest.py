@@ -84,7 +84,7 @@ def stop_system(system: System) -> None:
 
 @pytest.fixture(scope="module")
 def nats_for_module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    from broker.server import start_nats_server
+    from pdserve.broker.server import start_nats_server
 
     server = start_nats_server(tmp_path_factory.mktemp("nats"))
     yield server

@@ -13,10 +13,9 @@ import nats
 import orjson
 import pytest
 import torch
+from pdserve.broker import subjects
+from pdserve.schemas import GenerateRequest, TokenChunk
 from transformers import AutoModelForCausalLM, AutoTokenizer
-
-from broker import subjects
-from schemas import GenerateRequest, TokenChunk
 
 pytestmark = pytest.mark.slow
 

@@ -13,20 +13,19 @@ from typing import Any
 import nats
 import pytest
 import torch
+from pdserve.api.gateway import Gateway
+from pdserve.broker import streams, subjects
+from pdserve.broker.connection import publish_work
+from pdserve.broker.consumer import PullConsumer
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.loader import build_engine
+from pdserve.schemas import Cancel, GenerateRequest, KVHandle, KVReady, KVRelease, SamplingParams, TokenChunk
+from pdserve.workers.config import WorkerConfig
+from pdserve.workers.decode import DecodeWorker
+from pdserve.workers.prefill import PrefillWorker
+from pdserve.workers.runtime import WorkerRuntime
+from pdserve.workers.unified import UnifiedWorker
 from transformers import AutoModelForCausalLM
-
-from api.gateway import Gateway
-from broker import streams, subjects
-from broker.connection import publish_work
-from broker.consumer import PullConsumer
-from schemas import Cancel, GenerateRequest, KVHandle, KVReady, KVRelease, SamplingParams, TokenChunk
-from workers.config import WorkerConfig
-from workers.decode import DecodeWorker
-from workers.engine.config import EngineConfig
-from workers.loader import build_engine
-from workers.prefill import PrefillWorker
-from workers.runtime import WorkerRuntime
-from workers.unified import UnifiedWorker
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 ROLES = {"prefill": PrefillWorker, "decode": DecodeWorker, "unified": UnifiedWorker}

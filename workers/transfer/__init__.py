@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from workers.transfer.base import TransferBackend, TransferError, plan_reads
+from pdserve.workers.transfer.base import TransferBackend, TransferError, plan_reads
 
 _BACKENDS: dict[str, Callable[..., TransferBackend]] = {}
 
 
 def _mooncake(**kwargs: object) -> TransferBackend:
-    from workers.transfer.mooncake import MooncakeTransfer
+    from pdserve.workers.transfer.mooncake import MooncakeTransfer
 
     return MooncakeTransfer(**kwargs)  # type: ignore[arg-type]
 

@@ -6,7 +6,7 @@ import logging
 import os
 from collections.abc import Sequence
 
-from workers.transfer.base import TransferError
+from pdserve.workers.transfer.base import TransferError
 
 log = logging.getLogger(__name__)
 

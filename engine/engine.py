@@ -17,13 +17,13 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from schemas import SamplingParams, TokenLogprob
-from workers.engine.block_manager import BlockManager
-from workers.engine.config import EngineConfig
-from workers.engine.model_runner import ModelRunner, ScheduledBatch
-from workers.engine.sampler import Sampler, SampleRequest
-from workers.engine.scheduler import Scheduler
-from workers.engine.sequence import Sequence, Status
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.model_runner import ModelRunner, ScheduledBatch
+from pdserve.engine.sampler import Sampler, SampleRequest
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import Sequence, Status
+from pdserve.schemas import SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from workers.engine.config import EngineConfig
-from workers.engine.engine import Engine
-from workers.engine.model_runner import ModelRunner, ModelSpec
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.model_runner import ModelRunner, ModelSpec
 
 log = logging.getLogger(__name__)
 

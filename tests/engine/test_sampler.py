@@ -8,9 +8,8 @@ from typing import Any
 
 import pytest
 import torch
-
-from schemas import SamplingParams
-from workers.engine.sampler import Sampler, SampleRequest, _filter, seed_for
+from pdserve.engine.sampler import Sampler, SampleRequest, _filter, seed_for
+from pdserve.schemas import SamplingParams
 
 CPU = torch.device("cpu")
 

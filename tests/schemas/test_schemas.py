@@ -8,8 +8,7 @@ from typing import Any
 
 import orjson
 import pytest
-
-from schemas import (
+from pdserve.schemas import (
     Cancel,
     ErrorInfo,
     GenerateRequest,

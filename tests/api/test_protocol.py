@@ -7,11 +7,10 @@ from typing import Any
 
 import orjson
 import pytest
-
-from api.errors import APIError
-from api.model_info import ModelInfo, load_model_info
-from api.protocol import parse_chat, parse_completion, parse_generate, parse_json
-from schemas import SamplingParams
+from pdserve.api.errors import APIError
+from pdserve.api.model_info import ModelInfo, load_model_info
+from pdserve.api.protocol import parse_chat, parse_completion, parse_generate, parse_json
+from pdserve.schemas import SamplingParams
 
 DEFAULT_MAX = 1024
 

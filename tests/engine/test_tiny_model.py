@@ -1,4 +1,4 @@
-"""Tests for workers.tiny_model: the locally built random-weight Qwen2 model."""
+"""Tests for pdserve.engine.tiny_model: the locally built random-weight Qwen2 model."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 import torch
+from pdserve.engine import tiny_model
+from pdserve.engine.tiny_model import DEFAULT_MODEL_NAME, ensure_default_model
 from tokenizers import Tokenizer
 from transformers import (
     AutoModelForCausalLM,
@@ -21,9 +23,6 @@ from transformers import (
     PreTrainedTokenizerBase,
     Qwen2ForCausalLM,
 )
-
-from workers import tiny_model
-from workers.tiny_model import DEFAULT_MODEL_NAME, ensure_default_model
 
 ROUND_TRIP_TEXTS = [
     "請介紹一下你自己",

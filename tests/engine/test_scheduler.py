@@ -12,13 +12,12 @@ import zlib
 from dataclasses import dataclass, field
 
 import pytest
-
-from schemas import SamplingParams
-from workers.engine.block_manager import BlockManager
-from workers.engine.config import EngineConfig
-from workers.engine.model_runner import ScheduledBatch
-from workers.engine.scheduler import Scheduler
-from workers.engine.sequence import Sequence, Status
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.model_runner import ScheduledBatch
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import Sequence, Status
+from pdserve.schemas import SamplingParams
 
 PS = 4
 

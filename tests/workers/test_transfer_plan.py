@@ -6,9 +6,8 @@ import itertools
 import random
 
 import pytest
-
-from workers.engine.kv_pool import page_runs
-from workers.transfer.base import TransferError, plan_reads
+from pdserve.engine.kv_pool import page_runs
+from pdserve.workers.transfer.base import TransferError, plan_reads
 
 PB = 1024  # bytes per page
 REMOTE = 1_000_000  # remote pool base address

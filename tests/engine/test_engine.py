@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine, RequestError
+from pdserve.engine.loader import build_engine, quiet_transformers
+from pdserve.engine.model_runner import ModelRunner, ModelSpec
+from pdserve.schemas import SamplingParams
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
-
-from schemas import SamplingParams
-from workers.engine.config import EngineConfig
-from workers.engine.engine import Engine, RequestError
-from workers.engine.model_runner import ModelRunner, ModelSpec
-from workers.loader import build_engine, quiet_transformers
 
 GREEDY = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
 
@@ -212,7 +211,7 @@ def iter_outputs(engine: Engine):
 
 def test_pd_handoff_over_mooncake_equals_unified(tiny_model_dir: Path, reference) -> None:
     """Prefill engine holds KV, decode engine pulls it with one batched Mooncake read."""
-    from workers.transfer import create_transfer, plan_reads
+    from pdserve.workers.transfer import create_transfer, plan_reads
 
     prompts, expected = reference
     prefill = make_engine(tiny_model_dir)

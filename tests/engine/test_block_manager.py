@@ -5,8 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from workers.engine.block_manager import BlockManager, OutOfPages, page_hash
+from pdserve.engine.block_manager import BlockManager, OutOfPages, page_hash
 
 PS = 4
 

@@ -15,8 +15,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
-
-from schemas import SamplingParams, TokenLogprob
+from pdserve.schemas import SamplingParams, TokenLogprob
 
 _MASK = float("-inf")
 LOGPROB_FLOOR = -9999.0  # what OpenAI reports for impossible tokens

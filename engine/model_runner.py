@@ -13,13 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from schemas import KVLayout
-from workers.engine import attention
-from workers.engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan, Workspace, page_rows, write_rows
-from workers.engine.config import EngineConfig
-from workers.engine.kv_pool import KVPool, bytes_per_token, dtype_name
-from workers.engine.sequence import Sequence
+from pdserve.engine import attention
+from pdserve.engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan, Workspace, page_rows, write_rows
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_pool import KVPool, bytes_per_token, dtype_name
+from pdserve.engine.sequence import Sequence
+from pdserve.schemas import KVLayout
 
 log = logging.getLogger(__name__)
 

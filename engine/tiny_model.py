@@ -6,7 +6,7 @@ On first use it builds a small Hugging Face model directory there, which
 without network access:
 
 * ``tokenizer.json`` / ``tokenizer_config.json``: a real byte-level BPE tokenizer
-  (256-byte initial alphabet plus merges learned from ``workers/data/tiny_corpus.txt``;
+  (256-byte initial alphabet plus merges learned from ``engine/data/tiny_corpus.txt``;
   specials ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``), and a Qwen2-style
   ChatML chat template that adds no default system message.
 * ``config.json`` / ``model.safetensors`` / ``generation_config.json``: a 4-layer
@@ -391,7 +391,7 @@ is practically never sampled and `max_new_tokens` decides the reply length.
 - layers: {ARCHITECTURE["num_hidden_layers"]}, hidden size: {ARCHITECTURE["hidden_size"]}, \
 heads: {ARCHITECTURE["num_attention_heads"]} query / {ARCHITECTURE["num_key_value_heads"]} key-value
 - parameters: {num_params:,}
-- vocabulary: {vocab_size} (byte-level BPE trained on `workers/data/tiny_corpus.txt`)
+- vocabulary: {vocab_size} (byte-level BPE trained on `engine/data/tiny_corpus.txt`)
 - chat format: ChatML (`<|im_start|>role\\ncontent<|im_end|>\\n`), EOS `<|im_end|>`
 """
     (out_dir / "README.md").write_text(text, encoding="utf-8")

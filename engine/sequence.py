@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from schemas import SamplingParams
+from pdserve.schemas import SamplingParams
 
 
 class Status(enum.Enum):

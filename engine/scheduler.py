@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections import deque
 
-from workers.engine.block_manager import BlockManager, page_hash
-from workers.engine.config import EngineConfig
-from workers.engine.model_runner import ScheduledBatch
-from workers.engine.sequence import Sequence, Status
+from pdserve.engine.block_manager import BlockManager, page_hash
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.model_runner import ScheduledBatch
+from pdserve.engine.sequence import Sequence, Status
 
 
 class Scheduler:

@@ -7,7 +7,7 @@ pool and attends over each sequence's pages. The step's layout travels in the
 forwards from ``model(...)`` down to every attention call.
 
 The batch is packed: one row of ``T`` tokens, decode tokens first (one per
-sequence), then prefill chunks. Pool layout (see :mod:`workers.engine.kv_pool`):
+sequence), then prefill chunks. Pool layout (see :mod:`pdserve.engine.kv_pool`):
 ``[num_pages, num_layers, 2, num_kv_heads, page_size, head_dim]``. Viewed as rows of
 ``page_size * head_dim`` values, row ``((page * L + layer) * 2 + kv) * H + head`` is one
 head's K or V for one page, so one ``index_select`` per layer gathers a group's K and V
