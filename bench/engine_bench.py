@@ -215,7 +215,7 @@ def main() -> int:
                 if mode == "pdserve":
                     run_pdserve(engine, warm, 2)
                     seconds = run_pdserve(engine, reqs, concurrency)
-                    engine.blocks.reset_prefix_cache()
+                    engine.pages.reset_prefix_cache()
                 elif mode == "hf-static":
                     run_hf_static(hf, warm, 2, pad_id)
                     seconds = run_hf_static(hf, reqs, concurrency, pad_id)

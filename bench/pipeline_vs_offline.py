@@ -79,7 +79,7 @@ def main() -> int:
 
     def offline() -> float:
         tps = useful / run_pdserve(engine, reqs, args.concurrency)
-        engine.blocks.reset_prefix_cache()  # the next pass must not start warm
+        engine.pages.reset_prefix_cache()  # the next pass must not start warm
         return tps
 
     result: dict[str, object] = {

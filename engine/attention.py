@@ -83,11 +83,11 @@ def write_rows(pool: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor) -
     return (pages * (layers * 2 * heads) + kv_head) * page_size + offsets
 
 
-def page_rows(pool: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+def page_rows(pool: torch.Tensor, page_tables: torch.Tensor) -> torch.Tensor:
     """Row ids ``[2, B, H, M]`` of layer 0's K and V for pages ``[B, M]``."""
     _, layers, _, heads, _, _ = pool.shape
-    head = torch.arange(heads, device=block_tables.device)[None, :, None]
-    k_rows = block_tables[:, None, :] * (layers * 2 * heads) + head
+    head = torch.arange(heads, device=page_tables.device)[None, :, None]
+    k_rows = page_tables[:, None, :] * (layers * 2 * heads) + head
     return torch.stack((k_rows, k_rows + heads))
 
 

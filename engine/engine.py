@@ -17,12 +17,12 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.model_runner import ModelRunner, ScheduledBatch
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.page_manager import PageManager
 from pdserve.engine.sampler import Sampler, SampleRequest
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.sequence import Sequence, Status
+from pdserve.engine.sequence import ScheduledBatch, Sequence, Status
 from pdserve.schemas import SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -79,8 +79,8 @@ class Engine:
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.detokenize = detokenize
-        self.blocks = BlockManager(runner.num_pages, config.page_size, config.enable_prefix_cache)
-        self.scheduler = Scheduler(config, self.blocks)
+        self.pages = PageManager(runner.num_pages, config.page_size, config.enable_prefix_cache)
+        self.scheduler = Scheduler(config, self.pages)
         self.sampler = Sampler(runner.device)
         self.max_model_len = runner.max_model_len
         self.seqs: dict[str, Sequence] = {}
@@ -97,7 +97,7 @@ class Engine:
             raise RequestError("the prompt is empty")
         if total >= self.max_model_len:
             raise RequestError(f"the prompt has {total} tokens; the model's context is {self.max_model_len} tokens")
-        pool = self.blocks.num_pages * self.config.page_size
+        pool = self.pages.num_pages * self.config.page_size
         if not self.scheduler.fits_ever(total):
             raise RequestError(f"the prompt has {total} tokens; the KV pool holds {pool}")
         longest = num_prompt + sampling.max_new_tokens
@@ -133,16 +133,9 @@ class Engine:
         """
         self.check_request(len(prompt_ids), sampling, len(output_ids))
         seq = Sequence(rid, list(prompt_ids), sampling, output_ids=list(output_ids), num_resumed=len(output_ids))
-        # Reserve the prompt's pages plus room to decode a page (and a watermark for the running batch).
-        seq.page_hashes = self.blocks.match_prefix(seq.prompt_ids)
-        cached = self.blocks.lookup(seq.page_hashes)[: len(prompt_ids) // self.config.page_size]
-        need = self.blocks.pages_for(len(prompt_ids) + 1) - len(cached)
-        if not self.blocks.can_allocate(need + len(self.scheduler.running)):
+        # The prompt's pages plus room to decode a page, and a watermark for the running batch.
+        if not self.pages.reserve_prompt(seq, reserve=len(self.scheduler.running)):
             return None
-        self.blocks.share(cached)
-        seq.block_table = list(cached) + self.blocks.allocate(need)
-        seq.num_cached = len(cached) * self.config.page_size
-        seq.num_registered_pages = len(cached)
         seq.status = Status.HELD
         self.seqs[rid] = seq
         return seq
@@ -159,9 +152,7 @@ class Engine:
 
     def fail_import(self, seq: Sequence) -> None:
         """Transfer failed: free the pages and compute the prompt here instead."""
-        self.blocks.free(seq.block_table)
-        seq.block_table = []
-        seq.num_computed = seq.num_cached = seq.num_registered_pages = 0
+        self.pages.release(seq)
         seq.status = Status.WAITING
         self.scheduler.add(seq)
 
@@ -181,8 +172,7 @@ class Engine:
         seq = self.held.pop(rid, None)
         if seq is None:
             return False
-        self.blocks.free(seq.block_table)
-        seq.block_table = []
+        self.pages.release(seq)
         return True
 
     def _drop(self, seq: Sequence, reason: str) -> None:
@@ -310,4 +300,4 @@ class Engine:
         seq = self.held.get(rid)
         if seq is None:
             return None
-        return seq.block_table, len(seq.prompt_ids)
+        return seq.page_table, len(seq.prompt_ids)

@@ -17,7 +17,7 @@ from pdserve.engine import attention
 from pdserve.engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan, Workspace, page_rows, write_rows
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_pool import KVPool, bytes_per_token, dtype_name
-from pdserve.engine.sequence import Sequence
+from pdserve.engine.sequence import ScheduledBatch, Sequence
 from pdserve.schemas import KVLayout
 
 log = logging.getLogger(__name__)
@@ -34,22 +34,6 @@ class ModelSpec:
     trust_remote_code: bool = False
     load_format: str = "auto"  # "auto" (weights from disk) or "dummy" (random weights)
     seed: int = 0
-
-
-@dataclass
-class ScheduledBatch:
-    """One step's work: decode sequences (1 token each) and prefill chunks."""
-
-    decodes: list[Sequence]
-    prefills: list[tuple[Sequence, int]]
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.decodes) + sum(n for _, n in self.prefills)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.decodes and not self.prefills
 
 
 def resolve_dtype(name: str, config_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -174,7 +158,7 @@ class ModelRunner:
             p = seq.num_tokens - 1
             ids.append(seq.last_token)
             pos.append(p)
-            pages.append(seq.block_table[p // page])
+            pages.append(seq.page_table[p // page])
             offsets.append(p % page)
             sample_index.append(len(ids) - 1)
             sample_seqs.append(seq)
@@ -186,12 +170,12 @@ class ModelRunner:
             ids.extend(tokens[start : start + n])
             for p in range(start, start + n):
                 pos.append(p)
-                pages.append(seq.block_table[p // page])
+                pages.append(seq.page_table[p // page])
                 offsets.append(p % page)
             ctx = start + n
             rows = None
             if ctx != n:
-                table = torch.tensor([seq.block_table[: -(-ctx // page)]], dtype=torch.long, device=self.device)
+                table = torch.tensor([seq.page_table[: -(-ctx // page)]], dtype=torch.long, device=self.device)
                 rows = page_rows(self.pool.tensor, table)
             spans.append(PrefillSpan(q_start, n, ctx, rows))
             if ctx == seq.num_tokens:
@@ -228,7 +212,7 @@ class ModelRunner:
             while end < len(decodes) and (end - start < 8 or -(-decodes[end].num_tokens // page) * 2 > max_pages):
                 end += 1
             members = decodes[start:end]
-            tables = [s.block_table[:max_pages] + [0] * (max_pages - len(s.block_table[:max_pages])) for s in members]
+            tables = [s.page_table[:max_pages] + [0] * (max_pages - len(s.page_table[:max_pages])) for s in members]
             groups.append(
                 DecodeGroup(
                     start=start,

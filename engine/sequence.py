@@ -20,14 +20,14 @@ class Status(enum.Enum):
 class Sequence:
     """Token state of one request. ``tokens`` = prompt + generated output.
 
-    Invariant: the KV of ``tokens[:num_computed]`` is in ``block_table``'s pages.
+    Invariant: the KV of ``tokens[:num_computed]`` is in ``page_table``'s pages.
     """
 
     rid: str
     prompt_ids: list[int]
     sampling: SamplingParams
     output_ids: list[int] = field(default_factory=list)
-    block_table: list[int] = field(default_factory=list)
+    page_table: list[int] = field(default_factory=list)
     num_computed: int = 0
     num_cached: int = 0
     num_registered_pages: int = 0
@@ -60,3 +60,19 @@ class Sequence:
     @property
     def last_token(self) -> int:
         return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: decode sequences (1 token each) and prefill chunks."""
+
+    decodes: list[Sequence]
+    prefills: list[tuple[Sequence, int]]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(n for _, n in self.prefills)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills

@@ -19,14 +19,14 @@ async def serve_health(worker: WorkerRuntime, host: str, port: int) -> asyncio.A
             writer.close()
             return
         ok = not worker.stopping.is_set()
-        blocks = worker.engine.blocks
+        pages = worker.engine.pages
         body = orjson.dumps(
             {
                 "status": "ok" if ok else "stopping",
                 "worker_id": worker.worker_id,
                 "role": worker.config.role,
-                "pages_total": blocks.num_pages,
-                "pages_used": blocks.num_used_pages,
+                "pages_total": pages.num_pages,
+                "pages_used": pages.num_used_pages,
                 "requests_in_flight": len(worker.tracked),
             }
         )

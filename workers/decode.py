@@ -47,7 +47,7 @@ class DecodeWorker(WorkerRuntime):
 
     def room(self) -> int:
         engine = self.engine
-        if self.backlog or engine.blocks.num_free_pages < engine.blocks.num_pages // 10:
+        if self.backlog or engine.pages.num_free_pages < engine.pages.num_pages // 10:
             return 0
         busy = engine.num_running + engine.num_waiting + len(self.importing)
         return max(engine.config.max_num_seqs - busy, 0)
@@ -154,7 +154,7 @@ class DecodeWorker(WorkerRuntime):
             reads = plan_reads(
                 ready.handle.segments,
                 pool.page_bytes,
-                seq.block_table[: -(-ready.handle.num_tokens // page)],
+                seq.page_table[: -(-ready.handle.num_tokens // page)],
                 pool.data_ptr,
                 skip_pages=seq.num_cached // page,
             )

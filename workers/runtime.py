@@ -28,7 +28,7 @@ from pdserve.broker.connection import connect
 from pdserve.broker.consumer import Delivery, PullConsumer, Rejected, decode_deliveries
 from pdserve.broker.registry import WorkerRegistry
 from pdserve.engine.engine import Engine, RequestError, RequestOutput
-from pdserve.engine.model_runner import ScheduledBatch
+from pdserve.engine.sequence import ScheduledBatch
 from pdserve.schemas import Cancel, ErrorInfo, GenerateRequest, MessageError, TokenChunk, Usage, WorkerInfo
 from pdserve.workers.config import WorkerConfig
 from pdserve.workers.transfer import TransferBackend, create_transfer
@@ -172,7 +172,7 @@ class WorkerRuntime:
     def room_for_requests(self) -> int:
         """How many more requests to take: bounded by the batch size and free pages."""
         engine = self.engine
-        if engine.blocks.num_free_pages < engine.blocks.num_pages // 10:
+        if engine.pages.num_free_pages < engine.pages.num_pages // 10:
             return 0
         return max(engine.config.max_num_seqs - engine.num_waiting - engine.num_running, 0)
 
@@ -402,7 +402,7 @@ class WorkerRuntime:
 
     async def heartbeat(self) -> None:
         assert self.registry is not None
-        blocks = self.engine.blocks
+        pages = self.engine.pages
         await self.registry.put(
             WorkerInfo(
                 worker_id=self.worker_id,
@@ -411,9 +411,9 @@ class WorkerRuntime:
                 host=socket.gethostname(),
                 pid=os.getpid(),
                 capacity=self.engine.config.max_num_seqs,
-                pages_total=blocks.num_pages,
-                pages_used=blocks.num_used_pages,
-                page_size=blocks.page_size,
+                pages_total=pages.num_pages,
+                pages_used=pages.num_used_pages,
+                page_size=pages.page_size,
                 requests_in_flight=len(self.tracked),
                 transfer_endpoint=self.transfer_endpoint(),
                 model_path=str(self.config.model_path),

@@ -71,8 +71,8 @@ def test_greedy_matches_transformers_under_continuous_batching(tiny_model_dir: P
     outs.update(run_all(engine))
     assert [outs[f"r{i}"] for i in range(len(prompts))] == expected
     assert engine.stats.cached_tokens >= 96  # the shared prefixes came from the cache
-    assert engine.blocks.num_used_pages == 0
-    engine.blocks.check_invariants()
+    assert engine.pages.num_used_pages == 0
+    engine.pages.check_invariants()
 
 
 def test_requests_join_a_running_batch(tiny_model_dir: Path, reference) -> None:
@@ -99,7 +99,7 @@ def test_preemption_under_a_tiny_pool_completes_every_request(tiny_model_dir: Pa
     outs = run_all(engine)
     assert engine.scheduler.num_preemptions > 0
     assert [outs[f"r{i}"] for i in range(len(prompts))] == expected
-    assert engine.blocks.num_used_pages == 0
+    assert engine.pages.num_used_pages == 0
 
 
 def test_request_too_long_for_context_or_pool_is_refused(tiny_model_dir: Path) -> None:
@@ -138,13 +138,13 @@ def test_abort_frees_pages_at_once_and_in_flight(tiny_model_dir: Path) -> None:
     engine.add_request("a", list(range(3, 100)), GREEDY)
     engine.add_request("b", list(range(3, 50)), GREEDY)
     engine.step()
-    assert engine.blocks.num_used_pages > 0
+    assert engine.pages.num_used_pages > 0
     batch = engine.schedule()
     assert engine.abort("a")  # in flight: freed after the step
     engine.postprocess(batch, engine.execute(batch))
     assert engine.abort("b")
     assert not engine.has_work()
-    assert engine.blocks.num_used_pages == 0
+    assert engine.pages.num_used_pages == 0
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny_model_dir: Path) -> None:
@@ -236,17 +236,17 @@ def test_pd_handoff_over_mooncake_equals_unified(tiny_model_dir: Path, reference
             reads = plan_reads(
                 segments,
                 decode.runner.pool.page_bytes,
-                seq.block_table[: -(-num_tokens // page)],
+                seq.page_table[: -(-num_tokens // page)],
                 decode.runner.pool.data_ptr,
                 seq.num_cached // page,
             )
             dst.read(src.endpoint, reads)
             decode.commit_import(seq)
             assert prefill.release(rid)
-        assert prefill.blocks.num_used_pages == 0
+        assert prefill.pages.num_used_pages == 0
         outs = run_all(decode)
         assert [firsts[f"r{i}"].token_ids + outs[f"r{i}"] for i in range(len(prompts))] == expected
-        assert decode.blocks.num_used_pages == 0
+        assert decode.pages.num_used_pages == 0
     finally:
         src.close()
         dst.close()

@@ -12,11 +12,10 @@ import zlib
 from dataclasses import dataclass, field
 
 import pytest
-from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.model_runner import ScheduledBatch
+from pdserve.engine.page_manager import PageManager
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.sequence import Sequence, Status
+from pdserve.engine.sequence import ScheduledBatch, Sequence, Status
 from pdserve.schemas import SamplingParams
 
 PS = 4
@@ -35,7 +34,7 @@ def _config(**kw: int | bool) -> EngineConfig:
 
 def _sched(num_pages: int, **kw: int | bool) -> Scheduler:
     config = _config(**kw)
-    return Scheduler(config, BlockManager(num_pages, config.page_size, config.enable_prefix_cache))
+    return Scheduler(config, PageManager(num_pages, config.page_size, config.enable_prefix_cache))
 
 
 def _seq(rid: str, prompt: list[int], arrival: float, max_new: int = 8) -> Sequence:
@@ -63,19 +62,19 @@ class FakeEngine:
         ps = self.sched.page_size
         tokens = seq.tokens
         for q in range(upto):
-            page = seq.block_table[q // ps]
+            page = seq.page_table[q // ps]
             assert self.kv.get((page, q % ps)) == tuple(tokens[: q + 1]), f"{seq.rid}: wrong KV at position {q}"
 
     def _write(self, seq: Sequence, start: int, stop: int) -> None:
         ps = self.sched.page_size
-        blocks = self.sched.blocks
+        pages = self.sched.pages
         tokens = seq.tokens
-        assert len(seq.block_table) >= blocks.pages_for(stop), f"{seq.rid}: no page for position {stop - 1}"
+        assert len(seq.page_table) >= pages.pages_for(stop), f"{seq.rid}: no page for position {stop - 1}"
         for q in range(start, stop):
-            page = seq.block_table[q // ps]
+            page = seq.page_table[q // ps]
             # never write into a page someone else reads, nor into an indexed (immutable) page
-            assert blocks.ref_count(page) == 1, f"{seq.rid}: writing into shared page {page}"
-            assert page not in blocks._hash_of, f"{seq.rid}: writing into cached page {page}"
+            assert pages.ref_count(page) == 1, f"{seq.rid}: writing into shared page {page}"
+            assert page not in pages._hash_of, f"{seq.rid}: writing into cached page {page}"
             self.kv[(page, q % ps)] = tuple(tokens[: q + 1])
 
     def step(self) -> ScheduledBatch:
@@ -91,7 +90,7 @@ class FakeEngine:
         assert all(n >= 1 for _, n in batch.prefills)
         assert all(s.status is Status.RUNNING for s in batch.decodes)
         assert all(s.status is Status.WAITING for s, _ in batch.prefills)
-        sched.blocks.check_invariants()
+        sched.pages.check_invariants()
         # forward pass
         for seq in batch.decodes:
             assert seq.num_computed == seq.num_tokens - 1
@@ -116,7 +115,7 @@ class FakeEngine:
                 self.finished.append(seq)
             elif seq.status is Status.WAITING:
                 sched.start_running(seq)
-        sched.blocks.check_invariants()
+        sched.pages.check_invariants()
         assert len(sched.running) <= config.max_num_seqs
         return batch
 
@@ -125,8 +124,8 @@ class FakeEngine:
             self.step()
             assert self.idle_steps < 3, (
                 f"no progress: {len(self.sched.waiting)} waiting, {len(self.sched.running)} running, "
-                f"{self.sched.blocks.num_free_pages}/{self.sched.blocks.num_pages} pages free, "
-                f"waiting holds {[len(s.block_table) for s in self.sched.waiting]} pages"
+                f"{self.sched.pages.num_free_pages}/{self.sched.pages.num_pages} pages free, "
+                f"waiting holds {[len(s.page_table) for s in self.sched.waiting]} pages"
             )
             assert self.steps < max_steps, "simulation did not finish"
 
@@ -145,8 +144,8 @@ def test_chunked_prefill_respects_token_budget() -> None:
     batch = eng.step()
     assert batch.decodes == []
     assert [(s.rid, n) for s, n in batch.prefills] == [("a", 32)]
-    assert a.num_computed == 32 and len(a.block_table) == 8
-    assert b.block_table == [] and b.num_computed == 0
+    assert a.num_computed == 32 and len(a.page_table) == 8
+    assert b.page_table == [] and b.num_computed == 0
 
     batch = eng.step()
     assert [(s.rid, n) for s, n in batch.prefills] == [("a", 18), ("b", 14)]
@@ -162,7 +161,7 @@ def test_chunked_prefill_respects_token_budget() -> None:
     assert batch.decodes == [a, b] and batch.prefills == []
     eng.run()
     assert {s.rid for s in eng.finished} == {"a", "b"}
-    assert sched.blocks.num_free_pages == sched.blocks.num_pages
+    assert sched.pages.num_free_pages == sched.pages.num_pages
 
 
 def test_max_prefill_seqs_caps_prefills_per_step() -> None:
@@ -174,7 +173,7 @@ def test_max_prefill_seqs_caps_prefills_per_step() -> None:
     batch = eng.step()
     assert [s.rid for s, _ in batch.prefills] == ["s0", "s1"]
     assert all(n == 3 for _, n in batch.prefills)
-    assert all(s.block_table == [] for s in seqs[2:])  # not even admitted yet
+    assert all(s.page_table == [] for s in seqs[2:])  # not even admitted yet
     batch = eng.step()
     assert [s.rid for s in batch.decodes] == ["s0", "s1"]
     assert [s.rid for s, _ in batch.prefills] == ["s2", "s3"]
@@ -215,17 +214,17 @@ def test_decodes_take_one_token_and_grow_pages_at_boundaries() -> None:
     eng.add(seq, 10)
     batch = eng.step()
     assert [(s.rid, n) for s, n in batch.prefills] == [("a", 8)]
-    assert len(seq.block_table) == 2
+    assert len(seq.page_table) == 2
     assert seq.num_tokens == 9  # prompt + first output token
     table_sizes = []
     for _ in range(8):
         batch = eng.step()
         assert batch.decodes == [seq] and batch.prefills == [] and batch.num_tokens == 1
         # after scheduling, the pages cover every token whose KV this step writes
-        table_sizes.append(len(seq.block_table))
+        table_sizes.append(len(seq.page_table))
     # the token at position 8 opens page 3, position 12 opens page 4
     assert table_sizes == [3, 3, 3, 3, 4, 4, 4, 4]
-    assert sched.blocks.num_used_pages == 4
+    assert sched.pages.num_used_pages == 4
 
 
 def test_running_sequences_decode_in_arrival_order() -> None:
@@ -254,9 +253,9 @@ def test_newest_running_sequence_is_preempted() -> None:
     batch = eng.step()
     # one page of headroom per running sequence (the watermark) is kept; here it is all prefills
     assert {s.rid for s, _ in batch.prefills} == {"a", "b", "c"}
-    assert sched.blocks.num_free_pages == 0
+    assert sched.pages.num_free_pages == 0
     assert all(s.status is Status.RUNNING for s in (a, b, c))
-    c_pages = list(c.block_table)
+    c_pages = list(c.page_table)
     # every sequence now has 8 tokens: the next decode writes position 7 (still page 2) ...
     batch = eng.step()
     assert batch.decodes == [a, b, c]
@@ -265,16 +264,16 @@ def test_newest_running_sequence_is_preempted() -> None:
     assert sched.num_preemptions == 1
     assert c.status is Status.WAITING and c.num_preemptions == 1
     assert sched.waiting[0] is c
-    assert c.block_table == [] and c.num_computed == 0
+    assert c.page_table == [] and c.num_computed == 0
     assert c not in sched.running and c not in batch.decodes
     assert a in batch.decodes
     # c's pages went back to the pool (one was handed to an older sequence)
-    assert any(p in a.block_table + b.block_table for p in c_pages)
+    assert any(p in a.page_table + b.page_table for p in c_pages)
     assert len(c.output_ids) == 2  # its output is kept and recomputed later
     eng.run()
     assert {s.rid for s in eng.finished} == {"a", "b", "c"}
     assert all(len(s.output_ids) == 10 for s in (a, b, c))
-    assert sched.blocks.num_free_pages == sched.blocks.num_pages
+    assert sched.pages.num_free_pages == sched.pages.num_pages
 
 
 def test_preempt_directly() -> None:
@@ -288,8 +287,8 @@ def test_preempt_directly() -> None:
     sched.preempt(a)
     assert sched.num_preemptions == 1 and a.num_preemptions == 1
     assert list(sched.waiting) == [a] and sched.running == [b]
-    assert a.block_table == [] and a.status is Status.WAITING
-    assert sched.blocks.num_used_pages == len(b.block_table)
+    assert a.page_table == [] and a.status is Status.WAITING
+    assert sched.pages.num_used_pages == len(b.page_table)
     eng.run()
     assert len(eng.finished) == 2
 
@@ -310,9 +309,9 @@ def _simulate_tiny_pool(seed: int) -> Scheduler:
     eng.run()
     assert len(eng.finished) == 25
     assert all(len(s.output_ids) == eng.outputs[s.rid] for s in eng.finished)
-    assert sched.blocks.num_free_pages == sched.blocks.num_pages
-    assert sched.blocks.num_used_pages == 0
-    sched.blocks.check_invariants()
+    assert sched.pages.num_free_pages == sched.pages.num_pages
+    assert sched.pages.num_used_pages == 0
+    sched.pages.check_invariants()
     return sched
 
 
@@ -339,7 +338,7 @@ def test_partial_prefill_holding_pages_does_not_deadlock() -> None:
     eng.add(_seq("b", list(range(100, 120)), 1.0), 2)
     eng.run(max_steps=500)
     assert {s.rid for s in eng.finished} == {"a", "b"}
-    assert sched.blocks.num_free_pages == sched.blocks.num_pages
+    assert sched.pages.num_free_pages == sched.pages.num_pages
 
 
 # ---- prefix reuse -----------------------------------------------------------------------
@@ -352,8 +351,8 @@ def test_prefix_reuse_after_first_sequence_finished() -> None:
     first = _seq("first", prompt, 0.0)
     eng.add(first, 3)
     eng.run()
-    assert sched.blocks.num_free_pages == 32
-    assert sched.blocks.num_cached_pages >= 3
+    assert sched.pages.num_free_pages == 32
+    assert sched.pages.num_cached_pages >= 3
 
     second = _seq("second", [*prompt[:13], 99], 1.0)  # shares 3 full pages
     eng.add(second, 3)
@@ -361,7 +360,7 @@ def test_prefix_reuse_after_first_sequence_finished() -> None:
     assert second.num_cached == 12
     assert [(s.rid, n) for s, n in batch.prefills] == [("second", 2)]
     eng.run()
-    assert sched.blocks.num_free_pages == 32
+    assert sched.pages.num_free_pages == 32
 
 
 @pytest.mark.parametrize("length", [4, 8, 12, 13])
@@ -380,7 +379,7 @@ def test_fully_cached_prompt_still_computes_a_token(length: int) -> None:
     assert [(s.rid, n) for s, n in batch.prefills] == [("again", length - expected_cached)]
     assert length - expected_cached >= 1
     eng.run()
-    assert sched.blocks.num_free_pages == 32
+    assert sched.pages.num_free_pages == 32
 
 
 def test_prefix_shared_between_concurrent_sequences() -> None:
@@ -394,10 +393,10 @@ def test_prefix_shared_between_concurrent_sequences() -> None:
     eng.add(b, 10)
     eng.step()
     assert b.num_cached == 16
-    assert b.block_table[:4] == a.block_table[:4]
-    assert all(sched.blocks.ref_count(p) == 2 for p in a.block_table[:4])
+    assert b.page_table[:4] == a.page_table[:4]
+    assert all(sched.pages.ref_count(p) == 2 for p in a.page_table[:4])
     eng.run()
-    assert sched.blocks.num_free_pages == 32
+    assert sched.pages.num_free_pages == 32
 
 
 def test_no_prefix_reuse_when_cache_disabled() -> None:
@@ -423,13 +422,13 @@ def test_remove_waiting_and_keep_pages() -> None:
     sched.remove(b)  # never scheduled
     assert list(sched.waiting) == [a]
     eng.step()
-    pages = list(a.block_table)
+    pages = list(a.page_table)
     sched.remove(a, keep_pages=True)  # held for a transfer
     assert not sched.has_work()
-    assert a.block_table == pages
-    assert all(sched.blocks.ref_count(p) == 1 for p in pages)
-    sched.blocks.free(a.block_table)
-    assert sched.blocks.num_free_pages == 16
+    assert a.page_table == pages
+    assert all(sched.pages.ref_count(p) == 1 for p in pages)
+    sched.pages.free(a.page_table)
+    assert sched.pages.num_free_pages == 16
 
 
 def test_fits_ever() -> None:

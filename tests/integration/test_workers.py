@@ -91,7 +91,7 @@ async def test_prefill_holds_kv_until_release_cancel_or_expiry(workers, nats_ser
     chunks = await replies(nc, inbox)
     kv = PullConsumer(nc, subjects.KV_STREAM, subjects.decode_consumer(model))
     await kv.start()
-    used = prefill.engine.blocks
+    used = prefill.engine.pages
     try:
         for rid in ("released", "cancelled", "expired"):
             req = GenerateRequest(rid=rid, model=model, prompt_ids=tuple(range(5, 90)), reply_to=inbox, sampling=GREEDY)
@@ -169,7 +169,7 @@ async def test_decode_recomputes_when_it_cannot_pull(workers, nats_server, tiny_
         assert [expected[0], *tokens] == expected
         release = await asyncio.wait_for(released.get(), 5)
         assert release.rid == ready.rid and not release.ok
-        await until(lambda: decode.engine.blocks.num_used_pages == 0)
+        await until(lambda: decode.engine.pages.num_used_pages == 0)
     finally:
         await nc.close()
 

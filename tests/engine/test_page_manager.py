@@ -5,18 +5,20 @@ from __future__ import annotations
 import random
 
 import pytest
-from pdserve.engine.block_manager import BlockManager, OutOfPages, page_hash
+from pdserve.engine.page_manager import OutOfPages, PageManager, page_hash
+from pdserve.engine.sequence import Sequence as Seq
+from pdserve.schemas import SamplingParams
 
 PS = 4
 
 
-def _bm(num_pages: int = 8, page_size: int = PS, cache: bool = True) -> BlockManager:
-    bm = BlockManager(num_pages, page_size, enable_prefix_cache=cache)
+def _bm(num_pages: int = 8, page_size: int = PS, cache: bool = True) -> PageManager:
+    bm = PageManager(num_pages, page_size, enable_prefix_cache=cache)
     bm.check_invariants()
     return bm
 
 
-def _cache_prompt(bm: BlockManager, tokens: list[int]) -> tuple[list[int], list[bytes]]:
+def _cache_prompt(bm: PageManager, tokens: list[int]) -> tuple[list[int], list[bytes]]:
     """Allocate pages for ``tokens``, register the full ones (as the scheduler does)."""
     pages = bm.allocate(bm.pages_for(len(tokens)))
     hashes = bm.match_prefix(tokens)
@@ -310,7 +312,7 @@ def test_check_invariants_detects_corruption() -> None:
 # ---- random property test -------------------------------------------------------------
 
 
-def _check_index(bm: BlockManager) -> None:
+def _check_index(bm: PageManager) -> None:
     """Stronger than ``check_invariants``: the two index maps mirror each other."""
     bm.check_invariants()
     assert len(bm._hash_of) == len(bm._page_of)
@@ -329,7 +331,7 @@ def _take(expected_refs: list[int], pages: list[int], delta: int) -> None:
 def test_random_operations_keep_invariants(seed: int, cache: bool) -> None:
     rng = random.Random(seed)
     num_pages = 24
-    bm = BlockManager(num_pages, PS, enable_prefix_cache=cache)
+    bm = PageManager(num_pages, PS, enable_prefix_cache=cache)
     owners: list[list[int]] = []  # each entry holds one reference on each of its pages
     expected_refs = [0] * num_pages
     prompts = [[rng.randrange(5) for _ in range(rng.randrange(1, 5 * PS))] for _ in range(12)]
@@ -384,3 +386,30 @@ def test_random_operations_keep_invariants(seed: int, cache: bool) -> None:
     _check_index(bm)
     if not cache:
         assert bm.num_cached_pages == 0
+
+
+def _seq(rid: str, prompt: list[int]) -> Seq:
+    return Seq(rid, prompt, SamplingParams(max_new_tokens=4))
+
+
+def test_reserve_prompt_counts_cached_pages_it_takes_off_the_free_list() -> None:
+    """Cached evictable pages are free until shared: a prompt that reuses them and needs
+    more pages than the truly free ones is refused (nothing held), never OutOfPages."""
+    pm = PageManager(6, 4)
+    other = _seq("other", list(range(100, 108)))
+    assert pm.grow(other, 8)  # two pages in use by someone else
+    first = _seq("first", list(range(8)))
+    assert pm.grow(first, 8)
+    first.num_computed = 8
+    pm.register_full_pages(first)
+    pm.release(first)  # its two pages stay cached and evictable
+    assert pm.num_free_pages == 4 and pm.num_cached_pages == 2
+    second = _seq("second", list(range(8)) + list(range(50, 61)))  # 2 cached pages + 3 new
+    assert not pm.reserve_prompt(second)
+    assert second.page_table == [] and second.num_cached == 0
+    assert pm.num_free_pages == 4
+    pm.check_invariants()
+    third = _seq("third", list(range(8)) + [7, 7, 7])  # 2 cached pages + 1 new
+    assert pm.reserve_prompt(third)
+    assert third.num_cached == 8 and len(third.page_table) == 3
+    pm.check_invariants()

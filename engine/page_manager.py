@@ -1,4 +1,5 @@
-"""Page allocator and prefix index. Plain Python, no I/O, no tensors.
+"""Page allocator and prefix index: the only code that edits a sequence's page table.
+Plain Python, no I/O, no tensors.
 
 A page holds ``page_size`` consecutive tokens of one sequence (all layers, K and V).
 Pages are reference counted: a full page whose token content is known gets a chained
@@ -14,6 +15,8 @@ import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from pdserve.engine.sequence import Sequence as Seq
+
 
 def page_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
     """Chained hash of one full page: equal hashes mean equal whole prefixes."""
@@ -26,7 +29,7 @@ class OutOfPages(RuntimeError):
     pass
 
 
-class BlockManager:
+class PageManager:
     """Owns page ids ``0..num_pages-1``: refcounts, free list, prefix index."""
 
     def __init__(self, num_pages: int, page_size: int, enable_prefix_cache: bool = True) -> None:
@@ -137,6 +140,60 @@ class BlockManager:
         h = self._hash_of.pop(page, None)
         if h is not None and self._page_of.get(h) == page:
             del self._page_of[h]
+
+    # ---- a sequence's pages --------------------------------------------------
+    def attach_prefix(self, seq: Seq, max_tokens: int) -> None:
+        """Give ``seq`` the cached pages of its longest known prefix, up to ``max_tokens``
+        tokens; they count as computed (and cached)."""
+        assert not seq.page_table, f"{seq.rid} already has pages"
+        seq.page_hashes = self.match_prefix(seq.tokens)
+        cached = self.lookup(seq.page_hashes)[: max_tokens // self.page_size]
+        self.share(cached)
+        seq.page_table = list(cached)
+        seq.num_computed = seq.num_cached = len(cached) * self.page_size
+        seq.num_registered_pages = len(cached)
+
+    def grow(self, seq: Seq, num_tokens: int, reserve: int = 0) -> bool:
+        """Pages for ``num_tokens`` tokens of ``seq``, leaving ``reserve`` pages free;
+        False (nothing changed) if the pool is short."""
+        need = self.pages_for(num_tokens) - len(seq.page_table)
+        if need <= 0:
+            return True
+        if not self.can_allocate(need + reserve):
+            return False
+        seq.page_table.extend(self.allocate(need))
+        return True
+
+    def reserve_prompt(self, seq: Seq, reserve: int = 0) -> bool:
+        """Pages for ``seq``'s prompt plus one token, reusing its cached prefix, leaving
+        ``reserve`` pages free; the prompt's KV is to be written by a transfer. False
+        (nothing held) if the pool is short."""
+        num_prompt = len(seq.prompt_ids)
+        self.attach_prefix(seq, num_prompt)
+        # Sharing took the cached pages off the evictable list, so counting starts after it.
+        if self.grow(seq, num_prompt + 1, reserve):
+            return True
+        self.release(seq)
+        return False
+
+    def release(self, seq: Seq) -> None:
+        """Drop ``seq``'s pages (cached full pages stay findable); nothing of it is computed."""
+        self.free(seq.page_table)
+        seq.page_table = []
+        seq.num_computed = seq.num_cached = 0
+        seq.num_registered_pages = 0
+
+    def register_full_pages(self, seq: Seq) -> None:
+        """Index ``seq``'s pages that became full since the last call."""
+        full = seq.num_computed // self.page_size
+        tokens = None
+        for i in range(seq.num_registered_pages, full):
+            if i >= len(seq.page_hashes):
+                tokens = tokens or seq.tokens
+                parent = seq.page_hashes[-1] if seq.page_hashes else None
+                seq.page_hashes.append(page_hash(parent, tokens[i * self.page_size : (i + 1) * self.page_size]))
+            self.register(seq.page_table[i], seq.page_hashes[i])
+        seq.num_registered_pages = max(seq.num_registered_pages, full)
 
     def check_invariants(self) -> None:
         """For tests: every page is exactly one of free, evictable, referenced."""
