@@ -11,16 +11,17 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import orjson
-from pdserve.api.config import ApiConfig
-from pdserve.api.errors import APIError, error_response
-from pdserve.api.gateway import Gateway
-from pdserve.api.model_info import ModelInfo, load_model_info
-from pdserve.broker.connection import QueueFullError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+
+from pdserve.api.config import ApiConfig
+from pdserve.api.errors import APIError, error_response
+from pdserve.api.gateway import Gateway
+from pdserve.api.model_info import ModelInfo, load_model_info
+from pdserve.broker.connection import QueueFullError
 
 log = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+
 from pdserve.broker import streams, subjects
 from pdserve.broker.connection import QueueFullError, connect, publish_work
 from pdserve.broker.registry import WorkerRegistry

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+
 from pdserve.api.errors import bad_request
 from pdserve.api.model_info import ModelInfo
 from pdserve.schemas import SamplingParams

@@ -9,13 +9,14 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
 from pdserve.api import formats
 from pdserve.api.app import AppState, ORJSONResponse, state_of, translate, until_disconnect
 from pdserve.api.completion import Delta, Result, collect, deltas
 from pdserve.api.protocol import Job, Parsed, parse_chat, parse_completion, parse_generate, parse_json
-from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
-from starlette.routing import Route
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 

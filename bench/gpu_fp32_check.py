@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_reading import agree, engine_run, hf_generate
 from make_dummy_model import DIMS
+
 from pdserve.engine import attention
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine

@@ -48,8 +48,9 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    from pdserve.engine.tiny_model import ensure_default_model
     from transformers import AutoTokenizer, GenerationConfig, Qwen2Config
+
+    from pdserve.engine.tiny_model import ensure_default_model
 
     tiny = ensure_default_model(Path(tempfile.mkdtemp()))
     tok = AutoTokenizer.from_pretrained(tiny)

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import start_pdserve, stop_pdserve
 from engine_bench import Request, run_pdserve, workload
+
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.loader import build_engine
 from pdserve.engine.tiny_model import ensure_default_model

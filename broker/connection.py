@@ -8,6 +8,7 @@ import nats
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.errors import APIError
+
 from pdserve.schemas.codec import Message
 
 log = logging.getLogger(__name__)

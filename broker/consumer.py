@@ -19,6 +19,7 @@ import orjson
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+
 from pdserve.schemas.codec import Message, MessageError
 
 log = logging.getLogger(__name__)

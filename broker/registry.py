@@ -7,6 +7,7 @@ import logging
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
+
 from pdserve.broker import subjects
 from pdserve.schemas import MessageError, WorkerInfo
 

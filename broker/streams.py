@@ -13,6 +13,7 @@ from nats.js import JetStreamContext
 from nats.js import api as js_api
 from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
+
 from pdserve.broker import subjects
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,11 @@ class EngineConfig:
     ``max_total_tokens`` sizes the KV page pool (tokens across all requests); when
     ``None`` it is ``kv_memory_fraction`` of free device memory (GPU) or
     ``cpu_kv_bytes`` of host memory (CPU). ``chunked_prefill_size`` is the token budget of one forward
-    pass; ``max_num_seqs`` caps the running batch.
+    pass; ``max_num_seqs`` caps the running batch. ``model_impl``: ``auto`` runs pdserve's
+    own forward pass where the architecture has one and the device is a GPU, else the stock
+    ``transformers`` code; ``pdserve`` insists on the former, ``transformers`` on the
+    latter. ``cuda_graph_max_batch``: decode steps of up to this many sequences replay a
+    captured CUDA graph (0: never).
     """
 
     page_size: int = 16
@@ -27,6 +31,8 @@ class EngineConfig:
     num_threads: int | None = None
     max_model_len: int | None = None
     cpu_kv_bytes: int = 512 << 20
+    model_impl: str = "auto"
+    cuda_graph_max_batch: int = 128
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -37,5 +43,9 @@ class EngineConfig:
             raise ValueError("kv_memory_fraction must be in (0, 1]")
         if self.max_num_seqs < 1 or self.max_prefill_seqs < 1:
             raise ValueError("max_num_seqs and max_prefill_seqs must be at least 1")
+        if self.model_impl not in ("auto", "pdserve", "transformers"):
+            raise ValueError("model_impl must be auto, pdserve or transformers")
+        if self.cuda_graph_max_batch < 0:
+            raise ValueError("cuda_graph_max_batch must be at least 0")
         if self.chunked_prefill_size < self.page_size:
             raise ValueError("chunked_prefill_size must be at least one page")

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
 from pdserve.schemas import KVLayout
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

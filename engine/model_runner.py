@@ -11,14 +11,23 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
 from pdserve.engine import attention
 from pdserve.engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan, Workspace, page_rows, write_rows
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.cuda_graph import DecodeGraphs
+from pdserve.engine.kernels import decode_splits
 from pdserve.engine.kv_pool import KVPool, bytes_per_token, dtype_name
+from pdserve.engine.models import create_fast_model, fast_path_reason
+from pdserve.engine.models.batch import build_step
 from pdserve.engine.sequence import ScheduledBatch, Sequence
 from pdserve.schemas import KVLayout
+
+if TYPE_CHECKING:
+    from pdserve.engine.models.llama import LlamaFamily
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +110,24 @@ class ModelRunner:
         self.max_model_len = config.max_model_len or getattr(text_config, "max_position_embeddings", 4096)
         self.layout = kv_layout_of(self.model, config.page_size)
         self.num_pages = self._num_pages()
-        self.pool = KVPool(self.layout, self.num_pages, self.device)
+        # One page past the allocator's: padded rows of a replayed decode graph write there.
+        self.scratch_page = self.num_pages
+        self.pool = KVPool(self.layout, self.num_pages + 1, self.device)
         self.workspace = Workspace()
+        self.fast = self._fast_model()
+        self.model_impl = "transformers" if self.fast is None else "pdserve"
+        self.graphs: DecodeGraphs | None = None
+        if self.fast is not None and self.device.type == "cuda" and config.cuda_graph_max_batch > 0:
+            self.graphs = DecodeGraphs(
+                self.fast.forward,
+                min(config.cuda_graph_max_batch, config.max_num_seqs),
+                -(-self.max_model_len // config.page_size),
+                config.page_size,
+                self.scratch_page,
+                self._splits,
+                self.device,
+            )
+            self.graphs.capture()
         log.info(
             "model loaded",
             extra={
@@ -110,8 +135,29 @@ class ModelRunner:
                 "seconds": round(time.monotonic() - started, 2),
                 "pages": self.num_pages,
                 "kv_bytes": self.pool.nbytes,
+                "model_impl": self.model_impl,
+                "cuda_graphs": self.graphs is not None,
             },
         )
+
+    def _fast_model(self) -> LlamaFamily | None:
+        """pdserve's own forward pass where the architecture and device allow it."""
+        impl = self.config.model_impl
+        if impl == "transformers":
+            return None
+        reason = fast_path_reason(self.model, self.device, allow_interpreter=impl == "pdserve")
+        if reason is not None:
+            if impl == "pdserve":
+                raise ValueError(f"model_impl 'pdserve' cannot serve this model: {reason}")
+            log.info("stock transformers forward pass", extra={"reason": reason})
+            return None
+        return create_fast_model(self.model, self.pool.tensor, self.max_model_len)
+
+    def _splits(self, batch: int) -> int:
+        if self.device.type != "cuda":
+            return 2
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        return decode_splits(batch, self.layout.num_kv_heads, sms)
 
     def _num_pages(self) -> int:
         page = self.config.page_size
@@ -130,6 +176,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor | None]:
         """Run the batch; returns the sequences that get a next token and their logits rows."""
+        if self.fast is not None:
+            return self._execute_fast(batch)
         meta, input_ids, positions, sample_index, sample_seqs = self._prepare(batch)
         if not sample_seqs:
             self.model(input_ids=input_ids, position_ids=positions, pd_attn=meta, use_cache=False, logits_to_keep=1)
@@ -142,6 +190,19 @@ class ModelRunner:
             logits_to_keep=sample_index,
         )
         return sample_seqs, out.logits[0]
+
+    def _execute_fast(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor | None]:
+        assert self.fast is not None
+        graphs = self.graphs
+        if graphs is not None and not batch.prefills and len(batch.decodes) <= graphs.max_batch:
+            seqs = batch.decodes
+            logits = graphs.run(
+                [s.last_token for s in seqs], [s.num_tokens - 1 for s in seqs], [s.page_table for s in seqs]
+            )
+            return seqs, logits
+        step, seqs = build_step(batch, self.config.page_size, self.device, self._splits(len(batch.decodes)))
+        logits = self.fast.forward(step)
+        return (seqs, logits) if seqs else ([], None)
 
     def _prepare(
         self, batch: ScheduledBatch

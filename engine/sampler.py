@@ -15,6 +15,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
+
 from pdserve.schemas import SamplingParams, TokenLogprob
 
 _MASK = float("-inf")

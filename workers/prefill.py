@@ -13,6 +13,7 @@ import logging
 import time
 
 from nats.aio.msg import Msg
+
 from pdserve.broker import subjects
 from pdserve.broker.connection import QueueFullError, publish_work
 from pdserve.broker.consumer import PullConsumer

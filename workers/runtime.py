@@ -23,6 +23,7 @@ from typing import Any
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+
 from pdserve.broker import streams, subjects
 from pdserve.broker.connection import connect
 from pdserve.broker.consumer import Delivery, PullConsumer, Rejected, decode_deliveries

@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pdserve.api.detokenizer import IncrementalDetokenizer, StopMatcher
 from transformers import AutoTokenizer
+
+from pdserve.api.detokenizer import IncrementalDetokenizer, StopMatcher
 
 TEXTS = [
     "請介紹一下你自己",

@@ -7,6 +7,7 @@ from typing import Any
 
 import orjson
 import pytest
+
 from pdserve.api.errors import APIError
 from pdserve.api.model_info import ModelInfo, load_model_info
 from pdserve.api.protocol import parse_chat, parse_completion, parse_generate, parse_json

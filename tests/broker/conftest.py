@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
+
 from pdserve.broker.connection import connect
 from pdserve.schemas import GenerateRequest
 

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
+
 from pdserve.broker import subjects
 from pdserve.broker.connection import connect, publish_work
 from pdserve.broker.consumer import Delivery, PullConsumer, Rejected, decode_deliveries

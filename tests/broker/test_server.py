@@ -12,6 +12,7 @@ from typing import Any
 
 import nats
 import pytest
+
 from pdserve.broker import subjects
 from pdserve.broker.connection import connect, publish_work
 from pdserve.broker.consumer import PullConsumer, decode_deliveries

@@ -10,6 +10,7 @@ import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js import api as js_api
+
 from pdserve.broker import subjects
 from pdserve.broker.connection import QueueFullError, publish_work
 from pdserve.broker.consumer import PullConsumer

@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine, RequestError
 from pdserve.engine.loader import build_engine, quiet_transformers
 from pdserve.engine.model_runner import ModelRunner, ModelSpec
 from pdserve.schemas import SamplingParams
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 GREEDY = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
 

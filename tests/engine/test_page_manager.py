@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from pdserve.engine.page_manager import OutOfPages, PageManager, page_hash
 from pdserve.engine.sequence import Sequence as Seq
 from pdserve.schemas import SamplingParams

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from pdserve.engine.sampler import Sampler, SampleRequest, _filter, seed_for
 from pdserve.schemas import SamplingParams
 

@@ -12,6 +12,7 @@ import zlib
 from dataclasses import dataclass, field
 
 import pytest
+
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.page_manager import PageManager
 from pdserve.engine.scheduler import Scheduler

@@ -13,8 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-from pdserve.engine import tiny_model
-from pdserve.engine.tiny_model import DEFAULT_MODEL_NAME, ensure_default_model
 from tokenizers import Tokenizer
 from transformers import (
     AutoModelForCausalLM,
@@ -23,6 +21,9 @@ from transformers import (
     PreTrainedTokenizerBase,
     Qwen2ForCausalLM,
 )
+
+from pdserve.engine import tiny_model
+from pdserve.engine.tiny_model import DEFAULT_MODEL_NAME, ensure_default_model
 
 ROUND_TRIP_TEXTS = [
     "請介紹一下你自己",

@@ -13,9 +13,10 @@ import nats
 import orjson
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from pdserve.broker import subjects
 from pdserve.schemas import GenerateRequest, TokenChunk
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -13,6 +13,8 @@ from typing import Any
 import nats
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
+
 from pdserve.api.gateway import Gateway
 from pdserve.broker import streams, subjects
 from pdserve.broker.connection import publish_work
@@ -25,7 +27,6 @@ from pdserve.workers.decode import DecodeWorker
 from pdserve.workers.prefill import PrefillWorker
 from pdserve.workers.runtime import WorkerRuntime
 from pdserve.workers.unified import UnifiedWorker
-from transformers import AutoModelForCausalLM
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 ROLES = {"prefill": PrefillWorker, "decode": DecodeWorker, "unified": UnifiedWorker}

@@ -8,6 +8,7 @@ from typing import Any
 
 import orjson
 import pytest
+
 from pdserve.schemas import (
     Cancel,
     ErrorInfo,

@@ -6,6 +6,7 @@ import itertools
 import random
 
 import pytest
+
 from pdserve.engine.kv_pool import page_runs
 from pdserve.workers.transfer.base import TransferError, plan_reads
 

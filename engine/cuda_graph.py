@@ -1,0 +1,136 @@
+"""Decode steps replayed as CUDA graphs: one launch per step instead of hundreds.
+
+A graph is captured per batch-size bucket (1, 2, 4, 8, then steps of 8 up to
+``max_batch``); a step of ``n`` sequences replays the smallest bucket that holds it, the
+extra rows pointing at a scratch page that no sequence owns. Inputs travel in one
+pinned host buffer and one copy, into static device buffers that every graph reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from pdserve.engine.models.batch import StepBatch
+
+log = logging.getLogger(__name__)
+
+
+def buckets(max_batch: int) -> list[int]:
+    sizes = [b for b in (1, 2, 4, 8) if b < max_batch]
+    sizes += list(range(8 if max_batch > 8 else max_batch, max_batch + 1, 8 if max_batch > 8 else max_batch))
+    if sizes[-1] != max_batch:
+        sizes.append(max_batch)
+    return sorted(set(sizes))
+
+
+class DecodeGraphs:
+    """Captured decode steps of ``forward`` for every bucket up to ``max_batch``."""
+
+    def __init__(
+        self,
+        forward: Callable[[StepBatch], torch.Tensor],
+        max_batch: int,
+        max_pages: int,
+        page_size: int,
+        scratch_page: int,
+        splits_for: Callable[[int], int],
+        device: torch.device,
+    ) -> None:
+        self.forward = forward
+        self.max_batch = max_batch
+        self.page_size = page_size
+        self.scratch_page = scratch_page
+        self.splits_for = splits_for
+        self.buckets = buckets(max_batch)
+        # one row each: input ids, positions, slots, context lengths
+        self._host = torch.zeros((4, max_batch), dtype=torch.int64, pin_memory=True)
+        self._host_tables = torch.zeros((max_batch, max_pages), dtype=torch.int32, pin_memory=True)
+        self._inputs = torch.zeros((4, max_batch), dtype=torch.int64, device=device)
+        self._tables = torch.zeros((max_batch, max_pages), dtype=torch.int32, device=device)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+
+    def _step(self, batch: int) -> StepBatch:
+        return StepBatch(
+            input_ids=self._inputs[0, :batch],
+            positions=self._inputs[1, :batch],
+            slots=self._inputs[2, :batch],
+            num_decodes=batch,
+            decode_tables=self._tables[:batch],
+            decode_ctx_lens=self._inputs[3, :batch],
+            decode_splits=self.splits_for(batch),
+            prefill=None,
+            sample_index=None,
+        )
+
+    def capture(self) -> None:
+        """Capture every bucket, largest first so the smaller ones reuse its memory."""
+        started = time.monotonic()
+        self._fill_padding(0, self.max_batch)
+        self._upload(self.max_batch)
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for batch in reversed(self.buckets):
+                step = self._step(batch)
+                for _ in range(2):  # compile and autotune outside the capture
+                    self.forward(step)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self._outputs[batch] = self.forward(step)
+                self._graphs[batch] = graph
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        log.info(
+            "decode graphs captured",
+            extra={
+                "buckets": len(self.buckets),
+                "max_batch": self.max_batch,
+                "seconds": round(time.monotonic() - started, 2),
+            },
+        )
+
+    def bucket(self, n: int) -> int | None:
+        for size in self.buckets:
+            if size >= n:
+                return size
+        return None
+
+    def run(self, ids: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
+        """Logits ``[n, vocab]`` for ``n`` decoding sequences (``tables[i]`` covers position i)."""
+        n = len(ids)
+        batch = self.bucket(n)
+        assert batch is not None, f"{n} sequences exceed the largest graph"
+        page = self.page_size
+        host = self._host
+        host[0, :n] = torch.tensor(ids)
+        host[1, :n] = torch.tensor(positions)
+        host_np = self._host_tables.numpy()
+        slots = host[2]
+        for i, (p, table) in enumerate(zip(positions, tables, strict=True)):
+            host_np[i, : len(table)] = table
+            slots[i] = table[p // page] * page + p % page
+        host[3, :n] = host[1, :n] + 1
+        self._fill_padding(n, batch)
+        self._upload(batch)
+        self._graphs[batch].replay()
+        return self._outputs[batch][:n]
+
+    def _fill_padding(self, start: int, end: int) -> None:
+        """Rows ``start..end`` decode one token on the scratch page: harmless, discarded."""
+        if start >= end:
+            return
+        self._host[0, start:end] = 0
+        self._host[1, start:end] = 0
+        self._host[2, start:end] = self.scratch_page * self.page_size
+        self._host[3, start:end] = 1
+        self._host_tables[start:end, 0] = self.scratch_page
+
+    def _upload(self, batch: int) -> None:
+        self._inputs.copy_(self._host, non_blocking=True)
+        self._tables[:batch].copy_(self._host_tables[:batch], non_blocking=True)

@@ -1,0 +1,38 @@
+"""Triton kernels of the fast model path: paged attention, KV store with rotary, norms.
+
+Importing a kernel module imports Triton; callers check :func:`available` first. On a
+machine without a GPU the kernels still run under Triton's interpreter
+(``TRITON_INTERPRET=1`` set before the import), which is how the CPU test suite checks
+them against reference implementations in float32.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run in its (CPU) interpreter."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    triton = sys.modules.get("triton")
+    return triton is not None and bool(triton.knobs.runtime.interpret)
+
+
+def available() -> bool:
+    """Whether Triton can run here: a CUDA device, or the interpreter switched on."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available() or interpreting()
+
+
+def decode_splits(batch: int, num_kv: int, num_sms: int = 132) -> int:
+    """Context splits per sequence so that ``batch * num_kv * splits`` programs fill the GPU."""
+    splits = 1
+    while splits < 16 and batch * num_kv * splits * 2 <= num_sms:
+        splits *= 2
+    return splits

@@ -1,0 +1,378 @@
+"""Paged attention over the KV pool, read in place, and the rotary-embed + KV-store kernel.
+
+Pool layout ``[num_pages, num_layers, 2, num_kv_heads, page_size, head_dim]`` (see
+:mod:`pdserve.engine.kv_pool`): the K of (page, layer, head) is one contiguous
+``[page_size, head_dim]`` block and its V lies ``num_kv_heads * page_size * head_dim``
+elements further. A token's *slot* is ``page * page_size + offset``.
+
+* :func:`rope_store`: rotates q and k in place inside the fused qkv projection output
+  and writes k, v into their slots of one layer.
+* :func:`decode_attention`: one query token per sequence over its pages; every query
+  head of a GQA group in one program (one pass over the group's K/V), the context
+  split ``num_splits`` ways so that a small batch still fills the GPU, then merged.
+* :func:`prefill_attention`: chunks of query tokens whose keys are a cached or earlier
+  prefix in the pool plus the chunk itself (causal).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rope_store_kernel(
+    qkv_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    slot_ptr,
+    pool_ptr,
+    layer,
+    stride_qkv,
+    NUM_Q: tl.constexpr,
+    NUM_KV: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    KV_PAD: tl.constexpr,
+    DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    LAYERS: tl.constexpr,
+):
+    t = tl.program_id(0)
+    half: tl.constexpr = DIM // 2
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    d = tl.arange(0, half)
+    cos = tl.load(cos_ptr + pos * DIM + d).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * DIM + d).to(tl.float32)
+    h = tl.arange(0, HEADS_PAD)
+    row = qkv_ptr + t.to(tl.int64) * stride_qkv
+    # q and k heads sit side by side in the row: rotate them together, in place
+    rot = h < NUM_Q + NUM_KV
+    lo_ptr = row + h[:, None] * DIM + d[None, :]
+    lo = tl.load(lo_ptr, mask=rot[:, None], other=0.0).to(tl.float32)
+    hi = tl.load(lo_ptr + half, mask=rot[:, None], other=0.0).to(tl.float32)
+    new_lo = lo * cos[None, :] - hi * sin[None, :]
+    new_hi = hi * cos[None, :] + lo * sin[None, :]
+    tl.store(lo_ptr, new_lo.to(qkv_ptr.dtype.element_ty), mask=rot[:, None])
+    tl.store(lo_ptr + half, new_hi.to(qkv_ptr.dtype.element_ty), mask=rot[:, None])
+    # rotated k, and v, into the pool
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    page_base = (slot // PAGE) * LAYERS + layer
+    offset = slot % PAGE
+    is_k = (h >= NUM_Q) & rot
+    k_dst = pool_ptr + (((page_base * 2) * NUM_KV + (h - NUM_Q)) * PAGE + offset) * DIM
+    k_dst = k_dst[:, None] + d[None, :]
+    tl.store(k_dst, new_lo.to(pool_ptr.dtype.element_ty), mask=is_k[:, None])
+    tl.store(k_dst + half, new_hi.to(pool_ptr.dtype.element_ty), mask=is_k[:, None])
+    j = tl.arange(0, KV_PAD)
+    is_v = j < NUM_KV
+    full = tl.arange(0, DIM)
+    v = tl.load(row + (NUM_Q + NUM_KV + j)[:, None] * DIM + full[None, :], mask=is_v[:, None], other=0.0)
+    v_dst = pool_ptr + (((page_base * 2 + 1) * NUM_KV + j) * PAGE + offset) * DIM
+    tl.store(v_dst[:, None] + full[None, :], v.to(pool_ptr.dtype.element_ty), mask=is_v[:, None])
+
+
+def rope_store(
+    qkv: torch.Tensor,
+    num_q: int,
+    num_kv: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    pool: torch.Tensor,
+    layer: int,
+) -> None:
+    """Rotate q and k of ``qkv [T, (num_q + 2 * num_kv) * D]`` in place; store k, v in ``slots``.
+
+    ``cos``/``sin`` ``[max_positions, D]`` hold each position's table (halves repeated).
+    """
+    num_tokens = qkv.shape[0]
+    if num_tokens == 0:
+        return
+    _, layers, _, heads, page, dim = pool.shape
+    assert heads == num_kv and qkv.stride(1) == 1
+    _rope_store_kernel[(num_tokens,)](
+        qkv,
+        cos,
+        sin,
+        positions,
+        slots,
+        pool,
+        layer,
+        qkv.stride(0),
+        NUM_Q=num_q,
+        NUM_KV=num_kv,
+        HEADS_PAD=triton.next_power_of_2(num_q + num_kv),
+        KV_PAD=triton.next_power_of_2(num_kv),
+        DIM=dim,
+        PAGE=page,
+        LAYERS=layers,
+        num_warps=4,
+    )
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    pool_ptr,
+    table_ptr,
+    ctx_ptr,
+    part_ptr,
+    lse_ptr,
+    layer,
+    scale,
+    window,
+    stride_qt,
+    stride_table,
+    NUM_KV: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    LAYERS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + b)
+    low = 0
+    if window > 0:
+        low = tl.maximum(ctx - window, 0)
+    per_split = tl.cdiv(tl.cdiv(ctx - low, SPLITS), BLOCK_N) * BLOCK_N
+    start = low + split * per_split
+    end = tl.minimum(start + per_split, ctx)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, DIM)
+    heads = kv_head * GROUP + g
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * stride_qt + heads[:, None] * DIM + d[None, :], mask=g[:, None] < GROUP, other=0.0
+    )
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM], tl.float32)
+    head_stride: tl.constexpr = PAGE * DIM
+    for n0 in range(start, end, BLOCK_N):
+        tok = n0 + tl.arange(0, BLOCK_N)
+        valid = tok < end
+        page = tl.load(table_ptr + b.to(tl.int64) * stride_table + tok // PAGE, mask=valid, other=0).to(tl.int64)
+        k_off = (((page * LAYERS + layer) * 2) * NUM_KV + kv_head) * head_stride + (tok % PAGE) * DIM
+        k = tl.load(pool_ptr + k_off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(pool_ptr + (k_off + NUM_KV * head_stride)[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing to attend yet
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        m_i = m_new
+    # [B, Hq, SPLITS, D] partial outputs and their log-sum-exp (-inf for an empty split)
+    row = (b * NUM_KV * GROUP + heads).to(tl.int64) * SPLITS + split
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    tl.store(part_ptr + row[:, None] * DIM + d[None, :], out, mask=g[:, None] < GROUP)
+    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    tl.store(lse_ptr + row, lse, mask=g < GROUP)
+
+
+@triton.jit
+def _merge_kernel(part_ptr, lse_ptr, out_ptr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, DIM: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # b * Hq + head
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, DIM)
+    lse = tl.load(lse_ptr + row * SPLITS + s, mask=s < SPLITS, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp(lse - m)
+    part = tl.load(part_ptr + (row * SPLITS + s)[:, None] * DIM + d[None, :], mask=(s < SPLITS)[:, None], other=0.0)
+    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + row * DIM + d, out.to(out_ptr.dtype.element_ty))
+
+
+def decode_attention(
+    q: torch.Tensor,
+    pool: torch.Tensor,
+    layer: int,
+    page_tables: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    scale: float,
+    splits: int,
+    out: torch.Tensor,
+    window: int | None = None,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """``q [B, Hq, D]`` (rows may be strided) attends each sequence's ``ctx_lens[b]`` tokens
+    in pages ``page_tables[b]``; writes ``out [B, Hq, D]``. Graph-safe: no host sync."""
+    batch, num_q, dim = q.shape
+    _, layers, _, num_kv, page, _ = pool.shape
+    group = num_q // num_kv
+    assert q.stride(2) == 1 and q.stride(1) == dim and out.is_contiguous()
+    part = torch.empty((batch, num_q, splits, dim), dtype=torch.float32, device=q.device)
+    lse = torch.empty((batch, num_q, splits), dtype=torch.float32, device=q.device)
+    _decode_kernel[(batch, num_kv, splits)](
+        q,
+        pool,
+        page_tables,
+        ctx_lens,
+        part,
+        lse,
+        layer,
+        scale,
+        window or 0,
+        q.stride(0),
+        page_tables.stride(0),
+        NUM_KV=num_kv,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        DIM=dim,
+        PAGE=page,
+        LAYERS=layers,
+        BLOCK_N=block_n,
+        SPLITS=splits,
+        IEEE=q.dtype == torch.float32,
+        num_warps=4,
+    )
+    _merge_kernel[(batch * num_q,)](
+        part, lse, out, SPLITS=splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)), DIM=dim, num_warps=4
+    )
+    return out
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    pool_ptr,
+    table_ptr,
+    q_start_ptr,
+    q_len_ptr,
+    ctx_ptr,
+    out_ptr,
+    layer,
+    scale,
+    window,
+    stride_qt,
+    stride_table,
+    NUM_KV: tl.constexpr,
+    GROUP: tl.constexpr,
+    DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    LAYERS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    m_block = tl.program_id(0)
+    head = tl.program_id(1)
+    span = tl.program_id(2)
+    q_len = tl.load(q_len_ptr + span)
+    if m_block * BLOCK_M >= q_len:
+        return
+    q_start = tl.load(q_start_ptr + span)
+    ctx = tl.load(ctx_ptr + span)
+    prefix = ctx - q_len
+    kv_head = head // GROUP
+    i = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    valid_q = i < q_len
+    q_pos = prefix + i
+    d = tl.arange(0, DIM)
+    q_rows = (q_start + i).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head * DIM + d[None, :], mask=valid_q[:, None], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM], tl.float32)
+    head_stride: tl.constexpr = PAGE * DIM
+    hi = tl.minimum(prefix + (m_block + 1) * BLOCK_M, ctx)
+    lo = 0
+    if window > 0:
+        lo = tl.maximum(prefix + m_block * BLOCK_M - window + 1, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    for n0 in range(lo, hi, BLOCK_N):
+        tok = n0 + tl.arange(0, BLOCK_N)
+        valid_k = tok < hi
+        page = tl.load(table_ptr + span.to(tl.int64) * stride_table + tok // PAGE, mask=valid_k, other=0).to(tl.int64)
+        k_off = (((page * LAYERS + layer) * 2) * NUM_KV + kv_head) * head_stride + (tok % PAGE) * DIM
+        k = tl.load(pool_ptr + k_off[:, None] + d[None, :], mask=valid_k[:, None], other=0.0)
+        v = tl.load(pool_ptr + (k_off + NUM_KV * head_stride)[:, None] + d[None, :], mask=valid_k[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        keep = valid_k[None, :] & (tok[None, :] <= q_pos[:, None])
+        if window > 0:
+            keep = keep & (tok[None, :] > q_pos[:, None] - window)
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing to attend yet
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # rows past the chunk attend nothing
+    num_q: tl.constexpr = NUM_KV * GROUP
+    tl.store(
+        out_ptr + q_rows[:, None] * (num_q * DIM) + head * DIM + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=valid_q[:, None],
+    )
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    pool: torch.Tensor,
+    layer: int,
+    page_tables: torch.Tensor,
+    q_starts: torch.Tensor,
+    q_lens: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    max_q_len: int,
+    scale: float,
+    out: torch.Tensor,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Spans of ``q [T, Hq, D]`` (span ``s``: rows ``q_starts[s]`` onwards, ``q_lens[s]`` of
+    them, the last at position ``ctx_lens[s] - 1``) attend causally to their sequence's
+    pages ``page_tables[s]``, which already hold the span's own K/V; writes ``out [T, Hq, D]``."""
+    _, num_q, dim = q.shape
+    _, layers, _, num_kv, page, _ = pool.shape
+    assert q.stride(2) == 1 and q.stride(1) == dim and out.is_contiguous()
+    block_m = 64 if max_q_len > 32 else 16
+    grid = (triton.cdiv(max_q_len, block_m), num_q, q_lens.shape[0])
+    _prefill_kernel[grid](
+        q,
+        pool,
+        page_tables,
+        q_starts,
+        q_lens,
+        ctx_lens,
+        out,
+        layer,
+        scale,
+        window or 0,
+        q.stride(0),
+        page_tables.stride(0),
+        NUM_KV=num_kv,
+        GROUP=num_q // num_kv,
+        DIM=dim,
+        PAGE=page,
+        LAYERS=layers,
+        BLOCK_M=block_m,
+        BLOCK_N=64,
+        IEEE=q.dtype == torch.float32,
+        num_warps=4,
+    )
+    return out

@@ -1,0 +1,133 @@
+"""The device-side layout of one forward pass of a fast model.
+
+Tokens are packed into one row: one token per decoding sequence first, then each
+prefill chunk's tokens. Every tensor here is on the model's device; building one from
+a :class:`~pdserve.engine.sequence.ScheduledBatch` is :func:`build_step`'s job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.sequence import ScheduledBatch, Sequence
+
+
+@dataclass
+class PrefillChunks:
+    """The prefill chunks of a step (``S`` of them)."""
+
+    q_starts: torch.Tensor  # [S] int32: first row of each chunk in the packed batch
+    q_lens: torch.Tensor  # [S] int32
+    ctx_lens: torch.Tensor  # [S] int32: tokens of KV once the chunk is written (prefix + chunk)
+    page_tables: torch.Tensor  # [S, W] int32
+    max_q_len: int
+    spans: list[tuple[int, int]]  # (q_start, q_len) on the host
+    is_fresh: bool  # no chunk has a prefix: each attends only to itself
+
+
+@dataclass
+class StepBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slots: torch.Tensor  # [T] int64: page * page_size + offset where each token's K/V goes
+    num_decodes: int
+    decode_tables: torch.Tensor  # [B, W] int32
+    decode_ctx_lens: torch.Tensor  # [B] int32: tokens of KV including the new one
+    decode_splits: int
+    prefill: PrefillChunks | None
+    sample_index: torch.Tensor | None  # rows whose logits are wanted; None: every row
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def _table(rows: list[list[int]], width: int) -> torch.Tensor:
+    out = torch.zeros((len(rows), max(width, 1)), dtype=torch.int32)
+    for i, row in enumerate(rows):
+        if row:
+            out[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+    return out
+
+
+def build_step(
+    batch: ScheduledBatch, page_size: int, device: torch.device, splits_for: int
+) -> tuple[StepBatch, list[Sequence]]:
+    """Pack ``batch`` for a fast model; returns it and the sequences that get a token.
+
+    ``splits_for`` is the decode-attention split count to use for this step.
+    """
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    sample_rows: list[int] = []
+    sample_seqs: list[Sequence] = []
+    decode_rows: list[list[int]] = []
+    ctx: list[int] = []
+    for seq in batch.decodes:
+        p = seq.num_tokens - 1
+        ids.append(seq.last_token)
+        pos.append(p)
+        slots.append(seq.page_table[p // page_size] * page_size + p % page_size)
+        decode_rows.append(seq.page_table[: p // page_size + 1])
+        ctx.append(p + 1)
+        sample_rows.append(len(ids) - 1)
+        sample_seqs.append(seq)
+    spans: list[tuple[int, int]] = []
+    chunk_ctx: list[int] = []
+    chunk_rows: list[list[int]] = []
+    chunk_pos: list[torch.Tensor] = []
+    chunk_pages: list[torch.Tensor] = []
+    fresh = True
+    for seq, n in batch.prefills:
+        start = seq.num_computed
+        q_start = len(ids) + sum(q for _, q in spans)
+        spans.append((q_start, n))
+        end = start + n
+        fresh = fresh and start == 0
+        table = seq.page_table[: -(-end // page_size)]
+        chunk_rows.append(table)
+        chunk_ctx.append(end)
+        chunk_pos.append(torch.arange(start, end))
+        chunk_pages.append(torch.tensor(table, dtype=torch.long))
+        if end == seq.num_tokens:
+            sample_rows.append(q_start + n - 1)
+            sample_seqs.append(seq)
+    prefill_ids = [t for seq, n in batch.prefills for t in seq.tokens[seq.num_computed : seq.num_computed + n]]
+    ids_t = torch.tensor(ids + prefill_ids, dtype=torch.long)
+    pos_t = torch.tensor(pos, dtype=torch.long)
+    slots_t = torch.tensor(slots, dtype=torch.long)
+    if spans:
+        p = torch.cat(chunk_pos)
+        pages = torch.cat([pg[ps // page_size] for pg, ps in zip(chunk_pages, chunk_pos, strict=True)])
+        pos_t = torch.cat((pos_t, p))
+        slots_t = torch.cat((slots_t, pages * page_size + p % page_size))
+    num_tokens = ids_t.shape[0]
+    prefill = None
+    if spans:
+        prefill = PrefillChunks(
+            q_starts=torch.tensor([s for s, _ in spans], dtype=torch.int32).to(device, non_blocking=True),
+            q_lens=torch.tensor([n for _, n in spans], dtype=torch.int32).to(device, non_blocking=True),
+            ctx_lens=torch.tensor(chunk_ctx, dtype=torch.int32).to(device, non_blocking=True),
+            page_tables=_table(chunk_rows, max(len(r) for r in chunk_rows)).to(device, non_blocking=True),
+            max_q_len=max(n for _, n in spans),
+            spans=spans,
+            is_fresh=fresh,
+        )
+    width = max((len(r) for r in decode_rows), default=1)
+    step = StepBatch(
+        input_ids=ids_t.to(device, non_blocking=True),
+        positions=pos_t.to(device, non_blocking=True),
+        slots=slots_t.to(device, non_blocking=True),
+        num_decodes=len(batch.decodes),
+        decode_tables=_table(decode_rows, width).to(device, non_blocking=True),
+        decode_ctx_lens=torch.tensor(ctx, dtype=torch.int32).to(device, non_blocking=True),
+        decode_splits=splits_for,
+        prefill=prefill,
+        sample_index=None
+        if len(sample_rows) == num_tokens
+        else torch.tensor(sample_rows, dtype=torch.long).to(device, non_blocking=True),
+    )
+    return step, sample_seqs

@@ -1,0 +1,193 @@
+"""pdserve's own forward pass for Llama-family decoders: Llama, Qwen2, Qwen3, Mistral.
+
+Built from a loaded ``transformers`` model, whose weights it shares: q/k/v become one
+fused projection and gate/up another (the stock modules keep working on views of the
+fused tensors, so nothing is held twice). A layer is eight launches: add+RMSNorm, qkv,
+rotary+KV store, attention (in place on the page pool), o, add+RMSNorm, gate_up,
+SiLU·up, down — few enough that a decode step replays as one CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.engine.kernels import elementwise, paged
+from pdserve.engine.models.batch import StepBatch
+
+ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"})
+# Rotary variants whose tables depend only on the position (not on the running sequence length).
+STATIC_ROPE = frozenset({"default", "linear", "llama3", "yarn"})
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why this model cannot take the fast path, or ``None`` if it can."""
+    arch = type(model).__name__
+    if arch not in ARCHITECTURES:
+        return f"architecture {arch} has no fast path"
+    rope = getattr(model.model.rotary_emb, "rope_type", "default")
+    if rope not in STATIC_ROPE:
+        return f"rotary type {rope!r} has no fast path"
+    config = model.config.get_text_config()
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} has no fast path"
+    return None
+
+
+@dataclass
+class Layer:
+    input_norm: torch.Tensor
+    qkv_weight: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.nn.Module | None  # Qwen3: RMSNorm of each head before rotary
+    k_norm: torch.nn.Module | None
+    o_weight: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up_weight: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down_weight: torch.Tensor
+    down_bias: torch.Tensor | None
+    window: int | None
+
+
+def _fuse(modules: list[torch.nn.Linear], name: str) -> torch.Tensor | None:
+    """Concatenate the modules' ``name`` tensors and point each module at its slice."""
+    parts = [getattr(m, name) for m in modules]
+    if parts[0] is None:
+        return None
+    fused = torch.cat([p.data for p in parts])
+    start = 0
+    for part in parts:
+        n = part.shape[0]
+        part.data = fused[start : start + n]
+        start += n
+    return fused
+
+
+class LlamaFamily:
+    """Forward pass over a :class:`StepBatch`; the KV pool is written and read in place."""
+
+    def __init__(self, model: torch.nn.Module, pool: torch.Tensor, max_positions: int) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(reason)
+        config = model.config.get_text_config()
+        inner = model.model
+        self.pool = pool
+        self.num_q = config.num_attention_heads
+        self.num_kv = getattr(config, "num_key_value_heads", None) or self.num_q
+        first = inner.layers[0].self_attn
+        self.head_dim = first.head_dim
+        self.scale = first.scaling
+        self.eps = config.rms_norm_eps
+        self.embed = inner.embed_tokens.weight
+        self.norm = inner.norm.weight
+        self.lm_head = model.lm_head.weight
+        self.layers = [self._layer(layer) for layer in inner.layers]
+        device = self.embed.device
+        with torch.no_grad():
+            positions = torch.arange(max_positions, device=device)[None, :]
+            probe = torch.empty((), dtype=self.embed.dtype, device=device)
+            cos, sin = inner.rotary_emb(probe, positions)
+        assert cos.shape[-1] == self.head_dim, "partial rotary has no fast path"
+        self.cos = cos[0].contiguous()
+        self.sin = sin[0].contiguous()
+
+    def _layer(self, layer: torch.nn.Module) -> Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+        gate_up = [mlp.gate_proj, mlp.up_proj]
+        return Layer(
+            input_norm=layer.input_layernorm.weight,
+            qkv_weight=_fuse(qkv, "weight"),  # type: ignore[arg-type]
+            qkv_bias=_fuse(qkv, "bias"),
+            q_norm=getattr(attn, "q_norm", None),
+            k_norm=getattr(attn, "k_norm", None),
+            o_weight=attn.o_proj.weight,
+            o_bias=attn.o_proj.bias,
+            post_norm=layer.post_attention_layernorm.weight,
+            gate_up_weight=_fuse(gate_up, "weight"),  # type: ignore[arg-type]
+            gate_up_bias=_fuse(gate_up, "bias"),
+            down_weight=mlp.down_proj.weight,
+            down_bias=mlp.down_proj.bias,
+            window=getattr(attn, "sliding_window", None),
+        )
+
+    @torch.inference_mode()
+    def forward(self, step: StepBatch) -> torch.Tensor:
+        """Logits ``[rows, vocab]`` of ``step.sample_index`` (every row when it is ``None``)."""
+        h = F.embedding(step.input_ids, self.embed)
+        residual: torch.Tensor | None = None
+        nq, nkv, dim = self.num_q, self.num_kv, self.head_dim
+        tokens = h.shape[0]
+        for index, layer in enumerate(self.layers):
+            x, residual = elementwise.add_rms_norm(h, residual, layer.input_norm, self.eps)
+            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                qk = qkv[:, : (nq + nkv) * dim]
+                q = layer.q_norm(qk[:, : nq * dim].reshape(tokens, nq, dim))
+                k = layer.k_norm(qk[:, nq * dim :].reshape(tokens, nkv, dim))
+                qk.copy_(torch.cat((q.reshape(tokens, -1), k.reshape(tokens, -1)), dim=1))
+            paged.rope_store(qkv, nq, nkv, self.cos, self.sin, step.positions, step.slots, self.pool, index)
+            out = torch.empty((tokens, nq, dim), dtype=h.dtype, device=h.device)
+            self._attend(index, layer, qkv, out, step)
+            h = F.linear(out.view(tokens, nq * dim), layer.o_weight, layer.o_bias)
+            x, residual = elementwise.add_rms_norm(h, residual, layer.post_norm, self.eps)
+            gate_up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias)
+            h = F.linear(elementwise.silu_mul(gate_up), layer.down_weight, layer.down_bias)
+        if step.sample_index is not None:
+            h, residual = h[step.sample_index], residual[step.sample_index]  # type: ignore[index]
+        h, _ = elementwise.add_rms_norm(h, residual, self.norm, self.eps)
+        return F.linear(h, self.lm_head)
+
+    def _attend(self, index: int, layer: Layer, qkv: torch.Tensor, out: torch.Tensor, step: StepBatch) -> None:
+        nq, nkv, dim = self.num_q, self.num_kv, self.head_dim
+        q = qkv[:, : nq * dim].view(-1, nq, dim)
+        nd = step.num_decodes
+        if nd:
+            paged.decode_attention(
+                q[:nd],
+                self.pool,
+                index,
+                step.decode_tables,
+                step.decode_ctx_lens,
+                self.scale,
+                step.decode_splits,
+                out[:nd],
+                layer.window,
+            )
+        chunks = step.prefill
+        if chunks is None:
+            return
+        if chunks.is_fresh and layer.window is None and q.is_cuda:
+            # Each chunk is a whole prompt: the library's flash attention on its own q, k, v.
+            k = qkv[:, nq * dim : (nq + nkv) * dim].view(-1, nkv, dim)
+            v = qkv[:, (nq + nkv) * dim :].view(-1, nkv, dim)
+            for start, n in chunks.spans:
+                sl = slice(start, start + n)
+                o = F.scaled_dot_product_attention(
+                    q[sl].transpose(0, 1)[None],
+                    k[sl].transpose(0, 1)[None],
+                    v[sl].transpose(0, 1)[None],
+                    is_causal=True,
+                    scale=self.scale,
+                    enable_gqa=True,
+                )
+                out[sl] = o[0].transpose(0, 1)
+            return
+        paged.prefill_attention(
+            q,
+            self.pool,
+            index,
+            chunks.page_tables,
+            chunks.q_starts,
+            chunks.q_lens,
+            chunks.ctx_lens,
+            chunks.max_q_len,
+            self.scale,
+            out,
+            layer.window,
+        )

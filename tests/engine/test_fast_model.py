@@ -1,0 +1,113 @@
+"""pdserve's own forward pass (fused projections, Triton kernels) against ``transformers``.
+
+On the CPU the kernels run in Triton's interpreter, so the model is small and the work
+short; float32 throughout, so greedy output must equal ``generate`` token for token.
+On a GPU the same tests run compiled (and ``tests/engine/test_gpu.py`` adds graphs).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.loader import quiet_transformers
+from pdserve.engine.model_runner import ModelRunner, ModelSpec
+from pdserve.schemas import SamplingParams
+from tests.engine.kernel_env import DEVICE, llama
+
+NEW = 6
+
+
+def small_model(kind: str) -> torch.nn.Module:
+    common = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    config = {
+        "llama": lambda: LlamaConfig(**common, rope_theta=10000.0),
+        "qwen2": lambda: Qwen2Config(**common, rope_theta=1e6),
+        "qwen3": lambda: Qwen3Config(**common, head_dim=16, rope_theta=1e6),
+        "llama3-rope": lambda: LlamaConfig(
+            **common,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    }[kind]()
+    torch.manual_seed(0)
+    with DEVICE:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    for p in model.parameters():  # wider weights than the default init: distinct logits, real test
+        p.data.normal_(0, 0.2)
+    return model.eval()
+
+
+def hf_greedy(model: torch.nn.Module, prompts: list[list[int]], n: int) -> list[list[int]]:
+    model.set_attn_implementation("sdpa")
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p], device=DEVICE)
+            outs.append(model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, len(p) :].tolist())
+    return outs
+
+
+def run(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
+    params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    outs: dict[str, list[int]] = {}
+    while engine.has_work():
+        for o in engine.step():
+            outs.setdefault(o.rid, []).extend(o.token_ids)
+    return [outs[str(i)] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3", "llama3-rope"])
+def test_fast_path_greedy_equals_transformers(kind: str) -> None:
+    quiet_transformers()
+    model = small_model(kind)
+    rng = random.Random(kind)
+    prompts = [[rng.randrange(300) for _ in range(n)] for n in (5, 23, 40)]
+    prompts.append(prompts[2][:32] + [1, 2, 3])  # a cached prefix of two full pages
+    expected = hf_greedy(model, prompts, NEW)
+    # small chunks: prompts are computed in pieces over a cached or earlier prefix
+    config = EngineConfig(
+        device=str(DEVICE), max_total_tokens=1024, model_impl="pdserve", chunked_prefill_size=16, cuda_graph_max_batch=0
+    )
+    runner = ModelRunner(ModelSpec(Path(kind)), config, model=model)
+    assert runner.model_impl == "pdserve" and isinstance(runner.fast, llama.LlamaFamily)
+    engine = Engine(runner, config)
+    assert run(engine, prompts[:3], NEW) == expected[:3]
+    assert run(engine, prompts[3:], NEW) == expected[3:]
+    assert engine.stats.cached_tokens >= 32
+    # the stock modules still work on views of the fused weights
+    assert hf_greedy(model, prompts[:1], NEW) == expected[:1]
+
+
+def test_auto_keeps_transformers_on_the_cpu_and_pdserve_refuses_unknown_architectures() -> None:
+    from transformers import GPT2Config
+
+    model = small_model("qwen2")
+    config = EngineConfig(device="cpu", max_total_tokens=256)
+    if DEVICE.type == "cpu":
+        assert ModelRunner(ModelSpec(Path("m")), config, model=model).model_impl == "transformers"
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel has no fast path"):
+        ModelRunner(ModelSpec(Path("g")), EngineConfig(device="cpu", max_total_tokens=256, model_impl="pdserve"), gpt2)

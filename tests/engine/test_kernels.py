@@ -1,0 +1,204 @@
+"""The Triton kernels against plain-torch references, over many shapes.
+
+On the CPU they run in Triton's interpreter in float32 (bf16 does not survive it); on a
+GPU in bf16 and float32. Fresh random inputs per case; outputs are poisoned first.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.engine.kernel_env import DEVICE, elementwise, paged
+
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out).all(), "non-finite output"
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def make_pool(pages: int, layers: int, kv: int, page: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn((pages, layers, 2, kv, page, dim), dtype=dtype, device=DEVICE)
+
+
+def gather(pool: torch.Tensor, layer: int, table: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V ``[kv, n, dim]`` of the first ``n`` tokens in pages ``table``."""
+    pages = pool[torch.tensor(table, device=DEVICE), layer]  # [P, 2, kv, page, dim]
+    kv = pages.permute(1, 2, 0, 3, 4).reshape(2, pool.shape[3], -1, pool.shape[5])
+    return kv[0, :, :n], kv[1, :, :n]
+
+
+def ref_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, window: int | None):
+    """q [Hq, m, D] at positions q_pos; k/v [Hkv, n, D] at positions 0..n-1."""
+    group = q.shape[0] // k.shape[0]
+    k = k.repeat_interleave(group, 0).double()
+    v = v.repeat_interleave(group, 0).double()
+    kpos = torch.arange(k.shape[1], device=DEVICE)[None, :]
+    mask = kpos <= q_pos[:, None]
+    if window:
+        mask &= kpos > q_pos[:, None] - window
+    s = (q.double() @ k.transpose(1, 2)) * q.shape[-1] ** -0.5
+    s = s.masked_fill(~mask[None], float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+CASES = [
+    # (page, num_q, num_kv, dim, context lengths, window)
+    (16, 4, 2, 64, [1, 17, 40], None),
+    (16, 7, 1, 32, [5, 100], None),
+    (4, 8, 8, 16, [3, 33, 64, 9], None),
+    (8, 6, 2, 32, [50, 7], 12),
+    (32, 28, 4, 128, [512], None),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES)
+def test_decode_attention_matches_reference(dtype: torch.dtype, case: tuple) -> None:
+    page, num_q, num_kv, dim, lens, window = case
+    rng = random.Random(str(case))
+    layers, layer = 3, 1
+    pool = make_pool(64, layers, num_kv, page, dim, dtype)
+    ids = list(range(64))
+    rng.shuffle(ids)
+    tables, start = [], 0
+    for n in lens:
+        need = -(-n // page)
+        tables.append(ids[start : start + need])
+        start += need
+    width = max(len(t) for t in tables) + 2
+    table_t = torch.zeros((len(lens), width), dtype=torch.int32, device=DEVICE)
+    for i, t in enumerate(tables):
+        table_t[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    qkv = torch.randn((len(lens), (num_q + 2 * num_kv) * dim), dtype=dtype, device=DEVICE)
+    q = qkv[:, : num_q * dim].view(len(lens), num_q, dim)  # strided rows, as in the model
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    for splits in (1, 4):
+        out = torch.full((len(lens), num_q, dim), float("nan"), dtype=dtype, device=DEVICE)
+        paged.decode_attention(q, pool, layer, table_t, ctx, dim**-0.5, splits, out, window, block_n=16)
+        for i, n in enumerate(lens):
+            k, v = gather(pool, layer, tables[i], n)
+            ref = ref_attention(q[i][:, None], k, v, torch.tensor([n - 1], device=DEVICE), window)[:, 0]
+            assert rel_err(out[i], ref) < TOL[dtype], (splits, i)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        [(0, 20)],  # fresh prompt
+        [(16, 9), (0, 5)],  # a chunk after a cached prefix, and a fresh one
+        [(37, 1), (3, 30)],
+    ],
+)
+@pytest.mark.parametrize("window", [None, 10])
+def test_prefill_attention_matches_reference(dtype: torch.dtype, chunks: list, window: int | None) -> None:
+    page, num_q, num_kv, dim, layers, layer = 8, 4, 2, 32, 2, 0
+    pool = make_pool(40, layers, num_kv, page, dim, dtype)
+    ids = list(range(40))
+    random.Random(1).shuffle(ids)
+    decode_rows = 3  # rows before the chunks in the packed batch, as decode tokens would be
+    tables, q_starts, row, start = [], [], decode_rows, 0
+    for prefix, n in chunks:
+        need = -(-(prefix + n) // page)
+        tables.append(ids[start : start + need])
+        start += need
+        q_starts.append(row)
+        row += n
+    total = row
+    width = max(len(t) for t in tables)
+    table_t = torch.zeros((len(chunks), width), dtype=torch.int32, device=DEVICE)
+    for i, t in enumerate(tables):
+        table_t[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    q = torch.randn((total, num_q, dim), dtype=dtype, device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+
+    def ints(xs: list[int]) -> torch.Tensor:
+        return torch.tensor(xs, dtype=torch.int32, device=DEVICE)
+
+    paged.prefill_attention(
+        q,
+        pool,
+        layer,
+        table_t,
+        ints(q_starts),
+        ints([n for _, n in chunks]),
+        ints([p + n for p, n in chunks]),
+        max(n for _, n in chunks),
+        dim**-0.5,
+        out,
+        window,
+    )
+    assert out[:decode_rows].isnan().all(), "rows outside the chunks were written"
+    for i, (prefix, n) in enumerate(chunks):
+        k, v = gather(pool, layer, tables[i], prefix + n)
+        qs = q[q_starts[i] : q_starts[i] + n].transpose(0, 1)
+        ref = ref_attention(qs, k, v, torch.arange(prefix, prefix + n, device=DEVICE), window)
+        assert rel_err(out[q_starts[i] : q_starts[i] + n].transpose(0, 1), ref) < TOL[dtype], i
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(4, 2, 32), (7, 1, 64), (28, 4, 128)])
+def test_rope_store_rotates_in_place_and_writes_slots(dtype: torch.dtype, heads: tuple[int, int, int]) -> None:
+    num_q, num_kv, dim = heads
+    page, layers, layer, tokens = 4, 3, 2, 9
+    pool = make_pool(12, layers, num_kv, page, dim, dtype)
+    before = pool.clone()
+    qkv = torch.randn((tokens, (num_q + 2 * num_kv) * dim), dtype=dtype, device=DEVICE)
+    original = qkv.clone()
+    positions = torch.tensor(random.Random(2).sample(range(100), tokens), device=DEVICE)
+    slots = torch.tensor(random.Random(3).sample(range(12 * page), tokens), device=DEVICE)
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, device=DEVICE).float() / dim))
+    freqs = torch.arange(100, device=DEVICE).float()[:, None] * inv[None, :]
+    emb = torch.cat((freqs, freqs), -1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    paged.rope_store(qkv, num_q, num_kv, cos, sin, positions, slots, pool, layer)
+    qk = original[:, : (num_q + num_kv) * dim].view(tokens, -1, dim).float()
+    c, s = cos[positions].float()[:, None], sin[positions].float()[:, None]
+    ref = (qk * c + rotate_half(qk) * s).view(tokens, -1)
+    tol = TOL[dtype]
+    assert rel_err(qkv[:, : (num_q + num_kv) * dim], ref) < tol
+    assert torch.equal(qkv[:, (num_q + num_kv) * dim :], original[:, (num_q + num_kv) * dim :])
+    k = ref.view(tokens, -1, dim)[:, num_q:]
+    v = original[:, (num_q + num_kv) * dim :].view(tokens, num_kv, dim)
+    expected = before.clone()
+    for t in range(tokens):
+        p, o = divmod(int(slots[t]), page)
+        expected[p, layer, 0, :, o] = k[t].to(dtype)
+        expected[p, layer, 1, :, o] = v[t]
+    assert rel_err(pool, expected) < tol
+    untouched = torch.ones(pool.shape[:1] + pool.shape[1:2], dtype=torch.bool)
+    untouched[:, layer] = False
+    assert torch.equal(pool[untouched.to(DEVICE)], before[untouched.to(DEVICE)])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [64, 3584 // 8, 1000])
+def test_add_rms_norm_and_silu_mul_match_transformers_rounding(dtype: torch.dtype, n: int) -> None:
+    rows = 5
+    x = torch.randn((rows, n), dtype=dtype, device=DEVICE)
+    res = torch.randn((rows, n), dtype=dtype, device=DEVICE)
+    w = torch.randn(n, dtype=dtype, device=DEVICE)
+    out, new_res = elementwise.add_rms_norm(x, res, w, 1e-6)
+    s = x + res
+    ref = w * (s.float() * torch.rsqrt(s.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    assert torch.equal(new_res, s)
+    assert rel_err(out, ref) < TOL[dtype] / 4
+    out0, res0 = elementwise.add_rms_norm(x, None, w, 1e-6)
+    assert torch.equal(res0, x)
+    ref0 = w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    assert rel_err(out0, ref0) < TOL[dtype] / 4
+    gu = torch.randn((rows, 2 * n), dtype=dtype, device=DEVICE)
+    ref = F.silu(gu[:, :n]) * gu[:, n:]
+    assert rel_err(elementwise.silu_mul(gu), ref) < TOL[dtype] / 4
