@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= cpu,dev
 PYTEST_ARGS ?=
 
-.PHONY: install up test test-fast lint bench clean
+.PHONY: install up test test-fast test-gpu lint bench clean
 
 install: $(VENV)/.installed
 
@@ -42,3 +42,7 @@ bench: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
+
+# On a machine with a CUDA device: the kernels compiled, graphs against eager, float32 against transformers.
+test-gpu: install
+	$(BIN)/python -m pytest -q tests/engine/test_kernels.py tests/engine/test_fast_model.py tests/engine/test_gpu.py

@@ -42,26 +42,29 @@ DIMS = {
 }
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dims", choices=sorted(DIMS), default="qwen2.5-7b")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+def write_model_dir(out: Path, dims: dict, dtype: str = "bfloat16") -> Path:
+    """A Qwen2 config of ``dims`` with the built-in tokenizer in ``out``; returns ``out``."""
     from transformers import AutoTokenizer, GenerationConfig, Qwen2Config
 
     from pdserve.engine.tiny_model import ensure_default_model
 
     tiny = ensure_default_model(Path(tempfile.mkdtemp()))
     tok = AutoTokenizer.from_pretrained(tiny)
-    config = Qwen2Config(
-        **DIMS[args.dims], dtype=args.dtype, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
-    )
-    args.out.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(args.out)
-    tok.save_pretrained(args.out)
-    GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id).save_pretrained(args.out)
-    print(args.out)
+    config = Qwen2Config(**dims, dtype=dtype, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    out.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(out)
+    tok.save_pretrained(out)
+    GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id).save_pretrained(out)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dims", choices=sorted(DIMS), default="qwen2.5-7b")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    print(write_model_dir(args.out, DIMS[args.dims], args.dtype))
     return 0
 
 

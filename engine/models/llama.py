@@ -68,7 +68,13 @@ def _fuse(modules: list[torch.nn.Linear], name: str) -> torch.Tensor | None:
 
 
 class LlamaFamily:
-    """Forward pass over a :class:`StepBatch`; the KV pool is written and read in place."""
+    """Forward pass over a :class:`StepBatch`; the KV pool is written and read in place.
+
+    ``sdpa_prefill``: whole prompts (no cached prefix) attend with the library's flash
+    attention over their own q, k, v; otherwise with the paged prefill kernel.
+    """
+
+    sdpa_prefill = True
 
     def __init__(self, model: torch.nn.Module, pool: torch.Tensor, max_positions: int) -> None:
         reason = unsupported_reason(model)
@@ -162,7 +168,7 @@ class LlamaFamily:
         chunks = step.prefill
         if chunks is None:
             return
-        if chunks.is_fresh and layer.window is None and q.is_cuda:
+        if self.sdpa_prefill and chunks.is_fresh and layer.window is None and q.is_cuda:
             # Each chunk is a whole prompt: the library's flash attention on its own q, k, v.
             k = qkv[:, nq * dim : (nq + nkv) * dim].view(-1, nkv, dim)
             v = qkv[:, (nq + nkv) * dim :].view(-1, nkv, dim)

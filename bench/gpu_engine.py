@@ -1,0 +1,347 @@
+"""pdserve's engine against ``transformers`` on one GPU, same model and work, one run.
+
+A model of Qwen2.5-7B dimensions with random bf16 weights (both systems share the very
+same tensors). Every measured run is cold: fresh random prompts, prefix cache reset,
+cached tokens reported.
+
+  * decode step at batch 1: a 512-token prompt, 128 new tokens, milliseconds per token
+    after the first (through the engine loop; the graph replay alone is reported too);
+  * decode throughput: 64 requests of 512 in / 128 out, output tokens per second over
+    the decode phase (after the last request's first token), and over the whole run;
+  * prefill: one 4,096-token prompt, time to its first token;
+  * end to end (``--e2e``): ``pdserve up --mode unified`` on the GPU against the offline
+    engine on the same workload, 64 concurrent, fresh prompts each run.
+
+    python bench/gpu_engine.py --json docs/data/gpu_engine.json [--e2e] [--profile prof.txt]
+    python bench/gpu_engine.py --device cpu --small     # a quick check of the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.loader import quiet_transformers
+from pdserve.engine.model_runner import ModelRunner, ModelSpec
+from pdserve.schemas import SamplingParams
+
+QWEN7B = dict(
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    vocab_size=152064,
+    max_position_embeddings=32768,
+    rope_theta=1e6,
+    tie_word_embeddings=False,
+)
+SMALL = dict(QWEN7B, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4)
+SMALL.update(num_key_value_heads=2, vocab_size=1000)
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class Timer:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def now(self) -> float:
+        self.sync()
+        return time.perf_counter()
+
+
+def prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[list[int]]:
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
+
+
+# ---- pdserve's engine ------------------------------------------------------------------
+def engine_run(engine: Engine, batch: list[list[int]], new: int, timer: Timer) -> dict[str, float]:
+    """Seconds in all, to the first token of the last request, and the tokens after it."""
+    engine.pages.reset_prefix_cache()
+    cached_before = engine.stats.cached_tokens
+    params = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
+    tag = f"{time.perf_counter()}"
+    for i, p in enumerate(batch):
+        engine.add_request(f"{tag}-{i}", p, params)
+    seen: set[str] = set()
+    tokens_after = 0
+    start = timer.now()
+    all_first = 0.0
+    while engine.has_work():
+        for out in engine.step():
+            if out.rid not in seen:
+                seen.add(out.rid)
+                if len(seen) == len(batch):
+                    all_first = time.perf_counter() - start
+            elif len(seen) == len(batch):
+                tokens_after += len(out.token_ids)
+    total = timer.now() - start
+    return {
+        "seconds": total,
+        "all_first_s": all_first,
+        "tokens_after_first": tokens_after,
+        "cached_tokens": engine.stats.cached_tokens - cached_before,
+    }
+
+
+def measure_engine(engine: Engine, vocab: int, timer: Timer, rng: random.Random, args: argparse.Namespace) -> dict:
+    row: dict[str, object] = {"model_impl": engine.runner.model_impl, "cuda_graphs": engine.runner.graphs is not None}
+    engine_run(engine, prompts(rng, 2, 64, vocab), 8, timer)  # warm-up (kernels compile)
+    say("pdserve: batch 1")
+    runs = [engine_run(engine, prompts(rng, 1, 512, vocab), args.new, timer) for _ in range(3)]
+    per_token = [(r["seconds"] - r["all_first_s"]) / (args.new - 1) * 1e3 for r in runs]
+    row["decode_bs1_ms"] = statistics.median(per_token)
+    row["decode_bs1_ms_runs"] = per_token
+    graphs = engine.runner.graphs
+    if graphs is not None:
+        row["decode_bs1_graph_replay_ms"] = replay_ms(graphs, 1, timer)
+        row["decode64_graph_replay_ms"] = replay_ms(graphs, 64, timer)
+    say(f"pdserve: {args.requests} requests")
+    engine_run(engine, prompts(rng, 8, 512, vocab), 8, timer)
+    runs = [engine_run(engine, prompts(rng, args.requests, 512, vocab), args.new, timer) for _ in range(2)]
+    row["decode64_out_tok_s"] = statistics.median(
+        r["tokens_after_first"] / (r["seconds"] - r["all_first_s"]) for r in runs
+    )
+    row["whole64_out_tok_s"] = statistics.median(args.requests * args.new / r["seconds"] for r in runs)
+    row["runs64"] = runs
+    say("pdserve: prefill 4096")
+    runs = [engine_run(engine, prompts(rng, 1, 4096, vocab), 1, timer) for _ in range(3)]
+    row["prefill4096_ms"] = statistics.median(r["seconds"] * 1e3 for r in runs)
+    row["prefill4096_ms_runs"] = [r["seconds"] * 1e3 for r in runs]
+    fast = engine.runner.fast
+    if fast is not None:  # the same prompts' attention through the paged prefill kernel instead
+        fast.sdpa_prefill = False
+        runs = [engine_run(engine, prompts(rng, 1, 4096, vocab), 1, timer) for _ in range(3)]
+        fast.sdpa_prefill = True
+        row["prefill4096_paged_kernel_ms"] = statistics.median(r["seconds"] * 1e3 for r in runs)
+    row["cached_tokens"] = engine.stats.cached_tokens
+    return row
+
+
+def replay_ms(graphs: object, batch: int, timer: Timer, n: int = 50) -> float:
+    """Device time of one decode graph replay (the forward pass alone)."""
+    graph = graphs._graphs[batch]  # type: ignore[attr-defined]
+    graph.replay()
+    timer.sync()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        graph.replay()
+    end.record()
+    timer.sync()
+    return start.elapsed_time(end) / n
+
+
+# ---- transformers ----------------------------------------------------------------------
+def hf_generate(model: torch.nn.Module, batch: list[list[int]], new: int, timer: Timer) -> float:
+    ids = torch.tensor(batch, device=timer.device)
+    with torch.inference_mode():
+        start = timer.now()
+        model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        return timer.now() - start
+
+
+def measure_transformers(model: torch.nn.Module, vocab: int, timer: Timer, rng: random.Random, args) -> dict:
+    row: dict[str, object] = {}
+    hf_generate(model, prompts(rng, 1, 64, vocab), 4, timer)
+    say("transformers: batch 1")
+    p = prompts(rng, 1, 512, vocab)
+    t1 = hf_generate(model, p, 1, timer)
+    tn = hf_generate(model, p, args.new, timer)
+    row["decode_bs1_ms"] = (tn - t1) / (args.new - 1) * 1e3
+    say(f"transformers: {args.requests} requests")
+    batch = prompts(rng, args.requests, 512, vocab)
+    t1 = hf_generate(model, batch, 1, timer)
+    tn = hf_generate(model, batch, args.new, timer)
+    row["decode64_out_tok_s"] = args.requests * (args.new - 1) / (tn - t1)
+    row["whole64_out_tok_s"] = args.requests * args.new / tn
+    say("transformers: prefill 4096")
+    times = []
+    with torch.inference_mode():
+        for _ in range(3):
+            ids = torch.tensor(prompts(rng, 1, 4096, vocab), device=timer.device)
+            start = timer.now()
+            model(input_ids=ids, logits_to_keep=1)
+            times.append((timer.now() - start) * 1e3)
+    row["prefill4096_ms"] = statistics.median(times)
+    row["prefill4096_ms_runs"] = times
+    return row
+
+
+# ---- profile ---------------------------------------------------------------------------
+def profile(engine: Engine, vocab: int, rng: random.Random, path: Path) -> None:
+    """Where a batch-1 decode step and a 4,096-token prefill spend device time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    lines = []
+    for name, batch, new in (("decode, batch 1 (16 steps)", 1, 17), ("prefill 4096", 1, 1)):
+        length = 512 if new > 1 else 4096
+        work = prompts(rng, batch, length, vocab)
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            engine_run(engine, work, new, Timer(engine.runner.device))
+        lines.append(f"== {name}\n" + prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+    path.write_text("\n".join(lines))
+
+
+# ---- end to end ------------------------------------------------------------------------
+def measure_e2e(args: argparse.Namespace, dims: dict, device: str) -> dict:
+    """``pdserve up --mode unified`` against the offline engine, 64 concurrent, cold each run."""
+    from common import start_pdserve, stop_pdserve
+    from engine_bench import run_pdserve, workload
+    from make_dummy_model import write_model_dir
+    from pipeline_vs_offline import through_http
+
+    from pdserve.engine.loader import build_engine
+
+    model_dir = write_model_dir(Path(tempfile.mkdtemp(prefix="pdserve-e2e-")) / "model", dims, "bfloat16")
+    tokens = 64 * (512 + args.new + 64)
+    config = EngineConfig(device=device, max_total_tokens=tokens, max_num_seqs=128, chunked_prefill_size=8192)
+    offline = build_engine(model_dir, config, load_format="dummy")
+    vocab = min(dims["vocab_size"], 100_000)
+    seed = iter(range(1000, 2000))
+
+    def fresh():
+        return workload(args.requests, next(seed), vocab, 512, 512, args.new, args.new)
+
+    run_pdserve(offline, workload(4, 1, vocab, 64, 64, 4, 4), 4)  # warm-up
+    flags = ["--device", device, "--model-path", str(model_dir), "--load-format", "dummy"]
+    flags += ["--max-total-tokens", str(tokens), "--max-running-requests", "128", "--chunked-prefill-size", "8192"]
+    proc, url = start_pdserve("unified", Path(tempfile.mkdtemp(prefix="pdserve-up-")), flags, timeout=600)
+    pairs = []
+    try:
+        asyncio.run(through_http(url, workload(4, 2, vocab, 64, 64, 4, 4), 4))  # warm-up
+        for _ in range(args.e2e_repeat):
+            reqs = fresh()
+            offline.pages.reset_prefix_cache()
+            base = sum(r.output_len for r in reqs) / run_pdserve(offline, reqs, args.requests)
+            reqs = fresh()
+            seconds, ttfts = asyncio.run(through_http(url, reqs, args.requests))
+            served = sum(r.output_len for r in reqs) / seconds
+            pairs.append(
+                {"offline_out_tok_s": base, "pipeline_out_tok_s": served, "ttft_p50_s": sorted(ttfts)[len(ttfts) // 2]}
+            )
+            say(f"e2e: offline {base:,.0f} out tok/s, pipeline {served:,.0f}")
+    finally:
+        stop_pdserve(proc)
+    ratios = sorted(p["pipeline_out_tok_s"] / p["offline_out_tok_s"] for p in pairs)
+    return {"e2e_unified_ratio": ratios[len(ratios) // 2], "e2e_pairs": pairs}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--small", action="store_true", help="a small stand-in for the 7B model (script check)")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--profile", type=Path, help="write a device-time profile of decode and prefill here")
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--e2e", action="store_true", help="also pdserve up --mode unified against the offline engine")
+    parser.add_argument("--e2e-repeat", type=int, default=3)
+    args = parser.parse_args()
+    quiet_transformers()
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    device = torch.device(args.device)
+    timer = Timer(device)
+    dims = SMALL if args.small else QWEN7B
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    say("building the model with random weights")
+    with device:
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**dims), dtype=dtype, attn_implementation="sdpa").eval()
+    vocab = min(dims["vocab_size"], 100_000)
+    new_tokens = 64 * (512 + args.new + 64)
+    config = EngineConfig(
+        device=str(device),
+        max_total_tokens=max(new_tokens, 4096 + 1024),
+        max_num_seqs=max(args.requests, 8),
+        chunked_prefill_size=8192,
+        cuda_graph_max_batch=max(args.requests, 8),
+    )
+    started = time.monotonic()
+    engine = Engine(ModelRunner(ModelSpec(Path("qwen2.5-7b-dims")), config, model=model), config)
+    say(f"engine ready in {time.monotonic() - started:.1f} s ({engine.runner.model_impl})")
+    rng = random.Random(int(time.time()))
+    result: dict[str, object] = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "model": "Qwen2.5-7B dimensions, random weights" if not args.small else "small stand-in",
+        "dtype": str(dtype).removeprefix("torch."),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "command": "python " + " ".join(sys.argv),
+        "torch": torch.__version__,
+    }
+    result.update(measure_engine(engine, vocab, timer, rng, args))
+    if args.profile:
+        profile(engine, vocab, rng, args.profile)
+    if not args.skip_transformers:
+        result["transformers"] = measure_transformers(model, vocab, timer, rng, args)
+    if args.e2e:
+        del engine
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+        result.update(measure_e2e(args, dims, str(device)))
+    table(result)
+    text = json.dumps(result, indent=2)
+    if args.json:
+        args.json.write_text(text + "\n")
+    return 0
+
+
+def table(r: dict) -> None:
+    hf = r.get("transformers", {})
+    rows = [
+        ("decode step, batch 1 (ms)", "decode_bs1_ms", "{:.2f}"),
+        ("decode, 64 requests (out tok/s)", "decode64_out_tok_s", "{:,.0f}"),
+        ("whole run, 64 requests (out tok/s)", "whole64_out_tok_s", "{:,.0f}"),
+        ("prefill 4096 (ms)", "prefill4096_ms", "{:.1f}"),
+    ]
+    say(f"\n{'figure':38} {'pdserve':>12} {'transformers':>14}")
+    for label, key, fmt in rows:
+        ours = fmt.format(r[key]) if key in r else "-"
+        theirs = fmt.format(hf[key]) if key in hf else "-"
+        say(f"{label:38} {ours:>12} {theirs:>14}")
+    keys = (
+        "decode_bs1_graph_replay_ms",
+        "decode64_graph_replay_ms",
+        "prefill4096_paged_kernel_ms",
+        "e2e_unified_ratio",
+    )
+    for key in keys:
+        if key in r:
+            say(f"{key:38} {r[key]:>12.3f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

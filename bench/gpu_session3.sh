@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# GPU fast path on one H200, everything in one call: the GPU tests, then the engine
+# against transformers (bench/gpu_engine.py), with a device-time profile. Expects the
+# wheels from ../shared/tools/device-bundle installed (PYTHONPATH, PATH, LD_LIBRARY_PATH)
+# and $OUT to collect logs. Each step has its own timeout. E2E=1 adds the end-to-end pairs.
+set -u
+out=${OUT:-/tmp/pdserve-gpu}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 MC_LOG_LEVEL=ERROR
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$out/gpu.txt"
+python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
+if [ "${TESTS:-1}" = 1 ]; then
+  timeout 420 python3 -m pytest -q -p no:cacheprovider -x tests/engine/test_kernels.py tests/engine/test_fast_model.py \
+    tests/engine/test_gpu.py 2>&1 | tee "$out/test_gpu.log" | tail -30
+fi
+extra=()
+[ "${E2E:-0}" = 1 ] && extra+=(--e2e)
+timeout "${BENCH_TIMEOUT:-480}" python3 bench/gpu_engine.py --json "$out/gpu_engine.json" --profile "$out/profile.txt" \
+  "${extra[@]}" 2>&1 | tee "$out/gpu_engine.log" | tail -25
