@@ -139,7 +139,7 @@ def _decode_kernel(
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    ctx = tl.load(ctx_ptr + b)
+    ctx = tl.load(ctx_ptr + b).to(tl.int32)
     low = 0
     if window > 0:
         low = tl.maximum(ctx - window, 0)
@@ -279,7 +279,7 @@ def _prefill_kernel(
     if m_block * BLOCK_M >= q_len:
         return
     q_start = tl.load(q_start_ptr + span)
-    ctx = tl.load(ctx_ptr + span)
+    ctx = tl.load(ctx_ptr + span).to(tl.int32)
     prefix = ctx - q_len
     kv_head = head // GROUP
     i = m_block * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -2,7 +2,8 @@
 
 On the CPU the kernels run in Triton's interpreter, so the model is small and the work
 short; float32 throughout, so greedy output must equal ``generate`` token for token.
-On a GPU the same tests run compiled (and ``tests/engine/test_gpu.py`` adds graphs).
+On a GPU the same tests run compiled (and ``tests/engine/test_gpu.py`` adds graphs);
+there a float32 near tie may go either way (``tests/engine/reference.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pdserve.engine.loader import quiet_transformers
 from pdserve.engine.model_runner import ModelRunner, ModelSpec
 from pdserve.schemas import SamplingParams
 from tests.engine.kernel_env import DEVICE, llama
+from tests.engine.reference import assert_greedy_equal
 
 NEW = 6
 
@@ -94,8 +96,8 @@ def test_fast_path_greedy_equals_transformers(kind: str) -> None:
     runner = ModelRunner(ModelSpec(Path(kind)), config, model=model)
     assert runner.model_impl == "pdserve" and isinstance(runner.fast, llama.LlamaFamily)
     engine = Engine(runner, config)
-    assert run(engine, prompts[:3], NEW) == expected[:3]
-    assert run(engine, prompts[3:], NEW) == expected[3:]
+    ours = run(engine, prompts[:3], NEW) + run(engine, prompts[3:], NEW)
+    assert_greedy_equal(model, prompts, ours, expected)
     assert engine.stats.cached_tokens >= 32
     # the stock modules still work on views of the fused weights
     assert hf_greedy(model, prompts[:1], NEW) == expected[:1]

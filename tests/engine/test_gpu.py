@@ -14,6 +14,7 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.loader import quiet_transformers
 from pdserve.engine.model_runner import ModelRunner, ModelSpec
 from pdserve.schemas import SamplingParams
+from tests.engine.reference import assert_greedy_equal
 
 pytestmark = [
     pytest.mark.gpu,
@@ -87,4 +88,4 @@ def test_float32_greedy_equals_transformers_at_7b_dimensions() -> None:
             ids = torch.tensor([p], device="cuda")
             out = model.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)
             expected.append(out[0, len(p) :].tolist())
-    assert run(engine_for(model, 8, tokens=4096), prompts, 24) == expected
+    assert_greedy_equal(model, prompts, run(engine_for(model, 8, tokens=4096), prompts, 24), expected)

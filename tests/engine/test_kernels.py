@@ -78,8 +78,8 @@ def test_decode_attention_matches_reference(dtype: torch.dtype, case: tuple) -> 
         table_t[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
     qkv = torch.randn((len(lens), (num_q + 2 * num_kv) * dim), dtype=dtype, device=DEVICE)
     q = qkv[:, : num_q * dim].view(len(lens), num_q, dim)  # strided rows, as in the model
-    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    for splits in (1, 4):
+    for splits, ctx_dtype in ((1, torch.int32), (4, torch.int64)):  # graphs pass int64 lengths
+        ctx = torch.tensor(lens, dtype=ctx_dtype, device=DEVICE)
         out = torch.full((len(lens), num_q, dim), float("nan"), dtype=dtype, device=DEVICE)
         paged.decode_attention(q, pool, layer, table_t, ctx, dim**-0.5, splits, out, window, block_n=16)
         for i, n in enumerate(lens):
