@@ -29,6 +29,11 @@ class SampleRequest:
     params: SamplingParams
     prompt_ids: Seq[int]
     output_ids: Seq[int]
+    index: int = -1  # output position of the token to draw (default: len(output_ids))
+
+    @property
+    def position(self) -> int:
+        return self.index if self.index >= 0 else len(self.output_ids)
 
 
 @dataclass
@@ -53,6 +58,20 @@ class Sampler:
         assert logits.shape[0] == len(rows)
         if all(r.params.is_greedy and not r.params.has_penalties and not r.params.logprobs for r in rows):
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))  # the common fast path
+        tokens, raw_logprobs = self._tokens(logits, rows)
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, _logprobs(raw_logprobs, rows, token_list))
+
+    def sample_on_device(self, logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor | None:
+        """The tokens as a device tensor, with no host synchronisation; ``None`` when a row
+        wants log-probabilities (those are read on the host with the tokens)."""
+        if any(r.params.logprobs for r in rows):
+            return None
+        if all(r.params.is_greedy and not r.params.has_penalties for r in rows):
+            return logits.argmax(dim=-1)
+        return self._tokens(logits, rows)[0]
+
+    def _tokens(self, logits: torch.Tensor, rows: list[SampleRequest]) -> tuple[torch.Tensor, torch.Tensor | None]:
         logits = logits.float()
         raw_logprobs = None
         if any(r.params.logprobs for r in rows):
@@ -71,8 +90,7 @@ class Sampler:
         if sampled:
             index = torch.tensor(sampled, device=logits.device)
             tokens[index] = self._sample(logits[index], [rows[i] for i in sampled])
-        token_list = tokens.tolist()
-        return SamplerOutput(token_list, _logprobs(raw_logprobs, rows, token_list))
+        return tokens, raw_logprobs
 
     def _sample(self, logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
         temps = torch.tensor([r.params.temperature for r in rows], device=logits.device)
@@ -88,7 +106,7 @@ class Sampler:
             )
         for i, r in enumerate(rows):
             if r.params.seed is not None:
-                self._seeded.manual_seed(seed_for(r.params.seed, len(r.output_ids)))
+                self._seeded.manual_seed(seed_for(r.params.seed, r.position))
                 noise[i].exponential_(generator=self._seeded)
         return (probs / noise).argmax(dim=-1)
 

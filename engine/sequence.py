@@ -21,6 +21,8 @@ class Sequence:
     """Token state of one request. ``tokens`` = prompt + generated output.
 
     Invariant: the KV of ``tokens[:num_computed]`` is in ``page_table``'s pages.
+    ``tokens`` holds the known tokens; a step in flight may have sampled one more
+    (``num_pending``), which counts in ``num_tokens``.
     """
 
     rid: str
@@ -40,6 +42,7 @@ class Sequence:
     num_preemptions: int = 0
     page_hashes: list[bytes] = field(default_factory=list)
     num_resumed: int = 0  # output tokens already streamed before this engine saw the request
+    num_pending: int = 0  # tokens sampled on the device but not yet appended (0 or 1)
 
     @property
     def tokens(self) -> list[int]:
@@ -47,7 +50,12 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        """Tokens including a pending one (its value is still on the device)."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.output_ids) + self.num_pending
 
     @property
     def num_uncomputed(self) -> int:
@@ -59,6 +67,7 @@ class Sequence:
 
     @property
     def last_token(self) -> int:
+        """The newest known token (a pending one is fed to the next step on the device)."""
         return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
 
 
