@@ -10,8 +10,8 @@ from typing import Any
 
 import orjson
 from pdserve.api import formats
-from pdserve.api.app import AppState, ORJSONResponse, state_of, translate, until_disconnect
 from pdserve.api.completion import Delta, Result, collect, deltas
+from pdserve.api.http import AppState, ORJSONResponse, state_of, translate, until_disconnect
 from pdserve.api.protocol import Job, Parsed, parse_chat, parse_completion, parse_generate, parse_json
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
