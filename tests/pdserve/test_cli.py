@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.cli import UsageError, build_parser, check_worker_flags, engine_config
+from pdserve.cli import build_parser
+from pdserve.launch import UsageError, check_worker_flags, engine_config
 from pdserve.supervisor import plan_roles, size_consumers, worker_argv
 
 SEED_PREFILL = (
@@ -25,7 +26,7 @@ def test_the_seeds_prefill_command_parses_and_passes_the_checks() -> None:
     assert args.port == 7000 and args.disaggregation_bootstrap_port == 8998
     assert args.disaggregation_ib_device == "mlx5_2" and args.trust_remote_code
     config = engine_config(args)
-    assert config.max_total_tokens == 4096  # type: ignore[attr-defined]
+    assert config.max_total_tokens == 4096
 
 
 @pytest.mark.parametrize(
