@@ -5,8 +5,13 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= cpu,dev
 PYTEST_ARGS ?=
+# mypy reads the packages as installed (pdserve.api is api/, ...) from a tree of links.
+TYPECHECK_DIR := build/typecheck
+SUBPACKAGES := schemas broker engine api workers
+SHELL := /bin/bash
+space := $() $()
 
-.PHONY: install up test test-fast test-gpu lint bench clean
+.PHONY: install up test test-fast test-gpu lint typecheck bench clean
 
 install: $(VENV)/.installed
 
@@ -25,23 +30,29 @@ $(VENV)/.installed: pyproject.toml Makefile
 up: install
 	$(BIN)/pdserve up $(ARGS)
 
-test: install
-	$(BIN)/ruff check .
+test: lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-lint: install
+lint: install typecheck
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy schemas broker api
+
+typecheck: install
+	rm -rf $(TYPECHECK_DIR) && mkdir -p $(TYPECHECK_DIR)/pdserve
+	ln -s $(CURDIR)/pdserve/*.py $(CURDIR)/pdserve/bench $(TYPECHECK_DIR)/pdserve/
+	for d in $(SUBPACKAGES); do ln -s $(CURDIR)/$$d $(TYPECHECK_DIR)/pdserve/$$d; done
+	set -o pipefail; cd $(TYPECHECK_DIR) && \
+	  $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml --cache-dir $(CURDIR)/.mypy_cache -p pdserve \
+	  | sed -E 's#^pdserve/($(subst $(space),|,$(SUBPACKAGES)))/#\1/#'
 
 bench: install
 	$(BIN)/python bench/engine_bench.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache $(TYPECHECK_DIR)
 
 # On a machine with a CUDA device: the kernels compiled, graphs against eager, float32 against transformers.
 test-gpu: install

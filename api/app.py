@@ -1,82 +1,26 @@
-"""The Starlette application: lifespan, state, and the non-generation endpoints."""
+"""The Starlette application: the lifespan, the routes, and the endpoints that are not generation."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
 
-import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from pdserve.api.config import ApiConfig
 from pdserve.api.errors import APIError, error_response
 from pdserve.api.gateway import Gateway
+from pdserve.api.http import AppState, ORJSONResponse, state_of
 from pdserve.api.model_info import ModelInfo, load_model_info
-from pdserve.broker.connection import QueueFullError
+from pdserve.api.routes import generation_routes
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
-
-@dataclass
-class AppState:
-    config: ApiConfig
-    info: ModelInfo
-    gateway: Gateway
-    started_at: float
-
-
-def state_of(request: Request) -> AppState:
-    return request.app.state.pd  # type: ignore[no-any-return]
-
-
-class ORJSONResponse(JSONResponse):
-    def render(self, content: Any) -> bytes:
-        return orjson.dumps(content)
-
-
-async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work``; if the client goes away first, cancel it (which cancels the request)."""
-    task = asyncio.ensure_future(work)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=0.5)
-        if done:
-            return task.result()
-        if await request.is_disconnected():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            raise APIError("client closed the request", 499, "client_closed")
-
-
-def translate(exc: Exception) -> APIError:
-    """Errors from the gateway as HTTP errors."""
-    from pdserve.api.gateway import StreamError
-
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, QueueFullError):
-        return APIError(
-            f"the request queue is full: {exc}", 503, "server_overloaded", "queue_full", headers={"Retry-After": "1"}
-        )
-    if isinstance(exc, StreamError):
-        if exc.kind == "invalid_request_error":
-            return APIError(str(exc), 400)
-        if exc.kind == "timeout":
-            return APIError(str(exc), 504, "timeout")
-        return APIError(str(exc), 500, exc.kind)
-    log.exception("unexpected error", exc_info=exc)
-    return APIError(f"internal error: {exc}", 500, "server_error")
 
 
 async def health(request: Request) -> Response:
@@ -157,7 +101,6 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 def create_app(config: ApiConfig, info: ModelInfo | None = None) -> Starlette:
     """The app; the model's tokenizer loads and NATS connects in the lifespan."""
-    from pdserve.api.routes import generation_routes
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

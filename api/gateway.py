@@ -15,13 +15,12 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from nats.aio.client import Client
-from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from pdserve.broker import streams, subjects
-from pdserve.broker.connection import QueueFullError, connect, publish_work
+from pdserve.broker import contract, streams
+from pdserve.broker.connection import QueueFullError, connect
 from pdserve.broker.registry import WorkerRegistry
-from pdserve.schemas import Cancel, GenerateRequest, MessageError, SamplingParams, TokenChunk, WorkerInfo
+from pdserve.schemas import Cancel, GenerateRequest, SamplingParams, TokenChunk, WorkerInfo
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +79,7 @@ class Gateway:
         self.js = self.nc.jetstream()
         await streams.ensure_model(self.js, self.model, self.broker)
         self.registry = WorkerRegistry(await streams.worker_bucket(self.js, self.broker), self.js)
-        await self.nc.subscribe(subjects.tokens_prefix(self.api_id), cb=self._on_chunk)
+        await contract.subscribe(self.nc, contract.TOKENS, self._on_chunk, self.api_id)
 
     async def stop(self) -> None:
         for rid in list(self.streams):
@@ -88,12 +87,7 @@ class Gateway:
         if self.nc is not None and self.nc.is_connected:
             await self.nc.drain()
 
-    async def _on_chunk(self, msg: Msg) -> None:
-        try:
-            chunk = TokenChunk.decode(msg.data)
-        except MessageError as exc:
-            log.warning("bad token chunk", extra={"error": str(exc), "subject": msg.subject})
-            return
+    async def _on_chunk(self, chunk: TokenChunk) -> None:
         stream = self.streams.get(chunk.rid)
         if stream is not None:
             stream.deliver(chunk)
@@ -123,14 +117,14 @@ class Gateway:
             rid=rid,
             model=self.model,
             prompt_ids=tuple(prompt_ids),
-            reply_to=subjects.tokens(self.api_id, rid),
+            reply_to=contract.TOKENS.subject(self.api_id, rid),
             sampling=sampling,
             deadline=now + timeout,
             published_at=now,
         )
         finished = False
         try:
-            if not await publish_work(self.js, subjects.requests(self.model), request, msg_id=rid):
+            if not await contract.submit(self.js, contract.REQUESTS, request, self.model, rid):
                 raise StreamError(f"request id {rid!r} was already submitted", "invalid_request_error")
             deadline = time.monotonic() + timeout
             while True:
@@ -163,7 +157,7 @@ class Gateway:
         if self.nc is None or not self.nc.is_connected:
             return
         try:
-            await self.nc.publish(subjects.CANCEL, Cancel(rid=rid, reason=reason).encode())
+            await contract.publish(self.nc, contract.CANCEL, Cancel(rid=rid, reason=reason))
         except Exception as exc:
             log.warning("could not publish cancel", extra={"rid": rid, "error": str(exc)})
 
@@ -173,12 +167,10 @@ class Gateway:
 
     async def queue_depths(self) -> dict[str, streams.QueueDepth]:
         assert self.js is not None
-        return {
-            "prefill": await streams.queue_depth(
-                self.js, subjects.REQUEST_STREAM, subjects.prefill_consumer(self.model)
-            ),
-            "decode": await streams.queue_depth(self.js, subjects.KV_STREAM, subjects.decode_consumer(self.model)),
-        }
+        depths: dict[str, streams.QueueDepth] = {}
+        for role, channel in (("prefill", contract.REQUESTS), ("decode", contract.KV_READY)):
+            depths[role] = await streams.queue_depth(self.js, channel.stream, channel.consumer(self.model))
+        return depths
 
 
 __all__ = ["Gateway", "QueueFullError", "StreamError", "TokenStream"]

@@ -324,7 +324,7 @@ _SGLANG_SAMPLING = (
 
 def parse_generate(body: dict[str, Any], info: ModelInfo, default_max_tokens: int) -> Parsed:
     """SGLang's ``/generate``: ``text`` or ``input_ids``, ``sampling_params``; the
-    sampling keys may also sit at the top level (the seed's curl does this)."""
+    sampling keys may also sit at the top level, as SGLang accepts them."""
     check_model(body, info, required=False)
     params = body.get("sampling_params", {})
     if params is None:

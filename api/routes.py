@@ -14,8 +14,8 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from pdserve.api import formats
-from pdserve.api.app import AppState, ORJSONResponse, state_of, translate, until_disconnect
 from pdserve.api.completion import Delta, Result, collect, deltas
+from pdserve.api.http import AppState, ORJSONResponse, state_of, translate, until_disconnect
 from pdserve.api.protocol import Job, Parsed, parse_chat, parse_completion, parse_generate, parse_json
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

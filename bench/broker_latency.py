@@ -45,7 +45,7 @@ MODEL = "bench"
 def message(kind: str, rid: str) -> GenerateRequest | KVReady:
     prompt = tuple(range(100, 612))
     req = GenerateRequest(
-        rid=rid, model=MODEL, prompt_ids=prompt[:128], reply_to="pd.tokens.x." + rid, published_at=time.time()
+        rid=rid, model=MODEL, prompt_ids=prompt[:128], reply_to=subjects.tokens("x", rid), published_at=time.time()
     )
     if kind == "request":
         return req

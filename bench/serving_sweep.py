@@ -160,7 +160,7 @@ class System:
 
     def stop(self, timeout: float = 60.0) -> None:
         """SIGTERM to ``pdserve up``; then SIGTERM to anything of its process group still
-        running (``pdserve up`` may exit before its workers and broker: see the report),
+        running (``pdserve up`` may exit before its workers and broker do),
         SIGKILL after ``timeout``."""
         if self.proc is None:
             return

@@ -20,6 +20,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from pdserve.broker import subjects
 from pdserve.schemas.codec import Message, MessageError
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class PullConsumer:
 
     def __init__(self, nc: Client, stream: str, consumer: str) -> None:
         self._nc = nc
-        self._next = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
+        self._next = subjects.pull_next(stream, consumer)
         self._inbox = nc.new_inbox()
         self._sub: Subscription | None = None
         self._lock = asyncio.Lock()
@@ -201,14 +202,15 @@ async def decode_deliveries(msgs: list[Msg], kind: type[M]) -> tuple[list[Delive
         try:
             good.append(Delivery(kind.decode(msg.data), msg, now))
         except MessageError as exc:
-            rid, reply_to = _best_guess(msg.data)
+            rid, reply_to = best_guess(msg.data)
             log.error("malformed message terminated", extra={"subject": msg.subject, "error": str(exc), "rid": rid})
             await msg.term()
             bad.append(Rejected(str(exc), rid, reply_to))
     return good, bad
 
 
-def _best_guess(data: bytes) -> tuple[str | None, str | None]:
+def best_guess(data: bytes) -> tuple[str | None, str | None]:
+    """The ``rid`` and ``reply_to`` of a payload that did not decode, where they can be read."""
     try:
         raw = orjson.loads(data)
     except orjson.JSONDecodeError:

@@ -34,8 +34,8 @@ class WorkerRegistry:
         Keys come from the server's per-subject state of the bucket's stream: nats-py's
         ``keys()`` watches the bucket and can end its scan early while heartbeats land,
         leaving a live worker out."""
-        prefix = f"$KV.{subjects.WORKER_BUCKET}."
-        info = await self._js.stream_info(f"KV_{subjects.WORKER_BUCKET}", subjects_filter=prefix + ">")
+        prefix = subjects.bucket_key_prefix(subjects.WORKER_BUCKET)
+        info = await self._js.stream_info(subjects.bucket_stream(subjects.WORKER_BUCKET), subjects_filter=prefix + ">")
         keys = [subject[len(prefix) :] for subject in (info.state.subjects or {})]
         workers = []
         for key in keys:

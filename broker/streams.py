@@ -137,7 +137,7 @@ async def worker_bucket(js: JetStreamContext, config: BrokerConfig) -> KeyValue:
             )
         except BadRequestError:  # created by someone else meanwhile
             bucket = await js.key_value(subjects.WORKER_BUCKET)
-    info = await js.stream_info(f"KV_{subjects.WORKER_BUCKET}")
+    info = await js.stream_info(subjects.bucket_stream(subjects.WORKER_BUCKET))
     if info.config.max_age != config.worker_ttl:
         window = min(info.config.duplicate_window or config.worker_ttl, config.worker_ttl)
         await js.update_stream(dataclasses.replace(info.config, max_age=config.worker_ttl, duplicate_window=window))

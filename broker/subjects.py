@@ -25,6 +25,11 @@ def token(name: str) -> str:
     return cleaned
 
 
+def cancel() -> str:
+    """The one fan-out subject every worker listens on."""
+    return CANCEL
+
+
 def requests(model: str) -> str:
     return f"pd.req.{token(model)}"
 
@@ -56,6 +61,21 @@ def decode_consumer(model: str) -> str:
 
 def worker_key(worker_id: str) -> str:
     return token(worker_id)
+
+
+def bucket_stream(bucket: str) -> str:
+    """The stream JetStream keeps a key-value bucket in."""
+    return f"KV_{bucket}"
+
+
+def bucket_key_prefix(bucket: str) -> str:
+    """The subject prefix of a bucket's keys inside its stream."""
+    return f"$KV.{bucket}."
+
+
+def pull_next(stream: str, consumer: str) -> str:
+    """JetStream's API subject that asks a pull consumer for its next messages."""
+    return f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
 
 
 REQUEST_SUBJECTS = "pd.req.*"

@@ -82,7 +82,8 @@ class Engine:
         self.pages = PageManager(runner.num_pages, config.page_size, config.enable_prefix_cache)
         self.scheduler = Scheduler(config, self.pages)
         self.sampler = Sampler(runner.device)
-        self.max_model_len = runner.max_model_len
+        assert runner.max_model_len is not None
+        self.max_model_len: int = runner.max_model_len
         self.seqs: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}
         self.stats = EngineStats()
@@ -214,9 +215,9 @@ class Engine:
                 continue
             outputs.append(self._append(seq, token, logprob))
         for rid in self._aborted_in_flight:
-            seq = self.seqs.get(rid) or self.held.get(rid)
-            if seq is not None:
-                self._drop(seq, "abort")
+            aborted = self.seqs.get(rid) or self.held.get(rid)
+            if aborted is not None:
+                self._drop(aborted, "abort")
         self._in_flight = set()
         self._aborted_in_flight = set()
         return outputs

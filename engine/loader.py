@@ -50,6 +50,8 @@ def build_engine(
     runner = ModelRunner(ModelSpec(Path(model_path), dtype, trust_remote_code, load_format), config)
 
     def detokenize(ids: list[int]) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=True)
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        assert isinstance(text, str)
+        return text
 
     return Engine(runner, config, eos_ids(model_path, trust_remote_code), detokenize)

@@ -23,8 +23,8 @@ Weight init: in transformers 5, ``Qwen2ForCausalLM(config)`` initialises the wei
 ``post_init`` (``_init_weights``): Linear and Embedding get normal(0, ``initializer_range``),
 biases get zeros and RMSNorm weights get ones. Because ``pad_token_id`` becomes the
 embedding's ``padding_idx``, the ``<|endoftext|>`` row is zeroed, so its logit is always 0.
-(Before recipe 2 the head was tied and unscaled: logits spread ±0.3, and at temperature 0.7
-about one 32-token reply in 70 met an EOS early.)
+A tied, unscaled head would spread the logits only ±0.3, and at temperature 0.7 about one
+32-token reply in 70 would meet an EOS early.
 ``_check_random_init`` fails the build if the weights come out empty or zero.
 
 Tokenizer pipeline: with transformers 5, ``AutoTokenizer`` on a ``qwen2`` model
@@ -380,7 +380,7 @@ def _write_readme(out_dir: pathlib.Path, vocab_size: int, num_params: int) -> No
     text = f"""# {DEFAULT_MODEL_NAME}
 
 A tiny **random-weight** Qwen2-architecture causal language model that pdserve builds
-locally (see `workers/tiny_model.py`) so it can run and be tested without downloads.
+locally (`pdserve.engine.tiny_model`) so it can run and be tested without downloads.
 
 **Its output is not meaningful text.** The weights are random (seed {SEED}); only the
 shapes, the tokenizer and the file layout are real. The special-token embedding rows are

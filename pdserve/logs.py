@@ -41,6 +41,5 @@ def setup_logging(level: str = "INFO", component: str = "pdserve") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.WARNING)
-    for name in ("pdserve", "api", "broker", "workers"):
-        logging.getLogger(name).setLevel(level.upper())
+    logging.getLogger("pdserve").setLevel(level.upper())  # every module logs under pdserve.*
     logging.getLogger("nats").setLevel(logging.ERROR)

@@ -16,10 +16,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.cli import api_config, resolve_model
+import uvicorn
+
+from pdserve import flags
+from pdserve.launch import api_config, resolve_model
 
 log = logging.getLogger("pdserve.up")
 
@@ -45,59 +49,17 @@ class Child:
 
 
 def worker_argv(args: argparse.Namespace, role: str, model_path: Path, nats_url: str, threads: int) -> list[str]:
-    argv = [
-        sys.executable,
-        "-m",
-        "pdserve",
-        role,
-        "--model-path",
-        str(model_path),
-        "--nats-url",
-        nats_url,
-        "--data-dir",
-        str(args.data_dir),
-        "--log-level",
-        args.log_level,
-        "--device",
-        args.device,
-        "--dtype",
-        args.dtype,
-        "--load-format",
-        args.load_format,
-        "--page-size",
-        str(args.page_size),
-        "--chunked-prefill-size",
-        str(args.chunked_prefill_size),
-        "--max-running-requests",
-        str(args.max_running_requests),
-        "--kv-hold-seconds",
-        str(args.kv_hold_seconds),
-        "--heartbeat-seconds",
-        str(args.heartbeat_seconds),
-        "--num-threads",
-        str(threads),
-        "--host",
-        args.transfer_host,
-        "--exit-with-parent",
-        "--prefill-max-ack-pending",
-        str(args.prefill_max_ack_pending),
-        "--decode-max-ack-pending",
-        str(args.decode_max_ack_pending),
-    ]
-    optional = {
-        "--served-model-name": args.served_model_name,
-        "--max-total-tokens": args.max_total_tokens,
-        "--context-length": args.context_length,
-        "--disaggregation-ib-device": args.disaggregation_ib_device or None,
+    """``python -m pdserve <role>`` with every flag ``up`` shares with workers, from the flag
+    table, plus what ``up`` decides: the model, the broker, threads, the transfer host."""
+    values = {
+        **vars(args),
+        "model_path": model_path,
+        "nats_url": nats_url,
+        "num_threads": threads,
+        "host": args.transfer_host,
+        "exit_with_parent": True,
     }
-    for flag, value in optional.items():
-        if value is not None:
-            argv += [flag, str(value)]
-    if args.trust_remote_code:
-        argv.append("--trust-remote-code")
-    if args.disable_prefix_cache:
-        argv.append("--disable-prefix-cache")
-    return argv
+    return [sys.executable, "-m", "pdserve", role, *flags.render(flags.forwarded(), values)]
 
 
 def plan_roles(args: argparse.Namespace) -> list[str]:
@@ -154,8 +116,6 @@ def run_up(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace, model_path: Path, nats_url: str, children: list[Child]) -> int:
-    import uvicorn
-
     from pdserve.api.app import create_app
 
     app = create_app(api_config(args, nats_url, model_path))
@@ -176,23 +136,17 @@ async def _serve(args: argparse.Namespace, model_path: Path, nats_url: str, chil
     return 0
 
 
-class _Server:
+class _Server(uvicorn.Server):
     """uvicorn's server without its signal capture: uvicorn re-raises a captured SIGTERM
     after ``serve()`` returns, which would kill this process before it stops the workers
     and the broker. Here SIGTERM/SIGINT just ask the server to exit."""
 
-    def __new__(cls, config: object) -> object:
-        import uvicorn
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
 
-        class Server(uvicorn.Server):
-            @contextlib.contextmanager
-            def capture_signals(self):  # type: ignore[no-untyped-def, override]
-                yield
-
-            def request_exit(self) -> None:
-                self.should_exit = True
-
-        return Server(config)  # type: ignore[arg-type]
+    def request_exit(self) -> None:
+        self.should_exit = True
 
 
 async def _watch(children: list[Child], server: object) -> None:

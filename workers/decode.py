@@ -14,33 +14,36 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
-from pdserve.broker import subjects
-from pdserve.broker.consumer import Delivery, PullConsumer, decode_deliveries
-from pdserve.engine.engine import RequestError, RequestOutput
+from pdserve.broker import contract
+from pdserve.broker.consumer import Delivery
+from pdserve.engine.engine import Engine, RequestError, RequestOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.schemas import KVReady, KVRelease
-from pdserve.workers.runtime import Tracked, WorkerRuntime
+from pdserve.workers.config import WorkerConfig
+from pdserve.workers.intake import Intake
+from pdserve.workers.replies import Tracked
+from pdserve.workers.runtime import WorkerRuntime
 from pdserve.workers.transfer import TransferBackend, TransferError, plan_reads
 
 log = logging.getLogger(__name__)
 
+KV_READY_BATCH = 32
+
 
 class DecodeWorker(WorkerRuntime):
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, config: WorkerConfig, engine: Engine) -> None:
+        super().__init__(config, engine)
         self.transfer: TransferBackend | None = None
-        self.consumer: PullConsumer | None = None
         self.backlog: deque[Delivery[KVReady]] = deque()
         self.importing: set[str] = set()
         self._transfer_threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-pull")
-        self._backlog_ready = asyncio.Event()
 
     async def setup(self) -> None:
-        cfg = self.config
         self.transfer = self.start_transfer()
         assert self.nc is not None
-        self.consumer = PullConsumer(self.nc, subjects.KV_STREAM, subjects.decode_consumer(cfg.model_name))
-        await self.consumer.start()
+        queue = contract.WorkQueue(self.nc, contract.KV_READY, self.config.model_name, self.worker_id)
+        await queue.start()
+        self.intake = Intake(queue, self._room, self._take, KV_READY_BATCH, self.config.fetch_timeout, idle_wait=0.02)
 
     def transfer_endpoint(self) -> str:
         return self.transfer.endpoint if self.transfer else ""
@@ -52,23 +55,14 @@ class DecodeWorker(WorkerRuntime):
         busy = engine.num_running + engine.num_waiting + len(self.importing)
         return max(engine.config.max_num_seqs - busy, 0)
 
-    async def fetch_loop(self) -> None:
-        assert self.consumer is not None
-        while not self.stopping.is_set():
-            await self._drain_backlog()
-            room = self.room()
-            if room == 0:
-                self._backlog_ready.clear()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._backlog_ready.wait(), 0.02)
-                continue
-            msgs = await self.consumer.fetch(min(room, 32), self.config.fetch_timeout)
-            if not msgs:
-                continue
-            deliveries, rejected = await decode_deliveries(msgs, KVReady)
-            await self.reject(rejected)
-            for d in deliveries:
-                await self._claim(d)
+    async def _room(self) -> int:
+        """Claims what waits in the backlog first; then the room for new events."""
+        await self._drain_backlog()
+        return self.room()
+
+    async def _take(self, deliveries: list[Delivery[KVReady]]) -> None:
+        for d in deliveries:
+            await self._claim(d)
 
     async def _drain_backlog(self) -> None:
         while self.backlog:
@@ -87,18 +81,10 @@ class DecodeWorker(WorkerRuntime):
             t.timings["kv_queue"] = max(d.received_at - ready.published_at, 0.0)
         if self.is_cancelled(ready.rid) or (ready.deadline and time.time() > ready.deadline):
             await self._release(ready, ok=False)
-            await self.settle(t)
+            await t.settle()
             return True
         if ready.model != self.config.model_name:
-            await self.send_error(
-                ready.reply_to,
-                ready.rid,
-                len(ready.output_ids),
-                f"model {ready.model!r} is not served here",
-                "invalid_request_error",
-            )
-            await self._release(ready, ok=False)
-            await self.settle(t, ok=False)
+            await self._refuse(ready, t, f"model {ready.model!r} is not served here")
             return True
         if not self._can_pull(ready):
             return self._recompute(ready, t)
@@ -140,9 +126,9 @@ class DecodeWorker(WorkerRuntime):
         return True
 
     async def _refuse(self, ready: KVReady, t: Tracked, reason: str) -> None:
-        await self.send_error(ready.reply_to, ready.rid, len(ready.output_ids), reason, "invalid_request_error")
+        await self.replies.error(ready.reply_to, ready.rid, len(ready.output_ids), reason, "invalid_request_error")
         await self._release(ready, ok=False)
-        await self.settle(t, ok=False)
+        await t.settle(ok=False)
 
     async def _pull(self, ready: KVReady, seq: Sequence, t: Tracked) -> None:
         assert self.transfer is not None
@@ -169,20 +155,20 @@ class DecodeWorker(WorkerRuntime):
         if self.is_cancelled(ready.rid) or ready.rid not in self.tracked:
             self.engine.abort(ready.rid)
             self.tracked.pop(ready.rid, None)
-            await self.settle(t)
+            await t.settle()
             return
         if ok:
             self.engine.commit_import(seq)
         else:
             self.engine.fail_import(seq)
-        await self.settle(t)  # the KV event is consumed; the stream goes on from here
+        await t.settle()  # the KV event is consumed; the stream goes on from here
         self.wake()
 
     async def _release(self, ready: KVReady, ok: bool) -> None:
         assert self.nc is not None
-        msg = KVRelease(rid=ready.rid, prefill_id=ready.prefill_id, ok=ok)
+        release = KVRelease(rid=ready.rid, prefill_id=ready.prefill_id, ok=ok)
         with contextlib.suppress(Exception):
-            await self.nc.publish(subjects.kv_release(ready.prefill_id), msg.encode())
+            await contract.publish(self.nc, contract.KV_RELEASE, release, ready.prefill_id)
 
     async def cancel(self, rid: str, reason: str) -> None:
         if rid in self.importing:
@@ -193,8 +179,8 @@ class DecodeWorker(WorkerRuntime):
     async def on_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             await self.stream_output(out)
-        if self.backlog:
-            self._backlog_ready.set()
+        if self.backlog and self.intake is not None:
+            self.intake.room_freed.set()
 
     def busy(self) -> bool:
         return self.engine.has_work() or bool(self.importing)
@@ -207,8 +193,7 @@ class DecodeWorker(WorkerRuntime):
         await super().hand_back()
 
     async def teardown(self) -> None:
-        if self.consumer is not None:
-            await self.consumer.stop()
+        await super().teardown()
         self._transfer_threads.shutdown(wait=True)
         if self.transfer is not None:
             self.transfer.close()

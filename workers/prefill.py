@@ -12,13 +12,10 @@ import asyncio
 import logging
 import time
 
-from nats.aio.msg import Msg
-
-from pdserve.broker import subjects
-from pdserve.broker.connection import QueueFullError, publish_work
-from pdserve.broker.consumer import PullConsumer
-from pdserve.engine.engine import RequestOutput
-from pdserve.schemas import KVHandle, KVReady, KVRelease, MessageError
+from pdserve.broker import contract
+from pdserve.engine.engine import Engine, RequestOutput
+from pdserve.schemas import KVHandle, KVReady, KVRelease
+from pdserve.workers.config import WorkerConfig
 from pdserve.workers.runtime import WorkerRuntime
 from pdserve.workers.transfer import TransferBackend
 
@@ -26,26 +23,19 @@ log = logging.getLogger(__name__)
 
 
 class PrefillWorker(WorkerRuntime):
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, config: WorkerConfig, engine: Engine) -> None:
+        super().__init__(config, engine)
         self.transfer: TransferBackend | None = None
         self.holds: dict[str, float] = {}  # rid -> monotonic time the pages may be freed
-        self.consumer: PullConsumer | None = None
 
     async def setup(self) -> None:
-        cfg = self.config
         self.transfer = self.start_transfer()
         assert self.nc is not None
-        await self.nc.subscribe(subjects.kv_release(self.worker_id), cb=self._on_release)
-        self.consumer = PullConsumer(self.nc, subjects.REQUEST_STREAM, subjects.prefill_consumer(cfg.model_name))
-        await self.consumer.start()
+        await contract.subscribe(self.nc, contract.KV_RELEASE, self._on_release, self.worker_id)
+        self.intake = await self.request_intake(prefill_only=True)
 
     def transfer_endpoint(self) -> str:
         return self.transfer.endpoint if self.transfer else ""
-
-    async def fetch_loop(self) -> None:
-        assert self.consumer is not None
-        await self.pull_requests(self.consumer, prefill_only=True)
 
     async def on_outputs(self, outputs: list[RequestOutput]) -> None:
         await asyncio.gather(*(self._on_output(out) for out in outputs))
@@ -55,10 +45,10 @@ class PrefillWorker(WorkerRuntime):
         req = self.requests.get(out.rid)
         if t is None or req is None:
             return
-        await self.publish_chunk(t.reply_to, self.chunk_of(out, t))
+        await self.replies.send(t.reply_to, self.replies.chunk(out, t))
         if not out.held:  # finished at the first token (stop token or max_new_tokens=1)
             self._forget(out.rid)
-            await self.settle(t)
+            await t.settle()
             return
         held = self.engine.held_pages(out.rid)
         assert held is not None
@@ -90,16 +80,14 @@ class PrefillWorker(WorkerRuntime):
         )
         self.holds[req.rid] = time.monotonic() + self.config.kv_hold_seconds + self.config.kv_hold_grace_seconds
         try:
-            await publish_work(self.js, subjects.kv_ready(req.model), ready, msg_id=req.rid)
-        except (QueueFullError, Exception) as exc:
+            await contract.submit(self.js, contract.KV_READY, ready, req.model, req.rid)
+        except Exception as exc:  # the stream is full or the broker is away
             log.error("could not publish KVReady", extra={"rid": req.rid, "error": str(exc)})
             self._free(req.rid)
-            if t.delivery is not None and not t.acked:
-                t.acked = True
-                await t.delivery.nak(delay=1.0)  # try again later, here or elsewhere
+            await t.hand_back(delay=1.0)  # try again later, here or elsewhere
             self._forget(req.rid)
             return
-        await self.settle(t)
+        await t.settle()
         self._forget(req.rid, keep_hold=True)
 
     def _forget(self, rid: str, keep_hold: bool = False) -> None:
@@ -112,12 +100,7 @@ class PrefillWorker(WorkerRuntime):
         self.holds.pop(rid, None)
         self.engine.release(rid)
 
-    async def _on_release(self, msg: Msg) -> None:
-        try:
-            release = KVRelease.decode(msg.data)
-        except MessageError as exc:
-            log.warning("bad release message", extra={"error": str(exc)})
-            return
+    async def _on_release(self, release: KVRelease) -> None:
         self._free(release.rid)
 
     async def cancel(self, rid: str, reason: str) -> None:
@@ -137,7 +120,6 @@ class PrefillWorker(WorkerRuntime):
     async def teardown(self) -> None:
         for rid in list(self.holds):
             self._free(rid)
-        if self.consumer is not None:
-            await self.consumer.stop()
+        await super().teardown()
         if self.transfer is not None:
             self.transfer.close()

@@ -100,10 +100,10 @@ def build_step(
     pos_t = torch.tensor(pos, dtype=torch.long)
     slots_t = torch.tensor(slots, dtype=torch.long)
     if spans:
-        p = torch.cat(chunk_pos)
+        chunk_p = torch.cat(chunk_pos)
         pages = torch.cat([pg[ps // page_size] for pg, ps in zip(chunk_pages, chunk_pos, strict=True)])
-        pos_t = torch.cat((pos_t, p))
-        slots_t = torch.cat((slots_t, pages * page_size + p % page_size))
+        pos_t = torch.cat((pos_t, chunk_p))
+        slots_t = torch.cat((slots_t, pages * page_size + chunk_p % page_size))
     num_tokens = ids_t.shape[0]
     prefill = None
     if spans:

@@ -10,6 +10,7 @@ SiLU·up, down — few enough that a decode step replays as one CUDA graph.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +23,8 @@ ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCaus
 STATIC_ROPE = frozenset({"default", "linear", "llama3", "yarn"})
 
 
-def unsupported_reason(model: torch.nn.Module) -> str | None:
-    """Why this model cannot take the fast path, or ``None`` if it can."""
+def unsupported_reason(model: Any) -> str | None:
+    """Why this model (a ``transformers`` causal LM) cannot take the fast path, or ``None``."""
     arch = type(model).__name__
     if arch not in ARCHITECTURES:
         return f"architecture {arch} has no fast path"
@@ -53,7 +54,7 @@ class Layer:
     window: int | None
 
 
-def _fuse(modules: list[torch.nn.Linear], name: str) -> torch.Tensor | None:
+def _fuse(modules: list[Any], name: str) -> torch.Tensor | None:
     """Concatenate the modules' ``name`` tensors and point each module at its slice."""
     parts = [getattr(m, name) for m in modules]
     if parts[0] is None:
@@ -67,6 +68,12 @@ def _fuse(modules: list[torch.nn.Linear], name: str) -> torch.Tensor | None:
     return fused
 
 
+def _fused_weight(modules: list[Any]) -> torch.Tensor:
+    fused = _fuse(modules, "weight")
+    assert fused is not None
+    return fused
+
+
 class LlamaFamily:
     """Forward pass over a :class:`StepBatch`; the KV pool is written and read in place.
 
@@ -76,7 +83,7 @@ class LlamaFamily:
 
     sdpa_prefill = True
 
-    def __init__(self, model: torch.nn.Module, pool: torch.Tensor, max_positions: int) -> None:
+    def __init__(self, model: Any, pool: torch.Tensor, max_positions: int) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(reason)
@@ -102,20 +109,20 @@ class LlamaFamily:
         self.cos = cos[0].contiguous()
         self.sin = sin[0].contiguous()
 
-    def _layer(self, layer: torch.nn.Module) -> Layer:
+    def _layer(self, layer: Any) -> Layer:
         attn, mlp = layer.self_attn, layer.mlp
         qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
         gate_up = [mlp.gate_proj, mlp.up_proj]
         return Layer(
             input_norm=layer.input_layernorm.weight,
-            qkv_weight=_fuse(qkv, "weight"),  # type: ignore[arg-type]
+            qkv_weight=_fused_weight(qkv),
             qkv_bias=_fuse(qkv, "bias"),
             q_norm=getattr(attn, "q_norm", None),
             k_norm=getattr(attn, "k_norm", None),
             o_weight=attn.o_proj.weight,
             o_bias=attn.o_proj.bias,
             post_norm=layer.post_attention_layernorm.weight,
-            gate_up_weight=_fuse(gate_up, "weight"),  # type: ignore[arg-type]
+            gate_up_weight=_fused_weight(gate_up),
             gate_up_bias=_fuse(gate_up, "bias"),
             down_weight=mlp.down_proj.weight,
             down_bias=mlp.down_proj.bias,

@@ -1,4 +1,4 @@
-"""The command line: the seed's SGLang flags parse, values pdserve cannot honour fail
+"""The command line: SGLang's worker flags parse, values pdserve cannot honour fail
 at start with a clear message, and `up` hands workers the right arguments."""
 
 from __future__ import annotations
@@ -9,23 +9,24 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.cli import UsageError, build_parser, check_worker_flags, engine_config
+from pdserve.cli import build_parser
+from pdserve.launch import UsageError, check_worker_flags, engine_config
 from pdserve.supervisor import plan_roles, size_consumers, worker_argv
 
-SEED_PREFILL = (
+SGLANG_PREFILL = (
     "prefill --model-path /data/model --port 7000 --host 0.0.0.0 --tensor-parallel-size 1 "
     "--disaggregation-mode prefill --disaggregation-bootstrap-port 8998 --disaggregation-transfer-backend mooncake "
     "--disaggregation-ib-device mlx5_2 --max-total-tokens 4096 --dtype float16 --trust-remote-code"
 ).split()
 
 
-def test_the_seeds_prefill_command_parses_and_passes_the_checks() -> None:
-    args = build_parser().parse_args(SEED_PREFILL)
+def test_an_sglang_prefill_command_parses_and_passes_the_checks() -> None:
+    args = build_parser().parse_args(SGLANG_PREFILL)
     check_worker_flags(args, "prefill")
     assert args.port == 7000 and args.disaggregation_bootstrap_port == 8998
     assert args.disaggregation_ib_device == "mlx5_2" and args.trust_remote_code
     config = engine_config(args)
-    assert config.max_total_tokens == 4096  # type: ignore[attr-defined]
+    assert config.max_total_tokens == 4096
 
 
 @pytest.mark.parametrize(

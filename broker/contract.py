@@ -1,0 +1,232 @@
+"""The wire contract: every channel between pdserve's processes, the one message type it
+carries, how it travels, who sends it and who receives it, and the typed ends that
+send and receive on it.
+
+| channel | message | travels on | sender → receiver |
+| --- | --- | --- | --- |
+| ``REQUESTS`` | ``GenerateRequest`` | stream ``PD_REQUESTS``, ``pd.req.<model>``, pull consumer ``prefill-<model>`` | API → prefill and unified workers |
+| ``KV_READY`` | ``KVReady`` | stream ``PD_KV``, ``pd.kv.<model>``, pull consumer ``decode-<model>`` | prefill → decode |
+| ``TOKENS`` | ``TokenChunk`` | core ``pd.tokens.<api-id>.<rid>`` (the request's ``reply_to``) | workers → the API that asked |
+| ``CANCEL`` | ``Cancel`` | core ``pd.cancel``, fan-out | API → every worker |
+| ``KV_RELEASE`` | ``KVRelease`` | core ``pd.release.<prefill-id>`` | decode → the prefill worker holding the KV |
+| ``WORKERS`` | ``WorkerInfo`` | key-value bucket ``PD_WORKERS``, one key per worker | every worker (heartbeat) → API |
+
+Names come from :mod:`pdserve.broker.subjects`. Handlers never see bytes: :func:`subscribe`
+(core NATS) and :class:`WorkQueue` (JetStream) decode each message as its channel's type.
+A message that does not decode is logged and dropped (core) or terminated, never
+redelivered (JetStream); when a request id and a reply subject can be read from it, its
+sender gets an error ``TokenChunk``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+
+from pdserve.broker import subjects
+from pdserve.broker.connection import publish_work
+from pdserve.broker.consumer import Delivery, PullConsumer, best_guess, decode_deliveries
+from pdserve.schemas import (
+    Cancel,
+    ErrorInfo,
+    GenerateRequest,
+    KVReady,
+    KVRelease,
+    Message,
+    MessageError,
+    TokenChunk,
+    WorkerInfo,
+)
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=Message)
+
+
+@dataclass(frozen=True)
+class Channel(Generic[M]):
+    """Core NATS: no storage, delivered to whoever listens now. ``subject(*scope)`` is
+    where a sender publishes, ``listen(*scope)`` what a receiver subscribes to."""
+
+    name: str
+    message: type[M]
+    subject: Callable[..., str]
+    listen: Callable[..., str]
+    sender: str
+    receiver: str
+
+
+@dataclass(frozen=True)
+class WorkChannel(Generic[M]):
+    """JetStream work queue: stored, deduplicated on the request id, taken once by one
+    worker of the model's durable pull consumer and acknowledged when done."""
+
+    name: str
+    message: type[M]
+    stream: str
+    subject: Callable[[str], str]
+    consumer: Callable[[str], str]
+    sender: str
+    receiver: str
+
+
+@dataclass(frozen=True)
+class Bucket(Generic[M]):
+    """JetStream key-value: one entry per key, gone ``worker_ttl`` after its last put."""
+
+    name: str
+    message: type[M]
+    bucket: str
+    key: Callable[[str], str]
+    sender: str
+    receiver: str
+
+
+REQUESTS = WorkChannel(
+    "requests",
+    GenerateRequest,
+    subjects.REQUEST_STREAM,
+    subjects.requests,
+    subjects.prefill_consumer,
+    sender="API (or any publisher)",
+    receiver="prefill and unified workers",
+)
+KV_READY = WorkChannel(
+    "kv_ready",
+    KVReady,
+    subjects.KV_STREAM,
+    subjects.kv_ready,
+    subjects.decode_consumer,
+    sender="prefill worker",
+    receiver="decode workers",
+)
+TOKENS = Channel(
+    "tokens",
+    TokenChunk,
+    subjects.tokens,
+    subjects.tokens_prefix,
+    sender="prefill, decode and unified workers, at the request's reply_to",
+    receiver="the API instance that published the request",
+)
+CANCEL = Channel(
+    "cancel", Cancel, subjects.cancel, subjects.cancel, sender="API on client disconnect", receiver="every worker"
+)
+KV_RELEASE = Channel(
+    "kv_release",
+    KVRelease,
+    subjects.kv_release,
+    subjects.kv_release,
+    sender="decode worker, after its pull (or instead of one)",
+    receiver="the prefill worker holding the KV",
+)
+WORKERS = Bucket(
+    "workers",
+    WorkerInfo,
+    subjects.WORKER_BUCKET,
+    subjects.worker_key,
+    sender="every worker, each heartbeat",
+    receiver="API (/health, /workers)",
+)
+
+CHANNELS = (REQUESTS, KV_READY, TOKENS, CANCEL, KV_RELEASE, WORKERS)
+
+
+# ---- core NATS ---------------------------------------------------------------------
+async def subscribe(
+    nc: Client, channel: Channel[M], handler: Callable[[M], Awaitable[None]], *scope: str
+) -> Subscription:
+    """Subscribe to ``channel.listen(*scope)``; ``handler`` gets each decoded message.
+
+    A message that does not decode is logged and dropped (answered when it names a
+    reply subject); an exception from ``handler`` is logged, and the subscription goes on.
+    """
+
+    async def receive(msg: Msg) -> None:
+        try:
+            message = channel.message.decode(msg.data)
+        except MessageError as exc:
+            log.warning(
+                "malformed message dropped", extra={"channel": channel.name, "subject": msg.subject, "error": str(exc)}
+            )
+            rid, reply_to = best_guess(msg.data)
+            await answer_malformed(nc, rid, reply_to, str(exc))
+            return
+        try:
+            await handler(message)
+        except Exception:
+            log.exception("handler failed", extra={"channel": channel.name, "subject": msg.subject})
+
+    return await nc.subscribe(channel.listen(*scope), cb=receive)
+
+
+async def publish(nc: Client, channel: Channel[M], message: M, *scope: str, to: str | None = None) -> None:
+    """Send ``message`` on ``channel``: at ``to`` (a reply subject named by the receiver)
+    or at ``channel.subject(*scope)``. Raises what the connection raises."""
+    assert isinstance(message, channel.message), f"{channel.name} carries {channel.message.__name__}"
+    await nc.publish(to if to is not None else channel.subject(*scope), message.encode())
+
+
+async def answer_malformed(
+    nc: Client, rid: str | None, reply_to: str | None, error: str, receiver_id: str = ""
+) -> None:
+    """Tell the sender of a message that did not decode, if its rid and reply subject are known."""
+    if not (rid and reply_to):
+        return
+    chunk = TokenChunk(
+        rid=rid,
+        seq=0,
+        finish_reason="error",
+        error=ErrorInfo(f"malformed message: {error}", "invalid_request_error"),
+        worker_id=receiver_id,
+    )
+    try:
+        await publish(nc, TOKENS, chunk, to=reply_to)
+    except Exception as exc:  # a bad reply subject must not take the receiver down
+        log.warning("could not answer a malformed message", extra={"rid": rid, "error": str(exc)})
+
+
+# ---- JetStream -----------------------------------------------------------------------
+async def submit(js: JetStreamContext, channel: WorkChannel[M], message: M, model: str, rid: str) -> bool:
+    """Store ``message`` in ``channel``'s stream for ``model``, deduplicated on ``rid``.
+
+    Returns ``False`` for a duplicate; raises ``QueueFullError`` when the stream is full."""
+    assert isinstance(message, channel.message), f"{channel.name} carries {channel.message.__name__}"
+    return await publish_work(js, channel.subject(model), message, msg_id=rid)
+
+
+class WorkQueue(Generic[M]):
+    """A work channel's durable pull consumer for one model, decoding what it fetches.
+
+    Malformed messages are terminated (never redelivered) and, where a reply subject can
+    be read, answered with an error chunk from ``receiver_id``. Not thread-safe.
+    """
+
+    def __init__(self, nc: Client, channel: WorkChannel[M], model: str, receiver_id: str) -> None:
+        self.channel = channel
+        self._nc = nc
+        self._receiver_id = receiver_id
+        self._pull = PullConsumer(nc, channel.stream, channel.consumer(model))
+
+    async def start(self) -> None:
+        await self._pull.start()
+
+    async def stop(self) -> None:
+        """Stop fetching; whatever an open pull still delivers is handed back (nak)."""
+        await self._pull.stop()
+
+    async def fetch(self, max_msgs: int, timeout: float) -> list[Delivery[M]]:
+        """Up to ``max_msgs`` decoded deliveries; waits at most ``timeout`` for the first."""
+        msgs = await self._pull.fetch(max_msgs, timeout)
+        if not msgs:
+            return []
+        good, bad = await decode_deliveries(msgs, self.channel.message)
+        for rejected in bad:
+            await answer_malformed(self._nc, rejected.rid, rejected.reply_to, rejected.error, self._receiver_id)
+        return good

@@ -1,0 +1,184 @@
+"""Every flag of the ``pdserve`` command, in one table.
+
+A :class:`Flag` adds itself to an argparse parser and renders a parsed value back into
+a command line, so ``pdserve up`` builds its workers' command lines from the same table
+the workers parse. Defaults are read from the config dataclasses (and, for the data
+directory, the NATS URL and the log level, from the environment): written once.
+Worker flags keep the names SGLang users already type.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdserve import settings
+from pdserve.api.config import ApiConfig
+from pdserve.broker.streams import BrokerConfig
+from pdserve.engine.config import EngineConfig
+from pdserve.workers.config import WorkerConfig
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One command-line flag; ``switch`` flags take no value (``store_true``)."""
+
+    name: str
+    default: Any = None
+    type: Callable[[str], Any] | None = None
+    help: str | None = None
+    choices: tuple[str, ...] | None = None
+    switch: bool = False
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def dest(self) -> str:
+        return self.name.removeprefix("--").replace("-", "_")
+
+    def add_to(self, parser: argparse.ArgumentParser | argparse._ArgumentGroup, **overrides: Any) -> None:
+        """Add to ``parser``; ``overrides`` replace keyword arguments (a command's own default or help)."""
+        kwargs: dict[str, Any] = {"help": self.help}
+        if self.switch:
+            kwargs["action"] = "store_true"
+        else:
+            kwargs.update(default=self.default, type=self.type, choices=self.choices)
+        kwargs.update(overrides)
+        parser.add_argument(self.name, *self.aliases, **kwargs)
+
+    def render(self, value: Any) -> list[str]:
+        """``value`` as arguments that parse back to it; nothing for unset values."""
+        if value is None or value is False or value == "":
+            return []
+        return [self.name] if self.switch else [self.name, str(value)]
+
+
+def add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag], title: str | None = None) -> None:
+    """Add ``flags`` to ``parser``, under an argument group when ``title`` is given."""
+    target = parser.add_argument_group(title) if title else parser
+    for flag in flags:
+        flag.add_to(target)
+
+
+def render(flags: Iterable[Flag], values: Mapping[str, Any]) -> list[str]:
+    """The command line that sets each of ``flags`` to ``values[flag.dest]``."""
+    return [arg for flag in flags for arg in flag.render(values[flag.dest])]
+
+
+# ---- every command --------------------------------------------------------------------
+def common() -> tuple[Flag, ...]:
+    """Read when called: their defaults come from the environment."""
+    return (
+        Flag(
+            "--data-dir",
+            settings.default_data_dir(),
+            Path,
+            "where the default model and the embedded broker's store live (default: %(default)s)",
+        ),
+        Flag("--log-level", settings.default_log_level(), str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR")),
+    )
+
+
+def nats_url() -> Flag:
+    return Flag("--nats-url", settings.default_nats_url(), help="the NATS server (default: %(default)s)")
+
+
+MODEL = (
+    Flag(
+        "--model-path",
+        type=Path,
+        help="local Hugging Face model directory (default: a small random model created in the data dir)",
+    ),
+    Flag("--served-model-name", help="name clients use (default: the directory name)"),
+    Flag("--dtype", WorkerConfig.dtype, choices=("auto", "float32", "float16", "half", "bfloat16")),
+    Flag("--trust-remote-code", switch=True),
+    Flag("--context-length", type=int, help="override the model's context length"),
+)
+
+# ---- workers (and `up`, which hands them on) ------------------------------------------
+ENGINE = (
+    Flag("--device", EngineConfig.device, help="cpu or cuda[:N] (default: %(default)s)"),
+    Flag(
+        "--load-format",
+        WorkerConfig.load_format,
+        choices=("auto", "dummy"),
+        help="dummy: random weights from the model's config",
+    ),
+    Flag("--max-total-tokens", type=int, help="KV pool size in tokens (default: from memory)"),
+    Flag("--page-size", EngineConfig.page_size, int),
+    Flag("--chunked-prefill-size", EngineConfig.chunked_prefill_size, int),
+    Flag("--max-running-requests", EngineConfig.max_num_seqs, int, "largest running batch"),
+    Flag("--disable-prefix-cache", switch=True),
+    Flag("--num-threads", type=int, help="torch CPU threads (default: cores / workers under `up`)"),
+    Flag("--kv-hold-seconds", WorkerConfig.kv_hold_seconds, float, "how long prefill keeps unclaimed KV"),
+    Flag("--heartbeat-seconds", WorkerConfig.heartbeat_seconds, float, "worker registry refresh interval"),
+)
+
+BROKER = (
+    Flag(
+        "--prefill-max-ack-pending",
+        BrokerConfig.prefill_max_ack_pending,
+        int,
+        "requests the prefill (and unified) pool may hold unacked: its total capacity (default: %(default)s)",
+    ),
+    Flag(
+        "--decode-max-ack-pending",
+        BrokerConfig.decode_max_ack_pending,
+        int,
+        "KV-ready events the decode pool may hold unacked (default: %(default)s)",
+    ),
+)
+
+WORKER_HOST = Flag("--host", WorkerConfig.host, help="address of this worker's transfer endpoint and health port")
+IB_DEVICE = Flag(
+    "--disaggregation-ib-device",
+    WorkerConfig.ib_device,
+    help="RDMA device (e.g. mlx5_2): Mooncake uses rdma instead of tcp",
+)
+SGLANG = (
+    WORKER_HOST,
+    Flag("--port", type=int, help="serve GET /health on this port"),
+    Flag("--tensor-parallel-size", 1, int, aliases=("--tp-size",)),
+    Flag("--disaggregation-mode", choices=("prefill", "decode", "null")),
+    Flag(
+        "--disaggregation-bootstrap-port",
+        type=int,
+        help="accepted for SGLang compatibility; pdserve needs no bootstrap server (handles travel over NATS)",
+    ),
+    Flag("--disaggregation-transfer-backend", WorkerConfig.transfer_backend),
+    IB_DEVICE,
+)
+
+WORKER_ID = Flag("--worker-id", WorkerConfig.worker_id, help="default: <role>-<host>-<pid>-<random>")
+EXIT_WITH_PARENT = Flag("--exit-with-parent", switch=True, help=argparse.SUPPRESS)
+
+# ---- the API --------------------------------------------------------------------------
+HTTP = (
+    Flag("--host", ApiConfig.host, help="HTTP bind address (default: %(default)s)"),
+    Flag("--port", ApiConfig.port, int, "HTTP port (default: %(default)s)"),
+)
+API = (
+    Flag("--default-max-tokens", ApiConfig.default_max_tokens, int, "when a request sets no limit"),
+    Flag("--request-timeout", ApiConfig.request_timeout, float, "seconds a request may take in all"),
+)
+
+# ---- `up` -----------------------------------------------------------------------------
+UP = (
+    Flag("--mode", "pd", choices=("pd", "unified")),
+    Flag("--prefill-workers", 1, int),
+    Flag("--decode-workers", 1, int),
+    Flag("--unified-workers", 1, int, "workers in unified mode"),
+    Flag("--transfer-host", WorkerConfig.host, help="address workers' transfer engines listen on"),
+    IB_DEVICE,
+)
+UP_BROKER_HELP = {
+    "--prefill-max-ack-pending": "default: workers on the request queue x --max-running-requests",
+    "--decode-max-ack-pending": "default: decode workers x --max-running-requests",
+}
+
+
+def forwarded() -> tuple[Flag, ...]:
+    """What ``up`` hands each worker: the flags both take, then the ones ``up`` fills in."""
+    return (*common(), *MODEL, *ENGINE, *BROKER, nats_url(), WORKER_HOST, IB_DEVICE, EXIT_WITH_PARENT)

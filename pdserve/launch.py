@@ -1,0 +1,182 @@
+"""From parsed flags to configs, and the single processes they start: one worker, or
+the API. The one place where flag values become :class:`EngineConfig`,
+:class:`BrokerConfig`, :class:`WorkerConfig` and :class:`ApiConfig`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from pdserve.api.config import ApiConfig
+from pdserve.broker.streams import BrokerConfig
+from pdserve.engine.config import EngineConfig
+from pdserve.workers.config import WorkerConfig
+
+log = logging.getLogger("pdserve")
+
+
+class UsageError(Exception):
+    """A flag value pdserve cannot honour: the command stops with this message (exit 2)."""
+
+
+# ---- configs ------------------------------------------------------------------------
+def resolve_model(args: argparse.Namespace) -> Path:
+    """``--model-path``, checked; without it the built-in model, created on first use."""
+    if args.model_path is not None:
+        path = Path(args.model_path)
+        if not (path / "config.json").exists():
+            raise UsageError(
+                f"--model-path {path}: no config.json there (a local Hugging Face model directory is needed)"
+            )
+        return path
+    from pdserve.engine.tiny_model import ensure_default_model
+
+    path = ensure_default_model(Path(args.data_dir), progress=lambda line: log.info(line))
+    log.warning(
+        "serving the built-in random-weight model: its output is not meaningful text", extra={"path": str(path)}
+    )
+    return path
+
+
+def check_worker_flags(args: argparse.Namespace, role: str) -> None:
+    """Refuse what a worker cannot honour, before anything loads."""
+    if args.tensor_parallel_size != 1:
+        raise UsageError(
+            f"--tensor-parallel-size {args.tensor_parallel_size}: pdserve runs one device per worker for now; use 1"
+        )
+    mode = args.disaggregation_mode
+    if mode is not None and not (mode == role or (mode == "null" and role == "unified")):
+        raise UsageError(f"--disaggregation-mode {mode} does not match `pdserve {role}`")
+    from pdserve.workers.transfer import available_backends
+
+    if args.disaggregation_transfer_backend not in available_backends():
+        raise UsageError(
+            f"--disaggregation-transfer-backend {args.disaggregation_transfer_backend}: available: {', '.join(available_backends())}"
+        )
+    if args.page_size < 1 or args.page_size & (args.page_size - 1):
+        raise UsageError("--page-size must be a power of two")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        page_size=args.page_size,
+        max_total_tokens=args.max_total_tokens,
+        max_num_seqs=args.max_running_requests,
+        chunked_prefill_size=args.chunked_prefill_size,
+        enable_prefix_cache=not args.disable_prefix_cache,
+        device=args.device,
+        num_threads=args.num_threads,
+        max_model_len=args.context_length,
+    )
+
+
+def broker_config(args: argparse.Namespace) -> BrokerConfig:
+    return BrokerConfig(
+        prefill_max_ack_pending=args.prefill_max_ack_pending, decode_max_ack_pending=args.decode_max_ack_pending
+    )
+
+
+def worker_config(args: argparse.Namespace, role: str, model_path: Path) -> WorkerConfig:
+    return WorkerConfig(
+        role=role,
+        model_path=model_path,
+        model_name=args.served_model_name or model_path.name,
+        nats_url=args.nats_url,
+        engine=engine_config(args),
+        broker=broker_config(args),
+        worker_id=args.worker_id,
+        host=args.host,
+        dtype=args.dtype,
+        trust_remote_code=args.trust_remote_code,
+        load_format=args.load_format,
+        transfer_backend=args.disaggregation_transfer_backend,
+        transfer_protocol="rdma" if args.disaggregation_ib_device else "tcp",
+        ib_device=args.disaggregation_ib_device,
+        kv_hold_seconds=args.kv_hold_seconds,
+        heartbeat_seconds=args.heartbeat_seconds,
+    )
+
+
+def api_config(args: argparse.Namespace, nats_url: str, model_path: Path) -> ApiConfig:
+    """The API's config from ``pdserve api`` or ``pdserve up`` flags (``up`` leaves the
+    API-only ones at their defaults)."""
+    api_only: dict[str, Any] = {
+        name: getattr(args, name) for name in ("default_max_tokens", "request_timeout") if hasattr(args, name)
+    }
+    return ApiConfig(
+        nats_url=nats_url,
+        model_path=model_path,
+        model_name=args.served_model_name,
+        host=args.host,
+        port=args.port,
+        trust_remote_code=args.trust_remote_code,
+        context_length=args.context_length,
+        broker=broker_config(args),
+        **api_only,
+    )
+
+
+# ---- processes ----------------------------------------------------------------------
+def exit_with_parent() -> None:
+    """Linux: get SIGTERM when the supervising process dies, even by SIGKILL."""
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def run_worker(args: argparse.Namespace, role: str) -> None:
+    """``pdserve prefill|decode|unified``: load the model, serve until SIGTERM."""
+    import asyncio
+
+    if args.exit_with_parent:
+        exit_with_parent()
+    check_worker_flags(args, role)
+    if args.disaggregation_bootstrap_port is not None:
+        log.info(
+            "--disaggregation-bootstrap-port is not needed by pdserve (handles travel over NATS); ignoring its value"
+        )
+    config = worker_config(args, role, resolve_model(args))
+    log.info("loading model", extra={"role": role, "path": str(config.model_path)})
+    from pdserve.engine.loader import build_engine
+    from pdserve.workers.decode import DecodeWorker
+    from pdserve.workers.prefill import PrefillWorker
+    from pdserve.workers.unified import UnifiedWorker
+
+    engine = build_engine(config.model_path, config.engine, config.dtype, config.trust_remote_code, config.load_format)
+    cls = {"prefill": PrefillWorker, "decode": DecodeWorker, "unified": UnifiedWorker}[role]
+    worker = cls(config, engine)
+
+    async def main() -> None:
+        health = None
+        if args.port is not None:
+            from pdserve.health import serve_health
+
+            health = await serve_health(worker, args.host, args.port)
+        try:
+            await worker.serve()
+        finally:
+            if health is not None:
+                health.close()
+
+    asyncio.run(main())
+
+
+def run_api(args: argparse.Namespace) -> None:
+    """``pdserve api``: the HTTP API under uvicorn."""
+    import uvicorn
+
+    from pdserve.api.app import create_app
+
+    config = api_config(args, args.nats_url, resolve_model(args))
+    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning")

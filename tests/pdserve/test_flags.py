@@ -1,0 +1,117 @@
+"""One config flow: flag defaults are the config dataclasses' defaults, and the command
+line `up` builds for a worker parses back into the config `up` means."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from pdserve import flags
+from pdserve.api.config import ApiConfig
+from pdserve.broker.streams import BrokerConfig
+from pdserve.cli import build_parser
+from pdserve.engine.config import EngineConfig
+from pdserve.launch import api_config, engine_config, worker_config
+from pdserve.supervisor import plan_roles, size_consumers, worker_argv
+from pdserve.workers.config import WorkerConfig
+
+MODEL = Path("/models/m")
+
+
+def _options(parser: argparse.ArgumentParser, command: str) -> set[str]:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {opt for action in sub.choices[command]._actions for opt in action.option_strings}
+
+
+def test_worker_flags_default_to_the_configs_defaults() -> None:
+    args = build_parser().parse_args(["decode", "--model-path", str(MODEL), "--nats-url", "nats://n:1"])
+    config = worker_config(args, "decode", MODEL)
+    assert config.engine == EngineConfig()
+    assert config.broker == BrokerConfig()
+    expected = WorkerConfig("decode", MODEL, "m", "nats://n:1", worker_id=config.worker_id)
+    assert config == expected
+
+
+def test_api_flags_default_to_the_configs_defaults() -> None:
+    args = build_parser().parse_args(["api", "--nats-url", "nats://n:1"])
+    assert api_config(args, args.nats_url, MODEL) == ApiConfig("nats://n:1", MODEL)
+
+
+def test_up_forwards_every_flag_it_shares_with_workers() -> None:
+    parser = build_parser()
+    shared = _options(parser, "up") & _options(parser, "prefill")
+    own_meaning = {"-h", "--help", "--host", "--port"}  # HTTP under `up`, the worker's own under `prefill`
+    assert shared - own_meaning <= {flag.name for flag in flags.forwarded()}
+
+
+def test_a_worker_parses_what_up_means() -> None:
+    parser = build_parser()
+    up = parser.parse_args(
+        [
+            "up",
+            "--prefill-workers",
+            "2",
+            "--served-model-name",
+            "served",
+            "--dtype",
+            "bfloat16",
+            "--trust-remote-code",
+            "--context-length",
+            "512",
+            "--device",
+            "cuda:1",
+            "--load-format",
+            "dummy",
+            "--max-total-tokens",
+            "8192",
+            "--page-size",
+            "32",
+            "--chunked-prefill-size",
+            "1024",
+            "--max-running-requests",
+            "8",
+            "--disable-prefix-cache",
+            "--kv-hold-seconds",
+            "12.5",
+            "--heartbeat-seconds",
+            "0.5",
+            "--transfer-host",
+            "10.0.0.2",
+            "--disaggregation-ib-device",
+            "mlx5_2",
+            "--log-level",
+            "debug",
+        ]
+    )
+    size_consumers(up, plan_roles(up))
+    argv = worker_argv(up, "prefill", MODEL, "nats://n:1", threads=3)
+    worker = parser.parse_args(argv[3:])
+    assert worker.exit_with_parent and worker.log_level == "DEBUG" and worker.data_dir == up.data_dir
+    config = worker_config(worker, "prefill", MODEL)
+    assert config.engine == dataclasses.replace(engine_config(up), num_threads=3)
+    assert config.broker == BrokerConfig(prefill_max_ack_pending=16, decode_max_ack_pending=8)
+    assert config == WorkerConfig(
+        "prefill",
+        MODEL,
+        "served",
+        "nats://n:1",
+        engine=config.engine,
+        broker=config.broker,
+        worker_id=config.worker_id,
+        host="10.0.0.2",
+        dtype="bfloat16",
+        trust_remote_code=True,
+        load_format="dummy",
+        transfer_protocol="rdma",
+        ib_device="mlx5_2",
+        kv_hold_seconds=12.5,
+        heartbeat_seconds=0.5,
+    )
+
+
+def test_unset_values_render_as_nothing() -> None:
+    page = flags.Flag("--page-size", 16, int)
+    switch = flags.Flag("--trust-remote-code", switch=True)
+    assert page.render(None) == [] and page.render(32) == ["--page-size", "32"]
+    assert switch.render(False) == [] and switch.render(True) == ["--trust-remote-code"]

@@ -1,0 +1,57 @@
+"""Receiving work: fetch from a work queue only while the worker has room (the pull is
+the back-pressure), and hand each batch of decoded deliveries to the worker."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Generic, TypeVar
+
+from pdserve.broker.consumer import Delivery
+from pdserve.broker.contract import WorkQueue
+from pdserve.schemas import Message
+
+M = TypeVar("M", bound=Message)
+
+
+class Intake(Generic[M]):
+    """One worker's intake from one work queue.
+
+    ``room()`` says how many more messages the worker takes now (it may do work of its
+    own first); at zero the loop waits up to ``idle_wait`` for :attr:`room_freed`.
+    ``take`` gets every non-empty batch of decoded deliveries.
+    """
+
+    def __init__(
+        self,
+        queue: WorkQueue[M],
+        room: Callable[[], Awaitable[int]],
+        take: Callable[[list[Delivery[M]]], Awaitable[None]],
+        max_batch: int,
+        fetch_timeout: float,
+        idle_wait: float,
+    ) -> None:
+        self.queue = queue
+        self.room_freed = asyncio.Event()
+        self._room = room
+        self._take = take
+        self._max_batch = max_batch
+        self._fetch_timeout = fetch_timeout
+        self._idle_wait = idle_wait
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        """Fetch and hand over until ``stopping`` is set."""
+        while not stopping.is_set():
+            room = await self._room()
+            if room == 0:
+                self.room_freed.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.room_freed.wait(), self._idle_wait)
+                continue
+            deliveries = await self.queue.fetch(min(room, self._max_batch), self._fetch_timeout)
+            if deliveries:
+                await self._take(deliveries)
+
+    async def stop(self) -> None:
+        await self.queue.stop()

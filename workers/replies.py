@@ -1,0 +1,106 @@
+"""Sending results: token chunks and errors to a request's reply subject, and the
+acknowledgement that settles the request's JetStream delivery."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+from nats.aio.client import Client
+
+from pdserve.broker import contract
+from pdserve.broker.consumer import Delivery
+from pdserve.engine.engine import RequestOutput
+from pdserve.schemas import ErrorInfo, TokenChunk, Usage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Tracked:
+    """A request this worker is working on, where its tokens go, and the delivery to settle."""
+
+    rid: str
+    reply_to: str
+    delivery: Delivery | None
+    deadline: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)
+    acked: bool = False
+    progress_at: float = field(default_factory=time.monotonic)
+
+    async def settle(self, ok: bool = True) -> None:
+        """Ack (done) or terminate (failed for good) the delivery; once."""
+        if self.delivery is None or self.acked:
+            return
+        self.acked = True
+        try:
+            if ok:
+                await self.delivery.ack()
+            else:
+                await self.delivery.term()
+        except Exception as exc:
+            log.warning("ack failed", extra={"rid": self.rid, "error": str(exc)})
+
+    async def hand_back(self, delay: float | None = None) -> None:
+        """Nak an unsettled delivery: the stream redelivers it, here or to another worker."""
+        if self.delivery is None or self.acked:
+            return
+        self.acked = True
+        with contextlib.suppress(Exception):
+            await self.delivery.nak(delay=delay)
+
+    async def keep_alive(self, now: float, every: float) -> None:
+        """Tell the stream an unsettled delivery is still being worked on, at most once per ``every``."""
+        if self.delivery is None or self.acked or now - self.progress_at <= every:
+            return
+        self.progress_at = now
+        with contextlib.suppress(Exception):
+            await self.delivery.in_progress()
+
+
+class Replies:
+    """Publishes ``TokenChunk``s for one worker. A reply that cannot be published is
+    logged: a bad reply subject must not take the worker down."""
+
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self._nc: Client | None = None
+
+    def connect(self, nc: Client) -> None:
+        self._nc = nc
+
+    async def send(self, reply_to: str, chunk: TokenChunk) -> None:
+        assert self._nc is not None, "connect() first"
+        try:
+            await contract.publish(self._nc, contract.TOKENS, chunk, to=reply_to)
+        except Exception as exc:
+            log.warning("could not publish tokens", extra={"rid": chunk.rid, "error": str(exc)})
+
+    async def error(self, reply_to: str, rid: str, seq: int, message: str, kind: str = "server_error") -> None:
+        """The last chunk of a failed request: ``finish_reason="error"`` and why."""
+        chunk = TokenChunk(
+            rid=rid, seq=seq, finish_reason="error", error=ErrorInfo(message, kind), worker_id=self.worker_id
+        )
+        await self.send(reply_to, chunk)
+
+    def chunk(self, out: RequestOutput, tracked: Tracked | None) -> TokenChunk:
+        """One engine step's output for a request; usage and timings ride on its last chunk
+        (and timings on a prefill worker's hand-off chunk)."""
+        usage = None
+        timings = None
+        if out.finish_reason is not None or out.held:
+            usage = Usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
+            timings = tracked.timings if tracked else None
+        return TokenChunk(
+            rid=out.rid,
+            seq=out.index,
+            token_ids=tuple(out.token_ids),
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+            usage=usage if out.finish_reason is not None else None,
+            logprobs=tuple(out.logprobs) if out.logprobs else None,
+            worker_id=self.worker_id,
+            timings=timings,
+        )
