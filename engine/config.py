@@ -16,7 +16,8 @@ class EngineConfig:
     own forward pass where the architecture has one and the device is a GPU, else the stock
     ``transformers`` code; ``pdserve`` insists on the former, ``transformers`` on the
     latter. ``cuda_graph_max_batch``: decode steps of up to this many sequences replay a
-    captured CUDA graph (0: never).
+    captured CUDA graph (0: never). ``overlap_schedule``: on a GPU with the fast path,
+    schedule and launch the next decode step while the current one runs.
     """
 
     page_size: int = 16
@@ -33,6 +34,7 @@ class EngineConfig:
     cpu_kv_bytes: int = 512 << 20
     model_impl: str = "auto"
     cuda_graph_max_batch: int = 128
+    overlap_schedule: bool = True
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

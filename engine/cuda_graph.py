@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from pdserve.engine.models.batch import StepBatch
+from pdserve.engine.models.batch import StepBatch, fed_tokens
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +101,15 @@ class DecodeGraphs:
                 return size
         return None
 
-    def run(self, ids: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
-        """Logits ``[n, vocab]`` for ``n`` decoding sequences (``tables[i]`` covers position i)."""
+    def run(
+        self,
+        ids: list[int],
+        positions: list[int],
+        tables: list[list[int]],
+        feed: tuple[torch.Tensor, list[int]] | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[n, vocab]`` for ``n`` decoding sequences (``tables[i]`` covers position i);
+        ``feed`` names rows whose input token is on the device (see ``ModelRunner.execute``)."""
         n = len(ids)
         batch = self.bucket(n)
         assert batch is not None, f"{n} sequences exceed the largest graph"
@@ -118,6 +125,9 @@ class DecodeGraphs:
         host[3, :n] = host[1, :n] + 1
         self._fill_padding(n, batch)
         self._upload(batch)
+        if feed is not None:
+            own = self._inputs[0, :n]
+            own.copy_(fed_tokens(own, feed))
         self._graphs[batch].replay()
         return self._outputs[batch][:n]
 

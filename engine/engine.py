@@ -1,8 +1,11 @@
 """The serving engine: requests in, tokens out, one step at a time.
 
-``step()`` is ``schedule()`` → ``execute()`` → ``postprocess()``. Workers run
-``execute`` (pure tensor work) in a thread and the other two on their event loop, so
-new requests, aborts and releases never race a forward pass. The offline benchmark
+``step()`` is ``schedule()`` → ``execute()`` (``launch()`` then ``collect()``) →
+``postprocess()``. Workers run ``execute`` (pure tensor work) in a thread and the other
+two on their event loop, so new requests, aborts and releases never race a forward
+pass. On a GPU, ``step()`` overlaps: a pure decode step is left queued on the device
+while the host schedules and launches the next one, which takes its input tokens from
+the device, so the host's work per step hides behind the GPU's. The offline benchmark
 and the tests call ``step()`` directly: no sockets anywhere in here.
 
 Roles: a *prefill* request (``prefill_only``) stops after its first token and its
@@ -17,10 +20,12 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import torch
+
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.page_manager import PageManager
-from pdserve.engine.sampler import Sampler, SampleRequest
+from pdserve.engine.sampler import Sampler, SampleRequest, SamplerOutput
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import ScheduledBatch, Sequence, Status
 from pdserve.schemas import SamplingParams, TokenLogprob
@@ -51,6 +56,19 @@ class RequestOutput:
 
 
 @dataclass
+class Launched:
+    """A step whose forward pass and sampling are queued on the device."""
+
+    batch: ScheduledBatch
+    seqs: list[Sequence]  # the rows that get a token
+    started: float
+    tokens: torch.Tensor | None = None  # on the device
+    copy: torch.Tensor | None = None  # pinned host copy, filled when ``done`` fires
+    done: torch.cuda.Event | None = None
+    host: SamplerOutput | None = None  # sampled on the host (log-probabilities asked)
+
+
+@dataclass
 class ExecResult:
     seqs: list[Sequence]
     token_ids: list[int]
@@ -65,6 +83,7 @@ class EngineStats:
     cached_tokens: int = 0
     generated_tokens: int = 0
     busy_seconds: float = 0.0
+    overlapped_steps: int = 0  # steps left queued on the device while the next was launched
 
 
 class Engine:
@@ -80,15 +99,22 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.detokenize = detokenize
         self.pages = PageManager(runner.num_pages, config.page_size, config.enable_prefix_cache)
-        self.scheduler = Scheduler(config, self.pages)
+        self.scheduler = Scheduler(config, self.pages, runner.max_model_len)
         self.sampler = Sampler(runner.device)
         assert runner.max_model_len is not None
         self.max_model_len: int = runner.max_model_len
         self.seqs: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}
         self.stats = EngineStats()
-        self._in_flight: set[str] = set()
-        self._aborted_in_flight: set[str] = set()
+        self._in_flight: list[ScheduledBatch] = []  # scheduled, not yet postprocessed
+        self._aborted: set[str] = set()  # aborted while in flight: dropped when their steps end
+        self._pending: Launched | None = None  # a step left queued on the device by step()
+        # Overlap needs tokens that can stay on the device: the fast path's.
+        self.overlap = config.overlap_schedule and runner.fast is not None
+        capacity = config.max_num_seqs + config.max_prefill_seqs
+        on_gpu = self.overlap and runner.device.type == "cuda"
+        self._pinned = [torch.empty(capacity, dtype=torch.long, pin_memory=True) for _ in range(3)] if on_gpu else []
+        self._next_pinned = 0
 
     # ---- requests ----------------------------------------------------------
     def check_request(self, num_prompt: int, sampling: SamplingParams, num_output: int = 0) -> None:
@@ -133,6 +159,9 @@ class Engine:
         transfer. Follow with :meth:`commit_import` or :meth:`fail_import`.
         """
         self.check_request(len(prompt_ids), sampling, len(output_ids))
+        if self._pending is not None and self._pending.done is not None:
+            # The step on the device may still write pages freed since: the transfer must not race it.
+            self._pending.done.synchronize()
         seq = Sequence(rid, list(prompt_ids), sampling, output_ids=list(output_ids), num_resumed=len(output_ids))
         # The prompt's pages plus room to decode a page, and a watermark for the running batch.
         if not self.pages.reserve_prompt(seq, reserve=len(self.scheduler.running)):
@@ -158,12 +187,13 @@ class Engine:
         self.scheduler.add(seq)
 
     def abort(self, rid: str) -> bool:
-        """Drop a request wherever it is; its pages are freed (after the step in flight)."""
+        """Drop a request wherever it is; its pages are freed (after the steps in flight)."""
         seq = self.seqs.get(rid) or self.held.get(rid)
         if seq is None:
             return False
-        if rid in self._in_flight:
-            self._aborted_in_flight.add(rid)
+        if self.is_in_flight(rid):
+            self._aborted.add(rid)
+            self.scheduler.remove(seq, keep_pages=True)  # scheduled no more; pages go when its steps end
             return True
         self._drop(seq, "abort")
         return True
@@ -185,22 +215,66 @@ class Engine:
 
     # ---- stepping ----------------------------------------------------------
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._pending is not None
 
     def schedule(self) -> ScheduledBatch:
+        """The next step's work; its requests count as in flight until :meth:`postprocess`."""
         batch = self.scheduler.schedule()
-        self._in_flight = {s.rid for s in batch.decodes} | {s.rid for s, _ in batch.prefills}
+        self._in_flight.append(batch)
         return batch
 
-    def execute(self, batch: ScheduledBatch) -> ExecResult:
-        """Forward pass and sampling. Touches only tensors; safe to run in a worker thread."""
+    def launch(self, batch: ScheduledBatch) -> Launched:
+        """Queue the forward pass and sampling. A decoding sequence whose last token is still
+        pending (sampled by the step in flight before this one) is fed it on the device.
+        Touches only tensors; safe to run in a worker thread."""
         started = time.perf_counter()
-        seqs, logits = self.runner.execute(batch)
+        feed = self._feed(batch)
+        seqs, logits = self.runner.execute(batch, feed)
+        launched = Launched(batch, seqs, started)
         if logits is None:
-            return ExecResult([], [], [], time.perf_counter() - started)
-        rows = [SampleRequest(s.sampling, s.prompt_ids, s.output_ids) for s in seqs]
-        sampled = self.sampler(logits, rows)
-        return ExecResult(seqs, sampled.token_ids, sampled.logprobs, time.perf_counter() - started)
+            return launched
+        rows = [SampleRequest(s.sampling, s.prompt_ids, s.output_ids, index=s.num_outputs) for s in seqs]
+        tokens = self.sampler.sample_on_device(logits, rows) if self.overlap else None
+        if tokens is None:
+            launched.host = self.sampler(logits, rows)
+        elif tokens.is_cuda:
+            launched.tokens = tokens
+            copy = self._pinned[self._next_pinned][: len(seqs)]
+            self._next_pinned = (self._next_pinned + 1) % len(self._pinned)
+            copy.copy_(tokens, non_blocking=True)
+            launched.copy = copy
+            launched.done = torch.cuda.Event()
+            launched.done.record()
+        else:
+            launched.tokens = launched.copy = tokens
+        for seq in seqs:
+            seq.num_pending += 1
+        return launched
+
+    def _feed(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]] | None:
+        """The previous step's device tokens and, per decode, its row there (-1: known)."""
+        previous = self._pending
+        if previous is None or previous.tokens is None:
+            return None
+        row_of = {seq.rid: i for i, seq in enumerate(previous.seqs)}
+        rows = [row_of.get(seq.rid, -1) if seq.num_pending else -1 for seq in batch.decodes]
+        return (previous.tokens, rows) if any(r >= 0 for r in rows) else None
+
+    def collect(self, launched: Launched) -> ExecResult:
+        """Wait for a launched step's tokens (blocks: run it where blocking is fine)."""
+        if launched.host is not None:
+            tokens, logprobs = launched.host.token_ids, launched.host.logprobs
+        elif launched.copy is not None:
+            if launched.done is not None:
+                launched.done.synchronize()
+            tokens, logprobs = launched.copy.tolist(), [None] * len(launched.seqs)
+        else:
+            tokens, logprobs = [], []
+        return ExecResult(launched.seqs, tokens, logprobs, time.perf_counter() - launched.started)
+
+    def execute(self, batch: ScheduledBatch) -> ExecResult:
+        """Forward pass and sampling, waited for. Safe to run in a worker thread."""
+        return self.collect(self.launch(batch))
 
     def postprocess(self, batch: ScheduledBatch, result: ExecResult) -> list[RequestOutput]:
         self.stats.steps += 1
@@ -210,36 +284,74 @@ class Engine:
         for seq, n in batch.prefills:
             self.scheduler.on_computed(seq, n)
         outputs: list[RequestOutput] = []
+        decoded = {id(s) for s in batch.decodes}
         for seq, token, logprob in zip(result.seqs, result.token_ids, result.logprobs, strict=True):
-            if seq.rid in self._aborted_in_flight:
-                continue
-            outputs.append(self._append(seq, token, logprob))
-        for rid in self._aborted_in_flight:
-            aborted = self.seqs.get(rid) or self.held.get(rid)
-            if aborted is not None:
-                self._drop(aborted, "abort")
-        self._in_flight = set()
-        self._aborted_in_flight = set()
+            seq.num_pending -= 1
+            if seq.rid in self._aborted or seq.is_finished:
+                continue  # aborted, or finished by the step before while this one was queued
+            outputs.append(self._append(seq, token, logprob, id(seq) in decoded))
+        self._in_flight = [b for b in self._in_flight if b is not batch]
+        self._drop_aborted()
         return outputs
 
     def fail(self, batch: ScheduledBatch) -> list[Sequence]:
         """The batch's forward pass raised: drop its requests (pages freed); returns them."""
         seqs = list(batch.decodes) + [s for s, _ in batch.prefills]
-        self._in_flight = set()
-        self._aborted_in_flight = set()
+        self._in_flight = [b for b in self._in_flight if b is not batch]
         for seq in seqs:
+            seq.num_pending = 0
             self._drop(seq, "error")
+        self._drop_aborted()
         return seqs
 
     def step(self) -> list[RequestOutput]:
+        """One step. With overlap, a pure decode step stays queued on the device while the
+        next one is scheduled and launched; its tokens come out one call later."""
+        outputs: list[RequestOutput] = []
+        pending = self._pending
+        if pending is not None and not self._may_overlap(pending):
+            outputs += self._finish(pending)
         batch = self.schedule()
+        launched = None if batch.is_empty else self.launch(batch)
         if batch.is_empty:
-            self._in_flight = set()
-            return []
-        return self.postprocess(batch, self.execute(batch))
+            self._in_flight = [b for b in self._in_flight if b is not batch]
+        if self._pending is not None:
+            outputs += self._finish(self._pending)
+        if launched is not None and not self._may_overlap(launched):
+            outputs += self.postprocess(launched.batch, self.collect(launched))
+            launched = None
+        self._pending = launched
+        self.stats.overlapped_steps += launched is not None
+        return outputs
 
-    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
-        first = seq.status is Status.WAITING
+    def _finish(self, launched: Launched) -> list[RequestOutput]:
+        self._pending = None
+        return self.postprocess(launched.batch, self.collect(launched))
+
+    def _may_overlap(self, launched: Launched) -> bool:
+        """Whether the next step may be scheduled before this one's tokens are known: only
+        decodes in it (no prefill progress to account), tokens on the device, and no row
+        whose sampling reads its own history (penalties)."""
+        return (
+            self.overlap
+            and launched.tokens is not None
+            and not launched.batch.prefills
+            and not any(s.sampling.has_penalties for s in launched.batch.decodes)
+        )
+
+    def _drop_aborted(self) -> None:
+        for rid in list(self._aborted):
+            if not self.is_in_flight(rid):
+                self._aborted.discard(rid)
+                seq = self.seqs.get(rid) or self.held.get(rid)
+                if seq is not None:
+                    self._drop(seq, "abort")
+
+    def is_in_flight(self, rid: str) -> bool:
+        return any(rid in batch.rids for batch in self._in_flight)
+
+    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None, was_decode: bool) -> RequestOutput:
+        first = not was_decode and seq.status is Status.WAITING
         if first and seq.first_token_at is None:
             seq.first_token_at = time.monotonic()
             self.stats.prompt_tokens += len(seq.prompt_ids)

@@ -22,7 +22,7 @@ from pdserve.engine.cuda_graph import DecodeGraphs
 from pdserve.engine.kernels import decode_splits
 from pdserve.engine.kv_pool import KVPool, bytes_per_token, dtype_name
 from pdserve.engine.models import create_fast_model, fast_path_reason
-from pdserve.engine.models.batch import build_step
+from pdserve.engine.models.batch import build_step, fed_tokens
 from pdserve.engine.sequence import ScheduledBatch, Sequence
 from pdserve.schemas import KVLayout
 
@@ -174,10 +174,17 @@ class ModelRunner:
         return max(budget // (per_token * page), 1)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor | None]:
-        """Run the batch; returns the sequences that get a next token and their logits rows."""
+    def execute(
+        self, batch: ScheduledBatch, feed: tuple[torch.Tensor, list[int]] | None = None
+    ) -> tuple[list[Sequence], torch.Tensor | None]:
+        """Run the batch; returns the sequences that get a next token and their logits rows.
+
+        ``feed``: device tokens of the step before and, per decode, the row there that is
+        its input token (-1: the sequence's own last token); the fast path only.
+        """
         if self.fast is not None:
-            return self._execute_fast(batch)
+            return self._execute_fast(batch, feed)
+        assert feed is None, "only the fast path takes its input tokens from the device"
         meta, input_ids, positions, sample_index, sample_seqs = self._prepare(batch)
         if not sample_seqs:
             self.model(input_ids=input_ids, position_ids=positions, pd_attn=meta, use_cache=False, logits_to_keep=1)
@@ -191,16 +198,21 @@ class ModelRunner:
         )
         return sample_seqs, out.logits[0]
 
-    def _execute_fast(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor | None]:
+    def _execute_fast(
+        self, batch: ScheduledBatch, feed: tuple[torch.Tensor, list[int]] | None
+    ) -> tuple[list[Sequence], torch.Tensor | None]:
         assert self.fast is not None
         graphs = self.graphs
         if graphs is not None and not batch.prefills and len(batch.decodes) <= graphs.max_batch:
             seqs = batch.decodes
             logits = graphs.run(
-                [s.last_token for s in seqs], [s.num_tokens - 1 for s in seqs], [s.page_table for s in seqs]
+                [s.last_token for s in seqs], [s.num_tokens - 1 for s in seqs], [s.page_table for s in seqs], feed
             )
             return seqs, logits
         step, seqs = build_step(batch, self.config.page_size, self.device, self._splits(len(batch.decodes)))
+        if feed is not None:
+            ids = step.input_ids[: step.num_decodes]
+            ids.copy_(fed_tokens(ids, feed))
         logits = self.fast.forward(step)
         return (seqs, logits) if seqs else ([], None)
 

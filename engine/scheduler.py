@@ -15,9 +15,10 @@ from pdserve.engine.sequence import ScheduledBatch, Sequence, Status
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pages: PageManager) -> None:
+    def __init__(self, config: EngineConfig, pages: PageManager, max_model_len: int | None = None) -> None:
         self.config = config
         self.pages = pages
+        self.max_model_len = max_model_len or config.max_model_len or 1 << 62
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -45,14 +46,20 @@ class Scheduler:
     def _schedule_decodes(self) -> list[Sequence]:
         self.running.sort(key=lambda s: s.arrival)
         scheduled: list[Sequence] = []
-        while self.running and len(scheduled) < len(self.running):
-            seq = self.running[len(scheduled)]
-            if self.pages.grow(seq, seq.num_tokens):
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            if seq.num_pending and self._ends_with_pending(seq):
+                i += 1  # its pending token is its last: nothing more to compute
+            elif self.pages.grow(seq, seq.num_tokens):
                 scheduled.append(seq)
-                continue
-            victim = self.running[-1]
-            self.preempt(victim)
+                i += 1
+            else:
+                self.preempt(self.running[-1])
         return scheduled
+
+    def _ends_with_pending(self, seq: Sequence) -> bool:
+        return seq.num_outputs >= seq.sampling.max_new_tokens or seq.num_tokens >= self.max_model_len
 
     def preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s pages and send it back to wait for recomputation (its full
@@ -73,6 +80,8 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget <= 0 or len(prefills) >= self.config.max_prefill_seqs:
                 break
+            if seq.num_pending:
+                continue  # preempted with a token still on the device: prefill once it is known
             started = seq.num_computed > seq.num_cached
             if blocked and not started:
                 continue  # once short of pages, only half-done prefills go on (they finish and free)

@@ -85,3 +85,7 @@ class ScheduledBatch:
     @property
     def is_empty(self) -> bool:
         return not self.decodes and not self.prefills
+
+    @property
+    def rids(self) -> set[str]:
+        return {s.rid for s in self.decodes} | {s.rid for s, _ in self.prefills}

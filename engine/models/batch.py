@@ -131,3 +131,10 @@ def build_step(
         else torch.tensor(sample_rows, dtype=torch.long).to(device, non_blocking=True),
     )
     return step, sample_seqs
+
+
+def fed_tokens(own: torch.Tensor, feed: tuple[torch.Tensor, list[int]]) -> torch.Tensor:
+    """``own`` with the rows that ``feed`` names taken from its device tokens instead."""
+    tokens, rows = feed
+    src = torch.tensor(rows, dtype=torch.long).to(own.device, non_blocking=True)
+    return torch.where(src >= 0, tokens[src.clamp(min=0)], own)

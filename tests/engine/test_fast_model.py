@@ -113,3 +113,59 @@ def test_auto_keeps_transformers_on_the_cpu_and_pdserve_refuses_unknown_architec
     gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100))
     with pytest.raises(ValueError, match="GPT2LMHeadModel has no fast path"):
         ModelRunner(ModelSpec(Path("g")), EngineConfig(device="cpu", max_total_tokens=256, model_impl="pdserve"), gpt2)
+
+
+def collect_all(engine: Engine, requests: list[tuple[list[int], SamplingParams]], abort: str | None = None) -> dict:
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(str(i), prompt, params)
+    outs: dict[str, list[int]] = {}
+    reasons: dict[str, str | None] = {}
+    steps = 0
+    while engine.has_work():
+        steps += 1
+        if abort is not None and steps == 6:
+            assert engine.abort(abort)
+        for o in engine.step():
+            assert o.index == len(outs.get(o.rid, [])), "a token out of order"
+            outs.setdefault(o.rid, []).extend(o.token_ids)
+            reasons[o.rid] = o.finish_reason
+    engine.pages.check_invariants()
+    assert engine.pages.num_used_pages == 0
+    return {"tokens": outs, "reasons": reasons}
+
+
+def test_overlapped_steps_equal_plain_steps() -> None:
+    """Scheduling the next decode step before the current one's tokens are read changes
+    nothing: greedy, seeded sampling, stop tokens, length limits, preemption, an abort."""
+    model = small_model("qwen2")
+    rng = random.Random(3)
+    prompts = [[rng.randrange(300) for _ in range(rng.randint(17, 30))] for _ in range(6)]
+    params = [
+        SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_new_tokens=25, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True),
+        SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_new_tokens=30, temperature=1.0, seed=5, stop_token_ids=(7, 8, 9, 10, 11, 12)),
+        SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_new_tokens=28, temperature=0.7, top_k=20, seed=2, ignore_eos=True),
+    ]
+    requests = list(zip(prompts, params, strict=True))
+    results = []
+    for overlap in (False, True):
+        # 8 pages of 16 tokens: running sequences outgrow the pool and are preempted
+        config = EngineConfig(
+            device=str(DEVICE),
+            max_total_tokens=128,
+            model_impl="pdserve",
+            overlap_schedule=overlap,
+            cuda_graph_max_batch=0,
+            chunked_prefill_size=32,
+        )
+        engine = Engine(ModelRunner(ModelSpec(Path("m")), config, model=model), config)
+        assert engine.overlap is overlap
+        results.append(collect_all(engine, requests, abort="4"))
+        assert engine.scheduler.num_preemptions > 0
+        assert (engine.stats.overlapped_steps > 0) is overlap
+    plain, overlapped = results
+    assert overlapped == plain
+    assert "4" not in plain["reasons"] or plain["reasons"]["4"] is None
+    assert plain["reasons"]["2"] == "length" and len(plain["tokens"]["2"]) == 1
