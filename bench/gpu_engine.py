@@ -106,7 +106,11 @@ def engine_run(engine: Engine, batch: list[list[int]], new: int, timer: Timer) -
 
 
 def measure_engine(engine: Engine, vocab: int, timer: Timer, rng: random.Random, args: argparse.Namespace) -> dict:
-    row: dict[str, object] = {"model_impl": engine.runner.model_impl, "cuda_graphs": engine.runner.graphs is not None}
+    row: dict[str, object] = {
+        "model_impl": engine.runner.model_impl,
+        "cuda_graphs": engine.runner.graphs is not None,
+        "overlap": engine.overlap,
+    }
     engine_run(engine, prompts(rng, 2, 64, vocab), 8, timer)  # warm-up (kernels compile)
     say("pdserve: batch 1")
     runs = [engine_run(engine, prompts(rng, 1, 512, vocab), args.new, timer) for _ in range(3)]
@@ -118,23 +122,43 @@ def measure_engine(engine: Engine, vocab: int, timer: Timer, rng: random.Random,
         row["decode_bs1_graph_replay_ms"] = replay_ms(graphs, 1, timer)
         row["decode64_graph_replay_ms"] = replay_ms(graphs, 64, timer)
     say(f"pdserve: {args.requests} requests")
-    engine_run(engine, prompts(rng, 8, 512, vocab), 8, timer)
-    runs = [engine_run(engine, prompts(rng, args.requests, 512, vocab), args.new, timer) for _ in range(2)]
+    engine_run(engine, prompts(rng, args.requests, 512, vocab), 8, timer)  # the same shapes, warmed up
+    runs = [engine_run(engine, prompts(rng, args.requests, 512, vocab), args.new, timer) for _ in range(3)]
     row["decode64_out_tok_s"] = statistics.median(
         r["tokens_after_first"] / (r["seconds"] - r["all_first_s"]) for r in runs
     )
     row["whole64_out_tok_s"] = statistics.median(args.requests * args.new / r["seconds"] for r in runs)
     row["runs64"] = runs
     say("pdserve: prefill 4096")
-    runs = [engine_run(engine, prompts(rng, 1, 4096, vocab), 1, timer) for _ in range(3)]
+    fast = engine.runner.fast
+    device_ms: list[float] = []
+    if fast is not None and timer.device.type == "cuda":  # the forward pass's device time too
+        forward = fast.forward
+
+        def timed_forward(step):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = forward(step)
+            end.record()
+            end.synchronize()
+            device_ms.append(start.elapsed_time(end))
+            return out
+
+        fast.forward = timed_forward  # type: ignore[method-assign]
+    engine_run(engine, prompts(rng, 1, 4096, vocab), 1, timer)
+    device_ms.clear()
+    runs = [engine_run(engine, prompts(rng, 1, 4096, vocab), 1, timer) for _ in range(5)]
     row["prefill4096_ms"] = statistics.median(r["seconds"] * 1e3 for r in runs)
     row["prefill4096_ms_runs"] = [r["seconds"] * 1e3 for r in runs]
-    fast = engine.runner.fast
+    if device_ms:
+        row["prefill4096_forward_device_ms"] = statistics.median(device_ms)
     if fast is not None:  # the same prompts' attention through the paged prefill kernel instead
         fast.sdpa_prefill = False
         runs = [engine_run(engine, prompts(rng, 1, 4096, vocab), 1, timer) for _ in range(3)]
         fast.sdpa_prefill = True
         row["prefill4096_paged_kernel_ms"] = statistics.median(r["seconds"] * 1e3 for r in runs)
+        if device_ms:
+            fast.forward = forward  # type: ignore[method-assign]
     row["cached_tokens"] = engine.stats.cached_tokens
     return row
 

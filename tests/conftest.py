@@ -14,31 +14,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def _interpret_triton_on_the_cpu() -> None:
-    """With no GPU, Triton kernels run in Triton's interpreter: it must be on before
-    anything imports Triton (its own library functions are decorated at import), and it
-    is kept in Triton's settings rather than the environment, so that worker processes
-    the tests start do not inherit it. Triton 3.6's interpreter also turns scalars into
-    ints with ``int(array)``, which NumPy 2.4 refuses for one-element arrays."""
+    """With no GPU, Triton kernels run in Triton's interpreter (worker processes that the
+    tests start do not inherit it)."""
     import importlib.util
 
     import torch
 
     if importlib.util.find_spec("triton") is None or torch.cuda.is_available() or "triton" in sys.modules:
         return
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import triton
-        from triton.runtime import interpreter
-    finally:
-        del os.environ["TRITON_INTERPRET"]
-    triton.knobs.runtime.interpret = True
-    patch_tensor = interpreter._patch_lang_tensor
+    from pdserve.engine.kernels import use_interpreter
 
-    def patched(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
+    use_interpreter()
 
 
 _interpret_triton_on_the_cpu()

@@ -21,6 +21,33 @@ def interpreting() -> bool:
     return triton is not None and bool(triton.knobs.runtime.interpret)
 
 
+def use_interpreter() -> None:
+    """Run Triton kernels in Triton's interpreter (on the CPU), for tests and script checks.
+
+    Must come before anything imports Triton: its library functions are decorated at
+    import. The switch is kept in Triton's settings rather than the environment, so that
+    processes started later do not inherit it. Triton 3.6's interpreter also turns a
+    scalar into an int with ``int(array)``, which NumPy 2.4 refuses for one-element
+    arrays; that conversion is replaced.
+    """
+    if "triton" in sys.modules:
+        raise RuntimeError("Triton is already imported: its interpreter can no longer be switched on")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton
+        from triton.runtime import interpreter
+    finally:
+        del os.environ["TRITON_INTERPRET"]
+    triton.knobs.runtime.interpret = True
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patched(tensor: object, scope: object) -> None:
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))  # type: ignore[attr-defined]
+
+    interpreter._patch_lang_tensor = patched
+
+
 def available() -> bool:
     """Whether Triton can run here: a CUDA device, or the interpreter switched on."""
     if importlib.util.find_spec("triton") is None:

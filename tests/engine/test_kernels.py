@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.engine.kernel_env import DEVICE, elementwise, paged
+from tests.engine.kernel_env import DEVICE, elementwise, gemv, paged
 
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
@@ -202,3 +202,18 @@ def test_add_rms_norm_and_silu_mul_match_transformers_rounding(dtype: torch.dtyp
     gu = torch.randn((rows, 2 * n), dtype=dtype, device=DEVICE)
     ref = F.silu(gu[:, :n]) * gu[:, n:]
     assert rel_err(elementwise.silu_mul(gu), ref) < TOL[dtype] / 4
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 96), (3, 17, 1000), (4, 64, 512)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_matches_linear(dtype: torch.dtype, m: int, n: int, k: int, bias: bool) -> None:
+    x = torch.randn((m, k), dtype=dtype, device=DEVICE)
+    w = torch.randn((n, k), dtype=dtype, device=DEVICE)
+    b = torch.randn(n, dtype=dtype, device=DEVICE) if bias else None
+    ref = F.linear(x.double(), w.double(), b.double() if b is not None else None)
+    assert rel_err(gemv.gemv(x, w, b, block_n=8, block_k=128), ref) < TOL[dtype]
+    gate_up = torch.randn((m, 2 * k), dtype=dtype, device=DEVICE)
+    act = elementwise.silu_mul(gate_up)
+    ref = F.linear(act.double(), w.double())
+    assert rel_err(gemv.gemv(gate_up, w, silu_mul_input=True, block_n=16, block_k=256), ref) < TOL[dtype]

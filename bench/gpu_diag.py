@@ -1,0 +1,116 @@
+"""Where pdserve's fast path and ``transformers`` part ways, position by position.
+
+For small float32 models of each supported kind: the rotary tables, then logits of a
+prefill and of teacher-forced decode steps through ``ModelRunner`` against the stock
+model's full forward pass. Prints the largest absolute logit difference per stage.
+
+    python bench/gpu_diag.py [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.loader import quiet_transformers
+from pdserve.engine.model_runner import ModelRunner, ModelSpec
+from pdserve.engine.page_manager import PageManager
+from pdserve.engine.sequence import ScheduledBatch, Sequence
+from pdserve.schemas import SamplingParams
+
+
+def model_of(kind: str, device: torch.device) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    common = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    config = {
+        "qwen2": lambda: Qwen2Config(**common, rope_theta=1e6),
+        "llama": lambda: LlamaConfig(**common, rope_theta=10000.0),
+        "llama3-rope": lambda: LlamaConfig(**common, rope_scaling=scaling),
+    }[kind]()
+    torch.manual_seed(0)
+    with device:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    for p in model.parameters():
+        p.data.normal_(0, 0.2)
+    return model.eval()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    quiet_transformers()
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        from pdserve.engine.kernels import use_interpreter
+
+        use_interpreter()
+    print("tf32 matmul", torch.backends.cuda.matmul.allow_tf32, "precision", torch.get_float32_matmul_precision())
+    for kind in ("qwen2", "llama", "llama3-rope"):
+        model = model_of(kind, device)
+        config = EngineConfig(
+            device=str(device),
+            max_total_tokens=1024,
+            model_impl="pdserve",
+            cuda_graph_max_batch=0,
+            overlap_schedule=False,
+        )
+        runner = ModelRunner(ModelSpec(Path(kind)), config, model=model)
+        assert runner.fast is not None
+        n = 40
+        pos = torch.arange(n, device=device)[None]
+        with torch.no_grad():
+            cos, sin = model.model.rotary_emb(torch.empty((), device=device), pos)
+        rope_diff = max(
+            (cos[0] - runner.fast.cos[:n]).abs().max().item(), (sin[0] - runner.fast.sin[:n]).abs().max().item()
+        )
+        rng = random.Random(kind)
+        tokens = [rng.randrange(300) for _ in range(n)]
+        pages = PageManager(runner.num_pages, config.page_size)
+        seq = Sequence("s", tokens[:20], SamplingParams(max_new_tokens=100))
+        pages.grow(seq, 20)
+        _, logits = runner.execute(ScheduledBatch([], [(seq, 20)]))
+        with torch.inference_mode():
+            ref = model(torch.tensor([tokens], device=device)).logits[0].double()
+        assert logits is not None
+        diffs = [(logits[0].double() - ref[19]).abs().max().item()]
+        seq.num_computed = 20
+        for i in range(20, n):
+            seq.output_ids.append(tokens[i])
+            pages.grow(seq, seq.num_tokens)
+            _, logits = runner.execute(ScheduledBatch([seq], []))
+            assert logits is not None
+            diffs.append((logits[0].double() - ref[i]).abs().max().item())
+            seq.num_computed += 1
+        print(
+            f"{kind:12} rope table {rope_diff:.2e}  prefill logits {diffs[0]:.2e}  "
+            f"decode logits max {max(diffs[1:]):.2e} (first {diffs[1]:.2e})",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
