@@ -152,6 +152,21 @@ def measure_engine(engine: Engine, vocab: int, timer: Timer, rng: random.Random,
     row["prefill4096_ms_runs"] = [r["seconds"] * 1e3 for r in runs]
     if device_ms:
         row["prefill4096_forward_device_ms"] = statistics.median(device_ms)
+    if fast is not None and timer.device.type == "cuda":  # each attention backend the library offers
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+            try:
+                with sdpa_kernel(backend):
+                    engine_run(engine, prompts(rng, 1, 4096, vocab), 1, timer)
+                    device_ms.clear()
+                    runs = [engine_run(engine, prompts(rng, 1, 4096, vocab), 1, timer) for _ in range(3)]
+            except RuntimeError as exc:
+                say(f"prefill with {backend.name}: {exc}")
+                continue
+            row[f"prefill4096_{backend.name.lower()}_ms"] = statistics.median(r["seconds"] * 1e3 for r in runs)
+            if device_ms:
+                row[f"prefill4096_{backend.name.lower()}_device_ms"] = statistics.median(device_ms)
     if fast is not None:  # the same prompts' attention through the paged prefill kernel instead
         fast.sdpa_prefill = False
         runs = [engine_run(engine, prompts(rng, 1, 4096, vocab), 1, timer) for _ in range(3)]
@@ -223,17 +238,26 @@ def measure_transformers(model: torch.nn.Module, vocab: int, timer: Timer, rng: 
 
 # ---- profile ---------------------------------------------------------------------------
 def profile(engine: Engine, vocab: int, rng: random.Random, path: Path) -> None:
-    """Where a batch-1 decode step and a 4,096-token prefill spend device time."""
+    """Where decode steps and a 4,096-token prefill spend device time; Chrome traces of the
+    prefill and of decode at batch 64 beside ``path`` (for the gaps between kernels)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     lines = []
-    for name, batch, new in (("decode, batch 1 (16 steps)", 1, 17), ("prefill 4096", 1, 1)):
-        length = 512 if new > 1 else 4096
+    cases = (
+        ("decode, batch 1 (16 steps)", 1, 512, 17, None),
+        ("prefill 4096", 1, 4096, 1, "trace_prefill.json"),
+        ("decode, batch 64 (16 steps)", 64, 512, 17, "trace_decode64.json"),
+    )
+    for name, batch, length, new, trace in cases:
         work = prompts(rng, batch, length, vocab)
-        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        if batch > 1:  # profile the decode steps only: prefill first, outside the profile
+            engine_run(engine, work, 1, Timer(engine.runner.device))
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], acc_events=True) as prof:
             engine_run(engine, work, new, Timer(engine.runner.device))
         lines.append(f"== {name}\n" + prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+        if trace:
+            prof.export_chrome_trace(str(path.parent / trace))
     path.write_text("\n".join(lines))
 
 

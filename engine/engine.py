@@ -280,7 +280,8 @@ class Engine:
         self.stats.steps += 1
         self.stats.busy_seconds += result.seconds
         for seq in batch.decodes:
-            self.scheduler.on_computed(seq, 1)
+            if seq.status is Status.RUNNING:  # not preempted or finished while the step was queued
+                self.scheduler.on_computed(seq, 1)
         for seq, n in batch.prefills:
             self.scheduler.on_computed(seq, n)
         outputs: list[RequestOutput] = []

@@ -111,8 +111,11 @@ def test_auto_keeps_transformers_on_the_cpu_and_pdserve_refuses_unknown_architec
     if DEVICE.type == "cpu":
         assert ModelRunner(ModelSpec(Path("m")), config, model=model).model_impl == "transformers"
     gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100))
+    with DEVICE:
+        gpt2 = gpt2.to(DEVICE)
+    config = EngineConfig(device=str(DEVICE), max_total_tokens=256, model_impl="pdserve")
     with pytest.raises(ValueError, match="GPT2LMHeadModel has no fast path"):
-        ModelRunner(ModelSpec(Path("g")), EngineConfig(device="cpu", max_total_tokens=256, model_impl="pdserve"), gpt2)
+        ModelRunner(ModelSpec(Path("g")), config, gpt2)
 
 
 def collect_all(engine: Engine, requests: list[tuple[list[int], SamplingParams]], abort: str | None = None) -> dict:
@@ -136,25 +139,27 @@ def collect_all(engine: Engine, requests: list[tuple[list[int], SamplingParams]]
 
 def test_overlapped_steps_equal_plain_steps() -> None:
     """Scheduling the next decode step before the current one's tokens are read changes
-    nothing: greedy, seeded sampling, stop tokens, length limits, preemption, an abort."""
+    nothing: greedy, seeded sampling, stop tokens, length limits, preemption with a token
+    still on the device, prefix reuse after it, an abort. The reference: plain steps in a
+    pool large enough that nothing is preempted."""
     model = small_model("qwen2")
     rng = random.Random(3)
     prompts = [[rng.randrange(300) for _ in range(rng.randint(17, 30))] for _ in range(6)]
     params = [
-        SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True),
-        SamplingParams(max_new_tokens=25, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True),
+        SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_new_tokens=22, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True),
         SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True),
-        SamplingParams(max_new_tokens=30, temperature=1.0, seed=5, stop_token_ids=(7, 8, 9, 10, 11, 12)),
+        SamplingParams(max_new_tokens=24, temperature=1.0, seed=5, stop_token_ids=(7, 8, 9, 10, 11, 12)),
         SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True),
-        SamplingParams(max_new_tokens=28, temperature=0.7, top_k=20, seed=2, ignore_eos=True),
+        SamplingParams(max_new_tokens=23, temperature=0.7, top_k=20, seed=2, ignore_eos=True),
     ]
     requests = list(zip(prompts, params, strict=True))
     results = []
-    for overlap in (False, True):
-        # 8 pages of 16 tokens: running sequences outgrow the pool and are preempted
+    for overlap, tokens in ((False, 4096), (False, 96), (True, 96)):
+        # 6 pages of 16 tokens: running sequences outgrow the pool and are preempted
         config = EngineConfig(
             device=str(DEVICE),
-            max_total_tokens=128,
+            max_total_tokens=tokens,
             model_impl="pdserve",
             overlap_schedule=overlap,
             cuda_graph_max_batch=0,
@@ -162,10 +167,16 @@ def test_overlapped_steps_equal_plain_steps() -> None:
         )
         engine = Engine(ModelRunner(ModelSpec(Path("m")), config, model=model), config)
         assert engine.overlap is overlap
-        results.append(collect_all(engine, requests, abort="4"))
-        assert engine.scheduler.num_preemptions > 0
+        results.append(collect_all(engine, requests, abort=None if tokens == 4096 else "4"))
+        assert (engine.scheduler.num_preemptions > 0) is (tokens == 96)
         assert (engine.stats.overlapped_steps > 0) is overlap
-    plain, overlapped = results
-    assert overlapped == plain
-    assert "4" not in plain["reasons"] or plain["reasons"]["4"] is None
-    assert plain["reasons"]["2"] == "length" and len(plain["tokens"]["2"]) == 1
+    reference, plain, overlapped = results
+    for run in (plain, overlapped):
+        cut = run["tokens"].pop("4", [])  # aborted part way: what it got is the reference's start
+        assert cut == reference["tokens"]["4"][: len(cut)]
+        assert run["reasons"].pop("4", None) is None
+    reference["tokens"].pop("4")
+    reference["reasons"].pop("4")
+    assert plain == reference
+    assert overlapped == reference
+    assert reference["reasons"]["2"] == "length" and len(reference["tokens"]["2"]) == 1
