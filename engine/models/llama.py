@@ -171,7 +171,7 @@ class LlamaFamily:
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tiles: dict[str, int]) -> torch.Tensor:
         if x.shape[0] == 1 and self.use_gemv:
-            return gemv.gemv(x, w, b, **tiles)
+            return gemv.gemv(x, w, b, False, **tiles)
         return F.linear(x, w, b)
 
     def _attend(self, index: int, layer: Layer, qkv: torch.Tensor, out: torch.Tensor, step: StepBatch) -> None:
