@@ -16,6 +16,7 @@ prompt's KV written into pages by a transfer and starts decoding at once.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -115,6 +116,8 @@ class Engine:
         on_gpu = self.overlap and runner.device.type == "cuda"
         self._pinned = [torch.empty(capacity, dtype=torch.long, pin_memory=True) for _ in range(3)] if on_gpu else []
         self._next_pinned = 0
+        self._launch_lock = threading.Lock()  # a launch's kernels and a fence never interleave
+        self._fences: dict[str, torch.cuda.Event] = {}
 
     # ---- requests ----------------------------------------------------------
     def check_request(self, num_prompt: int, sampling: SamplingParams, num_output: int = 0) -> None:
@@ -159,19 +162,31 @@ class Engine:
         transfer. Follow with :meth:`commit_import` or :meth:`fail_import`.
         """
         self.check_request(len(prompt_ids), sampling, len(output_ids))
-        if self._pending is not None and self._pending.done is not None:
-            # The step on the device may still write pages freed since: the transfer must not race it.
-            self._pending.done.synchronize()
         seq = Sequence(rid, list(prompt_ids), sampling, output_ids=list(output_ids), num_resumed=len(output_ids))
         # The prompt's pages plus room to decode a page, and a watermark for the running batch.
         if not self.pages.reserve_prompt(seq, reserve=len(self.scheduler.running)):
             return None
         seq.status = Status.HELD
         self.seqs[rid] = seq
+        if self.runner.device.type == "cuda":
+            # A step still queued may write into pages freed since it was scheduled (a
+            # sequence that finished meanwhile): the transfer waits for everything queued.
+            with self._launch_lock:
+                fence = torch.cuda.Event()
+                fence.record()
+            self._fences[rid] = fence
         return seq
+
+    def wait_for_pages(self, rid: str) -> None:
+        """Block until no queued step can still write the pages reserved for ``rid``'s import
+        (call from the thread that runs the transfer, before it writes)."""
+        fence = self._fences.pop(rid, None)
+        if fence is not None:
+            fence.synchronize()
 
     def commit_import(self, seq: Sequence) -> None:
         """The prompt's KV is in place: decode from the first token on."""
+        self._fences.pop(seq.rid, None)
         seq.num_computed = 0
         self.scheduler.on_computed(seq, len(seq.prompt_ids))
         if seq.output_ids:
@@ -182,6 +197,7 @@ class Engine:
 
     def fail_import(self, seq: Sequence) -> None:
         """Transfer failed: free the pages and compute the prompt here instead."""
+        self._fences.pop(seq.rid, None)
         self.pages.release(seq)
         seq.status = Status.WAITING
         self.scheduler.add(seq)
@@ -220,13 +236,23 @@ class Engine:
     def schedule(self) -> ScheduledBatch:
         """The next step's work; its requests count as in flight until :meth:`postprocess`."""
         batch = self.scheduler.schedule()
-        self._in_flight.append(batch)
+        if not batch.is_empty:
+            self._in_flight.append(batch)
         return batch
+
+    @property
+    def pending(self) -> Launched | None:
+        """The step left queued on the device (its tokens feed the next one), if any."""
+        return self._pending
 
     def launch(self, batch: ScheduledBatch) -> Launched:
         """Queue the forward pass and sampling. A decoding sequence whose last token is still
         pending (sampled by the step in flight before this one) is fed it on the device.
         Touches only tensors; safe to run in a worker thread."""
+        with self._launch_lock:
+            return self._launch(batch)
+
+    def _launch(self, batch: ScheduledBatch) -> Launched:
         started = time.perf_counter()
         feed = self._feed(batch)
         seqs, logits = self.runner.execute(batch, feed)
@@ -299,6 +325,8 @@ class Engine:
         """The batch's forward pass raised: drop its requests (pages freed); returns them."""
         seqs = list(batch.decodes) + [s for s, _ in batch.prefills]
         self._in_flight = [b for b in self._in_flight if b is not batch]
+        if self._pending is not None and self._pending.batch is batch:
+            self._pending = None
         for seq in seqs:
             seq.num_pending = 0
             self._drop(seq, "error")
@@ -309,25 +337,28 @@ class Engine:
         """One step. With overlap, a pure decode step stays queued on the device while the
         next one is scheduled and launched; its tokens come out one call later."""
         outputs: list[RequestOutput] = []
-        pending = self._pending
-        if pending is not None and not self._may_overlap(pending):
-            outputs += self._finish(pending)
         batch = self.schedule()
         launched = None if batch.is_empty else self.launch(batch)
-        if batch.is_empty:
-            self._in_flight = [b for b in self._in_flight if b is not batch]
         if self._pending is not None:
-            outputs += self._finish(self._pending)
-        if launched is not None and not self._may_overlap(launched):
-            outputs += self.postprocess(launched.batch, self.collect(launched))
-            launched = None
-        self._pending = launched
-        self.stats.overlapped_steps += launched is not None
+            outputs += self.complete(self._pending, self.collect(self._pending))
+        if launched is not None and not self.hold(launched):
+            outputs += self.complete(launched, self.collect(launched))
         return outputs
 
-    def _finish(self, launched: Launched) -> list[RequestOutput]:
-        self._pending = None
-        return self.postprocess(launched.batch, self.collect(launched))
+    def hold(self, launched: Launched) -> bool:
+        """Leave ``launched`` queued while the next step is scheduled, if it allows it."""
+        if not self._may_overlap(launched):
+            return False
+        assert self._pending is None, "one step at a time may be left queued"
+        self._pending = launched
+        self.stats.overlapped_steps += 1
+        return True
+
+    def complete(self, launched: Launched, result: ExecResult) -> list[RequestOutput]:
+        """:meth:`postprocess` of a launched step, which then feeds no later step."""
+        if self._pending is launched:
+            self._pending = None
+        return self.postprocess(launched.batch, result)
 
     def _may_overlap(self, launched: Launched) -> bool:
         """Whether the next step may be scheduled before this one's tokens are known: only

@@ -130,6 +130,12 @@ class DecodeWorker(WorkerRuntime):
         await self._release(ready, ok=False)
         await t.settle(ok=False)
 
+    def _read(self, ready: KVReady, reads: list[tuple[int, int, int]]) -> None:
+        """In a transfer thread: once no queued step can write the reserved pages, pull."""
+        assert self.transfer is not None
+        self.engine.wait_for_pages(ready.rid)
+        self.transfer.read(ready.handle.endpoint, reads)
+
     async def _pull(self, ready: KVReady, seq: Sequence, t: Tracked) -> None:
         assert self.transfer is not None
         pool = self.engine.runner.pool
@@ -145,7 +151,7 @@ class DecodeWorker(WorkerRuntime):
                 skip_pages=seq.num_cached // page,
             )
             loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._transfer_threads, self.transfer.read, ready.handle.endpoint, reads)
+            await loop.run_in_executor(self._transfer_threads, self._read, ready, reads)
         except TransferError as exc:
             ok = False
             log.warning("KV pull failed; recomputing", extra={"rid": ready.rid, "error": str(exc)})

@@ -26,7 +26,7 @@ from nats.js import JetStreamContext
 
 from pdserve.broker import contract
 from pdserve.broker.consumer import Delivery
-from pdserve.engine.engine import Engine, RequestError, RequestOutput
+from pdserve.engine.engine import Engine, Launched, RequestError, RequestOutput
 from pdserve.engine.sequence import ScheduledBatch
 from pdserve.schemas import Cancel, GenerateRequest, WorkerInfo
 from pdserve.workers.config import WorkerConfig
@@ -204,30 +204,53 @@ class WorkerRuntime:
 
     # ---- the engine loop ---------------------------------------------------
     async def _engine_loop(self) -> None:
+        """Schedule, launch, and publish the step before while this one runs on the device
+        (when the engine overlaps; otherwise each step is waited for at once)."""
         loop = asyncio.get_running_loop()
+        engine = self.engine
         while True:
-            if not self.engine.has_work():
+            if not engine.has_work():
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            batch = self.engine.schedule()
-            if batch.is_empty:  # work waits for pages or imports: poll gently
-                self._wake.clear()
+            batch = engine.schedule()
+            if batch.is_empty:
+                if engine.pending is not None:
+                    await self._complete(engine.pending)
+                    continue
+                self._wake.clear()  # work waits for pages or imports: poll gently
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), 0.05)
                 continue
             try:
-                result = await loop.run_in_executor(self._engine_thread, self.engine.execute, batch)
+                launched = await loop.run_in_executor(self._engine_thread, engine.launch, batch)
             except Exception:
                 log.exception("engine step failed; failing the batch's requests")
+                if engine.pending is not None:
+                    await self._complete(engine.pending)
                 await self._fail_batch(batch)
                 continue
-            outputs = self.engine.postprocess(batch, result)
-            try:
-                await self.on_outputs(outputs)
-            except Exception:
-                log.exception("handling outputs failed")
+            if engine.pending is not None:
+                await self._complete(engine.pending)
+            if not engine.hold(launched):
+                await self._complete(launched)
             await asyncio.sleep(0)  # let fetches, cancels and releases in between steps
+
+    async def _complete(self, launched: Launched) -> None:
+        """Wait for a launched step's tokens (in the engine thread) and publish them."""
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(
+                self._engine_thread, self.engine.collect, launched
+            )
+        except Exception:
+            log.exception("engine step failed; failing the batch's requests")
+            await self._fail_batch(launched.batch)
+            return
+        outputs = self.engine.complete(launched, result)
+        try:
+            await self.on_outputs(outputs)
+        except Exception:
+            log.exception("handling outputs failed")
 
     async def _fail_batch(self, batch: ScheduledBatch) -> None:
         for seq in self.engine.fail(batch):

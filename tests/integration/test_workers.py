@@ -50,9 +50,7 @@ async def workers(nats_server, tiny_model_dir: Path) -> AsyncIterator[Any]:
             model_path=tiny_model_dir,
             model_name=tiny_model_dir.name,
             nats_url=nats_server.url,
-            engine=EngineConfig(max_total_tokens=16 * 512),
-            heartbeat_seconds=0.5,
-            **overrides,
+            **{"engine": EngineConfig(max_total_tokens=16 * 512), "heartbeat_seconds": 0.5, **overrides},
         )
         worker = ROLES[role](config, build_engine(tiny_model_dir, config.engine))
         await worker.start()
@@ -194,5 +192,33 @@ async def test_shutdown_hands_unfinished_requests_to_another_worker(workers, nat
         assert len(received) == n
         assert received == reference(tiny_model_dir, prompt, n)
         assert gateway.streams == {}
+    finally:
+        await gateway.stop()
+
+
+async def test_unified_worker_overlaps_steps_on_the_fast_path(workers, nats_server, tiny_model_dir: Path) -> None:
+    """pdserve's own forward pass (Triton kernels, interpreted on the CPU) in a worker: the
+    next decode step is launched while the last one's tokens are published."""
+    worker = await workers("unified", engine=EngineConfig(max_total_tokens=2048, model_impl="pdserve"))
+    assert worker.engine.overlap
+    gateway = Gateway(nats_server.url, tiny_model_dir.name, streams.BrokerConfig())
+    await gateway.start()
+    prompts = [list(range(5, 5 + n)) for n in (9, 21, 30)]
+    n = 8
+    params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+
+    async def one(i: int, prompt: list[int]) -> list[int]:
+        tokens: list[int] = []
+        async for chunk in gateway.generate(prompt, params, rid=f"fast-{i}"):
+            tokens.extend(chunk.token_ids)
+            if chunk.finish_reason:
+                break
+        return tokens
+
+    try:
+        received = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        assert received == [reference(tiny_model_dir, p, n) for p in prompts]
+        assert worker.engine.stats.overlapped_steps > 0
+        await until(lambda: worker.engine.pages.num_used_pages == 0)
     finally:
         await gateway.stop()
