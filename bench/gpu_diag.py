@@ -111,10 +111,11 @@ def main() -> int:
         )
     for kind in ("qwen2", "llama3-rope"):
         engine_flow(kind, device)
+    engine_flow("llama3-rope", device, generate_first=True)
     return 0
 
 
-def engine_flow(kind: str, device: torch.device) -> None:
+def engine_flow(kind: str, device: torch.device, generate_first: bool = False) -> None:
     """The fast-model test's own flow (three prompts, 16-token chunks, overlap on): every
     sampled row's logits against the stock model's on the same tokens."""
     from pdserve.engine.engine import Engine
@@ -122,6 +123,13 @@ def engine_flow(kind: str, device: torch.device) -> None:
     model = model_of(kind, device)
     rng = random.Random(kind)
     prompts = [[rng.randrange(300) for _ in range(n)] for n in (5, 23, 40)]
+    if generate_first:  # as the test does: the stock generate before the fast path is built
+        inv_freq = model.model.rotary_emb.inv_freq.clone()
+        with torch.inference_mode():
+            for p in prompts:
+                model.generate(torch.tensor([p], device=device), max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        changed = (model.model.rotary_emb.inv_freq - inv_freq).abs().max().item()
+        print(f"{kind:12} generate first: inv_freq changed by {changed:.2e}", flush=True)
     config = EngineConfig(
         device=str(device), max_total_tokens=1024, model_impl="pdserve", chunked_prefill_size=16, cuda_graph_max_batch=0
     )
