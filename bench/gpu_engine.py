@@ -275,7 +275,7 @@ def measure_e2e(args: argparse.Namespace, dims: dict, device: str) -> dict:
     tokens = 64 * (512 + args.new + 64)
     config = EngineConfig(device=device, max_total_tokens=tokens, max_num_seqs=128, chunked_prefill_size=8192)
     offline = build_engine(model_dir, config, load_format="dummy")
-    vocab = 4000  # token ids the directory's tokenizer knows: the API checks them
+    vocab = min(4000, dims["vocab_size"])  # token ids the tokenizer knows: the API checks them
     seed = iter(range(1000, 2000))
 
     def fresh():
