@@ -3,7 +3,8 @@
 A graph is captured per batch-size bucket (1, 2, 4, 8, then steps of 8 up to
 ``max_batch``); a step of ``n`` sequences replays the smallest bucket that holds it, the
 extra rows pointing at a scratch page that no sequence owns. Inputs travel in one
-pinned host buffer and one copy, into static device buffers that every graph reads.
+pinned host buffer and one copy, into static device buffers that every graph reads; a
+sequence whose input token is still on the device (an overlapped step) is fed it there.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import logging
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
-from pdserve.engine.models.batch import StepBatch, fed_tokens
+from pdserve.engine.models.batch import StepBatch
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +48,18 @@ class DecodeGraphs:
         self.scratch_page = scratch_page
         self.splits_for = splits_for
         self.buckets = buckets(max_batch)
-        # one row each: input ids, positions, slots, context lengths
-        self._host = torch.zeros((4, max_batch), dtype=torch.int64, pin_memory=True)
-        self._host_tables = torch.zeros((max_batch, max_pages), dtype=torch.int32, pin_memory=True)
-        self._inputs = torch.zeros((4, max_batch), dtype=torch.int64, device=device)
+        # One row each: input ids, positions, slots, context lengths, feed rows. Two host
+        # copies in turn: one is written while the other may still be on its way over.
+        self._stages = [
+            (
+                torch.zeros((5, max_batch), dtype=torch.int64, pin_memory=True),
+                torch.zeros((max_batch, max_pages), dtype=torch.int32, pin_memory=True),
+                torch.cuda.Event(),
+            )
+            for _ in range(2)
+        ]
+        self._stage = 0
+        self._inputs = torch.zeros((5, max_batch), dtype=torch.int64, device=device)
         self._tables = torch.zeros((max_batch, max_pages), dtype=torch.int32, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
@@ -70,8 +80,10 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture every bucket, largest first so the smaller ones reuse its memory."""
         started = time.monotonic()
-        self._fill_padding(0, self.max_batch)
-        self._upload(self.max_batch)
+        host, host_tables, _ = self._stages[0]
+        self._fill_padding(host.numpy(), host_tables.numpy(), 0, self.max_batch)
+        self._inputs.copy_(host)
+        self._tables.copy_(host_tables)
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -113,34 +125,35 @@ class DecodeGraphs:
         n = len(ids)
         batch = self.bucket(n)
         assert batch is not None, f"{n} sequences exceed the largest graph"
+        host, host_tables, uploaded = self._stages[self._stage]
+        self._stage ^= 1
+        uploaded.synchronize()  # this copy's last trip to the device has left
         page = self.page_size
-        host = self._host
-        host[0, :n] = torch.tensor(ids)
-        host[1, :n] = torch.tensor(positions)
-        host_np = self._host_tables.numpy()
-        slots = host[2]
+        rows = host.numpy()
+        table_rows = host_tables.numpy()
+        rows[0, :n] = ids
+        rows[1, :n] = positions
         for i, (p, table) in enumerate(zip(positions, tables, strict=True)):
-            host_np[i, : len(table)] = table
-            slots[i] = table[p // page] * page + p % page
-        host[3, :n] = host[1, :n] + 1
-        self._fill_padding(n, batch)
-        self._upload(batch)
+            table_rows[i, : len(table)] = table
+            rows[2, i] = table[p // page] * page + p % page
+        rows[3, :n] = rows[1, :n] + 1
+        rows[4, :n] = feed[1] if feed is not None else -1
+        self._fill_padding(rows, table_rows, n, batch)
+        self._inputs.copy_(host, non_blocking=True)
+        self._tables[:batch].copy_(host_tables[:batch], non_blocking=True)
+        uploaded.record()
         if feed is not None:
-            own = self._inputs[0, :n]
-            own.copy_(fed_tokens(own, feed))
+            own, src = self._inputs[0, :n], self._inputs[4, :n]
+            own.copy_(torch.where(src >= 0, feed[0][src.clamp(min=0)], own))
         self._graphs[batch].replay()
         return self._outputs[batch][:n]
 
-    def _fill_padding(self, start: int, end: int) -> None:
+    def _fill_padding(self, rows: np.ndarray, table_rows: np.ndarray, start: int, end: int) -> None:
         """Rows ``start..end`` decode one token on the scratch page: harmless, discarded."""
         if start >= end:
             return
-        self._host[0, start:end] = 0
-        self._host[1, start:end] = 0
-        self._host[2, start:end] = self.scratch_page * self.page_size
-        self._host[3, start:end] = 1
-        self._host_tables[start:end, 0] = self.scratch_page
-
-    def _upload(self, batch: int) -> None:
-        self._inputs.copy_(self._host, non_blocking=True)
-        self._tables[:batch].copy_(self._host_tables[:batch], non_blocking=True)
+        rows[:2, start:end] = 0
+        rows[2, start:end] = self.scratch_page * self.page_size
+        rows[3, start:end] = 1
+        rows[4, start:end] = -1
+        table_rows[start:end, 0] = self.scratch_page

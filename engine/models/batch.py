@@ -44,6 +44,14 @@ class StepBatch:
         return self.input_ids.shape[0]
 
 
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` without waiting for the device's queue (from pinned memory: a
+    copy from pageable memory waits until the work queued before it has run)."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _table(rows: list[list[int]], width: int) -> torch.Tensor:
     out = torch.zeros((len(rows), max(width, 1)), dtype=torch.int32)
     for i, row in enumerate(rows):
@@ -108,27 +116,27 @@ def build_step(
     prefill = None
     if spans:
         prefill = PrefillChunks(
-            q_starts=torch.tensor([s for s, _ in spans], dtype=torch.int32).to(device, non_blocking=True),
-            q_lens=torch.tensor([n for _, n in spans], dtype=torch.int32).to(device, non_blocking=True),
-            ctx_lens=torch.tensor(chunk_ctx, dtype=torch.int32).to(device, non_blocking=True),
-            page_tables=_table(chunk_rows, max(len(r) for r in chunk_rows)).to(device, non_blocking=True),
+            q_starts=_to(torch.tensor([s for s, _ in spans], dtype=torch.int32), device),
+            q_lens=_to(torch.tensor([n for _, n in spans], dtype=torch.int32), device),
+            ctx_lens=_to(torch.tensor(chunk_ctx, dtype=torch.int32), device),
+            page_tables=_to(_table(chunk_rows, max(len(r) for r in chunk_rows)), device),
             max_q_len=max(n for _, n in spans),
             spans=spans,
             is_fresh=fresh,
         )
     width = max((len(r) for r in decode_rows), default=1)
     step = StepBatch(
-        input_ids=ids_t.to(device, non_blocking=True),
-        positions=pos_t.to(device, non_blocking=True),
-        slots=slots_t.to(device, non_blocking=True),
+        input_ids=_to(ids_t, device),
+        positions=_to(pos_t, device),
+        slots=_to(slots_t, device),
         num_decodes=len(batch.decodes),
-        decode_tables=_table(decode_rows, width).to(device, non_blocking=True),
-        decode_ctx_lens=torch.tensor(ctx, dtype=torch.int32).to(device, non_blocking=True),
+        decode_tables=_to(_table(decode_rows, width), device),
+        decode_ctx_lens=_to(torch.tensor(ctx, dtype=torch.int32), device),
         decode_splits=splits_for,
         prefill=prefill,
         sample_index=None
         if len(sample_rows) == num_tokens
-        else torch.tensor(sample_rows, dtype=torch.long).to(device, non_blocking=True),
+        else _to(torch.tensor(sample_rows, dtype=torch.long), device),
     )
     return step, sample_seqs
 
@@ -136,5 +144,5 @@ def build_step(
 def fed_tokens(own: torch.Tensor, feed: tuple[torch.Tensor, list[int]]) -> torch.Tensor:
     """``own`` with the rows that ``feed`` names taken from its device tokens instead."""
     tokens, rows = feed
-    src = torch.tensor(rows, dtype=torch.long).to(own.device, non_blocking=True)
+    src = _to(torch.tensor(rows, dtype=torch.long), own.device)
     return torch.where(src >= 0, tokens[src.clamp(min=0)], own)
