@@ -1,4 +1,4 @@
-"""First GPU reading of the engine (issue: engine): correctness and speed beside transformers.
+"""First GPU reading of the engine: correctness and speed beside transformers.
 
 On one device, for the default tiny model (fp32) and a model of Qwen2.5-7B dimensions
 with random bf16 weights, in one run:

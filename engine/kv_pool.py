@@ -2,7 +2,7 @@
 
 Layout ``[num_pages, num_layers, 2, num_kv_heads, page_size, head_dim]``: a page holds
 all layers' K and V for ``page_size`` tokens, so a request's KV is a few contiguous
-runs of pages — few, large transfer segments (see FACTS: ~16 µs per segment over tcp).
+runs of pages — few, large transfer segments (Mooncake over tcp costs about 16 µs a segment).
 Inside a page each (layer, K|V, head) is one ``[page_size, head_dim]`` row block, so
 attention gathers a sequence's pages straight into ``[batch, heads, tokens, head_dim]``.
 """

@@ -111,6 +111,18 @@ ENGINE = (
     Flag("--chunked-prefill-size", EngineConfig.chunked_prefill_size, int),
     Flag("--max-running-requests", EngineConfig.max_num_seqs, int, "largest running batch"),
     Flag("--disable-prefix-cache", switch=True),
+    Flag(
+        "--model-impl",
+        EngineConfig.model_impl,
+        choices=("auto", "pdserve", "transformers"),
+        help="auto: pdserve's own forward pass for Llama-family models on a GPU, else transformers' "
+        "(default: %(default)s)",
+    ),
+    Flag(
+        "--cuda-graph-max-bs", EngineConfig.cuda_graph_max_batch, int, "largest decode batch replayed as a CUDA graph"
+    ),
+    Flag("--disable-cuda-graph", switch=True),
+    Flag("--disable-overlap-schedule", switch=True, help="wait for each step before scheduling the next"),
     Flag("--num-threads", type=int, help="torch CPU threads (default: cores / workers under `up`)"),
     Flag("--kv-hold-seconds", WorkerConfig.kv_hold_seconds, float, "how long prefill keeps unclaimed KV"),
     Flag("--heartbeat-seconds", WorkerConfig.heartbeat_seconds, float, "worker registry refresh interval"),

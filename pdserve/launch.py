@@ -70,6 +70,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         num_threads=args.num_threads,
         max_model_len=args.context_length,
+        model_impl=args.model_impl,
+        cuda_graph_max_batch=0 if args.disable_cuda_graph else args.cuda_graph_max_bs,
+        overlap_schedule=not args.disable_overlap_schedule,
     )
 
 
