@@ -238,23 +238,35 @@ def measure_transformers(model: torch.nn.Module, vocab: int, timer: Timer, rng: 
 
 # ---- profile ---------------------------------------------------------------------------
 def profile(engine: Engine, vocab: int, rng: random.Random, path: Path) -> None:
-    """Where decode steps and a 4,096-token prefill spend device time; Chrome traces of the
-    prefill and of decode at batch 64 beside ``path`` (for the gaps between kernels)."""
+    """Where steady decode steps (batch 1 and 64) and a 4,096-token prefill spend time; Chrome
+    traces beside ``path`` of the prefill and of 8 decode steps at batch 64."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     lines = []
-    cases = (
-        ("decode, batch 1 (16 steps)", 1, 512, 17, None),
-        ("prefill 4096", 1, 4096, 1, "trace_prefill.json"),
-        ("decode, batch 64 (16 steps)", 64, 512, 17, "trace_decode64.json"),
-    )
-    for name, batch, length, new, trace in cases:
-        work = prompts(rng, batch, length, vocab)
-        if batch > 1:  # profile the decode steps only: prefill first, outside the profile
-            engine_run(engine, work, 1, Timer(engine.runner.device))
-        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], acc_events=True) as prof:
-            engine_run(engine, work, new, Timer(engine.runner.device))
+    timer = Timer(engine.runner.device)
+    for name, batch, length, trace in (
+        ("decode, batch 1 (16 steps)", 1, 512, None),
+        ("prefill 4096", 1, 4096, "trace_prefill.json"),
+        ("decode, batch 64 (8 steps)", 64, 512, "trace_decode64.json"),
+    ):
+        prefill_only = length == 4096
+        engine.pages.reset_prefix_cache()
+        params = SamplingParams(max_new_tokens=1 if prefill_only else 40, temperature=0.0, ignore_eos=True)
+        for i, p in enumerate(prompts(rng, batch, length, vocab)):
+            engine.add_request(f"profile-{name}-{i}", p, params)
+        seen: set[str] = set()
+        while not prefill_only and len(seen) < batch:  # prefills first, outside the profile
+            seen.update(o.rid for o in engine.step())
+        for _ in range(3 if not prefill_only else 0):
+            engine.step()
+        timer.sync()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(1 if prefill_only else 16 if batch == 1 else 8):
+                engine.step()
+            timer.sync()
+        while engine.has_work():
+            engine.step()
         lines.append(f"== {name}\n" + prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
         if trace:
             prof.export_chrome_trace(str(path.parent / trace))

@@ -146,17 +146,17 @@ def test_overlapped_steps_equal_plain_steps() -> None:
     rng = random.Random(3)
     prompts = [[rng.randrange(300) for _ in range(rng.randint(17, 30))] for _ in range(6)]
     params = [
-        SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True),
-        SamplingParams(max_new_tokens=22, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True),
+        SamplingParams(max_new_tokens=18, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True),
         SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True),
-        SamplingParams(max_new_tokens=24, temperature=1.0, seed=5, stop_token_ids=(7, 8, 9, 10, 11, 12)),
-        SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True),
-        SamplingParams(max_new_tokens=23, temperature=0.7, top_k=20, seed=2, ignore_eos=True),
+        SamplingParams(max_new_tokens=18, temperature=1.0, seed=5, stop_token_ids=(7, 8, 9, 10, 11, 12)),
+        SamplingParams(max_new_tokens=14, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_new_tokens=17, temperature=0.7, top_k=20, seed=2, ignore_eos=True),
     ]
     requests = list(zip(prompts, params, strict=True))
     results = []
-    for overlap, tokens in ((False, 4096), (False, 96), (True, 96)):
-        # 6 pages of 16 tokens: running sequences outgrow the pool and are preempted
+    for overlap, tokens in ((False, 4096), (False, 80), (True, 80)):
+        # 5 pages of 16 tokens: running sequences outgrow the pool and are preempted
         config = EngineConfig(
             device=str(DEVICE),
             max_total_tokens=tokens,
@@ -166,9 +166,10 @@ def test_overlapped_steps_equal_plain_steps() -> None:
             chunked_prefill_size=32,
         )
         engine = Engine(ModelRunner(ModelSpec(Path("m")), config, model=model), config)
-        assert engine.overlap is overlap
+        assert engine.overlap is overlap and engine.runner.fast is not None
+        engine.runner.fast.use_gemv = False  # interpreted, it is slow; the greedy tests cover it
         results.append(collect_all(engine, requests, abort=None if tokens == 4096 else "4"))
-        assert (engine.scheduler.num_preemptions > 0) is (tokens == 96)
+        assert (engine.scheduler.num_preemptions > 0) is (tokens == 80)
         assert (engine.stats.overlapped_steps > 0) is overlap
     reference, plain, overlapped = results
     for run in (plain, overlapped):
