@@ -305,10 +305,15 @@ def measure_e2e(args: argparse.Namespace, dims: dict, device: str) -> dict:
             offline.pages.reset_prefix_cache()
             base = sum(r.output_len for r in reqs) / run_pdserve(offline, reqs, args.requests)
             reqs = fresh()
-            seconds, ttfts = asyncio.run(through_http(url, reqs, args.requests))
+            seconds, ttfts, cached = asyncio.run(through_http(url, reqs, args.requests))
             served = sum(r.output_len for r in reqs) / seconds
             pairs.append(
-                {"offline_out_tok_s": base, "pipeline_out_tok_s": served, "ttft_p50_s": sorted(ttfts)[len(ttfts) // 2]}
+                {
+                    "offline_out_tok_s": base,
+                    "pipeline_out_tok_s": served,
+                    "ttft_p50_s": sorted(ttfts)[len(ttfts) // 2],
+                    "pipeline_cached_tokens": cached,
+                }
             )
             say(f"e2e: offline {base:,.0f} out tok/s, pipeline {served:,.0f}")
     finally:
