@@ -121,6 +121,16 @@ def measure_engine(engine: Engine, vocab: int, timer: Timer, rng: random.Random,
     if graphs is not None:
         row["decode_bs1_graph_replay_ms"] = replay_ms(graphs, 1, timer)
         row["decode64_graph_replay_ms"] = replay_ms(graphs, 64, timer)
+    fast = engine.runner.fast
+    if args.try_fused_merge and fast is not None:  # the attention splits merged in one kernel
+        fast.fused_merge = True
+        engine.runner.graphs = graphs = None if graphs is None else recapture(engine)
+        runs = [engine_run(engine, prompts(rng, 1, 512, vocab), args.new, timer) for _ in range(3)]
+        row["decode_bs1_fused_merge_ms"] = statistics.median(
+            (r["seconds"] - r["all_first_s"]) / (args.new - 1) * 1e3 for r in runs
+        )
+        if graphs is not None:
+            row["decode_bs1_fused_merge_graph_replay_ms"] = replay_ms(graphs, 1, timer)
     say(f"pdserve: {args.requests} requests")
     engine_run(engine, prompts(rng, args.requests, 512, vocab), 8, timer)  # the same shapes, warmed up
     runs = [engine_run(engine, prompts(rng, args.requests, 512, vocab), args.new, timer) for _ in range(3)]
@@ -176,6 +186,25 @@ def measure_engine(engine: Engine, vocab: int, timer: Timer, rng: random.Random,
             fast.forward = forward  # type: ignore[method-assign]
     row["cached_tokens"] = engine.stats.cached_tokens
     return row
+
+
+def recapture(engine: Engine) -> object:
+    """The runner's decode graphs captured again (after a change to the forward pass)."""
+    from pdserve.engine.cuda_graph import DecodeGraphs
+
+    old = engine.runner.graphs
+    assert old is not None and engine.runner.fast is not None
+    graphs = DecodeGraphs(
+        engine.runner.fast.forward,
+        old.max_batch,
+        old._tables.shape[1],
+        old.page_size,
+        old.scratch_page,
+        old.splits_for,
+        engine.runner.device,
+    )
+    graphs.capture()
+    return graphs
 
 
 def replay_ms(graphs: object, batch: int, timer: Timer, n: int = 50) -> float:
@@ -331,6 +360,9 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--profile", type=Path, help="write a device-time profile of decode and prefill here")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument(
+        "--try-fused-merge", action="store_true", help="also batch 1 with the attention splits merged in-kernel"
+    )
     parser.add_argument("--e2e", action="store_true", help="also pdserve up --mode unified against the offline engine")
     parser.add_argument("--e2e-repeat", type=int, default=3)
     args = parser.parse_args()

@@ -121,6 +121,8 @@ def _decode_kernel(
     ctx_ptr,
     part_ptr,
     lse_ptr,
+    out_ptr,
+    counter_ptr,
     layer,
     scale,
     window,
@@ -134,7 +136,9 @@ def _decode_kernel(
     LAYERS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
     IEEE: tl.constexpr,
+    FUSED_MERGE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -185,6 +189,32 @@ def _decode_kernel(
     tl.store(part_ptr + row[:, None] * DIM + d[None, :], out, mask=g[:, None] < GROUP)
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
     tl.store(lse_ptr + row, lse, mask=g < GROUP)
+    if FUSED_MERGE:
+        # The last split of this (sequence, kv head) to finish merges the group's partials.
+        tl.debug_barrier()
+        counter = counter_ptr + b * NUM_KV + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
+            s = tl.arange(0, SPLITS_PAD)
+            first = (b * NUM_KV * GROUP + heads).to(tl.int64) * SPLITS
+            live = (g[:, None] < GROUP) & (s[None, :] < SPLITS)
+            lses = tl.load(lse_ptr + first[:, None] + s[None, :], mask=live, other=float("-inf"), cache_modifier=".cg")
+            top = tl.max(lses, 1)
+            w = tl.exp(lses - tl.where(top == float("-inf"), 0.0, top)[:, None])  # padding rows: all -inf
+            merged = tl.zeros([GROUP_PAD, DIM], tl.float32)
+            for j in tl.static_range(SPLITS):
+                wj = tl.sum(tl.where(s[None, :] == j, w, 0.0), 1)
+                pj = tl.load(
+                    part_ptr + (first + j)[:, None] * DIM + d[None, :],
+                    mask=g[:, None] < GROUP,
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+                merged += pj * wj[:, None]
+            total = tl.sum(w, 1)
+            merged = merged / tl.where(total > 0, total, 1.0)[:, None]
+            dst = out_ptr + (b * NUM_KV * GROUP + heads).to(tl.int64)[:, None] * DIM + d[None, :]
+            tl.store(dst, merged.to(out_ptr.dtype.element_ty), mask=g[:, None] < GROUP)
+            tl.atomic_xchg(counter, 0)  # ready for the next launch (and the next graph replay)
 
 
 @triton.jit
@@ -211,9 +241,14 @@ def decode_attention(
     out: torch.Tensor,
     window: int | None = None,
     block_n: int = 64,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q [B, Hq, D]`` (rows may be strided) attends each sequence's ``ctx_lens[b]`` tokens
-    in pages ``page_tables[b]``; writes ``out [B, Hq, D]``. Graph-safe: no host sync."""
+    in pages ``page_tables[b]``; writes ``out [B, Hq, D]``. Graph-safe: no host sync.
+
+    ``counters`` (int32, at least ``B * num_kv``, zero, left zero): the splits are merged
+    inside the attention kernel by whichever finishes last, instead of by a second kernel.
+    """
     batch, num_q, dim = q.shape
     _, layers, _, num_kv, page, _ = pool.shape
     group = num_q // num_kv
@@ -227,6 +262,8 @@ def decode_attention(
         ctx_lens,
         part,
         lse,
+        out,
+        counters if counters is not None else lse,
         layer,
         scale,
         window or 0,
@@ -240,12 +277,15 @@ def decode_attention(
         LAYERS=layers,
         BLOCK_N=block_n,
         SPLITS=splits,
+        SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
         IEEE=q.dtype == torch.float32,
+        FUSED_MERGE=counters is not None,
         num_warps=4,
     )
-    _merge_kernel[(batch * num_q,)](
-        part, lse, out, SPLITS=splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)), DIM=dim, num_warps=4
-    )
+    if counters is None:
+        _merge_kernel[(batch * num_q,)](
+            part, lse, out, SPLITS=splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)), DIM=dim, num_warps=4
+        )
     return out
 
 

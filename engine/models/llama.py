@@ -87,11 +87,13 @@ class LlamaFamily:
 
     ``sdpa_prefill``: whole prompts (no cached prefix) attend with the library's flash
     attention over their own q, k, v; otherwise with the paged prefill kernel.
-    ``use_gemv``: a step of one token multiplies with the GEMV kernels.
+    ``use_gemv``: a step of one token multiplies with the GEMV kernels. ``fused_merge``:
+    decode attention merges its context splits itself (not yet the default: to be measured).
     """
 
     sdpa_prefill = True
     use_gemv = True  # single-token steps through :mod:`pdserve.engine.kernels.gemv`
+    fused_merge = False  # decode attention merges its context splits in the same kernel
 
     def __init__(self, model: Any, pool: torch.Tensor, max_positions: int) -> None:
         reason = unsupported_reason(model)
@@ -118,6 +120,7 @@ class LlamaFamily:
         assert cos.shape[-1] == self.head_dim, "partial rotary has no fast path"
         self.cos = cos[0].contiguous()
         self.sin = sin[0].contiguous()
+        self._counters: torch.Tensor | None = None  # fused_merge's per-(sequence, kv head) counters
 
     def _layer(self, layer: Any) -> Layer:
         attn, mlp = layer.self_attn, layer.mlp
@@ -179,6 +182,11 @@ class LlamaFamily:
         q = qkv[:, : nq * dim].view(-1, nq, dim)
         nd = step.num_decodes
         if nd:
+            counters = None
+            if self.fused_merge:
+                if self._counters is None or self._counters.numel() < nd * nkv:
+                    self._counters = torch.zeros(max(nd, 64) * nkv, dtype=torch.int32, device=q.device)
+                counters = self._counters
             paged.decode_attention(
                 q[:nd],
                 self.pool,
@@ -189,6 +197,7 @@ class LlamaFamily:
                 step.decode_splits,
                 out[:nd],
                 layer.window,
+                counters=counters,
             )
         chunks = step.prefill
         if chunks is None:

@@ -81,8 +81,11 @@ def run(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
     return [outs[str(i)] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3", "llama3-rope"])
-def test_fast_path_greedy_equals_transformers(kind: str) -> None:
+@pytest.mark.parametrize(
+    ("kind", "fused_merge"),
+    [("qwen2", False), ("llama", False), ("qwen3", False), ("llama3-rope", False), ("qwen2", True)],
+)
+def test_fast_path_greedy_equals_transformers(kind: str, fused_merge: bool) -> None:
     quiet_transformers()
     model = small_model(kind)
     rng = random.Random(kind)
@@ -95,6 +98,7 @@ def test_fast_path_greedy_equals_transformers(kind: str) -> None:
     )
     runner = ModelRunner(ModelSpec(Path(kind)), config, model=model)
     assert runner.model_impl == "pdserve" and isinstance(runner.fast, llama.LlamaFamily)
+    runner.fast.fused_merge = fused_merge
     engine = Engine(runner, config)
     ours = run(engine, prompts[:3], NEW) + run(engine, prompts[3:], NEW)
     assert_greedy_equal(model, prompts, ours, expected)

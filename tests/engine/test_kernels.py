@@ -78,10 +78,25 @@ def test_decode_attention_matches_reference(dtype: torch.dtype, case: tuple) -> 
         table_t[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
     qkv = torch.randn((len(lens), (num_q + 2 * num_kv) * dim), dtype=dtype, device=DEVICE)
     q = qkv[:, : num_q * dim].view(len(lens), num_q, dim)  # strided rows, as in the model
-    for splits, ctx_dtype in ((1, torch.int32), (4, torch.int64)):  # graphs pass int64 lengths
+    counters = torch.zeros(len(lens) * num_kv, dtype=torch.int32, device=DEVICE)
+    # graphs pass int64 lengths; splits merge in a second kernel or inside the first
+    for splits, ctx_dtype, fused in ((1, torch.int32, False), (4, torch.int64, False), (4, torch.int32, True)):
         ctx = torch.tensor(lens, dtype=ctx_dtype, device=DEVICE)
         out = torch.full((len(lens), num_q, dim), float("nan"), dtype=dtype, device=DEVICE)
-        paged.decode_attention(q, pool, layer, table_t, ctx, dim**-0.5, splits, out, window, block_n=16)
+        paged.decode_attention(
+            q,
+            pool,
+            layer,
+            table_t,
+            ctx,
+            dim**-0.5,
+            splits,
+            out,
+            window,
+            block_n=16,
+            counters=counters if fused else None,
+        )
+        assert not counters.any(), "the counters are left for the next launch"
         for i, n in enumerate(lens):
             k, v = gather(pool, layer, tables[i], n)
             ref = ref_attention(q[i][:, None], k, v, torch.tensor([n - 1], device=DEVICE), window)[:, 0]
