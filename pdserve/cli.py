@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "api":
             run_api(args)
         else:
-            run_worker(args, args.command)
+            return run_worker(args, args.command)
     except UsageError as exc:
         print(f"pdserve {args.command}: error: {exc}", file=sys.stderr)
         return 2

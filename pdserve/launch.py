@@ -135,8 +135,13 @@ def exit_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def run_worker(args: argparse.Namespace, role: str) -> None:
-    """``pdserve prefill|decode|unified``: load the model, serve until SIGTERM."""
+# The exit status of a worker whose loop failed (see workers.lifecycle.WorkerCrashed).
+EXIT_CRASHED = 70
+
+
+def run_worker(args: argparse.Namespace, role: str) -> int:
+    """``pdserve prefill|decode|unified``: load the model, serve until SIGTERM. Returns the
+    exit status: 0 after a graceful stop, :data:`EXIT_CRASHED` after a failed loop."""
     import asyncio
 
     if args.exit_with_parent:
@@ -150,6 +155,7 @@ def run_worker(args: argparse.Namespace, role: str) -> None:
     log.info("loading model", extra={"role": role, "path": str(config.model_path)})
     from pdserve.engine.loader import build_engine
     from pdserve.workers.decode import DecodeWorker
+    from pdserve.workers.lifecycle import WorkerCrashed
     from pdserve.workers.prefill import PrefillWorker
     from pdserve.workers.unified import UnifiedWorker
 
@@ -169,7 +175,23 @@ def run_worker(args: argparse.Namespace, role: str) -> None:
             if health is not None:
                 health.close()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except WorkerCrashed as exc:
+        log.error("worker exits after a failure", extra={"role": role, "failure": str(exc)})
+        _exit_soon(EXIT_CRASHED)
+        return EXIT_CRASHED
+    return 0
+
+
+def _exit_soon(status: int, seconds: float = 10.0) -> None:
+    """End the process with ``status`` after ``seconds`` even if a thread (a forward pass, a
+    transfer) would hold up the interpreter's exit."""
+    import threading
+
+    timer = threading.Timer(seconds, os._exit, (status,))
+    timer.daemon = True
+    timer.start()
 
 
 def run_api(args: argparse.Namespace) -> None:

@@ -194,8 +194,9 @@ class WorkerRuntime:
         self._wake.set()
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        """Run ``coro`` in the background, keeping a reference until it ends."""
-        task = asyncio.create_task(coro)
+        """Run ``coro`` in the background, supervised (an exception ends the worker),
+        keeping a reference until it ends."""
+        task = self.lifecycle.supervise(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -223,10 +224,7 @@ class WorkerRuntime:
                 await self._fail_batch(batch)
                 continue
             outputs = self.engine.postprocess(batch, result)
-            try:
-                await self.on_outputs(outputs)
-            except Exception:
-                log.exception("handling outputs failed")
+            await self.on_outputs(outputs)  # raising here is a bug: the worker ends (supervised)
             await asyncio.sleep(0)  # let fetches, cancels and releases in between steps
 
     async def _fail_batch(self, batch: ScheduledBatch) -> None:
