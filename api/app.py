@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -80,6 +81,10 @@ async def workers(request: Request) -> Response:
                 "page_size": w.page_size,
                 "requests_in_flight": w.requests_in_flight,
                 "transfer_endpoint": w.transfer_endpoint,
+                "transfer_backend": w.transfer_backend,
+                "transfer_protocol": w.transfer_protocol,
+                "kv_layout": dataclasses.asdict(w.kv_layout) if w.kv_layout else None,
+                "counters": dataclasses.asdict(w.counters),
                 "age_seconds": round(time.time() - w.started_at, 1),
                 "last_seen_seconds": round(time.time() - w.updated_at, 1),
             }

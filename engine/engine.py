@@ -127,10 +127,12 @@ class Engine:
     def reserve_import(
         self, rid: str, prompt_ids: list[int], output_ids: list[int], sampling: SamplingParams
     ) -> Sequence | None:
-        """Pages for a prompt whose KV arrives by transfer, or ``None`` if the pool is short.
+        """Pages for a request whose KV arrives by transfer, or ``None`` if the pool is short.
 
-        The prefix already in this pool is reused: ``seq.num_cached`` tokens need no
-        transfer. Follow with :meth:`commit_import` or :meth:`fail_import`.
+        The KV to arrive is that of every known token but the last: the prompt, and for a
+        resumed request the output already streamed (``output_ids[:-1]``). The prefix
+        already in this pool is reused: ``seq.num_cached`` tokens need no transfer. Follow
+        with :meth:`commit_import` or :meth:`fail_import`.
         """
         self.check_request(len(prompt_ids), sampling, len(output_ids))
         seq = Sequence(rid, list(prompt_ids), sampling, output_ids=list(output_ids), num_resumed=len(output_ids))
@@ -142,9 +144,9 @@ class Engine:
         return seq
 
     def commit_import(self, seq: Sequence) -> None:
-        """The prompt's KV is in place: decode from the first token on."""
+        """The KV is in place: decode from the last known token on."""
         seq.num_computed = 0
-        self.scheduler.on_computed(seq, len(seq.prompt_ids))
+        self.scheduler.on_computed(seq, seq.num_tokens - 1)
         if seq.output_ids:
             self.scheduler.start_running(seq)
         else:
@@ -298,7 +300,9 @@ class Engine:
         return len(self.scheduler.waiting)
 
     def held_pages(self, rid: str) -> tuple[list[int], int] | None:
+        """A held request's pages and how many tokens of KV they hold (its prompt, and for a
+        resumed request the output it was resumed with)."""
         seq = self.held.get(rid)
         if seq is None:
             return None
-        return seq.page_table, len(seq.prompt_ids)
+        return seq.page_table, seq.num_computed

@@ -6,7 +6,7 @@ from pdserve.schemas.kv import KVHandle, KVLayout, KVReady, KVRelease
 from pdserve.schemas.request import GenerateRequest
 from pdserve.schemas.sampling import SamplingParams
 from pdserve.schemas.tokens import ErrorInfo, TokenChunk, TokenLogprob, Usage
-from pdserve.schemas.worker import WorkerInfo
+from pdserve.schemas.worker import WorkerCounters, WorkerInfo
 
 __all__ = [
     "Cancel",
@@ -22,5 +22,6 @@ __all__ = [
     "TokenChunk",
     "TokenLogprob",
     "Usage",
+    "WorkerCounters",
     "WorkerInfo",
 ]

@@ -26,6 +26,12 @@ class KVLayout:
     def page_numel(self) -> int:
         return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim
 
+    def describe(self) -> str:
+        return (
+            f"page size {self.page_size}, {self.dtype}, {self.num_layers} layers, "
+            f"{self.num_kv_heads} KV heads of {self.head_dim}"
+        )
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class KVHandle:
@@ -33,7 +39,8 @@ class KVHandle:
 
     ``segments`` are ``(address, nbytes)`` pairs in page order; together they hold
     ``num_tokens`` tokens, ``page_size`` per page. ``expires_at`` is the Unix time after
-    which the owner may reuse the pages.
+    which the owner may reuse the pages. ``protocol`` is the backend's transport (Mooncake:
+    ``tcp`` or ``rdma``); both ends must use the same.
     """
 
     backend: str
@@ -42,6 +49,7 @@ class KVHandle:
     segments: tuple[tuple[int, ...], ...]
     num_tokens: int
     expires_at: float
+    protocol: str = ""
 
     def __post_init__(self) -> None:
         if any(len(s) != 2 or s[1] <= 0 for s in self.segments):

@@ -1,8 +1,10 @@
 """The decode worker: claims ``KVReady`` events while it has free pages, pulls the KV
 with one batched transfer, tells the prefill worker to release, and decodes.
 
-A handle that is about to expire, a layout it cannot read, or a failed pull all end
-the same way: the worker computes the prompt itself, and the stream goes on.
+A handle that is about to expire or a failed pull end the same way: the worker computes
+the prompt itself (counted in ``recomputes``), and the stream goes on. A handle this
+worker can never read (another transfer backend or protocol, another KV layout) is a
+deployment mistake: the request gets an error that says which flags differ.
 """
 
 from __future__ import annotations
@@ -23,19 +25,21 @@ from pdserve.workers.config import WorkerConfig
 from pdserve.workers.intake import Intake
 from pdserve.workers.replies import Tracked
 from pdserve.workers.runtime import WorkerRuntime
-from pdserve.workers.transfer import TransferBackend, TransferError, plan_reads
+from pdserve.workers.transfer import TransferError, plan_reads
 
 log = logging.getLogger(__name__)
 
 KV_READY_BATCH = 32
+PEER_CHECK_SECONDS = 10.0
 
 
 class DecodeWorker(WorkerRuntime):
     def __init__(self, config: WorkerConfig, engine: Engine) -> None:
         super().__init__(config, engine)
-        self.transfer: TransferBackend | None = None
         self.backlog: deque[Delivery[KVReady]] = deque()
         self.importing: set[str] = set()
+        self._peers_seen: set[str] = set()
+        self._next_peer_check = 0.0
         self._transfer_threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-pull")
 
     async def setup(self) -> None:
@@ -44,9 +48,6 @@ class DecodeWorker(WorkerRuntime):
         queue = contract.WorkQueue(self.nc, contract.KV_READY, self.config.model_name, self.worker_id)
         await queue.start()
         self.intake = Intake(queue, self._room, self._take, KV_READY_BATCH, self.config.fetch_timeout, idle_wait=0.02)
-
-    def transfer_endpoint(self) -> str:
-        return self.transfer.endpoint if self.transfer else ""
 
     def room(self) -> int:
         engine = self.engine
@@ -76,6 +77,8 @@ class DecodeWorker(WorkerRuntime):
         ready = d.message
         if ready.rid in self.tracked or ready.rid in self.importing:
             return True
+        if not from_backlog and d.num_delivered > 1:
+            self.count("redeliveries")
         t = Tracked(ready.rid, ready.reply_to, d, ready.deadline, timings=dict(ready.timings or {}))
         if not from_backlog and ready.published_at:
             t.timings["kv_queue"] = max(d.received_at - ready.published_at, 0.0)
@@ -86,7 +89,13 @@ class DecodeWorker(WorkerRuntime):
         if ready.model != self.config.model_name:
             await self._refuse(ready, t, f"model {ready.model!r} is not served here")
             return True
-        if not self._can_pull(ready):
+        mismatch = self.unreadable(ready)
+        if mismatch is not None:
+            log.error("KV handle cannot be read here", extra={"rid": ready.rid, "reason": mismatch})
+            await self._refuse(ready, t, mismatch, "server_error")
+            return True
+        if ready.handle.expires_at - time.time() < self.config.kv_pull_margin:
+            log.warning("KV handle (nearly) expired; computing the prompt here", extra={"rid": ready.rid})
             return self._recompute(ready, t)
         try:
             seq = self.engine.reserve_import(ready.rid, list(ready.prompt_ids), list(ready.output_ids), ready.sampling)
@@ -102,16 +111,33 @@ class DecodeWorker(WorkerRuntime):
         self.spawn(self._pull(ready, seq, t))
         return True
 
-    def _can_pull(self, ready: KVReady) -> bool:
+    def unreadable(self, ready: KVReady) -> str | None:
+        """Why this worker can never read ``ready``'s handle (a deployment mistake, answered
+        as an error rather than hidden by a recompute), or ``None``."""
         h = ready.handle
-        pool = self.engine.runner.pool
-        if self.transfer is None or h.backend != self.transfer.name or h.layout != pool.layout:
-            log.warning("KV handle not readable here; recomputing", extra={"rid": ready.rid, "backend": h.backend})
-            return False
-        if h.expires_at - time.time() < self.config.kv_pull_margin:
-            log.warning("KV handle (nearly) expired; recomputing", extra={"rid": ready.rid})
-            return False
-        return True
+        assert self.transfer is not None
+        here = f"decode worker {self.worker_id}"
+        there = f"prefill worker {ready.prefill_id}"
+        if h.backend != self.transfer.name:
+            return (
+                f"{there} hands KV over {h.backend!r}, {here} over {self.transfer.name!r}: "
+                "run both pools with the same --disaggregation-transfer-backend"
+            )
+        if h.protocol and h.protocol != self.transfer.protocol:
+            return (
+                f"{there} moves KV over {h.protocol}, {here} over {self.transfer.protocol}: "
+                "give both pools the same --disaggregation-ib-device (rdma) or none (tcp)"
+            )
+        layout = self.engine.runner.pool.layout
+        if h.layout != layout:
+            return (
+                f"{there} holds KV as {h.layout.describe()}, {here} as {layout.describe()}: "
+                "run both pools with the same model, --page-size and --dtype"
+            )
+        expected = len(ready.prompt_ids) + len(ready.output_ids) - 1
+        if h.num_tokens != expected:
+            return f"{there} holds KV of {h.num_tokens} tokens, the request needs {expected}"
+        return None
 
     def _recompute(self, ready: KVReady, t: Tracked) -> bool:
         try:
@@ -121,12 +147,13 @@ class DecodeWorker(WorkerRuntime):
             return True
         self.tracked[ready.rid] = t
         t.timings["recomputed"] = 1.0
+        self.count("recomputes")
         self.spawn(self._release(ready, ok=False))
         self.wake()
         return True
 
-    async def _refuse(self, ready: KVReady, t: Tracked, reason: str) -> None:
-        await self.replies.error(ready.reply_to, ready.rid, len(ready.output_ids), reason, "invalid_request_error")
+    async def _refuse(self, ready: KVReady, t: Tracked, reason: str, kind: str = "invalid_request_error") -> None:
+        await self.replies.error(ready.reply_to, ready.rid, len(ready.output_ids), reason, kind)
         await self._release(ready, ok=False)
         await t.settle(ok=False)
 
@@ -146,9 +173,13 @@ class DecodeWorker(WorkerRuntime):
             )
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(self._transfer_threads, self.transfer.read, ready.handle.endpoint, reads)
+            self.count("kv_pulls")
+            self.count("kv_pull_bytes", sum(n for _, _, n in reads))
         except TransferError as exc:
             ok = False
-            log.warning("KV pull failed; recomputing", extra={"rid": ready.rid, "error": str(exc)})
+            self.count("kv_pull_failures")
+            self.count("recomputes")
+            log.warning("KV pull failed; computing the prompt here", extra={"rid": ready.rid, "error": str(exc)})
         self.importing.discard(ready.rid)
         t.timings["kv_transfer"] = time.perf_counter() - started
         await self._release(ready, ok=ok)
@@ -181,6 +212,39 @@ class DecodeWorker(WorkerRuntime):
             await self.stream_output(out)
         if self.backlog and self.intake is not None:
             self.intake.room_freed.set()
+
+    async def on_tick(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_peer_check:
+            self._next_peer_check = now + PEER_CHECK_SECONDS
+            await self.check_peers()
+
+    async def check_peers(self) -> None:
+        """Log, once per worker, each prefill worker of this model whose KV this worker
+        cannot read (its requests will get an error here that says why)."""
+        try:
+            peers = await self.lifecycle.workers()
+        except Exception as exc:  # the broker is away: next time
+            log.debug("peer check skipped", extra={"error": str(exc)})
+            return
+        assert self.transfer is not None
+        layout = self.engine.runner.pool.layout
+        for w in peers:
+            if w.role != "prefill" or w.model != self.config.model_name or w.worker_id in self._peers_seen:
+                continue
+            self._peers_seen.add(w.worker_id)
+            problems = []
+            if w.kv_layout is not None and w.kv_layout != layout:
+                problems.append(f"KV as {w.kv_layout.describe()}, here {layout.describe()}")
+            if w.transfer_backend and w.transfer_backend != self.transfer.name:
+                problems.append(f"backend {w.transfer_backend}, here {self.transfer.name}")
+            if w.transfer_protocol and w.transfer_protocol != self.transfer.protocol:
+                problems.append(f"protocol {w.transfer_protocol}, here {self.transfer.protocol}")
+            if problems:
+                log.error(
+                    "a prefill worker's KV cannot be read by this decode worker; its requests will fail",
+                    extra={"prefill": w.worker_id, "differs": "; ".join(problems)},
+                )
 
     def busy(self) -> bool:
         return self.engine.has_work() or bool(self.importing)

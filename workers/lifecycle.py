@@ -159,6 +159,11 @@ class Lifecycle:
             log.warning("shutdown step failed", extra={"step": step, "error": str(exc)})
         log.debug("shutdown step done", extra={"step": step, "worker": self.config.worker_id})
 
+    async def workers(self) -> list[WorkerInfo]:
+        """The live workers of the registry (every model)."""
+        assert self._registry is not None, "connect() first"
+        return await self._registry.list()
+
     async def heartbeat(self) -> None:
         assert self._registry is not None, "connect() first"
         await self._registry.put(self._info())

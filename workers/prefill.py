@@ -17,7 +17,6 @@ from pdserve.engine.engine import Engine, RequestOutput
 from pdserve.schemas import KVHandle, KVReady, KVRelease
 from pdserve.workers.config import WorkerConfig
 from pdserve.workers.runtime import WorkerRuntime
-from pdserve.workers.transfer import TransferBackend
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +24,6 @@ log = logging.getLogger(__name__)
 class PrefillWorker(WorkerRuntime):
     def __init__(self, config: WorkerConfig, engine: Engine) -> None:
         super().__init__(config, engine)
-        self.transfer: TransferBackend | None = None
         self.holds: dict[str, float] = {}  # rid -> monotonic time the pages may be freed
 
     async def setup(self) -> None:
@@ -33,9 +31,6 @@ class PrefillWorker(WorkerRuntime):
         assert self.nc is not None
         await contract.subscribe(self.nc, contract.KV_RELEASE, self._on_release, self.worker_id)
         self.intake = await self.request_intake(prefill_only=True)
-
-    def transfer_endpoint(self) -> str:
-        return self.transfer.endpoint if self.transfer else ""
 
     async def on_outputs(self, outputs: list[RequestOutput]) -> None:
         await asyncio.gather(*(self._on_output(out) for out in outputs))
@@ -71,6 +66,7 @@ class PrefillWorker(WorkerRuntime):
                 segments=tuple(pool.segments(pages[: -(-num_tokens // pool.layout.page_size)])),
                 num_tokens=num_tokens,
                 expires_at=expires,
+                protocol=self.transfer.protocol,
             ),
             cached_tokens=out.cached_tokens,
             deadline=req.deadline,

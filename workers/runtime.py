@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -28,7 +29,7 @@ from pdserve.broker import contract
 from pdserve.broker.consumer import Delivery
 from pdserve.engine.engine import Engine, RequestError, RequestOutput
 from pdserve.engine.sequence import ScheduledBatch
-from pdserve.schemas import Cancel, GenerateRequest, WorkerInfo
+from pdserve.schemas import Cancel, GenerateRequest, WorkerCounters, WorkerInfo
 from pdserve.workers.config import WorkerConfig
 from pdserve.workers.intake import Intake
 from pdserve.workers.lifecycle import Lifecycle
@@ -59,6 +60,8 @@ class WorkerRuntime:
         self.tracked: dict[str, Tracked] = {}
         self.requests: dict[str, GenerateRequest] = {}
         self.cancelled: dict[str, float] = {}
+        self.counters = dict.fromkeys((f.name for f in dataclasses.fields(WorkerCounters)), 0)
+        self.transfer: TransferBackend | None = None
         self._wake = asyncio.Event()
         self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._background: set[asyncio.Task[None]] = set()
@@ -118,11 +121,13 @@ class WorkerRuntime:
         transfer.register(pool.data_ptr, pool.nbytes)
         return transfer
 
-    def transfer_endpoint(self) -> str:
-        return ""
+    def count(self, counter: str, n: int = 1) -> None:
+        """Add ``n`` to one of the :class:`WorkerCounters` (a ``KeyError`` for a misspelt name)."""
+        self.counters[counter] += n
 
     def worker_info(self) -> WorkerInfo:
         pages = self.engine.pages
+        transfer = self.transfer
         return WorkerInfo(
             worker_id=self.worker_id,
             role=self.config.role,
@@ -134,10 +139,14 @@ class WorkerRuntime:
             pages_used=pages.num_used_pages,
             page_size=pages.page_size,
             requests_in_flight=len(self.tracked),
-            transfer_endpoint=self.transfer_endpoint(),
+            transfer_endpoint=transfer.endpoint if transfer else "",
             model_path=str(self.config.model_path),
             started_at=self._started_at,
             updated_at=time.time(),
+            counters=WorkerCounters(**self.counters),
+            kv_layout=self.engine.runner.pool.layout if transfer else None,
+            transfer_backend=transfer.name if transfer else "",
+            transfer_protocol=transfer.protocol if transfer else "",
         )
 
     # ---- requests in ---------------------------------------------------------
@@ -166,6 +175,8 @@ class WorkerRuntime:
 
     async def admit(self, d: Delivery[GenerateRequest], prefill_only: bool) -> None:
         req = d.message
+        if d.num_delivered > 1:
+            self.count("redeliveries")
         t = Tracked(req.rid, req.reply_to, d, req.deadline)
         if req.published_at:
             t.timings["request_queue"] = max(d.received_at - req.published_at, 0.0)
@@ -189,6 +200,8 @@ class WorkerRuntime:
             return
         self.tracked[req.rid] = t
         self.requests[req.rid] = req
+        if req.output_ids:
+            self.count("migrations")
 
     def wake(self) -> None:
         self._wake.set()

@@ -283,3 +283,20 @@ async def test_malformed_nats_messages_get_an_error_reply_and_are_not_redelivere
         assert replies.empty()  # nothing came back a second time
     finally:
         await nc.close()
+
+
+async def test_the_normal_path_pulls_every_prompt_and_recomputes_none(pd_system) -> None:
+    """Runs after the tests above: every decoded request arrived by a KV pull. A pull that
+    silently fell back to computing the prompt would show here."""
+    async with httpx.AsyncClient(base_url=pd_system.url, timeout=30) as client:
+        r = await client.post("/generate", json={"text": "count the pulls", "sampling_params": {"max_new_tokens": 4}})
+        assert r.status_code == 200
+        await asyncio.sleep(1.2)  # two heartbeats
+        workers = (await client.get("/workers")).json()
+    (decode,) = [w for w in workers if w["role"] == "decode"]
+    (prefill,) = [w for w in workers if w["role"] == "prefill"]
+    counters = decode["counters"]
+    assert counters["kv_pulls"] >= 10 and counters["kv_pull_bytes"] > 0
+    assert counters["recomputes"] == 0 and counters["kv_pull_failures"] == 0
+    assert counters["kv_leases_refused"] == 0 and counters["migrations"] == 0
+    assert decode["kv_layout"] == prefill["kv_layout"] and decode["transfer_protocol"] == "tcp"

@@ -124,14 +124,11 @@ async def _publish_ready(js: Any, ready: KVReady) -> None:
     await publish_work(js, subjects.kv_ready(ready.model), ready, msg_id=ready.rid)
 
 
-@pytest.mark.parametrize("why", ["expired", "foreign layout"])
-async def test_decode_recomputes_when_it_cannot_pull(workers, nats_server, tiny_model_dir: Path, why: str) -> None:
+async def test_decode_recomputes_when_the_handle_is_expired(workers, nats_server, tiny_model_dir: Path) -> None:
     decode = await workers("decode")
     prompt = list(range(40, 110))
     expected = reference(tiny_model_dir, prompt, GREEDY.max_new_tokens)
     layout = decode.engine.runner.pool.layout
-    if why == "foreign layout":
-        layout = dataclasses.replace(layout, dtype="float16")
     nc = await nats.connect(nats_server.url)
     released: asyncio.Queue[KVRelease] = asyncio.Queue()
 
@@ -141,7 +138,7 @@ async def test_decode_recomputes_when_it_cannot_pull(workers, nats_server, tiny_
     await nc.subscribe(subjects.kv_release("gone-prefill"), cb=on_release)
     chunks = await replies(nc, "pd.tokens.test.decode")
     ready = KVReady(
-        rid=f"recompute-{why}",
+        rid="recompute-expired",
         model=tiny_model_dir.name,
         prompt_ids=tuple(prompt),
         output_ids=(expected[0],),
@@ -149,12 +146,7 @@ async def test_decode_recomputes_when_it_cannot_pull(workers, nats_server, tiny_
         sampling=GREEDY,
         prefill_id="gone-prefill",
         handle=KVHandle(
-            "mooncake",
-            "127.0.0.1:1",
-            layout,
-            ((4096, 5 * layout.page_numel * 4),),
-            len(prompt),
-            time.time() + (-1 if why == "expired" else 60),
+            "mooncake", "127.0.0.1:1", layout, ((4096, 5 * layout.page_numel * 4),), len(prompt), time.time() - 1
         ),
     )
     try:
@@ -171,6 +163,55 @@ async def test_decode_recomputes_when_it_cannot_pull(workers, nats_server, tiny_
         release = await asyncio.wait_for(released.get(), 5)
         assert release.rid == ready.rid and not release.ok
         await until(lambda: decode.engine.pages.num_used_pages == 0)
+        assert decode.counters["recomputes"] == 1 and decode.counters["kv_pulls"] == 0
+    finally:
+        await nc.close()
+
+
+@pytest.mark.parametrize("why", ["page size", "dtype", "protocol"])
+async def test_a_handle_decode_cannot_read_is_a_clear_error(
+    workers, nats_server, tiny_model_dir: Path, why: str
+) -> None:
+    """Pools started with different --page-size, --dtype or transport: every request would
+    silently recompute; instead it fails with a message naming what differs."""
+    decode = await workers("decode")
+    layout = decode.engine.runner.pool.layout
+    protocol = "tcp"
+    if why == "page size":
+        layout = dataclasses.replace(layout, page_size=layout.page_size * 2)
+    elif why == "dtype":
+        layout = dataclasses.replace(layout, dtype="float16")
+    else:
+        protocol = "rdma"
+    nc = await nats.connect(nats_server.url)
+    chunks = await replies(nc, "pd.tokens.test.mismatch")
+    prompt = tuple(range(40, 110))
+    ready = KVReady(
+        rid=f"mismatch-{why.replace(' ', '-')}",
+        model=tiny_model_dir.name,
+        prompt_ids=prompt,
+        output_ids=(5,),
+        reply_to="pd.tokens.test.mismatch",
+        sampling=GREEDY,
+        prefill_id="other-prefill",
+        handle=KVHandle(
+            "mooncake",
+            "127.0.0.1:1",
+            layout,
+            ((4096, 5 * layout.page_numel * 4),),
+            len(prompt),
+            time.time() + 60,
+            protocol,
+        ),
+    )
+    try:
+        await _publish_ready(nc.jetstream(), ready)
+        chunk = await asyncio.wait_for(chunks.get(), 20)
+        assert chunk.finish_reason == "error" and chunk.error is not None
+        flag = {"page size": "--page-size", "dtype": "--dtype", "protocol": "--disaggregation-ib-device"}[why]
+        assert flag in chunk.error.message and "other-prefill" in chunk.error.message
+        assert decode.counters["recomputes"] == 0
+        assert decode.engine.pages.num_used_pages == 0
     finally:
         await nc.close()
 
