@@ -42,6 +42,10 @@ def kv_release(prefill_id: str) -> str:
     return f"pd.release.{token(prefill_id)}"
 
 
+def kv_lease(prefill_id: str) -> str:
+    return f"pd.lease.{token(prefill_id)}"
+
+
 def tokens_prefix(api_id: str) -> str:
     """Wildcard an API instance subscribes to once for all of its requests."""
     return f"pd.tokens.{token(api_id)}.*"

@@ -2,7 +2,7 @@
 
 from pdserve.schemas.codec import Message, MessageError
 from pdserve.schemas.control import Cancel
-from pdserve.schemas.kv import KVHandle, KVLayout, KVReady, KVRelease
+from pdserve.schemas.kv import KVHandle, KVLayout, KVLease, KVLeaseReply, KVReady, KVRelease
 from pdserve.schemas.request import GenerateRequest
 from pdserve.schemas.sampling import SamplingParams
 from pdserve.schemas.tokens import ErrorInfo, TokenChunk, TokenLogprob, Usage
@@ -14,6 +14,8 @@ __all__ = [
     "GenerateRequest",
     "KVHandle",
     "KVLayout",
+    "KVLease",
+    "KVLeaseReply",
     "KVReady",
     "KVRelease",
     "Message",

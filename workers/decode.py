@@ -20,7 +20,7 @@ from pdserve.broker import contract
 from pdserve.broker.consumer import Delivery
 from pdserve.engine.engine import Engine, RequestError, RequestOutput
 from pdserve.engine.sequence import Sequence
-from pdserve.schemas import KVReady, KVRelease
+from pdserve.schemas import KVLease, KVReady, KVRelease
 from pdserve.workers.config import WorkerConfig
 from pdserve.workers.intake import Intake
 from pdserve.workers.replies import Tracked
@@ -30,6 +30,7 @@ from pdserve.workers.transfer import TransferError, plan_reads
 log = logging.getLogger(__name__)
 
 KV_READY_BATCH = 32
+LEASE_TIMEOUT = 2.0
 PEER_CHECK_SECONDS = 10.0
 
 
@@ -158,28 +159,8 @@ class DecodeWorker(WorkerRuntime):
         await t.settle(ok=False)
 
     async def _pull(self, ready: KVReady, seq: Sequence, t: Tracked) -> None:
-        assert self.transfer is not None
-        pool = self.engine.runner.pool
-        page = pool.layout.page_size
         started = time.perf_counter()
-        ok = True
-        try:
-            reads = plan_reads(
-                ready.handle.segments,
-                pool.page_bytes,
-                seq.page_table[: -(-ready.handle.num_tokens // page)],
-                pool.data_ptr,
-                skip_pages=seq.num_cached // page,
-            )
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._transfer_threads, self.transfer.read, ready.handle.endpoint, reads)
-            self.count("kv_pulls")
-            self.count("kv_pull_bytes", sum(n for _, _, n in reads))
-        except TransferError as exc:
-            ok = False
-            self.count("kv_pull_failures")
-            self.count("recomputes")
-            log.warning("KV pull failed; computing the prompt here", extra={"rid": ready.rid, "error": str(exc)})
+        ok = await self._read(ready, seq)
         self.importing.discard(ready.rid)
         t.timings["kv_transfer"] = time.perf_counter() - started
         await self._release(ready, ok=ok)
@@ -191,13 +172,54 @@ class DecodeWorker(WorkerRuntime):
         if ok:
             self.engine.commit_import(seq)
         else:
+            self.count("recomputes")
             self.engine.fail_import(seq)
-        await t.settle()  # the KV event is consumed; the stream goes on from here
+        # The KVReady stays unacked (kept alive) until the request finishes.
         self.wake()
+
+    async def _read(self, ready: KVReady, seq: Sequence) -> bool:
+        """Lease the handle's hold, read the pages this pool lacks, check the read ended
+        within the lease. False (logged and counted) if the KV is not to be used."""
+        assert self.transfer is not None and self.nc is not None
+        h = ready.handle
+        lease = KVLease(ready.rid, ready.prefill_id, h.generation, self.config.kv_lease_seconds)
+        asked = time.monotonic()
+        try:
+            reply = await contract.ask(self.nc, contract.KV_LEASE, lease, ready.prefill_id, timeout=LEASE_TIMEOUT)
+            refused = None if reply.granted else reply.reason
+        except contract.Unanswered as exc:
+            refused = str(exc)
+        if refused is not None:
+            self.count("kv_leases_refused")
+            log.warning("KV not leased; computing the prompt here", extra={"rid": ready.rid, "reason": refused})
+            return False
+        pool = self.engine.runner.pool
+        page = pool.layout.page_size
+        try:
+            reads = plan_reads(
+                h.segments,
+                pool.page_bytes,
+                seq.page_table[: -(-h.num_tokens // page)],
+                pool.data_ptr,
+                skip_pages=seq.num_cached // page,
+            )
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._transfer_threads, self.transfer.read, h.endpoint, reads)
+        except TransferError as exc:
+            self.count("kv_pull_failures")
+            log.warning("KV pull failed; computing the prompt here", extra={"rid": ready.rid, "error": str(exc)})
+            return False
+        if time.monotonic() - asked > lease.seconds:
+            self.count("kv_pull_failures")
+            log.warning("KV read outlasted its lease; computing the prompt here", extra={"rid": ready.rid})
+            return False
+        self.count("kv_pulls")
+        self.count("kv_pull_bytes", sum(n for _, _, n in reads))
+        return True
 
     async def _release(self, ready: KVReady, ok: bool) -> None:
         assert self.nc is not None
-        release = KVRelease(rid=ready.rid, prefill_id=ready.prefill_id, ok=ok)
+        release = KVRelease(rid=ready.rid, prefill_id=ready.prefill_id, ok=ok, generation=ready.handle.generation)
         with contextlib.suppress(Exception):
             await contract.publish(self.nc, contract.KV_RELEASE, release, ready.prefill_id)
 

@@ -3,7 +3,9 @@
 Fetches ``GenerateRequest`` only while the engine has room (the pull is the
 back-pressure), streams the first token to the reply subject (time to first token),
 publishes ``KVReady`` with the transfer handle, then acks the request. Held pages are
-freed on ``KVRelease``, on ``Cancel`` or when the hold expires.
+freed on ``KVRelease``, on ``Cancel`` or when the hold expires, never while a decode
+worker holds a lease on them for a read (:mod:`.holds`); a handle names its hold's
+generation, and a lease on any other generation is refused.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ import time
 
 from pdserve.broker import contract
 from pdserve.engine.engine import Engine, RequestOutput
-from pdserve.schemas import KVHandle, KVReady, KVRelease
+from pdserve.schemas import KVHandle, KVLease, KVLeaseReply, KVReady, KVRelease
 from pdserve.workers.config import WorkerConfig
+from pdserve.workers.holds import Holds
 from pdserve.workers.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
@@ -24,12 +27,13 @@ log = logging.getLogger(__name__)
 class PrefillWorker(WorkerRuntime):
     def __init__(self, config: WorkerConfig, engine: Engine) -> None:
         super().__init__(config, engine)
-        self.holds: dict[str, float] = {}  # rid -> monotonic time the pages may be freed
+        self.holds = Holds()
 
     async def setup(self) -> None:
         self.transfer = self.start_transfer()
         assert self.nc is not None
         await contract.subscribe(self.nc, contract.KV_RELEASE, self._on_release, self.worker_id)
+        await contract.answer(self.nc, contract.KV_LEASE, self._on_lease, self.worker_id)
         self.intake = await self.request_intake(prefill_only=True)
 
     async def on_outputs(self, outputs: list[RequestOutput]) -> None:
@@ -51,6 +55,8 @@ class PrefillWorker(WorkerRuntime):
         pool = self.engine.runner.pool
         expires = time.time() + self.config.kv_hold_seconds
         assert self.transfer is not None and self.js is not None
+        hold_for = self.config.kv_hold_seconds + self.config.kv_hold_grace_seconds
+        generation = self.holds.hold(req.rid, 0, hold_for, time.monotonic())
         ready = KVReady(
             rid=req.rid,
             model=req.model,
@@ -67,6 +73,7 @@ class PrefillWorker(WorkerRuntime):
                 num_tokens=num_tokens,
                 expires_at=expires,
                 protocol=self.transfer.protocol,
+                generation=generation,
             ),
             cached_tokens=out.cached_tokens,
             deadline=req.deadline,
@@ -74,7 +81,6 @@ class PrefillWorker(WorkerRuntime):
             request_published_at=req.published_at,
             timings=dict(t.timings),
         )
-        self.holds[req.rid] = time.monotonic() + self.config.kv_hold_seconds + self.config.kv_hold_grace_seconds
         try:
             await contract.submit(self.js, contract.KV_READY, ready, req.model, req.rid)
         except Exception as exc:  # the stream is full or the broker is away
@@ -84,37 +90,47 @@ class PrefillWorker(WorkerRuntime):
             self._forget(req.rid)
             return
         await t.settle()
-        self._forget(req.rid, keep_hold=True)
+        self._forget(req.rid)
 
-    def _forget(self, rid: str, keep_hold: bool = False) -> None:
+    def _forget(self, rid: str) -> None:
         self.tracked.pop(rid, None)
         self.requests.pop(rid, None)
-        if not keep_hold:
-            self.holds.pop(rid, None)
 
     def _free(self, rid: str) -> None:
-        self.holds.pop(rid, None)
+        self.holds.release(rid, 0)
         self.engine.release(rid)
 
     async def _on_release(self, release: KVRelease) -> None:
-        self._free(release.rid)
+        if self.holds.release(release.rid, release.generation):
+            self.engine.release(release.rid)
+
+    async def _on_lease(self, lease: KVLease) -> KVLeaseReply:
+        refused = self.holds.lease(lease.rid, lease.generation, lease.seconds, time.monotonic())
+        if refused is not None:
+            log.info("KV lease refused", extra={"rid": lease.rid, "reason": refused})
+        return KVLeaseReply(rid=lease.rid, granted=refused is None, reason=refused or "")
 
     async def cancel(self, rid: str, reason: str) -> None:
-        self.holds.pop(rid, None)
+        if rid in self.holds:  # handed off: only its held pages are here
+            if self.holds.end(rid, time.monotonic()):
+                self.engine.release(rid)
+            else:
+                log.info("cancelled KV is being read; freed when the read ends", extra={"rid": rid})
+            log.info("request cancelled", extra={"rid": rid, "reason": reason})
+            return
         await super().cancel(rid, reason)
 
     async def on_tick(self) -> None:
-        now = time.monotonic()
-        for rid, until in list(self.holds.items()):
-            if now > until:
+        for rid, expired in self.holds.due(time.monotonic()):
+            if expired:
                 log.warning("held KV expired unclaimed", extra={"rid": rid})
-                self._free(rid)
+            self.engine.release(rid)
 
     def busy(self) -> bool:
-        return self.engine.has_work() or bool(self.holds)
+        return self.engine.has_work() or len(self.holds) > 0
 
     async def teardown(self) -> None:
-        for rid in list(self.holds):
+        for rid in self.holds.rids():
             self._free(rid)
         await super().teardown()
         if self.transfer is not None:

@@ -120,8 +120,8 @@ async def test_prefill_holds_kv_until_release_cancel_or_expiry(workers, nats_ser
         await nc.close()
 
 
-async def _publish_ready(js: Any, ready: KVReady) -> None:
-    await publish_work(js, subjects.kv_ready(ready.model), ready, msg_id=ready.rid)
+async def _publish_ready(js: Any, ready: KVReady, msg_id: str | None = None) -> None:
+    await publish_work(js, subjects.kv_ready(ready.model), ready, msg_id=msg_id or ready.rid)
 
 
 async def test_decode_recomputes_when_the_handle_is_expired(workers, nats_server, tiny_model_dir: Path) -> None:
@@ -237,3 +237,98 @@ async def test_shutdown_hands_unfinished_requests_to_another_worker(workers, nat
         assert gateway.streams == {}
     finally:
         await gateway.stop()
+
+
+async def test_a_lease_keeps_cancelled_kv_until_the_read_ends(workers, nats_server, tiny_model_dir: Path) -> None:
+    from pdserve.broker import contract
+    from pdserve.schemas import KVLease
+
+    prefill = await workers("prefill", kv_hold_seconds=30.0)
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    model = tiny_model_dir.name
+    inbox = "pd.tokens.test.lease"
+    chunks = await replies(nc, inbox)
+    kv = PullConsumer(nc, subjects.KV_STREAM, subjects.decode_consumer(model))
+    await kv.start()
+    pages = prefill.engine.pages
+    try:
+        req = GenerateRequest(
+            rid="leased", model=model, prompt_ids=tuple(range(5, 90)), reply_to=inbox, sampling=GREEDY
+        )
+        await publish_work(js, subjects.requests(model), req, msg_id=req.rid)
+        await asyncio.wait_for(chunks.get(), 15)
+        (msg,) = await kv.fetch(1, 10)
+        await msg.ack()
+        gen = KVReady.decode(msg.data).handle.generation
+        assert gen != 0
+
+        async def lease(generation: int) -> Any:
+            return await contract.ask(
+                nc,
+                contract.KV_LEASE,
+                KVLease("leased", prefill.worker_id, generation, 1.5),
+                prefill.worker_id,
+                timeout=5,
+            )
+
+        assert not (await lease(gen + 1)).granted  # a handle of another hold reads nothing
+        assert (await lease(gen)).granted
+        await nc.publish(subjects.CANCEL, Cancel(rid="leased").encode())
+        await nc.publish(
+            subjects.kv_release(prefill.worker_id),
+            KVRelease(rid="leased", prefill_id=prefill.worker_id, generation=gen + 1).encode(),
+        )
+        await asyncio.sleep(0.5)
+        assert pages.num_used_pages == 6  # cancelled and wrongly released, but a read may be in flight
+        assert not (await lease(gen)).granted  # nobody new reads pages on their way out
+        started = time.monotonic()
+        await until(lambda: pages.num_used_pages == 0)
+        assert time.monotonic() - started < 3.0  # freed once the lease ran out
+    finally:
+        await nc.close()
+
+
+async def test_a_redelivered_kv_ready_after_release_reads_nothing(workers, nats_server, tiny_model_dir: Path) -> None:
+    """The pages of a handle that was consumed are freed (and may be reused): the same
+    KVReady again is refused its lease, and decode computes the prompt itself."""
+    prefill = await workers("prefill")
+    decode = await workers("decode")
+    model = tiny_model_dir.name
+    prompt = list(range(11, 83))
+    expected = reference(tiny_model_dir, prompt, GREEDY.max_new_tokens)
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    seen: asyncio.Queue[KVReady] = asyncio.Queue()
+
+    async def watch(msg: Any) -> None:
+        await seen.put(KVReady.decode(msg.data))
+
+    await nc.subscribe(subjects.kv_ready(model), cb=watch)  # core NATS sees what the stream stores
+    try:
+        runs = []
+        for attempt in range(2):
+            inbox = f"pd.tokens.test.again{attempt}"
+            chunks = await replies(nc, inbox)
+            if attempt == 0:
+                req = GenerateRequest(
+                    rid="again", model=model, prompt_ids=tuple(prompt), reply_to=inbox, sampling=GREEDY
+                )
+                await publish_work(js, subjects.requests(model), req, msg_id="again")
+            else:
+                stale = dataclasses.replace(await asyncio.wait_for(seen.get(), 5), reply_to=inbox)
+                await _publish_ready(js, stale, msg_id="again-republished")  # past the dedup window
+            tokens: list[int] = []
+            while True:
+                chunk = await asyncio.wait_for(chunks.get(), 20)
+                assert chunk.error is None
+                tokens.extend(chunk.token_ids)
+                if chunk.finish_reason:
+                    break
+            runs.append(tokens)
+            await until(lambda: decode.engine.pages.num_used_pages == 0 and prefill.engine.pages.num_used_pages == 0)
+        assert runs[0] == expected and [expected[0], *runs[1]] == expected
+        assert decode.counters["kv_pulls"] == 1 and decode.counters["kv_leases_refused"] == 1
+        assert decode.counters["recomputes"] == 1
+    finally:
+        await nc.close()
