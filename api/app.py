@@ -112,7 +112,15 @@ def create_app(config: ApiConfig, info: ModelInfo | None = None) -> Starlette:
         model = info or load_model_info(
             config.model_path, config.model_name, config.trust_remote_code, config.context_length
         )
-        gateway = Gateway(config.nats_url, model.name, config.broker, config.api_id)
+        gateway = Gateway(
+            config.nats_url,
+            model.name,
+            config.broker,
+            config.api_id,
+            stall_timeout=config.stall_timeout,
+            gap_timeout=config.gap_timeout,
+            max_migrations=config.max_migrations,
+        )
         await gateway.start()
         app.state.pd = AppState(config, model, gateway, time.time())
         log.info("api ready", extra={"model": model.name, "api_id": gateway.api_id})

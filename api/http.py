@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse
 
 from pdserve.api.config import ApiConfig
 from pdserve.api.errors import APIError
-from pdserve.api.gateway import Gateway, StreamError
+from pdserve.api.gateway import DuplicateRequestError, Gateway, StreamError
 from pdserve.api.model_info import ModelInfo
 from pdserve.broker.connection import QueueFullError
 
@@ -66,6 +66,8 @@ def translate(exc: Exception) -> APIError:
         return APIError(
             f"the request queue is full: {exc}", 503, "server_overloaded", "queue_full", headers={"Retry-After": "1"}
         )
+    if isinstance(exc, DuplicateRequestError):
+        return APIError(str(exc), 409, "invalid_request_error", "duplicate_request_id")
     if isinstance(exc, StreamError):
         if exc.kind == "invalid_request_error":
             return APIError(str(exc), 400)

@@ -48,7 +48,6 @@ async def _collect_all(
                     job,
                     f"{rid}-{i}" if parsed.batch else rid,
                     cfg.request_timeout,
-                    cfg.stall_timeout,
                     skip_special,
                 )
                 for i, job in enumerate(parsed.jobs)
@@ -75,7 +74,7 @@ async def _first_and_rest(request: Request, stream: AsyncIterator[Delta]) -> tup
 
 def _stream_deltas(state: AppState, job: Job, rid: str, skip_special: bool = True) -> AsyncIterator[Delta]:
     cfg = state.config
-    return deltas(state.gateway, state.info, job, rid, cfg.request_timeout, cfg.stall_timeout, skip_special)
+    return deltas(state.gateway, state.info, job, rid, cfg.request_timeout, skip_special)
 
 
 async def _sse_body(

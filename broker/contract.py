@@ -268,12 +268,15 @@ async def answer_malformed(
 
 
 # ---- JetStream -----------------------------------------------------------------------
-async def submit(js: JetStreamContext, channel: WorkChannel[M], message: M, model: str, rid: str) -> bool:
-    """Store ``message`` in ``channel``'s stream for ``model``, deduplicated on ``rid``.
+async def submit(
+    js: JetStreamContext, channel: WorkChannel[M], message: M, model: str, rid: str, attempt: int = 0
+) -> bool:
+    """Store ``message`` in ``channel``'s stream for ``model``, deduplicated on ``rid`` and
+    ``attempt`` (:func:`subjects.msg_id`).
 
     Returns ``False`` for a duplicate; raises ``QueueFullError`` when the stream is full."""
     assert isinstance(message, channel.message), f"{channel.name} carries {channel.message.__name__}"
-    return await publish_work(js, channel.subject(model), message, msg_id=rid)
+    return await publish_work(js, channel.subject(model), message, msg_id=subjects.msg_id(rid, attempt))
 
 
 class WorkQueue(Generic[M]):

@@ -55,6 +55,12 @@ def tokens(api_id: str, rid: str) -> str:
     return f"pd.tokens.{token(api_id)}.{token(rid)}"
 
 
+def msg_id(rid: str, attempt: int = 0) -> str:
+    """The ``Nats-Msg-Id`` a work message of ``rid`` is deduplicated on: the request id for
+    the first attempt (what direct publishers use), ``rid~n`` for migration ``n``."""
+    return rid if attempt == 0 else f"{rid}~{attempt}"
+
+
 def prefill_consumer(model: str) -> str:
     return f"prefill-{token(model)}"
 

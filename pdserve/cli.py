@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add_flags(up, flags.MODEL, "model")
     flags.add_flags(up, flags.ENGINE, "engine")
     flags.add_flags(up, flags.HTTP)
+    flags.add_flags(up, flags.RECOVERY, "recovery")
     flags.add_flags(up, flags.UP)
     flags.nats_url().add_to(up, default=None, help="use this NATS server instead of starting one")
     for flag in flags.BROKER:

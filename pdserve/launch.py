@@ -104,7 +104,9 @@ def api_config(args: argparse.Namespace, nats_url: str, model_path: Path) -> Api
     """The API's config from ``pdserve api`` or ``pdserve up`` flags (``up`` leaves the
     API-only ones at their defaults)."""
     api_only: dict[str, Any] = {
-        name: getattr(args, name) for name in ("default_max_tokens", "request_timeout") if hasattr(args, name)
+        name: getattr(args, name)
+        for name in ("default_max_tokens", "request_timeout", "stall_timeout", "max_migrations")
+        if hasattr(args, name)
     }
     return ApiConfig(
         nats_url=nats_url,

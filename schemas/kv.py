@@ -62,7 +62,8 @@ class KVHandle:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class KVReady(Message):
-    """Prefill is done: the first token is out, the KV waits at ``handle``."""
+    """Prefill is done: the first token is out, the KV waits at ``handle``. ``attempt`` is
+    the request's (see :class:`GenerateRequest`)."""
 
     rid: str
     model: str
@@ -77,6 +78,7 @@ class KVReady(Message):
     published_at: float = 0.0
     request_published_at: float = 0.0
     timings: dict[str, float] | None = None
+    attempt: int = 0
     v: int = 1
 
 

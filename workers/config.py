@@ -25,7 +25,8 @@ class WorkerConfig:
     worker wants left before it pulls (else it recomputes the prompt itself);
     ``kv_lease_seconds`` is how long a decode worker's read may take: the prefill worker
     keeps the pages at least that long once it grants the lease, and a read that ends
-    later is not trusted."""
+    later is not trusted. ``keepalive_seconds``: a request in hand that sent its client
+    nothing for this long gets an ``alive`` chunk (the API's stall timeout must be longer)."""
 
     role: str
     model_path: Path
@@ -46,6 +47,7 @@ class WorkerConfig:
     kv_pull_margin: float = 2.0
     kv_lease_seconds: float = 10.0
     heartbeat_seconds: float = 2.0
+    keepalive_seconds: float = 1.0
     fetch_timeout: float = 1.0
     drain_seconds: float = 30.0
 

@@ -21,6 +21,7 @@ from pdserve.broker.consumer import Delivery
 from pdserve.engine.engine import Engine, RequestError, RequestOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.schemas import KVLease, KVReady, KVRelease
+from pdserve.schemas.tokens import ALIVE
 from pdserve.workers.config import WorkerConfig
 from pdserve.workers.intake import Intake
 from pdserve.workers.replies import Tracked
@@ -37,7 +38,7 @@ PEER_CHECK_SECONDS = 10.0
 class DecodeWorker(WorkerRuntime):
     def __init__(self, config: WorkerConfig, engine: Engine) -> None:
         super().__init__(config, engine)
-        self.backlog: deque[Delivery[KVReady]] = deque()
+        self.backlog: deque[tuple[Tracked, KVReady]] = deque()  # claimed, waiting for pages
         self.importing: set[str] = set()
         self._peers_seen: set[str] = set()
         self._next_peer_check = 0.0
@@ -64,29 +65,58 @@ class DecodeWorker(WorkerRuntime):
 
     async def _take(self, deliveries: list[Delivery[KVReady]]) -> None:
         for d in deliveries:
-            await self._claim(d)
+            ready = d.message
+            t = self.track(d, ready.rid, ready.reply_to, ready.deadline, ready.attempt, ready.request_published_at)
+            t.timings = dict(ready.timings or {})
+            if ready.published_at:
+                t.timings["kv_queue"] = max(d.received_at - ready.published_at, 0.0)
+            t.next_seq = len(ready.output_ids)
+            if await self._drop_if_stale(t, ready):
+                continue
+            if self.backlog or not await self._claim(t, ready):
+                self.backlog.append((t, ready))
 
     async def _drain_backlog(self) -> None:
         while self.backlog:
-            d = self.backlog[0]
-            if not await self._claim(d, from_backlog=True):
+            t, ready = self.backlog[0]
+            if not await self._claim(t, ready):
                 return
             self.backlog.popleft()
 
-    async def _claim(self, d: Delivery[KVReady], from_backlog: bool = False) -> bool:
-        """Start importing ``d``; False if it must wait for pages (kept in the backlog)."""
-        ready = d.message
-        if ready.rid in self.tracked or ready.rid in self.importing:
-            return True
-        if not from_backlog and d.num_delivered > 1:
-            self.count("redeliveries")
-        t = Tracked(ready.rid, ready.reply_to, d, ready.deadline, timings=dict(ready.timings or {}))
-        if not from_backlog and ready.published_at:
-            t.timings["kv_queue"] = max(d.received_at - ready.published_at, 0.0)
-        if self.is_cancelled(ready.rid) or (ready.deadline and time.time() > ready.deadline):
+    async def _drop_if_stale(self, t: Tracked, ready: KVReady) -> bool:
+        """True (``t`` settled, its KV released) when ``t`` must not run: cancelled, late,
+        or an attempt this worker already has or has a newer one of. A newer ``t`` drops
+        an older attempt that waits in the backlog or decodes here."""
+        for i, (waiting, old) in enumerate(self.backlog):
+            if waiting.rid != t.rid:
+                continue
+            if t.attempt == waiting.attempt:  # a redelivery: keep the newest delivery alive
+                waiting.delivery, waiting.acked = t.delivery, False
+                return True
+            if t.attempt < waiting.attempt:
+                break
+            del self.backlog[i]
+            await waiting.settle()
+            await self._release(old, ok=False)
+            break
+        else:
+            if t.rid in self.importing and t.attempt > self.tracked[t.rid].attempt:
+                return False  # claimed once the older attempt's pull ends (it waits in the backlog)
+            if not await self.superseded(t):
+                return False
+        await t.settle()
+        await self._release(ready, ok=False)
+        return True
+
+    async def _claim(self, t: Tracked, ready: KVReady) -> bool:
+        """Start importing ``ready`` (or computing its prompt); False if it must wait for
+        pages or for an older attempt of the request to leave (then it stays in the backlog)."""
+        if self.is_cancelled(t.rid, t.attempt, t.published_at) or (ready.deadline and time.time() > ready.deadline):
             await self._release(ready, ok=False)
             await t.settle()
             return True
+        if ready.rid in self.importing or ready.rid in self.engine.seqs:
+            return False
         if ready.model != self.config.model_name:
             await self._refuse(ready, t, f"model {ready.model!r} is not served here")
             return True
@@ -97,20 +127,25 @@ class DecodeWorker(WorkerRuntime):
             return True
         if ready.handle.expires_at - time.time() < self.config.kv_pull_margin:
             log.warning("KV handle (nearly) expired; computing the prompt here", extra={"rid": ready.rid})
-            return self._recompute(ready, t)
+            await self._recompute(ready, t)
+            return True
         try:
             seq = self.engine.reserve_import(ready.rid, list(ready.prompt_ids), list(ready.output_ids), ready.sampling)
         except RequestError as exc:
             await self._refuse(ready, t, str(exc))
             return True
         if seq is None:
-            if not from_backlog:
-                self.backlog.append(d)
             return False
         self.tracked[ready.rid] = t
         self.importing.add(ready.rid)
         self.spawn(self._pull(ready, seq, t))
+        await self._started(t, ready)
         return True
+
+    async def _started(self, t: Tracked, ready: KVReady) -> None:
+        if ready.attempt > 0 or len(ready.output_ids) > 1:
+            self.count("migrations")
+        await self.replies.state(t, ALIVE)  # the client's API now knows a worker holds it
 
     def unreadable(self, ready: KVReady) -> str | None:
         """Why this worker can never read ``ready``'s handle (a deployment mistake, answered
@@ -140,23 +175,22 @@ class DecodeWorker(WorkerRuntime):
             return f"{there} holds KV of {h.num_tokens} tokens, the request needs {expected}"
         return None
 
-    def _recompute(self, ready: KVReady, t: Tracked) -> bool:
+    async def _recompute(self, ready: KVReady, t: Tracked) -> None:
         try:
             self.engine.add_request(ready.rid, list(ready.prompt_ids), ready.sampling, list(ready.output_ids))
         except RequestError as exc:
-            self.spawn(self._refuse(ready, t, str(exc)))
-            return True
+            await self._refuse(ready, t, str(exc))
+            return
         self.tracked[ready.rid] = t
         t.timings["recomputed"] = 1.0
         self.count("recomputes")
-        self.spawn(self._release(ready, ok=False))
+        await self._release(ready, ok=False)
+        await self._started(t, ready)
         self.wake()
-        return True
 
     async def _refuse(self, ready: KVReady, t: Tracked, reason: str, kind: str = "invalid_request_error") -> None:
-        await self.replies.error(ready.reply_to, ready.rid, len(ready.output_ids), reason, kind)
+        await self.fail(t, reason, kind)
         await self._release(ready, ok=False)
-        await t.settle(ok=False)
 
     async def _pull(self, ready: KVReady, seq: Sequence, t: Tracked) -> None:
         started = time.perf_counter()
@@ -164,9 +198,8 @@ class DecodeWorker(WorkerRuntime):
         self.importing.discard(ready.rid)
         t.timings["kv_transfer"] = time.perf_counter() - started
         await self._release(ready, ok=ok)
-        if self.is_cancelled(ready.rid) or ready.rid not in self.tracked:
+        if self.tracked.get(ready.rid) is not t:  # cancelled (or superseded) during the pull
             self.engine.abort(ready.rid)
-            self.tracked.pop(ready.rid, None)
             await t.settle()
             return
         if ok:
@@ -223,11 +256,22 @@ class DecodeWorker(WorkerRuntime):
         with contextlib.suppress(Exception):
             await contract.publish(self.nc, contract.KV_RELEASE, release, ready.prefill_id)
 
+    async def apply_cancel(self, rid: str, reason: str) -> None:
+        for t, ready in [(t, r) for t, r in self.backlog if t.rid == rid]:
+            if self.is_cancelled(rid, t.attempt, t.published_at):
+                self.backlog.remove((t, ready))
+                await t.settle()
+                await self._release(ready, ok=False)
+        await super().apply_cancel(rid, reason)
+
     async def cancel(self, rid: str, reason: str) -> None:
         if rid in self.importing:
             self.tracked.pop(rid, None)  # _pull sees it gone and frees the pages after the transfer
             return
         await super().cancel(rid, reason)
+
+    def in_hand(self) -> list[Tracked]:
+        return super().in_hand() + [t for t, _ in self.backlog]
 
     async def on_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -272,9 +316,8 @@ class DecodeWorker(WorkerRuntime):
         return self.engine.has_work() or bool(self.importing)
 
     async def hand_back(self) -> None:
-        for d in self.backlog:
-            with contextlib.suppress(Exception):
-                await d.nak()
+        for t, _ in self.backlog:
+            await self.give_back(t)
         self.backlog.clear()
         await super().hand_back()
 

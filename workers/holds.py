@@ -21,6 +21,7 @@ MAX_LEASE_SECONDS = 60.0
 class Hold:
     generation: int
     attempt: int
+    published_at: float  # of the request (which submission of its rid this is)
     until: float  # monotonic: the hold expires after this
     lease_until: float = 0.0  # monotonic: a reader may be reading until this
     doomed: bool = False  # ends as soon as no lease runs
@@ -44,11 +45,11 @@ class Holds:
     def get(self, rid: str) -> Hold | None:
         return self._holds.get(rid)
 
-    def hold(self, rid: str, attempt: int, seconds: float, now: float) -> int:
+    def hold(self, rid: str, attempt: int, published_at: float, seconds: float, now: float) -> int:
         """Start holding ``rid``'s pages for ``seconds``; returns the hold's generation."""
         assert rid not in self._holds, f"{rid} is already held"
         generation = next(self._generations)
-        self._holds[rid] = Hold(generation, attempt, now + seconds)
+        self._holds[rid] = Hold(generation, attempt, published_at, now + seconds)
         return generation
 
     def lease(self, rid: str, generation: int, seconds: float, now: float) -> str | None:

@@ -19,6 +19,7 @@ from pdserve.engine.engine import Engine, RequestOutput
 from pdserve.schemas import KVHandle, KVLease, KVLeaseReply, KVReady, KVRelease
 from pdserve.workers.config import WorkerConfig
 from pdserve.workers.holds import Holds
+from pdserve.workers.replies import Tracked
 from pdserve.workers.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ class PrefillWorker(WorkerRuntime):
         req = self.requests.get(out.rid)
         if t is None or req is None:
             return
-        await self.replies.send(t.reply_to, self.replies.chunk(out, t))
+        await self.replies.send(t.reply_to, self.replies.chunk(out, t), t)
         if not out.held:  # finished at the first token (stop token or max_new_tokens=1)
             self._forget(out.rid)
             await t.settle()
@@ -56,7 +57,7 @@ class PrefillWorker(WorkerRuntime):
         expires = time.time() + self.config.kv_hold_seconds
         assert self.transfer is not None and self.js is not None
         hold_for = self.config.kv_hold_seconds + self.config.kv_hold_grace_seconds
-        generation = self.holds.hold(req.rid, 0, hold_for, time.monotonic())
+        generation = self.holds.hold(req.rid, req.attempt, req.published_at, hold_for, time.monotonic())
         ready = KVReady(
             rid=req.rid,
             model=req.model,
@@ -80,15 +81,19 @@ class PrefillWorker(WorkerRuntime):
             published_at=time.time(),
             request_published_at=req.published_at,
             timings=dict(t.timings),
+            attempt=req.attempt,
         )
         try:
-            await contract.submit(self.js, contract.KV_READY, ready, req.model, req.rid)
+            fresh = await contract.submit(self.js, contract.KV_READY, ready, req.model, req.rid, req.attempt)
         except Exception as exc:  # the stream is full or the broker is away
             log.error("could not publish KVReady", extra={"rid": req.rid, "error": str(exc)})
             self._free(req.rid)
             await t.hand_back(delay=1.0)  # try again later, here or elsewhere
             self._forget(req.rid)
             return
+        if not fresh:  # this attempt's KVReady was published before (a redelivered request)
+            log.info("KVReady already published; dropping the duplicate's KV", extra={"rid": req.rid})
+            self._free(req.rid)
         await t.settle()
         self._forget(req.rid)
 
@@ -110,6 +115,12 @@ class PrefillWorker(WorkerRuntime):
             log.info("KV lease refused", extra={"rid": lease.rid, "reason": refused})
         return KVLeaseReply(rid=lease.rid, granted=refused is None, reason=refused or "")
 
+    async def apply_cancel(self, rid: str, reason: str) -> None:
+        hold = self.holds.get(rid)
+        if hold is not None and self.is_cancelled(rid, hold.attempt, hold.published_at):
+            await self.cancel(rid, reason)
+        await super().apply_cancel(rid, reason)
+
     async def cancel(self, rid: str, reason: str) -> None:
         if rid in self.holds:  # handed off: only its held pages are here
             if self.holds.end(rid, time.monotonic()):
@@ -119,6 +130,23 @@ class PrefillWorker(WorkerRuntime):
             log.info("request cancelled", extra={"rid": rid, "reason": reason})
             return
         await super().cancel(rid, reason)
+
+    async def make_room(self, t: Tracked) -> bool:
+        """A newer attempt (or a new submission) of a request whose KV is still held here
+        ends that hold first, or waits while a decode worker reads it; the same attempt
+        again (its ack was lost) is done already."""
+        hold = self.holds.get(t.rid)
+        if hold is None:
+            return True
+        newer = (t.attempt, t.published_at) > (hold.attempt, hold.published_at)
+        if not newer:
+            await t.settle()
+            return False
+        if self.holds.end(t.rid, time.monotonic()):
+            self.engine.release(t.rid)
+            return True
+        await t.hand_back(delay=0.5)
+        return False
 
     async def on_tick(self) -> None:
         for rid, expired in self.holds.due(time.monotonic()):

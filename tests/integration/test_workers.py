@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -19,17 +18,9 @@ from pdserve.api.gateway import Gateway
 from pdserve.broker import streams, subjects
 from pdserve.broker.connection import publish_work
 from pdserve.broker.consumer import PullConsumer
-from pdserve.engine.config import EngineConfig
-from pdserve.engine.loader import build_engine
 from pdserve.schemas import Cancel, GenerateRequest, KVHandle, KVReady, KVRelease, SamplingParams, TokenChunk
-from pdserve.workers.config import WorkerConfig
-from pdserve.workers.decode import DecodeWorker
-from pdserve.workers.prefill import PrefillWorker
-from pdserve.workers.runtime import WorkerRuntime
-from pdserve.workers.unified import UnifiedWorker
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
-ROLES = {"prefill": PrefillWorker, "decode": DecodeWorker, "unified": UnifiedWorker}
 
 
 async def until(predicate: Any, timeout: float = 15.0) -> None:
@@ -40,36 +31,14 @@ async def until(predicate: Any, timeout: float = 15.0) -> None:
         await asyncio.sleep(0.05)
 
 
-@pytest.fixture
-async def workers(nats_server, tiny_model_dir: Path) -> AsyncIterator[Any]:
-    started: list[WorkerRuntime] = []
-
-    async def start(role: str, **overrides: Any) -> WorkerRuntime:
-        config = WorkerConfig(
-            role=role,
-            model_path=tiny_model_dir,
-            model_name=tiny_model_dir.name,
-            nats_url=nats_server.url,
-            engine=EngineConfig(max_total_tokens=16 * 512),
-            heartbeat_seconds=0.5,
-            **overrides,
-        )
-        worker = ROLES[role](config, build_engine(tiny_model_dir, config.engine))
-        await worker.start()
-        started.append(worker)
-        return worker
-
-    yield start
-    for worker in started:
-        if not worker.stopped.is_set():
-            await worker.shutdown()
-
-
-async def replies(nc: Any, subject: str) -> asyncio.Queue[TokenChunk]:
+async def replies(nc: Any, subject: str, keepalives: bool = False) -> asyncio.Queue[TokenChunk]:
+    """Chunks arriving at ``subject`` (without the ``alive`` ones unless ``keepalives``)."""
     queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
 
     async def on(msg: Any) -> None:
-        await queue.put(TokenChunk.decode(msg.data))
+        chunk = TokenChunk.decode(msg.data)
+        if keepalives or chunk.state != "alive":
+            await queue.put(chunk)
 
     await nc.subscribe(subject, cb=on)
     return queue
@@ -234,7 +203,7 @@ async def test_shutdown_hands_unfinished_requests_to_another_worker(workers, nat
                 break
         assert len(received) == n
         assert received == reference(tiny_model_dir, prompt, n)
-        assert gateway.streams == {}
+        assert gateway.live == {}
     finally:
         await gateway.stop()
 
