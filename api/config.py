@@ -14,7 +14,7 @@ class ApiConfig:
     ``stall_timeout``: a request whose worker says nothing for this long (workers send a
     keep-alive every second) moves to another worker; so does one whose missing chunk does
     not arrive within ``gap_timeout``. A request moves at most ``max_migrations`` times,
-    then fails."""
+    then fails. A request body over ``max_body_bytes`` is refused (413) unread."""
 
     nats_url: str
     model_path: Path
@@ -26,6 +26,7 @@ class ApiConfig:
     stall_timeout: float = 10.0
     gap_timeout: float = 1.0
     max_migrations: int = 3
+    max_body_bytes: int = 8 << 20
     default_max_tokens: int = 1024
     trust_remote_code: bool = False
     context_length: int | None = None

@@ -27,6 +27,7 @@ from nats.js import JetStreamContext
 from pdserve.api.token_stream import TokenStream
 from pdserve.broker import contract, streams
 from pdserve.broker.connection import QueueFullError, connect
+from pdserve.broker.deadletter import watch_dead_letters
 from pdserve.broker.registry import WorkerRegistry
 from pdserve.schemas import Cancel, ErrorInfo, GenerateRequest, SamplingParams, TokenChunk, Usage, WorkerInfo
 
@@ -107,7 +108,11 @@ class Gateway:
         await streams.ensure_model(self.js, self.model, self.broker)
         self.registry = WorkerRegistry(await streams.worker_bucket(self.js, self.broker), self.js)
         await contract.subscribe(self.nc, contract.TOKENS, self._on_chunk, self.api_id)
+        await watch_dead_letters(self.nc, self.js, self.model, self._on_dead_letter)
         self._spawn(self._watch())
+
+    async def _on_dead_letter(self, rid: str) -> None:
+        self.stats.dead_letters += 1
 
     async def stop(self) -> None:
         for rid in list(self.live):

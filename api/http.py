@@ -58,6 +58,23 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
             raise APIError("client closed the request", 499, "client_closed")
 
 
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, or a 413 as soon as it is known to exceed ``limit`` bytes (from
+    ``Content-Length`` before reading anything, else while reading)."""
+    declared = request.headers.get("content-length")
+    too_large = APIError(f"the request body exceeds {limit} bytes", 413, "invalid_request_error", "body_too_large")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    parts: list[bytes] = []
+    size = 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise too_large
+        parts.append(part)
+    return b"".join(parts)
+
+
 def translate(exc: Exception) -> APIError:
     """Errors from the gateway as HTTP errors."""
     if isinstance(exc, APIError):

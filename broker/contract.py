@@ -12,6 +12,10 @@ send and receive on it.
 | ``KV_LEASE`` | ``KVLease`` → ``KVLeaseReply`` | core request/reply ``pd.lease.<prefill-id>`` | decode asks the prefill worker holding the KV, before reading it |
 | ``WORKERS`` | ``WorkerInfo`` | key-value bucket ``PD_WORKERS``, one key per worker | every worker (heartbeat) → API |
 
+A work message delivered ``max_deliver`` times without being done is moved to the
+``PD_DEAD`` stream (``pd.dead.<stream>.<model>``) by whoever hears JetStream's advisory
+first, and its sender is answered (:mod:`pdserve.broker.deadletter`).
+
 Names come from :mod:`pdserve.broker.subjects`. Handlers never see bytes: :func:`subscribe`
 (core NATS), :func:`answer` and :func:`ask` (core request/reply) and :class:`WorkQueue`
 (JetStream) decode each message as its channel's type.

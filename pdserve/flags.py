@@ -176,6 +176,12 @@ RECOVERY = (
 API = (
     Flag("--default-max-tokens", ApiConfig.default_max_tokens, int, "when a request sets no limit"),
     Flag("--request-timeout", ApiConfig.request_timeout, float, "seconds a request may take in all"),
+    Flag(
+        "--max-body-bytes",
+        ApiConfig.max_body_bytes,
+        int,
+        "larger request bodies are refused with 413 (default: %(default)s)",
+    ),
     *RECOVERY,
 )
 

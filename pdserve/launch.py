@@ -105,7 +105,7 @@ def api_config(args: argparse.Namespace, nats_url: str, model_path: Path) -> Api
     API-only ones at their defaults)."""
     api_only: dict[str, Any] = {
         name: getattr(args, name)
-        for name in ("default_max_tokens", "request_timeout", "stall_timeout", "max_migrations")
+        for name in ("default_max_tokens", "request_timeout", "stall_timeout", "max_migrations", "max_body_bytes")
         if hasattr(args, name)
     }
     return ApiConfig(

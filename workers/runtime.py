@@ -27,6 +27,7 @@ from nats.js import JetStreamContext
 
 from pdserve.broker import contract
 from pdserve.broker.consumer import Delivery
+from pdserve.broker.deadletter import watch_dead_letters
 from pdserve.engine.engine import Engine, RequestError, RequestOutput
 from pdserve.engine.sequence import ScheduledBatch
 from pdserve.schemas import Cancel, GenerateRequest, WorkerCounters, WorkerInfo
@@ -75,11 +76,15 @@ class WorkerRuntime:
         self.nc, self.js = await self.lifecycle.connect()
         self.replies.connect(self.nc)
         await contract.subscribe(self.nc, contract.CANCEL, self._on_cancel)
+        await watch_dead_letters(self.nc, self.js, self.config.model_name, self._on_dead_letter)
         await self.setup()
         work = [self._engine_loop(), self._tick_loop()]
         if self.intake is not None:
             work.append(self.intake.run(self.stopping))
         await self.lifecycle.report_ready(*work)
+
+    async def _on_dead_letter(self, rid: str) -> None:
+        self.count("dead_lettered")
 
     async def setup(self) -> None:
         """Role-specific start-up (intake, transfer engine, extra subscriptions)."""
