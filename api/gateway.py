@@ -23,6 +23,7 @@ from typing import Any
 
 from nats.aio.client import Client
 from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
 
 from pdserve.api.token_stream import TokenStream
 from pdserve.broker import contract, streams
@@ -326,8 +327,14 @@ class Gateway:
             log.warning("could not publish cancel", extra={"rid": cancel.rid, "error": str(exc)})
 
     async def workers(self) -> list[WorkerInfo]:
-        assert self.registry is not None
-        return await self.registry.list()
+        """The live workers; none while the registry bucket is missing (a restarted
+        broker lost it: it is made again, and the workers' next heartbeats fill it)."""
+        assert self.registry is not None and self.js is not None
+        try:
+            return await self.registry.list()
+        except NotFoundError:
+            await streams.worker_bucket(self.js, self.broker)
+            return []
 
     async def queue_depths(self) -> dict[str, streams.QueueDepth]:
         assert self.js is not None

@@ -171,7 +171,7 @@ class Lifecycle:
     async def _heartbeat_loop(self) -> None:
         """Put the registry entry every ``heartbeat_seconds``. The broker being away is
         expected (it comes back); an error building the entry is a bug and ends the worker."""
-        assert self._registry is not None, "connect() first"
+        assert self._registry is not None and self._nc is not None, "connect() first"
         while True:
             await asyncio.sleep(self.config.heartbeat_seconds)
             info = self._info()
@@ -179,6 +179,9 @@ class Lifecycle:
                 await self._registry.put(info)
             except (nats_errors.Error, TimeoutError) as exc:
                 log.warning("heartbeat failed", extra={"error": str(exc) or type(exc).__name__})
+                # A restarted broker has lost the in-memory registry bucket: make it again.
+                with contextlib.suppress(nats_errors.Error, TimeoutError):
+                    await streams.worker_bucket(self._nc.jetstream(), self.config.broker)
 
     async def _lag_loop(self, interval: float = 0.05, report: float = 0.1) -> None:
         """Watch the event loop: a late wake-up means fetches, cancels and token publishing
