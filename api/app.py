@@ -25,10 +25,13 @@ log = logging.getLogger(__name__)
 
 
 async def health(request: Request) -> Response:
-    workers = await state_of(request).gateway.workers()
+    """200 while the API can serve (a prefill and a decode worker, or a unified one), else
+    503; ``requests`` holds this API's totals (migrations, duplicate and stale chunks, dead letters)."""
+    gateway = state_of(request).gateway
+    workers = await gateway.workers()
     roles = {role: sum(1 for w in workers if w.role == role) for role in ("prefill", "decode", "unified")}
     ready = (roles["prefill"] >= 1 and roles["decode"] >= 1) or roles["unified"] >= 1
-    body = {"status": "ok" if ready else "unavailable", "workers": roles}
+    body = {"status": "ok" if ready else "unavailable", "workers": roles, "requests": dataclasses.asdict(gateway.stats)}
     return ORJSONResponse(body, status_code=200 if ready else 503)
 
 

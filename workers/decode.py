@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 
 KV_READY_BATCH = 32
 LEASE_TIMEOUT = 2.0
+# Mooncake takes about a second over a failed read (and the next read from that peer may wait
+# as long): enough threads that a few failures do not hold up every other pull.
+TRANSFER_THREADS = 8
 PEER_CHECK_SECONDS = 10.0
 
 
@@ -42,7 +45,7 @@ class DecodeWorker(WorkerRuntime):
         self.importing: set[str] = set()
         self._peers_seen: set[str] = set()
         self._next_peer_check = 0.0
-        self._transfer_threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-pull")
+        self._transfer_threads = ThreadPoolExecutor(max_workers=TRANSFER_THREADS, thread_name_prefix="kv-pull")
 
     async def setup(self) -> None:
         self.transfer = self.start_transfer()

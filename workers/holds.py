@@ -98,3 +98,7 @@ class Holds:
 
     def rids(self) -> list[str]:
         return list(self._holds)
+
+    def is_leased(self, now: float) -> bool:
+        """Whether a reader may be reading any hold now."""
+        return any(hold.is_leased(now) for hold in self._holds.values())

@@ -158,6 +158,10 @@ class PrefillWorker(WorkerRuntime):
         return self.engine.has_work() or len(self.holds) > 0
 
     async def teardown(self) -> None:
+        """Free every hold, once no decode worker's lease on one runs (at most a lease long)."""
+        deadline = time.monotonic() + self.config.kv_lease_seconds
+        while time.monotonic() < deadline and self.holds.is_leased(time.monotonic()):
+            await asyncio.sleep(0.05)
         for rid in self.holds.rids():
             self._free(rid)
         await super().teardown()

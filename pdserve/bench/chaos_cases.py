@@ -97,9 +97,9 @@ async def prefill_kill(system: ChaosSystem, n: int = 32, prompt_len: int = 1500,
     async def killer() -> None:
         async with _client() as client:
 
-            async def busy() -> bool:
+            async def busy() -> bool:  # the requests have spread over both prefill workers
                 victim.update(await _busiest(system, client, "prefill"))
-                return bool(victim["requests_in_flight"] >= 2)
+                return bool(victim["requests_in_flight"] >= max(2, n // 4))
 
             await _until(busy, 120, 0.02)
             system.kill(victim["pid"])

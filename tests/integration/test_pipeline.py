@@ -360,3 +360,6 @@ async def test_the_normal_path_pulls_every_prompt_and_recomputes_none(pd_system)
     assert counters["recomputes"] == 0 and counters["kv_pull_failures"] == 0
     assert counters["kv_leases_refused"] == 0 and counters["migrations"] == 0
     assert decode["kv_layout"] == prefill["kv_layout"] and decode["transfer_protocol"] == "tcp"
+    async with httpx.AsyncClient(base_url=pd_system.url, timeout=30) as client:
+        stats = (await client.get("/health")).json()["requests"]
+    assert stats["requests"] > 0 and stats["migrations"] == 0 and stats["migration_failures"] == 0

@@ -60,3 +60,12 @@ def test_cancel_without_a_lease_frees_at_once() -> None:
     holds.hold("r", 0, 0.0, 30.0, now=0.0)
     assert holds.end("r", now=1.0) and len(holds) == 0
     assert not holds.end("r", now=1.0)
+
+
+def test_is_leased_says_whether_any_read_may_run() -> None:
+    holds = Holds()
+    gen = holds.hold("r", 0, 0.0, 30.0, now=0.0)
+    holds.hold("s", 0, 0.0, 30.0, now=0.0)
+    assert not holds.is_leased(now=1.0)
+    holds.lease("r", gen, 5.0, now=1.0)
+    assert holds.is_leased(now=5.9) and not holds.is_leased(now=6.1)
