@@ -29,7 +29,7 @@ class BrokerConfig:
     kv_max_age: float = 600.0
     kv_max_bytes: int = 256 << 20
     dedup_window: float = 120.0
-    ack_wait: float = 30.0
+    ack_wait: float = 10.0
     max_deliver: int = 5
     prefill_max_ack_pending: int = 256
     decode_max_ack_pending: int = 256

@@ -32,9 +32,7 @@ log = logging.getLogger(__name__)
 
 KV_READY_BATCH = 32
 LEASE_TIMEOUT = 2.0
-# Mooncake takes about a second over a failed read (and the next read from that peer may wait
-# as long): enough threads that a few failures do not hold up every other pull.
-TRANSFER_THREADS = 8
+TRANSFER_THREADS = 4  # pulls from several prefill workers at once
 PEER_CHECK_SECONDS = 10.0
 
 
@@ -67,6 +65,7 @@ class DecodeWorker(WorkerRuntime):
         return self.room()
 
     async def _take(self, deliveries: list[Delivery[KVReady]]) -> None:
+        taken = []
         for d in deliveries:
             ready = d.message
             t = self.track(d, ready.rid, ready.reply_to, ready.deadline, ready.attempt, ready.request_published_at)
@@ -74,6 +73,11 @@ class DecodeWorker(WorkerRuntime):
             if ready.published_at:
                 t.timings["kv_queue"] = max(d.received_at - ready.published_at, 0.0)
             t.next_seq = len(ready.output_ids)
+            taken.append((t, ready))
+        # First tell every client its request has a holder (were this worker to die now, its
+        # API would move the request at once instead of waiting for the stream's ack_wait).
+        await asyncio.gather(*(self.replies.state(t, ALIVE) for t, _ in taken))
+        for t, ready in taken:
             if await self._drop_if_stale(t, ready):
                 continue
             if self.backlog or not await self._claim(t, ready):
@@ -148,7 +152,6 @@ class DecodeWorker(WorkerRuntime):
     async def _started(self, t: Tracked, ready: KVReady) -> None:
         if ready.attempt > 0 or len(ready.output_ids) > 1:
             self.count("migrations")
-        await self.replies.state(t, ALIVE)  # the client's API now knows a worker holds it
 
     def unreadable(self, ready: KVReady) -> str | None:
         """Why this worker can never read ``ready``'s handle (a deployment mistake, answered

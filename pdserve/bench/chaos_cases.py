@@ -362,8 +362,9 @@ async def many_streams(system: ChaosSystem, n: int = 1000, max_new: int = 16) ->
 
 # ---- a huge body while streams run --------------------------------------------------------------
 class _Sink:
-    """A bare socket server that answers every request 413 and hangs up: the same bodies
-    sent here load the machine as much as they do when sent to the API, without the API."""
+    """A bare socket server that reads each request whole (as the API does, so that the
+    client can read its answer), answers 413 and hangs up: the same bodies sent here load
+    the machine as much as they do when sent to the API, without the API."""
 
     def __init__(self) -> None:
         self._server = socket.create_server(("127.0.0.1", 0))
@@ -377,8 +378,25 @@ class _Sink:
             except OSError:
                 return
             with conn:
-                conn.recv(1 << 16)
-                conn.sendall(b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                head = b""
+                while b"\r\n\r\n" not in head:
+                    head += conn.recv(1 << 16)
+                headers, _, body = head.partition(b"\r\n\r\n")
+                length = next(
+                    (
+                        int(line.split(b":")[1])
+                        for line in headers.split(b"\r\n")
+                        if line.lower().startswith(b"content-length")
+                    ),
+                    0,
+                )
+                conn.sendall(b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 0\r\n\r\n")
+                left = length - len(body)
+                while left > 0:
+                    got = conn.recv(min(left, 1 << 20))
+                    if not got:
+                        break
+                    left -= len(got)
 
     def close(self) -> None:
         self._server.close()
