@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nats.aio.client import Client
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
@@ -102,13 +103,14 @@ class Gateway:
         self.stats = GatewayStats()
         self._background: set[asyncio.Task[None]] = set()
         self._was_connected = True
+        self._tokens: Subscription | None = None
 
     async def start(self) -> None:
         self.nc = await connect(self.nats_url, self.api_id)
         self.js = self.nc.jetstream()
         await streams.ensure_model(self.js, self.model, self.broker)
         self.registry = WorkerRegistry(await streams.worker_bucket(self.js, self.broker), self.js)
-        await contract.subscribe(self.nc, contract.TOKENS, self._on_chunk, self.api_id)
+        self._tokens = await contract.subscribe(self.nc, contract.TOKENS, self._on_chunk, self.api_id)
         await watch_dead_letters(self.nc, self.js, self.model, self._on_dead_letter)
         self._spawn(self._watch())
 
@@ -153,16 +155,22 @@ class Gateway:
         await self._publish_cancel(Cancel(rid=rid, reason="superseded", attempt=attempt, issued_at=time.time()))
 
     async def _watch(self) -> None:
-        """Gaps and silent workers; no judgement while the broker is away."""
+        """Gaps and silent workers. No judgement while the broker is away, nor while this
+        API is behind (its event loop late, or chunks received but not yet handled): the
+        silence would be its own. Each time, every stream gets a fresh ``stall_timeout``."""
+        expected = time.monotonic() + WATCH_SECONDS
         while True:
-            await asyncio.sleep(WATCH_SECONDS)
+            await asyncio.sleep(max(expected - time.monotonic(), 0.0))
             now = time.monotonic()
+            late = now - expected > WATCH_SECONDS
+            expected = now + WATCH_SECONDS
             connected = self.nc is not None and self.nc.is_connected
-            if not connected or not self._was_connected:
+            behind = late or (self._tokens is not None and self._tokens.pending_msgs > 0)
+            if not connected or not self._was_connected or behind:
                 for live in self.live.values():
-                    live.stream.heard_at = now  # a fresh stall_timeout from reconnection
+                    live.stream.heard_at = max(live.stream.heard_at, now - WATCH_SECONDS)
                     if live.stream.gap_since is not None:
-                        live.stream.gap_since = now
+                        live.stream.gap_since = max(live.stream.gap_since, now - WATCH_SECONDS)
                 self._was_connected = connected
                 continue
             for live in list(self.live.values()):
