@@ -155,30 +155,38 @@ class Gateway:
         await self._publish_cancel(Cancel(rid=rid, reason="superseded", attempt=attempt, issued_at=time.time()))
 
     async def _watch(self) -> None:
-        """Gaps and silent workers. No judgement while the broker is away, nor while this
-        API is behind (its event loop late, or chunks received but not yet handled): the
-        silence would be its own. Each time, every stream gets a fresh ``stall_timeout``."""
+        """Gaps and silent workers, every ``WATCH_SECONDS``; a failed round is logged and
+        the watch goes on (a dead watch would leave every stream to wait for its deadline)."""
         expected = time.monotonic() + WATCH_SECONDS
         while True:
             await asyncio.sleep(max(expected - time.monotonic(), 0.0))
             now = time.monotonic()
             late = now - expected > WATCH_SECONDS
             expected = now + WATCH_SECONDS
-            connected = self.nc is not None and self.nc.is_connected
-            behind = late or (self._tokens is not None and self._tokens.pending_msgs > 0)
-            if not connected or not self._was_connected or behind:
-                for live in self.live.values():
-                    live.stream.heard_at = max(live.stream.heard_at, now - WATCH_SECONDS)
-                    if live.stream.gap_since is not None:
-                        live.stream.gap_since = max(live.stream.gap_since, now - WATCH_SECONDS)
-                self._was_connected = connected
+            try:
+                self._judge(now, late)
+            except Exception:
+                log.exception("stream watch failed; it goes on")
+
+    def _judge(self, now: float, late: bool) -> None:
+        """No judgement while the broker is away, nor while this API is behind (its watch
+        woke late, or chunks wait unhandled): the silence would be its own. Then every
+        stream gets a fresh ``stall_timeout``."""
+        connected = self.nc is not None and self.nc.is_connected
+        behind = late or (self._tokens is not None and self._tokens.pending_msgs > 0)
+        if not connected or not self._was_connected or behind:
+            for live in self.live.values():
+                live.stream.heard_at = max(live.stream.heard_at, now - WATCH_SECONDS)
+                if live.stream.gap_since is not None:
+                    live.stream.gap_since = max(live.stream.gap_since, now - WATCH_SECONDS)
+            self._was_connected = connected
+            return
+        for live in list(self.live.values()):
+            if live.migrating:
                 continue
-            for live in list(self.live.values()):
-                if live.migrating:
-                    continue
-                reason = live.stream.expired(now, self.stall_timeout, self.gap_timeout)
-                if reason is not None:
-                    self.migrate(live, reason)
+            reason = live.stream.expired(now, self.stall_timeout, self.gap_timeout)
+            if reason is not None:
+                self.migrate(live, reason)
 
     # ---- migration -------------------------------------------------------------------
     def migrate(self, live: _Live, reason: str) -> None:

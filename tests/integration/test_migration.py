@@ -48,17 +48,26 @@ class Run:
     seconds: float = 0.0
 
 
-async def stream(gw: Gateway, params: SamplingParams, rid: str, on_token: Any = None) -> Run:
+async def stream(gw: Gateway, params: SamplingParams, rid: str, on_token: Any = None, limit: float = 120) -> Run:
     run = Run()
     started = time.monotonic()
-    async for chunk in gw.generate(PROMPT, params, rid=rid):
-        run.tokens.extend(chunk.token_ids)
-        if chunk.worker_id and (not run.workers or run.workers[-1] != chunk.worker_id):
-            run.workers.append(chunk.worker_id)
-        if on_token is not None:
-            await on_token(run, chunk)
-        if chunk.finish_reason:
-            break
+
+    async def consume() -> None:
+        async for chunk in gw.generate(PROMPT, params, rid=rid):
+            run.tokens.extend(chunk.token_ids)
+            if chunk.worker_id and (not run.workers or run.workers[-1] != chunk.worker_id):
+                run.workers.append(chunk.worker_id)
+            if on_token is not None:
+                await on_token(run, chunk)
+            if chunk.finish_reason:
+                break
+
+    try:
+        await asyncio.wait_for(consume(), limit)
+    except TimeoutError:
+        live = gw.live.get(rid)
+        state = vars(live.stream) if live else "gone"
+        pytest.fail(f"stream {rid} stuck after {len(run.tokens)} tokens from {run.workers}; gateway: {state}")
     run.seconds = time.monotonic() - started
     return run
 
