@@ -144,8 +144,9 @@ async def vanish(worker: Any) -> None:
     tasks = [*worker.lifecycle._tasks, *worker._background]
     for task in tasks:
         task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    await worker.nc.close()
+    # Bounded: a test must fail, not hang, if something of the worker will not stop.
+    await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+    await asyncio.wait_for(worker.nc.close(), 10)
     worker.stopped.set()
     if worker.transfer is not None:
         worker.transfer.close()
