@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -24,10 +25,13 @@ log = logging.getLogger(__name__)
 
 
 async def health(request: Request) -> Response:
-    workers = await state_of(request).gateway.workers()
+    """200 while the API can serve (a prefill and a decode worker, or a unified one), else
+    503; ``requests`` holds this API's totals (migrations, duplicate and stale chunks, dead letters)."""
+    gateway = state_of(request).gateway
+    workers = await gateway.workers()
     roles = {role: sum(1 for w in workers if w.role == role) for role in ("prefill", "decode", "unified")}
     ready = (roles["prefill"] >= 1 and roles["decode"] >= 1) or roles["unified"] >= 1
-    body = {"status": "ok" if ready else "unavailable", "workers": roles}
+    body = {"status": "ok" if ready else "unavailable", "workers": roles, "requests": dataclasses.asdict(gateway.stats)}
     return ORJSONResponse(body, status_code=200 if ready else 503)
 
 
@@ -80,6 +84,10 @@ async def workers(request: Request) -> Response:
                 "page_size": w.page_size,
                 "requests_in_flight": w.requests_in_flight,
                 "transfer_endpoint": w.transfer_endpoint,
+                "transfer_backend": w.transfer_backend,
+                "transfer_protocol": w.transfer_protocol,
+                "kv_layout": dataclasses.asdict(w.kv_layout) if w.kv_layout else None,
+                "counters": dataclasses.asdict(w.counters),
                 "age_seconds": round(time.time() - w.started_at, 1),
                 "last_seen_seconds": round(time.time() - w.updated_at, 1),
             }
@@ -107,7 +115,15 @@ def create_app(config: ApiConfig, info: ModelInfo | None = None) -> Starlette:
         model = info or load_model_info(
             config.model_path, config.model_name, config.trust_remote_code, config.context_length
         )
-        gateway = Gateway(config.nats_url, model.name, config.broker, config.api_id)
+        gateway = Gateway(
+            config.nats_url,
+            model.name,
+            config.broker,
+            config.api_id,
+            stall_timeout=config.stall_timeout,
+            gap_timeout=config.gap_timeout,
+            max_migrations=config.max_migrations,
+        )
         await gateway.start()
         app.state.pd = AppState(config, model, gateway, time.time())
         log.info("api ready", extra={"model": model.name, "api_id": gateway.api_id})

@@ -47,13 +47,12 @@ async def deltas(
     job: Job,
     rid: str,
     timeout: float,
-    stall_timeout: float,
     skip_special_tokens: bool = True,
 ) -> AsyncIterator[Delta]:
     """Stream ``job``; text is cut exactly before the first stop string."""
     detok = IncrementalDetokenizer(info.tokenizer, skip_special_tokens)
     stop = StopMatcher(job.sampling.stop)
-    chunks = gateway.generate(job.prompt_ids, job.sampling, rid, timeout, stall_timeout)
+    chunks = gateway.generate(job.prompt_ids, job.sampling, rid, timeout)
     async with contextlib.aclosing(chunks):
         async for delta in _deltas(chunks, job, detok, stop):
             yield delta
@@ -96,13 +95,12 @@ async def collect(
     job: Job,
     rid: str,
     timeout: float,
-    stall_timeout: float,
     skip_special_tokens: bool = True,
 ) -> Result:
     started = time.perf_counter()
     result = Result(rid)
     parts: list[str] = []
-    async for d in deltas(gateway, info, job, rid, timeout, stall_timeout, skip_special_tokens):
+    async for d in deltas(gateway, info, job, rid, timeout, skip_special_tokens):
         if not result.token_ids:
             result.first_token_seconds = time.perf_counter() - started
         parts.append(d.text)

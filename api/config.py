@@ -11,7 +11,10 @@ from pdserve.broker.streams import BrokerConfig
 @dataclasses.dataclass(frozen=True)
 class ApiConfig:
     """``default_max_tokens`` applies where a request gives no limit (chat, /generate).
-    ``stall_timeout`` is how long a request may go without a token before it fails."""
+    ``stall_timeout``: a request whose worker says nothing for this long (workers send a
+    keep-alive every second) moves to another worker; so does one whose missing chunk does
+    not arrive within ``gap_timeout``. A request moves at most ``max_migrations`` times,
+    then fails. A request body over ``max_body_bytes`` is refused (413) unread."""
 
     nats_url: str
     model_path: Path
@@ -20,7 +23,10 @@ class ApiConfig:
     port: int = 8000
     api_id: str | None = None
     request_timeout: float = 600.0
-    stall_timeout: float = 120.0
+    stall_timeout: float = 10.0
+    gap_timeout: float = 1.0
+    max_migrations: int = 3
+    max_body_bytes: int = 8 << 20
     default_max_tokens: int = 1024
     trust_remote_code: bool = False
     context_length: int | None = None
@@ -29,5 +35,7 @@ class ApiConfig:
     def __post_init__(self) -> None:
         if self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be at least 1")
-        if self.request_timeout <= 0 or self.stall_timeout <= 0:
+        if self.request_timeout <= 0 or self.stall_timeout <= 0 or self.gap_timeout <= 0:
             raise ValueError("timeouts must be positive")
+        if self.max_migrations < 0:
+            raise ValueError("max_migrations must be at least 0")

@@ -1,8 +1,14 @@
-"""The API's side of NATS: publish requests, route token chunks back, cancel.
+"""The API's side of NATS: publish requests, route token chunks back, move a request to
+another worker when its worker is lost, cancel.
 
 One wildcard subscription (``pd.tokens.<api-id>.*``) carries every reply; chunks are
-routed by request id into per-request streams that put them back in ``seq`` order and
-drop duplicates.
+routed by request id into per-request :class:`TokenStream`\\ s that put them back in
+``seq`` order, drop duplicates, and say when a request must migrate (see
+:mod:`.token_stream` for the rule). A watch task notices gaps and silent workers. A
+migration cancels the earlier attempts and publishes attempt ``n + 1`` with the tokens
+the client already has; after ``max_migrations`` the client gets an error instead.
+While the connection to NATS is down nothing is judged silent, and every stream gets a
+fresh ``stall_timeout`` once it is back.
 """
 
 from __future__ import annotations
@@ -11,18 +17,27 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 from nats.aio.client import Client
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
 
+from pdserve.api.token_stream import TokenStream
 from pdserve.broker import contract, streams
 from pdserve.broker.connection import QueueFullError, connect
+from pdserve.broker.deadletter import watch_dead_letters
 from pdserve.broker.registry import WorkerRegistry
-from pdserve.schemas import Cancel, GenerateRequest, SamplingParams, TokenChunk, WorkerInfo
+from pdserve.schemas import Cancel, ErrorInfo, GenerateRequest, SamplingParams, TokenChunk, Usage, WorkerInfo
 
 log = logging.getLogger(__name__)
+
+WATCH_SECONDS = 0.2
+RESUBMIT_RETRY_SECONDS = 0.5
+RECANCEL_SECONDS = 1.0
 
 
 class StreamError(RuntimeError):
@@ -33,85 +48,242 @@ class StreamError(RuntimeError):
         self.kind = kind
 
 
+class DuplicateRequestError(StreamError):
+    """The request id is in use, or was submitted within the broker's dedup window (409)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "conflict")
+
+
 @dataclass
-class TokenStream:
-    """Chunks of one request, in ``seq`` order, without duplicates."""
+class GatewayStats:
+    """Totals since the API started (``/health`` shows them)."""
 
-    rid: str
-    next_seq: int = 0
-    queue: asyncio.Queue[TokenChunk] = field(default_factory=asyncio.Queue)
-    early: dict[int, TokenChunk] = field(default_factory=dict)
-    duplicates: int = 0
+    requests: int = 0
+    migrations: int = 0
+    migration_failures: int = 0
+    duplicate_chunks: int = 0
+    stale_chunks: int = 0
+    dead_letters: int = 0
 
-    def deliver(self, chunk: TokenChunk) -> None:
-        if chunk.error is not None:
-            self.queue.put_nowait(chunk)
-            return
-        if chunk.seq < self.next_seq:
-            self.duplicates += 1
-            return
-        if chunk.seq > self.next_seq:
-            self.early[chunk.seq] = chunk
-            return
-        self._push(chunk)
-        while self.next_seq in self.early:
-            self._push(self.early.pop(self.next_seq))
 
-    def _push(self, chunk: TokenChunk) -> None:
-        self.queue.put_nowait(chunk)
-        self.next_seq = chunk.seq + max(len(chunk.token_ids), 1 if chunk.finish_reason else 0)
+@dataclass
+class _Live:
+    """A request in flight: what to resubmit it with, and its stream of chunks."""
+
+    request: GenerateRequest
+    stream: TokenStream
+    migrating: bool = False
+    recancelled_at: float = 0.0
+    reasons: list[str] = field(default_factory=list)
 
 
 class Gateway:
-    def __init__(self, nats_url: str, model: str, broker: streams.BrokerConfig, api_id: str | None = None) -> None:
+    def __init__(
+        self,
+        nats_url: str,
+        model: str,
+        broker: streams.BrokerConfig,
+        api_id: str | None = None,
+        stall_timeout: float = 10.0,
+        gap_timeout: float = 1.0,
+        max_migrations: int = 3,
+    ) -> None:
         self.nats_url = nats_url
         self.model = model
         self.broker = broker
         self.api_id = api_id or f"api-{uuid.uuid4().hex[:8]}"
+        self.stall_timeout = stall_timeout
+        self.gap_timeout = gap_timeout
+        self.max_migrations = max_migrations
         self.nc: Client | None = None
         self.js: JetStreamContext | None = None
         self.registry: WorkerRegistry | None = None
-        self.streams: dict[str, TokenStream] = {}
+        self.live: dict[str, _Live] = {}
+        self.stats = GatewayStats()
         self._background: set[asyncio.Task[None]] = set()
+        self._was_connected = True
+        self._tokens: Subscription | None = None
 
     async def start(self) -> None:
         self.nc = await connect(self.nats_url, self.api_id)
         self.js = self.nc.jetstream()
         await streams.ensure_model(self.js, self.model, self.broker)
         self.registry = WorkerRegistry(await streams.worker_bucket(self.js, self.broker), self.js)
-        await contract.subscribe(self.nc, contract.TOKENS, self._on_chunk, self.api_id)
+        self._tokens = await contract.subscribe(self.nc, contract.TOKENS, self._on_chunk, self.api_id)
+        await watch_dead_letters(self.nc, self.js, self.model, self._on_dead_letter)
+        self._spawn(self._watch())
+
+    async def _on_dead_letter(self, rid: str) -> None:
+        self.stats.dead_letters += 1
 
     async def stop(self) -> None:
-        for rid in list(self.streams):
+        for rid in list(self.live):
             await self.cancel(rid, "server shutting down")
+        for task in list(self._background):
+            task.cancel()
         if self.nc is not None and self.nc.is_connected:
             await self.nc.drain()
 
-    async def _on_chunk(self, chunk: TokenChunk) -> None:
-        stream = self.streams.get(chunk.rid)
-        if stream is not None:
-            stream.deliver(chunk)
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
+    # ---- chunks in -------------------------------------------------------------------
+    async def _on_chunk(self, chunk: TokenChunk) -> None:
+        live = self.live.get(chunk.rid)
+        if live is None:
+            return
+        stream = live.stream
+        duplicates = stream.duplicates
+        reason = stream.deliver(chunk, time.monotonic())
+        self.stats.duplicate_chunks += stream.duplicates - duplicates
+        if chunk.attempt != stream.attempt:
+            self.stats.stale_chunks += 1
+            await self._recancel(live)
+        if reason is not None:
+            self.migrate(live, reason)
+
+    async def _recancel(self, live: _Live) -> None:
+        """A worker still runs an earlier attempt (it missed the cancel): tell it again."""
+        now = time.monotonic()
+        if now - live.recancelled_at < RECANCEL_SECONDS:
+            return
+        live.recancelled_at = now
+        rid, attempt = live.request.rid, live.stream.attempt
+        await self._publish_cancel(Cancel(rid=rid, reason="superseded", attempt=attempt, issued_at=time.time()))
+
+    async def _watch(self) -> None:
+        """Gaps and silent workers, every ``WATCH_SECONDS``; a failed round is logged and
+        the watch goes on (a dead watch would leave every stream to wait for its deadline)."""
+        expected = time.monotonic() + WATCH_SECONDS
+        while True:
+            await asyncio.sleep(max(expected - time.monotonic(), 0.0))
+            now = time.monotonic()
+            late = now - expected > WATCH_SECONDS
+            expected = now + WATCH_SECONDS
+            try:
+                self._judge(now, late)
+            except Exception:
+                log.exception("stream watch failed; it goes on")
+
+    def _judge(self, now: float, late: bool) -> None:
+        """No judgement while the broker is away, nor while this API is behind (its watch
+        woke late, or chunks wait unhandled): the silence would be its own. Then every
+        stream gets a fresh ``stall_timeout``."""
+        connected = self.nc is not None and self.nc.is_connected
+        behind = late or (self._tokens is not None and self._tokens.pending_msgs > 0)
+        if not connected or not self._was_connected or behind:
+            for live in self.live.values():
+                live.stream.heard_at = max(live.stream.heard_at, now - WATCH_SECONDS)
+                if live.stream.gap_since is not None:
+                    live.stream.gap_since = max(live.stream.gap_since, now - WATCH_SECONDS)
+            self._was_connected = connected
+            return
+        for live in list(self.live.values()):
+            if live.migrating:
+                continue
+            reason = live.stream.expired(now, self.stall_timeout, self.gap_timeout)
+            if reason is not None:
+                self.migrate(live, reason)
+
+    # ---- migration -------------------------------------------------------------------
+    def migrate(self, live: _Live, reason: str) -> None:
+        """Start the next attempt of ``live`` from the tokens its client has (in the
+        background), or fail it once it has migrated ``max_migrations`` times."""
+        if live.migrating or self.live.get(live.request.rid) is not live:
+            return
+        live.reasons.append(reason)
+        live.migrating = True  # until the next attempt is out (for good, once it cannot be)
+        stream = live.stream
+        if stream.attempt >= self.max_migrations:
+            message = f"request lost its worker {stream.attempt + 1} times; giving up (last: {reason})"
+            log.error("request not migrated again", extra={"rid": live.request.rid, "reason": reason})
+            self.stats.migration_failures += 1
+            stream.queue.put_nowait(self._error(live, message))
+            return
+        self._spawn(self._migrate(live, reason))
+
+    async def _migrate(self, live: _Live, reason: str) -> None:
+        stream = live.stream
+        rid = live.request.rid
+        attempt = stream.attempt + 1
+        stream.restart(attempt, time.monotonic())
+        self.stats.migrations += 1
+        output = tuple(stream.output_ids)
+        log.warning("request migrates", extra={"rid": rid, "attempt": attempt, "tokens": len(output), "reason": reason})
+        try:
+            if len(output) >= live.request.sampling.max_new_tokens:  # only its last chunk was lost
+                stream.queue.put_nowait(self._finished(live, output))
+                return
+            now = time.time()
+            await self._publish_cancel(Cancel(rid=rid, reason="superseded", attempt=attempt, issued_at=now))
+            request = GenerateRequest(
+                rid=rid,
+                model=live.request.model,
+                prompt_ids=live.request.prompt_ids,
+                reply_to=live.request.reply_to,
+                sampling=live.request.sampling,
+                output_ids=output,
+                deadline=live.request.deadline,
+                published_at=now,
+                attempt=attempt,
+            )
+            await self._resubmit(live, request)
+        finally:
+            live.migrating = False
+
+    async def _resubmit(self, live: _Live, request: GenerateRequest) -> None:
+        """Publish ``request`` until the broker takes it (it may be away or full for a
+        while), or the request's deadline passes, or its client leaves."""
+        assert self.js is not None
+        while self.live.get(request.rid) is live:
+            try:
+                await contract.submit(self.js, contract.REQUESTS, request, self.model, request.rid, request.attempt)
+                return
+            except Exception as exc:
+                if time.time() > request.deadline:
+                    live.stream.queue.put_nowait(self._error(live, f"could not resubmit the request: {exc}"))
+                    return
+                log.warning("resubmission failed; retrying", extra={"rid": request.rid, "error": str(exc)})
+                await asyncio.sleep(RESUBMIT_RETRY_SECONDS)
+
+    def _error(self, live: _Live, message: str) -> TokenChunk:
+        stream = live.stream
+        return TokenChunk(
+            rid=live.request.rid,
+            seq=stream.next_seq,
+            finish_reason="error",
+            error=ErrorInfo(message),
+            attempt=stream.attempt,
+        )
+
+    def _finished(self, live: _Live, output: tuple[int, ...]) -> TokenChunk:
+        usage = Usage(len(live.request.prompt_ids), len(output))
+        return TokenChunk(
+            rid=live.request.rid,
+            seq=live.stream.next_seq,
+            finish_reason="length",
+            usage=usage,
+            attempt=live.stream.attempt,
+        )
+
+    # ---- requests out ----------------------------------------------------------------
     async def generate(
-        self,
-        prompt_ids: list[int],
-        sampling: SamplingParams,
-        rid: str | None = None,
-        timeout: float = 600.0,
-        stall_timeout: float = 120.0,
+        self, prompt_ids: list[int], sampling: SamplingParams, rid: str | None = None, timeout: float = 600.0
     ) -> AsyncGenerator[TokenChunk, None]:
         """Publish a request and yield its chunks until the one with a finish reason.
 
         Raises :class:`QueueFullError` before anything is published if the queue is
-        full, :class:`StreamError` on a worker error or a timeout. Leaving early (the
-        client went away) publishes ``Cancel``.
+        full, :class:`DuplicateRequestError` for a request id in use or seen within the
+        dedup window, :class:`StreamError` on a worker error, a timeout, or too many
+        migrations. Leaving early (the client went away) publishes ``Cancel``.
         """
         assert self.js is not None
         rid = rid or uuid.uuid4().hex
-        if rid in self.streams:
-            raise StreamError(f"request id {rid!r} is in use", "invalid_request_error")
-        stream = TokenStream(rid)
-        self.streams[rid] = stream
+        if rid in self.live:
+            raise DuplicateRequestError(f"request id {rid!r} is in use")
         now = time.time()
         request = GenerateRequest(
             rid=rid,
@@ -122,48 +294,63 @@ class Gateway:
             deadline=now + timeout,
             published_at=now,
         )
+        live = _Live(request, TokenStream(rid, heard_at=time.monotonic()))
+        self.live[rid] = live
+        self.stats.requests += 1
         finished = False
         try:
             if not await contract.submit(self.js, contract.REQUESTS, request, self.model, rid):
-                raise StreamError(f"request id {rid!r} was already submitted", "invalid_request_error")
+                finished = True  # nothing of ours runs: nothing to cancel
+                raise DuplicateRequestError(
+                    f"request id {rid!r} was submitted within the last {self.broker.dedup_window:.0f}s"
+                )
             deadline = time.monotonic() + timeout
             while True:
-                wait = min(stall_timeout, deadline - time.monotonic())
+                wait = deadline - time.monotonic()
                 if wait <= 0:
                     raise StreamError("request timed out", "timeout")
                 try:
-                    chunk = await asyncio.wait_for(stream.queue.get(), wait)
+                    chunk = await asyncio.wait_for(live.stream.queue.get(), wait)
                 except TimeoutError:
-                    raise StreamError("no tokens arrived in time (workers busy or down)", "timeout") from None
+                    raise StreamError("request timed out", "timeout") from None
                 if chunk.error is not None:
                     finished = True
                     raise StreamError(chunk.error.message, chunk.error.type)
                 if chunk.finish_reason is not None:
                     finished = True
-                    self.streams.pop(rid, None)  # done before the caller stops iterating
+                    self.live.pop(rid, None)  # done before the caller stops iterating
                 yield chunk
                 if finished:
                     return
         finally:
-            self.streams.pop(rid, None)
+            if self.live.get(rid) is live:
+                del self.live[rid]
             if not finished:
                 # A task of its own: this generator may be closing inside a cancelled
                 # scope (client disconnect), where any await here would be cancelled too.
-                task = asyncio.get_running_loop().create_task(self.cancel(rid, "client went away"))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+                self._spawn(self.cancel(rid, "client went away"))
 
     async def cancel(self, rid: str, reason: str) -> None:
+        """Cancel every attempt of ``rid`` published until now."""
+        await self._publish_cancel(Cancel(rid=rid, reason=reason, issued_at=time.time()))
+
+    async def _publish_cancel(self, cancel: Cancel) -> None:
         if self.nc is None or not self.nc.is_connected:
             return
         try:
-            await contract.publish(self.nc, contract.CANCEL, Cancel(rid=rid, reason=reason))
+            await contract.publish(self.nc, contract.CANCEL, cancel)
         except Exception as exc:
-            log.warning("could not publish cancel", extra={"rid": rid, "error": str(exc)})
+            log.warning("could not publish cancel", extra={"rid": cancel.rid, "error": str(exc)})
 
     async def workers(self) -> list[WorkerInfo]:
-        assert self.registry is not None
-        return await self.registry.list()
+        """The live workers; none while the registry bucket is missing (a restarted
+        broker lost it: it is made again, and the workers' next heartbeats fill it)."""
+        assert self.registry is not None and self.js is not None
+        try:
+            return await self.registry.list()
+        except NotFoundError:
+            await streams.worker_bucket(self.js, self.broker)
+            return []
 
     async def queue_depths(self) -> dict[str, streams.QueueDepth]:
         assert self.js is not None
@@ -173,4 +360,4 @@ class Gateway:
         return depths
 
 
-__all__ = ["Gateway", "QueueFullError", "StreamError", "TokenStream"]
+__all__ = ["DuplicateRequestError", "Gateway", "QueueFullError", "StreamError", "TokenStream"]

@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse
 
 from pdserve.api.config import ApiConfig
 from pdserve.api.errors import APIError
-from pdserve.api.gateway import Gateway, StreamError
+from pdserve.api.gateway import DuplicateRequestError, Gateway, StreamError
 from pdserve.api.model_info import ModelInfo
 from pdserve.broker.connection import QueueFullError
 
@@ -58,6 +58,23 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
             raise APIError("client closed the request", 499, "client_closed")
 
 
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, or a 413 as soon as it is known to exceed ``limit`` bytes (from
+    ``Content-Length`` before reading anything, else while reading)."""
+    declared = request.headers.get("content-length")
+    too_large = APIError(f"the request body exceeds {limit} bytes", 413, "invalid_request_error", "body_too_large")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    parts: list[bytes] = []
+    size = 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise too_large
+        parts.append(part)
+    return b"".join(parts)
+
+
 def translate(exc: Exception) -> APIError:
     """Errors from the gateway as HTTP errors."""
     if isinstance(exc, APIError):
@@ -66,6 +83,8 @@ def translate(exc: Exception) -> APIError:
         return APIError(
             f"the request queue is full: {exc}", 503, "server_overloaded", "queue_full", headers={"Retry-After": "1"}
         )
+    if isinstance(exc, DuplicateRequestError):
+        return APIError(str(exc), 409, "invalid_request_error", "duplicate_request_id")
     if isinstance(exc, StreamError):
         if exc.kind == "invalid_request_error":
             return APIError(str(exc), 400)

@@ -19,6 +19,13 @@ class ModelInfo:
     context_length: int
     eos_token_ids: frozenset[int]
     created: int
+    max_token_chars: int = 0  # the longest token's text; 0: unknown
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Text longer than this cannot fit the context whatever it tokenizes to (each token
+        covers at most ``max_token_chars`` characters; doubled for normalizers); 0: no bound."""
+        return 2 * self.max_token_chars * self.context_length
 
     @property
     def has_chat_template(self) -> bool:
@@ -52,4 +59,5 @@ def load_model_info(
         context_length=int(context),
         eos_token_ids=frozenset(eos),
         created=int(path.stat().st_mtime),
+        max_token_chars=max((len(t) for t in tokenizer.get_vocab()), default=0),
     )

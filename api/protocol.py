@@ -17,6 +17,7 @@ from pdserve.schemas import SamplingParams
 from pdserve.schemas.sampling import MAX_STOP_STRINGS
 
 MAX_COMPLETION_LOGPROBS = 5
+MAX_BATCH = 256  # prompts in one request
 
 
 @dataclass
@@ -35,7 +36,7 @@ class Parsed:
     include_usage: bool = False
     echo: bool = False
     skip_special_tokens: bool = True
-    rid: str | None = None
+    rid: str | list[str] | None = None  # /generate: one id, or one per prompt of a batch
     batch: bool = False  # the client sent a list of prompts
 
 
@@ -186,6 +187,12 @@ def _default_max(info: ModelInfo, num_prompt: int, default: int) -> int:
 
 
 def _encode(info: ModelInfo, text: str, param: str, special: bool = True) -> list[int]:
+    if info.max_prompt_chars and len(text) > info.max_prompt_chars:  # refused without tokenizing it
+        raise bad_request(
+            f"'{param}' has {len(text)} characters, far more than the model's context of {info.context_length} tokens",
+            param,
+            "context_length_exceeded",
+        )
     ids = info.tokenizer.encode(text, add_special_tokens=special)
     if not ids:
         raise bad_request(f"'{param}' must not be empty", param)
@@ -195,6 +202,8 @@ def _encode(info: ModelInfo, text: str, param: str, special: bool = True) -> lis
 def _prompts(value: Any, info: ModelInfo, key: str) -> tuple[list[tuple[list[int], str | None]], bool]:
     """A string, a list of ids, a list of strings or a list of id lists."""
     vocab = len(info.tokenizer)
+    if isinstance(value, list) and len(value) > MAX_BATCH and any(isinstance(v, (str, list)) for v in value[:1]):
+        raise bad_request(f"'{key}' holds {len(value)} prompts; at most {MAX_BATCH} per request", key)
     if key == "input_ids" and (
         isinstance(value, str) or (isinstance(value, list) and any(isinstance(v, str) for v in value))
     ):
@@ -350,8 +359,13 @@ def parse_generate(body: dict[str, Any], info: ModelInfo, default_max_tokens: in
             max_new = _default_max(info, len(ids), min(default_max_tokens, 128))
         jobs.append(Job(ids, _sampling(merged, max_new, info, len(ids), want_logprobs, top), text))
     rid = body.get("rid")
-    if rid is not None and (not isinstance(rid, str) or batch):
-        raise bad_request("'rid' must be a string (single prompt only)", "rid")
+    if batch and rid is not None:
+        if not (isinstance(rid, list) and len(rid) == len(jobs) and all(isinstance(r, str) and r for r in rid)):
+            raise bad_request("for a batch, 'rid' must be a list of request ids, one per prompt", "rid")
+        if len(set(rid)) != len(rid):
+            raise bad_request("the request ids of a batch must differ", "rid")
+    elif rid is not None and not (isinstance(rid, str) and rid):
+        raise bad_request("'rid' must be a non-empty string", "rid")
     return Parsed(
         jobs,
         stream=stream,

@@ -15,7 +15,8 @@ from starlette.routing import Route
 
 from pdserve.api import formats
 from pdserve.api.completion import Delta, Result, collect, deltas
-from pdserve.api.http import AppState, ORJSONResponse, state_of, translate, until_disconnect
+from pdserve.api.errors import APIError
+from pdserve.api.http import AppState, ORJSONResponse, read_body, state_of, translate, until_disconnect
 from pdserve.api.protocol import Job, Parsed, parse_chat, parse_completion, parse_generate, parse_json
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -28,37 +29,66 @@ def _sse(body: Any) -> bytes:
 _DONE = b"data: [DONE]\n\n"
 
 
+# Bodies larger than this are parsed and tokenized in a thread, off the event loop.
+INLINE_PARSE_BYTES = 64 << 10
+
+
 async def _parse(request: Request, parser: Callable[[dict[str, Any], Any, int], Parsed]) -> tuple[AppState, Parsed]:
     state = state_of(request)
-    body = parse_json(await request.body())
-    return state, parser(body, state.info, state.config.default_max_tokens)
+    raw = await read_body(request, state.config.max_body_bytes)
+
+    def parse() -> Parsed:
+        return parser(parse_json(raw), state.info, state.config.default_max_tokens)
+
+    return state, parse() if len(raw) <= INLINE_PARSE_BYTES else await asyncio.to_thread(parse)
+
+
+def _job_rids(parsed: Parsed, rid: str) -> list[str]:
+    """One request id per job: the client's (``/generate``), else ``rid`` numbered for a batch."""
+    if isinstance(parsed.rid, list):
+        return parsed.rid
+    return [f"{rid}-{i}" for i in range(len(parsed.jobs))] if parsed.batch else [rid]
 
 
 async def _collect_all(
     request: Request, state: AppState, parsed: Parsed, rid: str, skip_special: bool = True
-) -> list[Result]:
+) -> list[Result | APIError]:
+    """Every job's result; a job that fails is its own error, the others go on. When
+    every job fails the request fails with the first error."""
     cfg = state.config
+    rids = _job_rids(parsed, rid)
 
-    async def run() -> list[Result]:
+    async def run() -> list[Result | BaseException]:
         return await asyncio.gather(
             *(
                 collect(
                     state.gateway,
                     state.info,
                     job,
-                    f"{rid}-{i}" if parsed.batch else rid,
+                    rids[i],
                     cfg.request_timeout,
-                    cfg.stall_timeout,
                     skip_special,
                 )
                 for i, job in enumerate(parsed.jobs)
-            )
+            ),
+            return_exceptions=True,
         )
 
     try:
-        return await until_disconnect(request, run())
+        results = await until_disconnect(request, run())
     except Exception as exc:
         raise translate(exc) from None
+    out: list[Result | APIError] = []
+    for r in results:
+        if isinstance(r, Exception):
+            out.append(translate(r))
+        elif isinstance(r, BaseException):
+            raise r
+        else:
+            out.append(r)
+    if all(isinstance(r, APIError) for r in out):
+        raise out[0]  # type: ignore[misc]
+    return out
 
 
 async def _first_and_rest(request: Request, stream: AsyncIterator[Delta]) -> tuple[Delta | None, AsyncIterator[Delta]]:
@@ -75,7 +105,7 @@ async def _first_and_rest(request: Request, stream: AsyncIterator[Delta]) -> tup
 
 def _stream_deltas(state: AppState, job: Job, rid: str, skip_special: bool = True) -> AsyncIterator[Delta]:
     cfg = state.config
-    return deltas(state.gateway, state.info, job, rid, cfg.request_timeout, cfg.stall_timeout, skip_special)
+    return deltas(state.gateway, state.info, job, rid, cfg.request_timeout, skip_special)
 
 
 async def _sse_body(
@@ -133,6 +163,9 @@ async def completions(request: Request) -> Response:
     results = await _collect_all(request, state, parsed, rid)
     choices = []
     for i, (job, r) in enumerate(zip(parsed.jobs, results, strict=True)):
+        if isinstance(r, APIError):  # this prompt failed; the others did not
+            choices.append({"index": i, "text": "", "logprobs": None, "finish_reason": "error", **r.body()})
+            continue
         text = (_prompt_text(state, job) if parsed.echo else "") + r.text
         choices.append(
             {
@@ -154,10 +187,10 @@ async def completions(request: Request) -> Response:
     )
 
 
-def _sum_usage(results: list[Result]) -> dict[str, Any] | None:
+def _sum_usage(results: list[Result | APIError]) -> dict[str, Any] | None:
     from pdserve.schemas import Usage
 
-    usages = [r.usage for r in results if r.usage is not None]
+    usages = [r.usage for r in results if isinstance(r, Result) and r.usage is not None]
     total = Usage(
         sum(u.prompt_tokens for u in usages),
         sum(u.completion_tokens for u in usages),
@@ -195,6 +228,7 @@ async def chat_completions(request: Request) -> Response:
 
         return StreamingResponse(_sse_body(first, rest, render), media_type="text/event-stream", headers=SSE_HEADERS)
     (r,) = await _collect_all(request, state, parsed, rid)
+    assert isinstance(r, Result)  # a single job's failure is raised
     return ORJSONResponse(
         {
             "id": rid,
@@ -217,7 +251,7 @@ async def chat_completions(request: Request) -> Response:
 # ---- /generate (SGLang) ---------------------------------------------------------
 async def generate(request: Request) -> Response:
     state, parsed = await _parse(request, parse_generate)
-    rid = parsed.rid or uuid.uuid4().hex
+    rid = parsed.rid if isinstance(parsed.rid, str) else uuid.uuid4().hex
     if parsed.stream:
         job = parsed.jobs[0]
         started = time.perf_counter()
@@ -244,7 +278,16 @@ async def generate(request: Request) -> Response:
         return StreamingResponse(_sse_body(first, rest, render), media_type="text/event-stream", headers=SSE_HEADERS)
     results = await _collect_all(request, state, parsed, rid, parsed.skip_special_tokens)
     bodies = []
-    for job, r in zip(parsed.jobs, results, strict=True):
+    for i, (job, r) in enumerate(zip(parsed.jobs, results, strict=True)):
+        if isinstance(r, APIError):  # this prompt failed; the others did not
+            meta = {
+                "id": _job_rids(parsed, rid)[i],
+                "prompt_tokens": len(job.prompt_ids),
+                "completion_tokens": 0,
+                "finish_reason": {"type": "abort", "message": r.message},
+            }
+            bodies.append({"text": "", "output_ids": [], "meta_info": meta, **r.body()})
+            continue
         usage = r.usage
         meta = formats.sglang_meta(
             r.rid, r, len(job.prompt_ids), len(r.token_ids), usage.cached_tokens if usage else 0, r.seconds

@@ -9,10 +9,16 @@ send and receive on it.
 | ``TOKENS`` | ``TokenChunk`` | core ``pd.tokens.<api-id>.<rid>`` (the request's ``reply_to``) | workers → the API that asked |
 | ``CANCEL`` | ``Cancel`` | core ``pd.cancel``, fan-out | API → every worker |
 | ``KV_RELEASE`` | ``KVRelease`` | core ``pd.release.<prefill-id>`` | decode → the prefill worker holding the KV |
+| ``KV_LEASE`` | ``KVLease`` → ``KVLeaseReply`` | core request/reply ``pd.lease.<prefill-id>`` | decode asks the prefill worker holding the KV, before reading it |
 | ``WORKERS`` | ``WorkerInfo`` | key-value bucket ``PD_WORKERS``, one key per worker | every worker (heartbeat) → API |
 
+A work message delivered ``max_deliver`` times without being done is moved to the
+``PD_DEAD`` stream (``pd.dead.<stream>.<model>``) by whoever hears JetStream's advisory
+first, and its sender is answered (:mod:`pdserve.broker.deadletter`).
+
 Names come from :mod:`pdserve.broker.subjects`. Handlers never see bytes: :func:`subscribe`
-(core NATS) and :class:`WorkQueue` (JetStream) decode each message as its channel's type.
+(core NATS), :func:`answer` and :func:`ask` (core request/reply) and :class:`WorkQueue`
+(JetStream) decode each message as its channel's type.
 A message that does not decode is logged and dropped (core) or terminated, never
 redelivered (JetStream); when a request id and a reply subject can be read from it, its
 sender gets an error ``TokenChunk``.
@@ -25,6 +31,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from nats import errors as nats_errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -37,6 +44,8 @@ from pdserve.schemas import (
     Cancel,
     ErrorInfo,
     GenerateRequest,
+    KVLease,
+    KVLeaseReply,
     KVReady,
     KVRelease,
     Message,
@@ -48,6 +57,7 @@ from pdserve.schemas import (
 log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=Message)
+R = TypeVar("R", bound=Message)
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,24 @@ class Channel(Generic[M]):
     listen: Callable[..., str]
     sender: str
     receiver: str
+
+
+@dataclass(frozen=True)
+class Service(Generic[M, R]):
+    """Core NATS request/reply: the receiver listening at ``listen(*scope)`` answers each
+    ``message`` with one ``reply``; nobody listening is an error at once, not a timeout."""
+
+    name: str
+    message: type[M]
+    reply: type[R]
+    subject: Callable[..., str]
+    listen: Callable[..., str]
+    sender: str
+    receiver: str
+
+
+class Unanswered(RuntimeError):
+    """A :func:`ask` got no usable answer: nobody listens, no reply in time, or a bad reply."""
 
 
 @dataclass(frozen=True)
@@ -126,6 +154,15 @@ KV_RELEASE = Channel(
     sender="decode worker, after its pull (or instead of one)",
     receiver="the prefill worker holding the KV",
 )
+KV_LEASE = Service(
+    "kv_lease",
+    KVLease,
+    KVLeaseReply,
+    subjects.kv_lease,
+    subjects.kv_lease,
+    sender="decode worker, before it reads a handle",
+    receiver="the prefill worker holding the KV",
+)
 WORKERS = Bucket(
     "workers",
     WorkerInfo,
@@ -135,7 +172,7 @@ WORKERS = Bucket(
     receiver="API (/health, /workers)",
 )
 
-CHANNELS = (REQUESTS, KV_READY, TOKENS, CANCEL, KV_RELEASE, WORKERS)
+CHANNELS = (REQUESTS, KV_READY, TOKENS, CANCEL, KV_RELEASE, KV_LEASE, WORKERS)
 
 
 # ---- core NATS ---------------------------------------------------------------------
@@ -166,6 +203,48 @@ async def subscribe(
     return await nc.subscribe(channel.listen(*scope), cb=receive)
 
 
+async def answer(nc: Client, service: Service[M, R], handler: Callable[[M], Awaitable[R]], *scope: str) -> Subscription:
+    """Answer requests at ``service.listen(*scope)`` with what ``handler`` returns.
+
+    A request that does not decode gets no answer (its asker gives up); an exception from
+    ``handler`` is logged, unanswered, and the subscription goes on."""
+
+    async def receive(msg: Msg) -> None:
+        try:
+            message = service.message.decode(msg.data)
+        except MessageError as exc:
+            log.warning("malformed request dropped", extra={"service": service.name, "error": str(exc)})
+            return
+        try:
+            reply = await handler(message)
+        except Exception:
+            log.exception("handler failed", extra={"service": service.name, "subject": msg.subject})
+            return
+        assert isinstance(reply, service.reply), f"{service.name} answers with {service.reply.__name__}"
+        if msg.reply:
+            await nc.publish(msg.reply, reply.encode())
+
+    return await nc.subscribe(service.listen(*scope), cb=receive)
+
+
+async def ask(nc: Client, service: Service[M, R], message: M, *scope: str, timeout: float) -> R:
+    """Send ``message`` to ``service.subject(*scope)`` and return the decoded reply.
+
+    Raises :class:`Unanswered` when nobody listens, no reply comes within ``timeout``, the
+    connection is away, or the reply does not decode."""
+    assert isinstance(message, service.message), f"{service.name} carries {service.message.__name__}"
+    try:
+        msg = await nc.request(service.subject(*scope), message.encode(), timeout=timeout)
+    except nats_errors.NoRespondersError:
+        raise Unanswered(f"nobody answers {service.name} at {service.subject(*scope)}") from None
+    except (nats_errors.Error, TimeoutError) as exc:
+        raise Unanswered(f"{service.name}: {exc or type(exc).__name__}") from None
+    try:
+        return service.reply.decode(msg.data)
+    except MessageError as exc:
+        raise Unanswered(f"{service.name}: bad reply: {exc}") from None
+
+
 async def publish(nc: Client, channel: Channel[M], message: M, *scope: str, to: str | None = None) -> None:
     """Send ``message`` on ``channel``: at ``to`` (a reply subject named by the receiver)
     or at ``channel.subject(*scope)``. Raises what the connection raises."""
@@ -193,12 +272,15 @@ async def answer_malformed(
 
 
 # ---- JetStream -----------------------------------------------------------------------
-async def submit(js: JetStreamContext, channel: WorkChannel[M], message: M, model: str, rid: str) -> bool:
-    """Store ``message`` in ``channel``'s stream for ``model``, deduplicated on ``rid``.
+async def submit(
+    js: JetStreamContext, channel: WorkChannel[M], message: M, model: str, rid: str, attempt: int = 0
+) -> bool:
+    """Store ``message`` in ``channel``'s stream for ``model``, deduplicated on ``rid`` and
+    ``attempt`` (:func:`subjects.msg_id`).
 
     Returns ``False`` for a duplicate; raises ``QueueFullError`` when the stream is full."""
     assert isinstance(message, channel.message), f"{channel.name} carries {channel.message.__name__}"
-    return await publish_work(js, channel.subject(model), message, msg_id=rid)
+    return await publish_work(js, channel.subject(model), message, msg_id=subjects.msg_id(rid, attempt))
 
 
 class WorkQueue(Generic[M]):

@@ -29,12 +29,14 @@ class BrokerConfig:
     kv_max_age: float = 600.0
     kv_max_bytes: int = 256 << 20
     dedup_window: float = 120.0
-    ack_wait: float = 30.0
+    ack_wait: float = 10.0
     max_deliver: int = 5
     prefill_max_ack_pending: int = 256
     decode_max_ack_pending: int = 256
     worker_ttl: float = 10.0
     file_storage: bool = True
+    dead_max_age: float = 7 * 24 * 3600.0
+    dead_max_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         if self.ack_wait <= 0 or self.max_deliver < 1:
@@ -74,6 +76,20 @@ def kv_stream(config: BrokerConfig) -> js_api.StreamConfig:
     )
 
 
+def dead_stream(config: BrokerConfig) -> js_api.StreamConfig:
+    """Messages delivered ``max_deliver`` times without being done, kept for inspection
+    (oldest dropped first)."""
+    return js_api.StreamConfig(
+        name=subjects.DEAD_STREAM,
+        subjects=[subjects.DEAD_SUBJECTS],
+        retention=js_api.RetentionPolicy.LIMITS,
+        storage=_storage(config),
+        discard=js_api.DiscardPolicy.OLD,
+        max_age=config.dead_max_age,
+        max_bytes=config.dead_max_bytes,
+    )
+
+
 def _consumer(name: str, subject: str, max_ack_pending: int, config: BrokerConfig) -> js_api.ConsumerConfig:
     return js_api.ConsumerConfig(
         name=name,
@@ -107,9 +123,10 @@ async def _ensure_consumer(js: JetStreamContext, stream: str, consumer: js_api.C
 
 
 async def ensure_model(js: JetStreamContext, model: str, config: BrokerConfig) -> None:
-    """Create (or update) both streams and the model's two consumers. Idempotent."""
+    """Create (or update) the streams and the model's two consumers. Idempotent."""
     await _ensure_stream(js, request_stream(config))
     await _ensure_stream(js, kv_stream(config))
+    await _ensure_stream(js, dead_stream(config))
     await _ensure_consumer(
         js,
         subjects.REQUEST_STREAM,

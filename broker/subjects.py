@@ -11,6 +11,8 @@ import re
 
 REQUEST_STREAM = "PD_REQUESTS"
 KV_STREAM = "PD_KV"
+DEAD_STREAM = "PD_DEAD"
+DEAD_LETTER_GROUP = "pd-dead-letter"
 WORKER_BUCKET = "PD_WORKERS"
 CANCEL = "pd.cancel"
 
@@ -42,6 +44,10 @@ def kv_release(prefill_id: str) -> str:
     return f"pd.release.{token(prefill_id)}"
 
 
+def kv_lease(prefill_id: str) -> str:
+    return f"pd.lease.{token(prefill_id)}"
+
+
 def tokens_prefix(api_id: str) -> str:
     """Wildcard an API instance subscribes to once for all of its requests."""
     return f"pd.tokens.{token(api_id)}.*"
@@ -49,6 +55,12 @@ def tokens_prefix(api_id: str) -> str:
 
 def tokens(api_id: str, rid: str) -> str:
     return f"pd.tokens.{token(api_id)}.{token(rid)}"
+
+
+def msg_id(rid: str, attempt: int = 0) -> str:
+    """The ``Nats-Msg-Id`` a work message of ``rid`` is deduplicated on: the request id for
+    the first attempt (what direct publishers use), ``rid~n`` for migration ``n``."""
+    return rid if attempt == 0 else f"{rid}~{attempt}"
 
 
 def prefill_consumer(model: str) -> str:
@@ -73,6 +85,16 @@ def bucket_key_prefix(bucket: str) -> str:
     return f"$KV.{bucket}."
 
 
+def dead_letter(stream: str, model: str) -> str:
+    """Where a message of ``stream`` goes after its last allowed delivery."""
+    return f"pd.dead.{token(stream)}.{token(model)}"
+
+
+def max_deliveries_advisory(stream: str, consumer: str) -> str:
+    """JetStream's advisory when a message of ``consumer`` has been delivered ``max_deliver`` times."""
+    return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{consumer}"
+
+
 def pull_next(stream: str, consumer: str) -> str:
     """JetStream's API subject that asks a pull consumer for its next messages."""
     return f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
@@ -80,3 +102,4 @@ def pull_next(stream: str, consumer: str) -> str:
 
 REQUEST_SUBJECTS = "pd.req.*"
 KV_SUBJECTS = "pd.kv.*"
+DEAD_SUBJECTS = "pd.dead.>"

@@ -156,10 +156,12 @@ class Engine:
     def reserve_import(
         self, rid: str, prompt_ids: list[int], output_ids: list[int], sampling: SamplingParams
     ) -> Sequence | None:
-        """Pages for a prompt whose KV arrives by transfer, or ``None`` if the pool is short.
+        """Pages for a request whose KV arrives by transfer, or ``None`` if the pool is short.
 
-        The prefix already in this pool is reused: ``seq.num_cached`` tokens need no
-        transfer. Follow with :meth:`commit_import` or :meth:`fail_import`.
+        The KV to arrive is that of every known token but the last: the prompt, and for a
+        resumed request the output already streamed (``output_ids[:-1]``). The prefix
+        already in this pool is reused: ``seq.num_cached`` tokens need no transfer. Follow
+        with :meth:`commit_import` or :meth:`fail_import`.
         """
         self.check_request(len(prompt_ids), sampling, len(output_ids))
         seq = Sequence(rid, list(prompt_ids), sampling, output_ids=list(output_ids), num_resumed=len(output_ids))
@@ -185,10 +187,10 @@ class Engine:
             fence.synchronize()
 
     def commit_import(self, seq: Sequence) -> None:
-        """The prompt's KV is in place: decode from the first token on."""
+        """The KV is in place: decode from the last known token on."""
         self._fences.pop(seq.rid, None)
         seq.num_computed = 0
-        self.scheduler.on_computed(seq, len(seq.prompt_ids))
+        self.scheduler.on_computed(seq, seq.num_tokens - 1)
         if seq.output_ids:
             self.scheduler.start_running(seq)
         else:
@@ -333,6 +335,14 @@ class Engine:
         self._drop_aborted()
         return seqs
 
+    def discard_in_flight(self) -> list[Sequence]:
+        """Drop the requests of every step scheduled but not postprocessed (a worker stopping
+        mid-step); their pages are freed. Returns them."""
+        dropped: list[Sequence] = []
+        for batch in list(self._in_flight):
+            dropped += self.fail(batch)
+        return dropped
+
     def step(self) -> list[RequestOutput]:
         """One step. With overlap, a pure decode step stays queued on the device while the
         next one is scheduled and launched; its tokens come out one call later."""
@@ -442,7 +452,9 @@ class Engine:
         return len(self.scheduler.waiting)
 
     def held_pages(self, rid: str) -> tuple[list[int], int] | None:
+        """A held request's pages and how many tokens of KV they hold (its prompt, and for a
+        resumed request the output it was resumed with)."""
         seq = self.held.get(rid)
         if seq is None:
             return None
-        return seq.page_table, len(seq.prompt_ids)
+        return seq.page_table, seq.num_computed

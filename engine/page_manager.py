@@ -165,13 +165,13 @@ class PageManager:
         return True
 
     def reserve_prompt(self, seq: Seq, reserve: int = 0) -> bool:
-        """Pages for ``seq``'s prompt plus one token, reusing its cached prefix, leaving
-        ``reserve`` pages free; the prompt's KV is to be written by a transfer. False
-        (nothing held) if the pool is short."""
-        num_prompt = len(seq.prompt_ids)
-        self.attach_prefix(seq, num_prompt)
+        """Pages for ``seq``'s known tokens, reusing its cached prefix, leaving ``reserve``
+        pages free; the KV of all but the last token (the prompt, and any output it was
+        resumed with) is to be written by a transfer. False (nothing held) if the pool is short."""
+        num_kv = seq.num_tokens - 1
+        self.attach_prefix(seq, num_kv)
         # Sharing took the cached pages off the evictable list, so counting starts after it.
-        if self.grow(seq, num_prompt + 1, reserve):
+        if self.grow(seq, num_kv + 1, reserve):
             return True
         self.release(seq)
         return False

@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add_flags(up, flags.MODEL, "model")
     flags.add_flags(up, flags.ENGINE, "engine")
     flags.add_flags(up, flags.HTTP)
+    flags.add_flags(up, flags.RECOVERY, "recovery")
     flags.add_flags(up, flags.UP)
     flags.nats_url().add_to(up, default=None, help="use this NATS server instead of starting one")
     for flag in flags.BROKER:
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "api":
             run_api(args)
         else:
-            run_worker(args, args.command)
+            return run_worker(args, args.command)
     except UsageError as exc:
         print(f"pdserve {args.command}: error: {exc}", file=sys.stderr)
         return 2

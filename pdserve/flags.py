@@ -171,9 +171,30 @@ HTTP = (
     Flag("--host", ApiConfig.host, help="HTTP bind address (default: %(default)s)"),
     Flag("--port", ApiConfig.port, int, "HTTP port (default: %(default)s)"),
 )
+RECOVERY = (
+    Flag(
+        "--stall-timeout",
+        ApiConfig.stall_timeout,
+        float,
+        "seconds a request's worker may say nothing before the request moves to another worker (default: %(default)s)",
+    ),
+    Flag(
+        "--max-migrations",
+        ApiConfig.max_migrations,
+        int,
+        "times a request may move to another worker before it fails (default: %(default)s)",
+    ),
+)
 API = (
     Flag("--default-max-tokens", ApiConfig.default_max_tokens, int, "when a request sets no limit"),
     Flag("--request-timeout", ApiConfig.request_timeout, float, "seconds a request may take in all"),
+    Flag(
+        "--max-body-bytes",
+        ApiConfig.max_body_bytes,
+        int,
+        "larger request bodies are refused with 413 (default: %(default)s)",
+    ),
+    *RECOVERY,
 )
 
 # ---- `up` -----------------------------------------------------------------------------

@@ -107,7 +107,9 @@ def api_config(args: argparse.Namespace, nats_url: str, model_path: Path) -> Api
     """The API's config from ``pdserve api`` or ``pdserve up`` flags (``up`` leaves the
     API-only ones at their defaults)."""
     api_only: dict[str, Any] = {
-        name: getattr(args, name) for name in ("default_max_tokens", "request_timeout") if hasattr(args, name)
+        name: getattr(args, name)
+        for name in ("default_max_tokens", "request_timeout", "stall_timeout", "max_migrations", "max_body_bytes")
+        if hasattr(args, name)
     }
     return ApiConfig(
         nats_url=nats_url,
@@ -138,8 +140,13 @@ def exit_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def run_worker(args: argparse.Namespace, role: str) -> None:
-    """``pdserve prefill|decode|unified``: load the model, serve until SIGTERM."""
+# The exit status of a worker whose loop failed (see workers.lifecycle.WorkerCrashed).
+EXIT_CRASHED = 70
+
+
+def run_worker(args: argparse.Namespace, role: str) -> int:
+    """``pdserve prefill|decode|unified``: load the model, serve until SIGTERM. Returns the
+    exit status: 0 after a graceful stop, :data:`EXIT_CRASHED` after a failed loop."""
     import asyncio
 
     if args.exit_with_parent:
@@ -153,6 +160,7 @@ def run_worker(args: argparse.Namespace, role: str) -> None:
     log.info("loading model", extra={"role": role, "path": str(config.model_path)})
     from pdserve.engine.loader import build_engine
     from pdserve.workers.decode import DecodeWorker
+    from pdserve.workers.lifecycle import WorkerCrashed
     from pdserve.workers.prefill import PrefillWorker
     from pdserve.workers.unified import UnifiedWorker
 
@@ -172,7 +180,23 @@ def run_worker(args: argparse.Namespace, role: str) -> None:
             if health is not None:
                 health.close()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except WorkerCrashed as exc:
+        log.error("worker exits after a failure", extra={"role": role, "failure": str(exc)})
+        _exit_soon(EXIT_CRASHED)
+        return EXIT_CRASHED
+    return 0
+
+
+def _exit_soon(status: int, seconds: float = 10.0) -> None:
+    """End the process with ``status`` after ``seconds`` even if a thread (a forward pass, a
+    transfer) would hold up the interpreter's exit."""
+    import threading
+
+    timer = threading.Timer(seconds, os._exit, (status,))
+    timer.daemon = True
+    timer.start()
 
 
 def run_api(args: argparse.Namespace) -> None:

@@ -1,8 +1,10 @@
 """``pdserve up``: the broker, the worker processes and the API on one machine.
 
 Workers run as child processes (``python -m pdserve <role>``); one that dies is
-restarted with a back-off. The API runs in this process under uvicorn. SIGINT or
-SIGTERM stops the API, then the workers (each drains), then the broker.
+restarted with a back-off. The embedded ``nats-server`` is supervised too: if it dies it
+is started again on the same port over the same file store (every accepted message is
+there), and workers and the API reconnect. The API runs in this process under uvicorn.
+SIGINT or SIGTERM stops the API, then the workers (each drains), then the broker.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 import uvicorn
 
 from pdserve import flags
+from pdserve.broker.server import NatsServer, NatsServerError, start_nats_server
 from pdserve.launch import api_config, resolve_model
 
 log = logging.getLogger("pdserve.up")
@@ -46,6 +49,33 @@ class Child:
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
+
+
+@dataclass
+class Broker:
+    """The embedded ``nats-server``; :meth:`restart` starts it again where it was."""
+
+    data_dir: Path
+    server: NatsServer
+    restarts: int = 0
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def is_alive(self) -> bool:
+        return self.server.process.poll() is None
+
+    def restart(self) -> None:
+        """Start the server again on its port, monitor port and store; blocks until it
+        listens (a fraction of a second). Raises ``NatsServerError`` if it cannot."""
+        port = int(self.server.url.rsplit(":", 1)[1])
+        monitor = int(self.server.monitor_url.rsplit(":", 1)[1]) if self.server.monitor_url else -1
+        self.server = start_nats_server(self.data_dir, port=port, monitor_port=monitor)
+        self.restarts += 1
+
+    def stop(self) -> None:
+        self.server.stop()
 
 
 def worker_argv(args: argparse.Namespace, role: str, model_path: Path, nats_url: str, threads: int) -> list[str]:
@@ -83,24 +113,23 @@ def size_consumers(args: argparse.Namespace, roles: list[str]) -> None:
 
 
 def run_up(args: argparse.Namespace) -> int:
-    from pdserve.broker.server import start_nats_server
-
     roles = plan_roles(args)
     size_consumers(args, roles)
     model_path = resolve_model(args)
-    server = None
+    broker = None
     if args.nats_url:
         nats_url = args.nats_url
     else:
-        server = start_nats_server(Path(args.data_dir) / "nats")
-        nats_url = server.url
-        log.info("nats-server started", extra={"url": nats_url, "monitor": server.monitor_url})
+        data_dir = Path(args.data_dir) / "nats"
+        broker = Broker(data_dir, start_nats_server(data_dir))
+        nats_url = broker.url
+        log.info("nats-server started", extra={"url": nats_url, "monitor": broker.server.monitor_url})
     threads = args.num_threads or max(1, (os.cpu_count() or 1) // len(roles))
     children = [Child(role, i, worker_argv(args, role, model_path, nats_url, threads)) for i, role in enumerate(roles)]
     try:
         for child in children:
             child.start()
-        return asyncio.run(_serve(args, model_path, nats_url, children))
+        return asyncio.run(_serve(args, model_path, nats_url, children, broker))
     finally:
         for child in children:
             child.stop()
@@ -110,12 +139,14 @@ def run_up(args: argparse.Namespace) -> int:
                     child.process.wait(timeout=40)
                 except subprocess.TimeoutExpired:
                     child.process.kill()
-        if server is not None:
-            server.stop()
+        if broker is not None:
+            broker.stop()
         log.info("pdserve stopped")
 
 
-async def _serve(args: argparse.Namespace, model_path: Path, nats_url: str, children: list[Child]) -> int:
+async def _serve(
+    args: argparse.Namespace, model_path: Path, nats_url: str, children: list[Child], broker: Broker | None = None
+) -> int:
     from pdserve.api.app import create_app
 
     app = create_app(api_config(args, nats_url, model_path))
@@ -123,7 +154,7 @@ async def _serve(args: argparse.Namespace, model_path: Path, nats_url: str, chil
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.request_exit)
-    watcher = asyncio.create_task(_watch(children, server))
+    watcher = asyncio.create_task(_watch(children, broker))
     ready = asyncio.create_task(_announce(app, args, children))
     try:
         await server.serve()
@@ -149,10 +180,12 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
-async def _watch(children: list[Child], server: object) -> None:
-    """Restart workers that die, with a growing back-off."""
+async def _watch(children: list[Child], broker: Broker | None) -> None:
+    """Restart the broker and the workers when they die, workers with a growing back-off."""
     while True:
         await asyncio.sleep(0.5)
+        if broker is not None and not broker.is_alive():
+            await _restart_broker(broker)
         for child in children:
             proc = child.process
             if proc is None or proc.poll() is None:
@@ -169,6 +202,23 @@ async def _watch(children: list[Child], server: object) -> None:
             child.restarts += 1
             await asyncio.sleep(delay)
             child.start()
+
+
+async def _restart_broker(broker: Broker) -> None:
+    """Start the dead broker again on its port and store, trying until it listens."""
+    code = broker.server.process.returncode
+    log.error("nats-server exited; restarting it over its store", extra={"code": code, "url": broker.url})
+    for attempt in range(1, 61):
+        try:
+            # In this (the main) thread: the server dies with the thread that started it
+            # (PR_SET_PDEATHSIG), and a pool thread may end before the ordered stop.
+            broker.restart()
+        except NatsServerError as exc:
+            log.error("nats-server did not restart; trying again", extra={"attempt": attempt, "error": str(exc)})
+            await asyncio.sleep(1.0)
+            continue
+        log.info("nats-server restarted", extra={"url": broker.url, "restarts": broker.restarts})
+        return
 
 
 async def _announce(app: object, args: argparse.Namespace, children: list[Child]) -> None:

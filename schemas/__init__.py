@@ -2,11 +2,11 @@
 
 from pdserve.schemas.codec import Message, MessageError
 from pdserve.schemas.control import Cancel
-from pdserve.schemas.kv import KVHandle, KVLayout, KVReady, KVRelease
+from pdserve.schemas.kv import KVHandle, KVLayout, KVLease, KVLeaseReply, KVReady, KVRelease
 from pdserve.schemas.request import GenerateRequest
 from pdserve.schemas.sampling import SamplingParams
 from pdserve.schemas.tokens import ErrorInfo, TokenChunk, TokenLogprob, Usage
-from pdserve.schemas.worker import WorkerInfo
+from pdserve.schemas.worker import WorkerCounters, WorkerInfo
 
 __all__ = [
     "Cancel",
@@ -14,6 +14,8 @@ __all__ = [
     "GenerateRequest",
     "KVHandle",
     "KVLayout",
+    "KVLease",
+    "KVLeaseReply",
     "KVReady",
     "KVRelease",
     "Message",
@@ -22,5 +24,6 @@ __all__ = [
     "TokenChunk",
     "TokenLogprob",
     "Usage",
+    "WorkerCounters",
     "WorkerInfo",
 ]

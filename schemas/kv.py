@@ -26,6 +26,12 @@ class KVLayout:
     def page_numel(self) -> int:
         return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim
 
+    def describe(self) -> str:
+        return (
+            f"page size {self.page_size}, {self.dtype}, {self.num_layers} layers, "
+            f"{self.num_kv_heads} KV heads of {self.head_dim}"
+        )
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class KVHandle:
@@ -33,7 +39,11 @@ class KVHandle:
 
     ``segments`` are ``(address, nbytes)`` pairs in page order; together they hold
     ``num_tokens`` tokens, ``page_size`` per page. ``expires_at`` is the Unix time after
-    which the owner may reuse the pages.
+    which the owner may reuse the pages. ``protocol`` is the backend's transport (Mooncake:
+    ``tcp`` or ``rdma``); both ends must use the same. ``generation`` names this one hold
+    of the pages: a reader leases it (:class:`KVLease`) before reading, and a handle whose
+    hold has ended (released, cancelled, expired) is refused, so a stale handle never
+    reads pages that were freed and reused.
     """
 
     backend: str
@@ -42,6 +52,8 @@ class KVHandle:
     segments: tuple[tuple[int, ...], ...]
     num_tokens: int
     expires_at: float
+    protocol: str = ""
+    generation: int = 0
 
     def __post_init__(self) -> None:
         if any(len(s) != 2 or s[1] <= 0 for s in self.segments):
@@ -50,7 +62,8 @@ class KVHandle:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class KVReady(Message):
-    """Prefill is done: the first token is out, the KV waits at ``handle``."""
+    """Prefill is done: the first token is out, the KV waits at ``handle``. ``attempt`` is
+    the request's (see :class:`GenerateRequest`)."""
 
     rid: str
     model: str
@@ -65,14 +78,39 @@ class KVReady(Message):
     published_at: float = 0.0
     request_published_at: float = 0.0
     timings: dict[str, float] | None = None
+    attempt: int = 0
     v: int = 1
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class KVRelease(Message):
-    """Decode tells the prefill worker that it may free the request's pages."""
+    """Decode tells the prefill worker that it may free the request's pages: those of hold
+    ``generation`` (0: whichever hold it has)."""
 
     rid: str
     prefill_id: str
     ok: bool = True
+    generation: int = 0
+    v: int = 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KVLease(Message):
+    """Decode asks the prefill worker to keep hold ``generation`` of ``rid`` for at least
+    ``seconds`` while it reads; answered with :class:`KVLeaseReply`."""
+
+    rid: str
+    prefill_id: str
+    generation: int
+    seconds: float
+    v: int = 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KVLeaseReply(Message):
+    """``granted``: the pages stay held for the lease; else ``reason`` says why not."""
+
+    rid: str
+    granted: bool
+    reason: str = ""
     v: int = 1

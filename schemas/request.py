@@ -16,7 +16,11 @@ class GenerateRequest(Message):
     ``output_ids`` holds tokens already streamed when a stalled request is resumed;
     the worker continues after them and numbers its chunks from ``len(output_ids)``.
     ``deadline`` is a Unix time after which the request is dropped (0: none).
-    ``published_at`` is the publisher's Unix time, for queueing-delay figures.
+    ``published_at`` is the publisher's Unix time, for queueing-delay figures and to tell
+    a request from an earlier one of the same ``rid`` that was cancelled.
+    ``attempt`` counts migrations: the API resubmits a request whose worker died, stalled
+    or handed it back as attempt ``n + 1`` carrying the tokens the client already has, and
+    accepts chunks of the newest attempt only (earlier ones are cancelled).
     """
 
     rid: str
@@ -27,6 +31,7 @@ class GenerateRequest(Message):
     output_ids: tuple[int, ...] = ()
     deadline: float = 0.0
     published_at: float = 0.0
+    attempt: int = 0
     v: int = 1
 
     def __post_init__(self) -> None:
@@ -38,3 +43,5 @@ class GenerateRequest(Message):
             raise ValueError("prompt_ids must be non-negative")
         if not self.reply_to:
             raise ValueError("reply_to must not be empty")
+        if self.attempt < 0:
+            raise ValueError("attempt must be non-negative")

@@ -37,12 +37,25 @@ class TokenLogprob:
             raise ValueError("logprobs must be finite")
 
 
+# TokenChunk.state: what the sender says about the request besides its tokens.
+ALIVE = "alive"  # no tokens: the sender holds the request and works on it
+QUEUED = "queued"  # after this chunk the request waits in a queue (prefill's hand-off)
+HANDED_BACK = "handed_back"  # no tokens: the sender gave the request back unfinished
+STATES = ("", ALIVE, QUEUED, HANDED_BACK)
+# ErrorInfo.code of a failure that says nothing about the request itself (an engine step
+# failed for its whole batch): its API may resume the request elsewhere.
+RETRYABLE = "retryable"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class TokenChunk(Message):
     """Consecutive tokens of one request. ``seq`` is the index of ``token_ids[0]`` in
-    the output, so a receiver sees duplicates and gaps. The last chunk has a
-    ``finish_reason`` (``stop``, ``length``, ``abort``, ``error``) and ``usage``.
-    ``timings`` carries named durations in seconds (queueing, transfer) for benchmarks.
+    the output (for a chunk without tokens, of the next token), so a receiver sees
+    duplicates and gaps. The last chunk has a ``finish_reason`` (``stop``, ``length``,
+    ``abort``, ``error``) and ``usage``. ``timings`` carries named durations in seconds
+    (queueing, transfer) for benchmarks. ``attempt`` is the request's; ``state`` one of
+    :data:`STATES`: a worker holding a request sends an ``alive`` chunk at least every
+    second while it has no tokens to send, so silence means trouble.
     """
 
     rid: str
@@ -55,4 +68,10 @@ class TokenChunk(Message):
     logprobs: tuple[TokenLogprob, ...] | None = None
     worker_id: str = ""
     timings: dict[str, float] | None = None
+    attempt: int = 0
+    state: str = ""
     v: int = 1
+
+    def __post_init__(self) -> None:
+        if self.state not in STATES:
+            raise ValueError(f"state must be one of {STATES}")

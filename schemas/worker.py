@@ -5,10 +5,39 @@ from __future__ import annotations
 import dataclasses
 
 from pdserve.schemas.codec import Message
+from pdserve.schemas.kv import KVLayout
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkerCounters:
+    """Totals since the worker started.
+
+    ``kv_pulls``/``kv_pull_bytes``: KV imports read from a prefill worker;
+    ``kv_pull_failures``: transfers that failed; ``kv_leases_refused``: handles whose pages
+    were gone when asked for (released, expired, another generation); ``recomputes``:
+    prompts a decode worker computed itself instead of pulling (each failure or refusal
+    above, and handles too close to expiry); ``redeliveries``: work messages that arrived
+    more than once; ``migrations``: requests taken over mid-stream (continued from the
+    tokens already streamed); ``handed_back``: unfinished requests given back on a drain;
+    ``dead_lettered``: messages this worker moved to the dead-letter stream.
+    """
+
+    kv_pulls: int = 0
+    kv_pull_bytes: int = 0
+    kv_pull_failures: int = 0
+    kv_leases_refused: int = 0
+    recomputes: int = 0
+    redeliveries: int = 0
+    migrations: int = 0
+    handed_back: int = 0
+    dead_lettered: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class WorkerInfo(Message):
+    """Minor additions (``counters``, ``kv_layout``, ``transfer_*``) are optional, so an
+    older worker's entry still decodes."""
+
     worker_id: str
     role: str
     model: str
@@ -23,4 +52,8 @@ class WorkerInfo(Message):
     model_path: str = ""
     started_at: float = 0.0
     updated_at: float = 0.0
+    counters: WorkerCounters = WorkerCounters()
+    kv_layout: KVLayout | None = None
+    transfer_backend: str = ""
+    transfer_protocol: str = ""
     v: int = 1

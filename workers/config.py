@@ -22,7 +22,11 @@ def new_worker_id(role: str) -> str:
 class WorkerConfig:
     """One worker process. ``kv_hold_seconds`` is how long a prefill worker keeps KV
     that no decode worker has pulled; ``kv_pull_margin`` is how much of that a decode
-    worker wants left before it pulls (else it recomputes the prompt itself)."""
+    worker wants left before it pulls (else it recomputes the prompt itself);
+    ``kv_lease_seconds`` is how long a decode worker's read may take: the prefill worker
+    keeps the pages at least that long once it grants the lease, and a read that ends
+    later is not trusted. ``keepalive_seconds``: a request in hand that sent its client
+    nothing for this long gets an ``alive`` chunk (the API's stall timeout must be longer)."""
 
     role: str
     model_path: Path
@@ -41,7 +45,9 @@ class WorkerConfig:
     kv_hold_seconds: float = 30.0
     kv_hold_grace_seconds: float = 5.0
     kv_pull_margin: float = 2.0
+    kv_lease_seconds: float = 10.0
     heartbeat_seconds: float = 2.0
+    keepalive_seconds: float = 1.0
     fetch_timeout: float = 1.0
     drain_seconds: float = 30.0
 
@@ -50,5 +56,7 @@ class WorkerConfig:
             raise ValueError(f"role must be one of {ROLES}")
         if self.kv_hold_seconds <= self.kv_pull_margin:
             raise ValueError("kv_hold_seconds must exceed kv_pull_margin")
+        if self.kv_lease_seconds <= 0:
+            raise ValueError("kv_lease_seconds must be positive")
         if not self.worker_id:
             object.__setattr__(self, "worker_id", new_worker_id(self.role))

@@ -1,8 +1,10 @@
 """The decode worker: claims ``KVReady`` events while it has free pages, pulls the KV
 with one batched transfer, tells the prefill worker to release, and decodes.
 
-A handle that is about to expire, a layout it cannot read, or a failed pull all end
-the same way: the worker computes the prompt itself, and the stream goes on.
+A handle that is about to expire or a failed pull end the same way: the worker computes
+the prompt itself (counted in ``recomputes``), and the stream goes on. A handle this
+worker can never read (another transfer backend or protocol, another KV layout) is a
+deployment mistake: the request gets an error that says which flags differ.
 """
 
 from __future__ import annotations
@@ -18,25 +20,30 @@ from pdserve.broker import contract
 from pdserve.broker.consumer import Delivery
 from pdserve.engine.engine import Engine, RequestError, RequestOutput
 from pdserve.engine.sequence import Sequence
-from pdserve.schemas import KVReady, KVRelease
+from pdserve.schemas import KVLease, KVReady, KVRelease
+from pdserve.schemas.tokens import ALIVE
 from pdserve.workers.config import WorkerConfig
 from pdserve.workers.intake import Intake
 from pdserve.workers.replies import Tracked
 from pdserve.workers.runtime import WorkerRuntime
-from pdserve.workers.transfer import TransferBackend, TransferError, plan_reads
+from pdserve.workers.transfer import TransferError, plan_reads
 
 log = logging.getLogger(__name__)
 
 KV_READY_BATCH = 32
+LEASE_TIMEOUT = 2.0
+TRANSFER_THREADS = 4  # pulls from several prefill workers at once
+PEER_CHECK_SECONDS = 10.0
 
 
 class DecodeWorker(WorkerRuntime):
     def __init__(self, config: WorkerConfig, engine: Engine) -> None:
         super().__init__(config, engine)
-        self.transfer: TransferBackend | None = None
-        self.backlog: deque[Delivery[KVReady]] = deque()
+        self.backlog: deque[tuple[Tracked, KVReady]] = deque()  # claimed, waiting for pages
         self.importing: set[str] = set()
-        self._transfer_threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-pull")
+        self._peers_seen: set[str] = set()
+        self._next_peer_check = 0.0
+        self._transfer_threads = ThreadPoolExecutor(max_workers=TRANSFER_THREADS, thread_name_prefix="kv-pull")
 
     async def setup(self) -> None:
         self.transfer = self.start_transfer()
@@ -44,9 +51,6 @@ class DecodeWorker(WorkerRuntime):
         queue = contract.WorkQueue(self.nc, contract.KV_READY, self.config.model_name, self.worker_id)
         await queue.start()
         self.intake = Intake(queue, self._room, self._take, KV_READY_BATCH, self.config.fetch_timeout, idle_wait=0.02)
-
-    def transfer_endpoint(self) -> str:
-        return self.transfer.endpoint if self.transfer else ""
 
     def room(self) -> int:
         engine = self.engine
@@ -61,120 +65,216 @@ class DecodeWorker(WorkerRuntime):
         return self.room()
 
     async def _take(self, deliveries: list[Delivery[KVReady]]) -> None:
+        taken = []
         for d in deliveries:
-            await self._claim(d)
+            ready = d.message
+            t = self.track(d, ready.rid, ready.reply_to, ready.deadline, ready.attempt, ready.request_published_at)
+            t.timings = dict(ready.timings or {})
+            if ready.published_at:
+                t.timings["kv_queue"] = max(d.received_at - ready.published_at, 0.0)
+            t.next_seq = len(ready.output_ids)
+            taken.append((t, ready))
+        # First tell every client its request has a holder (were this worker to die now, its
+        # API would move the request at once instead of waiting for the stream's ack_wait).
+        await asyncio.gather(*(self.replies.state(t, ALIVE) for t, _ in taken))
+        for t, ready in taken:
+            if await self._drop_if_stale(t, ready):
+                continue
+            if self.backlog or not await self._claim(t, ready):
+                self.backlog.append((t, ready))
 
     async def _drain_backlog(self) -> None:
         while self.backlog:
-            d = self.backlog[0]
-            if not await self._claim(d, from_backlog=True):
+            t, ready = self.backlog[0]
+            if not await self._claim(t, ready):
                 return
             self.backlog.popleft()
 
-    async def _claim(self, d: Delivery[KVReady], from_backlog: bool = False) -> bool:
-        """Start importing ``d``; False if it must wait for pages (kept in the backlog)."""
-        ready = d.message
-        if ready.rid in self.tracked or ready.rid in self.importing:
-            return True
-        t = Tracked(ready.rid, ready.reply_to, d, ready.deadline, timings=dict(ready.timings or {}))
-        if not from_backlog and ready.published_at:
-            t.timings["kv_queue"] = max(d.received_at - ready.published_at, 0.0)
-        if self.is_cancelled(ready.rid) or (ready.deadline and time.time() > ready.deadline):
+    async def _drop_if_stale(self, t: Tracked, ready: KVReady) -> bool:
+        """True (``t`` settled, its KV released) when ``t`` must not run: cancelled, late,
+        or an attempt this worker already has or has a newer one of. A newer ``t`` drops
+        an older attempt that waits in the backlog or decodes here."""
+        for i, (waiting, old) in enumerate(self.backlog):
+            if waiting.rid != t.rid:
+                continue
+            if t.attempt == waiting.attempt:  # a redelivery: keep the newest delivery alive
+                waiting.delivery, waiting.acked = t.delivery, False
+                return True
+            if t.attempt < waiting.attempt:
+                break
+            del self.backlog[i]
+            await waiting.settle()
+            await self._release(old, ok=False)
+            break
+        else:
+            if t.rid in self.importing and t.attempt > self.tracked[t.rid].attempt:
+                return False  # claimed once the older attempt's pull ends (it waits in the backlog)
+            if not await self.superseded(t):
+                return False
+        await t.settle()
+        await self._release(ready, ok=False)
+        return True
+
+    async def _claim(self, t: Tracked, ready: KVReady) -> bool:
+        """Start importing ``ready`` (or computing its prompt); False if it must wait for
+        pages or for an older attempt of the request to leave (then it stays in the backlog)."""
+        if self.is_cancelled(t.rid, t.attempt, t.published_at) or (ready.deadline and time.time() > ready.deadline):
             await self._release(ready, ok=False)
             await t.settle()
             return True
+        if ready.rid in self.importing or ready.rid in self.engine.seqs:
+            return False
         if ready.model != self.config.model_name:
             await self._refuse(ready, t, f"model {ready.model!r} is not served here")
             return True
-        if not self._can_pull(ready):
-            return self._recompute(ready, t)
+        mismatch = self.unreadable(ready)
+        if mismatch is not None:
+            log.error("KV handle cannot be read here", extra={"rid": ready.rid, "reason": mismatch})
+            await self._refuse(ready, t, mismatch, "server_error")
+            return True
+        if ready.handle.expires_at - time.time() < self.config.kv_pull_margin:
+            log.warning("KV handle (nearly) expired; computing the prompt here", extra={"rid": ready.rid})
+            await self._recompute(ready, t)
+            return True
         try:
             seq = self.engine.reserve_import(ready.rid, list(ready.prompt_ids), list(ready.output_ids), ready.sampling)
         except RequestError as exc:
             await self._refuse(ready, t, str(exc))
             return True
         if seq is None:
-            if not from_backlog:
-                self.backlog.append(d)
             return False
         self.tracked[ready.rid] = t
         self.importing.add(ready.rid)
         self.spawn(self._pull(ready, seq, t))
+        await self._started(t, ready)
         return True
 
-    def _can_pull(self, ready: KVReady) -> bool:
+    async def _started(self, t: Tracked, ready: KVReady) -> None:
+        if ready.attempt > 0 or len(ready.output_ids) > 1:
+            self.count("migrations")
+
+    def unreadable(self, ready: KVReady) -> str | None:
+        """Why this worker can never read ``ready``'s handle (a deployment mistake, answered
+        as an error rather than hidden by a recompute), or ``None``."""
         h = ready.handle
-        pool = self.engine.runner.pool
-        if self.transfer is None or h.backend != self.transfer.name or h.layout != pool.layout:
-            log.warning("KV handle not readable here; recomputing", extra={"rid": ready.rid, "backend": h.backend})
-            return False
-        if h.expires_at - time.time() < self.config.kv_pull_margin:
-            log.warning("KV handle (nearly) expired; recomputing", extra={"rid": ready.rid})
-            return False
-        return True
+        assert self.transfer is not None
+        here = f"decode worker {self.worker_id}"
+        there = f"prefill worker {ready.prefill_id}"
+        if h.backend != self.transfer.name:
+            return (
+                f"{there} hands KV over {h.backend!r}, {here} over {self.transfer.name!r}: "
+                "run both pools with the same --disaggregation-transfer-backend"
+            )
+        if h.protocol and h.protocol != self.transfer.protocol:
+            return (
+                f"{there} moves KV over {h.protocol}, {here} over {self.transfer.protocol}: "
+                "give both pools the same --disaggregation-ib-device (rdma) or none (tcp)"
+            )
+        layout = self.engine.runner.pool.layout
+        if h.layout != layout:
+            return (
+                f"{there} holds KV as {h.layout.describe()}, {here} as {layout.describe()}: "
+                "run both pools with the same model, --page-size and --dtype"
+            )
+        expected = len(ready.prompt_ids) + len(ready.output_ids) - 1
+        if h.num_tokens != expected:
+            return f"{there} holds KV of {h.num_tokens} tokens, the request needs {expected}"
+        return None
 
-    def _recompute(self, ready: KVReady, t: Tracked) -> bool:
+    async def _recompute(self, ready: KVReady, t: Tracked) -> None:
         try:
             self.engine.add_request(ready.rid, list(ready.prompt_ids), ready.sampling, list(ready.output_ids))
         except RequestError as exc:
-            self.spawn(self._refuse(ready, t, str(exc)))
-            return True
+            await self._refuse(ready, t, str(exc))
+            return
         self.tracked[ready.rid] = t
         t.timings["recomputed"] = 1.0
-        self.spawn(self._release(ready, ok=False))
-        self.wake()
-        return True
-
-    async def _refuse(self, ready: KVReady, t: Tracked, reason: str) -> None:
-        await self.replies.error(ready.reply_to, ready.rid, len(ready.output_ids), reason, "invalid_request_error")
+        self.count("recomputes")
         await self._release(ready, ok=False)
-        await t.settle(ok=False)
+        await self._started(t, ready)
+        self.wake()
 
-    def _read(self, ready: KVReady, reads: list[tuple[int, int, int]]) -> None:
+    async def _refuse(self, ready: KVReady, t: Tracked, reason: str, kind: str = "invalid_request_error") -> None:
+        await self.fail(t, reason, kind)
+        await self._release(ready, ok=False)
+
+    def _transfer_pages(self, ready: KVReady, reads: list[tuple[int, int, int]]) -> None:
         """In a transfer thread: once no queued step can write the reserved pages, pull."""
         assert self.transfer is not None
         self.engine.wait_for_pages(ready.rid)
         self.transfer.read(ready.handle.endpoint, reads)
 
     async def _pull(self, ready: KVReady, seq: Sequence, t: Tracked) -> None:
-        assert self.transfer is not None
-        pool = self.engine.runner.pool
-        page = pool.layout.page_size
         started = time.perf_counter()
-        ok = True
-        try:
-            reads = plan_reads(
-                ready.handle.segments,
-                pool.page_bytes,
-                seq.page_table[: -(-ready.handle.num_tokens // page)],
-                pool.data_ptr,
-                skip_pages=seq.num_cached // page,
-            )
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._transfer_threads, self._read, ready, reads)
-        except TransferError as exc:
-            ok = False
-            log.warning("KV pull failed; recomputing", extra={"rid": ready.rid, "error": str(exc)})
+        ok = await self._read(ready, seq)
         self.importing.discard(ready.rid)
         t.timings["kv_transfer"] = time.perf_counter() - started
         await self._release(ready, ok=ok)
-        if self.is_cancelled(ready.rid) or ready.rid not in self.tracked:
+        if self.tracked.get(ready.rid) is not t:  # cancelled (or superseded) during the pull
             self.engine.abort(ready.rid)
-            self.tracked.pop(ready.rid, None)
             await t.settle()
             return
         if ok:
             self.engine.commit_import(seq)
         else:
+            self.count("recomputes")
             self.engine.fail_import(seq)
-        await t.settle()  # the KV event is consumed; the stream goes on from here
+        # The KVReady stays unacked (kept alive) until the request finishes.
         self.wake()
+
+    async def _read(self, ready: KVReady, seq: Sequence) -> bool:
+        """Lease the handle's hold, read the pages this pool lacks, check the read ended
+        within the lease. False (logged and counted) if the KV is not to be used."""
+        assert self.transfer is not None and self.nc is not None
+        h = ready.handle
+        lease = KVLease(ready.rid, ready.prefill_id, h.generation, self.config.kv_lease_seconds)
+        asked = time.monotonic()
+        try:
+            reply = await contract.ask(self.nc, contract.KV_LEASE, lease, ready.prefill_id, timeout=LEASE_TIMEOUT)
+            refused = None if reply.granted else reply.reason
+        except contract.Unanswered as exc:
+            refused = str(exc)
+        if refused is not None:
+            self.count("kv_leases_refused")
+            log.warning("KV not leased; computing the prompt here", extra={"rid": ready.rid, "reason": refused})
+            return False
+        pool = self.engine.runner.pool
+        page = pool.layout.page_size
+        try:
+            reads = plan_reads(
+                h.segments,
+                pool.page_bytes,
+                seq.page_table[: -(-h.num_tokens // page)],
+                pool.data_ptr,
+                skip_pages=seq.num_cached // page,
+            )
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._transfer_threads, self._transfer_pages, ready, reads)
+        except TransferError as exc:
+            self.count("kv_pull_failures")
+            log.warning("KV pull failed; computing the prompt here", extra={"rid": ready.rid, "error": str(exc)})
+            return False
+        if time.monotonic() - asked > lease.seconds:
+            self.count("kv_pull_failures")
+            log.warning("KV read outlasted its lease; computing the prompt here", extra={"rid": ready.rid})
+            return False
+        self.count("kv_pulls")
+        self.count("kv_pull_bytes", sum(n for _, _, n in reads))
+        return True
 
     async def _release(self, ready: KVReady, ok: bool) -> None:
         assert self.nc is not None
-        release = KVRelease(rid=ready.rid, prefill_id=ready.prefill_id, ok=ok)
+        release = KVRelease(rid=ready.rid, prefill_id=ready.prefill_id, ok=ok, generation=ready.handle.generation)
         with contextlib.suppress(Exception):
             await contract.publish(self.nc, contract.KV_RELEASE, release, ready.prefill_id)
+
+    async def apply_cancel(self, rid: str, reason: str) -> None:
+        for t, ready in [(t, r) for t, r in self.backlog if t.rid == rid]:
+            if self.is_cancelled(rid, t.attempt, t.published_at):
+                self.backlog.remove((t, ready))
+                await t.settle()
+                await self._release(ready, ok=False)
+        await super().apply_cancel(rid, reason)
 
     async def cancel(self, rid: str, reason: str) -> None:
         if rid in self.importing:
@@ -182,19 +282,54 @@ class DecodeWorker(WorkerRuntime):
             return
         await super().cancel(rid, reason)
 
+    def in_hand(self) -> list[Tracked]:
+        return super().in_hand() + [t for t, _ in self.backlog]
+
     async def on_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             await self.stream_output(out)
         if self.backlog and self.intake is not None:
             self.intake.room_freed.set()
 
+    async def on_tick(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_peer_check:
+            self._next_peer_check = now + PEER_CHECK_SECONDS
+            await self.check_peers()
+
+    async def check_peers(self) -> None:
+        """Log, once per worker, each prefill worker of this model whose KV this worker
+        cannot read (its requests will get an error here that says why)."""
+        try:
+            peers = await self.lifecycle.workers()
+        except Exception as exc:  # the broker is away: next time
+            log.debug("peer check skipped", extra={"error": str(exc)})
+            return
+        assert self.transfer is not None
+        layout = self.engine.runner.pool.layout
+        for w in peers:
+            if w.role != "prefill" or w.model != self.config.model_name or w.worker_id in self._peers_seen:
+                continue
+            self._peers_seen.add(w.worker_id)
+            problems = []
+            if w.kv_layout is not None and w.kv_layout != layout:
+                problems.append(f"KV as {w.kv_layout.describe()}, here {layout.describe()}")
+            if w.transfer_backend and w.transfer_backend != self.transfer.name:
+                problems.append(f"backend {w.transfer_backend}, here {self.transfer.name}")
+            if w.transfer_protocol and w.transfer_protocol != self.transfer.protocol:
+                problems.append(f"protocol {w.transfer_protocol}, here {self.transfer.protocol}")
+            if problems:
+                log.error(
+                    "a prefill worker's KV cannot be read by this decode worker; its requests will fail",
+                    extra={"prefill": w.worker_id, "differs": "; ".join(problems)},
+                )
+
     def busy(self) -> bool:
         return self.engine.has_work() or bool(self.importing)
 
     async def hand_back(self) -> None:
-        for d in self.backlog:
-            with contextlib.suppress(Exception):
-                await d.nak()
+        for t, _ in self.backlog:
+            await self.give_back(t)
         self.backlog.clear()
         await super().hand_back()
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
+
+from nats import errors as nats_errors
 
 from pdserve.broker.consumer import Delivery
 from pdserve.broker.contract import WorkQueue
@@ -14,10 +17,16 @@ from pdserve.schemas import Message
 
 M = TypeVar("M", bound=Message)
 
+log = logging.getLogger(__name__)
+
+BROKER_RETRY_SECONDS = 0.5
+
 
 class Intake(Generic[M]):
     """One worker's intake from one work queue.
 
+    A fetch that fails because the broker is away is retried; anything else raised here
+    (by ``room`` or ``take`` included) ends :meth:`run`, and so the worker.
     ``room()`` says how many more messages the worker takes now (it may do work of its
     own first); at zero the loop waits up to ``idle_wait`` for :attr:`room_freed`.
     ``take`` gets every non-empty batch of decoded deliveries.
@@ -49,7 +58,12 @@ class Intake(Generic[M]):
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self.room_freed.wait(), self._idle_wait)
                 continue
-            deliveries = await self.queue.fetch(min(room, self._max_batch), self._fetch_timeout)
+            try:
+                deliveries = await self.queue.fetch(min(room, self._max_batch), self._fetch_timeout)
+            except (nats_errors.Error, TimeoutError) as exc:  # the broker is away: it comes back
+                log.warning("fetch failed; retrying", extra={"error": str(exc) or type(exc).__name__})
+                await asyncio.sleep(BROKER_RETRY_SECONDS)
+                continue
             if deliveries:
                 await self._take(deliveries)
 

@@ -3,7 +3,9 @@
 Fetches ``GenerateRequest`` only while the engine has room (the pull is the
 back-pressure), streams the first token to the reply subject (time to first token),
 publishes ``KVReady`` with the transfer handle, then acks the request. Held pages are
-freed on ``KVRelease``, on ``Cancel`` or when the hold expires.
+freed on ``KVRelease``, on ``Cancel`` or when the hold expires, never while a decode
+worker holds a lease on them for a read (:mod:`.holds`); a handle names its hold's
+generation, and a lease on any other generation is refused.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ import time
 
 from pdserve.broker import contract
 from pdserve.engine.engine import Engine, RequestOutput
-from pdserve.schemas import KVHandle, KVReady, KVRelease
+from pdserve.schemas import KVHandle, KVLease, KVLeaseReply, KVReady, KVRelease
 from pdserve.workers.config import WorkerConfig
+from pdserve.workers.holds import Holds
+from pdserve.workers.replies import Tracked
 from pdserve.workers.runtime import WorkerRuntime
-from pdserve.workers.transfer import TransferBackend
 
 log = logging.getLogger(__name__)
 
@@ -25,17 +28,14 @@ log = logging.getLogger(__name__)
 class PrefillWorker(WorkerRuntime):
     def __init__(self, config: WorkerConfig, engine: Engine) -> None:
         super().__init__(config, engine)
-        self.transfer: TransferBackend | None = None
-        self.holds: dict[str, float] = {}  # rid -> monotonic time the pages may be freed
+        self.holds = Holds()
 
     async def setup(self) -> None:
         self.transfer = self.start_transfer()
         assert self.nc is not None
         await contract.subscribe(self.nc, contract.KV_RELEASE, self._on_release, self.worker_id)
+        await contract.answer(self.nc, contract.KV_LEASE, self._on_lease, self.worker_id)
         self.intake = await self.request_intake(prefill_only=True)
-
-    def transfer_endpoint(self) -> str:
-        return self.transfer.endpoint if self.transfer else ""
 
     async def on_outputs(self, outputs: list[RequestOutput]) -> None:
         await asyncio.gather(*(self._on_output(out) for out in outputs))
@@ -45,7 +45,7 @@ class PrefillWorker(WorkerRuntime):
         req = self.requests.get(out.rid)
         if t is None or req is None:
             return
-        await self.replies.send(t.reply_to, self.replies.chunk(out, t))
+        await self.replies.send(t.reply_to, self.replies.chunk(out, t), t)
         if not out.held:  # finished at the first token (stop token or max_new_tokens=1)
             self._forget(out.rid)
             await t.settle()
@@ -56,6 +56,8 @@ class PrefillWorker(WorkerRuntime):
         pool = self.engine.runner.pool
         expires = time.time() + self.config.kv_hold_seconds
         assert self.transfer is not None and self.js is not None
+        hold_for = self.config.kv_hold_seconds + self.config.kv_hold_grace_seconds
+        generation = self.holds.hold(req.rid, req.attempt, req.published_at, hold_for, time.monotonic())
         ready = KVReady(
             rid=req.rid,
             model=req.model,
@@ -71,54 +73,96 @@ class PrefillWorker(WorkerRuntime):
                 segments=tuple(pool.segments(pages[: -(-num_tokens // pool.layout.page_size)])),
                 num_tokens=num_tokens,
                 expires_at=expires,
+                protocol=self.transfer.protocol,
+                generation=generation,
             ),
             cached_tokens=out.cached_tokens,
             deadline=req.deadline,
             published_at=time.time(),
             request_published_at=req.published_at,
             timings=dict(t.timings),
+            attempt=req.attempt,
         )
-        self.holds[req.rid] = time.monotonic() + self.config.kv_hold_seconds + self.config.kv_hold_grace_seconds
         try:
-            await contract.submit(self.js, contract.KV_READY, ready, req.model, req.rid)
+            fresh = await contract.submit(self.js, contract.KV_READY, ready, req.model, req.rid, req.attempt)
         except Exception as exc:  # the stream is full or the broker is away
             log.error("could not publish KVReady", extra={"rid": req.rid, "error": str(exc)})
             self._free(req.rid)
             await t.hand_back(delay=1.0)  # try again later, here or elsewhere
             self._forget(req.rid)
             return
+        if not fresh:  # this attempt's KVReady was published before (a redelivered request)
+            log.info("KVReady already published; dropping the duplicate's KV", extra={"rid": req.rid})
+            self._free(req.rid)
         await t.settle()
-        self._forget(req.rid, keep_hold=True)
+        self._forget(req.rid)
 
-    def _forget(self, rid: str, keep_hold: bool = False) -> None:
+    def _forget(self, rid: str) -> None:
         self.tracked.pop(rid, None)
         self.requests.pop(rid, None)
-        if not keep_hold:
-            self.holds.pop(rid, None)
 
     def _free(self, rid: str) -> None:
-        self.holds.pop(rid, None)
+        self.holds.release(rid, 0)
         self.engine.release(rid)
 
     async def _on_release(self, release: KVRelease) -> None:
-        self._free(release.rid)
+        if self.holds.release(release.rid, release.generation):
+            self.engine.release(release.rid)
+
+    async def _on_lease(self, lease: KVLease) -> KVLeaseReply:
+        refused = self.holds.lease(lease.rid, lease.generation, lease.seconds, time.monotonic())
+        if refused is not None:
+            log.info("KV lease refused", extra={"rid": lease.rid, "reason": refused})
+        return KVLeaseReply(rid=lease.rid, granted=refused is None, reason=refused or "")
+
+    async def apply_cancel(self, rid: str, reason: str) -> None:
+        hold = self.holds.get(rid)
+        if hold is not None and self.is_cancelled(rid, hold.attempt, hold.published_at):
+            await self.cancel(rid, reason)
+        await super().apply_cancel(rid, reason)
 
     async def cancel(self, rid: str, reason: str) -> None:
-        self.holds.pop(rid, None)
+        if rid in self.holds:  # handed off: only its held pages are here
+            if self.holds.end(rid, time.monotonic()):
+                self.engine.release(rid)
+            else:
+                log.info("cancelled KV is being read; freed when the read ends", extra={"rid": rid})
+            log.info("request cancelled", extra={"rid": rid, "reason": reason})
+            return
         await super().cancel(rid, reason)
 
+    async def make_room(self, t: Tracked) -> bool:
+        """A newer attempt (or a new submission) of a request whose KV is still held here
+        ends that hold first, or waits while a decode worker reads it; the same attempt
+        again (its ack was lost) is done already."""
+        hold = self.holds.get(t.rid)
+        if hold is None:
+            return True
+        newer = (t.attempt, t.published_at) > (hold.attempt, hold.published_at)
+        if not newer:
+            await t.settle()
+            return False
+        if self.holds.end(t.rid, time.monotonic()):
+            self.engine.release(t.rid)
+            return True
+        await t.hand_back(delay=0.5)
+        return False
+
     async def on_tick(self) -> None:
-        now = time.monotonic()
-        for rid, until in list(self.holds.items()):
-            if now > until:
+        for rid, expired in self.holds.due(time.monotonic()):
+            if expired:
                 log.warning("held KV expired unclaimed", extra={"rid": rid})
-                self._free(rid)
+            self.engine.release(rid)
 
     def busy(self) -> bool:
-        return self.engine.has_work() or bool(self.holds)
+        return self.engine.has_work() or len(self.holds) > 0
 
     async def teardown(self) -> None:
-        for rid in list(self.holds):
+        """Free every hold, once no decode worker's lease on one runs (at most a lease long)."""
+        deadline = time.monotonic() + self.config.kv_lease_seconds
+        while time.monotonic() < deadline and self.holds.is_leased(time.monotonic()):
+            await asyncio.sleep(0.05)
+        for rid in self.holds.rids():
             self._free(rid)
         await super().teardown()
         if self.transfer is not None:

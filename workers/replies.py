@@ -14,13 +14,18 @@ from pdserve.broker import contract
 from pdserve.broker.consumer import Delivery
 from pdserve.engine.engine import RequestOutput
 from pdserve.schemas import ErrorInfo, TokenChunk, Usage
+from pdserve.schemas.tokens import QUEUED
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Tracked:
-    """A request this worker is working on, where its tokens go, and the delivery to settle."""
+    """A request this worker is working on, where its tokens go, and the delivery to settle.
+
+    ``attempt`` and ``published_at`` identify which submission of ``rid`` this is (see
+    ``Cancel``); ``next_seq`` is the output index of the next token this worker sends and
+    ``sent_at`` when it last sent anything, for the keep-alive chunks."""
 
     rid: str
     reply_to: str
@@ -29,6 +34,10 @@ class Tracked:
     timings: dict[str, float] = field(default_factory=dict)
     acked: bool = False
     progress_at: float = field(default_factory=time.monotonic)
+    attempt: int = 0
+    published_at: float = 0.0
+    next_seq: int = 0
+    sent_at: float = 0.0
 
     async def settle(self, ok: bool = True) -> None:
         """Ack (done) or terminate (failed for good) the delivery; once."""
@@ -71,23 +80,47 @@ class Replies:
     def connect(self, nc: Client) -> None:
         self._nc = nc
 
-    async def send(self, reply_to: str, chunk: TokenChunk) -> None:
+    async def send(self, reply_to: str, chunk: TokenChunk, tracked: Tracked | None = None) -> None:
+        """Publish ``chunk``; with ``tracked``, note what was sent (for keep-alives)."""
         assert self._nc is not None, "connect() first"
+        if tracked is not None:
+            tracked.sent_at = time.monotonic()
+            tracked.next_seq = max(tracked.next_seq, chunk.seq + len(chunk.token_ids))
         try:
             await contract.publish(self._nc, contract.TOKENS, chunk, to=reply_to)
         except Exception as exc:
             log.warning("could not publish tokens", extra={"rid": chunk.rid, "error": str(exc)})
 
-    async def error(self, reply_to: str, rid: str, seq: int, message: str, kind: str = "server_error") -> None:
+    async def error(
+        self,
+        reply_to: str,
+        rid: str,
+        seq: int,
+        message: str,
+        kind: str = "server_error",
+        attempt: int = 0,
+        code: str | None = None,
+    ) -> None:
         """The last chunk of a failed request: ``finish_reason="error"`` and why."""
         chunk = TokenChunk(
-            rid=rid, seq=seq, finish_reason="error", error=ErrorInfo(message, kind), worker_id=self.worker_id
+            rid=rid,
+            seq=seq,
+            finish_reason="error",
+            error=ErrorInfo(message, kind, code),
+            worker_id=self.worker_id,
+            attempt=attempt,
         )
         await self.send(reply_to, chunk)
 
+    async def state(self, t: Tracked, state: str) -> None:
+        """A chunk without tokens saying ``state`` (``alive``, ``handed_back``) about ``t``."""
+        chunk = TokenChunk(rid=t.rid, seq=t.next_seq, worker_id=self.worker_id, attempt=t.attempt, state=state)
+        await self.send(t.reply_to, chunk, t)
+
     def chunk(self, out: RequestOutput, tracked: Tracked | None) -> TokenChunk:
         """One engine step's output for a request; usage and timings ride on its last chunk
-        (and timings on a prefill worker's hand-off chunk)."""
+        (and timings on a prefill worker's hand-off chunk, which says the request now waits
+        in the KV queue)."""
         usage = None
         timings = None
         if out.finish_reason is not None or out.held:
@@ -103,4 +136,6 @@ class Replies:
             logprobs=tuple(out.logprobs) if out.logprobs else None,
             worker_id=self.worker_id,
             timings=timings,
+            attempt=tracked.attempt if tracked else 0,
+            state=QUEUED if out.held else "",
         )

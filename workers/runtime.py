@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -26,9 +27,12 @@ from nats.js import JetStreamContext
 
 from pdserve.broker import contract
 from pdserve.broker.consumer import Delivery
+from pdserve.broker.deadletter import watch_dead_letters
 from pdserve.engine.engine import Engine, Launched, RequestError, RequestOutput
 from pdserve.engine.sequence import ScheduledBatch
-from pdserve.schemas import Cancel, GenerateRequest, WorkerInfo
+from pdserve.schemas import Cancel, GenerateRequest, WorkerCounters, WorkerInfo
+from pdserve.schemas.tokens import ALIVE, HANDED_BACK, RETRYABLE
+from pdserve.workers.cancels import Cancels
 from pdserve.workers.config import WorkerConfig
 from pdserve.workers.intake import Intake
 from pdserve.workers.lifecycle import Lifecycle
@@ -37,8 +41,8 @@ from pdserve.workers.transfer import TransferBackend, create_transfer
 
 log = logging.getLogger(__name__)
 
-CANCEL_MEMORY_SECONDS = 600.0
 REQUEST_BATCH = 64
+TICK_SECONDS = 0.25
 
 
 class WorkerRuntime:
@@ -58,7 +62,9 @@ class WorkerRuntime:
         self.js: JetStreamContext | None = None
         self.tracked: dict[str, Tracked] = {}
         self.requests: dict[str, GenerateRequest] = {}
-        self.cancelled: dict[str, float] = {}
+        self.cancels = Cancels()
+        self.counters = dict.fromkeys((f.name for f in dataclasses.fields(WorkerCounters)), 0)
+        self.transfer: TransferBackend | None = None
         self._wake = asyncio.Event()
         self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._background: set[asyncio.Task[None]] = set()
@@ -69,11 +75,15 @@ class WorkerRuntime:
         self.nc, self.js = await self.lifecycle.connect()
         self.replies.connect(self.nc)
         await contract.subscribe(self.nc, contract.CANCEL, self._on_cancel)
+        await watch_dead_letters(self.nc, self.js, self.config.model_name, self._on_dead_letter)
         await self.setup()
-        work = [self._engine_loop(), self._deadline_loop()]
+        work = [self._engine_loop(), self._tick_loop()]
         if self.intake is not None:
             work.append(self.intake.run(self.stopping))
         await self.lifecycle.report_ready(*work)
+
+    async def _on_dead_letter(self, rid: str) -> None:
+        self.count("dead_lettered")
 
     async def setup(self) -> None:
         """Role-specific start-up (intake, transfer engine, extra subscriptions)."""
@@ -94,11 +104,26 @@ class WorkerRuntime:
         return self.engine.has_work()
 
     async def hand_back(self) -> None:
-        """Unfinished requests go back to the stream for another worker."""
+        """Unfinished requests go back to the stream for another worker; each client is
+        told (a ``handed_back`` chunk), so its API resumes it from the tokens it has."""
+        await self._discard_step()
         for rid, t in list(self.tracked.items()):
             self.engine.abort(rid)
-            await t.hand_back()
+            await self.give_back(t)
             self.tracked.pop(rid, None)
+            self.requests.pop(rid, None)
+
+    async def _discard_step(self) -> None:
+        """After the engine loop stopped: wait out a forward pass still running in the
+        engine thread, and drop the requests of the steps it left unfinished (their pages
+        are freed; without this an abort would wait for a postprocess that never comes)."""
+        await asyncio.get_running_loop().run_in_executor(self._engine_thread, time.sleep, 0)
+        self.engine.discard_in_flight()
+
+    async def give_back(self, t: Tracked) -> None:
+        await self.replies.state(t, HANDED_BACK)
+        await t.hand_back()
+        self.count("handed_back")
 
     async def teardown(self) -> None:
         """Stop the intake; roles add their own clean-up."""
@@ -118,11 +143,13 @@ class WorkerRuntime:
         transfer.register(pool.data_ptr, pool.nbytes)
         return transfer
 
-    def transfer_endpoint(self) -> str:
-        return ""
+    def count(self, counter: str, n: int = 1) -> None:
+        """Add ``n`` to one of the :class:`WorkerCounters` (a ``KeyError`` for a misspelt name)."""
+        self.counters[counter] += n
 
     def worker_info(self) -> WorkerInfo:
         pages = self.engine.pages
+        transfer = self.transfer
         return WorkerInfo(
             worker_id=self.worker_id,
             role=self.config.role,
@@ -134,10 +161,14 @@ class WorkerRuntime:
             pages_used=pages.num_used_pages,
             page_size=pages.page_size,
             requests_in_flight=len(self.tracked),
-            transfer_endpoint=self.transfer_endpoint(),
+            transfer_endpoint=transfer.endpoint if transfer else "",
             model_path=str(self.config.model_path),
             started_at=self._started_at,
             updated_at=time.time(),
+            counters=WorkerCounters(**self.counters),
+            kv_layout=self.engine.runner.pool.layout if transfer else None,
+            transfer_backend=transfer.name if transfer else "",
+            transfer_protocol=transfer.protocol if transfer else "",
         )
 
     # ---- requests in ---------------------------------------------------------
@@ -164,43 +195,85 @@ class WorkerRuntime:
             return 0
         return max(engine.config.max_num_seqs - engine.num_waiting - engine.num_running, 0)
 
+    def track(
+        self, d: Delivery, rid: str, reply_to: str, deadline: float, attempt: int, published_at: float
+    ) -> Tracked:
+        """A delivery in hand, counted if it is a redelivery."""
+        if d.num_delivered > 1:
+            self.count("redeliveries")
+        return Tracked(rid, reply_to, d, deadline, attempt=attempt, published_at=published_at)
+
+    async def superseded(self, t: Tracked) -> bool:
+        """Settle ``t`` and say True if it must not run: cancelled, past its deadline, or an
+        attempt older than (or the same as) the one in hand; an older attempt in hand is
+        dropped for the newer ``t``. The same attempt again is a redelivery: the newest
+        delivery is the one kept alive and settled."""
+        if self.is_cancelled(t.rid, t.attempt, t.published_at) or (t.deadline and time.time() > t.deadline):
+            await t.settle(ok=True)
+            return True
+        held = self.tracked.get(t.rid)
+        if held is None:
+            return False
+        if t.attempt > held.attempt:
+            await self.cancel(t.rid, f"superseded by attempt {t.attempt}")
+            return False
+        if t.attempt == held.attempt and t.delivery is not None:
+            held.delivery, held.acked = t.delivery, False
+            return True
+        await t.settle(ok=True)
+        return True
+
     async def admit(self, d: Delivery[GenerateRequest], prefill_only: bool) -> None:
         req = d.message
-        t = Tracked(req.rid, req.reply_to, d, req.deadline)
+        t = self.track(d, req.rid, req.reply_to, req.deadline, req.attempt, req.published_at)
+        t.next_seq = len(req.output_ids)
         if req.published_at:
             t.timings["request_queue"] = max(d.received_at - req.published_at, 0.0)
-        if self.is_cancelled(req.rid) or (req.deadline and time.time() > req.deadline):
-            await t.settle(ok=True)
+        if await self.superseded(t):
             return
-        if req.rid in self.tracked:
-            return  # a redelivery of something in hand: the ack will settle both
         if req.model != self.config.model_name:
-            message = f"model {req.model!r} is not served here"
-            await self.replies.error(req.reply_to, req.rid, len(req.output_ids), message, "invalid_request_error")
-            await t.settle(ok=False)
+            await self.fail(t, f"model {req.model!r} is not served here", "invalid_request_error")
+            return
+        if not await self.make_room(t):
+            return
+        if req.rid in self.engine.seqs or req.rid in self.engine.held:  # an older attempt leaves after its step
+            await t.hand_back(delay=0.5)
             return
         try:
             self.engine.add_request(
                 req.rid, list(req.prompt_ids), req.sampling, list(req.output_ids), prefill_only=prefill_only
             )
         except RequestError as exc:
-            await self.replies.error(req.reply_to, req.rid, len(req.output_ids), str(exc), "invalid_request_error")
-            await t.settle(ok=False)
+            await self.fail(t, str(exc), "invalid_request_error")
             return
         self.tracked[req.rid] = t
         self.requests[req.rid] = req
+        if req.output_ids:
+            self.count("migrations")
+        await self.replies.state(t, ALIVE)  # the client's API now knows a worker holds it
+
+    async def make_room(self, t: Tracked) -> bool:
+        """Roles that hold more of a request than ``tracked`` shows (prefill: its held KV)
+        free it here for a newer attempt; False when that must wait (``t`` handed back)."""
+        return True
+
+    async def fail(self, t: Tracked, message: str, kind: str = "server_error", code: str | None = None) -> None:
+        """Answer ``t`` with an error and terminate its delivery."""
+        await self.replies.error(t.reply_to, t.rid, t.next_seq, message, kind, t.attempt, code)
+        await t.settle(ok=False)
 
     def wake(self) -> None:
         self._wake.set()
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        """Run ``coro`` in the background, keeping a reference until it ends."""
-        task = asyncio.create_task(coro)
+        """Run ``coro`` in the background, supervised (an exception ends the worker),
+        keeping a reference until it ends."""
+        task = self.lifecycle.supervise(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def is_cancelled(self, rid: str) -> bool:
-        return rid in self.cancelled
+    def is_cancelled(self, rid: str, attempt: int = 0, published_at: float = 0.0) -> bool:
+        return self.cancels.applies(rid, attempt, published_at)
 
     # ---- the engine loop ---------------------------------------------------
     async def _engine_loop(self) -> None:
@@ -247,17 +320,15 @@ class WorkerRuntime:
             await self._fail_batch(launched.batch)
             return
         outputs = self.engine.complete(launched, result)
-        try:
-            await self.on_outputs(outputs)
-        except Exception:
-            log.exception("handling outputs failed")
+        await self.on_outputs(outputs)  # raising here is a bug: the worker ends (supervised)
 
     async def _fail_batch(self, batch: ScheduledBatch) -> None:
         for seq in self.engine.fail(batch):
             t = self.tracked.pop(seq.rid, None)
+            self.requests.pop(seq.rid, None)
             if t is not None:
-                await self.replies.error(t.reply_to, seq.rid, len(seq.output_ids), "engine step failed")
-                await t.settle(ok=False)
+                t.next_seq = len(seq.output_ids)
+                await self.fail(t, "engine step failed", code=RETRYABLE)
 
     async def on_outputs(self, outputs: list[RequestOutput]) -> None:
         """Publish one step's outputs (in order for each request)."""
@@ -268,7 +339,7 @@ class WorkerRuntime:
         t = self.tracked.get(out.rid)
         if t is None:
             return
-        await self.replies.send(t.reply_to, self.replies.chunk(out, t))
+        await self.replies.send(t.reply_to, self.replies.chunk(out, t), t)
         if out.finish_reason is not None:
             self.tracked.pop(out.rid, None)
             self.requests.pop(out.rid, None)
@@ -276,8 +347,15 @@ class WorkerRuntime:
 
     # ---- cancel and deadlines -------------------------------------------------
     async def _on_cancel(self, cancel: Cancel) -> None:
-        self.cancelled[cancel.rid] = time.monotonic()
-        await self.cancel(cancel.rid, cancel.reason)
+        self.cancels.note(cancel, time.monotonic())
+        await self.apply_cancel(cancel.rid, cancel.reason)
+
+    async def apply_cancel(self, rid: str, reason: str) -> None:
+        """Drop what this worker holds of ``rid`` that the cancels noted cover (a cancel of
+        superseded attempts leaves a newer attempt alone)."""
+        t = self.tracked.get(rid)
+        if t is not None and self.is_cancelled(rid, t.attempt, t.published_at):
+            await self.cancel(rid, reason)
 
     async def cancel(self, rid: str, reason: str) -> None:
         """Drop ``rid`` everywhere in this worker and free its pages."""
@@ -291,23 +369,31 @@ class WorkerRuntime:
             log.info("request cancelled", extra={"rid": rid, "reason": reason})
         self.wake()
 
-    async def _deadline_loop(self) -> None:
+    async def _tick_loop(self) -> None:
+        """Deadlines, keep-alives (a chunk to each client that heard nothing for a
+        second; ``in_progress`` to the stream), the role's own timers."""
+        next_second = 0.0
         while True:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(TICK_SECONDS)
+            now = time.monotonic()
+            for t in self.in_hand():
+                if now - t.sent_at >= self.config.keepalive_seconds:
+                    await self.replies.state(t, ALIVE)
+                await t.keep_alive(now, self.config.broker.ack_wait / 3)
+            if now < next_second:
+                continue
+            next_second = now + 1.0
             now_wall = time.time()
             for rid, t in list(self.tracked.items()):
                 if t.deadline and now_wall > t.deadline:
-                    await self.replies.error(t.reply_to, rid, 0, "deadline exceeded", "timeout")
+                    await self.replies.error(t.reply_to, rid, t.next_seq, "deadline exceeded", "timeout", t.attempt)
                     await self.cancel(rid, "deadline exceeded")
-            cutoff = time.monotonic() - CANCEL_MEMORY_SECONDS
-            for rid, at in list(self.cancelled.items()):
-                if at < cutoff:
-                    del self.cancelled[rid]
+            self.cancels.forget(now)
             await self.on_tick()
-            # keep long-running unsettled deliveries from being redelivered
-            now = time.monotonic()
-            for t in list(self.tracked.values()):
-                await t.keep_alive(now, self.config.broker.ack_wait / 3)
+
+    def in_hand(self) -> list[Tracked]:
+        """Every request this worker holds a delivery of (roles add what waits aside)."""
+        return list(self.tracked.values())
 
     async def on_tick(self) -> None:
         """Called about once a second (expiry of held KV and the like)."""

@@ -88,3 +88,22 @@ async def test_work_queue_decodes_and_answers_what_does_not(
         assert await queue.fetch(8, timeout=1.5) == []  # terminated: never redelivered
     finally:
         await queue.stop()
+
+
+async def test_ask_gets_the_typed_answer_and_fails_fast_with_nobody_listening(nc: Client) -> None:
+    import time
+
+    from pdserve.schemas import KVLease, KVLeaseReply
+
+    async def grant(lease: KVLease) -> KVLeaseReply:
+        return KVLeaseReply(rid=lease.rid, granted=lease.generation == 7, reason="" if lease.generation == 7 else "no")
+
+    await contract.answer(nc, contract.KV_LEASE, grant, "prefill-a")
+    reply = await contract.ask(nc, contract.KV_LEASE, KVLease("r", "prefill-a", 7, 5.0), "prefill-a", timeout=5)
+    assert reply == KVLeaseReply(rid="r", granted=True)
+    refused = await contract.ask(nc, contract.KV_LEASE, KVLease("r", "prefill-a", 8, 5.0), "prefill-a", timeout=5)
+    assert not refused.granted and refused.reason == "no"
+    started = time.monotonic()
+    with pytest.raises(contract.Unanswered, match="nobody answers"):
+        await contract.ask(nc, contract.KV_LEASE, KVLease("r", "gone", 7, 5.0), "gone", timeout=5)
+    assert time.monotonic() - started < 1.0

@@ -127,7 +127,7 @@ async def test_ensure_model_is_idempotent(js: JetStreamContext, model: str, make
         await ensure_model(js, model, CONFIG)
 
     streams = sorted(s.config.name for s in await js.streams_info())
-    assert streams == sorted([subjects.REQUEST_STREAM, subjects.KV_STREAM])
+    assert streams == sorted([subjects.REQUEST_STREAM, subjects.KV_STREAM, subjects.DEAD_STREAM])
     assert [c.name for c in await js.consumers_info(subjects.REQUEST_STREAM)] == [subjects.prefill_consumer(model)]
     assert [c.name for c in await js.consumers_info(subjects.KV_STREAM)] == [subjects.decode_consumer(model)]
     # Nothing lost, nothing delivered by re-running it.
@@ -139,7 +139,7 @@ async def test_ensure_model_is_idempotent(js: JetStreamContext, model: str, make
 async def test_ensure_model_concurrent_callers(js: JetStreamContext, model: str) -> None:
     """Several processes start at once: whoever is first creates, the others must not fail."""
     await asyncio.gather(*(ensure_model(js, model, CONFIG) for _ in range(4)))
-    assert len(await js.streams_info()) == 2
+    assert len(await js.streams_info()) == 3
     assert len(await js.consumers_info(subjects.REQUEST_STREAM)) == 1
 
 

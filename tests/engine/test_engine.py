@@ -251,3 +251,47 @@ def test_pd_handoff_over_mooncake_equals_unified(tiny_model_dir: Path, reference
     finally:
         src.close()
         dst.close()
+
+
+def test_resumed_request_hands_off_prompt_and_streamed_output(tiny_model_dir: Path, reference) -> None:
+    """A request resumed with output already streamed: the prefill engine computes prompt +
+    that output and holds its KV; the decode engine imports all of it and goes on exactly
+    where an undisturbed run would (migration of a stream to another decode worker)."""
+    from pdserve.workers.transfer import create_transfer, plan_reads
+
+    prompts, expected = reference
+    prefill = make_engine(tiny_model_dir)
+    decode = make_engine(tiny_model_dir)
+    src = create_transfer("mooncake", host="127.0.0.1", protocol="tcp")
+    dst = create_transfer("mooncake", host="127.0.0.1", protocol="tcp")
+    for engine, backend in ((prefill, src), (decode, dst)):
+        pool = engine.runner.pool
+        backend.register(pool.data_ptr, pool.nbytes)
+    page = prefill.runner.pool.layout.page_size
+    try:
+        for i, streamed in ((0, 7), (1, 16), (2, 1)):
+            rid, prompt = f"m{i}", prompts[i]
+            prefill.add_request(rid, prompt, GREEDY, expected[i][:streamed], prefill_only=True)
+            (first,) = list(iter_outputs(prefill))
+            assert first.held and first.index == streamed and first.token_ids == [expected[i][streamed]]
+            pages, num_tokens = prefill.held_pages(rid)
+            assert num_tokens == len(prompt) + streamed
+            seq = decode.reserve_import(rid, prompt, expected[i][: streamed + 1], GREEDY)
+            assert seq is not None
+            reads = plan_reads(
+                prefill.runner.pool.segments(pages[: -(-num_tokens // page)]),
+                decode.runner.pool.page_bytes,
+                seq.page_table[: -(-num_tokens // page)],
+                decode.runner.pool.data_ptr,
+                seq.num_cached // page,
+            )
+            dst.read(src.endpoint, reads)
+            decode.commit_import(seq)
+            assert prefill.release(rid)
+            rest = [o for o in iter_outputs(decode)]
+            assert rest[0].index == streamed + 1
+            assert expected[i][: streamed + 1] + [t for o in rest for t in o.token_ids] == expected[i]
+        assert prefill.pages.num_used_pages == 0 and decode.pages.num_used_pages == 0
+    finally:
+        src.close()
+        dst.close()

@@ -1,15 +1,18 @@
-"""The whole system as users run it: ``pdserve up`` against a real nats-server."""
+"""The whole system as users run it (``pdserve up`` against a real nats-server), and
+workers started in the test's own process against a real nats-server and real Mooncake."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -97,3 +100,56 @@ def pd_system(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, na
     system = start_system(tmp_path_factory.mktemp("pd"), tiny_model_dir, nats_for_module.url)  # type: ignore[attr-defined]
     yield system
     stop_system(system)
+
+
+@pytest.fixture
+async def workers(nats_server, tiny_model_dir: Path) -> AsyncIterator[Any]:
+    """``await workers(role, **WorkerConfig overrides)`` starts a worker in this process;
+    each is shut down at the end unless it stopped (or vanished) already."""
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.loader import build_engine
+    from pdserve.workers.config import WorkerConfig
+    from pdserve.workers.decode import DecodeWorker
+    from pdserve.workers.prefill import PrefillWorker
+    from pdserve.workers.runtime import WorkerRuntime
+    from pdserve.workers.unified import UnifiedWorker
+
+    roles = {"prefill": PrefillWorker, "decode": DecodeWorker, "unified": UnifiedWorker}
+    started: list[WorkerRuntime] = []
+
+    async def start(role: str, **overrides: Any) -> WorkerRuntime:
+        config = WorkerConfig(
+            role=role,
+            model_path=tiny_model_dir,
+            model_name=tiny_model_dir.name,
+            nats_url=nats_server.url,
+            **{"engine": EngineConfig(max_total_tokens=16 * 512), "heartbeat_seconds": 0.5, **overrides},
+        )
+        worker = roles[role](config, build_engine(tiny_model_dir, config.engine))
+        await worker.start()
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        if not worker.stopped.is_set():
+            await worker.shutdown()
+
+
+async def vanish(worker: Any) -> None:
+    """What kill -9 does to a worker, in this process: its tasks stop mid-flight and its
+    connection drops, with nothing acked, handed back or said to anyone."""
+    tasks = [*worker.lifecycle._tasks, *worker._background]
+    for task in tasks:
+        task.cancel()
+    # Bounded: a test must fail, not hang, if something of the worker will not stop.
+    await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+    await asyncio.wait_for(worker.nc.close(), 10)
+    worker.stopped.set()
+    if worker.transfer is not None:
+        worker.transfer.close()
+
+
+@pytest.fixture
+def kill() -> Any:
+    return vanish

@@ -283,3 +283,83 @@ async def test_malformed_nats_messages_get_an_error_reply_and_are_not_redelivere
         assert replies.empty()  # nothing came back a second time
     finally:
         await nc.close()
+
+
+async def test_a_body_over_the_limit_is_refused_at_once(pd_system) -> None:
+    huge = b'{"text": "' + b"x" * (9 << 20) + b'"}'
+
+    async def chunks() -> Any:
+        for i in range(0, len(huge), 1 << 20):
+            yield huge[i : i + (1 << 20)]
+
+    async with httpx.AsyncClient(base_url=pd_system.url, timeout=30) as client:
+        started = time.monotonic()
+        r = await client.post("/generate", content=huge, headers={"Content-Type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+        r = await client.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
+        assert r.status_code == 413  # no Content-Length: counted while reading
+        assert time.monotonic() - started < 5
+
+
+async def test_a_prompt_far_beyond_the_context_is_refused_without_tokenizing_it(pd_system) -> None:
+    async with httpx.AsyncClient(base_url=pd_system.url, timeout=30) as client:
+        started = time.monotonic()
+        r = await client.post("/generate", json={"text": "lorem ipsum " * 400_000})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert time.monotonic() - started < 2
+
+
+async def test_a_batch_of_too_many_prompts_is_refused(pd_system) -> None:
+    async with httpx.AsyncClient(base_url=pd_system.url, timeout=30) as client:
+        r = await client.post("/generate", json={"input_ids": [[5, 6]] * 257})
+    assert r.status_code == 400 and "at most 256" in r.json()["error"]["message"]
+
+
+async def test_a_duplicate_request_id_is_a_409(pd_system) -> None:
+    body = {"rid": "same-rid", "text": "hi", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+    async with httpx.AsyncClient(base_url=pd_system.url, timeout=60) as client:
+        first = asyncio.create_task(client.post("/generate", json=body))
+        await asyncio.sleep(0.3)
+        clash = await client.post("/generate", json=body)  # while the first runs
+        assert (await first).status_code == 200
+        again = await client.post("/generate", json=body)  # within the dedup window
+    for r in (clash, again):
+        assert r.status_code == 409, r.text
+        assert r.json()["error"]["code"] == "duplicate_request_id" and "same-rid" in r.json()["error"]["message"]
+
+
+async def test_one_failing_prompt_does_not_fail_its_batch(pd_system) -> None:
+    long = {"rid": "batchy-1", "text": "hold", "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}
+    rids = ["batchy-0", "batchy-1", "batchy-2"]
+    batch = {"rid": rids, "text": ["one", "two", "three"], "sampling_params": {"max_new_tokens": 4}}
+    async with httpx.AsyncClient(base_url=pd_system.url, timeout=60) as client:
+        holder = asyncio.create_task(client.post("/generate", json=long))
+        await asyncio.sleep(0.3)
+        r = await client.post("/generate", json=batch)  # its second prompt's id is taken
+        await holder
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [len(o["output_ids"]) for o in out] == [4, 0, 4]
+    assert [o["meta_info"]["id"] for o in out] == rids
+    assert out[1]["error"]["code"] == "duplicate_request_id"
+    assert out[1]["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+async def test_the_normal_path_pulls_every_prompt_and_recomputes_none(pd_system) -> None:
+    """Runs after the tests above: every decoded request arrived by a KV pull. A pull that
+    silently fell back to computing the prompt would show here."""
+    async with httpx.AsyncClient(base_url=pd_system.url, timeout=30) as client:
+        r = await client.post("/generate", json={"text": "count the pulls", "sampling_params": {"max_new_tokens": 4}})
+        assert r.status_code == 200
+        await asyncio.sleep(1.2)  # two heartbeats
+        workers = (await client.get("/workers")).json()
+    (decode,) = [w for w in workers if w["role"] == "decode"]
+    (prefill,) = [w for w in workers if w["role"] == "prefill"]
+    counters = decode["counters"]
+    assert counters["kv_pulls"] >= 10 and counters["kv_pull_bytes"] > 0
+    assert counters["recomputes"] == 0 and counters["kv_pull_failures"] == 0
+    assert counters["kv_leases_refused"] == 0 and counters["migrations"] == 0
+    assert decode["kv_layout"] == prefill["kv_layout"] and decode["transfer_protocol"] == "tcp"
+    async with httpx.AsyncClient(base_url=pd_system.url, timeout=30) as client:
+        stats = (await client.get("/health")).json()["requests"]
+    assert stats["requests"] > 0 and stats["migrations"] == 0 and stats["migration_failures"] == 0

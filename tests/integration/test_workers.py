@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -20,16 +19,9 @@ from pdserve.broker import streams, subjects
 from pdserve.broker.connection import publish_work
 from pdserve.broker.consumer import PullConsumer
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.loader import build_engine
 from pdserve.schemas import Cancel, GenerateRequest, KVHandle, KVReady, KVRelease, SamplingParams, TokenChunk
-from pdserve.workers.config import WorkerConfig
-from pdserve.workers.decode import DecodeWorker
-from pdserve.workers.prefill import PrefillWorker
-from pdserve.workers.runtime import WorkerRuntime
-from pdserve.workers.unified import UnifiedWorker
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
-ROLES = {"prefill": PrefillWorker, "decode": DecodeWorker, "unified": UnifiedWorker}
 
 
 async def until(predicate: Any, timeout: float = 15.0) -> None:
@@ -40,34 +32,14 @@ async def until(predicate: Any, timeout: float = 15.0) -> None:
         await asyncio.sleep(0.05)
 
 
-@pytest.fixture
-async def workers(nats_server, tiny_model_dir: Path) -> AsyncIterator[Any]:
-    started: list[WorkerRuntime] = []
-
-    async def start(role: str, **overrides: Any) -> WorkerRuntime:
-        config = WorkerConfig(
-            role=role,
-            model_path=tiny_model_dir,
-            model_name=tiny_model_dir.name,
-            nats_url=nats_server.url,
-            **{"engine": EngineConfig(max_total_tokens=16 * 512), "heartbeat_seconds": 0.5, **overrides},
-        )
-        worker = ROLES[role](config, build_engine(tiny_model_dir, config.engine))
-        await worker.start()
-        started.append(worker)
-        return worker
-
-    yield start
-    for worker in started:
-        if not worker.stopped.is_set():
-            await worker.shutdown()
-
-
-async def replies(nc: Any, subject: str) -> asyncio.Queue[TokenChunk]:
+async def replies(nc: Any, subject: str, keepalives: bool = False) -> asyncio.Queue[TokenChunk]:
+    """Chunks arriving at ``subject`` (without the ``alive`` ones unless ``keepalives``)."""
     queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
 
     async def on(msg: Any) -> None:
-        await queue.put(TokenChunk.decode(msg.data))
+        chunk = TokenChunk.decode(msg.data)
+        if keepalives or chunk.state != "alive":
+            await queue.put(chunk)
 
     await nc.subscribe(subject, cb=on)
     return queue
@@ -118,18 +90,15 @@ async def test_prefill_holds_kv_until_release_cancel_or_expiry(workers, nats_ser
         await nc.close()
 
 
-async def _publish_ready(js: Any, ready: KVReady) -> None:
-    await publish_work(js, subjects.kv_ready(ready.model), ready, msg_id=ready.rid)
+async def _publish_ready(js: Any, ready: KVReady, msg_id: str | None = None) -> None:
+    await publish_work(js, subjects.kv_ready(ready.model), ready, msg_id=msg_id or ready.rid)
 
 
-@pytest.mark.parametrize("why", ["expired", "foreign layout"])
-async def test_decode_recomputes_when_it_cannot_pull(workers, nats_server, tiny_model_dir: Path, why: str) -> None:
+async def test_decode_recomputes_when_the_handle_is_expired(workers, nats_server, tiny_model_dir: Path) -> None:
     decode = await workers("decode")
     prompt = list(range(40, 110))
     expected = reference(tiny_model_dir, prompt, GREEDY.max_new_tokens)
     layout = decode.engine.runner.pool.layout
-    if why == "foreign layout":
-        layout = dataclasses.replace(layout, dtype="float16")
     nc = await nats.connect(nats_server.url)
     released: asyncio.Queue[KVRelease] = asyncio.Queue()
 
@@ -139,7 +108,7 @@ async def test_decode_recomputes_when_it_cannot_pull(workers, nats_server, tiny_
     await nc.subscribe(subjects.kv_release("gone-prefill"), cb=on_release)
     chunks = await replies(nc, "pd.tokens.test.decode")
     ready = KVReady(
-        rid=f"recompute-{why}",
+        rid="recompute-expired",
         model=tiny_model_dir.name,
         prompt_ids=tuple(prompt),
         output_ids=(expected[0],),
@@ -147,12 +116,7 @@ async def test_decode_recomputes_when_it_cannot_pull(workers, nats_server, tiny_
         sampling=GREEDY,
         prefill_id="gone-prefill",
         handle=KVHandle(
-            "mooncake",
-            "127.0.0.1:1",
-            layout,
-            ((4096, 5 * layout.page_numel * 4),),
-            len(prompt),
-            time.time() + (-1 if why == "expired" else 60),
+            "mooncake", "127.0.0.1:1", layout, ((4096, 5 * layout.page_numel * 4),), len(prompt), time.time() - 1
         ),
     )
     try:
@@ -169,6 +133,55 @@ async def test_decode_recomputes_when_it_cannot_pull(workers, nats_server, tiny_
         release = await asyncio.wait_for(released.get(), 5)
         assert release.rid == ready.rid and not release.ok
         await until(lambda: decode.engine.pages.num_used_pages == 0)
+        assert decode.counters["recomputes"] == 1 and decode.counters["kv_pulls"] == 0
+    finally:
+        await nc.close()
+
+
+@pytest.mark.parametrize("why", ["page size", "dtype", "protocol"])
+async def test_a_handle_decode_cannot_read_is_a_clear_error(
+    workers, nats_server, tiny_model_dir: Path, why: str
+) -> None:
+    """Pools started with different --page-size, --dtype or transport: every request would
+    silently recompute; instead it fails with a message naming what differs."""
+    decode = await workers("decode")
+    layout = decode.engine.runner.pool.layout
+    protocol = "tcp"
+    if why == "page size":
+        layout = dataclasses.replace(layout, page_size=layout.page_size * 2)
+    elif why == "dtype":
+        layout = dataclasses.replace(layout, dtype="float16")
+    else:
+        protocol = "rdma"
+    nc = await nats.connect(nats_server.url)
+    chunks = await replies(nc, "pd.tokens.test.mismatch")
+    prompt = tuple(range(40, 110))
+    ready = KVReady(
+        rid=f"mismatch-{why.replace(' ', '-')}",
+        model=tiny_model_dir.name,
+        prompt_ids=prompt,
+        output_ids=(5,),
+        reply_to="pd.tokens.test.mismatch",
+        sampling=GREEDY,
+        prefill_id="other-prefill",
+        handle=KVHandle(
+            "mooncake",
+            "127.0.0.1:1",
+            layout,
+            ((4096, 5 * layout.page_numel * 4),),
+            len(prompt),
+            time.time() + 60,
+            protocol,
+        ),
+    )
+    try:
+        await _publish_ready(nc.jetstream(), ready)
+        chunk = await asyncio.wait_for(chunks.get(), 20)
+        assert chunk.finish_reason == "error" and chunk.error is not None
+        flag = {"page size": "--page-size", "dtype": "--dtype", "protocol": "--disaggregation-ib-device"}[why]
+        assert flag in chunk.error.message and "other-prefill" in chunk.error.message
+        assert decode.counters["recomputes"] == 0
+        assert decode.engine.pages.num_used_pages == 0
     finally:
         await nc.close()
 
@@ -191,7 +204,7 @@ async def test_shutdown_hands_unfinished_requests_to_another_worker(workers, nat
                 break
         assert len(received) == n
         assert received == reference(tiny_model_dir, prompt, n)
-        assert gateway.streams == {}
+        assert gateway.live == {}
     finally:
         await gateway.stop()
 
@@ -222,3 +235,98 @@ async def test_unified_worker_overlaps_steps_on_the_fast_path(workers, nats_serv
         await until(lambda: worker.engine.pages.num_used_pages == 0)
     finally:
         await gateway.stop()
+
+
+async def test_a_lease_keeps_cancelled_kv_until_the_read_ends(workers, nats_server, tiny_model_dir: Path) -> None:
+    from pdserve.broker import contract
+    from pdserve.schemas import KVLease
+
+    prefill = await workers("prefill", kv_hold_seconds=30.0)
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    model = tiny_model_dir.name
+    inbox = "pd.tokens.test.lease"
+    chunks = await replies(nc, inbox)
+    kv = PullConsumer(nc, subjects.KV_STREAM, subjects.decode_consumer(model))
+    await kv.start()
+    pages = prefill.engine.pages
+    try:
+        req = GenerateRequest(
+            rid="leased", model=model, prompt_ids=tuple(range(5, 90)), reply_to=inbox, sampling=GREEDY
+        )
+        await publish_work(js, subjects.requests(model), req, msg_id=req.rid)
+        await asyncio.wait_for(chunks.get(), 15)
+        (msg,) = await kv.fetch(1, 10)
+        await msg.ack()
+        gen = KVReady.decode(msg.data).handle.generation
+        assert gen != 0
+
+        async def lease(generation: int) -> Any:
+            return await contract.ask(
+                nc,
+                contract.KV_LEASE,
+                KVLease("leased", prefill.worker_id, generation, 1.5),
+                prefill.worker_id,
+                timeout=5,
+            )
+
+        assert not (await lease(gen + 1)).granted  # a handle of another hold reads nothing
+        assert (await lease(gen)).granted
+        await nc.publish(subjects.CANCEL, Cancel(rid="leased").encode())
+        await nc.publish(
+            subjects.kv_release(prefill.worker_id),
+            KVRelease(rid="leased", prefill_id=prefill.worker_id, generation=gen + 1).encode(),
+        )
+        await asyncio.sleep(0.5)
+        assert pages.num_used_pages == 6  # cancelled and wrongly released, but a read may be in flight
+        assert not (await lease(gen)).granted  # nobody new reads pages on their way out
+        started = time.monotonic()
+        await until(lambda: pages.num_used_pages == 0)
+        assert time.monotonic() - started < 3.0  # freed once the lease ran out
+    finally:
+        await nc.close()
+
+
+async def test_a_redelivered_kv_ready_after_release_reads_nothing(workers, nats_server, tiny_model_dir: Path) -> None:
+    """The pages of a handle that was consumed are freed (and may be reused): the same
+    KVReady again is refused its lease, and decode computes the prompt itself."""
+    prefill = await workers("prefill")
+    decode = await workers("decode")
+    model = tiny_model_dir.name
+    prompt = list(range(11, 83))
+    expected = reference(tiny_model_dir, prompt, GREEDY.max_new_tokens)
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    seen: asyncio.Queue[KVReady] = asyncio.Queue()
+
+    async def watch(msg: Any) -> None:
+        await seen.put(KVReady.decode(msg.data))
+
+    await nc.subscribe(subjects.kv_ready(model), cb=watch)  # core NATS sees what the stream stores
+    try:
+        runs = []
+        for attempt in range(2):
+            inbox = f"pd.tokens.test.again{attempt}"
+            chunks = await replies(nc, inbox)
+            if attempt == 0:
+                req = GenerateRequest(
+                    rid="again", model=model, prompt_ids=tuple(prompt), reply_to=inbox, sampling=GREEDY
+                )
+                await publish_work(js, subjects.requests(model), req, msg_id="again")
+            else:
+                stale = dataclasses.replace(await asyncio.wait_for(seen.get(), 5), reply_to=inbox)
+                await _publish_ready(js, stale, msg_id="again-republished")  # past the dedup window
+            tokens: list[int] = []
+            while True:
+                chunk = await asyncio.wait_for(chunks.get(), 20)
+                assert chunk.error is None
+                tokens.extend(chunk.token_ids)
+                if chunk.finish_reason:
+                    break
+            runs.append(tokens)
+            await until(lambda: decode.engine.pages.num_used_pages == 0 and prefill.engine.pages.num_used_pages == 0)
+        assert runs[0] == expected and [expected[0], *runs[1]] == expected
+        assert decode.counters["kv_pulls"] == 1 and decode.counters["kv_leases_refused"] == 1
+        assert decode.counters["recomputes"] == 1
+    finally:
+        await nc.close()

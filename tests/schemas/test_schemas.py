@@ -15,6 +15,8 @@ from pdserve.schemas import (
     GenerateRequest,
     KVHandle,
     KVLayout,
+    KVLease,
+    KVLeaseReply,
     KVReady,
     KVRelease,
     Message,
@@ -23,6 +25,7 @@ from pdserve.schemas import (
     TokenChunk,
     TokenLogprob,
     Usage,
+    WorkerCounters,
     WorkerInfo,
 )
 
@@ -130,6 +133,30 @@ MESSAGES: list[Message] = [
         model_path="/models/tiny",
         started_at=100.0,
         updated_at=200.5,
+    ),
+    # Minor additions of issue 8: attempts, chunk states, leases, generations, counters.
+    _generate(attempt=3),
+    TokenChunk(rid="req-10", seq=5, worker_id="decode-1", attempt=2, state="alive"),
+    TokenChunk(rid="req-11", seq=0, token_ids=(4,), state="queued"),
+    Cancel(rid="req-12", reason="superseded", attempt=2, issued_at=1700000000.5),
+    KVRelease(rid="req-13", prefill_id="prefill-0", generation=1234567),
+    KVLease(rid="req-14", prefill_id="prefill-0", generation=1234567, seconds=10.0),
+    KVLeaseReply(rid="req-14", granted=False, reason="another generation"),
+    WorkerInfo(
+        worker_id="w2",
+        role="decode",
+        model="tiny",
+        host="node-1",
+        pid=1,
+        capacity=8,
+        pages_total=10,
+        pages_used=0,
+        page_size=16,
+        requests_in_flight=0,
+        counters=WorkerCounters(kv_pulls=3, kv_pull_bytes=1 << 40, recomputes=1, migrations=2),
+        kv_layout=LAYOUT,
+        transfer_backend="mooncake",
+        transfer_protocol="rdma",
     ),
 ]
 
@@ -417,3 +444,26 @@ def test_minus_infinity_logprob_never_makes_an_undecodable_payload() -> None:
     back = TokenChunk.decode(data)
     assert back.logprobs is not None
     assert back.logprobs[0].top_logprobs[1] == float("-inf")
+
+
+def test_a_payload_from_before_the_minor_additions_still_decodes() -> None:
+    """A peer one minor version behind sends none of issue 8's fields: they take defaults."""
+    old_chunk = {"v": 1, "rid": "r", "seq": 3, "token_ids": [1]}
+    assert TokenChunk.decode(orjson.dumps(old_chunk)) == TokenChunk(rid="r", seq=3, token_ids=(1,))
+    old_info = {
+        "v": 1, "worker_id": "w", "role": "prefill", "model": "m", "host": "h", "pid": 1, "capacity": 1,
+        "pages_total": 1, "pages_used": 0, "page_size": 16, "requests_in_flight": 0,
+    }  # fmt: skip
+    info = WorkerInfo.decode(orjson.dumps(old_info))
+    assert info.counters == WorkerCounters() and info.kv_layout is None
+    ready = orjson.loads(MESSAGES[2].encode())
+    del ready["handle"]["generation"], ready["handle"]["protocol"], ready["attempt"]
+    decoded = KVReady.decode(orjson.dumps(ready))
+    assert decoded.handle.generation == 0 and decoded.handle.protocol == "" and decoded.attempt == 0
+
+
+def test_a_chunk_state_must_be_known() -> None:
+    with pytest.raises(MessageError, match="state"):
+        TokenChunk.decode(orjson.dumps({"v": 1, "rid": "r", "seq": 0, "state": "zombie"}))
+    with pytest.raises(ValueError, match="attempt"):
+        GenerateRequest(rid="r", model="m", prompt_ids=(1,), reply_to="x", attempt=-1)

@@ -177,3 +177,15 @@ def test_random_plans_copy_every_page_once() -> None:
         # maximal merging: as many reads as runs where both sides continue
         breaks = sum(1 for i in range(skip + 1, n) if local[i] != local[i - 1] + 1 or remote[i] != remote[i - 1] + 1)
         assert len(reads) == (breaks + 1 if skip < n else 0)
+
+
+def test_a_wildcard_host_is_advertised_as_a_real_address() -> None:
+    import ipaddress
+
+    from pdserve.workers.transfer import advertised_host
+
+    assert advertised_host("10.1.2.3") == "10.1.2.3"
+    assert advertised_host("node-7") == "node-7"
+    for wildcard in ("0.0.0.0", "::", ""):
+        address = ipaddress.ip_address(advertised_host(wildcard))
+        assert not address.is_unspecified

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pdserve.workers.transfer.base import TransferBackend, TransferError, plan_reads
+from pdserve.workers.transfer.base import TransferBackend, TransferError, advertised_host, plan_reads
 
 _BACKENDS: dict[str, Callable[..., TransferBackend]] = {}
 
@@ -31,4 +31,4 @@ def create_transfer(name: str, **kwargs: object) -> TransferBackend:
     return factory(**kwargs)
 
 
-__all__ = ["TransferBackend", "TransferError", "available_backends", "create_transfer", "plan_reads"]
+__all__ = ["TransferBackend", "TransferError", "advertised_host", "available_backends", "create_transfer", "plan_reads"]

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Sequence
 from typing import Protocol
+
+WILDCARD_HOSTS = ("", "0.0.0.0", "::", "*")
 
 
 class TransferError(RuntimeError):
@@ -11,8 +14,12 @@ class TransferError(RuntimeError):
 
 
 class TransferBackend(Protocol):
+    """``endpoint`` is what peers connect to (``host:port``); ``protocol`` the transport
+    (Mooncake: ``tcp`` or ``rdma``), which both ends of a transfer must share."""
+
     name: str
     endpoint: str
+    protocol: str
 
     def register(self, address: int, nbytes: int) -> None:
         """Make ``[address, address + nbytes)`` readable by peers (and writable locally)."""
@@ -56,3 +63,23 @@ def plan_reads(
         else:
             reads.append((local, remote, page_bytes))
     return reads
+
+
+def advertised_host(host: str) -> str:
+    """The address peers should use for ``host``: a wildcard (``0.0.0.0``, ``::``) names
+    no machine, so it becomes this machine's outward address (the interface the default
+    route leaves by; no packet is sent), else its hostname's address, else loopback."""
+    if host not in WILDCARD_HOSTS:
+        return host
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))
+            address = str(probe.getsockname()[0])
+        except OSError:
+            address = ""
+    if address and address != "0.0.0.0":
+        return address
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"

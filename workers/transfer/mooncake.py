@@ -6,7 +6,7 @@ import logging
 import os
 from collections.abc import Sequence
 
-from pdserve.workers.transfer.base import TransferError
+from pdserve.workers.transfer.base import TransferError, advertised_host
 
 log = logging.getLogger(__name__)
 
@@ -15,7 +15,14 @@ class MooncakeTransfer:
     name = "mooncake"
 
     def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "") -> None:
+        """``host`` is advertised to peers in ``endpoint``; a wildcard becomes this machine's
+        address (Mooncake's tcp transport listens on every interface whatever it is given)."""
+        host = advertised_host(host)
         os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's glog INFO lines are noise
+        # With its tcp connection pool, a failed read costs about a second and may hold up the
+        # next read from that peer for as long; without it both take milliseconds, and a
+        # successful read is as fast (measured: 64 x 1 MiB at 2 GB/s either way).
+        os.environ.setdefault("MC_TCP_ENABLE_CONNECTION_POOL", "0")
         try:
             from mooncake.engine import TransferEngine
         except ImportError as exc:

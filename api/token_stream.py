@@ -1,0 +1,131 @@
+"""One request's chunks as the API receives them: put back in ``seq`` order, duplicates
+dropped, and every reason to move the request to another worker noticed. Plain Python:
+the gateway feeds it chunks and the clock, and does what it answers.
+
+The client's tokens are the only truth. A request runs as attempts; chunks of any attempt
+but the current one are ignored. Within an attempt, a token at ``seq < next_seq`` must be
+the token the client already has: a worker that redoes the request (a redelivery after its
+first worker died) may go on only while it reproduces exactly what the client saw, so a
+continuation is always conditioned on the client's own tokens and two continuations are
+never spliced. A redo that differs, a worker that hands the request back or fails it with
+a retryable error, a gap that does not fill within ``gap_timeout``, or a worker that holds
+the request and goes silent for ``stall_timeout`` all answer "migrate": the gateway starts
+attempt ``n + 1`` from the tokens the client has.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from pdserve.schemas import TokenChunk
+from pdserve.schemas.tokens import ALIVE, HANDED_BACK, QUEUED, RETRYABLE
+
+
+@dataclass
+class TokenStream:
+    """Chunks of one request, in ``seq`` order, without duplicates. ``queued``: the request
+    waits in a stream for a worker (no chunk is due); else a worker holds it and must be
+    heard from at least every ``stall_timeout``."""
+
+    rid: str
+    next_seq: int = 0
+    attempt: int = 0
+    queue: asyncio.Queue[TokenChunk] = field(default_factory=asyncio.Queue)
+    early: dict[int, TokenChunk] = field(default_factory=dict)
+    output_ids: list[int] = field(default_factory=list)
+    queued: bool = True
+    heard_at: float = 0.0
+    gap_since: float | None = None
+    live_seq: int = -1  # highest seq a holder said anything at (a later hand-off is news)
+    duplicates: int = 0
+    stale: int = 0
+    migrations: int = 0
+
+    def deliver(self, chunk: TokenChunk, now: float = 0.0) -> str | None:
+        """Take one chunk; returns why the request must migrate, or ``None``."""
+        if chunk.attempt != self.attempt:
+            self.stale += 1
+            return None
+        self.heard_at = now
+        if chunk.error is not None:
+            if chunk.error.code == RETRYABLE:
+                return f"worker {chunk.worker_id or '?'} failed: {chunk.error.message}"
+            self.queue.put_nowait(chunk)
+            return None
+        if chunk.state == HANDED_BACK:
+            return f"worker {chunk.worker_id or '?'} handed the request back"
+        if chunk.state == ALIVE:
+            self._heard_holder(chunk.seq)
+            return None
+        if chunk.seq < self.next_seq:
+            return self._redo(chunk)
+        if chunk.seq > self.next_seq:
+            self.early[chunk.seq] = chunk
+            if self.gap_since is None:
+                self.gap_since = now
+            return None
+        self._push(chunk)
+        while self.next_seq in self.early:
+            self._push(self.early.pop(self.next_seq))
+        self.gap_since = now if self.early else None
+        return None
+
+    def expired(self, now: float, stall_timeout: float, gap_timeout: float) -> str | None:
+        """Why the request must migrate as of ``now``, or ``None``."""
+        if self.gap_since is not None and now - self.gap_since > gap_timeout:
+            return f"chunk {self.next_seq} was lost"
+        if not self.queued and now - self.heard_at > stall_timeout:
+            return f"no word from its worker for {now - self.heard_at:.1f}s"
+        return None
+
+    def restart(self, attempt: int, now: float) -> None:
+        """Attempt ``attempt`` starts from the tokens the client has; it waits in the
+        request queue first."""
+        self.attempt = attempt
+        self.migrations += 1
+        self.early.clear()
+        self.gap_since = None
+        self.queued = True
+        self.live_seq = -1
+        self.heard_at = now
+
+    def _heard_holder(self, seq: int) -> None:
+        self.queued = False
+        self.live_seq = max(self.live_seq, seq)
+
+    def _redo(self, chunk: TokenChunk) -> str | None:
+        """A chunk that starts before ``next_seq``: fine while it repeats the client's tokens."""
+        known = self.output_ids[chunk.seq : self.next_seq]
+        overlap = min(len(known), len(chunk.token_ids))
+        ends_early = chunk.finish_reason is not None and len(chunk.token_ids) < len(known)
+        if list(chunk.token_ids[:overlap]) != known[:overlap] or ends_early:
+            return f"worker {chunk.worker_id or '?'} redid the request differently at token {chunk.seq}"
+        self.duplicates += 1
+        rest = chunk.token_ids[overlap:]
+        if not rest and chunk.finish_reason is None:
+            self._heard_holder(chunk.seq)
+            return None
+        tail = TokenChunk(
+            rid=chunk.rid,
+            seq=self.next_seq,
+            token_ids=tuple(rest),
+            finish_reason=chunk.finish_reason,
+            stop_reason=chunk.stop_reason,
+            usage=chunk.usage,
+            logprobs=chunk.logprobs[overlap:] if chunk.logprobs else None,
+            worker_id=chunk.worker_id,
+            timings=chunk.timings,
+            attempt=chunk.attempt,
+        )
+        self._push(tail)
+        return None
+
+    def _push(self, chunk: TokenChunk) -> None:
+        self.queue.put_nowait(chunk)
+        self.output_ids.extend(chunk.token_ids)
+        self.next_seq = chunk.seq + max(len(chunk.token_ids), 1 if chunk.finish_reason else 0)
+        if chunk.state == QUEUED and chunk.seq >= self.live_seq:
+            self.queued = True  # handed to the KV queue, and no decode worker spoke up yet
+        else:
+            self._heard_holder(chunk.seq)

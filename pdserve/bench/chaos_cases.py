@@ -1,0 +1,532 @@
+"""The chaos cases of issue 8, each against a running :class:`ChaosSystem` (2 prefill and
+2 decode workers): the failure it injects, what it measures, and whether it passes.
+``bench/chaos.py`` runs them at full size and prints the table; the tests in
+``tests/integration/test_chaos.py`` run them small."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import signal
+import socket
+import sys
+import threading
+import time
+from asyncio.subprocess import PIPE
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from pdserve.bench.chaos import ChaosSystem, Observer, Streamed, percentile, prompts, stream
+
+
+@dataclass
+class CaseResult:
+    case: str
+    passed: bool
+    figure: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def _client(n: int = 64) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=n + 16, max_keepalive_connections=n + 16)
+    return httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0), limits=limits)
+
+
+async def _run_streams(system: ChaosSystem, ps: list[list[int]], max_new: int, tag: str, **kw: Any) -> list[Streamed]:
+    async with _client(len(ps)) as client:
+        return list(
+            await asyncio.gather(
+                *(stream(client, system.url, p, max_new, f"{tag}-{i}", **kw) for i, p in enumerate(ps))
+            )
+        )
+
+
+async def _until(predicate: Any, timeout: float, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await predicate():
+            return True
+        await asyncio.sleep(interval)
+    return False
+
+
+async def _busiest(system: ChaosSystem, client: httpx.AsyncClient, role: str) -> dict[str, Any]:
+    workers = [w for w in await system.aworkers(client) if w["role"] == role]
+    return max(workers, key=lambda w: w["requests_in_flight"])
+
+
+# ---- kill -9 of a decode worker ---------------------------------------------------------------
+async def decode_kill(system: ChaosSystem, n: int = 64, max_new: int = 384, min_held: int = 10) -> CaseResult:
+    ps = prompts(n, 48, seed=1)
+    calm = await _run_streams(system, ps, max_new, "calm-decode")
+    system.wait_ready()
+    held = {"count": 0}
+    done = asyncio.Event()
+
+    async def killer() -> None:
+        async with _client() as client:
+
+            async def spread() -> bool:
+                busiest = await _busiest(system, client, "decode")
+                return bool(busiest["requests_in_flight"] >= min(min_held, n // 2))
+
+            await _until(spread, 120)
+            victim = await _busiest(system, client, "decode")
+            held["count"] = victim["requests_in_flight"]
+            system.kill(victim["pid"])
+            done.set()
+
+    kill_task = asyncio.create_task(killer())
+    runs = await _run_streams(system, ps, max_new, "killed-decode")
+    await kill_task
+    complete = sum(r.complete and len(r.tokens) == max_new for r in runs)
+    identical = sum(r.tokens == c.tokens for r, c in zip(runs, calm, strict=True))
+    stall = max((max(r.itls(), default=0.0) for r in runs), default=0.0)
+    ok = held["count"] >= min(min_held, n // 2) and complete == n and identical == n
+    figure = f"{complete}/{n} complete, {identical}/{n} identical; victim held {held['count']}; longest client gap {stall:.1f}s"
+    return CaseResult("kill -9 a decode worker", ok, figure, {"held": held["count"], "longest_gap_s": stall})
+
+
+# ---- kill -9 of a prefill worker --------------------------------------------------------------
+async def prefill_kill(system: ChaosSystem, n: int = 32, prompt_len: int = 1500, max_new: int = 16) -> CaseResult:
+    ps = prompts(n, prompt_len, seed=2)
+    victim: dict[str, Any] = {}
+
+    async def killer() -> None:
+        async with _client() as client:
+
+            async def busy() -> bool:  # the requests have spread over both prefill workers
+                victim.update(await _busiest(system, client, "prefill"))
+                return bool(victim["requests_in_flight"] >= max(2, n // 4))
+
+            await _until(busy, 120, 0.02)
+            system.kill(victim["pid"])
+
+    kill_task = asyncio.create_task(killer())
+    started = time.monotonic()
+    runs = await _run_streams(system, ps, max_new, "killed-prefill")
+    await kill_task
+    complete = sum(r.complete and len(r.tokens) == max_new for r in runs)
+    seconds = time.monotonic() - started
+    figure = f"{complete}/{n} complete (victim held {victim.get('requests_in_flight', 0)}) in {seconds:.0f}s"
+    return CaseResult("kill -9 a prefill worker", complete == n, figure, {"seconds": seconds})
+
+
+# ---- SIGTERM of workers ----------------------------------------------------------------------
+async def drain(system: ChaosSystem, n: int = 32, max_new: int = 256) -> CaseResult:
+    """SIGTERM (a graceful stop) of the busiest decode worker and then of a prefill worker
+    while ``n`` greedy streams run: each stops taking work, finishes or hands back what it
+    holds with the tokens so far, frees its KV; every stream ends complete and identical."""
+    ps = prompts(n, 40, seed=8)
+    calm = await _run_streams(system, ps, max_new, "calm-drain")
+    system.wait_ready()
+    stopped: list[str] = []
+
+    async def on_event(s: Streamed) -> None:
+        if len(s.tokens) >= max_new // 4 and not stopped:
+            stopped.append("decode")
+            async with _client() as client:
+                system.kill((await _busiest(system, client, "decode"))["pid"], signal.SIGTERM)
+                prefill = next(w for w in await system.aworkers(client) if w["role"] == "prefill")
+                system.kill(prefill["pid"], signal.SIGTERM)
+                stopped.append("prefill")
+
+    runs = await _run_streams(system, ps, max_new, "drained", on_event=on_event)
+    complete = sum(r.complete and len(r.tokens) == max_new for r in runs)
+    identical = sum(r.tokens == c.tokens for r, c in zip(runs, calm, strict=True))
+    ok = len(stopped) == 2 and complete == n and identical == n
+    figure = f"{complete}/{n} complete, {identical}/{n} identical to an undisturbed run"
+    return CaseResult("SIGTERM of a decode and a prefill worker", ok, figure)
+
+
+# ---- kill -9 and restart of nats-server -------------------------------------------------------
+async def broker_restart(system: ChaosSystem, n: int = 32, max_new: int = 256) -> CaseResult:
+    ps = prompts(n, 40, seed=3)
+    calm = await _run_streams(system, ps, max_new, "calm-broker")
+    system.wait_ready()
+    killed = asyncio.Event()
+
+    async def on_event(s: Streamed) -> None:
+        if len(s.tokens) >= max_new // 4 and not killed.is_set():
+            killed.set()
+            system.kill(system.broker_pid())
+
+    runs = await _run_streams(system, ps, max_new, "broker-restart", on_event=on_event)
+    complete = sum(r.complete and len(r.tokens) == max_new for r in runs)
+    identical = sum(r.tokens == c.tokens for r, c in zip(runs, calm, strict=True))
+    lost = n - complete
+    figure = f"{lost} of {n} accepted requests lost; {identical}/{n} identical to an undisturbed run"
+    return CaseResult("kill -9 and restart nats-server", killed.is_set() and lost == 0 and identical == n, figure)
+
+
+# ---- client disconnects -----------------------------------------------------------------------
+async def disconnects(system: ChaosSystem, n: int = 100, limit: float = 0.5) -> CaseResult:
+    """Leave ``n`` streams one after another; each time, how long until every worker's
+    pages are back where they were (the registry, refreshed every 0.1 s, tells)."""
+    ps = prompts(n, 64, seed=4)
+    waits: list[float] = []
+    async with _client() as client:
+        baseline = {w["id"]: w["pages_used"] for w in await system.aworkers(client)}
+        for i, p in enumerate(ps):
+            await stream(client, system.url, p, 3000, f"leave-{i}", stop_after=4)
+            left, left_wall = time.monotonic(), time.time()
+
+            async def back(left_wall: float = left_wall) -> bool:
+                workers = await system.aworkers(client)
+                fresh = all(w["last_seen_seconds"] <= time.time() - left_wall for w in workers)
+                return fresh and all(w["pages_used"] <= baseline.get(w["id"], 0) for w in workers)
+
+            await _until(back, 10, 0.02)
+            waits.append(time.monotonic() - left)
+    worst = max(waits)
+    figure = (
+        f"pages back to baseline after each of {n}: p50 {percentile(waits, 0.5) * 1e3:.0f} ms, max {worst * 1e3:.0f} ms"
+    )
+    return CaseResult("client disconnects mid-stream", worst <= limit, figure, {"waits_s": waits})
+
+
+# ---- transfer failures and expired handles ----------------------------------------------------
+async def transfer_faults(system: ChaosSystem, n: int = 100, limit: float = 5.0, wave: int = 20) -> CaseResult:
+    """``n`` handles whose pull fails in Mooncake (a real engine here, asked for memory it
+    never registered), ``n`` handles expired (half past their time, half of a hold
+    generation the prefill side no longer has): every request must end within ``limit``
+    seconds, and the decode pool's pages go back to baseline."""
+    import nats
+
+    from pdserve.broker import contract, subjects
+    from pdserve.broker.connection import publish_work
+    from pdserve.schemas import KVHandle, KVLayout, KVLease, KVLeaseReply, KVReady, SamplingParams, TokenChunk
+    from pdserve.workers.transfer import create_transfer
+
+    async with _client() as client:
+        workers = await system.aworkers(client)
+    decode = next(w for w in workers if w["role"] == "decode")
+    layout = KVLayout(**decode["kv_layout"])
+    model = next(w["model"] for w in workers)
+    prefill_id = "chaos-prefill"
+    nats_url = await _nats_url(system)
+    nc = await nats.connect(nats_url)
+    transfer = create_transfer("mooncake", host="127.0.0.1", protocol="tcp")
+    buffer = ctypes.create_string_buffer(1 << 20)
+    transfer.register(ctypes.addressof(buffer), len(buffer))
+
+    async def grant(lease: KVLease) -> KVLeaseReply:  # the fake prefill side grants generation 1 only
+        return KVLeaseReply(rid=lease.rid, granted=lease.generation == 1, reason="another generation")
+
+    await contract.answer(nc, contract.KV_LEASE, grant, prefill_id)
+    ended: dict[str, float] = {}
+    outcome: dict[str, str] = {}
+
+    async def on_chunk(msg: Any) -> None:
+        c = TokenChunk.decode(msg.data)
+        if c.finish_reason and c.rid not in ended:
+            ended[c.rid] = time.monotonic()
+            outcome[c.rid] = c.finish_reason
+
+    await nc.subscribe("pd.tokens.chaos.*", cb=on_chunk)
+    page_bytes = layout.page_numel * (2 if layout.dtype in ("float16", "bfloat16") else 4)
+    kinds = ["failed pull"] * n + ["expired"] * (n // 2) + ["old generation"] * (n - n // 2)
+    published: dict[str, float] = {}
+    try:
+        for start in range(0, len(kinds), wave):
+            batch = list(enumerate(kinds))[start : start + wave]
+            for i, kind in batch:
+                rid = f"fault-{i}"
+                prompt = tuple(prompts(1, 40, seed=100 + i)[0])
+                handle = KVHandle(
+                    backend="mooncake",
+                    endpoint=transfer.endpoint,
+                    layout=layout,
+                    segments=(
+                        (ctypes.addressof(buffer) + (64 << 30), -(-len(prompt) // layout.page_size) * page_bytes),
+                    ),
+                    num_tokens=len(prompt),
+                    expires_at=time.time() + (-1.0 if kind == "expired" else 60.0),
+                    protocol="tcp",
+                    generation=1 if kind == "failed pull" else 7,
+                )
+                ready = KVReady(
+                    rid=rid,
+                    model=model,
+                    prompt_ids=prompt,
+                    output_ids=(5,),
+                    reply_to=f"pd.tokens.chaos.{rid}",
+                    sampling=SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True),
+                    prefill_id=prefill_id,
+                    handle=handle,
+                    published_at=time.time(),
+                )
+                published[rid] = time.monotonic()
+                await publish_work(nc.jetstream(), subjects.kv_ready(model), ready, msg_id=f"chaos-{rid}-{time.time()}")
+
+            async def wave_done(ids: list[str] = [f"fault-{i}" for i, _ in batch]) -> bool:  # noqa: B006
+                return all(r in ended for r in ids)
+
+            await _until(wave_done, limit + 5)
+    finally:
+        await nc.close()
+        transfer.close()
+    waits = [ended[r] - published[r] for r in published if r in ended]
+    by_kind: dict[str, float] = {}
+    for i, kind in enumerate(kinds):
+        rid = f"fault-{i}"
+        if rid in ended:
+            by_kind[kind] = max(by_kind.get(kind, 0.0), ended[rid] - published[rid])
+    unfinished = len(published) - len(waits)
+    async with _client() as client:
+
+        async def idle() -> bool:
+            return all(w["pages_used"] == 0 for w in await system.aworkers(client))
+
+        pages_back = await _until(idle, 10)
+    worst = max(waits, default=float("inf"))
+    completed = sum(1 for r in outcome.values() if r == "length")
+    ok = unfinished == 0 and worst <= limit and pages_back
+    slowest = ", ".join(f"{kind} {seconds:.2f}s" for kind, seconds in by_kind.items())
+    figure = (
+        f"{completed}/{len(kinds)} completed, {unfinished} unfinished; slowest: {slowest}; "
+        f"pages {'back to baseline' if pages_back else 'NOT back'}"
+    )
+    return CaseResult("injected transfer failures and expired handles", ok, figure, {"waits_s": waits})
+
+
+async def _nats_url(system: ChaosSystem) -> str:
+    """The broker's URL, from its ports file."""
+    import json
+
+    for path in (system.data_dir / "data" / "nats" / "ports").glob(f"*_{system.broker_pid()}.ports"):
+        return str(json.loads(path.read_text())["nats"][0])
+    raise RuntimeError("no ports file for the running broker")
+
+
+# ---- forced redelivery and duplicate publish ----------------------------------------------------
+async def redelivery(system: ChaosSystem, n: int = 32, max_new: int = 96) -> CaseResult:
+    """Every request published twice (a second copy past the dedup window) and one decode
+    worker drained mid-run (its KV events go back to the stream), with temperature 1 and
+    no seed: every stream must be whole, no token repeated, none spliced."""
+    import nats
+
+    from pdserve.broker import subjects
+
+    async with _client() as client:
+        model = (await system.aworkers(client))[0]["model"]
+    observer = Observer(await _nats_url(system), model)
+    copier = await nats.connect(await _nats_url(system))
+    copies: list[str] = []
+
+    async def copy(data: bytes, req: dict[str, Any]) -> None:
+        if req.get("attempt", 0) == 0 and req["rid"] not in copies:
+            copies.append(req["rid"])
+            await copier.jetstream().publish(
+                subjects.requests(model), data, headers={"Nats-Msg-Id": f"{req['rid']}-copy"}
+            )
+
+    await observer.start(on_request=copy)
+    drained = asyncio.Event()
+
+    async def on_event(s: Streamed) -> None:
+        if len(s.tokens) >= max_new // 3 and not drained.is_set():
+            drained.set()
+            async with _client() as client:
+                victim = await _busiest(system, client, "decode")
+            system.kill(victim["pid"], signal.SIGTERM)
+
+    try:
+        runs = await _run_streams(system, prompts(n, 32, seed=5), max_new, "twice", temperature=1.0, on_event=on_event)
+        await asyncio.sleep(0.5)
+        spliced = sum(bool(observer.splices(r.rid, r.tokens)) for r in runs)
+    finally:
+        await observer.stop()
+        await copier.close()
+    repeated = sum(r.repeated > 0 or len(r.tokens) != max_new for r in runs)
+    complete = sum(r.complete for r in runs)
+    ok = complete == n and repeated == 0 and spliced == 0 and len(copies) >= n
+    figure = (
+        f"{complete}/{n} complete; {repeated} with duplicated tokens, {spliced} spliced ({len(copies)} published twice)"
+    )
+    return CaseResult("forced redelivery and duplicate publish", ok, figure)
+
+
+# ---- many streams -------------------------------------------------------------------------------
+async def many_streams(system: ChaosSystem, n: int = 1000, max_new: int = 16) -> CaseResult:
+    started = time.monotonic()
+    async with _client(n) as client:
+        ps = prompts(n, 16, seed=6)
+        runs = await asyncio.gather(*(stream(client, system.url, p, max_new, f"many-{i}") for i, p in enumerate(ps)))
+    complete = sum(r.complete and len(r.tokens) == max_new for r in runs)
+    seconds = time.monotonic() - started
+    return CaseResult(f"{n} concurrent SSE streams", complete == n, f"{complete}/{n} complete in {seconds:.0f}s")
+
+
+# ---- a huge body while streams run --------------------------------------------------------------
+class _Sink:
+    """A bare socket server that reads each request whole (as the API does, so that the
+    client can read its answer), answers 413 and hangs up: the same bodies sent here load
+    the machine as much as they do when sent to the API, without the API."""
+
+    def __init__(self) -> None:
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._server.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return
+            with conn:
+                head = b""
+                while b"\r\n\r\n" not in head:
+                    head += conn.recv(1 << 16)
+                headers, _, body = head.partition(b"\r\n\r\n")
+                length = next(
+                    (
+                        int(line.split(b":")[1])
+                        for line in headers.split(b"\r\n")
+                        if line.lower().startswith(b"content-length")
+                    ),
+                    0,
+                )
+                conn.sendall(b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 0\r\n\r\n")
+                left = length - len(body)
+                while left > 0:
+                    got = conn.recv(min(left, 1 << 20))
+                    if not got:
+                        break
+                    left -= len(got)
+
+    def close(self) -> None:
+        self._server.close()
+
+
+class _Poster:
+    """A process of its own that posts a ``mb`` MB body to a URL when asked (the body built
+    beforehand): sending 50 MB from the measuring process would stall the event loop that
+    records the arrival times."""
+
+    def __init__(self, mb: int) -> None:
+        self.mb = mb
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> None:
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _POST_BODY, str(self.mb), stdin=PIPE, stdout=PIPE
+        )
+        assert self.proc.stdout is not None
+        await self.proc.stdout.readline()
+
+    async def post(self, url: str) -> tuple[int, float]:
+        assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(url.encode() + b"\n")
+        await self.proc.stdin.drain()
+        code, seconds = (await self.proc.stdout.readline()).decode().split()
+        return int(code), float(seconds)
+
+    async def stop(self) -> None:
+        if self.proc is not None and self.proc.stdin is not None:
+            self.proc.stdin.close()
+            await self.proc.wait()
+
+
+async def huge_body(
+    system: ChaosSystem,
+    streams: int = 16,
+    max_new: int = 300,
+    body_mb: int = 50,
+    tolerance: float = 0.2,
+    rounds: int = 3,
+    check_itl: bool = True,
+) -> CaseResult:
+    """Inter-token latency of ``streams`` streams while five ``body_mb`` MB bodies are
+    posted one after another to the API, and while the same bodies go to a bare socket that
+    refuses them (what sending them costs this machine, the API left out), ``rounds`` times
+    each, alternating; and undisturbed, for reference. Each body must be a 413 at once, and
+    the median p99 ITL with the bodies sent to the API within ``tolerance`` of the median
+    with them sent to the bare socket."""
+    ps = prompts(streams, 32, seed=7)
+    sink = _Sink()
+    poster = _Poster(body_mb)
+    await poster.start()
+    answers: list[tuple[int, float]] = []
+    p99: dict[str, list[float]] = {"undisturbed": [], "api": [], "bare socket": []}
+    complete = True
+    try:
+        await poster.post(system.url)  # the first refusal warms the path up; it is not measured
+        for i in range(rounds):
+            for kind, target in (("undisturbed", None), ("api", system.url), ("bare socket", sink.url)):
+                system.wait_ready()
+                running = asyncio.Event()
+
+                async def on_event(s: Streamed, running: asyncio.Event = running) -> None:
+                    if len(s.tokens) >= 20:
+                        running.set()
+
+                async def send(running: asyncio.Event = running, target: str | None = target, kind: str = kind) -> None:
+                    await running.wait()
+                    for _ in range(5 if target else 0):
+                        answer = await poster.post(target or "")
+                        if kind == "api":
+                            answers.append(answer)
+                        await asyncio.sleep(0.2)
+
+                task = asyncio.create_task(send())
+                runs = await _run_streams(system, ps, max_new, f"body-{kind}-{i}".replace(" ", "-"), on_event=on_event)
+                await task
+                complete = complete and all(r.complete for r in runs)
+                p99[kind].append(percentile([x for r in runs for x in r.itls()], 0.99))
+    finally:
+        await poster.stop()
+        sink.close()
+    median = {kind: sorted(values)[rounds // 2] for kind, values in p99.items()}
+    slowest = max((s for _, s in answers), default=float("inf"))
+    all_413 = len(answers) == 5 * rounds and all(code == 413 for code, _ in answers)
+    itl_ok = median["api"] <= median["bare socket"] * (1 + tolerance) or not check_itl
+    ok = all_413 and slowest < 0.5 and complete and itl_ok
+    figure = (
+        f"{sum(c == 413 for c, _ in answers)}/{len(answers)} answered 413 (slowest {slowest * 1e3:.1f} ms); "
+        f"ITL p99, median of {rounds} rounds: {median['api'] * 1e3:.1f} ms with the bodies sent to the API, "
+        f"{median['bare socket'] * 1e3:.1f} ms sent to a bare socket, {median['undisturbed'] * 1e3:.1f} ms without"
+    )
+    return CaseResult(f"a {body_mb} MB body while {streams} streams run", ok, figure, {"p99_itl_s": p99})
+
+
+# Builds a body of argv[1] MB once, then for each URL read from stdin posts it to URL/generate
+# and prints the status and the seconds to it.
+_POST_BODY = """
+import http.client, sys, time, urllib.parse
+size = int(sys.argv[1]) << 20
+body = b'{"text": "' + b"x" * size + b'"}'
+print("ready", flush=True)
+for line in sys.stdin:
+    url = urllib.parse.urlsplit(line.strip())
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    started = time.monotonic()
+    conn.putrequest("POST", "/generate")
+    conn.putheader("Content-Type", "application/json"); conn.putheader("Content-Length", str(len(body)))
+    conn.endheaders()
+    try:
+        conn.send(body)
+    except OSError:
+        pass  # the server answered and closed before taking it all
+    try:
+        status = conn.getresponse().status
+    except OSError:
+        status = 0
+    print(status, time.monotonic() - started, flush=True)
+    conn.close()
+"""
+
+CASES = {
+    "decode-kill": decode_kill,
+    "prefill-kill": prefill_kill,
+    "drain": drain,
+    "broker-restart": broker_restart,
+    "disconnects": disconnects,
+    "transfer-faults": transfer_faults,
+    "redelivery": redelivery,
+    "many-streams": many_streams,
+    "huge-body": huge_body,
+}

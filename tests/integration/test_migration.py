@@ -1,0 +1,274 @@
+"""A stream outlives its worker: killed, drained, losing a chunk, or run twice, a request
+goes on from exactly the tokens its client has (real nats-server, real Mooncake, workers
+in this process; ``kill`` does to a worker what kill -9 does)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from pdserve.api.gateway import Gateway, StreamError
+from pdserve.broker import streams, subjects
+from pdserve.broker.connection import publish_work
+from pdserve.schemas import GenerateRequest, SamplingParams, TokenChunk
+
+pytestmark = pytest.mark.slow
+
+PROMPT = list(range(7, 70))
+
+
+def reference(model_dir: Path, prompt: list[int], n: int) -> list[int]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture
+async def gateway(nats_server, tiny_model_dir: Path) -> AsyncIterator[Gateway]:
+    gw = Gateway(nats_server.url, tiny_model_dir.name, streams.BrokerConfig(), stall_timeout=1.5, gap_timeout=0.5)
+    await gw.start()
+    yield gw
+    await gw.stop()
+
+
+@dataclass
+class Run:
+    tokens: list[int] = field(default_factory=list)
+    workers: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+async def stream(gw: Gateway, params: SamplingParams, rid: str, on_token: Any = None, limit: float = 120) -> Run:
+    run = Run()
+    started = time.monotonic()
+
+    async def consume() -> None:
+        async for chunk in gw.generate(PROMPT, params, rid=rid):
+            run.tokens.extend(chunk.token_ids)
+            if chunk.worker_id and (not run.workers or run.workers[-1] != chunk.worker_id):
+                run.workers.append(chunk.worker_id)
+            if on_token is not None:
+                await on_token(run, chunk)
+            if chunk.finish_reason:
+                break
+
+    try:
+        await asyncio.wait_for(consume(), limit)
+    except TimeoutError:
+        live = gw.live.get(rid)
+        state = vars(live.stream) if live else "gone"
+        pytest.fail(f"stream {rid} stuck after {len(run.tokens)} tokens from {run.workers}; gateway: {state}")
+    run.seconds = time.monotonic() - started
+    return run
+
+
+async def test_a_decode_worker_killed_mid_stream_hands_the_stream_on(
+    workers, kill, gateway: Gateway, tiny_model_dir: Path
+) -> None:
+    await workers("prefill")
+    first = await workers("decode")
+    n = 240
+    params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+    state: dict[str, Any] = {}
+
+    async def on_token(run: Run, chunk: TokenChunk) -> None:
+        if len(run.tokens) >= 30 and "second" not in state:
+            assert chunk.worker_id == first.worker_id
+            state["second"] = await workers("decode")
+            await kill(first)
+            state["killed_at"] = len(run.tokens)
+
+    run = await stream(gateway, params, "killed-decode", on_token)
+    assert run.tokens == reference(tiny_model_dir, PROMPT, n)  # no gap, no repeat, same tokens
+    second = state["second"]
+    assert run.workers[-1] == second.worker_id
+    assert gateway.stats.migrations == 1
+    assert second.counters["migrations"] == 1 and second.counters["kv_pulls"] == 1
+    assert second.counters["recomputes"] == 0
+
+
+async def test_seeded_sampling_is_unchanged_by_a_migration(workers, kill, gateway: Gateway) -> None:
+    await workers("prefill")
+    first = await workers("decode")
+    params = SamplingParams(max_new_tokens=160, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+    calm = await stream(gateway, params, "seeded-calm")
+    state: dict[str, Any] = {}
+
+    async def on_token(run: Run, chunk: TokenChunk) -> None:
+        if len(run.tokens) >= 25 and "second" not in state:
+            state["second"] = await workers("decode")
+            await kill(first)
+
+    disturbed = await stream(gateway, params, "seeded-disturbed", on_token)
+    assert gateway.stats.migrations == 1
+    assert disturbed.tokens == calm.tokens
+
+
+async def test_a_draining_decode_worker_hands_its_stream_back_at_once(
+    workers, gateway: Gateway, tiny_model_dir: Path
+) -> None:
+    await workers("prefill")
+    first = await workers("decode", drain_seconds=0.0)
+    second_ready = asyncio.Event()
+    n = 200
+    params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+    gaps: list[float] = []
+    last = [time.monotonic()]
+
+    async def on_token(run: Run, chunk: TokenChunk) -> None:
+        now = time.monotonic()
+        if second_ready.is_set():
+            gaps.append(now - last[0])
+        last[0] = now
+        if len(run.tokens) >= 30 and not second_ready.is_set():
+            await workers("decode")
+            second_ready.set()
+            last[0] = time.monotonic()
+            await first.shutdown()  # SIGTERM: stop taking work, hand back with the tokens so far
+
+    run = await stream(gateway, params, "drained", on_token)
+    assert run.tokens == reference(tiny_model_dir, PROMPT, n)
+    assert first.counters["handed_back"] == 1 and gateway.stats.migrations == 1
+    assert max(gaps) < 1.5  # resumed on the hand-back, not after a stall timeout
+    assert first.engine.pages.num_used_pages == 0
+
+
+async def test_a_lost_chunk_is_recovered_in_seconds(workers, gateway: Gateway, tiny_model_dir: Path) -> None:
+    await workers("prefill")
+    decode = await workers("decode")
+    send = decode.replies.send
+    doomed = {(0, 12), (1, 39)}  # a chunk in the middle of attempt 0, the last chunk of attempt 1
+    lost: list[tuple[int, int]] = []
+
+    async def lossy(reply_to: str, chunk: TokenChunk, tracked: Any = None) -> None:
+        if (chunk.attempt, chunk.seq) in doomed and chunk.token_ids:
+            doomed.discard((chunk.attempt, chunk.seq))
+            lost.append((chunk.attempt, chunk.seq))  # as if core NATS dropped it; the sender does not know
+            if tracked is not None:
+                tracked.next_seq = chunk.seq + 1
+            return
+        await send(reply_to, chunk, tracked)
+
+    decode.replies.send = lossy  # type: ignore[method-assign]
+    n = 40  # the last chunk lost shows no gap, only silence
+    params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+    run = await stream(gateway, params, "lossy")
+    assert lost == [(0, 12), (1, 39)]
+    assert run.tokens == reference(tiny_model_dir, PROMPT, n)
+    assert gateway.stats.migrations == 2
+    assert run.seconds < 10.0
+
+
+async def test_a_duplicate_publish_never_splices_unseeded_samples(
+    workers, nats_server, gateway: Gateway, tiny_model_dir: Path
+) -> None:
+    """The same request runs twice (a second publish past the dedup window) with
+    temperature 1 and no seed: the client gets one continuation, never a mix."""
+    await workers("unified")
+    await workers("unified")
+    n = 48
+    params = SamplingParams(max_new_tokens=n, temperature=1.0, ignore_eos=True)
+    observer = await nats.connect(nats_server.url)
+    seen: list[TokenChunk] = []
+    rid = "twice"
+
+    async def watch(msg: Any) -> None:
+        seen.append(TokenChunk.decode(msg.data))
+
+    await observer.subscribe(subjects.tokens(gateway.api_id, rid), cb=watch)
+    published: dict[str, float] = {}
+
+    async def on_token(run: Run, chunk: TokenChunk) -> None:
+        if "again" not in published:
+            published["again"] = time.time()
+            again = GenerateRequest(
+                rid=rid,
+                model=tiny_model_dir.name,
+                prompt_ids=tuple(PROMPT),
+                reply_to=subjects.tokens(gateway.api_id, rid),
+                sampling=params,
+            )
+            await publish_work(
+                observer.jetstream(), subjects.requests(tiny_model_dir.name), again, msg_id="twice-again"
+            )
+
+    try:
+        run = await stream(gateway, params, rid, on_token)
+        await asyncio.sleep(0.3)
+    finally:
+        await observer.close()
+    assert len(run.tokens) == n
+    assert gateway.stats.migrations >= 1  # the two runs disagreed, and the API noticed
+    assert consistent(run.tokens, seen), "the client's tokens mix two continuations"
+
+
+def test_the_splice_check_itself() -> None:
+    a = [TokenChunk(rid="r", seq=i, token_ids=(t,), worker_id="a") for i, t in enumerate([1, 2, 3, 4])]
+    b = [TokenChunk(rid="r", seq=i, token_ids=(t,), worker_id="b") for i, t in enumerate([1, 7, 5, 9])]
+    resumed = [TokenChunk(rid="r", seq=2, token_ids=(8, 6), worker_id="c", attempt=1)]
+    assert consistent([1, 2, 3, 4], a + b) and consistent([1, 7, 5, 9], a + b)
+    assert not consistent([1, 2, 5, 9], a + b)  # a's start, b's end
+    assert consistent([1, 2, 8, 6], a + b + resumed)  # a's first two tokens, then attempt 1 from them
+
+
+def consistent(client: list[int], chunks: list[TokenChunk]) -> bool:
+    """Whether ``client`` is one worker run's output, or a prefix the client had when a
+    migration started and then one later run's continuation of exactly that prefix (an
+    attempt ``n`` run is taken to start from the client's prefix: the API sends it that)."""
+    runs: dict[tuple[int, str], dict[int, int]] = {}
+    for c in chunks:
+        run = runs.setdefault((c.attempt, c.worker_id), {})
+        for i, t in enumerate(c.token_ids):
+            run[c.seq + i] = t
+
+    def made(end: int, attempt: int) -> bool:
+        for (a, _), tokens in runs.items():
+            if a != attempt or not tokens:
+                continue
+            start = min(tokens)
+            if start > end or any(tokens.get(i) != client[i] for i in range(start, end)):
+                continue
+            if start == 0 if attempt == 0 else made(start, attempt - 1):
+                return True
+        return attempt > 0 and made(end, attempt - 1)
+
+    return made(len(client), max(a for a, _ in runs))
+
+
+async def test_a_request_that_keeps_losing_its_worker_ends_with_a_clear_error(
+    workers, kill, nats_server, tiny_model_dir: Path
+) -> None:
+    gw = Gateway(nats_server.url, tiny_model_dir.name, streams.BrokerConfig(), stall_timeout=1.0, max_migrations=1)
+    await gw.start()
+    started = {}
+
+    async def spawn() -> None:
+        w = await workers("unified")
+        started[w.worker_id] = w
+
+    async def on_token(run: Run, chunk: TokenChunk) -> None:
+        victim = started.get(chunk.worker_id)
+        if victim is not None and not victim.stopped.is_set():
+            await spawn()
+            await kill(victim)
+
+    await spawn()
+    params = SamplingParams(max_new_tokens=300, temperature=0.0, ignore_eos=True)
+    began = time.monotonic()
+    try:
+        with pytest.raises(StreamError, match="lost its worker 2 times"):
+            await stream(gw, params, "unlucky", on_token)
+        assert time.monotonic() - began < 30
+        assert gw.stats.migrations == 1 and gw.stats.migration_failures == 1
+    finally:
+        await gw.stop()
