@@ -33,24 +33,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from pdserve.bench.shapes import QWEN2_5_7B
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.loader import quiet_transformers
 from pdserve.engine.model_runner import ModelRunner, ModelSpec
 from pdserve.schemas import SamplingParams
 
-QWEN7B = dict(
-    hidden_size=3584,
-    intermediate_size=18944,
-    num_hidden_layers=28,
-    num_attention_heads=28,
-    num_key_value_heads=4,
-    vocab_size=152064,
-    max_position_embeddings=32768,
-    rope_theta=1e6,
-    tie_word_embeddings=False,
-)
-SMALL = dict(QWEN7B, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4)
+SMALL = dict(QWEN2_5_7B, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4)
 SMALL.update(num_key_value_heads=2, vocab_size=1000)
 
 
@@ -371,7 +361,7 @@ def main() -> int:
 
     device = torch.device(args.device)
     timer = Timer(device)
-    dims = SMALL if args.small else QWEN7B
+    dims = SMALL if args.small else QWEN2_5_7B
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
     say("building the model with random weights")

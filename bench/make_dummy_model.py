@@ -16,30 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-DIMS = {
-    "qwen2.5-7b": dict(
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        vocab_size=152064,
-        max_position_embeddings=32768,
-        rope_theta=1e6,
-        tie_word_embeddings=False,
-    ),
-    "qwen2.5-0.5b": dict(
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        max_position_embeddings=32768,
-        rope_theta=1e6,
-        tie_word_embeddings=True,
-    ),
-}
+from pdserve.bench.shapes import QWEN2_5_0_5B, QWEN2_5_7B
+
+DIMS = {"qwen2.5-7b": QWEN2_5_7B, "qwen2.5-0.5b": QWEN2_5_0_5B}
 
 
 def write_model_dir(out: Path, dims: dict, dtype: str = "bfloat16") -> Path:

@@ -114,6 +114,53 @@ def rope_store(
 
 
 @triton.jit
+def _load_kv(
+    pool_ptr,
+    table_row,
+    tok,
+    valid,
+    layer,
+    kv_head,
+    d,
+    NUM_KV: tl.constexpr,
+    PAGE: tl.constexpr,
+    LAYERS: tl.constexpr,
+    DIM: tl.constexpr,
+):
+    """K and V ``[len(tok), DIM]`` of one kv head for positions ``tok`` of a sequence whose
+    page table row starts at ``table_row``."""
+    page = tl.load(table_row + tok // PAGE, mask=valid, other=0).to(tl.int64)
+    k_off = (((page * LAYERS + layer) * 2) * NUM_KV + kv_head) * (PAGE * DIM) + (tok % PAGE) * DIM
+    k = tl.load(pool_ptr + k_off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    v = tl.load(pool_ptr + (k_off + NUM_KV * PAGE * DIM)[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    return k, v
+
+
+@triton.jit
+def _scores(q, k, scale, IEEE: tl.constexpr):
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+    else:
+        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+    return s
+
+
+@triton.jit
+def _online_softmax(s, v, m_i, l_i, acc, IEEE: tl.constexpr):
+    """One block of keys into the running max ``m_i``, sum ``l_i`` and output ``acc``."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing to attend yet
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr,
     pool_ptr,
@@ -159,29 +206,13 @@ def _decode_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM], tl.float32)
-    head_stride: tl.constexpr = PAGE * DIM
+    table_row = table_ptr + b.to(tl.int64) * stride_table
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         valid = tok < end
-        page = tl.load(table_ptr + b.to(tl.int64) * stride_table + tok // PAGE, mask=valid, other=0).to(tl.int64)
-        k_off = (((page * LAYERS + layer) * 2) * NUM_KV + kv_head) * head_stride + (tok % PAGE) * DIM
-        k = tl.load(pool_ptr + k_off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        v = tl.load(pool_ptr + (k_off + NUM_KV * head_stride)[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing to attend yet
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-        m_i = m_new
+        k, v = _load_kv(pool_ptr, table_row, tok, valid, layer, kv_head, d, NUM_KV, PAGE, LAYERS, DIM)
+        s = tl.where(valid[None, :], _scores(q, k, scale, IEEE), float("-inf"))
+        m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, IEEE)
     # [B, Hq, SPLITS, D] partial outputs and their log-sum-exp (-inf for an empty split)
     row = (b * NUM_KV * GROUP + heads).to(tl.int64) * SPLITS + split
     has = l_i > 0
@@ -331,37 +362,21 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM], tl.float32)
-    head_stride: tl.constexpr = PAGE * DIM
     hi = tl.minimum(prefix + (m_block + 1) * BLOCK_M, ctx)
     lo = 0
     if window > 0:
         lo = tl.maximum(prefix + m_block * BLOCK_M - window + 1, 0)
         lo = (lo // BLOCK_N) * BLOCK_N
+    table_row = table_ptr + span.to(tl.int64) * stride_table
     for n0 in range(lo, hi, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         valid_k = tok < hi
-        page = tl.load(table_ptr + span.to(tl.int64) * stride_table + tok // PAGE, mask=valid_k, other=0).to(tl.int64)
-        k_off = (((page * LAYERS + layer) * 2) * NUM_KV + kv_head) * head_stride + (tok % PAGE) * DIM
-        k = tl.load(pool_ptr + k_off[:, None] + d[None, :], mask=valid_k[:, None], other=0.0)
-        v = tl.load(pool_ptr + (k_off + NUM_KV * head_stride)[:, None] + d[None, :], mask=valid_k[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        k, v = _load_kv(pool_ptr, table_row, tok, valid_k, layer, kv_head, d, NUM_KV, PAGE, LAYERS, DIM)
         keep = valid_k[None, :] & (tok[None, :] <= q_pos[:, None])
         if window > 0:
             keep = keep & (tok[None, :] > q_pos[:, None] - window)
-        s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing to attend yet
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-        m_i = m_new
+        s = tl.where(keep, _scores(q, k, scale, IEEE), float("-inf"))
+        m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, IEEE)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # rows past the chunk attend nothing
     num_q: tl.constexpr = NUM_KV * GROUP
     tl.store(

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pdserve.bench.shapes import QWEN2_5_7B
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.loader import quiet_transformers
@@ -20,18 +21,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-
-QWEN7B = dict(
-    hidden_size=3584,
-    intermediate_size=18944,
-    num_hidden_layers=28,
-    num_attention_heads=28,
-    num_key_value_heads=4,
-    vocab_size=152064,
-    max_position_embeddings=32768,
-    rope_theta=1e6,
-    tie_word_embeddings=False,
-)
 
 
 def build(dims: dict, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
@@ -63,7 +52,7 @@ def engine_for(model: torch.nn.Module, graphs: int, tokens: int = 16384) -> Engi
     return Engine(runner, config)
 
 
-SMALL = dict(QWEN7B, hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8)
+SMALL = dict(QWEN2_5_7B, hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8)
 SMALL.update(num_key_value_heads=2, vocab_size=5000)
 
 
@@ -79,7 +68,7 @@ def test_graph_replay_equals_eager_decoding(dtype: torch.dtype, sizes: tuple[int
 
 
 def test_float32_greedy_equals_transformers_at_7b_dimensions() -> None:
-    model = build(QWEN7B, torch.float32)
+    model = build(QWEN2_5_7B, torch.float32)
     rng = random.Random(7)
     prompts = [[rng.randrange(100_000) for _ in range(n)] for n in (7, 130, 511)]
     expected = []
