@@ -44,13 +44,14 @@ def _gemv_kernel(
         k_ok = rk < K
         w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         for m in tl.static_range(BLOCK_M):
+            x_ok = k_ok & ((rk * 0 + m) < M)  # a tensor mask: a scalar one is rejected by newer interpreters
             if SILU_MUL:
-                gate = tl.load(x_ptr + m * stride_xm + rk, mask=k_ok & (m < M), other=0.0).to(tl.float32)
-                up = tl.load(x_ptr + m * stride_xm + K + rk, mask=k_ok & (m < M), other=0.0).to(tl.float32)
+                gate = tl.load(x_ptr + m * stride_xm + rk, mask=x_ok, other=0.0).to(tl.float32)
+                up = tl.load(x_ptr + m * stride_xm + K + rk, mask=x_ok, other=0.0).to(tl.float32)
                 act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
                 x = (act * up).to(x_ptr.dtype.element_ty).to(tl.float32)
             else:
-                x = tl.load(x_ptr + m * stride_xm + rk, mask=k_ok & (m < M), other=0.0).to(tl.float32)
+                x = tl.load(x_ptr + m * stride_xm + rk, mask=x_ok, other=0.0).to(tl.float32)
             part = tl.sum(w * x[None, :], 1)
             acc += tl.where(rm[:, None] == m, part[None, :], 0.0)
     if HAS_BIAS:
