@@ -309,10 +309,14 @@ class Gateway:
                 wait = deadline - time.monotonic()
                 if wait <= 0:
                     raise StreamError("request timed out", "timeout")
-                try:
-                    chunk = await asyncio.wait_for(live.stream.queue.get(), wait)
-                except TimeoutError:
-                    raise StreamError("request timed out", "timeout") from None
+                ready = live.stream.take()  # everything queued, merged: no wait while behind
+                if ready is None:
+                    try:
+                        ready = live.stream.take(await asyncio.wait_for(live.stream.queue.get(), wait))
+                    except TimeoutError:
+                        raise StreamError("request timed out", "timeout") from None
+                chunk = ready
+                assert chunk is not None
                 if chunk.error is not None:
                     finished = True
                     raise StreamError(chunk.error.message, chunk.error.type)

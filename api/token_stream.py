@@ -16,10 +16,22 @@ attempt ``n + 1`` from the tokens the client has.
 from __future__ import annotations
 
 import asyncio
+import collections
 from dataclasses import dataclass, field
 
 from pdserve.schemas import TokenChunk
 from pdserve.schemas.tokens import ALIVE, HANDED_BACK, QUEUED, RETRYABLE
+
+
+class ChunkQueue(asyncio.Queue[TokenChunk]):
+    """An ``asyncio.Queue`` whose next item can be looked at without taking it."""
+
+    def _init(self, maxsize: int) -> None:
+        # The subclass hook asyncio's own queues use; ``_queue`` is what qsize() reads.
+        self._queue: collections.deque[TokenChunk] = collections.deque()
+
+    def peek(self) -> TokenChunk | None:
+        return self._queue[0] if self._queue else None
 
 
 @dataclass
@@ -31,7 +43,7 @@ class TokenStream:
     rid: str
     next_seq: int = 0
     attempt: int = 0
-    queue: asyncio.Queue[TokenChunk] = field(default_factory=asyncio.Queue)
+    queue: ChunkQueue = field(default_factory=ChunkQueue)
     early: dict[int, TokenChunk] = field(default_factory=dict)
     output_ids: list[int] = field(default_factory=list)
     queued: bool = True
@@ -121,6 +133,19 @@ class TokenStream:
         self._push(tail)
         return None
 
+    def take(self, first: TokenChunk | None = None) -> TokenChunk | None:
+        """``first`` (or the next queued chunk) merged with every chunk already queued after
+        it that continues it: a reader that fell behind catches up in one step instead of
+        one per token. ``None`` when nothing is queued."""
+        if first is None:
+            if self.queue.empty():
+                return None
+            first = self.queue.get_nowait()
+        merged = first
+        while (after := self.queue.peek()) is not None and _continues(merged, after):
+            merged = _merge(merged, self.queue.get_nowait())
+        return merged
+
     def _push(self, chunk: TokenChunk) -> None:
         self.queue.put_nowait(chunk)
         self.output_ids.extend(chunk.token_ids)
@@ -129,3 +154,33 @@ class TokenStream:
             self.queued = True  # handed to the KV queue, and no decode worker spoke up yet
         else:
             self._heard_holder(chunk.seq)
+
+
+def _continues(a: TokenChunk, b: TokenChunk) -> bool:
+    """``b`` can be read as part of ``a``: both are tokens of one attempt, back to back."""
+    return (
+        a.error is None
+        and b.error is None
+        and a.finish_reason is None
+        and a.attempt == b.attempt
+        and b.seq == a.seq + len(a.token_ids)
+        and (a.logprobs is None) == (b.logprobs is None or not b.token_ids)
+    )
+
+
+def _merge(a: TokenChunk, b: TokenChunk) -> TokenChunk:
+    """One chunk with the tokens of ``a`` then ``b``; the end of the request, if it is
+    one, is ``b``'s. A queue's ``state`` was read on delivery: the merged chunk has none."""
+    logprobs = (a.logprobs or ()) + (b.logprobs or ())
+    return TokenChunk(
+        rid=a.rid,
+        seq=a.seq,
+        token_ids=a.token_ids + b.token_ids,
+        finish_reason=b.finish_reason,
+        stop_reason=b.stop_reason,
+        usage=b.usage,
+        logprobs=logprobs if a.logprobs is not None else None,
+        worker_id=b.worker_id or a.worker_id,
+        timings={**(a.timings or {}), **(b.timings or {})} or None,
+        attempt=b.attempt,
+    )

@@ -65,3 +65,45 @@ def stop_pdserve(proc: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def process_cpu_seconds(root: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of ``root`` and every process below it, summed by
+    role: ``api`` (the `pdserve up` process, which serves HTTP), ``nats``, and each worker
+    command's name (``unified``, ``prefill``, ``decode``). Linux only (reads ``/proc``)."""
+    parents: dict[int, int] = {}
+    info: dict[int, tuple[str, float]] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        pid = int(entry)
+        parents[pid] = int(fields[1])
+        info[pid] = (_role(argv), (int(fields[11]) + int(fields[12])) / tick)
+    totals: dict[str, float] = {}
+    for pid, (role, seconds) in info.items():
+        p = pid
+        while p not in (root, 0, 1) and p in parents:
+            p = parents[p]
+        if p == root:
+            totals[role] = totals.get(role, 0.0) + seconds
+    return totals
+
+
+def _role(argv: list[str]) -> str:
+    if any("nats-server" in a for a in argv):
+        return "nats"
+    if "pdserve" in argv:
+        after = argv[argv.index("pdserve") + 1 :]
+        if after and after[0] == "up":
+            return "api"
+        if after:
+            return after[0]
+    return "other"

@@ -23,7 +23,9 @@ import asyncio
 import datetime
 import json
 import random
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -121,6 +123,8 @@ def measure_engine(engine: Engine, vocab: int, timer: Timer, rng: random.Random,
         )
         if graphs is not None:
             row["decode_bs1_fused_merge_graph_replay_ms"] = replay_ms(graphs, 1, timer)
+        fast.fused_merge = False  # the rest measures the default
+        engine.runner.graphs = graphs = None if graphs is None else recapture(engine)
     say(f"pdserve: {args.requests} requests")
     engine_run(engine, prompts(rng, args.requests, 512, vocab), 8, timer)  # the same shapes, warmed up
     runs = [engine_run(engine, prompts(rng, args.requests, 512, vocab), args.new, timer) for _ in range(3)]
@@ -293,12 +297,25 @@ def profile(engine: Engine, vocab: int, rng: random.Random, path: Path) -> None:
 
 
 # ---- end to end ------------------------------------------------------------------------
+def py_spy(pid: int, path: Path) -> subprocess.Popen[bytes] | None:
+    """Sample ``pid`` and its children for a few seconds (py-spy's raw, collapsed stacks)."""
+    exe = shutil.which("py-spy")
+    if exe is None:
+        say("e2e: no py-spy here; no profile of the pipeline")
+        return None
+    cmd = [exe, "record", "--pid", str(pid), "--subprocesses", "--format", "raw", "--rate", "250"]
+    cmd += ["--nonblocking", "--duration", "4", "-o", str(path)]
+    spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.5)  # attached before the run starts
+    return spy
+
+
 def measure_e2e(args: argparse.Namespace, dims: dict, device: str) -> dict:
     """``pdserve up --mode unified`` against the offline engine, 64 concurrent, cold each run."""
-    from common import start_pdserve, stop_pdserve
+    from common import process_cpu_seconds, start_pdserve, stop_pdserve
     from engine_bench import run_pdserve, workload
     from make_dummy_model import write_model_dir
-    from pipeline_vs_offline import through_http
+    from pipeline_vs_offline import cpu_per_token, through_http
 
     from pdserve.engine.loader import build_engine
 
@@ -324,16 +341,25 @@ def measure_e2e(args: argparse.Namespace, dims: dict, device: str) -> dict:
             offline.pages.reset_prefix_cache()
             base = sum(r.output_len for r in reqs) / run_pdserve(offline, reqs, args.requests)
             reqs = fresh()
+            spy = py_spy(proc.pid, args.e2e_profile) if args.e2e_profile and len(pairs) == args.e2e_repeat - 1 else None
+            cpu_before, client_before = process_cpu_seconds(proc.pid), time.process_time()
             seconds, ttfts, cached = asyncio.run(through_http(url, reqs, args.requests))
             served = sum(r.output_len for r in reqs) / seconds
+            cpu = cpu_per_token(
+                proc.pid, cpu_before, time.process_time() - client_before, sum(r.output_len for r in reqs)
+            )
+            if spy is not None:
+                spy.wait(timeout=60)
             pairs.append(
                 {
                     "offline_out_tok_s": base,
                     "pipeline_out_tok_s": served,
                     "ttft_p50_s": sorted(ttfts)[len(ttfts) // 2],
                     "pipeline_cached_tokens": cached,
+                    "cpu_us_per_out_token": cpu,
                 }
             )
+            say(f"e2e: CPU us per output token {cpu}")
             say(f"e2e: offline {base:,.0f} out tok/s, pipeline {served:,.0f}")
     finally:
         stop_pdserve(proc)
@@ -355,6 +381,7 @@ def main() -> int:
     )
     parser.add_argument("--e2e", action="store_true", help="also pdserve up --mode unified against the offline engine")
     parser.add_argument("--e2e-repeat", type=int, default=3)
+    parser.add_argument("--e2e-profile", type=Path, help="py-spy stacks of the last pipeline run (raw format)")
     args = parser.parse_args()
     quiet_transformers()
     from transformers import AutoModelForCausalLM, Qwen2Config

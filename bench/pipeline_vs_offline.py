@@ -28,7 +28,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import start_pdserve, stop_pdserve
+from common import process_cpu_seconds, start_pdserve, stop_pdserve
 from engine_bench import Request, run_pdserve, workload
 
 from pdserve.engine.config import EngineConfig
@@ -71,6 +71,15 @@ async def through_http(url: str, reqs: list[Request], concurrency: int) -> tuple
         started = time.perf_counter()
         await asyncio.gather(*(lane() for _ in range(concurrency)))
         return time.perf_counter() - started, ttfts, cached[0]
+
+
+def cpu_per_token(root: int, before: dict[str, float], client_seconds: float, tokens: int) -> dict[str, float]:
+    """CPU microseconds per output token of each part of the pipeline since ``before``
+    (``client``: this process, which sends the requests and reads the streams)."""
+    after = process_cpu_seconds(root)
+    spent = {role: after[role] - before.get(role, 0.0) for role in after}
+    spent["client"] = client_seconds
+    return {role: round(seconds / tokens * 1e6, 1) for role, seconds in sorted(spent.items())}
 
 
 def main() -> int:
@@ -122,9 +131,14 @@ def main() -> int:
             for _ in range(args.repeat):  # offline and pipeline back to back: pairs share the machine's mood
                 base = offline()
                 reqs = fresh()
+                cpu_before = process_cpu_seconds(proc.pid)
+                client_before = time.process_time()
                 seconds, ttfts, cached = asyncio.run(through_http(url, reqs, args.concurrency))
                 ttfts.sort()
                 pipe = {
+                    "cpu_us_per_out_token": cpu_per_token(
+                        proc.pid, cpu_before, time.process_time() - client_before, sum(r.output_len for r in reqs)
+                    ),
                     "out_tok_s": sum(r.output_len for r in reqs) / seconds,
                     "cached_tokens": cached,
                     "prompt_tokens": sum(len(r.prompt) for r in reqs),

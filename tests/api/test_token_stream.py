@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pdserve.api.token_stream import TokenStream
-from pdserve.schemas import ErrorInfo, TokenChunk
+from pdserve.schemas import ErrorInfo, TokenChunk, TokenLogprob, Usage
 from pdserve.schemas.tokens import ALIVE, HANDED_BACK, QUEUED, RETRYABLE
 
 
@@ -91,3 +91,40 @@ def test_hand_back_and_retryable_errors_migrate_other_errors_end() -> None:
     assert s.queue.empty()
     assert s.deliver(chunk(0, finish_reason="error", error=ErrorInfo("too long", "invalid_request_error"))) is None
     assert s.queue.get_nowait().error is not None
+
+
+def test_a_reader_behind_takes_everything_queued_as_one_chunk() -> None:
+    s = TokenStream("r")
+    usage = Usage(3, 4)
+    for c in (
+        chunk(0, 10, timings={"queue": 0.1}),
+        chunk(1, 11, 12),
+        chunk(3, 13, finish_reason="length", usage=usage),
+    ):
+        s.deliver(c)
+    merged = s.take()
+    assert merged is not None and merged.seq == 0 and merged.token_ids == (10, 11, 12, 13)
+    assert merged.finish_reason == "length" and merged.usage == usage and merged.timings == {"queue": 0.1}
+    assert s.take() is None and s.queue.empty()
+
+
+def test_taking_stops_at_an_error_and_keeps_logprobs_in_step() -> None:
+    s = TokenStream("r")
+    lp = TokenLogprob(-0.5)
+    s.deliver(chunk(0, 10, logprobs=(lp,)))
+    s.deliver(chunk(1, 11, logprobs=(lp,)))
+    s.deliver(TokenChunk(rid="r", seq=2, finish_reason="error", error=ErrorInfo("boom")))
+    first = s.take()
+    assert first is not None and first.token_ids == (10, 11) and first.logprobs == (lp, lp)
+    second = s.take()
+    assert second is not None and second.error is not None and second.token_ids == ()
+    assert s.take() is None
+
+
+def test_a_chunk_taken_while_waiting_is_merged_with_what_came_after_it() -> None:
+    s = TokenStream("r")
+    s.deliver(chunk(0, 10, state=QUEUED))  # a prefill worker's hand-off
+    s.deliver(chunk(1, 11))
+    waited = s.queue.get_nowait()  # what a reader blocked on the queue receives
+    merged = s.take(waited)
+    assert merged is not None and merged.token_ids == (10, 11) and merged.state == ""
