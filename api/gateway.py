@@ -237,10 +237,10 @@ class Gateway:
     async def _resubmit(self, live: _Live, request: GenerateRequest) -> None:
         """Publish ``request`` until the broker takes it (it may be away or full for a
         while), or the request's deadline passes, or its client leaves."""
-        assert self.js is not None
+        assert self.nc is not None
         while self.live.get(request.rid) is live:
             try:
-                await contract.submit(self.js, contract.REQUESTS, request, self.model, request.rid, request.attempt)
+                await contract.submit(self.nc, contract.REQUESTS, request, self.model, request.rid, request.attempt)
                 return
             except Exception as exc:
                 if time.time() > request.deadline:
@@ -280,7 +280,7 @@ class Gateway:
         dedup window, :class:`StreamError` on a worker error, a timeout, or too many
         migrations. Leaving early (the client went away) publishes ``Cancel``.
         """
-        assert self.js is not None
+        assert self.nc is not None
         rid = rid or uuid.uuid4().hex
         if rid in self.live:
             raise DuplicateRequestError(f"request id {rid!r} is in use")
@@ -299,7 +299,7 @@ class Gateway:
         self.stats.requests += 1
         finished = False
         try:
-            if not await contract.submit(self.js, contract.REQUESTS, request, self.model, rid):
+            if not await contract.submit(self.nc, contract.REQUESTS, request, self.model, rid):
                 finished = True  # nothing of ours runs: nothing to cancel
                 raise DuplicateRequestError(
                     f"request id {rid!r} was submitted within the last {self.broker.dedup_window:.0f}s"

@@ -119,12 +119,11 @@ async def measure(
     proc.start()
     await asyncio.get_running_loop().run_in_executor(None, ready.wait, 60)
     pub = await nats.connect(url)
-    js = pub.jetstream()
     subject = subjects.requests(MODEL) if kind == "request" else subjects.kv_ready(MODEL)
     for r in range(rounds):
         ids = [f"{kind}-{consumer_kind}-{r}-{i}-{time.time_ns()}" for i in range(burst)]
         started = time.perf_counter()
-        await asyncio.gather(*(publish_work(js, subject, message(kind, rid), msg_id=rid) for rid in ids))
+        await asyncio.gather(*(publish_work(pub, subject, message(kind, rid), msg_id=rid) for rid in ids))
         publish_ms.append((time.perf_counter() - started) * 1e3)
         await asyncio.sleep(0.02 if burst == 1 else 0.2)  # let the round drain: in-flight stays at `burst`
     await pub.close()

@@ -35,7 +35,6 @@ from nats import errors as nats_errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js import JetStreamContext
 
 from pdserve.broker import subjects
 from pdserve.broker.connection import publish_work
@@ -272,15 +271,13 @@ async def answer_malformed(
 
 
 # ---- JetStream -----------------------------------------------------------------------
-async def submit(
-    js: JetStreamContext, channel: WorkChannel[M], message: M, model: str, rid: str, attempt: int = 0
-) -> bool:
+async def submit(nc: Client, channel: WorkChannel[M], message: M, model: str, rid: str, attempt: int = 0) -> bool:
     """Store ``message`` in ``channel``'s stream for ``model``, deduplicated on ``rid`` and
     ``attempt`` (:func:`subjects.msg_id`).
 
     Returns ``False`` for a duplicate; raises ``QueueFullError`` when the stream is full."""
     assert isinstance(message, channel.message), f"{channel.name} carries {channel.message.__name__}"
-    return await publish_work(js, channel.subject(model), message, msg_id=subjects.msg_id(rid, attempt))
+    return await publish_work(nc, channel.subject(model), message, msg_id=subjects.msg_id(rid, attempt))
 
 
 class WorkQueue(Generic[M]):

@@ -39,7 +39,7 @@ class GenerateRequest(Message):
             raise ValueError("rid must not be empty")
         if not self.prompt_ids:
             raise ValueError("prompt_ids must not be empty")
-        if any(t < 0 for t in self.prompt_ids):
+        if min(self.prompt_ids) < 0:
             raise ValueError("prompt_ids must be non-negative")
         if not self.reply_to:
             raise ValueError("reply_to must not be empty")

@@ -55,7 +55,7 @@ class PrefillWorker(WorkerRuntime):
         pages, num_tokens = held
         pool = self.engine.runner.pool
         expires = time.time() + self.config.kv_hold_seconds
-        assert self.transfer is not None and self.js is not None
+        assert self.transfer is not None and self.nc is not None
         hold_for = self.config.kv_hold_seconds + self.config.kv_hold_grace_seconds
         generation = self.holds.hold(req.rid, req.attempt, req.published_at, hold_for, time.monotonic())
         ready = KVReady(
@@ -84,7 +84,7 @@ class PrefillWorker(WorkerRuntime):
             attempt=req.attempt,
         )
         try:
-            fresh = await contract.submit(self.js, contract.KV_READY, ready, req.model, req.rid, req.attempt)
+            fresh = await contract.submit(self.nc, contract.KV_READY, ready, req.model, req.rid, req.attempt)
         except Exception as exc:  # the stream is full or the broker is away
             log.error("could not publish KVReady", extra={"rid": req.rid, "error": str(exc)})
             self._free(req.rid)

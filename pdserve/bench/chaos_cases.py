@@ -259,7 +259,7 @@ async def transfer_faults(system: ChaosSystem, n: int = 100, limit: float = 5.0,
                     published_at=time.time(),
                 )
                 published[rid] = time.monotonic()
-                await publish_work(nc.jetstream(), subjects.kv_ready(model), ready, msg_id=f"chaos-{rid}-{time.time()}")
+                await publish_work(nc, subjects.kv_ready(model), ready, msg_id=f"chaos-{rid}-{time.time()}")
 
             async def wave_done(ids: list[str] = [f"fault-{i}" for i, _ in batch]) -> bool:  # noqa: B006
                 return all(r in ended for r in ids)

@@ -60,11 +60,11 @@ async def publisher(nats_server: Any) -> AsyncIterator[Client]:
         await client.close()
 
 
-async def _publish(js: JetStreamContext, model: str, make_request: Any, rids: list[str]) -> list[GenerateRequest]:
+async def _publish(nc: Client, model: str, make_request: Any, rids: list[str]) -> list[GenerateRequest]:
     sent = []
     for rid in rids:
         req = make_request(rid, model=model)
-        assert await publish_work(js, subjects.requests(model), req, rid) is True
+        assert await publish_work(nc, subjects.requests(model), req, rid) is True
         sent.append(req)
     return sent
 
@@ -105,13 +105,13 @@ async def test_fetch_times_out_empty(consumer: PullConsumer, timeout: float) -> 
 
 
 async def test_fetch_timeouts_do_not_leak_into_later_fetches(
-    js: JetStreamContext, consumer: PullConsumer, model: str, make_request: Any
+    nc: Client, js: JetStreamContext, consumer: PullConsumer, model: str, make_request: Any
 ) -> None:
     """The server's 408 for an expired pull must not be taken for (or hide) a message later."""
     for _ in range(3):
         assert await consumer.fetch(4, timeout=0.1) == []
     await asyncio.sleep(0.2)  # let any late status arrive in the inbox
-    await _publish(js, model, make_request, ["after-timeouts"])
+    await _publish(nc, model, make_request, ["after-timeouts"])
     got = await consumer.fetch(4, timeout=2.0)
     assert [GenerateRequest.decode(m.data).rid for m in got] == ["after-timeouts"]
 
@@ -130,9 +130,9 @@ async def test_fetch_requires_start(nc: Client, js: JetStreamContext, model: str
 
 
 async def test_fetch_never_returns_more_than_max_msgs(
-    js: JetStreamContext, consumer: PullConsumer, model: str, make_request: Any
+    nc: Client, js: JetStreamContext, consumer: PullConsumer, model: str, make_request: Any
 ) -> None:
-    sent = await _publish(js, model, make_request, [f"m{i}" for i in range(10)])
+    sent = await _publish(nc, model, make_request, [f"m{i}" for i in range(10)])
     sizes = []
     rids: list[str] = []
     for _ in range(4):
@@ -147,9 +147,9 @@ async def test_fetch_never_returns_more_than_max_msgs(
 
 
 async def test_fetch_returns_what_is_there_without_waiting_for_a_full_batch(
-    js: JetStreamContext, consumer: PullConsumer, model: str, make_request: Any
+    nc: Client, js: JetStreamContext, consumer: PullConsumer, model: str, make_request: Any
 ) -> None:
-    await _publish(js, model, make_request, ["a", "b", "c"])
+    await _publish(nc, model, make_request, ["a", "b", "c"])
     start = time.monotonic()
     got = await consumer.fetch(100, timeout=5.0)
     elapsed = time.monotonic() - start
@@ -158,9 +158,9 @@ async def test_fetch_returns_what_is_there_without_waiting_for_a_full_batch(
 
 
 async def test_burst_of_64_prepublished_is_fetched_in_few_calls(
-    js: JetStreamContext, consumer: PullConsumer, model: str, make_request: Any
+    nc: Client, js: JetStreamContext, consumer: PullConsumer, model: str, make_request: Any
 ) -> None:
-    sent = await _publish(js, model, make_request, [f"b{i}" for i in range(64)])
+    sent = await _publish(nc, model, make_request, [f"b{i}" for i in range(64)])
     calls = 0
     got: list[Any] = []
     start = time.monotonic()
@@ -178,7 +178,6 @@ async def test_burst_of_64_while_fetching(
     js: JetStreamContext, publisher: Client, consumer: PullConsumer, model: str, make_request: Any
 ) -> None:
     """A fetch loop runs (like a worker) while another connection publishes 64 at once."""
-    pub_js = publisher.jetstream()
     published_at: dict[str, float] = {}
     latencies: dict[str, float] = {}
     calls = 0
@@ -208,7 +207,7 @@ async def test_burst_of_64_while_fetching(
 
     async def send(req: GenerateRequest) -> None:
         published_at[req.rid] = time.perf_counter()
-        assert await publish_work(pub_js, subjects.requests(model), req, req.rid)
+        assert await publish_work(publisher, subjects.requests(model), req, req.rid)
 
     await asyncio.gather(*(send(r) for r in reqs))
     await asyncio.wait_for(task, 20)
@@ -226,7 +225,6 @@ async def test_burst_of_64_while_fetching(
 async def test_message_published_while_waiting_is_delivered_promptly(
     js: JetStreamContext, publisher: Client, consumer: PullConsumer, model: str, make_request: Any, max_msgs: int
 ) -> None:
-    pub_js = publisher.jetstream()
     latencies = []
     for i in range(100):
 
@@ -242,7 +240,7 @@ async def test_message_published_while_waiting_is_delivered_promptly(
         await _until(waiting)  # the fetch is parked on the server before we publish
         req = make_request(f"single-{i}", model=model)
         start = time.perf_counter()
-        assert await publish_work(pub_js, subjects.requests(model), req, req.rid)
+        assert await publish_work(publisher, subjects.requests(model), req, req.rid)
         msgs, done_at = await task
         assert [GenerateRequest.decode(m.data).rid for m in msgs] == [req.rid]
         latencies.append(done_at - start)
@@ -261,7 +259,7 @@ async def test_max_ack_pending_is_respected(
 ) -> None:
     await ensure_model(js, model, _config(prefill_max_ack_pending=4))
     assert (await _consumer_info(js, model)).config.max_ack_pending == 4
-    sent = await _publish(js, model, make_request, [f"p{i}" for i in range(16)])
+    sent = await _publish(nc, model, make_request, [f"p{i}" for i in range(16)])
 
     first = await consumer.fetch(16, timeout=2.0)
     assert len(first) == 4
@@ -287,12 +285,12 @@ async def test_max_ack_pending_is_respected(
 
 
 async def test_fetch_is_prompt_when_max_ack_pending_limits_the_batch(
-    js: JetStreamContext, consumer: PullConsumer, model: str, make_request: Any
+    nc: Client, js: JetStreamContext, consumer: PullConsumer, model: str, make_request: Any
 ) -> None:
     """With 16 waiting and room for 4, fetch(16) has its 4 at once: it must not then sit idle
     waiting for messages the server will not send (a worker would stall on every fetch)."""
     await ensure_model(js, model, _config(prefill_max_ack_pending=4))
-    await _publish(js, model, make_request, [f"p{i}" for i in range(16)])
+    await _publish(nc, model, make_request, [f"p{i}" for i in range(16)])
     start = time.monotonic()
     got = await consumer.fetch(16, timeout=5.0)
     elapsed = time.monotonic() - start
@@ -301,13 +299,13 @@ async def test_fetch_is_prompt_when_max_ack_pending_limits_the_batch(
 
 
 async def test_no_pull_request_outlives_fetch(
-    js: JetStreamContext, consumer: PullConsumer, model: str, make_request: Any
+    nc: Client, js: JetStreamContext, consumer: PullConsumer, model: str, make_request: Any
 ) -> None:
     """After fetch returns, the server must hold no pull request for this consumer: otherwise
     messages are handed to this process (and their ack_wait starts) while it is not asking,
     and other workers cannot have them."""
     await ensure_model(js, model, _config(prefill_max_ack_pending=4))
-    await _publish(js, model, make_request, [f"p{i}" for i in range(16)])
+    await _publish(nc, model, make_request, [f"p{i}" for i in range(16)])
     got = await consumer.fetch(16, timeout=5.0)
     assert len(got) == 4
     for m in got:
@@ -322,9 +320,9 @@ async def test_no_pull_request_outlives_fetch(
 
 
 async def test_concurrent_fetches_on_one_consumer_split_the_work(
-    js: JetStreamContext, consumer: PullConsumer, model: str, make_request: Any
+    nc: Client, js: JetStreamContext, consumer: PullConsumer, model: str, make_request: Any
 ) -> None:
-    sent = await _publish(js, model, make_request, [f"c{i}" for i in range(10)])
+    sent = await _publish(nc, model, make_request, [f"c{i}" for i in range(10)])
     results = await asyncio.gather(*(consumer.fetch(5, timeout=2.0) for _ in range(2)))
     assert all(len(r) <= 5 for r in results)
     rids = [GenerateRequest.decode(m.data).rid for r in results for m in r]
@@ -332,12 +330,12 @@ async def test_concurrent_fetches_on_one_consumer_split_the_work(
 
 
 async def test_two_workers_share_a_durable_without_duplicates(
-    js: JetStreamContext, publisher: Client, consumer: PullConsumer, model: str, make_request: Any
+    nc: Client, js: JetStreamContext, publisher: Client, consumer: PullConsumer, model: str, make_request: Any
 ) -> None:
     other = PullConsumer(publisher, STREAM, subjects.prefill_consumer(model))
     await other.start()
     try:
-        sent = await _publish(js, model, make_request, [f"w{i}" for i in range(64)])
+        sent = await _publish(nc, model, make_request, [f"w{i}" for i in range(64)])
         a, b = await asyncio.gather(_fetch_until(consumer, 32, 8, 5.0), _fetch_until(other, 32, 8, 5.0))
         rest = await _fetch_until(consumer, 64 - len(a) - len(b), 64, 5.0)
         rids = [GenerateRequest.decode(m.data).rid for m in a + b + rest]
@@ -351,11 +349,11 @@ async def test_two_workers_share_a_durable_without_duplicates(
 
 
 async def test_unacked_message_is_redelivered_after_ack_wait(
-    js: JetStreamContext, consumer: PullConsumer, model: str, make_request: Any
+    nc: Client, js: JetStreamContext, consumer: PullConsumer, model: str, make_request: Any
 ) -> None:
     ack_wait = 1.0
     await ensure_model(js, model, _config(ack_wait=ack_wait, max_deliver=2))
-    await _publish(js, model, make_request, ["slow"])
+    await _publish(nc, model, make_request, ["slow"])
     (first,) = await consumer.fetch(4, timeout=2.0)
     delivered_at = time.monotonic()
     good, bad = await decode_deliveries([first], GenerateRequest)
@@ -385,11 +383,11 @@ async def test_unacked_message_is_redelivered_after_ack_wait(
 
 
 async def test_in_progress_postpones_redelivery(
-    js: JetStreamContext, consumer: PullConsumer, model: str, make_request: Any
+    nc: Client, js: JetStreamContext, consumer: PullConsumer, model: str, make_request: Any
 ) -> None:
     ack_wait = 1.0
     await ensure_model(js, model, _config(ack_wait=ack_wait))
-    await _publish(js, model, make_request, ["long-job"])
+    await _publish(nc, model, make_request, ["long-job"])
     good, _ = await decode_deliveries(await consumer.fetch(1, timeout=2.0), GenerateRequest)
     (delivery,) = good
     end = time.monotonic() + ack_wait * 1.5
@@ -403,9 +401,9 @@ async def test_in_progress_postpones_redelivery(
 
 
 async def test_num_delivered_counts_redeliveries(
-    js: JetStreamContext, consumer: PullConsumer, model: str, make_request: Any
+    nc: Client, js: JetStreamContext, consumer: PullConsumer, model: str, make_request: Any
 ) -> None:
-    await _publish(js, model, make_request, ["again"])
+    await _publish(nc, model, make_request, ["again"])
     counts = []
     for _ in range(3):
         good, bad = await decode_deliveries(await consumer.fetch(1, timeout=2.0), GenerateRequest)

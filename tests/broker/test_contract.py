@@ -68,8 +68,8 @@ async def test_work_queue_decodes_and_answers_what_does_not(
     await contract.subscribe(nc, contract.TOKENS, replies.put, "api")
     good = make_request("good", model=model)
     bad = dataclasses.replace(make_request("bad", model=model), reply_to=subjects.tokens("api", "bad"))
-    assert await contract.submit(js, contract.REQUESTS, good, model, good.rid)
-    assert not await contract.submit(js, contract.REQUESTS, good, model, good.rid)  # deduplicated
+    assert await contract.submit(nc, contract.REQUESTS, good, model, good.rid)
+    assert not await contract.submit(nc, contract.REQUESTS, good, model, good.rid)  # deduplicated
     payload = bad.encode().replace(b'"prompt_ids":[1,2,3]', b'"prompt_ids":"1 2 3"')
     await js.publish(subjects.requests(model), payload)
 

@@ -32,7 +32,7 @@ async def test_a_poison_request_goes_to_the_dead_letters_and_its_client_hears(
 
     await nc.subscribe("pd.tokens.api.poison", cb=on_reply)
     req = GenerateRequest(rid="poison", model=model, prompt_ids=(1, 2), reply_to="pd.tokens.api.poison", attempt=2)
-    await contract.submit(js, contract.REQUESTS, req, model, req.rid)
+    await contract.submit(nc, contract.REQUESTS, req, model, req.rid)
     queue = contract.WorkQueue(nc, contract.REQUESTS, model, "w")
     await queue.start()
     try:

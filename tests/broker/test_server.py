@@ -206,7 +206,7 @@ async def test_kill_and_restart_keeps_acked_messages_and_dedup(
         await ensure_model(js, model, config)
         sent = [make_request(f"req-{i}", model=model, published_at=float(i)) for i in range(n)]
         for req in sent:
-            assert await publish_work(js, subject, req, req.rid) is True  # acked by the server
+            assert await publish_work(nc, subject, req, req.rid) is True  # acked by the server
 
         nats_server.kill()  # SIGKILL: no chance to flush anything after the acks
         assert nats_server.process.returncode is not None
@@ -222,10 +222,10 @@ async def test_kill_and_restart_keeps_acked_messages_and_dedup(
 
         # Dedup on Nats-Msg-Id still holds for every stored message.
         for req in sent:
-            assert await publish_work(js, subject, req, req.rid) is False
+            assert await publish_work(nc, subject, req, req.rid) is False
         assert (await js.stream_info(stream)).state.messages == n
         extra = make_request("req-extra", model=model)
-        assert await publish_work(js, subject, extra, extra.rid) is True
+        assert await publish_work(nc, subject, extra, extra.rid) is True
 
         consumer = PullConsumer(nc, stream, consumer_name)
         await consumer.start()
@@ -261,7 +261,7 @@ async def test_restart_does_not_redeliver_acked_work(nats_server: NatsServer, mo
         await ensure_model(js, model, config)
         for i in range(n):
             req = make_request(f"r{i}", model=model)
-            assert await publish_work(js, subjects.requests(model), req, req.rid)
+            assert await publish_work(nc, subjects.requests(model), req, req.rid)
         consumer = PullConsumer(nc, stream, consumer_name)
         await consumer.start()
         first = await _fetch_all(consumer, done)

@@ -118,10 +118,10 @@ async def test_ensure_model_memory_storage(js: JetStreamContext, model: str) -> 
         assert (await js.stream_info(stream)).config.storage == js_api.StorageType.MEMORY
 
 
-async def test_ensure_model_is_idempotent(js: JetStreamContext, model: str, make_request: Any) -> None:
+async def test_ensure_model_is_idempotent(nc: Client, js: JetStreamContext, model: str, make_request: Any) -> None:
     await ensure_model(js, model, CONFIG)
     req = make_request("keep-me", model=model)
-    assert await publish_work(js, subjects.requests(model), req, req.rid)
+    assert await publish_work(nc, subjects.requests(model), req, req.rid)
 
     for _ in range(3):
         await ensure_model(js, model, CONFIG)
@@ -143,14 +143,14 @@ async def test_ensure_model_concurrent_callers(js: JetStreamContext, model: str)
     assert len(await js.consumers_info(subjects.REQUEST_STREAM)) == 1
 
 
-async def test_two_models_share_the_streams(js: JetStreamContext, make_request: Any) -> None:
+async def test_two_models_share_the_streams(nc: Client, js: JetStreamContext, make_request: Any) -> None:
     await ensure_model(js, "model-a", CONFIG)
     await ensure_model(js, "model.b", CONFIG)
     names = sorted(c.name for c in await js.consumers_info(subjects.REQUEST_STREAM))
     assert names == sorted([subjects.prefill_consumer("model-a"), subjects.prefill_consumer("model.b")])
     for m in ("model-a", "model.b"):
         req = make_request(f"for-{m}", model=m)
-        assert await publish_work(js, subjects.requests(m), req, req.rid)
+        assert await publish_work(nc, subjects.requests(m), req, req.rid)
     for m in ("model-a", "model.b"):
         depth = await queue_depth(js, subjects.REQUEST_STREAM, subjects.prefill_consumer(m))
         assert depth == QueueDepth(pending=1, ack_pending=0)
@@ -211,10 +211,10 @@ async def test_full_request_stream_raises_queue_full(
     subject = subjects.requests(model)
     for i in range(3):
         req = make_request(f"r{i}", model=model)
-        assert await publish_work(js, subject, req, req.rid) is True
+        assert await publish_work(nc, subject, req, req.rid) is True
     overflow = make_request("r3", model=model)
     with pytest.raises(QueueFullError):
-        await publish_work(js, subject, overflow, overflow.rid)
+        await publish_work(nc, subject, overflow, overflow.rid)
     assert await _messages(js, subjects.REQUEST_STREAM) == 3  # discard new: the old ones stay
 
     # Consuming one makes room again (work queue: acked messages leave the stream).
@@ -225,34 +225,34 @@ async def test_full_request_stream_raises_queue_full(
         await msg.ack_sync()
     finally:
         await consumer.stop()
-    assert await publish_work(js, subject, overflow, overflow.rid) is True
+    assert await publish_work(nc, subject, overflow, overflow.rid) is True
     assert await _messages(js, subjects.REQUEST_STREAM) == 3
 
 
-async def test_full_by_bytes_raises_queue_full(js: JetStreamContext, model: str) -> None:
+async def test_full_by_bytes_raises_queue_full(nc: Client, js: JetStreamContext, model: str) -> None:
     await ensure_model(js, model, BrokerConfig(kv_max_bytes=4096))
     subject = subjects.kv_ready(model)
     with pytest.raises(QueueFullError):
         for i in range(100):
             ready = _kv_ready(f"k{i}", model)
-            assert await publish_work(js, subject, ready, ready.rid) is True
+            assert await publish_work(nc, subject, ready, ready.rid) is True
     assert 0 < await _messages(js, subjects.KV_STREAM) < 100
 
 
-async def test_duplicate_msg_id_is_not_stored(js: JetStreamContext, model: str, make_request: Any) -> None:
+async def test_duplicate_msg_id_is_not_stored(nc: Client, js: JetStreamContext, model: str, make_request: Any) -> None:
     await ensure_model(js, model, CONFIG)
     subject = subjects.requests(model)
     req = make_request("dup", model=model)
-    assert await publish_work(js, subject, req, "dup") is True
-    assert await publish_work(js, subject, req, "dup") is False
+    assert await publish_work(nc, subject, req, "dup") is True
+    assert await publish_work(nc, subject, req, "dup") is False
     # Same id, other content: still a duplicate, the first one wins.
     other = make_request("dup", model=model, deadline=123.0)
-    assert await publish_work(js, subject, other, "dup") is False
+    assert await publish_work(nc, subject, other, "dup") is False
     assert await _messages(js, subjects.REQUEST_STREAM) == 1
     stored = await js.get_msg(subjects.REQUEST_STREAM, 1)
     assert stored.data == req.encode()
     # A new id is new.
-    assert await publish_work(js, subject, req, "dup-2") is True
+    assert await publish_work(nc, subject, req, "dup-2") is True
     assert await _messages(js, subjects.REQUEST_STREAM) == 2
 
 
@@ -262,7 +262,7 @@ async def test_duplicate_msg_id_after_consumption(
     """A retried publish of work already done (acked, removed) is still a duplicate inside the window."""
     await ensure_model(js, model, CONFIG)
     req = make_request("done-once", model=model)
-    assert await publish_work(js, subjects.requests(model), req, req.rid) is True
+    assert await publish_work(nc, subjects.requests(model), req, req.rid) is True
     consumer = PullConsumer(nc, subjects.REQUEST_STREAM, subjects.prefill_consumer(model))
     await consumer.start()
     try:
@@ -271,15 +271,17 @@ async def test_duplicate_msg_id_after_consumption(
     finally:
         await consumer.stop()
     assert await _messages(js, subjects.REQUEST_STREAM) == 0
-    assert await publish_work(js, subjects.requests(model), req, req.rid) is False
+    assert await publish_work(nc, subjects.requests(model), req, req.rid) is False
     assert await _messages(js, subjects.REQUEST_STREAM) == 0
 
 
-async def test_publish_to_unknown_subject_is_an_error(js: JetStreamContext, model: str, make_request: Any) -> None:
+async def test_publish_to_unknown_subject_is_an_error(
+    nc: Client, js: JetStreamContext, model: str, make_request: Any
+) -> None:
     await ensure_model(js, model, CONFIG)
     req = make_request("nowhere", model=model)
     with pytest.raises(Exception) as exc_info:
-        await publish_work(js, "pd.nothing.here", req, req.rid, timeout=1.0)
+        await publish_work(nc, "pd.nothing.here", req, req.rid, timeout=1.0)
     assert not isinstance(exc_info.value, QueueFullError)
 
 
@@ -294,7 +296,7 @@ async def test_queue_depth_counts_pending_and_ack_pending(
     assert await queue_depth(js, stream, name) == QueueDepth(0, 0)
     for i in range(5):
         req = make_request(f"q{i}", model=model)
-        await publish_work(js, subjects.requests(model), req, req.rid)
+        await publish_work(nc, subjects.requests(model), req, req.rid)
     depth = await queue_depth(js, stream, name)
     assert depth == QueueDepth(pending=5, ack_pending=0)
     assert depth.total == 5
@@ -336,11 +338,11 @@ async def test_queue_depth_counts_pending_and_ack_pending(
         await consumer.stop()
 
 
-async def test_queue_depth_of_decode_consumer(js: JetStreamContext, model: str) -> None:
+async def test_queue_depth_of_decode_consumer(nc: Client, js: JetStreamContext, model: str) -> None:
     await ensure_model(js, model, CONFIG)
     for i in range(3):
         ready = _kv_ready(f"kv{i}", model)
-        assert await publish_work(js, subjects.kv_ready(model), ready, ready.rid)
+        assert await publish_work(nc, subjects.kv_ready(model), ready, ready.rid)
     depth = await queue_depth(js, subjects.KV_STREAM, subjects.decode_consumer(model))
     assert depth == QueueDepth(pending=3, ack_pending=0)
     # The prefill consumer does not see KV messages.

@@ -198,9 +198,7 @@ async def test_a_duplicate_publish_never_splices_unseeded_samples(
                 reply_to=subjects.tokens(gateway.api_id, rid),
                 sampling=params,
             )
-            await publish_work(
-                observer.jetstream(), subjects.requests(tiny_model_dir.name), again, msg_id="twice-again"
-            )
+            await publish_work(observer, subjects.requests(tiny_model_dir.name), again, msg_id="twice-again")
 
     try:
         run = await stream(gateway, params, rid, on_token)

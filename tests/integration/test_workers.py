@@ -56,7 +56,6 @@ def reference(model_dir: Path, prompt: list[int], n: int) -> list[int]:
 async def test_prefill_holds_kv_until_release_cancel_or_expiry(workers, nats_server, tiny_model_dir: Path) -> None:
     prefill = await workers("prefill", kv_hold_seconds=3.0, kv_hold_grace_seconds=0.2)
     nc = await nats.connect(nats_server.url)
-    js = nc.jetstream()
     model = tiny_model_dir.name
     inbox = "pd.tokens.test.prefill"
     chunks = await replies(nc, inbox)
@@ -66,7 +65,7 @@ async def test_prefill_holds_kv_until_release_cancel_or_expiry(workers, nats_ser
     try:
         for rid in ("released", "cancelled", "expired"):
             req = GenerateRequest(rid=rid, model=model, prompt_ids=tuple(range(5, 90)), reply_to=inbox, sampling=GREEDY)
-            await publish_work(js, subjects.requests(model), req, msg_id=rid)
+            await publish_work(nc, subjects.requests(model), req, msg_id=rid)
             first = await asyncio.wait_for(chunks.get(), 15)
             assert first.rid == rid and first.seq == 0 and len(first.token_ids) == 1
             (msg,) = await kv.fetch(1, 10)
@@ -90,8 +89,8 @@ async def test_prefill_holds_kv_until_release_cancel_or_expiry(workers, nats_ser
         await nc.close()
 
 
-async def _publish_ready(js: Any, ready: KVReady, msg_id: str | None = None) -> None:
-    await publish_work(js, subjects.kv_ready(ready.model), ready, msg_id=msg_id or ready.rid)
+async def _publish_ready(nc: Any, ready: KVReady, msg_id: str | None = None) -> None:
+    await publish_work(nc, subjects.kv_ready(ready.model), ready, msg_id=msg_id or ready.rid)
 
 
 async def test_decode_recomputes_when_the_handle_is_expired(workers, nats_server, tiny_model_dir: Path) -> None:
@@ -120,7 +119,7 @@ async def test_decode_recomputes_when_the_handle_is_expired(workers, nats_server
         ),
     )
     try:
-        await _publish_ready(nc.jetstream(), ready)
+        await _publish_ready(nc, ready)
         tokens: list[int] = []
         while True:
             chunk = await asyncio.wait_for(chunks.get(), 20)
@@ -175,7 +174,7 @@ async def test_a_handle_decode_cannot_read_is_a_clear_error(
         ),
     )
     try:
-        await _publish_ready(nc.jetstream(), ready)
+        await _publish_ready(nc, ready)
         chunk = await asyncio.wait_for(chunks.get(), 20)
         assert chunk.finish_reason == "error" and chunk.error is not None
         flag = {"page size": "--page-size", "dtype": "--dtype", "protocol": "--disaggregation-ib-device"}[why]
@@ -243,7 +242,6 @@ async def test_a_lease_keeps_cancelled_kv_until_the_read_ends(workers, nats_serv
 
     prefill = await workers("prefill", kv_hold_seconds=30.0)
     nc = await nats.connect(nats_server.url)
-    js = nc.jetstream()
     model = tiny_model_dir.name
     inbox = "pd.tokens.test.lease"
     chunks = await replies(nc, inbox)
@@ -254,7 +252,7 @@ async def test_a_lease_keeps_cancelled_kv_until_the_read_ends(workers, nats_serv
         req = GenerateRequest(
             rid="leased", model=model, prompt_ids=tuple(range(5, 90)), reply_to=inbox, sampling=GREEDY
         )
-        await publish_work(js, subjects.requests(model), req, msg_id=req.rid)
+        await publish_work(nc, subjects.requests(model), req, msg_id=req.rid)
         await asyncio.wait_for(chunks.get(), 15)
         (msg,) = await kv.fetch(1, 10)
         await msg.ack()
@@ -296,7 +294,6 @@ async def test_a_redelivered_kv_ready_after_release_reads_nothing(workers, nats_
     prompt = list(range(11, 83))
     expected = reference(tiny_model_dir, prompt, GREEDY.max_new_tokens)
     nc = await nats.connect(nats_server.url)
-    js = nc.jetstream()
     seen: asyncio.Queue[KVReady] = asyncio.Queue()
 
     async def watch(msg: Any) -> None:
@@ -312,10 +309,10 @@ async def test_a_redelivered_kv_ready_after_release_reads_nothing(workers, nats_
                 req = GenerateRequest(
                     rid="again", model=model, prompt_ids=tuple(prompt), reply_to=inbox, sampling=GREEDY
                 )
-                await publish_work(js, subjects.requests(model), req, msg_id="again")
+                await publish_work(nc, subjects.requests(model), req, msg_id="again")
             else:
                 stale = dataclasses.replace(await asyncio.wait_for(seen.get(), 5), reply_to=inbox)
-                await _publish_ready(js, stale, msg_id="again-republished")  # past the dedup window
+                await _publish_ready(nc, stale, msg_id="again-republished")  # past the dedup window
             tokens: list[int] = []
             while True:
                 chunk = await asyncio.wait_for(chunks.get(), 20)

@@ -22,7 +22,7 @@ async def test_intake_fetches_only_what_there_is_room_for(nats_server) -> None:
     await ensure_model(js, MODEL, BrokerConfig())
     for i in range(5):
         req = GenerateRequest(rid=f"r{i}", model=MODEL, prompt_ids=(1, 2), reply_to=f"pd.tokens.t.r{i}")
-        await contract.submit(js, contract.REQUESTS, req, MODEL, req.rid)
+        await contract.submit(nc, contract.REQUESTS, req, MODEL, req.rid)
     queue = contract.WorkQueue(nc, contract.REQUESTS, MODEL, "w")
     await queue.start()
     room = [0]
