@@ -19,6 +19,7 @@ column is pdserve against the best transformers mode of the same row.
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
 import json
 import random
@@ -214,8 +215,12 @@ def main() -> int:
                 )
                 if mode == "pdserve":
                     run_pdserve(engine, warm, 2)
+                    engine.pages.reset_prefix_cache()  # every measured run cold (the same prompts repeat)
+                    cached = engine.stats.cached_tokens
                     seconds = run_pdserve(engine, reqs, concurrency)
-                    engine.pages.reset_prefix_cache()
+                    row["pdserve_cached_tokens"] = (
+                        row.get("pdserve_cached_tokens", 0) + engine.stats.cached_tokens - cached
+                    )
                 elif mode == "hf-static":
                     run_hf_static(hf, warm, 2, pad_id)
                     seconds = run_hf_static(hf, reqs, concurrency, pad_id)
@@ -235,16 +240,21 @@ def main() -> int:
 
     print(f"\nmodel {path.name}: {params / 1e6:.1f}M parameters, fp32, {torch.get_num_threads()} threads")
     head = (
-        "| concurrency | requests | " + " | ".join(f"{m} out tok/s" for m in modes) + " | pdserve / best transformers |"
+        "| concurrency | requests | "
+        + " | ".join(f"{m} out tok/s" for m in modes)
+        + " | pdserve / best transformers | pdserve cached prompt tokens |"
     )
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for row in rows:
         cells = " | ".join(f"{row[m]:,.0f}" for m in modes)
         ratio = f"{row['ratio']:.2f}x" if "ratio" in row else "-"
-        print(f"| {row['concurrency']} | {row['requests']} | {cells} | {ratio} |")
+        cached = row.get("pdserve_cached_tokens", "-")
+        print(f"| {row['concurrency']} | {row['requests']} | {cells} | {ratio} | {cached} |")
     if args.json:
-        args.json.write_text(json.dumps({"model": str(path), "parameters": params, "rows": rows}, indent=2))
+        data = {"date": datetime.date.today().isoformat(), "command": "python " + " ".join(sys.argv)}
+        data.update({"model": str(path), "parameters": params, "rows": rows})
+        args.json.write_text(json.dumps(data, indent=2) + "\n")
     return 0
 
 

@@ -28,6 +28,7 @@ import contextlib
 import math
 import os
 import platform
+import random
 import resource
 import shutil
 import signal
@@ -287,6 +288,7 @@ def workload_table(wl: Workload, runs: dict[str, list[dict[str, Any]]], slo: SLO
         "good %",
         "req queue p99",
         "kv queue p99",
+        "cached / prompt tokens",
     ]
     rows = []
     for mode, points in runs.items():
@@ -313,13 +315,14 @@ def workload_table(wl: Workload, runs: dict[str, list[dict[str, Any]]], slo: SLO
                     _fmt(100 * frac, 0),
                     _fmt(rq, 2),
                     _fmt(kq, 2),
+                    f"{m.get('total_cached_tokens', '?')} / {m.get('total_input_tokens', '?')}",
                 ]
             )
     return markdown_table(header, rows)
 
 
 async def sweep_system(
-    url: str, wl: Workload, args: argparse.Namespace, tokenizer: str, quiet: bool
+    url: str, wl: Workload, args: argparse.Namespace, tokenizer: str, quiet: bool, seed: int
 ) -> list[dict[str, Any]]:
     cfg = BenchConfig(
         base_url=url,
@@ -327,7 +330,7 @@ async def sweep_system(
         tokenizer=tokenizer,
         num_prompts=args.num_prompts,
         warmup=args.warmup,
-        seed=args.seed,
+        seed=seed,
         input_len=wl.input_len,
         output_len=wl.output_len,
         range_ratio=args.range_ratio,
@@ -342,6 +345,8 @@ async def sweep_system(
 
 
 def run_sweeps(args: argparse.Namespace) -> dict[str, Any]:
+    if args.seed is None:
+        args.seed = random.SystemRandom().randrange(1 << 30)
     root = Path(tempfile.mkdtemp(prefix="pdserve-sweep-"))
     if args.model_path:
         model = Path(args.model_path)
@@ -365,7 +370,10 @@ def run_sweeps(args: argparse.Namespace) -> dict[str, Any]:
                     file=sys.stderr,
                     flush=True,
                 )
-                runs[wl.name][mode] = asyncio.run(sweep_system(system.url, wl, args, str(model), args.quiet))
+                # Each workload its own seeds: prompts drawn from one seed share their first
+                # tokens, and the server's prefix cache would serve the second workload.
+                seed = args.seed + 1000 * workloads.index(wl)
+                runs[wl.name][mode] = asyncio.run(sweep_system(system.url, wl, args, str(model), args.quiet, seed))
         finally:
             system.stop()
             print(f"  stopped {mode}", file=sys.stderr, flush=True)
@@ -392,7 +400,7 @@ def report(args: argparse.Namespace, sweep: dict[str, Any]) -> dict[str, Any]:
         f"- PD: {MODES['pd'][0]}; unified: {MODES['unified'][0]}; backend `{args.backend}` (streaming), "
         f"`ignore_eos`, token-id prompts (exact lengths)",
         f"- {args.num_prompts} requests per point, Poisson arrivals (burstiness {args.burstiness:g}), {args.warmup} warm-up "
-        f"requests per point, fresh prompts per point (seed {args.seed} + point index)",
+        f"requests per point, fresh prompts per point (seed {args.seed} + 1000 x workload + point index)",
         "- latencies in ms; TPOT = (E2E - TTFT) / (output tokens - 1); ITL = gaps between streamed events; "
         "queue columns are the server's `meta_info.timings` (request_queue: JetStream request queue wait; "
         "kv_queue: KV-ready event wait before a decode worker takes it)",
@@ -593,7 +601,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--range-ratio", type=float, default=0.0, help="length spread, see pdserve bench (default: %(default)s)"
     )
     p.add_argument("--burstiness", type=float, default=1.0, help="1 = Poisson (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    p.add_argument(
+        "--seed", type=int, default=None, help="first workload seed (default: a fresh one per run, recorded)"
+    )
     p.add_argument("--pause", type=float, default=1.0, help="seconds between points (default: %(default)s)")
     p.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO in ms (default: auto, see --slo-factor)")
     p.add_argument("--slo-tpot", type=float, default=None, help="TPOT SLO in ms (default: auto, see --slo-factor)")

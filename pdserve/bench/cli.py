@@ -140,7 +140,11 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="requests sent (different prompts) and not measured before each run (default: %(default)s)",
     )
     g.add_argument(
-        "--seed", type=int, default=D.seed, help="seed of prompts, lengths and arrivals (default: %(default)s)"
+        "--seed",
+        type=int,
+        default=D.seed,
+        help="seed of prompts, lengths and arrivals (default: a fresh one each run, recorded in the"
+        " result, so a rerun meets a cold prefix cache; give the recorded one to repeat a workload)",
     )
 
     g = p.add_argument_group("workload")

@@ -45,6 +45,7 @@ def point_table(point: dict[str, Any], backend: str = "", title: str = "Serving 
     row("Failed requests", m["failed"])
     row("Benchmark duration (s)", m["duration_s"])
     row("Total input tokens", m["total_input_tokens"])
+    row("Cached input tokens (prefix cache)", m.get("total_cached_tokens", "not reported"))
     row("Total generated tokens", m["total_output_tokens"])
     row("Request throughput (req/s)", m["request_throughput"])
     row("Input token throughput (tok/s)", m["input_throughput"])
@@ -58,6 +59,7 @@ def point_table(point: dict[str, Any], backend: str = "", title: str = "Serving 
         row("Requests with fewer tokens than asked", m["short_outputs"])
     if m.get("prefix_cache_hit_rate") is not None:
         row("Prefix cache hit rate", m["prefix_cache_hit_rate"], 3)
+    row("Seed (prompts, lengths, arrivals)", point.get("seed", "-"))
     for key, name in (
         ("ttft_ms", "Time to First Token"),
         ("tpot_ms", "Time per Output Token (excl. 1st)"),

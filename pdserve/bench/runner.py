@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import gc
 import logging
 import math
 import os
 import platform
+import random
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -107,7 +108,7 @@ class Progress:
 
 
 # ---- one run ------------------------------------------------------------------------------
-@dataclass
+@dataclasses.dataclass
 class Target:
     """What the runs of one invocation share: the model name, its context, the tokenizer."""
 
@@ -262,8 +263,13 @@ async def run_benchmark(cfg: BenchConfig, on_point: Any = None) -> dict[str, Any
     """Every run the config asks for (one, or a sweep); returns the JSON-ready result.
 
     Each sweep point uses its own seed (``seed + k``) so its prompts differ from the
-    previous points' and a server's prefix cache cannot serve them from an earlier run.
+    previous points' and a server's prefix cache cannot serve them from an earlier run;
+    without a seed in ``cfg`` the run draws a fresh one (recorded in ``config.seed``), so
+    running the same command twice measures cold both times.
     """
+    if cfg.seed is None:
+        cfg = dataclasses.replace(cfg, seed=random.SystemRandom().randrange(1 << 31))
+    assert cfg.seed is not None
     target = await resolve_target(cfg)
     points = []
     plan = sweep_points(cfg)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -123,7 +124,8 @@ def test_cli_sweep_json_and_plots(stub_url: str, tmp_path: Path, capsys: pytest.
     assert data["config"]["sweep"] == [100.0, "inf"]
     rates = [p["request_rate"] for p in data["points"]]
     assert rates == [100.0, "inf"]
-    assert [p["seed"] for p in data["points"]] == [0, 1]  # fresh prompts per point
+    first = data["config"]["seed"]  # drawn for this run (no --seed given)
+    assert [p["seed"] for p in data["points"]] == [first, first + 1]  # fresh prompts per point
     for p in data["points"]:
         assert p["metrics"]["completed"] == 8 and len(p["requests"]) == 8
         assert p["metrics"]["goodput"] > 0
@@ -179,3 +181,22 @@ async def test_request_timeout_is_applied() -> None:
         )
         m = (await run_benchmark(cfg))["metrics"]
     assert m["failed"] == 2 and "ReadTimeout" in next(iter(m["errors"]))
+
+
+async def test_runs_without_a_seed_draw_fresh_prompts_and_record_the_seed() -> None:
+    """Two runs of the same command must not meet a warm prefix cache: each draws its own
+    seed and records it; giving the recorded seed runs that workload again."""
+    async with StubServer(tokens=2) as stub:
+        cfg = BenchConfig(
+            base_url=f"http://127.0.0.1:{stub.port}",
+            backend="generate",
+            num_prompts=3,
+            input_len=16,
+            output_len=2,
+            quiet=True,
+        )
+        first, second = await run_benchmark(cfg), await run_benchmark(cfg)
+        again = await run_benchmark(dataclasses.replace(cfg, seed=first["config"]["seed"]))
+    seeds = [r["config"]["seed"] for r in (first, second, again)]
+    assert isinstance(seeds[0], int) and seeds[0] != seeds[1] and seeds[2] == seeds[0]
+    assert [p["seed"] for p in (first["points"][0], again["points"][0])] == [seeds[0], seeds[0]]
