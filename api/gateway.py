@@ -31,7 +31,16 @@ from pdserve.broker import contract, streams
 from pdserve.broker.connection import QueueFullError, connect
 from pdserve.broker.deadletter import watch_dead_letters
 from pdserve.broker.registry import WorkerRegistry
-from pdserve.schemas import Cancel, ErrorInfo, GenerateRequest, SamplingParams, TokenChunk, Usage, WorkerInfo
+from pdserve.schemas import (
+    Cancel,
+    ErrorInfo,
+    GenerateRequest,
+    SamplingParams,
+    TokenBatch,
+    TokenChunk,
+    Usage,
+    WorkerInfo,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +74,9 @@ class GatewayStats:
     duplicate_chunks: int = 0
     stale_chunks: int = 0
     dead_letters: int = 0
+    chunk_messages: int = 0  # token chunks that came one per message (reply_to)
+    batches: int = 0  # TokenBatch messages (batch_to), and the chunks they carried
+    batched_chunks: int = 0
 
 
 @dataclass
@@ -104,13 +116,15 @@ class Gateway:
         self._background: set[asyncio.Task[None]] = set()
         self._was_connected = True
         self._tokens: Subscription | None = None
+        self._batches: Subscription | None = None
 
     async def start(self) -> None:
         self.nc = await connect(self.nats_url, self.api_id)
         self.js = self.nc.jetstream()
         await streams.ensure_model(self.js, self.model, self.broker)
         self.registry = WorkerRegistry(await streams.worker_bucket(self.js, self.broker), self.js)
-        self._tokens = await contract.subscribe(self.nc, contract.TOKENS, self._on_chunk, self.api_id)
+        self._tokens = await contract.subscribe(self.nc, contract.TOKENS, self._on_chunk_message, self.api_id)
+        self._batches = await contract.subscribe(self.nc, contract.TOKEN_BATCHES, self._on_batch, self.api_id)
         await watch_dead_letters(self.nc, self.js, self.model, self._on_dead_letter)
         self._spawn(self._watch())
 
@@ -145,6 +159,16 @@ class Gateway:
         if reason is not None:
             self.migrate(live, reason)
 
+    async def _on_chunk_message(self, chunk: TokenChunk) -> None:
+        self.stats.chunk_messages += 1
+        await self._on_chunk(chunk)
+
+    async def _on_batch(self, batch: TokenBatch) -> None:
+        self.stats.batches += 1
+        self.stats.batched_chunks += len(batch.chunks)
+        for chunk in batch.chunks:
+            await self._on_chunk(chunk)
+
     async def _recancel(self, live: _Live) -> None:
         """A worker still runs an earlier attempt (it missed the cancel): tell it again."""
         now = time.monotonic()
@@ -173,7 +197,7 @@ class Gateway:
         woke late, or chunks wait unhandled): the silence would be its own. Then every
         stream gets a fresh ``stall_timeout``."""
         connected = self.nc is not None and self.nc.is_connected
-        behind = late or (self._tokens is not None and self._tokens.pending_msgs > 0)
+        behind = late or any(sub is not None and sub.pending_msgs > 0 for sub in (self._tokens, self._batches))
         if not connected or not self._was_connected or behind:
             for live in self.live.values():
                 live.stream.heard_at = max(live.stream.heard_at, now - WATCH_SECONDS)
@@ -290,6 +314,7 @@ class Gateway:
             model=self.model,
             prompt_ids=tuple(prompt_ids),
             reply_to=contract.TOKENS.subject(self.api_id, rid),
+            batch_to=contract.TOKEN_BATCHES.subject(self.api_id),
             sampling=sampling,
             deadline=now + timeout,
             published_at=now,

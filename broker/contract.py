@@ -7,6 +7,7 @@ send and receive on it.
 | ``REQUESTS`` | ``GenerateRequest`` | stream ``PD_REQUESTS``, ``pd.req.<model>``, pull consumer ``prefill-<model>`` | API → prefill and unified workers |
 | ``KV_READY`` | ``KVReady`` | stream ``PD_KV``, ``pd.kv.<model>``, pull consumer ``decode-<model>`` | prefill → decode |
 | ``TOKENS`` | ``TokenChunk`` | core ``pd.tokens.<api-id>.<rid>`` (the request's ``reply_to``) | workers → the API that asked |
+| ``TOKEN_BATCHES`` | ``TokenBatch`` | core ``pd.tokens.<api-id>`` (the request's ``batch_to``) | decode and unified workers, one per step and API → that API |
 | ``CANCEL`` | ``Cancel`` | core ``pd.cancel``, fan-out | API → every worker |
 | ``KV_RELEASE`` | ``KVRelease`` | core ``pd.release.<prefill-id>`` | decode → the prefill worker holding the KV |
 | ``KV_LEASE`` | ``KVLease`` → ``KVLeaseReply`` | core request/reply ``pd.lease.<prefill-id>`` | decode asks the prefill worker holding the KV, before reading it |
@@ -49,6 +50,7 @@ from pdserve.schemas import (
     KVRelease,
     Message,
     MessageError,
+    TokenBatch,
     TokenChunk,
     WorkerInfo,
 )
@@ -142,6 +144,14 @@ TOKENS = Channel(
     sender="prefill, decode and unified workers, at the request's reply_to",
     receiver="the API instance that published the request",
 )
+TOKEN_BATCHES = Channel(
+    "token_batches",
+    TokenBatch,
+    subjects.token_batches,
+    subjects.token_batches,
+    sender="decode and unified workers: one engine step's chunks for the requests whose batch_to it is",
+    receiver="the API instance that published those requests",
+)
 CANCEL = Channel(
     "cancel", Cancel, subjects.cancel, subjects.cancel, sender="API on client disconnect", receiver="every worker"
 )
@@ -171,7 +181,7 @@ WORKERS = Bucket(
     receiver="API (/health, /workers)",
 )
 
-CHANNELS = (REQUESTS, KV_READY, TOKENS, CANCEL, KV_RELEASE, KV_LEASE, WORKERS)
+CHANNELS = (REQUESTS, KV_READY, TOKENS, TOKEN_BATCHES, CANCEL, KV_RELEASE, KV_LEASE, WORKERS)
 
 
 # ---- core NATS ---------------------------------------------------------------------

@@ -57,6 +57,11 @@ def tokens(api_id: str, rid: str) -> str:
     return f"pd.tokens.{token(api_id)}.{token(rid)}"
 
 
+def token_batches(api_id: str) -> str:
+    """Where an API instance takes ``TokenBatch``es (outside its ``tokens_prefix``)."""
+    return f"pd.tokens.{token(api_id)}"
+
+
 def msg_id(rid: str, attempt: int = 0) -> str:
     """The ``Nats-Msg-Id`` a work message of ``rid`` is deduplicated on: the request id for
     the first attempt (what direct publishers use), ``rid~n`` for migration ``n``."""

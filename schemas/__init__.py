@@ -5,7 +5,7 @@ from pdserve.schemas.control import Cancel
 from pdserve.schemas.kv import KVHandle, KVLayout, KVLease, KVLeaseReply, KVReady, KVRelease
 from pdserve.schemas.request import GenerateRequest
 from pdserve.schemas.sampling import SamplingParams
-from pdserve.schemas.tokens import ErrorInfo, TokenChunk, TokenLogprob, Usage
+from pdserve.schemas.tokens import ErrorInfo, TokenBatch, TokenChunk, TokenLogprob, Usage
 from pdserve.schemas.worker import WorkerCounters, WorkerInfo
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "Message",
     "MessageError",
     "SamplingParams",
+    "TokenBatch",
     "TokenChunk",
     "TokenLogprob",
     "Usage",

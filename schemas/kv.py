@@ -62,8 +62,8 @@ class KVHandle:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class KVReady(Message):
-    """Prefill is done: the first token is out, the KV waits at ``handle``. ``attempt`` is
-    the request's (see :class:`GenerateRequest`)."""
+    """Prefill is done: the first token is out, the KV waits at ``handle``. ``attempt`` and
+    ``batch_to`` are the request's (see :class:`GenerateRequest`)."""
 
     rid: str
     model: str
@@ -79,6 +79,7 @@ class KVReady(Message):
     request_published_at: float = 0.0
     timings: dict[str, float] | None = None
     attempt: int = 0
+    batch_to: str = ""
     v: int = 1
 
 

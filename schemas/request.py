@@ -13,6 +13,9 @@ class GenerateRequest(Message):
     """One generation request, published to ``pd.req.<model>`` with ``Nats-Msg-Id = rid``.
 
     ``reply_to`` is the core-NATS subject that receives the ``TokenChunk`` stream.
+    ``batch_to`` (optional) is a subject of the same receiver that takes ``TokenBatch``es:
+    a worker may send this request's token chunks there, together with other requests'
+    chunks of the same step, instead of one message each to ``reply_to``.
     ``output_ids`` holds tokens already streamed when a stalled request is resumed;
     the worker continues after them and numbers its chunks from ``len(output_ids)``.
     ``deadline`` is a Unix time after which the request is dropped (0: none).
@@ -32,6 +35,7 @@ class GenerateRequest(Message):
     deadline: float = 0.0
     published_at: float = 0.0
     attempt: int = 0
+    batch_to: str = ""
     v: int = 1
 
     def __post_init__(self) -> None:

@@ -75,3 +75,13 @@ class TokenChunk(Message):
     def __post_init__(self) -> None:
         if self.state not in STATES:
             raise ValueError(f"state must be one of {STATES}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenBatch(Message):
+    """Chunks of several requests for one receiver in one message: what an engine step
+    produced for the requests that named the same ``batch_to`` subject (see
+    :class:`GenerateRequest`). Each chunk means what it would mean alone."""
+
+    chunks: tuple[TokenChunk, ...]
+    v: int = 1

@@ -68,7 +68,9 @@ class DecodeWorker(WorkerRuntime):
         taken = []
         for d in deliveries:
             ready = d.message
-            t = self.track(d, ready.rid, ready.reply_to, ready.deadline, ready.attempt, ready.request_published_at)
+            t = self.track(
+                d, ready.rid, ready.reply_to, ready.deadline, ready.attempt, ready.request_published_at, ready.batch_to
+            )
             t.timings = dict(ready.timings or {})
             if ready.published_at:
                 t.timings["kv_queue"] = max(d.received_at - ready.published_at, 0.0)
@@ -286,8 +288,7 @@ class DecodeWorker(WorkerRuntime):
         return super().in_hand() + [t for t, _ in self.backlog]
 
     async def on_outputs(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            await self.stream_output(out)
+        await self.stream_outputs(outputs)
         if self.backlog and self.intake is not None:
             self.intake.room_freed.set()
 

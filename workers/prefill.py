@@ -82,6 +82,7 @@ class PrefillWorker(WorkerRuntime):
             request_published_at=req.published_at,
             timings=dict(t.timings),
             attempt=req.attempt,
+            batch_to=req.batch_to,
         )
         try:
             fresh = await contract.submit(self.nc, contract.KV_READY, ready, req.model, req.rid, req.attempt)

@@ -13,10 +13,12 @@ from nats.aio.client import Client
 from pdserve.broker import contract
 from pdserve.broker.consumer import Delivery
 from pdserve.engine.engine import RequestOutput
-from pdserve.schemas import ErrorInfo, TokenChunk, Usage
+from pdserve.schemas import ErrorInfo, TokenBatch, TokenChunk, Usage
 from pdserve.schemas.tokens import QUEUED
 
 log = logging.getLogger(__name__)
+
+BATCH_CHUNKS = 256  # chunks per TokenBatch: well under NATS's 1 MB payload even with logprobs
 
 
 @dataclass
@@ -38,6 +40,7 @@ class Tracked:
     published_at: float = 0.0
     next_seq: int = 0
     sent_at: float = 0.0
+    batch_to: str = ""
 
     async def settle(self, ok: bool = True) -> None:
         """Ack (done) or terminate (failed for good) the delivery; once."""
@@ -90,6 +93,28 @@ class Replies:
             await contract.publish(self._nc, contract.TOKENS, chunk, to=reply_to)
         except Exception as exc:
             log.warning("could not publish tokens", extra={"rid": chunk.rid, "error": str(exc)})
+
+    async def send_step(self, sent: list[tuple[Tracked, TokenChunk]]) -> None:
+        """One step's chunks: those whose request names a ``batch_to`` go there in one
+        ``TokenBatch`` per subject (at most ``BATCH_CHUNKS`` chunks each), the rest one
+        message each to their ``reply_to``."""
+        assert self._nc is not None, "connect() first"
+        batches: dict[str, list[TokenChunk]] = {}
+        now = time.monotonic()
+        for t, chunk in sent:
+            if not t.batch_to:
+                await self.send(t.reply_to, chunk, t)
+                continue
+            t.sent_at = now
+            t.next_seq = max(t.next_seq, chunk.seq + len(chunk.token_ids))
+            batches.setdefault(t.batch_to, []).append(chunk)
+        for to, chunks in batches.items():
+            for start in range(0, len(chunks), BATCH_CHUNKS):
+                batch = TokenBatch(tuple(chunks[start : start + BATCH_CHUNKS]))
+                try:
+                    await contract.publish(self._nc, contract.TOKEN_BATCHES, batch, to=to)
+                except Exception as exc:
+                    log.warning("could not publish tokens", extra={"to": to, "error": str(exc)})
 
     async def error(
         self,

@@ -196,12 +196,19 @@ class WorkerRuntime:
         return max(engine.config.max_num_seqs - engine.num_waiting - engine.num_running, 0)
 
     def track(
-        self, d: Delivery, rid: str, reply_to: str, deadline: float, attempt: int, published_at: float
+        self,
+        d: Delivery,
+        rid: str,
+        reply_to: str,
+        deadline: float,
+        attempt: int,
+        published_at: float,
+        batch_to: str = "",
     ) -> Tracked:
         """A delivery in hand, counted if it is a redelivery."""
         if d.num_delivered > 1:
             self.count("redeliveries")
-        return Tracked(rid, reply_to, d, deadline, attempt=attempt, published_at=published_at)
+        return Tracked(rid, reply_to, d, deadline, attempt=attempt, published_at=published_at, batch_to=batch_to)
 
     async def superseded(self, t: Tracked) -> bool:
         """Settle ``t`` and say True if it must not run: cancelled, past its deadline, or an
@@ -225,7 +232,7 @@ class WorkerRuntime:
 
     async def admit(self, d: Delivery[GenerateRequest], prefill_only: bool) -> None:
         req = d.message
-        t = self.track(d, req.rid, req.reply_to, req.deadline, req.attempt, req.published_at)
+        t = self.track(d, req.rid, req.reply_to, req.deadline, req.attempt, req.published_at, req.batch_to)
         t.next_seq = len(req.output_ids)
         if req.published_at:
             t.timings["request_queue"] = max(d.received_at - req.published_at, 0.0)
@@ -334,16 +341,16 @@ class WorkerRuntime:
         """Publish one step's outputs (in order for each request)."""
         raise NotImplementedError
 
-    async def stream_output(self, out: RequestOutput) -> None:
-        """Publish a decoding request's new tokens; settle it when it finishes."""
-        t = self.tracked.get(out.rid)
-        if t is None:
-            return
-        await self.replies.send(t.reply_to, self.replies.chunk(out, t), t)
-        if out.finish_reason is not None:
-            self.tracked.pop(out.rid, None)
-            self.requests.pop(out.rid, None)
-            await t.settle()
+    async def stream_outputs(self, outputs: list[RequestOutput]) -> None:
+        """Publish decoding requests' new tokens (one message per receiver that takes
+        batches, see ``GenerateRequest.batch_to``); then settle those that finished."""
+        sent = [(t, self.replies.chunk(out, t)) for out in outputs if (t := self.tracked.get(out.rid)) is not None]
+        await self.replies.send_step(sent)
+        for t, chunk in sent:
+            if chunk.finish_reason is not None:
+                self.tracked.pop(t.rid, None)
+                self.requests.pop(t.rid, None)
+                await t.settle()
 
     # ---- cancel and deadlines -------------------------------------------------
     async def _on_cancel(self, cancel: Cancel) -> None:

@@ -15,5 +15,4 @@ class UnifiedWorker(WorkerRuntime):
         self.intake = await self.request_intake(prefill_only=False)
 
     async def on_outputs(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            await self.stream_output(out)
+        await self.stream_outputs(outputs)

@@ -363,3 +363,6 @@ async def test_the_normal_path_pulls_every_prompt_and_recomputes_none(pd_system)
     async with httpx.AsyncClient(base_url=pd_system.url, timeout=30) as client:
         stats = (await client.get("/health")).json()["requests"]
     assert stats["requests"] > 0 and stats["migrations"] == 0 and stats["migration_failures"] == 0
+    # Decode's tokens came one message per step, not per request: the concurrent requests
+    # above shared steps, so some batch carried several requests' chunks.
+    assert stats["batches"] > 0 and stats["batched_chunks"] > stats["batches"]

@@ -22,6 +22,7 @@ from pdserve.schemas import (
     Message,
     MessageError,
     SamplingParams,
+    TokenBatch,
     TokenChunk,
     TokenLogprob,
     Usage,
@@ -136,6 +137,15 @@ MESSAGES: list[Message] = [
     ),
     # Minor additions of issue 8: attempts, chunk states, leases, generations, counters.
     _generate(attempt=3),
+    # Token batches: one message per engine step and receiver.
+    _generate(batch_to="pd.tokens.api-1"),
+    TokenBatch(
+        (
+            TokenChunk(rid="req-20", seq=3, token_ids=(9,), worker_id="decode-1"),
+            TokenChunk(rid="req-21", seq=0, token_ids=(1, 2), finish_reason="length", usage=Usage(4, 2)),
+        )
+    ),
+    TokenBatch(()),
     TokenChunk(rid="req-10", seq=5, worker_id="decode-1", attempt=2, state="alive"),
     TokenChunk(rid="req-11", seq=0, token_ids=(4,), state="queued"),
     Cancel(rid="req-12", reason="superseded", attempt=2, issued_at=1700000000.5),
