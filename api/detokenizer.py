@@ -24,8 +24,14 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []
         self._prefix = 0
         self._read = 0
+        # A fast tokenizer's own decode gives the same text when no clean-up runs after it,
+        # without the wrapper's per-call conversions (a tenth of the API's time per token).
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend = None if getattr(tokenizer, "clean_up_tokenization_spaces", True) else backend
 
     def _decode(self, ids: Sequence[int]) -> str:
+        if self._backend is not None:
+            return str(self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens))
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, ids: Sequence[int]) -> str:

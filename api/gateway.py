@@ -87,6 +87,8 @@ class _Live:
     stream: TokenStream
     migrating: bool = False
     recancelled_at: float = 0.0
+    deadline: float = float("inf")  # monotonic; the watch ends the stream past it
+    timed_out: bool = False
     reasons: list[str] = field(default_factory=list)
 
 
@@ -196,6 +198,10 @@ class Gateway:
         """No judgement while the broker is away, nor while this API is behind (its watch
         woke late, or chunks wait unhandled): the silence would be its own. Then every
         stream gets a fresh ``stall_timeout``."""
+        for live in self.live.values():
+            if now > live.deadline and not live.timed_out:
+                live.timed_out = True
+                live.stream.queue.put_nowait(self._error(live, "request timed out", "timeout"))
         connected = self.nc is not None and self.nc.is_connected
         behind = late or any(sub is not None and sub.pending_msgs > 0 for sub in (self._tokens, self._batches))
         if not connected or not self._was_connected or behind:
@@ -273,13 +279,13 @@ class Gateway:
                 log.warning("resubmission failed; retrying", extra={"rid": request.rid, "error": str(exc)})
                 await asyncio.sleep(RESUBMIT_RETRY_SECONDS)
 
-    def _error(self, live: _Live, message: str) -> TokenChunk:
+    def _error(self, live: _Live, message: str, kind: str = "server_error") -> TokenChunk:
         stream = live.stream
         return TokenChunk(
             rid=live.request.rid,
             seq=stream.next_seq,
             finish_reason="error",
-            error=ErrorInfo(message),
+            error=ErrorInfo(message, kind),
             attempt=stream.attempt,
         )
 
@@ -329,18 +335,11 @@ class Gateway:
                 raise DuplicateRequestError(
                     f"request id {rid!r} was submitted within the last {self.broker.dedup_window:.0f}s"
                 )
-            deadline = time.monotonic() + timeout
+            live.deadline = time.monotonic() + timeout
             while True:
-                wait = deadline - time.monotonic()
-                if wait <= 0:
-                    raise StreamError("request timed out", "timeout")
-                ready = live.stream.take()  # everything queued, merged: no wait while behind
-                if ready is None:
-                    try:
-                        ready = live.stream.take(await asyncio.wait_for(live.stream.queue.get(), wait))
-                    except TimeoutError:
-                        raise StreamError("request timed out", "timeout") from None
-                chunk = ready
+                # Everything queued, merged (no wait while behind). No timer per wait: the
+                # watch puts a timeout error in the queue once the deadline has passed.
+                chunk = live.stream.take() or live.stream.take(await live.stream.queue.get())
                 assert chunk is not None
                 if chunk.error is not None:
                     finished = True

@@ -270,3 +270,16 @@ async def test_a_request_that_keeps_losing_its_worker_ends_with_a_clear_error(
         assert gw.stats.migrations == 1 and gw.stats.migration_failures == 1
     finally:
         await gw.stop()
+
+
+async def test_a_request_nobody_serves_times_out_at_its_deadline(gateway: Gateway) -> None:
+    """No worker runs: the request waits in its queue until the deadline, and the client
+    gets a timeout error then (not earlier, and not a wait without end)."""
+    started = time.monotonic()
+    with pytest.raises(StreamError) as err:
+        async for _ in gateway.generate(PROMPT, SamplingParams(max_new_tokens=2), rid="nobody-home", timeout=0.6):
+            pass
+    waited = time.monotonic() - started
+    assert err.value.kind == "timeout" and "timed out" in str(err.value)
+    assert 0.6 <= waited < 0.6 + 1.0
+    assert "nobody-home" not in gateway.live
