@@ -31,7 +31,12 @@ async def health(request: Request) -> Response:
     workers = await gateway.workers()
     roles = {role: sum(1 for w in workers if w.role == role) for role in ("prefill", "decode", "unified")}
     ready = (roles["prefill"] >= 1 and roles["decode"] >= 1) or roles["unified"] >= 1
-    body = {"status": "ok" if ready else "unavailable", "workers": roles, "requests": dataclasses.asdict(gateway.stats)}
+    body = {
+        "status": "ok" if ready else "unavailable",
+        "workers": roles,
+        "api_id": gateway.api_id,
+        "requests": dataclasses.asdict(gateway.stats),
+    }
     return ORJSONResponse(body, status_code=200 if ready else 503)
 
 

@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     api = sub.add_parser("api", help="run the HTTP API only")
     flags.add_flags(api, flags.common())
     flags.add_flags(api, flags.MODEL, "model")
-    flags.add_flags(api, (*flags.HTTP, flags.nats_url(), *flags.API))
+    flags.add_flags(api, (*flags.HTTP, flags.nats_url(), *flags.API, flags.REUSE_PORT, flags.EXIT_WITH_PARENT))
     flags.add_flags(api, flags.BROKER, "broker")
 
     for role in ROLES:

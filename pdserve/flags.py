@@ -197,9 +197,18 @@ API = (
     *RECOVERY,
 )
 
+REUSE_PORT = Flag("--reuse-port", switch=True, help="share --port with other API processes (SO_REUSEPORT, Linux)")
+
 # ---- `up` -----------------------------------------------------------------------------
 UP = (
     Flag("--mode", "pd", choices=("pd", "unified")),
+    Flag(
+        "--api-processes",
+        1,
+        int,
+        "HTTP API processes sharing --port (SO_REUSEPORT, Linux); each is one event loop that streams "
+        "roughly 10,000 tokens/s, so add one per that many tokens/s a GPU pool produces (default: %(default)s)",
+    ),
     Flag("--prefill-workers", 1, int),
     Flag("--decode-workers", 1, int),
     Flag("--unified-workers", 1, int, "workers in unified mode"),
@@ -215,3 +224,9 @@ UP_BROKER_HELP = {
 def forwarded() -> tuple[Flag, ...]:
     """What ``up`` hands each worker: the flags both take, then the ones ``up`` fills in."""
     return (*common(), *MODEL, *ENGINE, *BROKER, nats_url(), WORKER_HOST, IB_DEVICE, EXIT_WITH_PARENT)
+
+
+def api_forwarded() -> tuple[Flag, ...]:
+    """What ``up`` hands each extra API process (``up`` has no API-only flags: their
+    defaults go)."""
+    return (*common(), *MODEL, *HTTP, nats_url(), *API, *BROKER, REUSE_PORT, EXIT_WITH_PARENT)

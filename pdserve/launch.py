@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -200,10 +201,32 @@ def _exit_soon(status: int, seconds: float = 10.0) -> None:
 
 
 def run_api(args: argparse.Namespace) -> None:
-    """``pdserve api``: the HTTP API under uvicorn."""
+    """``pdserve api``: the HTTP API under uvicorn (on a port shared with other API
+    processes with ``--reuse-port``)."""
     import uvicorn
 
     from pdserve.api.app import create_app
 
+    if args.exit_with_parent:
+        exit_with_parent()
     config = api_config(args, args.nats_url, resolve_model(args))
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning")
+    app = create_app(config)
+    if not args.reuse_port:
+        uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
+        return
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    server.run(sockets=[listen_socket(config.host, config.port, reuse_port=True)])
+
+
+def listen_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
+    """A listening TCP socket; with ``reuse_port`` other processes may listen on the same
+    port and the kernel spreads new connections among them."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock

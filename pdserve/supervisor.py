@@ -26,7 +26,7 @@ import uvicorn
 
 from pdserve import flags
 from pdserve.broker.server import NatsServer, NatsServerError, start_nats_server
-from pdserve.launch import api_config, resolve_model
+from pdserve.launch import api_config, listen_socket, resolve_model
 
 log = logging.getLogger("pdserve.up")
 
@@ -92,6 +92,15 @@ def worker_argv(args: argparse.Namespace, role: str, model_path: Path, nats_url:
     return [sys.executable, "-m", "pdserve", role, *flags.render(flags.forwarded(), values)]
 
 
+def api_argv(args: argparse.Namespace, model_path: Path, nats_url: str) -> list[str]:
+    """``python -m pdserve api`` on ``up``'s port (shared), with ``up``'s API flags."""
+    table = flags.api_forwarded()
+    values = {flag.dest: flag.default for flag in table}
+    values.update({k: v for k, v in vars(args).items() if k in values})
+    values.update(model_path=model_path, nats_url=nats_url, reuse_port=True, exit_with_parent=True)
+    return [sys.executable, "-m", "pdserve", "api", *flags.render(table, values)]
+
+
 def plan_roles(args: argparse.Namespace) -> list[str]:
     if args.mode == "unified":
         counts = {"unified": args.unified_workers}
@@ -124,8 +133,11 @@ def run_up(args: argparse.Namespace) -> int:
         broker = Broker(data_dir, start_nats_server(data_dir))
         nats_url = broker.url
         log.info("nats-server started", extra={"url": nats_url, "monitor": broker.server.monitor_url})
+    if args.api_processes < 1 or (args.api_processes > 1 and args.port == 0):
+        raise SystemExit("pdserve up: error: --api-processes must be at least 1 (and more than 1 needs a fixed --port)")
     threads = args.num_threads or max(1, (os.cpu_count() or 1) // len(roles))
     children = [Child(role, i, worker_argv(args, role, model_path, nats_url, threads)) for i, role in enumerate(roles)]
+    children += [Child("api", i, api_argv(args, model_path, nats_url)) for i in range(1, args.api_processes)]
     try:
         for child in children:
             child.start()
@@ -151,13 +163,15 @@ async def _serve(
 
     app = create_app(api_config(args, nats_url, model_path))
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="on"))
+    # With several API processes this one listens on the shared port like the others.
+    sockets = [listen_socket(args.host, args.port, reuse_port=True)] if args.api_processes > 1 else None
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.request_exit)
     watcher = asyncio.create_task(_watch(children, broker))
     ready = asyncio.create_task(_announce(app, args, children))
     try:
-        await server.serve()
+        await server.serve(sockets=sockets)
     finally:
         watcher.cancel()
         ready.cancel()
@@ -195,7 +209,7 @@ async def _watch(children: list[Child], broker: Broker | None) -> None:
                 child.restarts = 0
             delay = RESTART_BACKOFF_SECONDS[min(child.restarts, len(RESTART_BACKOFF_SECONDS) - 1)]
             log.error(
-                "worker exited; restarting",
+                "child process exited; restarting",
                 extra={"role": child.role, "index": child.index, "code": code, "in_seconds": delay},
             )
             child.process = None
@@ -223,7 +237,8 @@ async def _restart_broker(broker: Broker) -> None:
 
 async def _announce(app: object, args: argparse.Namespace, children: list[Child]) -> None:
     """Log one line when every worker has registered."""
-    want = {role: sum(1 for c in children if c.role == role) for role in {c.role for c in children}}
+    workers = [c for c in children if c.role != "api"]
+    want = {role: sum(1 for c in workers if c.role == role) for role in {c.role for c in workers}}
     started = time.monotonic()
     while True:
         await asyncio.sleep(0.5)
@@ -238,5 +253,7 @@ async def _announce(app: object, args: argparse.Namespace, children: list[Child]
         if all(have[r] >= n for r, n in want.items()):
             host = "localhost" if args.host in ("0.0.0.0", "::") else args.host
             summary = ", ".join(f"{n} {r}" for r, n in want.items())
+            if args.api_processes > 1:
+                summary += f", {args.api_processes} API processes"
             log.info(f"pdserve is up at http://{host}:{args.port} ({summary}) after {time.monotonic() - started:.1f}s")
             return

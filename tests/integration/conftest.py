@@ -103,6 +103,24 @@ def pd_system(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, na
 
 
 @pytest.fixture
+def up(tmp_path: Path, tiny_model_dir: Path, nats_for_module: Any) -> Iterator[Any]:
+    """``up(*flags)`` starts `pdserve up` with extra flags on the module's nats-server; each
+    is stopped at the end."""
+    started: list[System] = []
+
+    def start(*extra: str) -> System:
+        home = tmp_path / f"up-{len(started)}"
+        home.mkdir()
+        system = start_system(home, tiny_model_dir, nats_for_module.url, *extra)
+        started.append(system)
+        return system
+
+    yield start
+    for system in started:
+        stop_system(system)
+
+
+@pytest.fixture
 async def workers(nats_server, tiny_model_dir: Path) -> AsyncIterator[Any]:
     """``await workers(role, **WorkerConfig overrides)`` starts a worker in this process;
     each is shut down at the end unless it stopped (or vanished) already."""

@@ -366,3 +366,27 @@ async def test_the_normal_path_pulls_every_prompt_and_recomputes_none(pd_system)
     # Decode's tokens came one message per step, not per request: the concurrent requests
     # above shared steps, so some batch carried several requests' chunks.
     assert stats["batches"] > 0 and stats["batched_chunks"] > stats["batches"]
+
+
+async def test_several_api_processes_share_the_port(up: Any) -> None:
+    """`--api-processes 2`: both listen on the one port, each with its own API id (fresh
+    connections reach both), and requests through either complete."""
+    system = up("--mode", "unified", "--api-processes", "2")
+    ids = set()
+    deadline = time.monotonic() + 30  # the second process may come up a little later
+    while len(ids) < 2 and time.monotonic() < deadline:
+        async with httpx.AsyncClient(base_url=system.url, timeout=10) as client:  # a fresh connection
+            r = await client.get("/health")
+            if r.status_code == 200:
+                ids.add(r.json()["api_id"])
+    assert len(ids) == 2, system.log()
+
+    async def one(i: int) -> list[int]:
+        async with httpx.AsyncClient(base_url=system.url, timeout=60) as client:
+            body = {"input_ids": [5 + i, 6, 7], "sampling_params": {"max_new_tokens": 6, "ignore_eos": True}}
+            r = await client.post("/generate", json=body)
+            assert r.status_code == 200, r.text
+            return list(r.json()["output_ids"])
+
+    outputs = await asyncio.gather(*(one(i) for i in range(8)))
+    assert all(len(out) == 6 for out in outputs)

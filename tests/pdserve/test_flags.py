@@ -13,7 +13,7 @@ from pdserve.broker.streams import BrokerConfig
 from pdserve.cli import build_parser
 from pdserve.engine.config import EngineConfig
 from pdserve.launch import api_config, engine_config, worker_config
-from pdserve.supervisor import plan_roles, size_consumers, worker_argv
+from pdserve.supervisor import api_argv, plan_roles, size_consumers, worker_argv
 from pdserve.workers.config import WorkerConfig
 
 MODEL = Path("/models/m")
@@ -115,3 +115,17 @@ def test_unset_values_render_as_nothing() -> None:
     switch = flags.Flag("--trust-remote-code", switch=True)
     assert page.render(None) == [] and page.render(32) == ["--page-size", "32"]
     assert switch.render(False) == [] and switch.render(True) == ["--trust-remote-code"]
+
+
+def test_an_extra_api_process_parses_what_up_means() -> None:
+    parser = build_parser()
+    up = parser.parse_args(
+        ["up", "--api-processes", "3", "--port", "8123", "--host", "0.0.0.0", "--served-model-name", "served"]
+        + ["--stall-timeout", "4.5", "--max-migrations", "5", "--log-level", "debug"]
+    )
+    size_consumers(up, plan_roles(up))
+    argv = api_argv(up, MODEL, "nats://n:1")
+    api = parser.parse_args(argv[3:])
+    assert argv[3] == "api" and api.reuse_port and api.exit_with_parent and api.log_level == "DEBUG"
+    # The same API config as the process `up` runs itself (whose port it shares).
+    assert api_config(api, "nats://n:1", MODEL) == api_config(up, "nats://n:1", MODEL)
