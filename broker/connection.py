@@ -51,14 +51,24 @@ async def connect(url: str, name: str) -> Client:
     return nc
 
 
-async def publish_work(js: JetStreamContext, subject: str, message: Message, msg_id: str, timeout: float = 5.0) -> bool:
-    """Publish ``message`` to a work stream, deduplicated on ``msg_id``.
+async def publish_work(
+    js: JetStreamContext,
+    subject: str,
+    message: Message,
+    msg_id: str,
+    timeout: float = 5.0,
+    headers: dict[str, str] | None = None,
+) -> bool:
+    """Publish ``message`` to a work stream, deduplicated on ``msg_id``, with ``headers``
+    besides the ``Nats-Msg-Id`` one.
 
     Returns ``False`` when the server saw ``msg_id`` already (a duplicate), raises
     :class:`QueueFullError` when the stream is full.
     """
     try:
-        ack = await js.publish(subject, message.encode(), timeout=timeout, headers={"Nats-Msg-Id": msg_id})
+        ack = await js.publish(
+            subject, message.encode(), timeout=timeout, headers={**(headers or {}), "Nats-Msg-Id": msg_id}
+        )
     except APIError as exc:
         if exc.err_code in _FULL_CODES or (exc.description and "maximum" in exc.description):
             raise QueueFullError(exc.description or "stream full") from None
