@@ -233,3 +233,25 @@ def test_dashboard_shows_workers_queues_and_latency_in_chromium(traced_system: A
     row = dom.split('data-kind="ttft"', 1)[1].split("</tr>", 1)[0]
     assert "–" not in row, row  # every TTFT percentile has a value
     assert 'data-kind="itl"' in dom and "<rect" in dom
+
+
+async def test_a_worker_serves_its_own_metrics_on_its_port(workers) -> None:
+    from pdserve.health import serve_health
+
+    worker = await workers("prefill")
+    server = await serve_health(worker, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+            r = await client.get("/metrics")
+            health = await client.get("/health")
+    finally:
+        server.close()
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    families = {f.name: f.samples for f in text_string_to_metric_families(r.text)}
+    (info,) = families["pdserve_worker_info"]
+    assert info.labels["worker"] == worker.worker_id and info.labels["role"] == "prefill"
+    (pages,) = families["pdserve_kv_pages_total"]
+    assert pages.value == worker.engine.pages.num_pages
+    assert "pdserve_batch_size" in families and "pdserve_kv_transfer_duration_seconds" in families
+    assert health.json()["worker_id"] == worker.worker_id
