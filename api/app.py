@@ -7,11 +7,14 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import FileResponse, Response
 from starlette.routing import Route
 
 from pdserve.api.config import ApiConfig
@@ -20,8 +23,13 @@ from pdserve.api.gateway import Gateway
 from pdserve.api.http import AppState, ORJSONResponse, state_of
 from pdserve.api.model_info import ModelInfo, load_model_info
 from pdserve.api.routes import generation_routes
+from pdserve.api.tracing import TraceMiddleware
 
 log = logging.getLogger(__name__)
+
+STATIC = Path(__file__).parent / "static"
+# The dashboard's throughput chart: one bar per this many seconds of the window.
+DASHBOARD_STEP_SECONDS = 5.0
 
 
 async def health(request: Request) -> Response:
@@ -101,6 +109,67 @@ async def workers(request: Request) -> Response:
     )
 
 
+async def metrics(request: Request) -> Response:
+    """Prometheus text format: this API's metrics and every live worker's (from the registry)."""
+    gateway = state_of(request).gateway
+    await gateway.refresh_view()
+    return Response(gateway.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def dashboard(request: Request) -> Response:
+    return FileResponse(STATIC / "dashboard.html", media_type="text/html")
+
+
+async def dashboard_data(request: Request) -> Response:
+    """What ``/dashboard`` draws: workers by role, queues, throughput and latency
+    percentiles over the API's window (the last few minutes)."""
+    state = state_of(request)
+    gateway = state.gateway
+    await gateway.refresh_view()
+    m = gateway.metrics
+    now = time.monotonic()
+    in_flight, tokens_waiting = gateway.in_flight()
+    body = {
+        "model": state.info.name,
+        "api_id": gateway.api_id,
+        "uptime_seconds": round(time.time() - state.started_at, 1),
+        "window_seconds": m.window.seconds,
+        "step_seconds": DASHBOARD_STEP_SECONDS,
+        "requests": {
+            "in_flight": in_flight,
+            "prefill_tokens_waiting": tokens_waiting,
+            "totals": dataclasses.asdict(gateway.stats),
+            "finished": dict(m.finished_by_outcome),
+        },
+        "workers": [
+            {
+                "id": w.worker_id,
+                "role": w.role,
+                "pages_total": w.pages_total,
+                "pages_used": w.pages_used,
+                "requests_in_flight": w.requests_in_flight,
+                "capacity": w.capacity,
+                "waiting": w.stats.waiting,
+                "running": w.stats.running,
+                "generated_tokens": w.stats.generated_tokens,
+                "cached_tokens": w.stats.cached_tokens,
+                "prompt_tokens": w.stats.prompt_tokens,
+                "kv_pull_bytes": w.counters.kv_pull_bytes,
+                "last_seen_seconds": round(time.time() - w.updated_at, 1),
+            }
+            for w in m.view.workers
+        ],
+        "queues": [dataclasses.asdict(q) for q in m.view.queues],
+        "throughput": {
+            "output_tokens_per_second_10s": round(m.window.rate("tokens", now, 10.0), 1),
+            "output_tokens_per_second_60s": round(m.window.rate("tokens", now, 60.0), 1),
+            "series": m.window.series("tokens", now, DASHBOARD_STEP_SECONDS),
+        },
+        "latency_ms": {kind: m.window.percentiles(kind, now, 1000.0) for kind in ("ttft", "itl", "e2e")},
+    }
+    return ORJSONResponse(body)
+
+
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
     return error_response(exc)
@@ -142,10 +211,14 @@ def create_app(config: ApiConfig, info: ModelInfo | None = None) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/get_model_info", model_info, methods=["GET"]),
         Route("/workers", workers, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/dashboard", dashboard, methods=["GET"]),
+        Route("/dashboard/data", dashboard_data, methods=["GET"]),
         *generation_routes(),
     ]
     return Starlette(
         routes=routes,
+        middleware=[Middleware(TraceMiddleware)],
         lifespan=lifespan,
         exception_handlers={APIError: _api_error, HTTPException: _http_error},
     )

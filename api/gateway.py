@@ -14,6 +14,7 @@ fresh ``stall_timeout`` once it is back.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -25,11 +26,15 @@ from nats.aio.client import Client
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
+from opentelemetry import context as otel_context
+from opentelemetry import trace
 
+from pdserve.api.metrics import ApiMetrics
 from pdserve.api.token_stream import TokenStream
-from pdserve.broker import contract, streams
+from pdserve.broker import contract, streams, tracing
 from pdserve.broker.connection import QueueFullError, connect
 from pdserve.broker.deadletter import watch_dead_letters
+from pdserve.broker.metrics import QueueReading
 from pdserve.broker.registry import WorkerRegistry
 from pdserve.schemas import (
     Cancel,
@@ -85,6 +90,7 @@ class _Live:
 
     request: GenerateRequest
     stream: TokenStream
+    trace: otel_context.Context | None = None  # the request's span, for its resubmissions
     migrating: bool = False
     recancelled_at: float = 0.0
     deadline: float = float("inf")  # monotonic; the watch ends the stream past it
@@ -115,6 +121,7 @@ class Gateway:
         self.registry: WorkerRegistry | None = None
         self.live: dict[str, _Live] = {}
         self.stats = GatewayStats()
+        self.metrics = ApiMetrics(lambda: dataclasses.asdict(self.stats), self.in_flight)
         self._background: set[asyncio.Task[None]] = set()
         self._was_connected = True
         self._tokens: Subscription | None = None
@@ -270,7 +277,9 @@ class Gateway:
         assert self.nc is not None
         while self.live.get(request.rid) is live:
             try:
-                await contract.submit(self.nc, contract.REQUESTS, request, self.model, request.rid, request.attempt)
+                await contract.submit(
+                    self.nc, contract.REQUESTS, request, self.model, request.rid, request.attempt, trace=live.trace
+                )
                 return
             except Exception as exc:
                 if time.time() > request.deadline:
@@ -326,31 +335,44 @@ class Gateway:
             published_at=now,
         )
         live = _Live(request, TokenStream(rid, heard_at=time.monotonic()))
+        if tracing.is_on():
+            live.trace = otel_context.get_current()
         self.live[rid] = live
         self.stats.requests += 1
         finished = False
+        outcome, published, last = "rejected", time.monotonic(), 0.0
         try:
-            if not await contract.submit(self.nc, contract.REQUESTS, request, self.model, rid):
+            if not await contract.submit(self.nc, contract.REQUESTS, request, self.model, rid, trace=live.trace):
                 finished = True  # nothing of ours runs: nothing to cancel
                 raise DuplicateRequestError(
                     f"request id {rid!r} was submitted within the last {self.broker.dedup_window:.0f}s"
                 )
-            live.deadline = time.monotonic() + timeout
+            outcome, published = "cancelled", time.monotonic()
+            live.deadline = published + timeout
             while True:
                 # Everything queued, merged (no wait while behind). No timer per wait: the
                 # watch puts a timeout error in the queue once the deadline has passed.
                 chunk = live.stream.take() or live.stream.take(await live.stream.queue.get())
                 assert chunk is not None
+                if chunk.token_ids:
+                    now = time.monotonic()
+                    self.metrics.tokens(now - (last or published), len(chunk.token_ids), first=not last)
+                    last = now
                 if chunk.error is not None:
                     finished = True
+                    outcome = "timeout" if chunk.error.type == "timeout" else "error"
                     raise StreamError(chunk.error.message, chunk.error.type)
                 if chunk.finish_reason is not None:
                     finished = True
+                    outcome = chunk.finish_reason if chunk.finish_reason in ("stop", "length") else "cancelled"
                     self.live.pop(rid, None)  # done before the caller stops iterating
+                    if live.trace is not None:
+                        _annotate(live, chunk)
                 yield chunk
                 if finished:
                     return
         finally:
+            self.metrics.finished(outcome, time.monotonic() - published if outcome in ("stop", "length") else None)
             if self.live.get(rid) is live:
                 del self.live[rid]
             if not finished:
@@ -386,6 +408,42 @@ class Gateway:
         for role, channel in (("prefill", contract.REQUESTS), ("decode", contract.KV_READY)):
             depths[role] = await streams.queue_depth(self.js, channel.stream, channel.consumer(self.model))
         return depths
+
+    async def queues(self) -> list[QueueReading]:
+        """Each work queue of the model: waiting, in hand, and the age of its oldest message."""
+        assert self.js is not None
+        readings = []
+        for stage, channel in (("prefill", contract.REQUESTS), ("decode", contract.KV_READY)):
+            consumer = channel.consumer(self.model)
+            depth = await streams.queue_depth(self.js, channel.stream, consumer)
+            age = await streams.queue_age(self.js, channel.stream, channel.subject(self.model))
+            readings.append(QueueReading(stage, consumer, depth.pending, depth.ack_pending, age))
+        return readings
+
+    async def refresh_view(self) -> None:
+        """Read the workers and queues into ``metrics.view`` (for ``/metrics`` and the dashboard)."""
+        self.metrics.view.workers = await self.workers()
+        self.metrics.view.queues = await self.queues()
+
+    def in_flight(self) -> tuple[int, int]:
+        """Requests streaming now, and the prompt tokens of those with no token back yet."""
+        waiting = sum(
+            len(live.request.prompt_ids) + len(live.stream.output_ids)
+            for live in self.live.values()
+            if not live.stream.output_ids
+        )
+        return len(self.live), waiting
+
+
+def _annotate(live: _Live, last: TokenChunk) -> None:
+    """Tokens in and out on the request's ``http request`` span."""
+    span = trace.get_current_span(live.trace)
+    span.set_attribute("pdserve.rid", live.request.rid)
+    span.set_attribute("pdserve.attempts", live.stream.attempt + 1)
+    if last.usage is not None:
+        span.set_attribute("pdserve.tokens_in", last.usage.prompt_tokens)
+        span.set_attribute("pdserve.tokens_out", last.usage.completion_tokens)
+        span.set_attribute("pdserve.cached_tokens", last.usage.cached_tokens)
 
 
 __all__ = ["DuplicateRequestError", "Gateway", "QueueFullError", "StreamError", "TokenStream"]

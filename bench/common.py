@@ -20,9 +20,14 @@ def free_port() -> int:
 
 
 def start_pdserve(
-    mode: str, data_dir: Path, extra: list[str] | None = None, timeout: float = 180.0
+    mode: str,
+    data_dir: Path,
+    extra: list[str] | None = None,
+    timeout: float = 180.0,
+    env: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """`pdserve up --mode MODE` on a free port in its own process group; returns once healthy."""
+    """`pdserve up --mode MODE` on a free port in its own process group, with ``env`` added
+    to this process's environment; returns once healthy."""
     port = free_port()
     cmd = [
         sys.executable,
@@ -41,7 +46,7 @@ def start_pdserve(
         "WARNING",
         *(extra or []),
     ]
-    proc = subprocess.Popen(cmd, start_new_session=True)
+    proc = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while True:

@@ -56,14 +56,22 @@ async def connect(url: str, name: str) -> Client:
     return nc
 
 
-async def publish_work(nc: Client, subject: str, message: Message, msg_id: str, timeout: float = 5.0) -> bool:
-    """Publish ``message`` to a work stream, deduplicated on ``msg_id``.
+async def publish_work(
+    nc: Client,
+    subject: str,
+    message: Message,
+    msg_id: str,
+    timeout: float = 5.0,
+    headers: dict[str, str] | None = None,
+) -> bool:
+    """Publish ``message`` to a work stream, deduplicated on ``msg_id``, with ``headers``
+    besides the ``Nats-Msg-Id`` one.
 
     Returns ``False`` when the server saw ``msg_id`` already (a duplicate), raises
     :class:`QueueFullError` when the stream is full.
     """
     try:
-        ack = await _publisher(nc).publish(subject, message.encode(), msg_id, timeout)
+        ack = await _publisher(nc).publish(subject, message.encode(), msg_id, timeout, headers)
     except APIError as exc:
         if exc.err_code in _FULL_CODES or (exc.description and "maximum" in exc.description):
             raise QueueFullError(exc.description or "stream full") from None
@@ -87,7 +95,9 @@ class AckedPublisher:
         self._waiting: dict[str, asyncio.Future[dict[str, object]]] = {}
         self._started: asyncio.Lock | None = None
 
-    async def publish(self, subject: str, data: bytes, msg_id: str, timeout: float) -> dict[str, object]:
+    async def publish(
+        self, subject: str, data: bytes, msg_id: str, timeout: float, headers: dict[str, str] | None = None
+    ) -> dict[str, object]:
         """The stream's ack (``{"stream", "seq", "duplicate"?}``) for ``data`` at ``subject``."""
         if not self._prefix:
             await self._start()
@@ -95,7 +105,8 @@ class AckedPublisher:
         waiting = asyncio.get_running_loop().create_future()
         self._waiting[token] = waiting
         try:
-            await self._nc.publish(subject, data, reply=self._prefix + token, headers={"Nats-Msg-Id": msg_id})
+            headers = {**(headers or {}), "Nats-Msg-Id": msg_id}
+            await self._nc.publish(subject, data, reply=self._prefix + token, headers=headers)
             return await asyncio.wait_for(waiting, timeout)
         except TimeoutError:
             raise NatsTimeoutError from None

@@ -19,8 +19,9 @@ import orjson
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from opentelemetry.context import Context
 
-from pdserve.broker import subjects
+from pdserve.broker import subjects, tracing
 from pdserve.schemas.codec import Message, MessageError
 
 log = logging.getLogger(__name__)
@@ -170,6 +171,11 @@ class Delivery(Generic[M]):
     @property
     def num_delivered(self) -> int:
         return self.raw.metadata.num_delivered
+
+    @property
+    def trace(self) -> Context | None:
+        """The trace context its publisher sent (``traceparent`` header), if tracing is on."""
+        return tracing.context_of(self.raw.headers)
 
     async def ack(self) -> None:
         await self.raw.ack()

@@ -36,8 +36,9 @@ from nats import errors as nats_errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from opentelemetry.context import Context
 
-from pdserve.broker import subjects
+from pdserve.broker import subjects, tracing
 from pdserve.broker.connection import publish_work
 from pdserve.broker.consumer import Delivery, PullConsumer, best_guess, decode_deliveries
 from pdserve.schemas import (
@@ -281,13 +282,25 @@ async def answer_malformed(
 
 
 # ---- JetStream -----------------------------------------------------------------------
-async def submit(nc: Client, channel: WorkChannel[M], message: M, model: str, rid: str, attempt: int = 0) -> bool:
+async def submit(
+    nc: Client,
+    channel: WorkChannel[M],
+    message: M,
+    model: str,
+    rid: str,
+    attempt: int = 0,
+    trace: Context | None = None,
+) -> bool:
     """Store ``message`` in ``channel``'s stream for ``model``, deduplicated on ``rid`` and
-    ``attempt`` (:func:`subjects.msg_id`).
+    ``attempt`` (:func:`subjects.msg_id`). With tracing on, the ``traceparent`` of ``trace``
+    (default: the current span) travels in its headers; the receiver reads it as
+    :attr:`Delivery.trace`.
 
     Returns ``False`` for a duplicate; raises ``QueueFullError`` when the stream is full."""
     assert isinstance(message, channel.message), f"{channel.name} carries {channel.message.__name__}"
-    return await publish_work(nc, channel.subject(model), message, msg_id=subjects.msg_id(rid, attempt))
+    return await publish_work(
+        nc, channel.subject(model), message, msg_id=subjects.msg_id(rid, attempt), headers=tracing.headers(trace)
+    )
 
 
 class WorkQueue(Generic[M]):

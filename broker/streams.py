@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 from nats.js import JetStreamContext
 from nats.js import api as js_api
@@ -176,3 +177,15 @@ class QueueDepth:
 async def queue_depth(js: JetStreamContext, stream: str, consumer: str) -> QueueDepth:
     info = await js.consumer_info(stream, consumer)
     return QueueDepth(pending=info.num_pending or 0, ack_pending=info.num_ack_pending or 0)
+
+
+async def queue_age(js: JetStreamContext, stream: str, subject: str) -> float:
+    """Seconds the oldest message on ``subject`` has been in ``stream`` (0 when none):
+    in a work-queue stream, the oldest request not yet done, waiting or in hand."""
+    try:
+        oldest = await js.get_msg(stream, seq=0, subject=subject, next=True)
+    except NotFoundError:
+        return 0.0
+    if oldest.time is None:
+        return 0.0
+    return max(time.time() - oldest.time.timestamp(), 0.0)

@@ -80,6 +80,7 @@ class ExecResult:
 @dataclass
 class EngineStats:
     steps: int = 0
+    batch_rows: int = 0  # sequences computed, summed over steps
     prompt_tokens: int = 0
     cached_tokens: int = 0
     generated_tokens: int = 0
@@ -306,6 +307,7 @@ class Engine:
 
     def postprocess(self, batch: ScheduledBatch, result: ExecResult) -> list[RequestOutput]:
         self.stats.steps += 1
+        self.stats.batch_rows += len(batch.decodes) + len(batch.prefills)
         self.stats.busy_seconds += result.seconds
         for seq in batch.decodes:
             if seq.status is Status.RUNNING:  # not preempted or finished while the step was queued
@@ -450,6 +452,11 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
+
+    @property
+    def num_prefill_tokens_waiting(self) -> int:
+        """Tokens of waiting sequences not computed yet (prompts, and resumed outputs)."""
+        return sum(seq.num_uncomputed for seq in self.scheduler.waiting)
 
     def held_pages(self, rid: str) -> tuple[list[int], int] | None:
         """A held request's pages and how many tokens of KV they hold (its prompt, and for a

@@ -14,6 +14,7 @@ from typing import Any
 from pdserve.api.config import ApiConfig
 from pdserve.broker.streams import BrokerConfig
 from pdserve.engine.config import EngineConfig
+from pdserve.telemetry import setup_tracing
 from pdserve.workers.config import WorkerConfig
 
 log = logging.getLogger("pdserve")
@@ -158,6 +159,7 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
             "--disaggregation-bootstrap-port is not needed by pdserve (handles travel over NATS); ignoring its value"
         )
     config = worker_config(args, role, resolve_model(args))
+    setup_tracing(role, config.worker_id)
     log.info("loading model", extra={"role": role, "path": str(config.model_path)})
     from pdserve.engine.loader import build_engine
     from pdserve.workers.decode import DecodeWorker
@@ -210,6 +212,7 @@ def run_api(args: argparse.Namespace) -> None:
     if args.exit_with_parent:
         exit_with_parent()
     config = api_config(args, args.nats_url, resolve_model(args))
+    setup_tracing("api")
     app = create_app(config)
     if not args.reuse_port:
         uvicorn.run(app, host=config.host, port=config.port, log_level="warning")

@@ -22,3 +22,19 @@ def default_nats_url() -> str:
 
 def default_log_level() -> str:
     return env("LOG_LEVEL", "INFO")
+
+
+def tracing_requested() -> bool:
+    """Spans are exported when an OTLP endpoint is set (``OTEL_EXPORTER_OTLP_ENDPOINT`` or
+    ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``), unless ``OTEL_SDK_DISABLED=true`` or
+    ``OTEL_TRACES_EXPORTER=none``. The exporter reads the other ``OTEL_*`` variables itself."""
+    if os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
+        return False
+    if os.environ.get("OTEL_TRACES_EXPORTER", "otlp").lower() == "none":
+        return False
+    return bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+
+
+def service_name(default: str) -> str:
+    """``OTEL_SERVICE_NAME`` when set (every process then shares it), else ``default``."""
+    return os.environ.get("OTEL_SERVICE_NAME") or default

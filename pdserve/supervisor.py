@@ -27,6 +27,7 @@ import uvicorn
 from pdserve import flags
 from pdserve.broker.server import NatsServer, NatsServerError, start_nats_server
 from pdserve.launch import api_config, listen_socket, resolve_model
+from pdserve.telemetry import setup_tracing
 
 log = logging.getLogger("pdserve.up")
 
@@ -161,6 +162,7 @@ async def _serve(
 ) -> int:
     from pdserve.api.app import create_app
 
+    setup_tracing("api")
     app = create_app(api_config(args, nats_url, model_path))
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="on"))
     # With several API processes this one listens on the shared port like the others.

@@ -6,7 +6,7 @@ from pdserve.schemas.kv import KVHandle, KVLayout, KVLease, KVLeaseReply, KVRead
 from pdserve.schemas.request import GenerateRequest
 from pdserve.schemas.sampling import SamplingParams
 from pdserve.schemas.tokens import ErrorInfo, TokenBatch, TokenChunk, TokenLogprob, Usage
-from pdserve.schemas.worker import WorkerCounters, WorkerInfo
+from pdserve.schemas.worker import WorkerCounters, WorkerInfo, WorkerStats
 
 __all__ = [
     "Cancel",
@@ -27,4 +27,5 @@ __all__ = [
     "Usage",
     "WorkerCounters",
     "WorkerInfo",
+    "WorkerStats",
 ]

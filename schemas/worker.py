@@ -34,9 +34,33 @@ class WorkerCounters:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class WorkerStats:
+    """The engine's totals since the worker started, and its queue now.
+
+    ``steps``/``batch_rows``: forward passes and the rows (sequences) they computed, so
+    ``batch_rows / steps`` is the mean batch size; ``prompt_tokens``/``cached_tokens``:
+    prompt tokens admitted and those found in the prefix cache; ``generated_tokens``:
+    tokens sampled; ``busy_seconds``: time in forward passes; ``kv_pull_seconds``: time in
+    KV pulls (decode); ``waiting``/``running``: sequences the scheduler holds now;
+    ``prefill_tokens_waiting``: prompt tokens admitted but not computed yet.
+    """
+
+    steps: int = 0
+    batch_rows: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    busy_seconds: float = 0.0
+    kv_pull_seconds: float = 0.0
+    waiting: int = 0
+    running: int = 0
+    prefill_tokens_waiting: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class WorkerInfo(Message):
-    """Minor additions (``counters``, ``kv_layout``, ``transfer_*``) are optional, so an
-    older worker's entry still decodes."""
+    """Minor additions (``counters``, ``kv_layout``, ``transfer_*``, ``stats``) are
+    optional, so an older worker's entry still decodes."""
 
     worker_id: str
     role: str
@@ -56,4 +80,5 @@ class WorkerInfo(Message):
     kv_layout: KVLayout | None = None
     transfer_backend: str = ""
     transfer_protocol: str = ""
+    stats: WorkerStats = WorkerStats()
     v: int = 1

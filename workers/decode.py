@@ -16,7 +16,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
-from pdserve.broker import contract
+from pdserve.broker import contract, tracing
 from pdserve.broker.consumer import Delivery
 from pdserve.engine.engine import Engine, RequestError, RequestOutput
 from pdserve.engine.sequence import Sequence
@@ -74,6 +74,7 @@ class DecodeWorker(WorkerRuntime):
             t.timings = dict(ready.timings or {})
             if ready.published_at:
                 t.timings["kv_queue"] = max(d.received_at - ready.published_at, 0.0)
+                self.span(tracing.QUEUE_DECODE, t, ready.published_at, d.received_at)
             t.next_seq = len(ready.output_ids)
             taken.append((t, ready))
         # First tell every client its request has a holder (were this worker to die now, its
@@ -190,6 +191,7 @@ class DecodeWorker(WorkerRuntime):
             await self._refuse(ready, t, str(exc))
             return
         self.tracked[ready.rid] = t
+        t.decode_from = time.time()
         t.timings["recomputed"] = 1.0
         self.count("recomputes")
         await self._release(ready, ok=False)
@@ -207,10 +209,15 @@ class DecodeWorker(WorkerRuntime):
         self.transfer.read(ready.handle.endpoint, reads)
 
     async def _pull(self, ready: KVReady, seq: Sequence, t: Tracked) -> None:
-        started = time.perf_counter()
-        ok = await self._read(ready, seq)
+        started = time.time()
+        nbytes = await self._read(ready, seq)
+        ok = nbytes is not None
         self.importing.discard(ready.rid)
-        t.timings["kv_transfer"] = time.perf_counter() - started
+        ended = t.decode_from = time.time()
+        t.timings["kv_transfer"] = ended - started
+        self.kv_pull_seconds += ended - started
+        self.metrics.kv_transfer.observe(ended - started)
+        self.span(tracing.KV_TRANSFER, t, started, ended, bytes=nbytes or 0, ok=ok, prefill_id=ready.prefill_id)
         await self._release(ready, ok=ok)
         if self.tracked.get(ready.rid) is not t:  # cancelled (or superseded) during the pull
             self.engine.abort(ready.rid)
@@ -224,9 +231,10 @@ class DecodeWorker(WorkerRuntime):
         # The KVReady stays unacked (kept alive) until the request finishes.
         self.wake()
 
-    async def _read(self, ready: KVReady, seq: Sequence) -> bool:
+    async def _read(self, ready: KVReady, seq: Sequence) -> int | None:
         """Lease the handle's hold, read the pages this pool lacks, check the read ended
-        within the lease. False (logged and counted) if the KV is not to be used."""
+        within the lease; the bytes read. ``None`` (logged and counted) if the KV is not to
+        be used."""
         assert self.transfer is not None and self.nc is not None
         h = ready.handle
         lease = KVLease(ready.rid, ready.prefill_id, h.generation, self.config.kv_lease_seconds)
@@ -239,7 +247,7 @@ class DecodeWorker(WorkerRuntime):
         if refused is not None:
             self.count("kv_leases_refused")
             log.warning("KV not leased; computing the prompt here", extra={"rid": ready.rid, "reason": refused})
-            return False
+            return None
         pool = self.engine.runner.pool
         page = pool.layout.page_size
         try:
@@ -255,14 +263,15 @@ class DecodeWorker(WorkerRuntime):
         except TransferError as exc:
             self.count("kv_pull_failures")
             log.warning("KV pull failed; computing the prompt here", extra={"rid": ready.rid, "error": str(exc)})
-            return False
+            return None
         if time.monotonic() - asked > lease.seconds:
             self.count("kv_pull_failures")
             log.warning("KV read outlasted its lease; computing the prompt here", extra={"rid": ready.rid})
-            return False
+            return None
+        nbytes = sum(n for _, _, n in reads)
         self.count("kv_pulls")
-        self.count("kv_pull_bytes", sum(n for _, _, n in reads))
-        return True
+        self.count("kv_pull_bytes", nbytes)
+        return nbytes
 
     async def _release(self, ready: KVReady, ok: bool) -> None:
         assert self.nc is not None

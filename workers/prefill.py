@@ -45,6 +45,7 @@ class PrefillWorker(WorkerRuntime):
         req = self.requests.get(out.rid)
         if t is None or req is None:
             return
+        self.prefill_done(t, out)
         await self.replies.send(t.reply_to, self.replies.chunk(out, t), t)
         if not out.held:  # finished at the first token (stop token or max_new_tokens=1)
             self._forget(out.rid)
@@ -85,7 +86,9 @@ class PrefillWorker(WorkerRuntime):
             batch_to=req.batch_to,
         )
         try:
-            fresh = await contract.submit(self.nc, contract.KV_READY, ready, req.model, req.rid, req.attempt)
+            fresh = await contract.submit(
+                self.nc, contract.KV_READY, ready, req.model, req.rid, req.attempt, trace=t.trace
+            )
         except Exception as exc:  # the stream is full or the broker is away
             log.error("could not publish KVReady", extra={"rid": req.rid, "error": str(exc)})
             self._free(req.rid)

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from nats.aio.client import Client
+from opentelemetry.context import Context
 
 from pdserve.broker import contract
 from pdserve.broker.consumer import Delivery
@@ -27,7 +28,9 @@ class Tracked:
 
     ``attempt`` and ``published_at`` identify which submission of ``rid`` this is (see
     ``Cancel``); ``next_seq`` is the output index of the next token this worker sends and
-    ``sent_at`` when it last sent anything, for the keep-alive chunks."""
+    ``sent_at`` when it last sent anything, for the keep-alive chunks. ``trace`` is the
+    trace context the work message carried (``None`` with tracing off); ``received_at``
+    and ``decode_from`` (Unix times) start its ``prefill`` and ``decode`` spans."""
 
     rid: str
     reply_to: str
@@ -41,6 +44,9 @@ class Tracked:
     next_seq: int = 0
     sent_at: float = 0.0
     batch_to: str = ""
+    trace: Context | None = None
+    received_at: float = 0.0
+    decode_from: float = 0.0
 
     async def settle(self, ok: bool = True) -> None:
         """Ack (done) or terminate (failed for good) the delivery; once."""

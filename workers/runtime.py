@@ -25,17 +25,18 @@ from typing import Any
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from pdserve.broker import contract
+from pdserve.broker import contract, tracing
 from pdserve.broker.consumer import Delivery
 from pdserve.broker.deadletter import watch_dead_letters
 from pdserve.engine.engine import Engine, Launched, RequestError, RequestOutput
 from pdserve.engine.sequence import ScheduledBatch
-from pdserve.schemas import Cancel, GenerateRequest, WorkerCounters, WorkerInfo
+from pdserve.schemas import Cancel, GenerateRequest, WorkerCounters, WorkerInfo, WorkerStats
 from pdserve.schemas.tokens import ALIVE, HANDED_BACK, RETRYABLE
 from pdserve.workers.cancels import Cancels
 from pdserve.workers.config import WorkerConfig
 from pdserve.workers.intake import Intake
 from pdserve.workers.lifecycle import Lifecycle
+from pdserve.workers.metrics import WorkerMetrics
 from pdserve.workers.replies import Replies, Tracked
 from pdserve.workers.transfer import TransferBackend, create_transfer
 
@@ -64,6 +65,8 @@ class WorkerRuntime:
         self.requests: dict[str, GenerateRequest] = {}
         self.cancels = Cancels()
         self.counters = dict.fromkeys((f.name for f in dataclasses.fields(WorkerCounters)), 0)
+        self.kv_pull_seconds = 0.0
+        self.metrics = WorkerMetrics(self.worker_info)
         self.transfer: TransferBackend | None = None
         self._wake = asyncio.Event()
         self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
@@ -150,6 +153,19 @@ class WorkerRuntime:
     def worker_info(self) -> WorkerInfo:
         pages = self.engine.pages
         transfer = self.transfer
+        engine = self.engine
+        stats = WorkerStats(
+            steps=engine.stats.steps,
+            batch_rows=engine.stats.batch_rows,
+            prompt_tokens=engine.stats.prompt_tokens,
+            cached_tokens=engine.stats.cached_tokens,
+            generated_tokens=engine.stats.generated_tokens,
+            busy_seconds=engine.stats.busy_seconds,
+            kv_pull_seconds=self.kv_pull_seconds,
+            waiting=engine.num_waiting,
+            running=engine.num_running,
+            prefill_tokens_waiting=engine.num_prefill_tokens_waiting,
+        )
         return WorkerInfo(
             worker_id=self.worker_id,
             role=self.config.role,
@@ -169,6 +185,7 @@ class WorkerRuntime:
             kv_layout=self.engine.runner.pool.layout if transfer else None,
             transfer_backend=transfer.name if transfer else "",
             transfer_protocol=transfer.protocol if transfer else "",
+            stats=stats,
         )
 
     # ---- requests in ---------------------------------------------------------
@@ -208,7 +225,16 @@ class WorkerRuntime:
         """A delivery in hand, counted if it is a redelivery."""
         if d.num_delivered > 1:
             self.count("redeliveries")
-        return Tracked(rid, reply_to, d, deadline, attempt=attempt, published_at=published_at, batch_to=batch_to)
+        t = Tracked(rid, reply_to, d, deadline, attempt=attempt, published_at=published_at, batch_to=batch_to)
+        t.trace, t.received_at = d.trace, d.received_at
+        return t
+
+    def span(self, name: str, t: Tracked, start: float, end: float, **attributes: int | str | bool) -> None:
+        """Record stage ``name`` of ``t`` in its trace (nothing when it came without one)."""
+        if t.trace is not None:
+            named: dict[str, int | str | bool] = {f"pdserve.{key}": value for key, value in attributes.items()}
+            named.update({"pdserve.rid": t.rid, "pdserve.attempt": t.attempt, "pdserve.worker_id": self.worker_id})
+            tracing.record(name, t.trace, start, end, named)
 
     async def superseded(self, t: Tracked) -> bool:
         """Settle ``t`` and say True if it must not run: cancelled, past its deadline, or an
@@ -236,6 +262,7 @@ class WorkerRuntime:
         t.next_seq = len(req.output_ids)
         if req.published_at:
             t.timings["request_queue"] = max(d.received_at - req.published_at, 0.0)
+            self.span(tracing.QUEUE_PREFILL, t, req.published_at, d.received_at)
         if await self.superseded(t):
             return
         if req.model != self.config.model_name:
@@ -327,6 +354,7 @@ class WorkerRuntime:
             await self._fail_batch(launched.batch)
             return
         outputs = self.engine.complete(launched, result)
+        self.metrics.batch_size.observe(len(launched.seqs))
         await self.on_outputs(outputs)  # raising here is a bug: the worker ends (supervised)
 
     async def _fail_batch(self, batch: ScheduledBatch) -> None:
@@ -341,10 +369,35 @@ class WorkerRuntime:
         """Publish one step's outputs (in order for each request)."""
         raise NotImplementedError
 
+    def prefill_done(self, t: Tracked, out: RequestOutput) -> None:
+        """``out`` holds ``t``'s first token: time its prefill (``timings``, span); decoding starts now."""
+        now = time.time()
+        t.decode_from = now
+        if not t.received_at:
+            return
+        t.timings["prefill"] = now - t.received_at
+        self.span(
+            tracing.PREFILL,
+            t,
+            t.received_at,
+            now,
+            tokens_in=out.prompt_tokens,
+            cached_tokens=out.cached_tokens,
+        )
+
     async def stream_outputs(self, outputs: list[RequestOutput]) -> None:
         """Publish decoding requests' new tokens (one message per receiver that takes
         batches, see ``GenerateRequest.batch_to``); then settle those that finished."""
-        sent = [(t, self.replies.chunk(out, t)) for out in outputs if (t := self.tracked.get(out.rid)) is not None]
+        sent = []
+        for out in outputs:
+            t = self.tracked.get(out.rid)
+            if t is None:
+                continue
+            if not t.decode_from:  # a unified worker's first token: its prefill is done
+                self.prefill_done(t, out)
+            if out.finish_reason is not None:
+                self.span(tracing.DECODE, t, t.decode_from, time.time(), tokens_out=out.completion_tokens)
+            sent.append((t, self.replies.chunk(out, t)))
         await self.replies.send_step(sent)
         for t, chunk in sent:
             if chunk.finish_reason is not None:

@@ -7,9 +7,11 @@ result files; ``pdserve bench stub`` runs the instant stub server.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from pdserve.bench.config import BACKENDS, DATASETS, ENDPOINTS, BenchConfig
@@ -255,9 +257,15 @@ def configure(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--plot", default=None, metavar="PNG", help="plot latencies against rate to this PNG (default: none)"
     )
+    g.add_argument(
+        "--timeline",
+        default=None,
+        metavar="PNG",
+        help="draw one bar per request, coloured by stage, to this PNG (--backend generate; default: none)",
+    )
     g.add_argument("--quiet", action="store_true", help="no progress bar and no tables (default: off)")
 
-    sub = p.add_subparsers(dest="bench_command", metavar="{plot,stub}", required=False)
+    sub = p.add_subparsers(dest="bench_command", metavar="{plot,timeline,stub}", required=False)
     pl = sub.add_parser("plot", help="overlay the sweeps of several result files")
     pl.add_argument("--inputs", nargs="+", required=True, help="result JSON files of pdserve bench")
     pl.add_argument("--labels", nargs="+", default=None, help="one legend label per input (default: file names)")
@@ -269,6 +277,10 @@ def configure(p: argparse.ArgumentParser) -> None:
         choices=["request_rate", "max_concurrency"],
         help="x axis (default: %(default)s)",
     )
+    tl = sub.add_parser("timeline", help="per-request timeline of a result file saved with --save-requests")
+    tl.add_argument("--input", required=True, help="result JSON of pdserve bench --backend generate --save-requests")
+    tl.add_argument("--out", required=True, help="PNG to write")
+    tl.add_argument("--title", default=None, help="figure title (default: none)")
     st = sub.add_parser("stub", help="run an instant OpenAI/SGLang-compatible streaming stub server")
     st.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     st.add_argument("--port", type=int, default=9000, help="port; 0 picks a free one (default: %(default)s)")
@@ -316,6 +328,11 @@ def run(args: argparse.Namespace) -> int:
     command = getattr(args, "bench_command", None)
     if command == "plot":
         return _plot(args)
+    if command == "timeline":
+        import orjson
+
+        result = orjson.loads(Path(args.input).read_bytes())
+        return _timeline(result, args.out, args.title)
     if command == "stub":
         from pdserve.bench.stub import serve
 
@@ -325,10 +342,14 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pdserve bench: error: {exc}", file=sys.stderr)
         return 2
-    return bench(cfg, args.output_json, args.plot)
+    if args.timeline:
+        cfg = dataclasses.replace(cfg, save_requests=True)
+    return bench(cfg, args.output_json, args.plot, args.timeline)
 
 
-def bench(cfg: BenchConfig, output_json: str | None = None, plot: str | None = None) -> int:
+def bench(
+    cfg: BenchConfig, output_json: str | None = None, plot: str | None = None, timeline: str | None = None
+) -> int:
     import asyncio
 
     from pdserve.bench import report
@@ -358,7 +379,25 @@ def bench(cfg: BenchConfig, output_json: str | None = None, plot: str | None = N
         plot_sweeps([(result.get("model") or "run", points)], plot, axis=axis)
         if not cfg.quiet:
             print(f"wrote {plot}", file=sys.stderr)
+    if timeline and _timeline(result, timeline, None, cfg.quiet):
+        return 2
     return 0 if any(p["metrics"]["completed"] for p in points) else 1
+
+
+def _timeline(result: dict[str, Any], out: str, title: str | None, quiet: bool = False) -> int:
+    """Draw the last point's requests of ``result``; 2 when none has server timings."""
+    from pdserve.bench.timeline import plot_timeline
+
+    rows = (result.get("points") or [{}])[-1].get("requests") or []
+    drawn = plot_timeline(rows, out, title)
+    if not drawn:
+        print(
+            "pdserve bench: error: no request has server timings (they come with --backend generate)", file=sys.stderr
+        )
+        return 2
+    if not quiet:
+        print(f"wrote {out} ({drawn} requests)", file=sys.stderr)
+    return 0
 
 
 def _plot(args: argparse.Namespace) -> int:

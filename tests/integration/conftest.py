@@ -37,10 +37,10 @@ class System:
         return self.log_path.read_text(errors="replace")
 
 
-def start_system(tmp: Path, model_dir: Path, nats_url: str, *extra: str) -> System:
+def start_system(tmp: Path, model_dir: Path, nats_url: str, *extra: str, env: dict[str, str] | None = None) -> System:
     port = free_port()
     log_path = tmp / "pdserve.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     argv = [
         sys.executable,
         "-m",
@@ -83,6 +83,12 @@ def stop_system(system: System) -> None:
         system.process.wait(timeout=60)
     except subprocess.TimeoutExpired:
         system.process.kill()
+
+
+@pytest.fixture(scope="session")
+def system_control() -> tuple[Any, Any]:
+    """``(start_system, stop_system)``, for modules that start a system of their own."""
+    return start_system, stop_system
 
 
 @pytest.fixture(scope="module")

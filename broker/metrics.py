@@ -1,0 +1,111 @@
+"""The registry's worker entries and the work queues as Prometheus metric families.
+
+Each worker's counters travel in its registry heartbeat (``WorkerInfo``), so the same
+families serve a worker's own ``/metrics`` (its one entry) and the API's (every live
+worker's, labelled by ``worker`` and ``role``): one definition, no second count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from pdserve.schemas import WorkerCounters, WorkerInfo, WorkerStats
+
+WORKER_LABELS = ("worker", "role")
+
+# Gauges read off the entry itself: name → (help, value).
+_GAUGES = {
+    "pdserve_kv_pages_total": "KV pages in the worker's pool",
+    "pdserve_kv_pages_used": "KV pages in use (running, held for decode, or cached)",
+    "pdserve_worker_requests_in_flight": "requests the worker holds a delivery of",
+    "pdserve_worker_capacity": "largest running batch (--max-running-requests)",
+    "pdserve_worker_waiting": "sequences waiting in the worker's scheduler",
+    "pdserve_worker_running": "sequences in the worker's running batch",
+    "pdserve_worker_prefill_tokens_waiting": "prompt tokens admitted by the worker but not computed yet",
+}
+
+# WorkerCounters and WorkerStats totals: field → (metric name without _total, help).
+_COUNTERS = {
+    "kv_pulls": ("pdserve_kv_pulls", "KV imports read from a prefill worker"),
+    "kv_pull_bytes": ("pdserve_kv_transfer_bytes", "KV bytes pulled from prefill workers"),
+    "kv_pull_failures": ("pdserve_kv_pull_failures", "KV transfers that failed or outlasted their lease"),
+    "kv_leases_refused": ("pdserve_kv_leases_refused", "KV handles whose pages were gone when leased"),
+    "recomputes": ("pdserve_recomputes", "prompts a decode worker computed itself instead of pulling"),
+    "redeliveries": ("pdserve_worker_redeliveries", "work messages that arrived more than once"),
+    "migrations": ("pdserve_worker_migrations", "requests taken over mid-stream"),
+    "handed_back": ("pdserve_handed_back", "unfinished requests given back on a drain"),
+    "dead_lettered": ("pdserve_dead_lettered", "messages this worker moved to the dead-letter stream"),
+    "steps": ("pdserve_engine_steps", "forward passes"),
+    "batch_rows": ("pdserve_engine_batch_rows", "sequences computed, summed over steps (/ steps = mean batch size)"),
+    "prompt_tokens": ("pdserve_prompt_tokens", "prompt tokens admitted by the engine"),
+    "cached_tokens": ("pdserve_prefix_cache_hit_tokens", "prompt tokens found in the prefix cache"),
+    "generated_tokens": ("pdserve_generated_tokens", "tokens sampled"),
+    "busy_seconds": ("pdserve_engine_busy_seconds", "seconds spent in forward passes"),
+    "kv_pull_seconds": ("pdserve_kv_transfer_seconds", "seconds spent pulling KV"),
+}
+_STATS_GAUGES = {"waiting", "running", "prefill_tokens_waiting"}
+_TOTALS = [f.name for cls in (WorkerCounters, WorkerStats) for f in dataclasses.fields(cls)]
+assert set(_TOTALS) == set(_COUNTERS) | _STATS_GAUGES, "every worker total has a metric"
+
+
+def worker_families(workers: Iterable[WorkerInfo]) -> Iterator[Metric]:
+    """Every worker metric, one sample per worker in ``workers``."""
+    workers = list(workers)
+    info = GaugeMetricFamily(
+        "pdserve_worker_info", "1 per live worker", labels=[*WORKER_LABELS, "model", "host", "transfer_backend"]
+    )
+    gauges = {name: GaugeMetricFamily(name, help, labels=WORKER_LABELS) for name, help in _GAUGES.items()}
+    counters = {
+        field: CounterMetricFamily(name, help, labels=WORKER_LABELS) for field, (name, help) in _COUNTERS.items()
+    }
+    for w in workers:
+        labels = [w.worker_id, w.role]
+        info.add_metric([*labels, w.model, w.host, w.transfer_backend], 1)
+        s = w.stats
+        values = {
+            "pdserve_kv_pages_total": w.pages_total,
+            "pdserve_kv_pages_used": w.pages_used,
+            "pdserve_worker_requests_in_flight": w.requests_in_flight,
+            "pdserve_worker_capacity": w.capacity,
+            "pdserve_worker_waiting": s.waiting,
+            "pdserve_worker_running": s.running,
+            "pdserve_worker_prefill_tokens_waiting": s.prefill_tokens_waiting,
+        }
+        for name, value in values.items():
+            gauges[name].add_metric(labels, value)
+        totals = {**dataclasses.asdict(w.counters), **dataclasses.asdict(s)}
+        for field, family in counters.items():
+            family.add_metric(labels, totals[field])
+    yield info
+    yield from gauges.values()
+    yield from counters.values()
+
+
+@dataclass(frozen=True)
+class QueueReading:
+    """One work queue as the broker sees it: waiting, delivered but unacked, and the age of
+    its oldest message (seconds)."""
+
+    stage: str
+    consumer: str
+    pending: int
+    ack_pending: int
+    oldest_age: float
+
+
+def queue_families(queues: Iterable[QueueReading]) -> Iterator[Metric]:
+    labels = ["stage", "consumer"]
+    pending = GaugeMetricFamily("pdserve_queue_pending", "messages waiting for a worker", labels=labels)
+    ack = GaugeMetricFamily("pdserve_queue_ack_pending", "messages delivered, not yet acked", labels=labels)
+    age = GaugeMetricFamily(
+        "pdserve_queue_oldest_age_seconds", "age of the oldest message not yet done (waiting or in hand)", labels=labels
+    )
+    for q in queues:
+        pending.add_metric([q.stage, q.consumer], q.pending)
+        ack.add_metric([q.stage, q.consumer], q.ack_pending)
+        age.add_metric([q.stage, q.consumer], q.oldest_age)
+    yield from (pending, ack, age)
