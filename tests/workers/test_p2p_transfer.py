@@ -164,7 +164,7 @@ def test_layout_differences_and_run_merging() -> None:
 
 
 # ---- two GPUs ---------------------------------------------------------------------------
-def _gpu_end(role: str, nats_url: str, device: str, pages: list[int], out: Any) -> None:
+def _gpu_end(role: str, nats_url: str, device: str, pages: list[int], out: Any, remote: int = 0) -> None:
     """One end of the nccl test, in its own process (NCCL pairs two processes)."""
 
     async def main() -> None:
@@ -176,11 +176,10 @@ def _gpu_end(role: str, nats_url: str, device: str, pages: list[int], out: Any) 
         transfer = P2PTransfer("nccl", kv, f"{role}-gpu", timeout=30.0)
         await transfer.attach(nc, role == "prefill", lambda where, exc: out.put(("crash", where, repr(exc))))
         if role == "prefill":
-            out.put(("ready",))
+            out.put(("ready", kv.data_ptr))
             await asyncio.sleep(60)
         else:
-            src = [(kv.page_address(p), kv.page_bytes) for p in pages]  # the same addresses there (same layout, pages)
-            reads = [(kv.page_address(p), a, n) for p, (a, n) in zip(pages, src, strict=True)]
+            reads = [(kv.page_address(p), remote + p * kv.page_bytes, kv.page_bytes) for p in pages]
             ops = [await asyncio.to_thread(transfer.read, "prefill-gpu", reads) for _ in range(3)]
             expect = torch.randn(kv.tensor.shape, generator=torch.Generator().manual_seed(5)).to(kv.tensor)
             out.put(("done", ops, torch.equal(kv.tensor[pages].cpu(), expect[pages].cpu()), transfer.counts()))
@@ -199,8 +198,9 @@ def test_nccl_between_two_gpus(nats_server) -> None:
     pages = [3, 4, 5, 9, 10]
     prefill = ctx.Process(target=_gpu_end, args=("prefill", nats_server.url, "cuda:0", pages, out), daemon=True)
     prefill.start()
-    assert out.get(timeout=120) == ("ready",)
-    decode = ctx.Process(target=_gpu_end, args=("decode", nats_server.url, "cuda:1", pages, out), daemon=True)
+    ready, remote = out.get(timeout=120)
+    assert ready == "ready"
+    decode = ctx.Process(target=_gpu_end, args=("decode", nats_server.url, "cuda:1", pages, out, remote), daemon=True)
     decode.start()
     result = out.get(timeout=120)
     prefill.kill()
