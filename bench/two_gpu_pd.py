@@ -420,29 +420,35 @@ def main() -> int:
         help="default: Qwen2.5-7B dimensions with random weights (--small: the built-in tiny model)",
     )
     parser.add_argument("--phases", default="transfer,serve", help="comma-separated: transfer, serve")
-    parser.add_argument("--tokens", type=int, default=4096, help="prompt length of the transfer and TTFT figures")
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        default=None,
+        help="prompt length of the transfer and TTFT figures (default 4096; --small: 1024)",
+    )
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--transfer-timeout", type=float, default=150.0)
     parser.add_argument(
         "--mooncake-protocols", default="tcp,nvlink_intra", help="each in child processes with a timeout; empty: none"
     )
-    parser.add_argument("--mooncake-timeout", type=float, default=45.0)
-    parser.add_argument("--rates", default=None, help="request rates of the sweep (default 2,6,12,20; --small: 1,3)")
+    parser.add_argument("--mooncake-timeout", type=float, default=30.0)
+    parser.add_argument("--rates", default=None, help="request rates of the sweep (default 3,8,16; --small: 1,3)")
     parser.add_argument(
-        "--duration", type=float, default=None, help="seconds of arrivals per point (default 8; --small: 4)"
+        "--duration", type=float, default=None, help="seconds of arrivals per point (default 6; --small: 4)"
     )
     parser.add_argument("--min-prompts", type=int, default=8)
     parser.add_argument("--slo-ttft", type=float, default=1000.0, help="ms")
     parser.add_argument("--slo-itl", type=float, default=30.0, help="ms, on each request's own p99 ITL")
     parser.add_argument("--greedy-tokens", type=int, default=32)
-    parser.add_argument("--start-timeout", type=float, default=240.0)
+    parser.add_argument("--start-timeout", type=float, default=180.0)
     parser.add_argument("--seed", type=int, default=None, help="default: from the clock (every run cold)")
     parser.add_argument(
         "--out", type=Path, default=None, help="default docs/data/two_gpu_pd.json (--small: a temp file)"
     )
     args = parser.parse_args()
-    args.rates = [float(r) for r in (args.rates or ("1,3" if args.small else "2,6,12,20")).split(",")]
-    args.duration = args.duration or (4.0 if args.small else 8.0)
+    args.rates = [float(r) for r in (args.rates or ("1,3" if args.small else "3,8,16")).split(",")]
+    args.duration = args.duration or (4.0 if args.small else 6.0)
+    args.tokens = args.tokens or (1024 if args.small else 4096)
     args.workloads = SMALL_WORKLOADS if args.small else WORKLOADS
     args.seed = args.seed if args.seed is not None else int(time.time()) % 100_000
     out = args.out or (
@@ -474,15 +480,29 @@ def main() -> int:
         },
     }
     started = time.monotonic()
+
+    def save() -> None:
+        """Write what is measured so far (a run cut short by its timeout still leaves data)."""
+        p2p = result.get("p2p") or {}
+        result["kv_transfer_4096_ms"] = p2p.get("pull_median_ms")
+        ttft = ((result.get("pd") or {}).get("ttft_4096") or {}).get("ttft_p50_ms")
+        pull = result["kv_transfer_4096_ms"]
+        result["transfer_share_of_ttft"] = pull / ttft if ttft and pull else None
+        result["seconds"] = time.monotonic() - started
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+
     if "transfer" in phases:
         log(f"transfer: {args.tokens} tokens of {layout.describe()} over {backend}, {devices[0]} -> {devices[1]}")
         result["p2p"] = measure_p2p(args, layout, devices, backend)
         log(f"  {json.dumps({k: v for k, v in result['p2p'].items() if not k.endswith('_ms')})}")
+        save()
         result["mooncake"] = []
         for protocol in [p for p in args.mooncake_protocols.split(",") if p]:
             log(f"mooncake {protocol} (timeout {args.mooncake_timeout:g}s)")
             result["mooncake"].append(measure_mooncake(args, layout, devices, protocol))
             log(f"  {result['mooncake'][-1].get('read_median_ms') or result['mooncake'][-1].get('error')}")
+            save()
     if "serve" in phases:
         if args.model_path:
             model, dummy = args.model_path, []
@@ -491,30 +511,21 @@ def main() -> int:
 
             model, dummy = ensure_default_model(Path(tempfile.mkdtemp(prefix="pd-two-model-"))), []
         else:
-            model, dummy = (
-                write_model_dir(Path(tempfile.mkdtemp(prefix="pd-two-model-")), QWEN2_5_7B),
-                ["--load-format", "dummy"],
-            )
-        common = ["--device", args.device.split(":")[0], "--worker-devices", ",".join(devices), *dummy]
+            model_dir = Path(tempfile.mkdtemp(prefix="pd-two-model-"))
+            model, dummy = write_model_dir(model_dir, QWEN2_5_7B), ["--load-format", "dummy"]
+        common = ["--device", args.device, "--worker-devices", ",".join(devices), *dummy]
         result["pd"] = serve(
             args, "pd", model, [*common, "--disaggregation-transfer-backend", backend], args.seed + 1000
         )
+        result["goodput_pd_rps"] = best_goodput(result["pd"], "prefill_heavy")
+        result["goodput_balanced_pd_rps"] = best_goodput(result["pd"], "balanced")
+        save()
         result["unified"] = serve(args, "unified", model, common, args.seed + 2000)
+        result["goodput_unified_rps"] = best_goodput(result["unified"], "prefill_heavy")
+        result["goodput_balanced_unified_rps"] = best_goodput(result["unified"], "balanced")
         pd_greedy, un_greedy = result["pd"].get("greedy"), result["unified"].get("greedy")
         result["greedy_identical"] = pd_greedy is not None and pd_greedy == un_greedy
-        result["goodput_pd_rps"] = best_goodput(result["pd"], "prefill_heavy")
-        result["goodput_unified_rps"] = best_goodput(result["unified"], "prefill_heavy")
-        result["goodput_balanced_pd_rps"] = best_goodput(result["pd"], "balanced")
-        result["goodput_balanced_unified_rps"] = best_goodput(result["unified"], "balanced")
-    p2p = result.get("p2p") or {}
-    result["kv_transfer_4096_ms"] = p2p.get("pull_median_ms")
-    ttft = ((result.get("pd") or {}).get("ttft_4096") or {}).get("ttft_p50_ms")
-    result["transfer_share_of_ttft"] = (
-        result["kv_transfer_4096_ms"] / ttft if ttft and p2p.get("pull_median_ms") else None
-    )
-    result["seconds"] = time.monotonic() - started
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    save()
     keys = (
         "kv_transfer_4096_ms",
         "transfer_share_of_ttft",
