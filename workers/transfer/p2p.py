@@ -111,14 +111,16 @@ def new_group(backend: str, store: Any, rank: int, host: str, timeout: float) ->
 
     seconds = datetime.timedelta(seconds=timeout)
     if backend == "gloo":
-        options = c10d.ProcessGroupGloo._Options()
+        gloo: Any = c10d.ProcessGroupGloo  # its options class is private and untyped
+        options = gloo._Options()
         options._timeout = seconds
-        options._devices = [c10d.ProcessGroupGloo.create_device(hostname=host)]
-        return c10d.ProcessGroupGloo(store, rank, 2, options)
-    options = c10d.ProcessGroupNCCL.Options()
+        options._devices = [gloo.create_device(hostname=host)]
+        return gloo(store, rank, 2, options)
+    nccl: Any = c10d.ProcessGroupNCCL
+    options = nccl.Options()
     # Past our own deadline, so a stuck transfer is ours to end (by aborting the link).
     options._timeout = seconds + datetime.timedelta(seconds=5)
-    return c10d.ProcessGroupNCCL(store, rank, 2, options)
+    return nccl(store, rank, 2, options)
 
 
 def abort_group(group: Any) -> None:
