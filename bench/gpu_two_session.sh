@@ -4,7 +4,8 @@
 # 4,096-token prompt over NCCL and Mooncake, PD (prefill GPU 0, decode GPU 1) against two
 # unified replicas, greedy equality. Expects the wheels from ../shared/tools/device-bundle
 # installed (PYTHONPATH, PATH, LD_LIBRARY_PATH set) and $OUT to collect logs; the JSON lands
-# in $OUT/two_gpu_pd.json (copy it to docs/data/). Every step has its own timeout.
+# in $OUT/two_gpu_pd.json (copy it to docs/data/). Every step has its own timeout;
+# TWO_GPU_ARGS passes options to the bench (e.g. "--rates 4,12" for a shorter sweep).
 set -u
 out=${OUT:-/tmp/pdserve-gpu}
 mkdir -p "$out"
@@ -16,11 +17,11 @@ export PYTHONUNBUFFERED=1 MC_LOG_LEVEL=ERROR TOKENIZERS_PARALLELISM=false
 } 2>&1 | tee "$out/gpu.txt"
 
 # 1. the backend: nccl between the two GPUs, and the protocol on gloo (about 30 s)
-timeout -k 10 90 python3 -m pytest -q -p no:cacheprovider tests/workers/test_p2p_transfer.py 2>&1 \
+timeout -k 10 80 python3 -m pytest -q -p no:cacheprovider tests/workers/test_p2p_transfer.py 2>&1 \
   | tee "$out/test_p2p.log" | grep -E "passed|failed|skipped|^FAILED|^E  " | head
 
 # 2. the measurement (writes its JSON after each phase, so a cut-short run still leaves data)
-timeout -k 15 440 python3 bench/two_gpu_pd.py --out "$out/two_gpu_pd.json" 2>&1 \
+timeout -k 15 430 python3 bench/two_gpu_pd.py --out "$out/two_gpu_pd.json" ${TWO_GPU_ARGS:-} 2>&1 \
   | tee "$out/two_gpu_pd.log" | grep -v -E "^WARNING: Logging|Local segment descriptor" | tail -40
 
 # What the systems logged, for a failure's post-mortem (the bench prints their paths).
