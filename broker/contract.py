@@ -11,6 +11,8 @@ send and receive on it.
 | ``CANCEL`` | ``Cancel`` | core ``pd.cancel``, fan-out | API → every worker |
 | ``KV_RELEASE`` | ``KVRelease`` | core ``pd.release.<prefill-id>`` | decode → the prefill worker holding the KV |
 | ``KV_LEASE`` | ``KVLease`` → ``KVLeaseReply`` | core request/reply ``pd.lease.<prefill-id>`` | decode asks the prefill worker holding the KV, before reading it |
+| ``KV_LINK`` | ``KVLink`` → ``KVLinkReply`` | core request/reply ``pd.link.<prefill-id>`` | a decode worker of the ``nccl``/``gloo`` backends opens its communicator with the prefill worker |
+| ``KV_PUSH`` | ``KVPush`` → ``KVPushReply`` | core request/reply ``pd.push.<prefill-id>`` | decode asks the prefill worker to send a request's pages over their communicator |
 | ``WORKERS`` | ``WorkerInfo`` | key-value bucket ``PD_WORKERS``, one key per worker | every worker (heartbeat) → API |
 
 A work message delivered ``max_deliver`` times without being done is moved to the
@@ -47,6 +49,10 @@ from pdserve.schemas import (
     GenerateRequest,
     KVLease,
     KVLeaseReply,
+    KVLink,
+    KVLinkReply,
+    KVPush,
+    KVPushReply,
     KVReady,
     KVRelease,
     Message,
@@ -173,6 +179,24 @@ KV_LEASE = Service(
     sender="decode worker, before it reads a handle",
     receiver="the prefill worker holding the KV",
 )
+KV_LINK = Service(
+    "kv_link",
+    KVLink,
+    KVLinkReply,
+    subjects.kv_link,
+    subjects.kv_link,
+    sender="decode worker (nccl/gloo backends), before its first pull from a prefill worker",
+    receiver="the prefill worker, which checks the KV layout and builds its side",
+)
+KV_PUSH = Service(
+    "kv_push",
+    KVPush,
+    KVPushReply,
+    subjects.kv_push,
+    subjects.kv_push,
+    sender="decode worker (nccl/gloo backends), once it holds a lease on the pages",
+    receiver="the prefill worker, which queues one send of the pages on the link",
+)
 WORKERS = Bucket(
     "workers",
     WorkerInfo,
@@ -182,7 +206,7 @@ WORKERS = Bucket(
     receiver="API (/health, /workers)",
 )
 
-CHANNELS = (REQUESTS, KV_READY, TOKENS, TOKEN_BATCHES, CANCEL, KV_RELEASE, KV_LEASE, WORKERS)
+CHANNELS = (REQUESTS, KV_READY, TOKENS, TOKEN_BATCHES, CANCEL, KV_RELEASE, KV_LEASE, KV_LINK, KV_PUSH, WORKERS)
 
 
 # ---- core NATS ---------------------------------------------------------------------

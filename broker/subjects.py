@@ -48,6 +48,14 @@ def kv_lease(prefill_id: str) -> str:
     return f"pd.lease.{token(prefill_id)}"
 
 
+def kv_link(prefill_id: str) -> str:
+    return f"pd.link.{token(prefill_id)}"
+
+
+def kv_push(prefill_id: str) -> str:
+    return f"pd.push.{token(prefill_id)}"
+
+
 def tokens_prefix(api_id: str) -> str:
     """Wildcard an API instance subscribes to once for all of its requests."""
     return f"pd.tokens.{token(api_id)}.*"

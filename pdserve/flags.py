@@ -144,6 +144,12 @@ BROKER = (
 )
 
 WORKER_HOST = Flag("--host", WorkerConfig.host, help="address of this worker's transfer endpoint and health port")
+TRANSFER_BACKEND = Flag(
+    "--disaggregation-transfer-backend",
+    WorkerConfig.transfer_backend,
+    help="how decode pulls KV: mooncake (any hosts, tcp or rdma), nccl (between GPUs: CUDA pools), "
+    "gloo (the nccl protocol between CPU pools) (default: %(default)s)",
+)
 IB_DEVICE = Flag(
     "--disaggregation-ib-device",
     WorkerConfig.ib_device,
@@ -159,7 +165,7 @@ SGLANG = (
         type=int,
         help="accepted for SGLang compatibility; pdserve needs no bootstrap server (handles travel over NATS)",
     ),
-    Flag("--disaggregation-transfer-backend", WorkerConfig.transfer_backend),
+    TRANSFER_BACKEND,
     IB_DEVICE,
 )
 
@@ -212,7 +218,13 @@ UP = (
     Flag("--prefill-workers", 1, int),
     Flag("--decode-workers", 1, int),
     Flag("--unified-workers", 1, int, "workers in unified mode"),
+    Flag(
+        "--worker-devices",
+        help="comma-separated devices given to the workers in turn, prefill workers first "
+        "(e.g. cuda:0,cuda:1: prefill on GPU 0, decode on GPU 1; default: every worker on --device)",
+    ),
     Flag("--transfer-host", WorkerConfig.host, help="address workers' transfer engines listen on"),
+    TRANSFER_BACKEND,
     IB_DEVICE,
 )
 UP_BROKER_HELP = {
@@ -223,7 +235,17 @@ UP_BROKER_HELP = {
 
 def forwarded() -> tuple[Flag, ...]:
     """What ``up`` hands each worker: the flags both take, then the ones ``up`` fills in."""
-    return (*common(), *MODEL, *ENGINE, *BROKER, nats_url(), WORKER_HOST, IB_DEVICE, EXIT_WITH_PARENT)
+    return (
+        *common(),
+        *MODEL,
+        *ENGINE,
+        *BROKER,
+        nats_url(),
+        WORKER_HOST,
+        TRANSFER_BACKEND,
+        IB_DEVICE,
+        EXIT_WITH_PARENT,
+    )
 
 
 def api_forwarded() -> tuple[Flag, ...]:

@@ -53,11 +53,14 @@ def check_worker_flags(args: argparse.Namespace, role: str) -> None:
     if mode is not None and not (mode == role or (mode == "null" and role == "unified")):
         raise UsageError(f"--disaggregation-mode {mode} does not match `pdserve {role}`")
     from pdserve.workers.transfer import available_backends
+    from pdserve.workers.transfer.base import backend_device_error
 
-    if args.disaggregation_transfer_backend not in available_backends():
-        raise UsageError(
-            f"--disaggregation-transfer-backend {args.disaggregation_transfer_backend}: available: {', '.join(available_backends())}"
-        )
+    backend = args.disaggregation_transfer_backend
+    if backend not in available_backends():
+        raise UsageError(f"--disaggregation-transfer-backend {backend}: available: {', '.join(available_backends())}")
+    wrong_device = backend_device_error(backend, args.device.split(":")[0])
+    if role != "unified" and wrong_device is not None:
+        raise UsageError(f"--disaggregation-transfer-backend {backend} with --device {args.device}: {wrong_device}")
     if args.page_size < 1 or args.page_size & (args.page_size - 1):
         raise UsageError("--page-size must be a power of two")
 

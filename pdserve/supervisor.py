@@ -28,6 +28,7 @@ from pdserve import flags
 from pdserve.broker.server import NatsServer, NatsServerError, start_nats_server
 from pdserve.launch import api_config, listen_socket, resolve_model
 from pdserve.telemetry import setup_tracing
+from pdserve.workers.transfer.base import backend_device_error
 
 log = logging.getLogger("pdserve.up")
 
@@ -79,11 +80,15 @@ class Broker:
         self.server.stop()
 
 
-def worker_argv(args: argparse.Namespace, role: str, model_path: Path, nats_url: str, threads: int) -> list[str]:
+def worker_argv(
+    args: argparse.Namespace, role: str, model_path: Path, nats_url: str, threads: int, device: str | None = None
+) -> list[str]:
     """``python -m pdserve <role>`` with every flag ``up`` shares with workers, from the flag
-    table, plus what ``up`` decides: the model, the broker, threads, the transfer host."""
+    table, plus what ``up`` decides: the model, the broker, threads, the transfer host and
+    the worker's device (default ``--device``)."""
     values = {
         **vars(args),
+        "device": device or args.device,
         "model_path": model_path,
         "nats_url": nats_url,
         "num_threads": threads,
@@ -113,6 +118,32 @@ def plan_roles(args: argparse.Namespace) -> list[str]:
     return [role for role, n in counts.items() for _ in range(n)]
 
 
+def plan_devices(args: argparse.Namespace, roles: list[str]) -> list[str]:
+    """Each worker's device: ``--worker-devices`` in turn (again from the first when there
+    are more workers than devices), else ``--device`` for all. Refuses a placement the
+    transfer backend cannot serve (nccl: CUDA pools, prefill and decode on different GPUs)."""
+    if args.worker_devices:
+        given = [d.strip() for d in args.worker_devices.split(",") if d.strip()]
+        devices = [given[i % len(given)] for i in range(len(roles))]
+    else:
+        devices = [args.device] * len(roles)
+    backend = args.disaggregation_transfer_backend
+    for role, device in zip(roles, devices, strict=True):
+        wrong = backend_device_error(backend, device.split(":")[0]) if role != "unified" else None
+        if wrong is not None:
+            raise SystemExit(f"pdserve up: error: {role} worker on {device}: {wrong}")
+    if backend == "nccl":
+        shared = {d for r, d in zip(roles, devices, strict=True) if r == "prefill"} & {
+            d for r, d in zip(roles, devices, strict=True) if r == "decode"
+        }
+        if shared:
+            raise SystemExit(
+                f"pdserve up: error: prefill and decode workers share {', '.join(sorted(shared))}: NCCL pairs two "
+                "GPUs; give them different devices with --worker-devices (or use mooncake)"
+            )
+    return devices
+
+
 def size_consumers(args: argparse.Namespace, roles: list[str]) -> None:
     """``max_ack_pending`` of each consumer = what its pool can hold in hand at once."""
     per_worker = args.max_running_requests
@@ -124,6 +155,9 @@ def size_consumers(args: argparse.Namespace, roles: list[str]) -> None:
 
 def run_up(args: argparse.Namespace) -> int:
     roles = plan_roles(args)
+    devices = plan_devices(args, roles)
+    if args.api_processes < 1 or (args.api_processes > 1 and args.port == 0):
+        raise SystemExit("pdserve up: error: --api-processes must be at least 1 (and more than 1 needs a fixed --port)")
     size_consumers(args, roles)
     model_path = resolve_model(args)
     broker = None
@@ -134,10 +168,11 @@ def run_up(args: argparse.Namespace) -> int:
         broker = Broker(data_dir, start_nats_server(data_dir))
         nats_url = broker.url
         log.info("nats-server started", extra={"url": nats_url, "monitor": broker.server.monitor_url})
-    if args.api_processes < 1 or (args.api_processes > 1 and args.port == 0):
-        raise SystemExit("pdserve up: error: --api-processes must be at least 1 (and more than 1 needs a fixed --port)")
     threads = args.num_threads or max(1, (os.cpu_count() or 1) // len(roles))
-    children = [Child(role, i, worker_argv(args, role, model_path, nats_url, threads)) for i, role in enumerate(roles)]
+    children = [
+        Child(role, i, worker_argv(args, role, model_path, nats_url, threads, device))
+        for i, (role, device) in enumerate(zip(roles, devices, strict=True))
+    ]
     children += [Child("api", i, api_argv(args, model_path, nats_url)) for i in range(1, args.api_processes)]
     try:
         for child in children:

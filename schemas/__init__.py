@@ -3,6 +3,7 @@
 from pdserve.schemas.codec import Message, MessageError
 from pdserve.schemas.control import Cancel
 from pdserve.schemas.kv import KVHandle, KVLayout, KVLease, KVLeaseReply, KVReady, KVRelease
+from pdserve.schemas.link import KVLink, KVLinkReply, KVPush, KVPushReply
 from pdserve.schemas.request import GenerateRequest
 from pdserve.schemas.sampling import SamplingParams
 from pdserve.schemas.tokens import ErrorInfo, TokenBatch, TokenChunk, TokenLogprob, Usage
@@ -16,6 +17,10 @@ __all__ = [
     "KVLayout",
     "KVLease",
     "KVLeaseReply",
+    "KVLink",
+    "KVLinkReply",
+    "KVPush",
+    "KVPushReply",
     "KVReady",
     "KVRelease",
     "Message",

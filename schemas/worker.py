@@ -20,6 +20,14 @@ class WorkerCounters:
     more than once; ``migrations``: requests taken over mid-stream (continued from the
     tokens already streamed); ``handed_back``: unfinished requests given back on a drain;
     ``dead_lettered``: messages this worker moved to the dead-letter stream.
+
+    The transport itself: ``kv_pull_ops``: operations the pulls took (Mooncake: segments
+    read; ``nccl``/``gloo``: point-to-point messages received); ``kv_links_opened``:
+    communicators set up with a peer (``nccl``/``gloo``, each side counts its own; a
+    healthy pair opens one and reuses it); ``kv_links_refused``: handshakes refused for a
+    layout, backend or device mismatch (each side counts it); ``kv_sends``/``kv_send_bytes``:
+    requests' pages a prefill worker pushed to a decode worker; ``kv_send_failures``: pushes
+    that failed or timed out on the prefill side.
     """
 
     kv_pulls: int = 0
@@ -31,6 +39,12 @@ class WorkerCounters:
     migrations: int = 0
     handed_back: int = 0
     dead_lettered: int = 0
+    kv_pull_ops: int = 0
+    kv_links_opened: int = 0
+    kv_links_refused: int = 0
+    kv_sends: int = 0
+    kv_send_bytes: int = 0
+    kv_send_failures: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

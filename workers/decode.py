@@ -3,8 +3,9 @@ with one batched transfer, tells the prefill worker to release, and decodes.
 
 A handle that is about to expire or a failed pull end the same way: the worker computes
 the prompt itself (counted in ``recomputes``), and the stream goes on. A handle this
-worker can never read (another transfer backend or protocol, another KV layout) is a
-deployment mistake: the request gets an error that says which flags differ.
+worker can never read (another transfer backend or protocol, another KV layout, or a
+prefill worker that refuses the link's handshake) is a deployment mistake: the request
+gets an error that says what differs.
 """
 
 from __future__ import annotations
@@ -20,20 +21,19 @@ from pdserve.broker import contract, tracing
 from pdserve.broker.consumer import Delivery
 from pdserve.engine.engine import Engine, RequestError, RequestOutput
 from pdserve.engine.sequence import Sequence
-from pdserve.schemas import KVLease, KVReady, KVRelease
+from pdserve.schemas import KVLease, KVReady, KVRelease, WorkerInfo
 from pdserve.schemas.tokens import ALIVE
 from pdserve.workers.config import WorkerConfig
 from pdserve.workers.intake import Intake
 from pdserve.workers.replies import Tracked
 from pdserve.workers.runtime import WorkerRuntime
-from pdserve.workers.transfer import TransferError, plan_reads
+from pdserve.workers.transfer import LinkRefused, TransferError, plan_reads
 
 log = logging.getLogger(__name__)
 
 KV_READY_BATCH = 32
 LEASE_TIMEOUT = 2.0
 TRANSFER_THREADS = 4  # pulls from several prefill workers at once
-PEER_CHECK_SECONDS = 10.0
 
 
 class DecodeWorker(WorkerRuntime):
@@ -42,12 +42,11 @@ class DecodeWorker(WorkerRuntime):
         self.backlog: deque[tuple[Tracked, KVReady]] = deque()  # claimed, waiting for pages
         self.importing: set[str] = set()
         self._peers_seen: set[str] = set()
-        self._next_peer_check = 0.0
         self._transfer_threads = ThreadPoolExecutor(max_workers=TRANSFER_THREADS, thread_name_prefix="kv-pull")
 
     async def setup(self) -> None:
-        self.transfer = self.start_transfer()
         assert self.nc is not None
+        self.transfer = await self.start_transfer(serve=False)
         queue = contract.WorkQueue(self.nc, contract.KV_READY, self.config.model_name, self.worker_id)
         await queue.start()
         self.intake = Intake(queue, self._room, self._take, KV_READY_BATCH, self.config.fetch_timeout, idle_wait=0.02)
@@ -202,15 +201,20 @@ class DecodeWorker(WorkerRuntime):
         await self.fail(t, reason, kind)
         await self._release(ready, ok=False)
 
-    def _transfer_pages(self, ready: KVReady, reads: list[tuple[int, int, int]]) -> None:
-        """In a transfer thread: once no queued step can write the reserved pages, pull."""
+    def _transfer_pages(self, ready: KVReady, reads: list[tuple[int, int, int]]) -> int:
+        """In a transfer thread: once no queued step can write the reserved pages, pull.
+        Returns the transport operations it took."""
         assert self.transfer is not None
         self.engine.wait_for_pages(ready.rid)
-        self.transfer.read(ready.handle.endpoint, reads)
+        return self.transfer.read(ready.handle.endpoint, reads)
 
     async def _pull(self, ready: KVReady, seq: Sequence, t: Tracked) -> None:
         started = time.time()
-        nbytes = await self._read(ready, seq)
+        nbytes, refused = None, None
+        try:
+            nbytes = await self._read(ready, seq)
+        except LinkRefused as exc:
+            refused = str(exc)
         ok = nbytes is not None
         self.importing.discard(ready.rid)
         ended = t.decode_from = time.time()
@@ -223,6 +227,13 @@ class DecodeWorker(WorkerRuntime):
             self.engine.abort(ready.rid)
             await t.settle()
             return
+        if refused is not None:  # the two workers cannot pair: an error that says why, not a recompute
+            self.count("kv_pull_failures")
+            self.engine.abort(ready.rid)
+            self.tracked.pop(ready.rid, None)
+            await self.fail(t, refused)
+            self.wake()
+            return
         if ok:
             self.engine.commit_import(seq)
         else:
@@ -234,7 +245,8 @@ class DecodeWorker(WorkerRuntime):
     async def _read(self, ready: KVReady, seq: Sequence) -> int | None:
         """Lease the handle's hold, read the pages this pool lacks, check the read ended
         within the lease; the bytes read. ``None`` (logged and counted) if the KV is not to
-        be used."""
+        be used; raises :class:`LinkRefused` if the prefill worker will never pair with this
+        one."""
         assert self.transfer is not None and self.nc is not None
         h = ready.handle
         lease = KVLease(ready.rid, ready.prefill_id, h.generation, self.config.kv_lease_seconds)
@@ -259,7 +271,9 @@ class DecodeWorker(WorkerRuntime):
                 skip_pages=seq.num_cached // page,
             )
             loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._transfer_threads, self._transfer_pages, ready, reads)
+            ops = await loop.run_in_executor(self._transfer_threads, self._transfer_pages, ready, reads)
+        except LinkRefused:
+            raise
         except TransferError as exc:
             self.count("kv_pull_failures")
             log.warning("KV pull failed; computing the prompt here", extra={"rid": ready.rid, "error": str(exc)})
@@ -271,6 +285,7 @@ class DecodeWorker(WorkerRuntime):
         nbytes = sum(n for _, _, n in reads)
         self.count("kv_pulls")
         self.count("kv_pull_bytes", nbytes)
+        self.count("kv_pull_ops", ops)
         return nbytes
 
     async def _release(self, ready: KVReady, ok: bool) -> None:
@@ -301,20 +316,10 @@ class DecodeWorker(WorkerRuntime):
         if self.backlog and self.intake is not None:
             self.intake.room_freed.set()
 
-    async def on_tick(self) -> None:
-        now = time.monotonic()
-        if now >= self._next_peer_check:
-            self._next_peer_check = now + PEER_CHECK_SECONDS
-            await self.check_peers()
-
-    async def check_peers(self) -> None:
+    async def on_peers(self, peers: list[WorkerInfo]) -> None:
         """Log, once per worker, each prefill worker of this model whose KV this worker
         cannot read (its requests will get an error here that says why)."""
-        try:
-            peers = await self.lifecycle.workers()
-        except Exception as exc:  # the broker is away: next time
-            log.debug("peer check skipped", extra={"error": str(exc)})
-            return
+        await super().on_peers(peers)
         assert self.transfer is not None
         layout = self.engine.runner.pool.layout
         for w in peers:

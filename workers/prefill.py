@@ -31,8 +31,8 @@ class PrefillWorker(WorkerRuntime):
         self.holds = Holds()
 
     async def setup(self) -> None:
-        self.transfer = self.start_transfer()
         assert self.nc is not None
+        self.transfer = await self.start_transfer(serve=True)
         await contract.subscribe(self.nc, contract.KV_RELEASE, self._on_release, self.worker_id)
         await contract.answer(self.nc, contract.KV_LEASE, self._on_lease, self.worker_id)
         self.intake = await self.request_intake(prefill_only=True)

@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 REQUEST_BATCH = 64
 TICK_SECONDS = 0.25
+PEER_CHECK_SECONDS = 10.0
 
 
 class WorkerRuntime:
@@ -136,14 +137,23 @@ class WorkerRuntime:
     async def _stop_engine(self) -> None:
         self._engine_thread.shutdown(wait=True)
 
-    def start_transfer(self) -> TransferBackend:
-        """The configured KV transfer backend, with this worker's whole page pool registered."""
+    async def start_transfer(self, serve: bool) -> TransferBackend:
+        """The configured KV transfer backend, with this worker's whole page pool registered
+        and its control plane on NATS (``serve``: answer the peers that read from this worker)."""
         cfg = self.config
-        transfer = create_transfer(
-            cfg.transfer_backend, host=cfg.host, protocol=cfg.transfer_protocol, device_name=cfg.ib_device
-        )
         pool = self.engine.runner.pool
+        transfer = create_transfer(
+            cfg.transfer_backend,
+            host=cfg.host,
+            protocol=cfg.transfer_protocol,
+            device_name=cfg.ib_device,
+            pool=pool,
+            worker_id=self.worker_id,
+            timeout=cfg.kv_lease_seconds,  # a read that ends later is not trusted anyway
+        )
         transfer.register(pool.data_ptr, pool.nbytes)
+        assert self.nc is not None
+        await transfer.attach(self.nc, serve, self.lifecycle.crash)
         return transfer
 
     def count(self, counter: str, n: int = 1) -> None:
@@ -181,7 +191,7 @@ class WorkerRuntime:
             model_path=str(self.config.model_path),
             started_at=self._started_at,
             updated_at=time.time(),
-            counters=WorkerCounters(**self.counters),
+            counters=WorkerCounters(**{**self.counters, **(transfer.counts() if transfer else {})}),
             kv_layout=self.engine.runner.pool.layout if transfer else None,
             transfer_backend=transfer.name if transfer else "",
             transfer_protocol=transfer.protocol if transfer else "",
@@ -433,6 +443,7 @@ class WorkerRuntime:
         """Deadlines, keep-alives (a chunk to each client that heard nothing for a
         second; ``in_progress`` to the stream), the role's own timers."""
         next_second = 0.0
+        next_peer_check = 0.0
         while True:
             await asyncio.sleep(TICK_SECONDS)
             now = time.monotonic()
@@ -450,6 +461,9 @@ class WorkerRuntime:
                     await self.cancel(rid, "deadline exceeded")
             self.cancels.forget(now)
             await self.on_tick()
+            if now >= next_peer_check:
+                next_peer_check = now + PEER_CHECK_SECONDS
+                await self._check_peers()
 
     def in_hand(self) -> list[Tracked]:
         """Every request this worker holds a delivery of (roles add what waits aside)."""
@@ -457,3 +471,18 @@ class WorkerRuntime:
 
     async def on_tick(self) -> None:
         """Called about once a second (expiry of held KV and the like)."""
+
+    async def _check_peers(self) -> None:
+        try:
+            peers = await self.lifecycle.workers()
+        except Exception as exc:  # the broker is away: next time
+            log.debug("peer check skipped", extra={"error": str(exc)})
+            return
+        await self.on_peers(peers)
+
+    async def on_peers(self, peers: list[WorkerInfo]) -> None:
+        """Every ``PEER_CHECK_SECONDS``, the live workers of the registry: the transfer
+        backend drops what it keeps for peers that left (their communicators)."""
+        if self.transfer is not None:
+            live = {w.worker_id for w in peers}
+            await asyncio.get_running_loop().run_in_executor(None, self.transfer.retain, live)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.bench.config import BACKENDS, DATASETS, ENDPOINTS, BenchConfig
+from pdserve.bench.metrics import SLO_ITL_METRICS
 
 D = BenchConfig()  # the defaults
 
@@ -22,7 +23,7 @@ EPILOG = """\
 metrics: TTFT = first token-bearing event; ITL = gaps between token-bearing events as
 observed (one per event); TPOT = (latency - TTFT) / (output tokens - 1), so events carrying
 several tokens spread their gap over them; goodput = requests/s meeting every SLO given
-(TTFT and the request's TPOT, or its mean ITL with --slo-itl-metric mean-itl).
+(TTFT and the request's TPOT, or its mean or p99 ITL with --slo-itl-metric).
 examples:
   pdserve bench --backend generate --num-prompts 200 --request-rate 8 --input-len 512 --output-len 64
   pdserve bench --sweep 1,2,4,8 --slo-ttft 500 --slo-itl 50 --output-json pd.json --plot pd.png
@@ -215,12 +216,12 @@ def configure(p: argparse.ArgumentParser) -> None:
         "--slo-itl",
         type=float,
         default=None,
-        help="per-token SLO in ms, on each request's TPOT or mean ITL (default: none)",
+        help="per-token SLO in ms, on each request's TPOT, mean ITL or p99 ITL (default: none)",
     )
     g.add_argument(
         "--slo-itl-metric",
         default=D.slo_itl_metric,
-        choices=["tpot", "mean-itl"],
+        choices=list(SLO_ITL_METRICS),
         help="which per-request statistic --slo-itl bounds (default: %(default)s)",
     )
 

@@ -7,7 +7,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pdserve.bench.metrics import SLO
+from pdserve.bench.metrics import SLO, SLO_ITL_METRICS
 
 BACKENDS = ("openai", "openai-chat", "generate")
 ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions", "generate": "/generate"}
@@ -76,8 +76,8 @@ class BenchConfig:
             raise ValueError("--prompt-format ids needs --tokenizer")
         if self.prompt_format == "ids" and self.backend == "openai-chat":
             raise ValueError("openai-chat sends messages; token-id prompts are not possible")
-        if self.slo_itl_metric not in ("tpot", "mean-itl"):
-            raise ValueError("--slo-itl-metric must be tpot or mean-itl")
+        if self.slo_itl_metric not in SLO_ITL_METRICS:
+            raise ValueError("--slo-itl-metric must be tpot, mean-itl or p99-itl")
         self.base_url = self.base_url.rstrip("/")
 
     @property

@@ -17,8 +17,9 @@ Conventions (the same in the table, the JSON and the plots):
 * **E2E latency** — from hand-off to the end of the stream (``[DONE]`` or the connection's
   end).
 * **Goodput** — successful requests per second of benchmark duration that meet every SLO
-  given: ``TTFT <= --slo-ttft`` and the request's *TPOT* (default) or its *mean ITL*
-  (``--slo-itl-metric mean-itl``) ``<= --slo-itl``. Requests with one output token have no
+  given: ``TTFT <= --slo-ttft`` and the request's *TPOT* (default), its *mean ITL*
+  (``--slo-itl-metric mean-itl``) or the 99th percentile of its own ITLs
+  (``--slo-itl-metric p99-itl``) ``<= --slo-itl``. Requests with one output token have no
   TPOT/ITL and pass that SLO. ``goodput_fraction`` divides by all requests, failed ones
   included.
 * Percentiles interpolate linearly between order statistics (numpy's default method);
@@ -33,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 PERCENTILES = (50, 90, 99)
+SLO_ITL_METRICS = ("tpot", "mean-itl", "p99-itl")
 
 
 @dataclass(slots=True)
@@ -67,10 +69,15 @@ class RequestRecord:
     def mean_itl(self) -> float | None:
         return sum(self.itl) / len(self.itl) if self.itl else None
 
+    @property
+    def p99_itl(self) -> float | None:
+        return percentile(sorted(self.itl), 99) if self.itl else None
+
     def row(self) -> dict[str, Any]:
         out = asdict(self)
         out["tpot"] = self.tpot
         out["mean_itl"] = self.mean_itl
+        out["p99_itl"] = self.p99_itl
         return out
 
 
@@ -111,7 +118,7 @@ def describe(values: Iterable[float], scale: float = 1000.0) -> dict[str, float]
 class SLO:
     ttft_ms: float | None = None
     itl_ms: float | None = None
-    itl_metric: str = "tpot"  # "tpot" or "mean-itl"
+    itl_metric: str = "tpot"  # "tpot", "mean-itl" or "p99-itl"
 
     @property
     def active(self) -> bool:
@@ -123,7 +130,7 @@ class SLO:
         if self.ttft_ms is not None and (r.ttft is None or r.ttft * 1000.0 > self.ttft_ms):
             return False
         if self.itl_ms is not None:
-            value = r.tpot if self.itl_metric == "tpot" else r.mean_itl
+            value = {"tpot": r.tpot, "mean-itl": r.mean_itl, "p99-itl": r.p99_itl}[self.itl_metric]
             if value is not None and value * 1000.0 > self.itl_ms:
                 return False
         return True
@@ -133,7 +140,8 @@ class SLO:
         if self.ttft_ms is not None:
             parts.append(f"TTFT <= {self.ttft_ms:g} ms")
         if self.itl_ms is not None:
-            parts.append(f"{'TPOT' if self.itl_metric == 'tpot' else 'mean ITL'} <= {self.itl_ms:g} ms")
+            label = {"tpot": "TPOT", "mean-itl": "mean ITL", "p99-itl": "p99 ITL"}[self.itl_metric]
+            parts.append(f"{label} <= {self.itl_ms:g} ms")
         return " and ".join(parts) or "none"
 
 

@@ -7,13 +7,15 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+import pytest
+
 from pdserve import flags
 from pdserve.api.config import ApiConfig
 from pdserve.broker.streams import BrokerConfig
 from pdserve.cli import build_parser
 from pdserve.engine.config import EngineConfig
 from pdserve.launch import api_config, engine_config, worker_config
-from pdserve.supervisor import api_argv, plan_roles, size_consumers, worker_argv
+from pdserve.supervisor import api_argv, plan_devices, plan_roles, size_consumers, worker_argv
 from pdserve.workers.config import WorkerConfig
 
 MODEL = Path("/models/m")
@@ -129,3 +131,31 @@ def test_an_extra_api_process_parses_what_up_means() -> None:
     assert argv[3] == "api" and api.reuse_port and api.exit_with_parent and api.log_level == "DEBUG"
     # The same API config as the process `up` runs itself (whose port it shares).
     assert api_config(api, "nats://n:1", MODEL) == api_config(up, "nats://n:1", MODEL)
+
+
+def test_up_places_workers_on_the_devices_given_in_turn() -> None:
+    parser = build_parser()
+    up = parser.parse_args(["up", "--worker-devices", "cuda:0,cuda:1", "--disaggregation-transfer-backend", "nccl"])
+    roles = plan_roles(up)
+    assert plan_devices(up, roles) == ["cuda:0", "cuda:1"]
+    worker = parser.parse_args(worker_argv(up, "decode", MODEL, "nats://n:1", 1, "cuda:1")[3:])
+    assert worker.device == "cuda:1" and worker.disaggregation_transfer_backend == "nccl"
+    unified = parser.parse_args(
+        ["up", "--mode", "unified", "--unified-workers", "3", "--worker-devices", "cuda:0,cuda:1"]
+    )
+    assert plan_devices(unified, plan_roles(unified)) == ["cuda:0", "cuda:1", "cuda:0"]
+    assert plan_devices(parser.parse_args(["up"]), ["prefill", "decode"]) == ["cpu", "cpu"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--worker-devices", "cuda:0,cuda:0", "--disaggregation-transfer-backend", "nccl"], "share cuda:0"),
+        (["--disaggregation-transfer-backend", "nccl"], "moves cuda pools"),
+        (["--worker-devices", "cuda:0,cuda:1", "--disaggregation-transfer-backend", "gloo"], "moves cpu pools"),
+    ],
+)
+def test_up_refuses_a_placement_the_transfer_backend_cannot_serve(argv: list[str], message: str) -> None:
+    up = build_parser().parse_args(["up", *argv])
+    with pytest.raises(SystemExit, match=message):
+        plan_devices(up, plan_roles(up))

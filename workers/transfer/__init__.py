@@ -3,19 +3,37 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from pdserve.workers.transfer.base import TransferBackend, TransferError, advertised_host, plan_reads
+from pdserve.workers.transfer.base import LinkRefused, TransferBackend, TransferError, advertised_host, plan_reads
 
+if TYPE_CHECKING:
+    from pdserve.engine.kv_pool import KVPool
+
+# Each factory takes what it needs of a worker's transfer settings and ignores the rest.
 _BACKENDS: dict[str, Callable[..., TransferBackend]] = {}
 
 
-def _mooncake(**kwargs: object) -> TransferBackend:
+def _mooncake(host: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "", **_: object) -> TransferBackend:
     from pdserve.workers.transfer.mooncake import MooncakeTransfer
 
-    return MooncakeTransfer(**kwargs)  # type: ignore[arg-type]
+    return MooncakeTransfer(host=host, protocol=protocol, device_name=device_name)
+
+
+def _p2p(name: str) -> Callable[..., TransferBackend]:
+    def create(
+        pool: KVPool, worker_id: str, host: str = "127.0.0.1", timeout: float = 10.0, **_: object
+    ) -> TransferBackend:
+        from pdserve.workers.transfer.p2p import P2PTransfer
+
+        return P2PTransfer(name, pool, worker_id, host=host, timeout=timeout)
+
+    return create
 
 
 _BACKENDS["mooncake"] = _mooncake
+_BACKENDS["nccl"] = _p2p("nccl")  # CUDA pools, GPU to GPU
+_BACKENDS["gloo"] = _p2p("gloo")  # CPU pools, over TCP: the same protocol as nccl
 
 
 def available_backends() -> list[str]:
@@ -23,7 +41,8 @@ def available_backends() -> list[str]:
 
 
 def create_transfer(name: str, **kwargs: object) -> TransferBackend:
-    """A started backend by name (``mooncake``); raises ``ValueError`` for unknown names."""
+    """A started backend by name (``mooncake``, ``nccl``, ``gloo``); raises ``ValueError``
+    for unknown names, :class:`TransferError` when it cannot start here."""
     try:
         factory = _BACKENDS[name]
     except KeyError:
@@ -31,4 +50,12 @@ def create_transfer(name: str, **kwargs: object) -> TransferBackend:
     return factory(**kwargs)
 
 
-__all__ = ["TransferBackend", "TransferError", "advertised_host", "available_backends", "create_transfer", "plan_reads"]
+__all__ = [
+    "LinkRefused",
+    "TransferBackend",
+    "TransferError",
+    "advertised_host",
+    "available_backends",
+    "create_transfer",
+    "plan_reads",
+]

@@ -3,19 +3,31 @@
 from __future__ import annotations
 
 import socket
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
 
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "*")
+# The point-to-point backends and the device type of the pools each moves.
+P2P_DEVICES = {"nccl": "cuda", "gloo": "cpu"}
 
 
 class TransferError(RuntimeError):
     """A pull failed; the caller falls back to recomputing the prefill."""
 
 
+class LinkRefused(TransferError):
+    """The peer will not pair with this worker: its KV layout, backend or device differs.
+    A deployment mistake, not a passing failure: the request gets an error saying what
+    differs (recomputing would hide it)."""
+
+
 class TransferBackend(Protocol):
-    """``endpoint`` is what peers connect to (``host:port``); ``protocol`` the transport
-    (Mooncake: ``tcp`` or ``rdma``), which both ends of a transfer must share."""
+    """``endpoint`` is what peers connect to (Mooncake: ``host:port``; ``nccl``/``gloo``:
+    the worker id, reached over NATS); ``protocol`` the transport (Mooncake: ``tcp`` or
+    ``rdma``; else the backend's name), which both ends of a transfer must share."""
 
     name: str
     endpoint: str
@@ -24,13 +36,35 @@ class TransferBackend(Protocol):
     def register(self, address: int, nbytes: int) -> None:
         """Make ``[address, address + nbytes)`` readable by peers (and writable locally)."""
 
-    def read(self, endpoint: str, reads: Sequence[tuple[int, int, int]]) -> None:
+    async def attach(self, nc: Client, serve: bool, crash: Callable[[str, BaseException], None]) -> None:
+        """Connect the backend's control plane, if it has one, to NATS. ``serve``: answer
+        peers that read from this worker (a prefill worker). ``crash`` ends the worker
+        (a background job of the backend that failed in a way it does not expect)."""
+
+    def read(self, endpoint: str, reads: Sequence[tuple[int, int, int]]) -> int:
         """Copy ``(local_address, remote_address, nbytes)`` ranges from the peer, in one batch.
 
-        Blocks until done; raises :class:`TransferError` on failure.
+        Blocks until done; returns the number of transport operations it took; raises
+        :class:`TransferError` on failure (:class:`LinkRefused` when it never can work).
         """
 
+    def retain(self, live: set[str]) -> None:
+        """Drop what is kept per peer (communicators) for peers not in ``live`` (worker ids)."""
+
+    def counts(self) -> dict[str, int]:
+        """The backend's own :class:`~pdserve.schemas.WorkerCounters` fields, so far."""
+
     def close(self) -> None: ...
+
+
+def backend_device_error(backend: str, device_type: str) -> str | None:
+    """Why ``backend`` cannot move a pool on ``device_type`` (naming one that can), or ``None``."""
+    wanted = P2P_DEVICES.get(backend)
+    if wanted is None or wanted == device_type:
+        return None
+    fits = [b for b, d in P2P_DEVICES.items() if d == device_type]
+    hint = f" (a {device_type} pool moves over {fits[0]} or mooncake)" if fits else ""
+    return f"the {backend} backend moves {wanted} pools, not {device_type} ones{hint}"
 
 
 def plan_reads(
@@ -63,6 +97,23 @@ def plan_reads(
         else:
             reads.append((local, remote, page_bytes))
     return reads
+
+
+def pages_of(base: int, page_bytes: int, runs: Sequence[tuple[int, int]], num_pages: int) -> list[int]:
+    """The page ids that ``(address, nbytes)`` runs of a pool at ``base`` cover, in order.
+
+    Raises :class:`TransferError` for a run that is not whole pages inside the pool."""
+    pages: list[int] = []
+    for address, nbytes in runs:
+        offset = address - base
+        if offset < 0 or offset % page_bytes or nbytes <= 0 or nbytes % page_bytes:
+            raise TransferError(f"({address:#x}, {nbytes}) is not a run of whole pages of this pool")
+        first = offset // page_bytes
+        count = nbytes // page_bytes
+        if first + count > num_pages:
+            raise TransferError(f"pages {first}..{first + count - 1} are outside a pool of {num_pages}")
+        pages.extend(range(first, first + count))
+    return pages
 
 
 def advertised_host(host: str) -> str:

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from pdserve.workers.transfer.base import TransferError, advertised_host
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
 
 log = logging.getLogger(__name__)
 
@@ -44,15 +48,25 @@ class MooncakeTransfer:
             raise TransferError(f"Mooncake register_memory returned {rc}")
         self._registered.append((address, nbytes))
 
-    def read(self, endpoint: str, reads: Sequence[tuple[int, int, int]]) -> None:
+    async def attach(self, nc: Client, serve: bool, crash: Callable[[str, BaseException], None]) -> None:
+        """Nothing to do: Mooncake's own RPC port is its control plane."""
+
+    def read(self, endpoint: str, reads: Sequence[tuple[int, int, int]]) -> int:
         if not reads:
-            return
+            return 0
         local = [r[0] for r in reads]
         remote = [r[1] for r in reads]
         lengths = [r[2] for r in reads]
         rc = self._engine.batch_transfer_sync_read(endpoint, local, remote, lengths)
         if rc != 0:
             raise TransferError(f"Mooncake read of {len(reads)} segments from {endpoint} returned {rc}")
+        return len(reads)
+
+    def retain(self, live: set[str]) -> None:
+        """Nothing is kept per peer."""
+
+    def counts(self) -> dict[str, int]:
+        return {}
 
     def close(self) -> None:
         for address, _ in self._registered:

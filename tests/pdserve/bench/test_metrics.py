@@ -169,6 +169,12 @@ def test_goodput_itl_metric_choice() -> None:
     assert r.tpot == pytest.approx(0.1)
     assert SLO(itl_ms=150, itl_metric="tpot").met(r)
     assert not SLO(itl_ms=150, itl_metric="mean-itl").met(r)
+    # One slow gap among fast ones: the mean hides it, the request's own p99 does not.
+    spiky = _rec(1, 0.1, 0.5, 11, [0.01] * 9 + [0.2])
+    assert spiky.p99_itl == pytest.approx(0.1829)
+    assert SLO(itl_ms=30, itl_metric="mean-itl").met(spiky)
+    assert not SLO(itl_ms=30, itl_metric="p99-itl").met(spiky)
+    assert SLO(itl_ms=30, itl_metric="p99-itl").describe() == "p99 ITL <= 30 ms"
 
 
 def test_summarize_server_timings_and_cache() -> None:

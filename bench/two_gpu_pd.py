@@ -1,0 +1,541 @@
+"""Prefill on GPU 0 and decode on GPU 1 (KV over NCCL) against two unified replicas on the
+same two GPUs, in one run. Writes ``docs/data/two_gpu_pd.json``.
+
+1. **transfer**: the KV of a 4,096-token prompt (Qwen2.5-7B dimensions, random bf16: 28
+   layers x 4 KV heads x 128, 235 MB) moved by the ``nccl`` backend between two processes,
+   one per GPU: the whole pull a decode worker makes (push request over NATS, one message,
+   landing in its pages), the same with pages scattered on both sides (gather + scatter),
+   and the bare send/recv of those bytes over the same kind of communicator. Beside it,
+   Mooncake's own GPU path (each of ``--mooncake-protocols`` in child processes with a
+   timeout: its ``nvlink_intra`` hung on one GPU before).
+2. **serve**: ``pdserve up`` with 1 prefill + 1 decode (``--worker-devices cuda:0,cuda:1
+   --disaggregation-transfer-backend nccl``), then with 2 unified workers on the same GPUs,
+   behind the same API; on each, the TTFT of a 4,096-token prompt (PD only), a greedy probe,
+   and a request-rate sweep with ``pdserve bench`` on a prefill-heavy (2,048 in / 128 out)
+   and a balanced (512 in / 512 out) workload. Goodput: requests/s with TTFT <= 1 s and the
+   request's own p99 ITL <= 30 ms; the figure is the best over the sweep's rates.
+3. **greedy**: the probe's tokens, PD against unified.
+
+Every run is cold: each system starts fresh, every (system, workload) gets its own seed,
+and the cached tokens each point saw are reported.
+
+    python bench/two_gpu_pd.py                          # a 2-GPU host (bench/gpu_two_session.sh)
+    python bench/two_gpu_pd.py --small --device cpu     # dry run: small shapes, gloo, one CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import multiprocessing
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from make_dummy_model import write_model_dir
+from serving_sweep import System, goodput
+
+from pdserve.bench.config import BenchConfig
+from pdserve.bench.metrics import SLO, stat
+from pdserve.bench.runner import run_benchmark
+from pdserve.bench.shapes import QWEN2_5_0_5B, QWEN2_5_7B
+from pdserve.schemas import KVLayout
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE_SIZE = 16
+
+
+def layout_of(dims: dict[str, Any]) -> KVLayout:
+    head_dim = dims["hidden_size"] // dims["num_attention_heads"]
+    return KVLayout(dims["num_hidden_layers"], dims["num_key_value_heads"], head_dim, PAGE_SIZE, "bfloat16")
+
+
+def log(line: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
+
+
+# ---- 1. transfer: two processes, one per device ------------------------------------------------
+def _p2p_end(
+    role: str,
+    backend: str,
+    device: str,
+    layout: KVLayout,
+    tokens: int,
+    nats_url: str,
+    wire: str,
+    q: Any,
+    go: Any,
+    reps: int,
+    remote_base: int = 0,
+) -> None:
+    """One end of the point-to-point measurement, in its own process. The prefill end owns the
+    TCP store of the bare send/recv (``wire``: its address), which starts once the decode end
+    sets ``go`` (after its pulls, so the two communicators never work at once). The decode end
+    reads the prefill end's pool at ``remote_base``; a failure is put on ``q``."""
+    from pdserve.engine.kv_pool import KVPool
+    from pdserve.workers.transfer.p2p import P2PTransfer
+
+    async def main() -> None:
+        import nats
+
+        n = tokens // layout.page_size
+        kv = KVPool(layout, 2 * n + 2, torch.device(device))
+        if role == "prefill":
+            kv.tensor.copy_(_pattern(kv))
+        nc = await nats.connect(nats_url)
+        transfer = P2PTransfer(backend, kv, f"{role}-bench", timeout=120.0)
+        await transfer.attach(nc, role == "prefill", lambda where, exc: q.put(("crash", role, where, repr(exc))))
+        if role == "prefill":
+            q.put(("ready", kv.data_ptr))
+            await asyncio.to_thread(go.wait)
+            await asyncio.to_thread(_wire, "prefill", backend, kv, n, reps, wire)
+            await asyncio.sleep(3600)  # the parent ends this process
+        pb = kv.page_bytes
+        contiguous = [(kv.page_address(n + 1), remote_base, n * pb)]
+        scattered = [(kv.page_address(2 * i + 1), remote_base + 2 * i * pb, pb) for i in range(n)]
+        times: dict[str, list[float]] = {"pull": [], "pull_scattered": []}
+        for name, reads in (("pull", contiguous), ("pull_scattered", scattered)):
+            for i in range(reps + 2):
+                t0 = time.perf_counter()
+                await asyncio.to_thread(transfer.read, "prefill-bench", reads)
+                if i >= 2:  # the first opens the link
+                    times[name].append((time.perf_counter() - t0) * 1e3)
+        expected = _pattern(kv).cpu()
+        ok = torch.equal(kv.tensor[1 : 2 * n : 2].cpu(), expected[0 : 2 * n - 1 : 2])
+        kv.tensor.zero_()
+        await asyncio.to_thread(transfer.read, "prefill-bench", contiguous)
+        ok = ok and torch.equal(kv.tensor[n + 1 : 2 * n + 1].cpu(), expected[0:n])
+        go.set()
+        bare = await asyncio.to_thread(_wire, "decode", backend, kv, n, reps, wire)
+        q.put(("done", times, bare, ok, transfer.counts(), n * pb))
+        transfer.close()
+        await nc.close()
+
+    try:
+        asyncio.run(main())
+    except Exception as exc:  # told to the parent, which records it
+        q.put(("error", role, f"{type(exc).__name__}: {exc}"))
+        raise
+
+
+def _pattern(kv: Any) -> torch.Tensor:
+    """The prefill end's pool contents, reproducible on the decode end for the check."""
+    return torch.randn(kv.tensor.shape, generator=torch.Generator().manual_seed(3)).to(kv.tensor)
+
+
+def _wire(role: str, backend: str, kv: Any, n: int, reps: int, address: str) -> list[float]:
+    """The bare send/recv of the same bytes over a communicator of the same kind (no NATS, no
+    staging): what the link costs beyond the wire. Times the receive after a token message,
+    so the sender is known to be there."""
+    from torch.distributed import PrefixStore, TCPStore
+
+    from pdserve.workers.transfer.p2p import new_group
+
+    host, _, port = address.rpartition(":")
+    prefill = role == "prefill"
+    store = TCPStore(
+        host, int(port), is_master=prefill, wait_for_workers=False, timeout=datetime.timedelta(seconds=600)
+    )
+    group = new_group(backend, PrefixStore("wire", store), 0 if prefill else 1, host, 600.0)
+    data = (kv.tensor[0:n] if prefill else kv.tensor[n + 1 : 2 * n + 1]).view(torch.uint8)
+    token = torch.zeros(8, dtype=torch.uint8, device=kv.tensor.device)
+
+    def sync() -> None:
+        if kv.tensor.is_cuda:
+            torch.cuda.synchronize(kv.tensor.device)
+
+    times = []
+    for i in range(reps + 2):
+        if prefill:
+            group.send([token], 1, 0).wait()
+            group.send([data], 1, 0).wait()
+            sync()
+        else:
+            group.recv([token], 0, 0).wait()
+            sync()
+            t0 = time.perf_counter()
+            group.recv([data], 0, 0).wait()
+            sync()
+            if i >= 2:
+                times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def measure_p2p(args: argparse.Namespace, layout: KVLayout, devices: list[str], backend: str) -> dict[str, Any]:
+    """Median times of the pull and of the bare send/recv, in ms; the bytes checked."""
+    from pdserve.broker.server import start_nats_server
+
+    server = start_nats_server(Path(tempfile.mkdtemp(prefix="pd-two-nats-")))
+    ctx = multiprocessing.get_context("spawn")
+    q, go = ctx.Queue(), ctx.Event()
+    wire = f"127.0.0.1:{_free_port()}"
+    ends = []
+    remote = 0
+    try:
+        for role, device in (("prefill", devices[0]), ("decode", devices[1])):
+            argv = (role, backend, device, layout, args.tokens, server.url, wire, q, go, args.reps, remote)
+            ends.append(ctx.Process(target=_p2p_end, args=argv, daemon=True))
+            ends[-1].start()
+            if role == "prefill":
+                msg = q.get(timeout=args.transfer_timeout)
+                if msg[0] != "ready":
+                    return {"error": repr(msg)}
+                remote = msg[1]
+        result = q.get(timeout=args.transfer_timeout)
+    except Exception as exc:  # a timeout or a dead end: recorded, the run goes on
+        return {"error": repr(exc)}
+    finally:
+        for p in ends:
+            p.kill()
+            p.join(10)
+        server.stop()
+    if result[0] != "done":
+        return {"error": repr(result)}
+    _, times, bare, ok, counts, nbytes = result
+    pull, wire_ms = statistics.median(times["pull"]), statistics.median(bare)
+    return {
+        "backend": backend,
+        "bytes": nbytes,
+        "pull_ms": times["pull"],
+        "pull_median_ms": pull,
+        "pull_gb_per_s": nbytes / pull / 1e6,
+        "pull_scattered_ms": times["pull_scattered"],
+        "pull_scattered_median_ms": statistics.median(times["pull_scattered"]),
+        "wire_ms": bare,
+        "wire_median_ms": wire_ms,
+        "wire_gb_per_s": nbytes / wire_ms / 1e6,
+        "bytes_equal": ok,
+        "counts": counts,
+    }
+
+
+def _mooncake_end(role: str, protocol: str, device: str, layout: KVLayout, tokens: int, q: Any, peer: Any) -> None:
+    """One end of Mooncake's read of the same bytes (its own process)."""
+    from pdserve.engine.kv_pool import KVPool
+    from pdserve.workers.transfer.mooncake import MooncakeTransfer
+
+    n = tokens // layout.page_size
+    kv = KVPool(layout, n + 1, torch.device(device))
+    transfer = MooncakeTransfer(host="127.0.0.1", protocol=protocol)
+    transfer.register(kv.data_ptr, kv.nbytes)
+    if role == "prefill":
+        kv.tensor.fill_(1.0)
+        q.put(("ready", transfer.endpoint, kv.data_ptr))
+        time.sleep(3600)  # the parent ends this process
+    endpoint, remote = peer
+    reads = [(kv.data_ptr, remote, n * kv.page_bytes)]
+    times = []
+    for i in range(7):
+        t0 = time.perf_counter()
+        transfer.read(endpoint, reads)
+        if i >= 2:
+            times.append((time.perf_counter() - t0) * 1e3)
+    ok = bool((kv.tensor[:n] == 1.0).all())
+    q.put(("done", times, ok))
+
+
+def measure_mooncake(args: argparse.Namespace, layout: KVLayout, devices: list[str], protocol: str) -> dict[str, Any]:
+    """Mooncake reading the same bytes between the two devices; a hang costs at most
+    ``--mooncake-timeout``."""
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    ends: list[Any] = []
+    started = time.monotonic()
+    try:
+        ends.append(
+            ctx.Process(
+                target=_mooncake_end, args=("prefill", protocol, devices[0], layout, args.tokens, q, None), daemon=True
+            )
+        )
+        ends[0].start()
+        msg = q.get(timeout=args.mooncake_timeout)
+        if msg[0] != "ready":
+            return {"protocol": protocol, "error": repr(msg)}
+        left = max(args.mooncake_timeout - (time.monotonic() - started), 1.0)
+        argv = ("decode", protocol, devices[1], layout, args.tokens, q, (msg[1], msg[2]))
+        ends.append(ctx.Process(target=_mooncake_end, args=argv, daemon=True))
+        ends[1].start()
+        _, times, ok = q.get(timeout=left)
+    except Exception as exc:  # a hang (the timeout) or a failure: recorded, the run goes on
+        return {"protocol": protocol, "error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - started}
+    finally:
+        for p in ends:
+            p.kill()
+            p.join(10)
+    return {"protocol": protocol, "read_ms": times, "read_median_ms": statistics.median(times), "bytes_equal": ok}
+
+
+# ---- 2. serving: PD and unified behind the same API ---------------------------------------------
+WORKLOADS = {"prefill_heavy": (2048, 128), "balanced": (512, 512)}
+SMALL_WORKLOADS = {"prefill_heavy": (256, 16), "balanced": (48, 48)}
+
+
+async def bench_point(
+    args: argparse.Namespace, url: str, model: Path, lens: tuple[int, int], rate: float, num: int, seed: int
+) -> dict[str, Any]:
+    """One ``pdserve bench`` point (``generate`` backend, token-id prompts, greedy, ignore_eos)."""
+    cfg = BenchConfig(
+        base_url=url,
+        backend="generate",
+        tokenizer=str(model),
+        num_prompts=num,
+        request_rate=rate,
+        seed=seed,
+        input_len=lens[0],
+        output_len=lens[1],
+        slo_ttft=args.slo_ttft,
+        slo_itl=args.slo_itl,
+        slo_itl_metric="p99-itl",
+        save_requests=True,
+        quiet=True,
+    )
+    point = (await run_benchmark(cfg))["points"][0]
+    slo = SLO(args.slo_ttft, args.slo_itl, "p99-itl")
+    m = point["metrics"]
+    m["goodput"], m["goodput_fraction"] = goodput(point, slo)
+    return point
+
+
+def summary(point: dict[str, Any]) -> dict[str, Any]:
+    """The figures of a point worth a table row."""
+    m = point["metrics"]
+    timings = m.get("server_timings_ms") or {}
+    return {
+        "rate": point["request_rate"],
+        "seed": point["seed"],
+        "completed": m["completed"],
+        "failed": m["failed"],
+        "req_per_s": m["request_throughput"],
+        "goodput_rps": m["goodput"],
+        "goodput_fraction": m["goodput_fraction"],
+        "ttft_p50_ms": stat(m, "ttft_ms", "p50"),
+        "ttft_p99_ms": stat(m, "ttft_ms", "p99"),
+        "itl_p50_ms": stat(m, "itl_ms", "p50"),
+        "itl_p99_ms": stat(m, "itl_ms", "p99"),
+        "tpot_p50_ms": stat(m, "tpot_ms", "p50"),
+        "kv_transfer_p50_ms": (timings.get("kv_transfer") or {}).get("p50"),
+        "cached_tokens": m.get("total_cached_tokens", 0),
+        "errors": m.get("errors"),
+    }
+
+
+async def greedy_probe(url: str, model: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Greedy tokens of each prompt, one request at a time (batch 1 on both systems)."""
+    import httpx
+
+    out = []
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        for prompt in prompts:
+            body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+            r = await client.post("/generate", json=body)
+            r.raise_for_status()
+            out.append(list(r.json()["output_ids"]))
+    return out
+
+
+def serve(args: argparse.Namespace, mode: str, model: Path, extra: list[str], seed: int) -> dict[str, Any]:
+    """Start one system, probe and sweep it, stop it."""
+    import random
+
+    root = Path(tempfile.mkdtemp(prefix=f"pd-two-{mode}-"))
+    system = System(mode, model, root, extra)
+    log(f"starting {system.label}: {' '.join(extra)} (log {system.log_path})")
+    t0 = time.monotonic()
+    out: dict[str, Any] = {"label": system.label, "flags": extra}
+    try:
+        system.start(timeout=args.start_timeout)
+        out["start_s"] = time.monotonic() - t0
+        log(f"  ready after {out['start_s']:.0f}s")
+        rng = random.Random(args.seed)  # the same probe prompts on both systems
+        prompts = [[rng.randrange(3, 4000) for _ in range(n)] for n in (17, 130, 515, 1000)]
+        out["greedy"] = asyncio.run(greedy_probe(system.url, model, prompts, args.greedy_tokens))
+        if mode == "pd":
+            long = asyncio.run(bench_point(args, system.url, model, (args.tokens, 8), 0.5, 3, seed))
+            out["ttft_4096"] = summary(long)
+            log(f"  {args.tokens}-token prompt: TTFT p50 {out['ttft_4096']['ttft_p50_ms']:.1f} ms")
+        out["workloads"] = {}
+        for k, (name, lens) in enumerate(args.workloads.items()):
+            points = []
+            for j, rate in enumerate(args.rates):
+                num = max(args.min_prompts, round(rate * args.duration))
+                point = asyncio.run(bench_point(args, system.url, model, lens, rate, num, seed + 100 * (k + 1) + j))
+                points.append(summary(point))
+                p = points[-1]
+                log(
+                    f"  {name} @ {rate:g} req/s: goodput {p['goodput_rps']:.2f} req/s, TTFT p99 "
+                    f"{p['ttft_p99_ms'] or 0:.0f} ms, ITL p99 {p['itl_p99_ms'] or 0:.1f} ms, cached {p['cached_tokens']}"
+                )
+            out["workloads"][name] = {"input_len": lens[0], "output_len": lens[1], "points": points}
+    except Exception as exc:  # recorded with the log's tail: the other system still runs
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        out["log_tail"] = system.log_tail()
+        log(f"  {mode} failed: {out['error']}")
+    finally:
+        system.stop()
+    return out
+
+
+# ---- the run ------------------------------------------------------------------------------------
+def best_goodput(run: dict[str, Any], workload: str) -> float | None:
+    points = (run.get("workloads") or {}).get(workload, {}).get("points") or []
+    return max((p["goodput_rps"] for p in points), default=None)
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+        ).stdout.strip()
+    except OSError:
+        return ""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--device", choices=("cuda", "cpu"), default="cuda", help="cuda: GPUs 0 and 1 over nccl; cpu: gloo"
+    )
+    parser.add_argument("--small", action="store_true", help="small shapes and short sweeps (the dry run)")
+    parser.add_argument(
+        "--model-path",
+        type=Path,
+        help="default: Qwen2.5-7B dimensions with random weights (--small: the built-in tiny model)",
+    )
+    parser.add_argument("--phases", default="transfer,serve", help="comma-separated: transfer, serve")
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        default=None,
+        help="prompt length of the transfer and TTFT figures (default 4096; --small: 1024)",
+    )
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--transfer-timeout", type=float, default=150.0)
+    parser.add_argument(
+        "--mooncake-protocols", default="tcp,nvlink_intra", help="each in child processes with a timeout; empty: none"
+    )
+    parser.add_argument("--mooncake-timeout", type=float, default=30.0)
+    parser.add_argument("--rates", default=None, help="request rates of the sweep (default 3,8,16; --small: 1,3)")
+    parser.add_argument(
+        "--duration", type=float, default=None, help="seconds of arrivals per point (default 6; --small: 4)"
+    )
+    parser.add_argument("--min-prompts", type=int, default=8)
+    parser.add_argument("--slo-ttft", type=float, default=1000.0, help="ms")
+    parser.add_argument("--slo-itl", type=float, default=30.0, help="ms, on each request's own p99 ITL")
+    parser.add_argument("--greedy-tokens", type=int, default=32)
+    parser.add_argument("--start-timeout", type=float, default=180.0)
+    parser.add_argument("--seed", type=int, default=None, help="default: from the clock (every run cold)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default docs/data/two_gpu_pd.json (--small: a temp file)"
+    )
+    args = parser.parse_args()
+    args.rates = [float(r) for r in (args.rates or ("1,3" if args.small else "3,8,16")).split(",")]
+    args.duration = args.duration or (4.0 if args.small else 6.0)
+    args.tokens = args.tokens or (1024 if args.small else 4096)
+    args.workloads = SMALL_WORKLOADS if args.small else WORKLOADS
+    args.seed = args.seed if args.seed is not None else int(time.time()) % 100_000
+    out = args.out or (
+        Path(tempfile.gettempdir()) / "two_gpu_pd_small.json" if args.small else ROOT / "docs/data/two_gpu_pd.json"
+    )
+    phases = set(args.phases.split(","))
+    if args.device == "cuda":
+        if torch.cuda.device_count() < 2:
+            raise SystemExit("needs two CUDA devices (or --device cpu)")
+        devices, backend = ["cuda:0", "cuda:1"], "nccl"
+        gpus = [torch.cuda.get_device_name(i) for i in range(2)]
+    else:
+        devices, backend, gpus = ["cpu", "cpu"], "gloo", []
+    dims = QWEN2_5_0_5B if args.small else QWEN2_5_7B
+    layout = layout_of(dims)
+    result: dict[str, Any] = {
+        "date": datetime.date.today().isoformat(),
+        "gpus": gpus,
+        "device": args.device,
+        "small": args.small,
+        "commit": git_commit(),
+        "argv": sys.argv[1:],
+        "seed": args.seed,
+        "slo": {"ttft_ms": args.slo_ttft, "itl_ms": args.slo_itl, "itl_metric": "p99-itl (each request's own)"},
+        "transfer_layout": {
+            "tokens": args.tokens,
+            "layout": layout.describe(),
+            "dims": "qwen2.5-0.5b" if args.small else "qwen2.5-7b",
+        },
+    }
+    started = time.monotonic()
+
+    def save() -> None:
+        """Write what is measured so far (a run cut short by its timeout still leaves data)."""
+        p2p = result.get("p2p") or {}
+        result["kv_transfer_4096_ms"] = p2p.get("pull_median_ms")
+        ttft = ((result.get("pd") or {}).get("ttft_4096") or {}).get("ttft_p50_ms")
+        pull = result["kv_transfer_4096_ms"]
+        result["transfer_share_of_ttft"] = pull / ttft if ttft and pull else None
+        result["seconds"] = time.monotonic() - started
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+
+    if "transfer" in phases:
+        log(f"transfer: {args.tokens} tokens of {layout.describe()} over {backend}, {devices[0]} -> {devices[1]}")
+        result["p2p"] = measure_p2p(args, layout, devices, backend)
+        log(f"  {json.dumps({k: v for k, v in result['p2p'].items() if not k.endswith('_ms')})}")
+        save()
+        result["mooncake"] = []
+        for protocol in [p for p in args.mooncake_protocols.split(",") if p]:
+            log(f"mooncake {protocol} (timeout {args.mooncake_timeout:g}s)")
+            result["mooncake"].append(measure_mooncake(args, layout, devices, protocol))
+            log(f"  {result['mooncake'][-1].get('read_median_ms') or result['mooncake'][-1].get('error')}")
+            save()
+    if "serve" in phases:
+        if args.model_path:
+            model, dummy = args.model_path, []
+        elif args.small:
+            from pdserve.engine.tiny_model import ensure_default_model
+
+            model, dummy = ensure_default_model(Path(tempfile.mkdtemp(prefix="pd-two-model-"))), []
+        else:
+            model_dir = Path(tempfile.mkdtemp(prefix="pd-two-model-"))
+            model, dummy = write_model_dir(model_dir, QWEN2_5_7B), ["--load-format", "dummy"]
+        common = ["--device", args.device, "--worker-devices", ",".join(devices), *dummy]
+        result["pd"] = serve(
+            args, "pd", model, [*common, "--disaggregation-transfer-backend", backend], args.seed + 1000
+        )
+        result["goodput_pd_rps"] = best_goodput(result["pd"], "prefill_heavy")
+        result["goodput_balanced_pd_rps"] = best_goodput(result["pd"], "balanced")
+        save()
+        result["unified"] = serve(args, "unified", model, common, args.seed + 2000)
+        result["goodput_unified_rps"] = best_goodput(result["unified"], "prefill_heavy")
+        result["goodput_balanced_unified_rps"] = best_goodput(result["unified"], "balanced")
+        pd_greedy, un_greedy = result["pd"].get("greedy"), result["unified"].get("greedy")
+        result["greedy_identical"] = pd_greedy is not None and pd_greedy == un_greedy
+    save()
+    keys = (
+        "kv_transfer_4096_ms",
+        "transfer_share_of_ttft",
+        "goodput_pd_rps",
+        "goodput_unified_rps",
+        "greedy_identical",
+    )
+    log(f"wrote {out}: " + json.dumps({k: result.get(k) for k in keys}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
