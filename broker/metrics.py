@@ -39,6 +39,18 @@ _COUNTERS = {
     "migrations": ("pdserve_worker_migrations", "requests taken over mid-stream"),
     "handed_back": ("pdserve_handed_back", "unfinished requests given back on a drain"),
     "dead_lettered": ("pdserve_dead_lettered", "messages this worker moved to the dead-letter stream"),
+    "kv_pull_ops": (
+        "pdserve_kv_pull_ops",
+        "transport operations the KV pulls took (segments, or point-to-point messages)",
+    ),
+    "kv_links_opened": ("pdserve_kv_links_opened", "point-to-point communicators set up with a peer (nccl, gloo)"),
+    "kv_links_refused": (
+        "pdserve_kv_links_refused",
+        "KV link handshakes refused for a layout, backend or device mismatch",
+    ),
+    "kv_sends": ("pdserve_kv_sends", "requests' pages a prefill worker pushed to a decode worker"),
+    "kv_send_bytes": ("pdserve_kv_send_bytes", "KV bytes a prefill worker pushed"),
+    "kv_send_failures": ("pdserve_kv_send_failures", "KV pushes that failed or timed out on the prefill side"),
     "steps": ("pdserve_engine_steps", "forward passes"),
     "batch_rows": ("pdserve_engine_batch_rows", "sequences computed, summed over steps (/ steps = mean batch size)"),
     "prompt_tokens": ("pdserve_prompt_tokens", "prompt tokens admitted by the engine"),
