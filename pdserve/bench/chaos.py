@@ -200,7 +200,8 @@ def percentile(values: list[float], q: float) -> float:
 
 
 class Observer:
-    """Everything that travels on NATS for the model: requests, KV events, token chunks.
+    """Everything that travels on NATS for the model: requests, KV events, token chunks
+    (one per message, or a step's worth in a ``TokenBatch``).
 
     :meth:`splices` is the audit: a client token at position ``p`` is sound when some
     worker run produced that token at ``p`` conditioned on exactly the client's tokens
@@ -233,10 +234,11 @@ class Observer:
             self.kv_ready.setdefault((ready["rid"], ready.get("attempt", 0)), list(ready["output_ids"]))
 
         async def on_chunk(msg: Any) -> None:
-            c = orjson.loads(msg.data)
-            run = self.runs.setdefault((c["rid"], c.get("attempt", 0), c.get("worker_id", "")), {})
-            for i, t in enumerate(c.get("token_ids") or ()):
-                run[c["seq"] + i] = t
+            data = orjson.loads(msg.data)
+            for c in data["chunks"] if "chunks" in data else [data]:  # a TokenBatch, or one TokenChunk
+                run = self.runs.setdefault((c["rid"], c.get("attempt", 0), c.get("worker_id", "")), {})
+                for i, t in enumerate(c.get("token_ids") or ()):
+                    run[c["seq"] + i] = t
 
         await self.nc.subscribe(subjects.requests(self.model), cb=on_req)
         await self.nc.subscribe(subjects.kv_ready(self.model), cb=on_kv)
