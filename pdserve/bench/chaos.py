@@ -213,7 +213,8 @@ class Observer:
         self.model = model
         self.requests: dict[str, list[dict[str, Any]]] = {}
         self.kv_ready: dict[tuple[str, int], list[int]] = {}
-        self.runs: dict[tuple[str, int, str], dict[int, int]] = {}
+        # (rid, attempt, worker) -> that worker's runs of the attempt, each position -> token
+        self.runs: dict[tuple[str, int, str], list[dict[int, int]]] = {}
         self.nc: Any = None
 
     async def start(self, on_request: Callable[[bytes, dict[str, Any]], Any] | None = None) -> None:
@@ -236,9 +237,12 @@ class Observer:
         async def on_chunk(msg: Any) -> None:
             data = orjson.loads(msg.data)
             for c in data["chunks"] if "chunks" in data else [data]:  # a TokenBatch, or one TokenChunk
-                run = self.runs.setdefault((c["rid"], c.get("attempt", 0), c.get("worker_id", "")), {})
-                for i, t in enumerate(c.get("token_ids") or ()):
-                    run[c["seq"] + i] = t
+                runs = self.runs.setdefault((c["rid"], c.get("attempt", 0), c.get("worker_id", "")), [{}])
+                tokens = c.get("token_ids") or ()
+                if tokens and c["seq"] in runs[-1]:  # the same worker runs the attempt again (a second copy)
+                    runs.append({})
+                for i, t in enumerate(tokens):
+                    runs[-1][c["seq"] + i] = t
 
         await self.nc.subscribe(subjects.requests(self.model), cb=on_req)
         await self.nc.subscribe(subjects.kv_ready(self.model), cb=on_kv)
@@ -250,7 +254,7 @@ class Observer:
 
     def splices(self, rid: str, client: list[int]) -> list[int]:
         """Positions of ``client`` that no correctly conditioned run produced (empty: sound)."""
-        runs = [(a, w, toks) for (r, a, w), toks in self.runs.items() if r == rid and toks]
+        runs = [(a, w, toks) for (r, a, w), each in self.runs.items() if r == rid for toks in each if toks]
         bad = []
         for p, token in enumerate(client):
             if not any(toks.get(p) == token and self._given(rid, a, w, toks, p, client) for a, w, toks in runs):
