@@ -14,7 +14,7 @@ from typing import Any
 from pdserve.api.access import LIMITED_PATHS, OPEN_PATHS
 from pdserve.api.config import ApiConfig
 from pdserve.api.model_info import ModelInfo
-from pdserve.api.protocol import MAX_COMPLETION_LOGPROBS
+from pdserve.api.protocol import INT64, MAX_COMPLETION_LOGPROBS
 from pdserve.schemas.sampling import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 
 Schema = dict[str, Any]
@@ -31,8 +31,8 @@ def _number(low: float, high: float, exclusive_low: bool = False) -> Schema:
     return _maybe({"type": "number", **bound, "maximum": high})
 
 
-def _integer(low: int, high: int | None = None) -> Schema:
-    return _maybe({"type": "integer", "minimum": low, **({"maximum": high} if high is not None else {})})
+def _integer(low: int, high: int = INT64 - 1) -> Schema:
+    return _maybe({"type": "integer", "minimum": low, "maximum": high})
 
 
 BOOL = _maybe({"type": "boolean"})
@@ -45,7 +45,7 @@ def _sampling(temperature_max: float, max_tokens: Schema) -> dict[str, Schema]:
         "top_p": _number(0.0, 1.0, exclusive_low=True),
         "top_k": _integer(-1),
         "min_p": _number(0.0, 1.0),
-        "seed": _integer(0, 2**63 - 1),
+        "seed": _integer(0),
         "stop": {
             "anyOf": [
                 stop_string,
@@ -103,13 +103,21 @@ def chat_body(info: ModelInfo, config: ApiConfig) -> Schema:
         "required": ["type", "text"],
         "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}},
     }
+    roles = ["system", "user", "assistant", "tool", "developer"]
+    content = {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}
     message = {
-        "type": "object",
-        "required": ["role"],
-        "properties": {
-            "role": {"type": "string", "enum": ["system", "user", "assistant", "tool", "developer"]},
-            "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": part}, {"type": "null"}]},
-        },
+        "anyOf": [
+            {
+                "type": "object",
+                "required": ["role", "content"],
+                "properties": {"role": {"type": "string", "enum": roles}, "content": content},
+            },
+            {  # an assistant turn may have no content
+                "type": "object",
+                "required": ["role"],
+                "properties": {"role": {"type": "string", "enum": ["assistant"]}, "content": {"type": "null"}},
+            },
+        ]
     }
     max_tokens = _max_tokens(info, config)
     return {
@@ -192,7 +200,7 @@ def _generation(path: str, summary: str, body: Schema, config: ApiConfig) -> Sch
                     "description": "the result, or with stream=true server-sent events ending in 'data: [DONE]'",
                     "content": {
                         "application/json": {"schema": {"type": ["object", "array"]}},
-                        "text/event-stream": {"schema": {"type": "string"}},
+                        "text/event-stream": {"schema": {"type": "object", "properties": {"data": {"type": "string"}}}},
                     },
                 },
                 "400": _json({"$ref": "#/components/schemas/Error"}, "the body is not valid"),

@@ -19,6 +19,7 @@ from pdserve.schemas.sampling import MAX_STOP_STRINGS
 MAX_COMPLETION_LOGPROBS = 5
 MAX_BATCH = 256  # prompts in one request, by default
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+INT64 = 2**63
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,8 @@ def _int(
             value = int(value)
         else:
             raise bad_request(f"'{key}' must be an integer", key)
+    if not -INT64 <= value < INT64:  # past what the wire format carries
+        raise bad_request(f"'{key}' is out of range; got {value}", key)
     if low is not None and value < low:
         raise bad_request(f"'{key}' must be at least {low}; got {value}", key)
     if high is not None and value > high:
@@ -310,7 +313,7 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         if not isinstance(m, dict):
             raise bad_request(f"messages[{i}] must be an object", "messages")
         role = m.get("role")
-        if role not in _ROLES:
+        if not isinstance(role, str) or role not in _ROLES:
             raise bad_request(f"messages[{i}].role must be one of {sorted(_ROLES)}", "messages")
         content = m.get("content")
         if isinstance(content, list):
@@ -336,9 +339,11 @@ def parse_chat(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Parsed:
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
     text = info.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     ids = _encode(info, text, "messages", special=False)
-    max_tokens = _int(body, "max_completion_tokens", None, 1)
+    ceiling = limits.max_output_tokens or info.context_length - 1  # both are checked, the first given is used
+    max_tokens = _int(body, "max_completion_tokens", None, 1, ceiling)
+    legacy_max = _int(body, "max_tokens", None, 1, ceiling)
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", None, 1)
+        max_tokens = legacy_max
     if max_tokens is None:
         max_tokens = _default_max(info, len(ids), limits.default_for(limits.default_max_tokens))
     logprobs = _bool(body, "logprobs", False)

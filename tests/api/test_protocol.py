@@ -478,7 +478,9 @@ def test_generate_input_ids_and_batches(info: ModelInfo) -> None:
 def test_generate_default_max_new_tokens(info: ModelInfo) -> None:
     assert parse_generate({"text": "x"}, info, Limits(DEFAULT_MAX)).jobs[0].sampling.max_new_tokens == 128
     assert parse_generate({"text": "x"}, info, Limits(20)).jobs[0].sampling.max_new_tokens == 20
-    assert parse_generate({"text": "x", "sampling_params": None}, info, Limits(20)).jobs[0].sampling.max_new_tokens == 20
+    assert (
+        parse_generate({"text": "x", "sampling_params": None}, info, Limits(20)).jobs[0].sampling.max_new_tokens == 20
+    )
 
 
 @pytest.mark.parametrize(
