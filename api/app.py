@@ -201,7 +201,8 @@ async def _api_error(request: Request, exc: Exception) -> Response:
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return error_response(APIError(exc.detail or "error", exc.status_code, kind, headers=exc.headers))
+    headers = dict(exc.headers) if exc.headers else None  # 405 keeps its Allow
+    return error_response(APIError(exc.detail or "error", exc.status_code, kind, headers=headers))
 
 
 def create_app(config: ApiConfig, info: ModelInfo | None = None) -> Starlette:
