@@ -234,10 +234,12 @@ class Observer:
             self.kv_ready.setdefault((ready["rid"], ready.get("attempt", 0)), list(ready["output_ids"]))
 
         async def on_chunk(msg: Any) -> None:
-            c = orjson.loads(msg.data)
-            run = self.runs.setdefault((c["rid"], c.get("attempt", 0), c.get("worker_id", "")), {})
-            for i, t in enumerate(c.get("token_ids") or ()):
-                run[c["seq"] + i] = t
+            body = orjson.loads(msg.data)
+            # A TokenBatch (at a request's batch_to) carries the chunks of one engine step.
+            for c in body["chunks"] if "chunks" in body else [body]:
+                run = self.runs.setdefault((c["rid"], c.get("attempt", 0), c.get("worker_id", "")), {})
+                for i, t in enumerate(c.get("token_ids") or ()):
+                    run[c["seq"] + i] = t
 
         await self.nc.subscribe(subjects.requests(self.model), cb=on_req)
         await self.nc.subscribe(subjects.kv_ready(self.model), cb=on_kv)

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 from pdserve.api.gateway import Gateway, StreamError
 from pdserve.broker import streams, subjects
 from pdserve.broker.connection import publish_work
-from pdserve.schemas import GenerateRequest, SamplingParams, TokenChunk
+from pdserve.schemas import GenerateRequest, SamplingParams, TokenBatch, TokenChunk
 
 pytestmark = pytest.mark.slow
 
@@ -159,7 +159,21 @@ async def test_a_lost_chunk_is_recovered_in_seconds(workers, gateway: Gateway, t
             return
         await send(reply_to, chunk, tracked)
 
+    send_step = decode.replies.send_step
+
+    async def lossy_step(sent: list[tuple[Any, TokenChunk]]) -> None:  # the TokenBatch path
+        kept = []
+        for tracked, chunk in sent:
+            if (chunk.attempt, chunk.seq) in doomed and chunk.token_ids:
+                doomed.discard((chunk.attempt, chunk.seq))
+                lost.append((chunk.attempt, chunk.seq))
+                tracked.next_seq = chunk.seq + 1
+                continue
+            kept.append((tracked, chunk))
+        await send_step(kept)
+
     decode.replies.send = lossy  # type: ignore[method-assign]
+    decode.replies.send_step = lossy_step  # type: ignore[method-assign]
     n = 40  # the last chunk lost shows no gap, only silence
     params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
     run = await stream(gateway, params, "lossy")
@@ -185,7 +199,11 @@ async def test_a_duplicate_publish_never_splices_unseeded_samples(
     async def watch(msg: Any) -> None:
         seen.append(TokenChunk.decode(msg.data))
 
+    async def watch_batches(msg: Any) -> None:  # what workers send at the request's batch_to
+        seen.extend(c for c in TokenBatch.decode(msg.data).chunks if c.rid == rid)
+
     await observer.subscribe(subjects.tokens(gateway.api_id, rid), cb=watch)
+    await observer.subscribe(subjects.token_batches(gateway.api_id), cb=watch_batches)
     published: dict[str, float] = {}
 
     async def on_token(run: Run, chunk: TokenChunk) -> None:
