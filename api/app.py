@@ -17,17 +17,20 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, Response
 from starlette.routing import Route
 
+from pdserve.api.access import AccessMiddleware, is_trusted
 from pdserve.api.config import ApiConfig
 from pdserve.api.errors import APIError, error_response
 from pdserve.api.gateway import Gateway
 from pdserve.api.http import AppState, ORJSONResponse, state_of
 from pdserve.api.model_info import ModelInfo, load_model_info
+from pdserve.api.openapi import describe
 from pdserve.api.routes import generation_routes
 from pdserve.api.tracing import TraceMiddleware
 
 log = logging.getLogger(__name__)
 
 STATIC = Path(__file__).parent / "static"
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 # The dashboard's throughput chart: one bar per this many seconds of the window.
 DASHBOARD_STEP_SECONDS = 5.0
 
@@ -81,8 +84,12 @@ async def model_info(request: Request) -> Response:
 
 
 async def workers(request: Request) -> Response:
+    """The registry. Transfer endpoints (a window into each worker's KV memory, see
+    docs/security.md) only for a caller with an API key, or on this machine when no key
+    is configured; anyone else sees ``null``."""
     gateway = state_of(request).gateway
     listing = await gateway.workers()
+    trusted = is_trusted(request.scope)
     return ORJSONResponse(
         [
             {
@@ -96,7 +103,7 @@ async def workers(request: Request) -> Response:
                 "pages_used": w.pages_used,
                 "page_size": w.page_size,
                 "requests_in_flight": w.requests_in_flight,
-                "transfer_endpoint": w.transfer_endpoint,
+                "transfer_endpoint": w.transfer_endpoint if trusted else None,
                 "transfer_backend": w.transfer_backend,
                 "transfer_protocol": w.transfer_protocol,
                 "kv_layout": dataclasses.asdict(w.kv_layout) if w.kv_layout else None,
@@ -170,6 +177,22 @@ async def dashboard_data(request: Request) -> Response:
     return ORJSONResponse(body)
 
 
+async def openapi(request: Request) -> Response:
+    """This API's OpenAPI description, with this server's limits and model."""
+    state = state_of(request)
+    return ORJSONResponse(describe(state.config, state.info))
+
+
+def warn_if_open(config: ApiConfig) -> None:
+    """One line when anyone on the network may use the API: every interface, no key."""
+    if config.api_keys or config.host not in WILDCARD_HOSTS:
+        return
+    log.warning(
+        f"the API listens on every interface ({config.host}:{config.port}) with no API key: anyone who reaches "
+        "this port may use it; set --api-key-file (or PDSERVE_API_KEYS), or --host 127.0.0.1"
+    )
+
+
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
     return error_response(exc)
@@ -178,7 +201,8 @@ async def _api_error(request: Request, exc: Exception) -> Response:
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return error_response(APIError(exc.detail or "error", exc.status_code, kind))
+    headers = dict(exc.headers) if exc.headers else None  # 405 keeps its Allow
+    return error_response(APIError(exc.detail or "error", exc.status_code, kind, headers=headers))
 
 
 def create_app(config: ApiConfig, info: ModelInfo | None = None) -> Starlette:
@@ -197,10 +221,12 @@ def create_app(config: ApiConfig, info: ModelInfo | None = None) -> Starlette:
             stall_timeout=config.stall_timeout,
             gap_timeout=config.gap_timeout,
             max_migrations=config.max_migrations,
+            nats_auth=config.nats_auth,
         )
         await gateway.start()
         app.state.pd = AppState(config, model, gateway, time.time())
-        log.info("api ready", extra={"model": model.name, "api_id": gateway.api_id})
+        log.info("api ready", extra={"model": model.name, "api_id": gateway.api_id, "api_keys": len(config.api_keys)})
+        warn_if_open(config)
         try:
             yield
         finally:
@@ -214,11 +240,13 @@ def create_app(config: ApiConfig, info: ModelInfo | None = None) -> Starlette:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/dashboard", dashboard, methods=["GET"]),
         Route("/dashboard/data", dashboard_data, methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
         *generation_routes(),
     ]
+    access = Middleware(AccessMiddleware, keys=config.api_keys, max_concurrent=config.max_concurrent_requests)
     return Starlette(
         routes=routes,
-        middleware=[Middleware(TraceMiddleware)],
+        middleware=[access, Middleware(TraceMiddleware)],
         lifespan=lifespan,
         exception_handlers={APIError: _api_error, HTTPException: _http_error},
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from pdserve.broker.auth import NatsAuth
 from pdserve.broker.streams import BrokerConfig
 
 
@@ -14,12 +15,19 @@ class ApiConfig:
     ``stall_timeout``: a request whose worker says nothing for this long (workers send a
     keep-alive every second) moves to another worker; so does one whose missing chunk does
     not arrive within ``gap_timeout``. A request moves at most ``max_migrations`` times,
-    then fails. A request body over ``max_body_bytes`` is refused (413) unread."""
+    then fails. A request body over ``max_body_bytes`` is refused (413) unread.
+
+    With ``api_keys`` every route but ``/health`` needs ``Authorization: Bearer <key>``.
+    Limits refused with 400: prompts over ``max_prompt_tokens`` tokens, more new tokens
+    than ``max_output_tokens``, more than ``max_batch_prompts`` prompts in one request
+    (``None``: the model's context length). ``max_concurrent_requests`` generation
+    requests per key may be in flight (0: no limit); more get 429."""
 
     nats_url: str
     model_path: Path
+    nats_auth: NatsAuth = NatsAuth()
     model_name: str | None = None
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"
     port: int = 8000
     api_id: str | None = None
     request_timeout: float = 600.0
@@ -28,6 +36,11 @@ class ApiConfig:
     max_migrations: int = 3
     max_body_bytes: int = 8 << 20
     default_max_tokens: int = 1024
+    api_keys: tuple[str, ...] = dataclasses.field(default=(), repr=False)
+    max_prompt_tokens: int | None = None
+    max_output_tokens: int | None = None
+    max_batch_prompts: int = 256
+    max_concurrent_requests: int = 0
     trust_remote_code: bool = False
     context_length: int | None = None
     broker: BrokerConfig = BrokerConfig()
@@ -39,3 +52,11 @@ class ApiConfig:
             raise ValueError("timeouts must be positive")
         if self.max_migrations < 0:
             raise ValueError("max_migrations must be at least 0")
+        for name in ("max_prompt_tokens", "max_output_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if self.max_batch_prompts < 1 or self.max_concurrent_requests < 0:
+            raise ValueError("max_batch_prompts must be at least 1 and max_concurrent_requests at least 0")
+        if any(not key or key != key.strip() for key in self.api_keys):
+            raise ValueError("an API key must be non-empty and hold no surrounding whitespace")

@@ -32,6 +32,7 @@ from opentelemetry import trace
 from pdserve.api.metrics import ApiMetrics
 from pdserve.api.token_stream import TokenStream
 from pdserve.broker import contract, streams, tracing
+from pdserve.broker.auth import NatsAuth
 from pdserve.broker.connection import QueueFullError, connect
 from pdserve.broker.deadletter import watch_dead_letters
 from pdserve.broker.metrics import QueueReading
@@ -108,8 +109,10 @@ class Gateway:
         stall_timeout: float = 10.0,
         gap_timeout: float = 1.0,
         max_migrations: int = 3,
+        nats_auth: NatsAuth | None = None,
     ) -> None:
         self.nats_url = nats_url
+        self.nats_auth = nats_auth
         self.model = model
         self.broker = broker
         self.api_id = api_id or f"api-{uuid.uuid4().hex[:8]}"
@@ -128,7 +131,7 @@ class Gateway:
         self._batches: Subscription | None = None
 
     async def start(self) -> None:
-        self.nc = await connect(self.nats_url, self.api_id)
+        self.nc = await connect(self.nats_url, self.api_id, self.nats_auth)
         self.js = self.nc.jetstream()
         await streams.ensure_model(self.js, self.model, self.broker)
         self.registry = WorkerRegistry(await streams.worker_bucket(self.js, self.broker), self.js)

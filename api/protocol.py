@@ -17,7 +17,25 @@ from pdserve.schemas import SamplingParams
 from pdserve.schemas.sampling import MAX_STOP_STRINGS
 
 MAX_COMPLETION_LOGPROBS = 5
-MAX_BATCH = 256  # prompts in one request
+MAX_BATCH = 256  # prompts in one request, by default
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+INT64 = 2**63
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for: ``default_max_tokens`` where it sets no limit;
+    prompts of at most ``max_prompt_tokens`` and at most ``max_output_tokens`` new tokens
+    (``None``: the model's context decides); at most ``max_batch`` prompts."""
+
+    default_max_tokens: int = 1024
+    max_prompt_tokens: int | None = None
+    max_output_tokens: int | None = None
+    max_batch: int = MAX_BATCH
+
+    def default_for(self, wanted: int) -> int:
+        """``wanted`` new tokens, or fewer if the server allows fewer."""
+        return min(wanted, self.max_output_tokens) if self.max_output_tokens else wanted
 
 
 @dataclass
@@ -75,6 +93,8 @@ def _int(
             value = int(value)
         else:
             raise bad_request(f"'{key}' must be an integer", key)
+    if not -INT64 <= value < INT64:  # past what the wire format carries
+        raise bad_request(f"'{key}' is out of range; got {value}", key)
     if low is not None and value < low:
         raise bad_request(f"'{key}' must be at least {low}; got {value}", key)
     if high is not None and value > high:
@@ -126,8 +146,26 @@ def _token_ids(value: Any, key: str, vocab: int | None = None) -> list[int]:
 
 # ---- common sampling -------------------------------------------------------------
 def _sampling(
-    src: dict[str, Any], max_tokens: int, info: ModelInfo, num_prompt: int, logprobs: bool, top_logprobs: int
+    src: dict[str, Any],
+    max_tokens: int,
+    info: ModelInfo,
+    limits: Limits,
+    num_prompt: int,
+    logprobs: bool,
+    top_logprobs: int,
 ) -> SamplingParams:
+    if limits.max_prompt_tokens is not None and num_prompt > limits.max_prompt_tokens:
+        raise bad_request(
+            f"the prompt has {num_prompt} tokens; this server takes at most {limits.max_prompt_tokens}",
+            "prompt",
+            "prompt_too_long",
+        )
+    if limits.max_output_tokens is not None and max_tokens > limits.max_output_tokens:
+        raise bad_request(
+            f"max tokens {max_tokens} is more than this server allows ({limits.max_output_tokens})",
+            "max_tokens",
+            "max_tokens_too_large",
+        )
     room = info.context_length - num_prompt
     if num_prompt >= info.context_length:
         raise bad_request(
@@ -199,11 +237,15 @@ def _encode(info: ModelInfo, text: str, param: str, special: bool = True) -> lis
     return list(ids)
 
 
-def _prompts(value: Any, info: ModelInfo, key: str) -> tuple[list[tuple[list[int], str | None]], bool]:
+def _prompts(
+    value: Any, info: ModelInfo, key: str, max_batch: int = MAX_BATCH
+) -> tuple[list[tuple[list[int], str | None]], bool]:
     """A string, a list of ids, a list of strings or a list of id lists."""
     vocab = len(info.tokenizer)
-    if isinstance(value, list) and len(value) > MAX_BATCH and any(isinstance(v, (str, list)) for v in value[:1]):
-        raise bad_request(f"'{key}' holds {len(value)} prompts; at most {MAX_BATCH} per request", key)
+    if isinstance(value, list) and len(value) > max_batch and any(isinstance(v, (str, list)) for v in value[:1]):
+        raise bad_request(
+            f"'{key}' holds {len(value)} prompts; at most {max_batch} per request", key, "batch_too_large"
+        )
     if key == "input_ids" and (
         isinstance(value, str) or (isinstance(value, list) and any(isinstance(v, str) for v in value))
     ):
@@ -224,21 +266,22 @@ def _prompts(value: Any, info: ModelInfo, key: str) -> tuple[list[tuple[list[int
 
 
 # ---- /v1/completions ----------------------------------------------------------------
-def parse_completion(body: dict[str, Any], info: ModelInfo, default_max_tokens: int) -> Parsed:
+def parse_completion(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Parsed:
     check_model(body, info, required=True)
     _n(body)
     if "prompt" not in body:
         raise bad_request("'prompt' is required", "prompt")
-    prompts, batch = _prompts(body["prompt"], info, "prompt")
+    prompts, batch = _prompts(body["prompt"], info, "prompt", limits.max_batch)
     stream = _bool(body, "stream", False)
     if batch and stream:
         raise bad_request("streaming takes a single prompt", "stream")
     logprobs = _int(body, "logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
     jobs = []
     for ids, text in prompts:
-        max_tokens = _int(body, "max_tokens", 16, 1)
+        max_tokens = _int(body, "max_tokens", limits.default_for(COMPLETION_MAX_TOKENS), 1)
         assert max_tokens is not None
-        jobs.append(Job(ids, _sampling(body, max_tokens, info, len(ids), logprobs is not None, logprobs or 0), text))
+        sampling = _sampling(body, max_tokens, info, limits, len(ids), logprobs is not None, logprobs or 0)
+        jobs.append(Job(ids, sampling, text))
     return Parsed(
         jobs,
         stream=stream,
@@ -270,7 +313,7 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         if not isinstance(m, dict):
             raise bad_request(f"messages[{i}] must be an object", "messages")
         role = m.get("role")
-        if role not in _ROLES:
+        if not isinstance(role, str) or role not in _ROLES:
             raise bad_request(f"messages[{i}].role must be one of {sorted(_ROLES)}", "messages")
         content = m.get("content")
         if isinstance(content, list):
@@ -288,7 +331,7 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def parse_chat(body: dict[str, Any], info: ModelInfo, default_max_tokens: int) -> Parsed:
+def parse_chat(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Parsed:
     check_model(body, info, required=True)
     _n(body)
     messages = chat_messages(body)
@@ -296,17 +339,19 @@ def parse_chat(body: dict[str, Any], info: ModelInfo, default_max_tokens: int) -
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
     text = info.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     ids = _encode(info, text, "messages", special=False)
-    max_tokens = _int(body, "max_completion_tokens", None, 1)
+    ceiling = limits.max_output_tokens or info.context_length - 1  # both are checked, the first given is used
+    max_tokens = _int(body, "max_completion_tokens", None, 1, ceiling)
+    legacy_max = _int(body, "max_tokens", None, 1, ceiling)
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", None, 1)
+        max_tokens = legacy_max
     if max_tokens is None:
-        max_tokens = _default_max(info, len(ids), default_max_tokens)
+        max_tokens = _default_max(info, len(ids), limits.default_for(limits.default_max_tokens))
     logprobs = _bool(body, "logprobs", False)
     top = _int(body, "top_logprobs", 0, 0, 20) or 0
     if top and not logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     return Parsed(
-        [Job(ids, _sampling(body, max_tokens, info, len(ids), logprobs, top), text)],
+        [Job(ids, _sampling(body, max_tokens, info, limits, len(ids), logprobs, top), text)],
         stream=_bool(body, "stream", False),
         include_usage=_stream_usage(body),
     )
@@ -331,7 +376,7 @@ _SGLANG_SAMPLING = (
 )
 
 
-def parse_generate(body: dict[str, Any], info: ModelInfo, default_max_tokens: int) -> Parsed:
+def parse_generate(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Parsed:
     """SGLang's ``/generate``: ``text`` or ``input_ids``, ``sampling_params``; the
     sampling keys may also sit at the top level, as SGLang accepts them."""
     check_model(body, info, required=False)
@@ -346,7 +391,7 @@ def parse_generate(body: dict[str, Any], info: ModelInfo, default_max_tokens: in
     if ("text" in body) == ("input_ids" in body):
         raise bad_request("give exactly one of 'text' and 'input_ids'", "text")
     key = "text" if "text" in body else "input_ids"
-    prompts, batch = _prompts(body[key], info, key)
+    prompts, batch = _prompts(body[key], info, key, limits.max_batch)
     stream = _bool(body, "stream", False)
     if batch and stream:
         raise bad_request("streaming takes a single prompt", "stream")
@@ -356,8 +401,8 @@ def parse_generate(body: dict[str, Any], info: ModelInfo, default_max_tokens: in
     for ids, text in prompts:
         max_new = _int(merged, "max_new_tokens", None, 1)
         if max_new is None:
-            max_new = _default_max(info, len(ids), min(default_max_tokens, 128))
-        jobs.append(Job(ids, _sampling(merged, max_new, info, len(ids), want_logprobs, top), text))
+            max_new = _default_max(info, len(ids), limits.default_for(min(limits.default_max_tokens, 128)))
+        jobs.append(Job(ids, _sampling(merged, max_new, info, limits, len(ids), want_logprobs, top), text))
     rid = body.get("rid")
     if batch and rid is not None:
         if not (isinstance(rid, list) and len(rid) == len(jobs) and all(isinstance(r, str) and r for r in rid)):

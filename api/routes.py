@@ -15,9 +15,10 @@ from starlette.routing import Route
 
 from pdserve.api import formats
 from pdserve.api.completion import Delta, Result, collect, deltas
+from pdserve.api.config import ApiConfig
 from pdserve.api.errors import APIError
 from pdserve.api.http import AppState, ORJSONResponse, read_body, state_of, translate, until_disconnect
-from pdserve.api.protocol import Job, Parsed, parse_chat, parse_completion, parse_generate, parse_json
+from pdserve.api.protocol import Job, Limits, Parsed, parse_chat, parse_completion, parse_generate, parse_json
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -33,12 +34,18 @@ _DONE = b"data: [DONE]\n\n"
 INLINE_PARSE_BYTES = 64 << 10
 
 
-async def _parse(request: Request, parser: Callable[[dict[str, Any], Any, int], Parsed]) -> tuple[AppState, Parsed]:
+def limits(config: ApiConfig) -> Limits:
+    return Limits(
+        config.default_max_tokens, config.max_prompt_tokens, config.max_output_tokens, config.max_batch_prompts
+    )
+
+
+async def _parse(request: Request, parser: Callable[[dict[str, Any], Any, Limits], Parsed]) -> tuple[AppState, Parsed]:
     state = state_of(request)
     raw = await read_body(request, state.config.max_body_bytes)
 
     def parse() -> Parsed:
-        return parser(parse_json(raw), state.info, state.config.default_max_tokens)
+        return parser(parse_json(raw), state.info, limits(state.config))
 
     return state, parse() if len(raw) <= INLINE_PARSE_BYTES else await asyncio.to_thread(parse)
 

@@ -14,6 +14,7 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import APIError, NoStreamResponseError
 
+from pdserve.broker.auth import NatsAuth
 from pdserve.schemas.codec import Message
 
 log = logging.getLogger(__name__)
@@ -26,9 +27,10 @@ class QueueFullError(RuntimeError):
     """The stream is at its limits; the caller should retry later (HTTP 503)."""
 
 
-async def connect(url: str, name: str) -> Client:
-    """Connect with endless reconnects; connection problems are logged, not raised later
-    (quietly while the connection is being drained or closed on purpose)."""
+async def connect(url: str, name: str, auth: NatsAuth | None = None) -> Client:
+    """Connect as ``auth`` says, with endless reconnects; connection problems are logged,
+    not raised later (quietly while the connection is being drained or closed on purpose).
+    Refused credentials raise at once."""
     holder: list[Client] = []
 
     def closing() -> bool:
@@ -51,6 +53,7 @@ async def connect(url: str, name: str) -> Client:
         error_cb=on_error,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
+        **(auth or NatsAuth()).options(),
     )
     holder.append(nc)
     return nc

@@ -79,6 +79,8 @@ class Channel(Generic[M]):
     listen: Callable[..., str]
     sender: str
     receiver: str
+    senders: tuple[str, ...] = ()  # roles, for the broker's permissions
+    receivers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,8 @@ class Service(Generic[M, R]):
     listen: Callable[..., str]
     sender: str
     receiver: str
+    senders: tuple[str, ...] = ()  # roles, for the broker's permissions
+    receivers: tuple[str, ...] = ()
 
 
 class Unanswered(RuntimeError):
@@ -111,6 +115,8 @@ class WorkChannel(Generic[M]):
     consumer: Callable[[str], str]
     sender: str
     receiver: str
+    senders: tuple[str, ...] = ()  # roles, for the broker's permissions
+    receivers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,8 @@ class Bucket(Generic[M]):
     key: Callable[[str], str]
     sender: str
     receiver: str
+    senders: tuple[str, ...] = ()  # roles, for the broker's permissions
+    receivers: tuple[str, ...] = ()
 
 
 REQUESTS = WorkChannel(
@@ -133,6 +141,8 @@ REQUESTS = WorkChannel(
     subjects.prefill_consumer,
     sender="API (or any publisher)",
     receiver="prefill and unified workers",
+    senders=("api",),
+    receivers=("prefill", "unified"),
 )
 KV_READY = WorkChannel(
     "kv_ready",
@@ -142,6 +152,8 @@ KV_READY = WorkChannel(
     subjects.decode_consumer,
     sender="prefill worker",
     receiver="decode workers",
+    senders=("prefill",),
+    receivers=("decode",),
 )
 TOKENS = Channel(
     "tokens",
@@ -150,6 +162,8 @@ TOKENS = Channel(
     subjects.tokens_prefix,
     sender="prefill, decode and unified workers, at the request's reply_to",
     receiver="the API instance that published the request",
+    senders=("prefill", "decode", "unified"),
+    receivers=("api",),
 )
 TOKEN_BATCHES = Channel(
     "token_batches",
@@ -158,9 +172,18 @@ TOKEN_BATCHES = Channel(
     subjects.token_batches,
     sender="decode and unified workers: one engine step's chunks for the requests whose batch_to it is",
     receiver="the API instance that published those requests",
+    senders=("decode", "unified"),
+    receivers=("api",),
 )
 CANCEL = Channel(
-    "cancel", Cancel, subjects.cancel, subjects.cancel, sender="API on client disconnect", receiver="every worker"
+    "cancel",
+    Cancel,
+    subjects.cancel,
+    subjects.cancel,
+    sender="API on client disconnect",
+    receiver="every worker",
+    senders=("api",),
+    receivers=("prefill", "decode", "unified"),
 )
 KV_RELEASE = Channel(
     "kv_release",
@@ -169,6 +192,8 @@ KV_RELEASE = Channel(
     subjects.kv_release,
     sender="decode worker, after its pull (or instead of one)",
     receiver="the prefill worker holding the KV",
+    senders=("decode",),
+    receivers=("prefill",),
 )
 KV_LEASE = Service(
     "kv_lease",
@@ -178,6 +203,8 @@ KV_LEASE = Service(
     subjects.kv_lease,
     sender="decode worker, before it reads a handle",
     receiver="the prefill worker holding the KV",
+    senders=("decode",),
+    receivers=("prefill",),
 )
 KV_LINK = Service(
     "kv_link",
@@ -187,6 +214,8 @@ KV_LINK = Service(
     subjects.kv_link,
     sender="decode worker (nccl/gloo backends), before its first pull from a prefill worker",
     receiver="the prefill worker, which checks the KV layout and builds its side",
+    senders=("decode",),
+    receivers=("prefill",),
 )
 KV_PUSH = Service(
     "kv_push",
@@ -196,6 +225,8 @@ KV_PUSH = Service(
     subjects.kv_push,
     sender="decode worker (nccl/gloo backends), once it holds a lease on the pages",
     receiver="the prefill worker, which queues one send of the pages on the link",
+    senders=("decode",),
+    receivers=("prefill",),
 )
 WORKERS = Bucket(
     "workers",
@@ -204,6 +235,8 @@ WORKERS = Bucket(
     subjects.worker_key,
     sender="every worker, each heartbeat",
     receiver="API (/health, /workers)",
+    senders=("prefill", "decode", "unified"),
+    receivers=("api", "decode"),
 )
 
 CHANNELS = (REQUESTS, KV_READY, TOKENS, TOKEN_BATCHES, CANCEL, KV_RELEASE, KV_LEASE, KV_LINK, KV_PUSH, WORKERS)

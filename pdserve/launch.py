@@ -11,7 +11,9 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from pdserve import settings
 from pdserve.api.config import ApiConfig
+from pdserve.broker.auth import NatsAuth, read_password
 from pdserve.broker.streams import BrokerConfig
 from pdserve.engine.config import EngineConfig
 from pdserve.telemetry import setup_tracing
@@ -87,12 +89,52 @@ def broker_config(args: argparse.Namespace) -> BrokerConfig:
     )
 
 
+def nats_auth(args: argparse.Namespace) -> NatsAuth:
+    """The NATS credentials the flags name: the password from ``--nats-password-file`` or
+    ``PDSERVE_NATS_PASSWORD``, read now."""
+    password = None
+    if args.nats_user is not None:
+        try:
+            password = read_password(args.nats_password_file) if args.nats_password_file else settings.nats_password()
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        if password is None:
+            raise UsageError("--nats-user needs --nats-password-file or $PDSERVE_NATS_PASSWORD")
+    elif args.nats_password_file is not None:
+        raise UsageError("--nats-password-file needs --nats-user")
+    try:
+        return NatsAuth(
+            user=args.nats_user,
+            password=password,
+            creds_file=args.nats_creds,
+            tls_ca=args.nats_tls_ca,
+            tls_cert=args.nats_tls_cert,
+            tls_key=args.nats_tls_key,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """Every API key given: ``--api-key``, the lines of ``--api-key-file`` (blank lines
+    and ``#`` comments skipped) and ``PDSERVE_API_KEYS``."""
+    keys = [*(args.api_key or ()), *settings.api_keys()]
+    if args.api_key_file is not None:
+        try:
+            lines = Path(args.api_key_file).read_text().splitlines()
+        except OSError as exc:
+            raise UsageError(f"--api-key-file {args.api_key_file}: {exc.strerror}") from None
+        keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    return tuple(dict.fromkeys(keys))
+
+
 def worker_config(args: argparse.Namespace, role: str, model_path: Path) -> WorkerConfig:
     return WorkerConfig(
         role=role,
         model_path=model_path,
         model_name=args.served_model_name or model_path.name,
         nats_url=args.nats_url,
+        nats_auth=nats_auth(args),
         engine=engine_config(args),
         broker=broker_config(args),
         worker_id=args.worker_id,
@@ -108,16 +150,31 @@ def worker_config(args: argparse.Namespace, role: str, model_path: Path) -> Work
     )
 
 
-def api_config(args: argparse.Namespace, nats_url: str, model_path: Path) -> ApiConfig:
+API_ONLY = (
+    "default_max_tokens",
+    "request_timeout",
+    "stall_timeout",
+    "max_migrations",
+    "max_body_bytes",
+    "max_prompt_tokens",
+    "max_output_tokens",
+    "max_batch_prompts",
+    "max_concurrent_requests",
+    "api_id",
+)
+
+
+def api_config(
+    args: argparse.Namespace, nats_url: str, model_path: Path, auth: NatsAuth | None = None, **overrides: Any
+) -> ApiConfig:
     """The API's config from ``pdserve api`` or ``pdserve up`` flags (``up`` leaves the
-    API-only ones at their defaults)."""
-    api_only: dict[str, Any] = {
-        name: getattr(args, name)
-        for name in ("default_max_tokens", "request_timeout", "stall_timeout", "max_migrations", "max_body_bytes")
-        if hasattr(args, name)
-    }
+    API-only ones at their defaults); ``auth`` replaces the NATS credentials the flags
+    name, ``overrides`` any field."""
+    api_only: dict[str, Any] = {name: getattr(args, name) for name in API_ONLY if hasattr(args, name)}
     return ApiConfig(
         nats_url=nats_url,
+        nats_auth=auth if auth is not None else nats_auth(args),
+        api_keys=api_keys(args),
         model_path=model_path,
         model_name=args.served_model_name,
         host=args.host,
@@ -125,7 +182,7 @@ def api_config(args: argparse.Namespace, nats_url: str, model_path: Path) -> Api
         trust_remote_code=args.trust_remote_code,
         context_length=args.context_length,
         broker=broker_config(args),
-        **api_only,
+        **{**api_only, **overrides},
     )
 
 

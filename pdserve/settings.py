@@ -24,6 +24,16 @@ def default_log_level() -> str:
     return env("LOG_LEVEL", "INFO")
 
 
+def api_keys() -> tuple[str, ...]:
+    """``PDSERVE_API_KEYS``: API keys separated by commas or whitespace (none by default)."""
+    return tuple(key for key in env("API_KEYS", "").replace(",", " ").split() if key)
+
+
+def nats_password() -> str | None:
+    """``PDSERVE_NATS_PASSWORD``: the password of ``--nats-user`` (unset by default)."""
+    return os.environ.get(PREFIX + "NATS_PASSWORD") or None
+
+
 def tracing_requested() -> bool:
     """Spans are exported when an OTLP endpoint is set (``OTEL_EXPORTER_OTLP_ENDPOINT`` or
     ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``), unless ``OTEL_SDK_DISABLED=true`` or

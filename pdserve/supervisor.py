@@ -18,15 +18,19 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Generator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
 from pdserve import flags
-from pdserve.broker.server import NatsServer, NatsServerError, start_nats_server
-from pdserve.launch import api_config, listen_socket, resolve_model
+from pdserve.api.config import ApiConfig
+from pdserve.broker.credentials import EmbeddedCredentials
+from pdserve.broker.server import NatsServer, NatsServerError, start_nats_server, write_private
+from pdserve.launch import UsageError, api_config, api_keys, listen_socket, resolve_model
 from pdserve.telemetry import setup_tracing
 from pdserve.workers.transfer.base import backend_device_error
 
@@ -59,6 +63,7 @@ class Broker:
 
     data_dir: Path
     server: NatsServer
+    users: list[dict[str, Any]] = field(default_factory=list)
     restarts: int = 0
 
     @property
@@ -73,7 +78,7 @@ class Broker:
         listens (a fraction of a second). Raises ``NatsServerError`` if it cannot."""
         port = int(self.server.url.rsplit(":", 1)[1])
         monitor = int(self.server.monitor_url.rsplit(":", 1)[1]) if self.server.monitor_url else -1
-        self.server = start_nats_server(self.data_dir, port=port, monitor_port=monitor)
+        self.server = start_nats_server(self.data_dir, port=port, monitor_port=monitor, users=self.users)
         self.restarts += 1
 
     def stop(self) -> None:
@@ -81,11 +86,18 @@ class Broker:
 
 
 def worker_argv(
-    args: argparse.Namespace, role: str, model_path: Path, nats_url: str, threads: int, device: str | None = None
+    args: argparse.Namespace,
+    role: str,
+    model_path: Path,
+    nats_url: str,
+    threads: int,
+    device: str | None = None,
+    credentials: EmbeddedCredentials | None = None,
 ) -> list[str]:
     """``python -m pdserve <role>`` with every flag ``up`` shares with workers, from the flag
-    table, plus what ``up`` decides: the model, the broker, threads, the transfer host and
-    the worker's device (default ``--device``)."""
+    table, plus what ``up`` decides: the model, the broker (and the role's user of the
+    embedded one, by password file), threads, the transfer host and the worker's device
+    (default ``--device``)."""
     values = {
         **vars(args),
         "device": device or args.device,
@@ -94,17 +106,56 @@ def worker_argv(
         "num_threads": threads,
         "host": args.transfer_host,
         "exit_with_parent": True,
+        **_nats_user(credentials, role),
     }
     return [sys.executable, "-m", "pdserve", role, *flags.render(flags.forwarded(), values)]
 
 
-def api_argv(args: argparse.Namespace, model_path: Path, nats_url: str) -> list[str]:
-    """``python -m pdserve api`` on ``up``'s port (shared), with ``up``'s API flags."""
+def api_argv(
+    args: argparse.Namespace,
+    model_path: Path,
+    nats_url: str,
+    api_id: str | None = None,
+    credentials: EmbeddedCredentials | None = None,
+    key_file: Path | None = None,
+) -> list[str]:
+    """``python -m pdserve api`` on ``up``'s port (shared), with ``up``'s API flags, the
+    API keys as ``key_file`` and, with the embedded broker, ``api_id``'s user."""
     table = flags.api_forwarded()
     values = {flag.dest: flag.default for flag in table}
     values.update({k: v for k, v in vars(args).items() if k in values})
-    values.update(model_path=model_path, nats_url=nats_url, reuse_port=True, exit_with_parent=True)
+    values.update(model_path=model_path, nats_url=nats_url, reuse_port=True, exit_with_parent=True, api_id=api_id)
+    values.update(api_key_file=key_file or values["api_key_file"], **_nats_user(credentials, api_id))
     return [sys.executable, "-m", "pdserve", "api", *flags.render(table, values)]
+
+
+def _nats_user(credentials: EmbeddedCredentials | None, user: str | None) -> dict[str, Any]:
+    if credentials is None or user is None:
+        return {}
+    return {"nats_user": user, "nats_password_file": credentials.password_file(credentials.directory, user)}
+
+
+def _embedded_broker(data_dir: Path, api_ids: list[str]) -> tuple[Broker, EmbeddedCredentials]:
+    """The embedded ``nats-server`` with a user per role and per API process."""
+    credentials = EmbeddedCredentials.create(data_dir / "auth", api_ids)
+    users = credentials.entries()
+    broker = Broker(data_dir, start_nats_server(data_dir, users=users), users)
+    log.info(
+        "nats-server started",
+        extra={"url": broker.url, "monitor": broker.server.monitor_url, "credentials": str(credentials.directory)},
+    )
+    return broker, credentials
+
+
+def _key_file(args: argparse.Namespace) -> Path | None:
+    """The API keys, for the extra API processes, in a file only this user can read."""
+    keys = api_keys(args)
+    if not keys or args.api_processes < 2:
+        return None
+    path = Path(args.data_dir) / "api-keys"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_private(path, "".join(key + "\n" for key in keys))
+    return path
 
 
 def plan_roles(args: argparse.Namespace) -> list[str]:
@@ -159,25 +210,34 @@ def run_up(args: argparse.Namespace) -> int:
     if args.api_processes < 1 or (args.api_processes > 1 and args.port == 0):
         raise SystemExit("pdserve up: error: --api-processes must be at least 1 (and more than 1 needs a fixed --port)")
     size_consumers(args, roles)
+    own_credentials = [f.name for f in flags.NATS_AUTH if getattr(args, f.dest) is not None]
+    if own_credentials and not args.nats_url:
+        raise UsageError(f"{', '.join(own_credentials)}: for --nats-url; the embedded broker makes its own users")
     model_path = resolve_model(args)
-    broker = None
+    key_file = _key_file(args)
+    prefix = f"api-{uuid.uuid4().hex[:8]}"
+    api_ids = [f"{prefix}-{i}" for i in range(args.api_processes)]
+    broker = credentials = None
     if args.nats_url:
         nats_url = args.nats_url
     else:
-        data_dir = Path(args.data_dir) / "nats"
-        broker = Broker(data_dir, start_nats_server(data_dir))
+        broker, credentials = _embedded_broker(Path(args.data_dir) / "nats", api_ids)
         nats_url = broker.url
-        log.info("nats-server started", extra={"url": nats_url, "monitor": broker.server.monitor_url})
     threads = args.num_threads or max(1, (os.cpu_count() or 1) // len(roles))
     children = [
-        Child(role, i, worker_argv(args, role, model_path, nats_url, threads, device))
+        Child(role, i, worker_argv(args, role, model_path, nats_url, threads, device, credentials))
         for i, (role, device) in enumerate(zip(roles, devices, strict=True))
     ]
-    children += [Child("api", i, api_argv(args, model_path, nats_url)) for i in range(1, args.api_processes)]
+    children += [
+        Child("api", i, api_argv(args, model_path, nats_url, api_ids[i], credentials, key_file))
+        for i in range(1, args.api_processes)
+    ]
+    auth = credentials.auth(api_ids[0]) if credentials is not None else None
+    config = api_config(args, nats_url, model_path, auth, api_id=api_ids[0])
     try:
         for child in children:
             child.start()
-        return asyncio.run(_serve(args, model_path, nats_url, children, broker))
+        return asyncio.run(_serve(args, config, children, broker))
     finally:
         for child in children:
             child.stop()
@@ -193,12 +253,12 @@ def run_up(args: argparse.Namespace) -> int:
 
 
 async def _serve(
-    args: argparse.Namespace, model_path: Path, nats_url: str, children: list[Child], broker: Broker | None = None
+    args: argparse.Namespace, config: ApiConfig, children: list[Child], broker: Broker | None = None
 ) -> int:
     from pdserve.api.app import create_app
 
     setup_tracing("api")
-    app = create_app(api_config(args, nats_url, model_path))
+    app = create_app(config)
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="on"))
     # With several API processes this one listens on the shared port like the others.
     sockets = [listen_socket(args.host, args.port, reuse_port=True)] if args.api_processes > 1 else None

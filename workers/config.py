@@ -8,6 +8,7 @@ import socket
 import uuid
 from pathlib import Path
 
+from pdserve.broker.auth import NatsAuth
 from pdserve.broker.streams import BrokerConfig
 from pdserve.engine.config import EngineConfig
 
@@ -32,6 +33,7 @@ class WorkerConfig:
     model_path: Path
     model_name: str
     nats_url: str
+    nats_auth: NatsAuth = NatsAuth()
     engine: EngineConfig = EngineConfig()
     broker: BrokerConfig = BrokerConfig()
     worker_id: str = ""

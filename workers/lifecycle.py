@@ -59,7 +59,7 @@ class Lifecycle:
     async def connect(self) -> tuple[Client, JetStreamContext]:
         """Connect, create the model's streams and consumers if missing, open the registry."""
         cfg = self.config
-        self._nc = await connect(cfg.nats_url, cfg.worker_id)
+        self._nc = await connect(cfg.nats_url, cfg.worker_id, cfg.nats_auth)
         js = self._nc.jetstream()
         await streams.ensure_model(js, cfg.model_name, cfg.broker)
         self._registry = WorkerRegistry(await streams.worker_bucket(js, cfg.broker), js)

@@ -208,8 +208,9 @@ class Observer:
     before ``p`` (its given prefix — the request's ``output_ids``, or for a decode run the
     KV event's — followed by its own earlier tokens)."""
 
-    def __init__(self, nats_url: str, model: str) -> None:
+    def __init__(self, nats_url: str, model: str, connect_options: dict[str, Any] | None = None) -> None:
         self.nats_url = nats_url
+        self.connect_options = connect_options or {}
         self.model = model
         self.requests: dict[str, list[dict[str, Any]]] = {}
         self.kv_ready: dict[tuple[str, int], list[int]] = {}
@@ -222,7 +223,7 @@ class Observer:
 
         from pdserve.broker import subjects
 
-        self.nc = await nats.connect(self.nats_url, max_reconnect_attempts=-1)
+        self.nc = await nats.connect(self.nats_url, max_reconnect_attempts=-1, **self.connect_options)
 
         async def on_req(msg: Any) -> None:
             req = orjson.loads(msg.data)

@@ -207,7 +207,7 @@ async def transfer_faults(system: ChaosSystem, n: int = 100, limit: float = 5.0,
     model = next(w["model"] for w in workers)
     prefill_id = "chaos-prefill"
     nats_url = await _nats_url(system)
-    nc = await nats.connect(nats_url)
+    nc = await nats.connect(nats_url, **_nats_options(system))
     transfer = create_transfer("mooncake", host="127.0.0.1", protocol="tcp")
     buffer = ctypes.create_string_buffer(1 << 20)
     transfer.register(ctypes.addressof(buffer), len(buffer))
@@ -301,6 +301,13 @@ async def _nats_url(system: ChaosSystem) -> str:
     raise RuntimeError("no ports file for the running broker")
 
 
+def _nats_options(system: ChaosSystem) -> dict[str, Any]:
+    """Connect as the broker's ``admin`` (every subject: the harness plays every role)."""
+    from pdserve.broker.credentials import ADMIN, embedded_auth
+
+    return embedded_auth(system.data_dir / "data" / "nats" / "auth", ADMIN).options()
+
+
 # ---- forced redelivery and duplicate publish ----------------------------------------------------
 async def redelivery(system: ChaosSystem, n: int = 32, max_new: int = 96) -> CaseResult:
     """Every request published twice (a second copy past the dedup window) and one decode
@@ -312,8 +319,8 @@ async def redelivery(system: ChaosSystem, n: int = 32, max_new: int = 96) -> Cas
 
     async with _client() as client:
         model = (await system.aworkers(client))[0]["model"]
-    observer = Observer(await _nats_url(system), model)
-    copier = await nats.connect(await _nats_url(system))
+    observer = Observer(await _nats_url(system), model, _nats_options(system))
+    copier = await nats.connect(await _nats_url(system), **_nats_options(system))
     copies: list[str] = []
 
     async def copy(data: bytes, req: dict[str, Any]) -> None:

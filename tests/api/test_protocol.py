@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.api.errors import APIError
 from pdserve.api.model_info import ModelInfo, load_model_info
-from pdserve.api.protocol import parse_chat, parse_completion, parse_generate, parse_json
+from pdserve.api.protocol import Limits, parse_chat, parse_completion, parse_generate, parse_json
 from pdserve.schemas import SamplingParams
 
 DEFAULT_MAX = 1024
@@ -39,7 +39,7 @@ def _chat_ids(info: ModelInfo, messages: list[dict[str, Any]]) -> list[int]:
 
 def _bad(fn: Any, body: Any, info: ModelInfo, *, code: str | None = None, param: str | None = None) -> APIError:
     with pytest.raises(APIError) as exc_info:
-        fn(body, info, DEFAULT_MAX)
+        fn(body, info, Limits(DEFAULT_MAX))
     return _check_error(exc_info.value, code=code, param=param)
 
 
@@ -86,7 +86,7 @@ def test_parse_json_rejects_non_object(raw: bytes) -> None:
 
 
 def test_completion_minimal(info: ModelInfo, name: str) -> None:
-    parsed = parse_completion({"model": name, "prompt": "Hello, world"}, info, DEFAULT_MAX)
+    parsed = parse_completion({"model": name, "prompt": "Hello, world"}, info, Limits(DEFAULT_MAX))
     assert len(parsed.jobs) == 1
     job = parsed.jobs[0]
     assert job.prompt_ids == _enc(info, "Hello, world")
@@ -118,7 +118,7 @@ def test_completion_maps_fields(info: ModelInfo, name: str) -> None:
         "n": 1,
         "user": "someone",  # unknown fields are ignored
     }
-    parsed = parse_completion(body, info, DEFAULT_MAX)
+    parsed = parse_completion(body, info, Limits(DEFAULT_MAX))
     assert parsed.stream and parsed.include_usage and parsed.echo
     assert parsed.jobs[0].sampling == SamplingParams(
         max_new_tokens=40,
@@ -139,7 +139,7 @@ def test_completion_maps_fields(info: ModelInfo, name: str) -> None:
 
 
 def test_completion_stop_string_and_logprobs_zero(info: ModelInfo, name: str) -> None:
-    parsed = parse_completion({"model": name, "prompt": "x", "stop": "##", "logprobs": 0}, info, DEFAULT_MAX)
+    parsed = parse_completion({"model": name, "prompt": "x", "stop": "##", "logprobs": 0}, info, Limits(DEFAULT_MAX))
     sampling = parsed.jobs[0].sampling
     assert sampling.stop == ("##",)
     assert sampling.logprobs and sampling.top_logprobs == 0
@@ -147,11 +147,11 @@ def test_completion_stop_string_and_logprobs_zero(info: ModelInfo, name: str) ->
 
 def test_completion_stream_options_without_usage(info: ModelInfo, name: str) -> None:
     body = {"model": name, "prompt": "x", "stream": True, "stream_options": {}}
-    assert not parse_completion(body, info, DEFAULT_MAX).include_usage
+    assert not parse_completion(body, info, Limits(DEFAULT_MAX)).include_usage
 
 
 def test_completion_token_ids_prompt(info: ModelInfo, name: str) -> None:
-    parsed = parse_completion({"model": name, "prompt": [10, 20, 30]}, info, DEFAULT_MAX)
+    parsed = parse_completion({"model": name, "prompt": [10, 20, 30]}, info, Limits(DEFAULT_MAX))
     assert parsed.jobs[0].prompt_ids == [10, 20, 30]
     assert parsed.jobs[0].prompt_text is None
     assert not parsed.batch
@@ -159,7 +159,7 @@ def test_completion_token_ids_prompt(info: ModelInfo, name: str) -> None:
 
 def test_completion_batch_of_strings(info: ModelInfo, name: str) -> None:
     prompts = ["first prompt", "請介紹一下你自己", "third"]
-    parsed = parse_completion({"model": name, "prompt": prompts, "max_tokens": 8}, info, DEFAULT_MAX)
+    parsed = parse_completion({"model": name, "prompt": prompts, "max_tokens": 8}, info, Limits(DEFAULT_MAX))
     assert parsed.batch
     assert [j.prompt_ids for j in parsed.jobs] == [_enc(info, p) for p in prompts]
     assert [j.prompt_text for j in parsed.jobs] == prompts
@@ -167,20 +167,20 @@ def test_completion_batch_of_strings(info: ModelInfo, name: str) -> None:
 
 
 def test_completion_batch_of_token_lists(info: ModelInfo, name: str) -> None:
-    parsed = parse_completion({"model": name, "prompt": [[1, 2], [3]]}, info, DEFAULT_MAX)
+    parsed = parse_completion({"model": name, "prompt": [[1, 2], [3]]}, info, Limits(DEFAULT_MAX))
     assert parsed.batch
     assert [j.prompt_ids for j in parsed.jobs] == [[1, 2], [3]]
 
 
 def test_completion_integral_float_max_tokens(info: ModelInfo, name: str) -> None:
-    parsed = parse_completion({"model": name, "prompt": "x", "max_tokens": 12.0}, info, DEFAULT_MAX)
+    parsed = parse_completion({"model": name, "prompt": "x", "max_tokens": 12.0}, info, Limits(DEFAULT_MAX))
     assert parsed.jobs[0].sampling.max_new_tokens == 12
 
 
 def test_completion_max_tokens_fills_context_exactly(info: ModelInfo, name: str) -> None:
     ids = [5] * 100
     parsed = parse_completion(
-        {"model": name, "prompt": ids, "max_tokens": info.context_length - 100}, info, DEFAULT_MAX
+        {"model": name, "prompt": ids, "max_tokens": info.context_length - 100}, info, Limits(DEFAULT_MAX)
     )
     assert parsed.jobs[0].sampling.max_new_tokens == info.context_length - 100
 
@@ -286,7 +286,7 @@ def test_chat_applies_template(info: ModelInfo, name: str) -> None:
         {"role": "assistant", "content": "我是一個模型。"},
         {"role": "user", "content": "More 😀?"},
     ]
-    parsed = parse_chat({"model": name, "messages": messages}, info, DEFAULT_MAX)
+    parsed = parse_chat({"model": name, "messages": messages}, info, Limits(DEFAULT_MAX))
     job = parsed.jobs[0]
     assert job.prompt_ids == _chat_ids(info, messages)
     assert job.prompt_text is not None and job.prompt_text.endswith("<|im_start|>assistant\n")
@@ -309,7 +309,7 @@ def test_chat_content_parts_and_roles(info: ModelInfo, name: str) -> None:
             {"role": "tool", "content": "42"},
         ],
     }
-    parsed = parse_chat(body, info, DEFAULT_MAX)
+    parsed = parse_chat(body, info, Limits(DEFAULT_MAX))
     expected = [
         {"role": "system", "content": "Be nice."},
         {"role": "user", "content": "Hello there"},
@@ -337,7 +337,7 @@ def test_chat_maps_fields(info: ModelInfo, name: str) -> None:
         "stream_options": {"include_usage": True},
         "presence_penalty": 1.0,
     }
-    parsed = parse_chat(body, info, DEFAULT_MAX)
+    parsed = parse_chat(body, info, Limits(DEFAULT_MAX))
     assert parsed.stream and parsed.include_usage
     assert parsed.jobs[0].sampling == SamplingParams(
         max_new_tokens=50,
@@ -358,14 +358,14 @@ def test_chat_max_completion_tokens_wins(info: ModelInfo, name: str) -> None:
         "max_tokens": 50,
         "max_completion_tokens": 9,
     }
-    assert parse_chat(body, info, DEFAULT_MAX).jobs[0].sampling.max_new_tokens == 9
+    assert parse_chat(body, info, Limits(DEFAULT_MAX)).jobs[0].sampling.max_new_tokens == 9
 
 
 def test_chat_default_max_tokens_is_capped_by_context(info: ModelInfo, name: str) -> None:
     body = {"model": name, "messages": [{"role": "user", "content": "hi"}]}
-    job = parse_chat(body, info, 10**6).jobs[0]
+    job = parse_chat(body, info, Limits(10**6)).jobs[0]
     assert job.sampling.max_new_tokens == info.context_length - len(job.prompt_ids)
-    assert parse_chat(body, info, 3).jobs[0].sampling.max_new_tokens == 3
+    assert parse_chat(body, info, Limits(3)).jobs[0].sampling.max_new_tokens == 3
 
 
 @pytest.mark.parametrize(
@@ -417,7 +417,7 @@ def test_chat_max_tokens_beyond_context(info: ModelInfo, name: str) -> None:
 
 def test_generate_top_level_shorthand(info: ModelInfo) -> None:
     body = {"text": "請介紹一下你自己", "max_new_tokens": 32, "temperature": 0.7}
-    parsed = parse_generate(body, info, DEFAULT_MAX)
+    parsed = parse_generate(body, info, Limits(DEFAULT_MAX))
     job = parsed.jobs[0]
     assert job.prompt_ids == _enc(info, "請介紹一下你自己")
     assert job.prompt_text == "請介紹一下你自己"
@@ -447,7 +447,7 @@ def test_generate_sampling_params(info: ModelInfo, name: str) -> None:
         "return_logprob": True,
         "top_logprobs_num": 3,
     }
-    parsed = parse_generate(body, info, DEFAULT_MAX)
+    parsed = parse_generate(body, info, Limits(DEFAULT_MAX))
     assert parsed.stream and parsed.rid == "my-request" and not parsed.skip_special_tokens
     assert parsed.jobs[0].sampling == SamplingParams(
         max_new_tokens=12,
@@ -465,18 +465,22 @@ def test_generate_sampling_params(info: ModelInfo, name: str) -> None:
 
 
 def test_generate_input_ids_and_batches(info: ModelInfo) -> None:
-    parsed = parse_generate({"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 2}}, info, DEFAULT_MAX)
+    parsed = parse_generate(
+        {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 2}}, info, Limits(DEFAULT_MAX)
+    )
     assert parsed.jobs[0].prompt_ids == [3, 4, 5] and not parsed.batch
-    parsed = parse_generate({"input_ids": [[3, 4], [5]]}, info, DEFAULT_MAX)
+    parsed = parse_generate({"input_ids": [[3, 4], [5]]}, info, Limits(DEFAULT_MAX))
     assert parsed.batch and [j.prompt_ids for j in parsed.jobs] == [[3, 4], [5]]
-    parsed = parse_generate({"text": ["one", "two"]}, info, DEFAULT_MAX)
+    parsed = parse_generate({"text": ["one", "two"]}, info, Limits(DEFAULT_MAX))
     assert parsed.batch and [j.prompt_ids for j in parsed.jobs] == [_enc(info, "one"), _enc(info, "two")]
 
 
 def test_generate_default_max_new_tokens(info: ModelInfo) -> None:
-    assert parse_generate({"text": "x"}, info, DEFAULT_MAX).jobs[0].sampling.max_new_tokens == 128
-    assert parse_generate({"text": "x"}, info, 20).jobs[0].sampling.max_new_tokens == 20
-    assert parse_generate({"text": "x", "sampling_params": None}, info, 20).jobs[0].sampling.max_new_tokens == 20
+    assert parse_generate({"text": "x"}, info, Limits(DEFAULT_MAX)).jobs[0].sampling.max_new_tokens == 128
+    assert parse_generate({"text": "x"}, info, Limits(20)).jobs[0].sampling.max_new_tokens == 20
+    assert (
+        parse_generate({"text": "x", "sampling_params": None}, info, Limits(20)).jobs[0].sampling.max_new_tokens == 20
+    )
 
 
 @pytest.mark.parametrize(
@@ -513,7 +517,7 @@ def test_generate_rejects(info: ModelInfo, body: dict[str, Any], param: str) -> 
 
 
 def test_generate_model_is_optional_but_checked(info: ModelInfo, name: str) -> None:
-    assert parse_generate({"text": "x", "model": name}, info, DEFAULT_MAX).jobs
+    assert parse_generate({"text": "x", "model": name}, info, Limits(DEFAULT_MAX)).jobs
     _bad(parse_generate, {"text": "x", "model": "nope"}, info, code="model_not_found")
 
 

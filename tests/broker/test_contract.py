@@ -22,6 +22,7 @@ def test_every_channel_names_its_message_its_route_and_its_ends() -> None:
     for channel in contract.CHANNELS:
         assert issubclass(channel.message, Message)
         assert channel.sender and channel.receiver
+        assert channel.senders and channel.receivers, f"{channel.name}: roles for the broker's permissions"
         assert channel.name.upper() in (contract.__doc__ or ""), f"{channel.name} missing from the contract's table"
     assert contract.REQUESTS.subject("m") == subjects.requests("m")
     assert contract.REQUESTS.consumer("m") == subjects.prefill_consumer("m")

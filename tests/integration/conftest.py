@@ -37,7 +37,11 @@ class System:
         return self.log_path.read_text(errors="replace")
 
 
-def start_system(tmp: Path, model_dir: Path, nats_url: str, *extra: str, env: dict[str, str] | None = None) -> System:
+def start_system(
+    tmp: Path, model_dir: Path, nats_url: str | None, *extra: str, env: dict[str, str] | None = None
+) -> System:
+    """`pdserve up` on ``nats_url``, or with its own embedded broker (users and permissions
+    on) when ``nats_url`` is ``None``; returns once ``/health`` says it can serve."""
     port = free_port()
     log_path = tmp / "pdserve.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -50,8 +54,7 @@ def start_system(tmp: Path, model_dir: Path, nats_url: str, *extra: str, env: di
         str(tmp / "data"),
         "--model-path",
         str(model_dir),
-        "--nats-url",
-        nats_url,
+        *(["--nats-url", nats_url] if nats_url else []),
         "--host",
         "127.0.0.1",
         "--port",
@@ -62,19 +65,28 @@ def start_system(tmp: Path, model_dir: Path, nats_url: str, *extra: str, env: di
     ]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-    system = System(f"http://127.0.0.1:{port}", nats_url, model_dir, model_dir.name, process, log_path)
+    system = System(f"http://127.0.0.1:{port}", nats_url or "", model_dir, model_dir.name, process, log_path)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"pdserve up exited early:\n{system.log()}")
         try:
             if httpx.get(system.url + "/health", timeout=2).status_code == 200:
+                if not nats_url:
+                    system.nats_url = _embedded_url(tmp / "data" / "nats")
                 return system
         except httpx.HTTPError:
             pass
         time.sleep(0.3)
     process.kill()
     raise RuntimeError(f"pdserve up did not become healthy:\n{system.log()}")
+
+
+def _embedded_url(nats_dir: Path) -> str:
+    import json
+
+    (ports,) = (nats_dir / "ports").glob("*.ports")
+    return str(json.loads(ports.read_text())["nats"][0])
 
 
 def stop_system(system: System) -> None:

@@ -159,3 +159,34 @@ def test_up_refuses_a_placement_the_transfer_backend_cannot_serve(argv: list[str
     up = build_parser().parse_args(["up", *argv])
     with pytest.raises(SystemExit, match=message):
         plan_devices(up, plan_roles(up))
+
+
+def test_secrets_reach_child_processes_as_files_never_on_their_command_line(tmp_path: Path) -> None:
+    from pdserve.broker.credentials import EmbeddedCredentials
+
+    parser = build_parser()
+    up = parser.parse_args(
+        ["up", "--api-processes", "2", "--port", "8123", "--api-key", "secret-key-1", "--max-output-tokens", "64"]
+        + ["--max-concurrent-requests", "4", "--data-dir", str(tmp_path)]
+    )
+    size_consumers(up, plan_roles(up))
+    credentials = EmbeddedCredentials.create(tmp_path / "auth", ["api-x-0", "api-x-1"])
+    key_file = tmp_path / "keys"
+    key_file.write_text("secret-key-1\n")
+    api = api_argv(up, MODEL, "nats://n:1", "api-x-1", credentials, key_file)
+    worker = worker_argv(up, "decode", MODEL, "nats://n:1", 1, credentials=credentials)
+    secrets = ["secret-key-1", *(user.password for user in credentials.users)]
+    assert not any(secret in arg for secret in secrets for arg in api + worker)
+    parsed_api = parser.parse_args(api[3:])
+    assert parsed_api.nats_user == "api-x-1" and parsed_api.api_id == "api-x-1"
+    config = api_config(parsed_api, "nats://n:1", MODEL)
+    assert config.api_keys == ("secret-key-1",) and config.nats_auth == credentials.auth("api-x-1")
+    assert config.max_output_tokens == 64 and config.max_concurrent_requests == 4
+    parsed_worker = parser.parse_args(worker[3:])
+    assert worker_config(parsed_worker, "decode", MODEL).nats_auth == credentials.auth("decode")
+
+
+def test_the_api_listens_on_loopback_unless_told_otherwise() -> None:
+    for command in ("up", "api"):
+        args = build_parser().parse_args([command])
+        assert args.host == "127.0.0.1"

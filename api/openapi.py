@@ -1,0 +1,251 @@
+"""The OpenAPI 3.1 description of the HTTP API, served at ``/openapi.json``.
+
+Built for the running server: its model name, vocabulary, limits and whether it needs an
+API key. Every constraint written here is one :mod:`pdserve.api.protocol` enforces (a
+body that breaks one gets a 4xx), so a schema-driven fuzzer may hold the server to it.
+The server checks some things a schema cannot say (a prompt's length in tokens, a chat
+turn's content by role, streaming with a batch) and refuses those with 400 as well.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdserve.api.access import LIMITED_PATHS, OPEN_PATHS
+from pdserve.api.config import ApiConfig
+from pdserve.api.model_info import ModelInfo
+from pdserve.api.protocol import INT64, MAX_COMPLETION_LOGPROBS
+from pdserve.schemas.sampling import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+
+Schema = dict[str, Any]
+
+
+def _maybe(schema: Schema) -> Schema:
+    """``schema`` or null (an optional field given as null takes its default)."""
+    kind = schema["type"]
+    return {**schema, "type": [*kind, "null"] if isinstance(kind, list) else [kind, "null"]}
+
+
+def _number(low: float, high: float, exclusive_low: bool = False) -> Schema:
+    bound = {"exclusiveMinimum": low} if exclusive_low else {"minimum": low}
+    return _maybe({"type": "number", **bound, "maximum": high})
+
+
+def _integer(low: int, high: int = INT64 - 1) -> Schema:
+    return _maybe({"type": "integer", "minimum": low, "maximum": high})
+
+
+BOOL = _maybe({"type": "boolean"})
+
+
+def _sampling(temperature_max: float, max_tokens: Schema) -> dict[str, Schema]:
+    stop_string = {"type": "string", "minLength": 1}
+    return {
+        "temperature": _number(0.0, temperature_max),
+        "top_p": _number(0.0, 1.0, exclusive_low=True),
+        "top_k": _integer(-1),
+        "min_p": _number(0.0, 1.0),
+        "seed": _integer(0),
+        "stop": {
+            "anyOf": [
+                stop_string,
+                {"type": "array", "items": stop_string, "maxItems": MAX_STOP_STRINGS},
+                {"type": "null"},
+            ]
+        },
+        "stop_token_ids": _maybe({"type": "array", "items": {"type": "integer", "minimum": 0}}),
+        "ignore_eos": BOOL,
+        "frequency_penalty": _number(-2.0, 2.0),
+        "presence_penalty": _number(-2.0, 2.0),
+        "repetition_penalty": _number(0.0, 10.0, exclusive_low=True),
+        "n": _integer(1, 1),
+        "max_tokens": max_tokens,
+    }
+
+
+def _prompt(info: ModelInfo, config: ApiConfig, text: bool = True, ids: bool = True) -> Schema:
+    """A string, token ids, or a batch of either (at most ``max_batch_prompts``)."""
+    token = {"type": "integer", "minimum": 0, "maximum": len(info.tokenizer) - 1}
+    id_list = {"type": "array", "items": token, "minItems": 1}
+    string = {"type": "string", "minLength": 1}
+    batch = {"minItems": 1, "maxItems": config.max_batch_prompts}
+    options: list[Schema] = []
+    if text:
+        options += [string, {"type": "array", "items": string, **batch}]
+    if ids:
+        options += [id_list, {"type": "array", "items": id_list, **batch}]
+    return {"oneOf": options}
+
+
+def _max_tokens(info: ModelInfo, config: ApiConfig) -> Schema:
+    return _integer(1, config.max_output_tokens or max(info.context_length - 1, 1))
+
+
+def completion_body(info: ModelInfo, config: ApiConfig) -> Schema:
+    return {
+        "type": "object",
+        "required": ["model", "prompt"],
+        "properties": {
+            "model": {"type": "string", "enum": [info.name]},
+            "prompt": _prompt(info, config),
+            **_sampling(100.0, _max_tokens(info, config)),
+            "logprobs": _integer(0, MAX_COMPLETION_LOGPROBS),
+            "echo": BOOL,
+            "stream": BOOL,
+            "stream_options": _maybe({"type": "object", "properties": {"include_usage": BOOL}}),
+        },
+    }
+
+
+def chat_body(info: ModelInfo, config: ApiConfig) -> Schema:
+    part = {
+        "type": "object",
+        "required": ["type", "text"],
+        "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}},
+    }
+    roles = ["system", "user", "assistant", "tool", "developer"]
+    content = {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}
+    message = {
+        "anyOf": [
+            {
+                "type": "object",
+                "required": ["role", "content"],
+                "properties": {"role": {"type": "string", "enum": roles}, "content": content},
+            },
+            {  # an assistant turn may have no content
+                "type": "object",
+                "required": ["role"],
+                "properties": {"role": {"type": "string", "enum": ["assistant"]}, "content": {"type": "null"}},
+            },
+        ]
+    }
+    max_tokens = _max_tokens(info, config)
+    return {
+        "type": "object",
+        "required": ["model", "messages"],
+        "properties": {
+            "model": {"type": "string", "enum": [info.name]},
+            "messages": {"type": "array", "items": message, "minItems": 1},
+            **_sampling(2.0, max_tokens),
+            "max_completion_tokens": max_tokens,
+            "logprobs": BOOL,
+            "top_logprobs": _integer(0, MAX_TOP_LOGPROBS),
+            "stream": BOOL,
+            "stream_options": _maybe({"type": "object", "properties": {"include_usage": BOOL}}),
+        },
+    }
+
+
+def generate_body(info: ModelInfo, config: ApiConfig) -> Schema:
+    sampling = _sampling(100.0, _max_tokens(info, config))
+    sampling["max_new_tokens"] = sampling.pop("max_tokens")
+    sampling["skip_special_tokens"] = BOOL
+    rid = {"type": "string", "minLength": 1}
+    return {
+        "type": "object",
+        "oneOf": [{"required": ["text"]}, {"required": ["input_ids"]}],
+        "properties": {
+            "model": _maybe({"type": "string", "enum": [info.name]}),
+            "text": _prompt(info, config, ids=False),
+            "input_ids": _prompt(info, config, text=False),
+            "sampling_params": _maybe({"type": "object", "properties": sampling}),
+            **sampling,
+            "return_logprob": BOOL,
+            "top_logprobs_num": _integer(0, MAX_TOP_LOGPROBS),
+            "stream": BOOL,
+            "rid": {"anyOf": [rid, {"type": "array", "items": rid}, {"type": "null"}]},
+        },
+    }
+
+
+ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+
+
+def _json(schema: Schema, description: str) -> Schema:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _errors(path: str, config: ApiConfig) -> dict[str, Schema]:
+    """The error answers of ``path``; ``default`` covers the rest (503 queue full, 504 ...)."""
+    out = {"default": _json({"$ref": "#/components/schemas/Error"}, "an error, OpenAI-style")}
+    if config.api_keys and path not in OPEN_PATHS:
+        out["401"] = _json({"$ref": "#/components/schemas/Error"}, "no API key, or a wrong one")
+    if config.max_concurrent_requests and path in LIMITED_PATHS:
+        out["429"] = _json({"$ref": "#/components/schemas/Error"}, "too many requests of this key in flight")
+    return out
+
+
+def _generation(path: str, summary: str, body: Schema, config: ApiConfig) -> Schema:
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+            "responses": {
+                "200": {
+                    "description": "the result, or with stream=true server-sent events ending in 'data: [DONE]'",
+                    "content": {
+                        "application/json": {"schema": {"type": ["object", "array"]}},
+                        "text/event-stream": {"schema": {"type": "object", "properties": {"data": {"type": "string"}}}},
+                    },
+                },
+                "400": _json({"$ref": "#/components/schemas/Error"}, "the body is not valid"),
+                "413": _json({"$ref": "#/components/schemas/Error"}, f"the body exceeds {config.max_body_bytes} bytes"),
+                **_errors(path, config),
+            },
+        }
+    }
+
+
+def _get(path: str, summary: str, media: str, schema: Schema, config: ApiConfig) -> Schema:
+    ok = {"description": summary, "content": {media: {"schema": schema}}}
+    return {"get": {"summary": summary, "responses": {"200": ok, **_errors(path, config)}}}
+
+
+def describe(config: ApiConfig, info: ModelInfo) -> Schema:
+    """The OpenAPI document of this server."""
+    obj, text = {"type": "object"}, {"type": "string"}
+    paths: dict[str, Schema] = {
+        "/v1/completions": _generation("/v1/completions", "OpenAI completions", completion_body(info, config), config),
+        "/v1/chat/completions": _generation(
+            "/v1/chat/completions", "OpenAI chat completions", chat_body(info, config), config
+        ),
+        "/generate": _generation("/generate", "SGLang generate", generate_body(info, config), config),
+        "/health": _get(
+            "/health", "whether the API can serve (503 if not), and its totals", "application/json", obj, config
+        ),
+        "/v1/models": _get("/v1/models", "the served model", "application/json", obj, config),
+        "/get_model_info": _get("/get_model_info", "the served model (SGLang)", "application/json", obj, config),
+        "/workers": _get("/workers", "the worker registry", "application/json", {"type": "array"}, config),
+        "/metrics": _get("/metrics", "Prometheus metrics", "text/plain", text, config),
+        "/dashboard": _get("/dashboard", "the live page", "text/html", text, config),
+        "/dashboard/data": _get("/dashboard/data", "what the live page draws", "application/json", obj, config),
+        "/openapi.json": _get("/openapi.json", "this description", "application/json", obj, config),
+    }
+    paths["/health"]["get"]["responses"]["503"] = _json(obj, "no worker pool can serve yet")
+    document: Schema = {
+        "openapi": "3.1.0",
+        "info": {"title": "pdserve", "version": "1", "description": f"serving {info.name}"},
+        "paths": paths,
+        "components": {"schemas": {"Error": ERROR}},
+    }
+    if config.api_keys:
+        document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        document["security"] = [{"bearer": []}]
+        for path in OPEN_PATHS:
+            paths[path]["get"]["security"] = []
+    return document
