@@ -25,9 +25,11 @@ def start_pdserve(
     extra: list[str] | None = None,
     timeout: float = 180.0,
     env: dict[str, str] | None = None,
+    checkout: Path | None = None,
 ) -> tuple[subprocess.Popen[bytes], str]:
     """`pdserve up --mode MODE` on a free port in its own process group, with ``env`` added
-    to this process's environment; returns once healthy."""
+    to this process's environment; returns once healthy. ``checkout``: run that source tree's
+    pdserve instead (e.g. a worktree of another commit)."""
     port = free_port()
     cmd = [
         sys.executable,
@@ -46,7 +48,8 @@ def start_pdserve(
         "WARNING",
         *(extra or []),
     ]
-    proc = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, **(env or {})})
+    env = {**os.environ, **(env or {}), **({"PYTHONPATH": str(checkout)} if checkout else {})}
+    proc = subprocess.Popen(cmd, start_new_session=True, env=env, cwd=checkout)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while True:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from pdserve.bench.shapes import small_model
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.loader import quiet_transformers
 from pdserve.engine.model_runner import ModelRunner, ModelSpec
@@ -25,36 +26,7 @@ from pdserve.schemas import SamplingParams
 
 
 def model_of(kind: str, device: torch.device) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
-
-    common = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=300,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
-    scaling = {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64,
-    }
-    config = {
-        "qwen2": lambda: Qwen2Config(**common, rope_theta=1e6),
-        "llama": lambda: LlamaConfig(**common, rope_theta=10000.0),
-        "llama3-rope": lambda: LlamaConfig(**common, rope_scaling=scaling),
-    }[kind]()
-    torch.manual_seed(0)
-    with device:
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
-    for p in model.parameters():
-        p.data.normal_(0, 0.2)
-    return model.eval()
+    return small_model(kind, device)  # the fast-path tests' models
 
 
 def main() -> int:

@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import datetime
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -29,40 +28,20 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import free_port, process_cpu_seconds, stop_pdserve
+from common import process_cpu_seconds, start_pdserve, stop_pdserve
 from engine_bench import workload
-from pipeline_vs_offline import through_http
+from pipeline_vs_offline import cpu_per_token, through_http
 
 from pdserve.engine.tiny_model import ensure_default_model
 
 
-def start(checkout: Path, mode: str, model: Path, extra: list[str]) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "pdserve", "up", "--mode", mode, "--port", str(port), "--host", "127.0.0.1"]
-    cmd += ["--data-dir", tempfile.mkdtemp(prefix="pdserve-cpu-"), "--log-level", "WARNING"]
-    cmd += ["--model-path", str(model), *extra]
-    env = {**os.environ, "PYTHONPATH": str(checkout)}
-    proc = subprocess.Popen(cmd, cwd=checkout, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    stop_pdserve(proc)
-    raise SystemExit(f"pdserve up ({checkout}) did not come up")
-
-
 def measure(args: argparse.Namespace, mode: str, model: Path) -> dict:
-    proc, url = start(args.checkout, mode, model, args.up_args.split())
+    data_dir = Path(tempfile.mkdtemp(prefix="pdserve-cpu-"))
+    extra = ["--model-path", str(model), *args.up_args.split()]
+    proc, url = start_pdserve(mode, data_dir, extra, checkout=args.checkout)
     runs = []
     try:
         asyncio.run(through_http(url, workload(4, 1, 4000, 16, 64, 4, 8), 4))  # warm-up
@@ -73,9 +52,7 @@ def measure(args: argparse.Namespace, mode: str, model: Path) -> dict:
             tokens = sum(r.output_len for r in reqs)
             before, client = process_cpu_seconds(proc.pid), time.process_time()
             seconds, _, cached = asyncio.run(through_http(url, reqs, args.requests))
-            after, client = process_cpu_seconds(proc.pid), time.process_time() - client
-            spent = {role: (after[role] - before.get(role, 0.0)) / tokens * 1e6 for role in after}
-            spent["client"] = client / tokens * 1e6
+            spent = cpu_per_token(proc.pid, before, time.process_time() - client, tokens)
             runs.append({"out_tok_s": tokens / seconds, "cached_tokens": cached, "us_per_token": spent})
             print(
                 f"{mode}: {tokens / seconds:,.0f} tok/s; us per token "

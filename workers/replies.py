@@ -93,8 +93,7 @@ class Replies:
         """Publish ``chunk``; with ``tracked``, note what was sent (for keep-alives)."""
         assert self._nc is not None, "connect() first"
         if tracked is not None:
-            tracked.sent_at = time.monotonic()
-            tracked.next_seq = max(tracked.next_seq, chunk.seq + len(chunk.token_ids))
+            _note_sent(tracked, chunk, time.monotonic())
         try:
             await contract.publish(self._nc, contract.TOKENS, chunk, to=reply_to)
         except Exception as exc:
@@ -111,8 +110,7 @@ class Replies:
             if not t.batch_to:
                 await self.send(t.reply_to, chunk, t)
                 continue
-            t.sent_at = now
-            t.next_seq = max(t.next_seq, chunk.seq + len(chunk.token_ids))
+            _note_sent(t, chunk, now)
             batches.setdefault(t.batch_to, []).append(chunk)
         for to, chunks in batches.items():
             for start in range(0, len(chunks), BATCH_CHUNKS):
@@ -170,3 +168,9 @@ class Replies:
             attempt=tracked.attempt if tracked else 0,
             state=QUEUED if out.held else "",
         )
+
+
+def _note_sent(t: Tracked, chunk: TokenChunk, now: float) -> None:
+    """What ``t``'s keep-alives need: when something last went out, and the next index."""
+    t.sent_at = now
+    t.next_seq = max(t.next_seq, chunk.seq + len(chunk.token_ids))

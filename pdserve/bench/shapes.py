@@ -1,4 +1,5 @@
-"""Model shapes the benchmarks build with random weights (Qwen2 configuration keywords)."""
+"""Model shapes the benchmarks build with random weights (Qwen2 configuration keywords), and
+the small Llama-family models the fast-path tests and ``bench/gpu_diag.py`` share."""
 
 from __future__ import annotations
 
@@ -27,3 +28,45 @@ QWEN2_5_0_5B: dict[str, Any] = dict(
     rope_theta=1e6,
     tie_word_embeddings=True,
 )
+
+
+SMALL: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=300,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+LLAMA3_SCALING: dict[str, Any] = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+SMALL_KINDS = ("llama", "qwen2", "qwen3", "llama3-rope")
+
+
+def small_model(kind: str, device: Any) -> Any:
+    """A 2-layer float32 model of family ``kind`` (one of :data:`SMALL_KINDS`) on ``device``,
+    seeded, with wider weights than the default init (distinct logits: a real comparison)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    families: dict[str, tuple[Any, dict[str, Any]]] = {
+        "llama": (LlamaConfig, {"rope_theta": 10000.0}),
+        "qwen2": (Qwen2Config, {"rope_theta": 1e6}),
+        "qwen3": (Qwen3Config, {"head_dim": 16, "rope_theta": 1e6}),
+        "llama3-rope": (LlamaConfig, {"rope_scaling": LLAMA3_SCALING}),
+    }
+    family, extra = families[kind]
+    config = family(**SMALL, **extra)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    for p in model.parameters():
+        p.data.normal_(0, 0.2)
+    return model.eval()

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM
 
+from pdserve.bench import shapes
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.loader import quiet_transformers
@@ -27,37 +28,7 @@ NEW = 6
 
 
 def small_model(kind: str) -> torch.nn.Module:
-    common = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=300,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
-    config = {
-        "llama": lambda: LlamaConfig(**common, rope_theta=10000.0),
-        "qwen2": lambda: Qwen2Config(**common, rope_theta=1e6),
-        "qwen3": lambda: Qwen3Config(**common, head_dim=16, rope_theta=1e6),
-        "llama3-rope": lambda: LlamaConfig(
-            **common,
-            rope_scaling={
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
-        ),
-    }[kind]()
-    torch.manual_seed(0)
-    with DEVICE:
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    for p in model.parameters():  # wider weights than the default init: distinct logits, real test
-        p.data.normal_(0, 0.2)
-    return model.eval()
+    return shapes.small_model(kind, DEVICE)  # type: ignore[no-any-return]
 
 
 def hf_greedy(model: torch.nn.Module, prompts: list[list[int]], n: int) -> list[list[int]]:
