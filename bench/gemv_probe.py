@@ -28,7 +28,9 @@ SHAPES = {  # name: (N, K, bias, silu_mul)
     "lm_head": (152064, 3584, False, False),
 }
 L2_BYTES = 60 << 20
-CONFIGS = list(itertools.product((4, 8, 16), (256, 512, 1024), (4, 8)))  # block_n, block_k, warps
+# block_n, block_k, warps, stages, split_k
+CONFIGS = list(itertools.product((4, 8, 16), (256, 512, 1024), (4, 8), (3,), (1,)))
+WIDE = list(itertools.product((8,), (512, 1024), (4, 8), (2, 3), (1, 2, 3, 4)))  # --wide
 
 
 def timed(fn, calls: int) -> float:
@@ -56,7 +58,9 @@ def timed(fn, calls: int) -> float:
     return sorted(times)[2]
 
 
-def probe(name: str, n: int, k: int, has_bias: bool, silu: bool, batches: list[int]) -> list[dict]:
+def probe(
+    name: str, n: int, k: int, has_bias: bool, silu: bool, batches: list[int], configs: list[tuple]
+) -> list[dict]:
     dev = torch.device("cuda")
     nbytes = n * k * 2
     copies = max(2, -(-4 * L2_BYTES // nbytes))
@@ -79,22 +83,24 @@ def probe(name: str, n: int, k: int, has_bias: bool, silu: bool, batches: list[i
             row[f"{backend}_tb_s"] = nbytes / us / 1e6
         torch.backends.cuda.preferred_blas_library("cublaslt")
         best = None
-        for bn, bk, warps in CONFIGS:
+        gemv_mod.reserve_counters(dev)
+        for bn, bk, warps, stages, split in configs if m <= 16 else []:  # the GEMV is for small batches
 
-            def tri(i: int, x: torch.Tensor = x, bn: int = bn, bk: int = bk, warps: int = warps) -> None:
-                gemv_mod.gemv(x, ws[i % copies], bias, silu, block_n=bn, block_k=bk, num_warps=warps)
+            def tri(i: int, x: torch.Tensor = x, cfg: tuple = (bn, bk, warps, stages, split)) -> None:
+                gemv_mod.gemv(x, ws[i % copies], bias, silu, *cfg)
 
             try:
                 us = timed(tri, calls)
             except Exception as exc:  # a tile that does not compile or fit: skip it
-                print(f"  {name} m={m} {bn}x{bk} w{warps}: {type(exc).__name__}", file=sys.stderr)
+                print(f"  {name} m={m} {bn}x{bk} w{warps} s{stages} k{split}: {exc!r}", file=sys.stderr)
                 continue
+            row.setdefault("triton_all", []).append([bn, bk, warps, stages, split, us])
             if best is None or us < best[0]:
-                best = (us, bn, bk, warps)
+                best = (us, bn, bk, warps, stages, split)
         if best is not None:
-            us, bn, bk, warps = best
-            row.update(triton_us=us, triton_tb_s=nbytes / us / 1e6, triton_config=[bn, bk, warps])
-            out = gemv_mod.gemv(x, ws[0], bias, silu, block_n=bn, block_k=bk, num_warps=warps).float()
+            us, *config = best
+            row.update(triton_us=us, triton_tb_s=nbytes / us / 1e6, triton_config=config)
+            out = gemv_mod.gemv(x, ws[0], bias, silu, *config).float()
             a = F.silu(x[:, :k]) * x[:, k:] if silu else x
             ref = F.linear(a.float(), ws[0].float(), bias.float() if bias is not None else None)
             row["triton_rel_err"] = ((out - ref).norm() / ref.norm()).item()
@@ -111,10 +117,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json")
     parser.add_argument("--batches", default="1,4")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="which of %(default)s")
+    parser.add_argument("--wide", action="store_true", help="a wider sweep of tiles, pipeline stages included")
     args = parser.parse_args()
     results: list[dict] = []
-    for name, (n, k, has_bias, silu) in SHAPES.items():
-        results += probe(name, n, k, has_bias, silu, [int(b) for b in args.batches.split(",")])
+    for name in args.shapes.split(","):
+        n, k, has_bias, silu = SHAPES[name]
+        batches = [int(b) for b in args.batches.split(",")]
+        results += probe(name, n, k, has_bias, silu, batches, WIDE if args.wide else CONFIGS)
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:

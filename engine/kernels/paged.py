@@ -213,10 +213,14 @@ def _decode_kernel(
         k, v = _load_kv(pool_ptr, table_row, tok, valid, layer, kv_head, d, NUM_KV, PAGE, LAYERS, DIM)
         s = tl.where(valid[None, :], _scores(q, k, scale, IEEE), float("-inf"))
         m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, IEEE)
-    # [B, Hq, SPLITS, D] partial outputs and their log-sum-exp (-inf for an empty split)
-    row = (b * NUM_KV * GROUP + heads).to(tl.int64) * SPLITS + split
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
+    if SPLITS == 1:  # the whole context in this program: the output itself, nothing to merge
+        dst = out_ptr + (b * NUM_KV * GROUP + heads).to(tl.int64)[:, None] * DIM + d[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=g[:, None] < GROUP)
+        return
+    # [B, Hq, SPLITS, D] partial outputs and their log-sum-exp (-inf for an empty split)
+    row = (b * NUM_KV * GROUP + heads).to(tl.int64) * SPLITS + split
     tl.store(part_ptr + row[:, None] * DIM + d[None, :], out, mask=g[:, None] < GROUP)
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
     tl.store(lse_ptr + row, lse, mask=g < GROUP)
@@ -271,21 +275,34 @@ def decode_attention(
     splits: int,
     out: torch.Tensor,
     window: int | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,
     counters: torch.Tensor | None = None,
+    num_warps: int = 4,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """``q [B, Hq, D]`` (rows may be strided) attends each sequence's ``ctx_lens[b]`` tokens
     in pages ``page_tables[b]``; writes ``out [B, Hq, D]``. Graph-safe: no host sync.
 
     ``counters`` (int32, at least ``B * num_kv``, zero, left zero): the splits are merged
     inside the attention kernel by whichever finishes last, instead of by a second kernel.
+    With one split the kernel writes ``out`` itself and nothing is merged.
+
+    Unless given, keys per block and pipeline stages are the fastest that
+    ``bench/attention_probe.py`` found on an H200 (7B layout, 640-token contexts,
+    2026-12-01): one split (large batches) 128 keys in 3 stages, 25.0 us a layer at batch 64
+    against 29.5 with 64; several splits 64 keys in 2 stages (5.9 us at batch 1, 6.2 in 3).
     """
+    if block_n is None:
+        block_n = 128 if splits == 1 else 64
+    if num_stages is None:
+        num_stages = 3 if splits == 1 else 2
     batch, num_q, dim = q.shape
     _, layers, _, num_kv, page, _ = pool.shape
     group = num_q // num_kv
     assert q.stride(2) == 1 and q.stride(1) == dim and out.is_contiguous()
-    part = torch.empty((batch, num_q, splits, dim), dtype=torch.float32, device=q.device)
-    lse = torch.empty((batch, num_q, splits), dtype=torch.float32, device=q.device)
+    shape = (batch, num_q, splits) if splits > 1 else (1, 1, 1)
+    part = torch.empty((*shape, dim), dtype=torch.float32, device=q.device)
+    lse = torch.empty(shape, dtype=torch.float32, device=q.device)
     _decode_kernel[(batch, num_kv, splits)](
         q,
         pool,
@@ -310,10 +327,11 @@ def decode_attention(
         SPLITS=splits,
         SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
         IEEE=q.dtype == torch.float32,
-        FUSED_MERGE=counters is not None,
-        num_warps=4,
+        FUSED_MERGE=counters is not None and splits > 1,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
-    if counters is None:
+    if counters is None and splits > 1:
         _merge_kernel[(batch * num_q,)](
             part, lse, out, SPLITS=splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)), DIM=dim, num_warps=4
         )

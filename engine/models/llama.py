@@ -20,12 +20,12 @@ from pdserve.engine.models.batch import StepBatch
 
 ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"})
 # GEMV tiles for a single token, the fastest of a sweep on an H200 at 7B dimensions
-# (bench/gemv_probe.py): they read the weights at 4.3 (gate/up, LM head), 3.6 (down, with
-# SiLU·up fused) and 2.8 TB/s (o) against the library's 3.8, 3.1 and 2.2. The library keeps
-# qkv (as fast) and every batch above one.
+# (bench/gemv_probe.py): they read the weights at 4.3 (gate/up, LM head), 3.75 (down, with
+# SiLU·up fused, cut in two along K; 3.55 uncut) and 2.8 TB/s (o) against the library's 3.8,
+# 3.4 and 2.2. The library keeps qkv (as fast: 2.95 against 2.87) and every batch above one.
 GEMV_O = {"block_n": 8, "block_k": 1024, "num_warps": 8}
 GEMV_GATE_UP = {"block_n": 8, "block_k": 512, "num_warps": 4}
-GEMV_DOWN = {"block_n": 8, "block_k": 1024, "num_warps": 8}
+GEMV_DOWN = {"block_n": 8, "block_k": 512, "num_warps": 4, "split_k": 2}  # 36.2 us, split 1: 38.2 (2026-12-01)
 GEMV_LM_HEAD = {"block_n": 8, "block_k": 512, "num_warps": 4}
 # Rotary variants whose tables depend only on the position (not on the running sequence length).
 STATIC_ROPE = frozenset({"default", "linear", "llama3", "yarn"})
@@ -88,12 +88,15 @@ class LlamaFamily:
     ``sdpa_prefill``: whole prompts (no cached prefix) attend with the library's flash
     attention over their own q, k, v; otherwise with the paged prefill kernel.
     ``use_gemv``: a step of one token multiplies with the GEMV kernels. ``fused_merge``:
-    decode attention merges its context splits itself (not yet the default: to be measured).
+    decode attention merges its context splits itself (measured slower on an H200: off).
+    ``l2_prefetch``: in a one-token step on a GPU, the o projection's weights are read into
+    L2 on a side stream while the layer's attention runs (see :func:`gemv.l2_prefetch`).
     """
 
     sdpa_prefill = True
     use_gemv = True  # single-token steps through :mod:`pdserve.engine.kernels.gemv`
     fused_merge = False  # decode attention merges its context splits in the same kernel
+    l2_prefetch = True
 
     def __init__(self, model: Any, pool: torch.Tensor, max_positions: int) -> None:
         reason = unsupported_reason(model)
@@ -121,6 +124,10 @@ class LlamaFamily:
         self.cos = cos[0].contiguous()
         self.sin = sin[0].contiguous()
         self._counters: torch.Tensor | None = None  # fused_merge's per-(sequence, kv head) counters
+        if device.type == "cuda":
+            gemv.reserve_counters(device)  # split-K counters, before any graph is captured
+            self._side = torch.cuda.Stream(device)
+            self._sink = torch.empty(256, dtype=torch.float32, device=device)
 
     def _layer(self, layer: Any) -> Layer:
         attn, mlp = layer.self_attn, layer.mlp
@@ -157,9 +164,17 @@ class LlamaFamily:
                 q = layer.q_norm(qk[:, : nq * dim].reshape(tokens, nq, dim))
                 k = layer.k_norm(qk[:, nq * dim :].reshape(tokens, nkv, dim))
                 qk.copy_(torch.cat((q.reshape(tokens, -1), k.reshape(tokens, -1)), dim=1))
+            prefetch = tokens == 1 and self.use_gemv and self.l2_prefetch and h.is_cuda
+            if prefetch:  # the o projection's weights into L2 while the attention runs
+                main = torch.cuda.current_stream()
+                self._side.wait_stream(main)
+                with torch.cuda.stream(self._side):
+                    gemv.l2_prefetch(layer.o_weight, self._sink)
             paged.rope_store(qkv, nq, nkv, self.cos, self.sin, step.positions, step.slots, self.pool, index)
             out = torch.empty((tokens, nq, dim), dtype=h.dtype, device=h.device)
             self._attend(index, layer, qkv, out, step)
+            if prefetch:
+                main.wait_stream(self._side)
             h = self._linear(out.view(tokens, nq * dim), layer.o_weight, layer.o_bias, GEMV_O)
             x, residual = elementwise.add_rms_norm(h, residual, layer.post_norm, self.eps)
             gate_up = self._linear(x, layer.gate_up_weight, layer.gate_up_bias, GEMV_GATE_UP)

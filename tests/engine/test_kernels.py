@@ -6,6 +6,7 @@ GPU in bf16 and float32. Fresh random inputs per case; outputs are poisoned firs
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -79,8 +80,10 @@ def test_decode_attention_matches_reference(dtype: torch.dtype, case: tuple) -> 
     qkv = torch.randn((len(lens), (num_q + 2 * num_kv) * dim), dtype=dtype, device=DEVICE)
     q = qkv[:, : num_q * dim].view(len(lens), num_q, dim)  # strided rows, as in the model
     counters = torch.zeros(len(lens) * num_kv, dtype=torch.int32, device=DEVICE)
-    # graphs pass int64 lengths; splits merge in a second kernel or inside the first
-    for splits, ctx_dtype, fused in ((1, torch.int32, False), (4, torch.int64, False), (4, torch.int32, True)):
+    # graphs pass int64 lengths; splits merge in a second kernel or inside the first; one
+    # split writes the output directly (the counters untouched)
+    cases = ((1, torch.int32, False), (1, torch.int64, True), (4, torch.int64, False), (4, torch.int32, True))
+    for splits, ctx_dtype, fused in cases:
         ctx = torch.tensor(lens, dtype=ctx_dtype, device=DEVICE)
         out = torch.full((len(lens), num_q, dim), float("nan"), dtype=dtype, device=DEVICE)
         paged.decode_attention(
@@ -230,5 +233,25 @@ def test_gemv_matches_linear(dtype: torch.dtype, m: int, n: int, k: int, bias: b
     assert rel_err(gemv.gemv(x, w, b, block_n=8, block_k=128), ref) < TOL[dtype]
     gate_up = torch.randn((m, 2 * k), dtype=dtype, device=DEVICE)
     act = elementwise.silu_mul(gate_up)
-    ref = F.linear(act.double(), w.double())
-    assert rel_err(gemv.gemv(gate_up, w, silu_mul_input=True, block_n=16, block_k=256), ref) < TOL[dtype]
+    ref_act = F.linear(act.double(), w.double())
+    assert rel_err(gemv.gemv(gate_up, w, silu_mul_input=True, block_n=16, block_k=256), ref_act) < TOL[dtype]
+    # cut along K too (k=96 leaves the third split empty): partial sums added by the last
+    # program of each row block, the counters left at zero for the next launch
+    counters = gemv.split_counters(torch.device(DEVICE), -(-n // 8))
+    for split in (2, 3):
+        assert rel_err(gemv.gemv(x, w, b, block_n=8, block_k=64, split_k=split), ref) < TOL[dtype], split
+        got = gemv.gemv(gate_up, w, silu_mul_input=True, block_n=8, block_k=64, split_k=split)
+        assert rel_err(got, ref_act) < TOL[dtype], split
+        assert not counters.any()
+
+
+def test_l2_prefetch_reads_every_element() -> None:
+    # The prefetch is kept by the values it sums into the sink: each program's share of
+    # the tensor, the tail past a whole block included.
+    t = torch.randn(10_000, dtype=torch.float32, device=DEVICE)
+    sink = torch.zeros(16, dtype=torch.float32, device=DEVICE)
+    gemv.l2_prefetch(t, sink, programs=4, block=512)
+    per = math.ceil(math.ceil(10_000 / 4) / 512) * 512  # 2560
+    want = torch.stack([t[i * per : (i + 1) * per].sum() for i in range(4)])
+    assert torch.allclose(sink[:4], want, rtol=1e-4, atol=1e-3)
+    assert not sink[4:].any()

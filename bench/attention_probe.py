@@ -1,0 +1,129 @@
+"""Decode attention of a 7B model on one GPU: pdserve's paged kernel over its launch
+shapes (keys per block, warps, pipeline stages, context splits), at batch 1 and 64.
+
+Qwen2.5-7B's layout (28 query heads over 4 KV heads of 128, pages of 16 tokens) with
+every sequence at ``--context`` tokens in shuffled pages. Each shape is timed in a CUDA
+graph of one call per layer (every layer's KV is its own memory, so the calls read device
+memory, not L2) and reported as microseconds per layer and KV read bandwidth.
+
+    python bench/attention_probe.py [--json out.json] [--context 640]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+
+import torch
+
+from pdserve.engine.kernels import decode_splits, paged
+
+LAYERS, NUM_Q, NUM_KV, DIM, PAGE = 28, 28, 4, 128, 16
+
+
+def graph_us(fn, calls: int) -> float:
+    """Median microseconds per call of ``fn(i)`` for ``i < calls``, replayed from a graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(2):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(7):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return sorted(times)[3]
+
+
+def probe(batch: int, context: int, shapes: list[tuple[int, int, int, int, bool]]) -> dict:
+    dev = torch.device("cuda")
+    pages_per_seq = -(-context // PAGE)
+    num_pages = batch * pages_per_seq + 1
+    pool = torch.randn((num_pages, LAYERS, 2, NUM_KV, PAGE, DIM), dtype=torch.bfloat16, device=dev)
+    order = torch.randperm(num_pages - 1, device=dev).to(torch.int32) + 1
+    tables = order.view(batch, pages_per_seq).contiguous()
+    ctx = torch.full((batch,), context, dtype=torch.int64, device=dev)
+    qkv = torch.randn((batch, (NUM_Q + 2 * NUM_KV) * DIM), dtype=torch.bfloat16, device=dev)
+    q = qkv[:, : NUM_Q * DIM].view(batch, NUM_Q, DIM)
+    out = torch.empty((batch, NUM_Q, DIM), dtype=torch.bfloat16, device=dev)
+    counters = torch.zeros(batch * NUM_KV, dtype=torch.int32, device=dev)
+    kv_bytes = batch * context * 2 * NUM_KV * DIM * 2  # one layer's K and V
+    ref = None
+    rows = []
+    for block_n, warps, stages, splits, fused in shapes:
+
+        def call(i: int, bn=block_n, w=warps, st=stages, sp=splits, fu=fused) -> None:
+            paged.decode_attention(
+                q, pool, i % LAYERS, tables, ctx, DIM**-0.5, sp, out, None, block_n=bn,
+                counters=counters if fu else None, num_warps=w, num_stages=st,
+            )  # fmt: skip
+
+        try:
+            us = graph_us(call, LAYERS)
+        except Exception as exc:  # a shape that does not compile or fit: skip it
+            print(f"  batch {batch} {block_n}/{warps}/{stages}/{splits}: {type(exc).__name__}", file=sys.stderr)
+            continue
+        call(0)
+        got = out.float().clone()
+        ref = got if ref is None else ref
+        rows.append(
+            {
+                "block_n": block_n,
+                "warps": warps,
+                "stages": stages,
+                "splits": splits,
+                "fused_merge": fused,
+                "us_per_layer": us,
+                "tb_s": kv_bytes / us / 1e6,
+                "max_diff_vs_first": (got - ref).abs().max().item(),
+            }
+        )
+    rows.sort(key=lambda r: r["us_per_layer"])
+    default = decode_splits(batch, NUM_KV)
+    print(f"batch {batch}, context {context} ({kv_bytes / 1e6:.1f} MB of KV per layer), default splits {default}")
+    for r in rows[:8]:
+        print(
+            f"  {r['us_per_layer']:6.2f} us  {r['tb_s']:.2f} TB/s  block_n {r['block_n']:3} warps {r['warps']}"
+            f" stages {r['stages']} splits {r['splits']:2}{' fused' if r['fused_merge'] else ''}",
+            flush=True,
+        )
+    return {
+        "batch": batch,
+        "context": context,
+        "kv_mb_per_layer": kv_bytes / 1e6,
+        "default_splits": default,
+        "rows": rows,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json")
+    parser.add_argument("--context", type=int, default=640)
+    args = parser.parse_args()
+    results = []
+    small = itertools.product((32, 64), (4,), (2, 3), (8, 16, 32), (False, True))
+    results.append(probe(1, args.context, list(small)))
+    large = itertools.product((32, 64, 128), (4, 8), (1, 2, 3, 4), (1, 2), (False,))
+    results.append(probe(64, args.context, list(large)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
