@@ -290,10 +290,11 @@ def decode_attention(
     Unless given, keys per block and pipeline stages are the fastest that
     ``bench/attention_probe.py`` found on an H200 (7B layout, 640-token contexts,
     2026-12-01): one split (large batches) 128 keys in 3 stages, 25.0 us a layer at batch 64
-    against 29.5 with 64; several splits 64 keys in 2 stages (5.9 us at batch 1, 6.2 in 3).
+    against 29.5 with 64; 32 splits 32 keys in 2 stages (5.6 us at batch 1); between, 64
+    keys in 2 stages (16 splits: 5.9 us at batch 1, 6.2 in 3 stages).
     """
     if block_n is None:
-        block_n = 128 if splits == 1 else 64
+        block_n = 128 if splits == 1 else 32 if splits >= 32 else 64
     if num_stages is None:
         num_stages = 3 if splits == 1 else 2
     batch, num_q, dim = q.shape
