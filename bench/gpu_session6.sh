@@ -6,8 +6,8 @@ set -u
 out=${OUT:-/tmp/pdserve-gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 MC_LOG_LEVEL=ERROR
-timeout 170 python3 -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py tests/engine/test_kernels.py \
+timeout 300 python3 -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py tests/engine/test_kernels.py \
   "tests/engine/test_fast_model.py::test_fast_path_greedy_equals_transformers" 2>&1 | tee "$out/test_gpu.log" | grep -E "passed|failed|^FAILED|^E  " | head
-timeout 400 python3 bench/gpu_engine.py --json "$out/gpu_engine.json" --profile "$out/profile.txt" --try-fused-merge --try-l2-prefetch \
+timeout 400 python3 bench/gpu_engine.py --json "$out/gpu_engine.json" --profile "$out/profile.txt" --try-l2-prefetch \
   --e2e --e2e-profile "$out/e2e_pyspy.txt" 2>&1 | tee "$out/gpu_engine.log" | grep -v Warning | tail -24
 rm -f "$out"/trace_prefill.json

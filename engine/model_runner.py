@@ -128,6 +128,8 @@ class ModelRunner:
                 self.device,
             )
             self.graphs.capture()
+        if self.fast is not None and self.device.type == "cuda":
+            self.fast.warm_up_decode(self._splits(n) for n in range(1, config.max_num_seqs + 1))
         log.info(
             "model loaded",
             extra={

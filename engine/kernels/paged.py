@@ -21,7 +21,10 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# Integer arguments that change between calls (the layer, a table's width) are not
+# specialised on: Triton compiles a variant per value class (1, a multiple of 16, other),
+# and a variant first met while serving compiles then, for a second or more.
+@triton.jit(do_not_specialize=["layer", "stride_qkv"])
 def _rope_store_kernel(
     qkv_ptr,
     cos_ptr,
@@ -160,7 +163,7 @@ def _online_softmax(s, v, m_i, l_i, acc, IEEE: tl.constexpr):
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["layer", "window", "stride_qt", "stride_table"])
 def _decode_kernel(
     q_ptr,
     pool_ptr,
@@ -339,7 +342,7 @@ def decode_attention(
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["layer", "window", "stride_qt", "stride_table"])
 def _prefill_kernel(
     q_ptr,
     pool_ptr,

@@ -9,6 +9,7 @@ SiLU·up, down — few enough that a decode step replays as one CUDA graph.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,6 +131,21 @@ class LlamaFamily:
             self._side = torch.cuda.Stream(device)
             largest = max(layer.o_weight.numel() for layer in self.layers)
             self._sink = torch.empty(-(-largest // 8192), dtype=torch.float32, device=device)
+
+    @torch.inference_mode()
+    def warm_up_decode(self, splits: Iterable[int]) -> None:
+        """Compile decode attention as eager steps (a decode beside a prefill chunk) call it,
+        once per split count: met first while serving, a compile stalls every stream for a
+        second or more. Reads one page, writes only a scratch output."""
+        dtype, device = self.embed.dtype, self.embed.device
+        q = torch.zeros((1, self.num_q, self.head_dim), dtype=dtype, device=device)
+        out = torch.empty_like(q)
+        tables = torch.zeros((1, 1), dtype=torch.int32, device=device)
+        ctx = torch.ones(1, dtype=torch.int32, device=device)
+        windows = sorted({layer.window or 0 for layer in self.layers})
+        for count in sorted(set(splits)):
+            for window in windows:
+                paged.decode_attention(q, self.pool, 0, tables, ctx, self.scale, count, out, window or None)
 
     def _layer(self, layer: Any) -> Layer:
         attn, mlp = layer.self_attn, layer.mlp

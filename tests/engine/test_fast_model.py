@@ -78,6 +78,21 @@ def test_fast_path_greedy_equals_transformers(kind: str, fused_merge: bool) -> N
     assert hf_greedy(model, prompts[:1], NEW) == expected[:1]
 
 
+def test_decode_warm_up_leaves_the_pool_and_the_output_alone() -> None:
+    quiet_transformers()
+    model = small_model("qwen2")
+    config = EngineConfig(device=str(DEVICE), max_total_tokens=256, model_impl="pdserve", cuda_graph_max_batch=0)
+    runner = ModelRunner(ModelSpec(Path("w")), config, model=model)
+    assert runner.fast is not None
+    prompts = [[5, 9, 11, 200, 7]]
+    engine = Engine(runner, config)
+    first = run(engine, prompts, NEW)
+    pool = runner.pool.tensor.clone()
+    runner.fast.warm_up_decode([1, 2, 4])
+    assert torch.equal(runner.pool.tensor, pool)
+    assert run(engine, prompts, NEW) == first
+
+
 def test_auto_keeps_transformers_on_the_cpu_and_pdserve_refuses_unknown_architectures() -> None:
     from transformers import GPT2Config
 
