@@ -260,7 +260,7 @@ async def subscribe(
                 "malformed message dropped", extra={"channel": channel.name, "subject": msg.subject, "error": str(exc)}
             )
             rid, reply_to = best_guess(msg.data)
-            await answer_malformed(nc, rid, reply_to, str(exc))
+            await answer_malformed(nc, rid, reply_to, str(exc), code=exc.code)
             return
         try:
             await handler(message)
@@ -320,16 +320,23 @@ async def publish(nc: Client, channel: Channel[M], message: M, *scope: str, to: 
 
 
 async def answer_malformed(
-    nc: Client, rid: str | None, reply_to: str | None, error: str, receiver_id: str = ""
+    nc: Client,
+    rid: str | None,
+    reply_to: str | None,
+    error: str,
+    receiver_id: str = "",
+    code: str = MessageError.code,
 ) -> None:
-    """Tell the sender of a message that did not decode, if its rid and reply subject are known."""
+    """Tell the sender of a message that did not decode, if its rid and reply subject are
+    known: an error chunk with ``code`` (``malformed_message``, or ``unsupported_version``
+    for a major version this receiver does not speak)."""
     if not (rid and reply_to):
         return
     chunk = TokenChunk(
         rid=rid,
         seq=0,
         finish_reason="error",
-        error=ErrorInfo(f"malformed message: {error}", "invalid_request_error"),
+        error=ErrorInfo(f"malformed message: {error}", "invalid_request_error", code),
         worker_id=receiver_id,
     )
     try:
@@ -387,5 +394,7 @@ class WorkQueue(Generic[M]):
             return []
         good, bad = await decode_deliveries(msgs, self.channel.message)
         for rejected in bad:
-            await answer_malformed(self._nc, rejected.rid, rejected.reply_to, rejected.error, self._receiver_id)
+            await answer_malformed(
+                self._nc, rejected.rid, rejected.reply_to, rejected.error, self._receiver_id, rejected.code
+            )
         return good
