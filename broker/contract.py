@@ -139,9 +139,9 @@ REQUESTS = WorkChannel(
     subjects.REQUEST_STREAM,
     subjects.requests,
     subjects.prefill_consumer,
-    sender="API (or any publisher)",
+    sender="API (or any direct publisher)",
     receiver="prefill and unified workers",
-    senders=("api",),
+    senders=("api", "client"),
     receivers=("prefill", "unified"),
 )
 KV_READY = WorkChannel(
@@ -161,9 +161,9 @@ TOKENS = Channel(
     subjects.tokens,
     subjects.tokens_prefix,
     sender="prefill, decode and unified workers, at the request's reply_to",
-    receiver="the API instance that published the request",
+    receiver="the API instance (or direct publisher) that published the request",
     senders=("prefill", "decode", "unified"),
-    receivers=("api",),
+    receivers=("api", "client"),
 )
 TOKEN_BATCHES = Channel(
     "token_batches",
@@ -171,18 +171,18 @@ TOKEN_BATCHES = Channel(
     subjects.token_batches,
     subjects.token_batches,
     sender="decode and unified workers: one engine step's chunks for the requests whose batch_to it is",
-    receiver="the API instance that published those requests",
+    receiver="the API instance (or direct publisher) that published those requests",
     senders=("decode", "unified"),
-    receivers=("api",),
+    receivers=("api", "client"),
 )
 CANCEL = Channel(
     "cancel",
     Cancel,
     subjects.cancel,
     subjects.cancel,
-    sender="API on client disconnect",
+    sender="API on client disconnect (or a direct publisher)",
     receiver="every worker",
-    senders=("api",),
+    senders=("api", "client"),
     receivers=("prefill", "decode", "unified"),
 )
 KV_RELEASE = Channel(

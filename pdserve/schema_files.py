@@ -1,7 +1,7 @@
 """``pdserve schemas export``: the JSON Schema files of every wire message.
 
 The files live in ``schemas/json/`` (installed as ``pdserve/schemas/json``); they are made
-from the dataclasses by :mod:`pdserve.schemas.jsonschema` and checked in, so publishers in
+from the dataclasses by :mod:`pdserve.schemas.json_schema` and checked in, so publishers in
 other languages can read them without pdserve.
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pdserve.schemas import jsonschema
+from pdserve.schemas import json_schema
 
-SCHEMA_DIR = Path(jsonschema.__file__).parent / "json"
+SCHEMA_DIR = Path(json_schema.__file__).parent / "json"
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -27,16 +27,20 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def stale(directory: Path) -> list[str]:
     """Files in ``directory`` that differ from the code, are missing, or are left over."""
-    wanted = jsonschema.export()
+    wanted = json_schema.export()
     present = {p.name for p in directory.glob("*.json")} if directory.is_dir() else set()
-    differ = [name for name, data in wanted.items() if not (directory / name).is_file() or (directory / name).read_bytes() != data]
+    differ = [
+        name
+        for name, data in wanted.items()
+        if not (directory / name).is_file() or (directory / name).read_bytes() != data
+    ]
     return sorted(differ + sorted(present - set(wanted)))
 
 
 def write(directory: Path) -> list[Path]:
     """Write every schema to ``directory`` and remove files of messages that are gone."""
     directory.mkdir(parents=True, exist_ok=True)
-    wanted = jsonschema.export()
+    wanted = json_schema.export()
     for old in directory.glob("*.json"):
         if old.name not in wanted:
             old.unlink()
