@@ -258,17 +258,16 @@ async def test_the_synchronous_call(system: Any) -> None:
 
 
 async def test_leaving_a_stream_cancels_it_and_frees_both_workers(system: Any) -> None:
+    rid = uuid.uuid4().hex
     async with await client(system) as c:
         seen = 0
-        async for piece in c.stream([3, 4, 5], max_new_tokens=3000, ignore_eos=True):
+        async for piece in c.stream([3, 4, 5], rid=rid, max_new_tokens=3000, ignore_eos=True):
             seen += len(piece.token_ids)
             if seen >= 5:
                 break
-        busy = await settled(system.url, timeout=0)
-        assert any(w["requests_in_flight"] for w in busy)  # still running when we left
         workers = await settled(system.url)
     assert all(w["pages_used"] == 0 and w["requests_in_flight"] == 0 for w in workers), workers
-    assert "request cancelled" in system.log()
+    assert f'request cancelled rid={rid} reason="client stopped reading"' in system.log()
 
 
 async def test_cancel_by_request_id_ends_the_stream_with_abort(system: Any) -> None:
@@ -279,18 +278,21 @@ async def test_cancel_by_request_id_ends_the_stream_with_abort(system: Any) -> N
             if len(pieces) == 3:
                 await c.cancel("cancel-me")
         workers = await settled(system.url)
-    assert pieces[-1].finish_reason == "abort"
+    assert pieces[-1].finish_reason == "abort" and len(pieces) == 4
     assert all(w["pages_used"] == 0 and w["requests_in_flight"] == 0 for w in workers), workers
+    assert 'request cancelled rid=cancel-me reason="cancelled by the client"' in system.log()
 
 
 async def test_a_timeout_raises_cancels_and_frees_the_workers(system: Any) -> None:
+    rid = uuid.uuid4().hex
     async with await client(system) as c:
         started = time.monotonic()
         tokens = 0
         with pytest.raises(RequestTimeout):
-            async for piece in c.stream([9, 10, 11], max_new_tokens=3000, ignore_eos=True, timeout=1.5):
+            async for piece in c.stream([9, 10, 11], rid=rid, max_new_tokens=3000, ignore_eos=True, timeout=1.5):
                 tokens += len(piece.token_ids)
         elapsed = time.monotonic() - started
         workers = await settled(system.url)
     assert tokens > 0 and 1.4 < elapsed < 5.0, (tokens, elapsed)
     assert all(w["pages_used"] == 0 and w["requests_in_flight"] == 0 for w in workers), workers
+    assert f"request cancelled rid={rid}" in system.log()
