@@ -168,6 +168,36 @@ async def test_an_unknown_major_version_gets_an_error_reply_and_is_not_kept(syst
     assert await _stream_is_empty(system)  # terminated at once, never redelivered
 
 
+async def test_a_token_outside_the_vocabulary_fails_that_request_alone(system: Any) -> None:
+    """The API checks token ids; a direct publisher's reach the engine as sent. One bad id
+    must be that request's error, not a failed forward pass for everything batched with it."""
+    rids = [uuid.uuid4().hex for _ in range(3)]
+    sampling = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    prompts = [[1, 2, 3], [1, 10**9, 3], [4, 5, 6]]
+    results = await asyncio.gather(
+        *(
+            _raw_request(
+                system,
+                {
+                    "v": 1,
+                    "rid": r,
+                    "model": system.model_name,
+                    "prompt_ids": p,
+                    "reply_to": f"pd.tokens.{RAW}.{r}",
+                    "sampling": sampling,
+                },
+            )
+            for r, p in zip(rids, prompts, strict=True)
+        )
+    )
+    bad = results[1][-1]
+    assert bad["finish_reason"] == "error" and bad["error"]["type"] == "invalid_request_error"
+    assert f"token id {10**9} is outside the model's vocabulary" in bad["error"]["message"]
+    for chunks, prompt in ((results[0], prompts[0]), (results[2], prompts[2])):
+        assert chunks[-1]["finish_reason"] == "length" and chunks[-1]["attempt"] == 0
+        assert [t for c in chunks for t in c.get("token_ids", [])] == reference(system.model_dir, prompt, 8)
+
+
 async def _stream_is_empty(system: Any) -> bool:
     admin = (system.auth_dir / "admin.password").read_text().strip()
     nc = await nats.connect(system.nats_url, user="admin", password=admin)
