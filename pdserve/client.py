@@ -28,7 +28,7 @@ import uuid
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from nats.aio.client import Client as Nats
 from nats.aio.subscription import Subscription
@@ -410,8 +410,7 @@ def _error_chunk(rid: str, stream: TokenStream, message: str) -> TokenChunk:
 def _load_tokenizer(path: str | Path) -> Tokenizer:
     from transformers import AutoTokenizer
 
-    tokenizer: Tokenizer = AutoTokenizer.from_pretrained(str(path))
-    return tokenizer
+    return cast(Tokenizer, AutoTokenizer.from_pretrained(str(path)))
 
 
 def generate(
