@@ -255,7 +255,12 @@ class Client:
         finished = False
         text = _Text(self.tokenizer, sampling.stop)
         try:
-            if not await contract.submit(self.nc, contract.REQUESTS, request, self.model, rid):
+            try:
+                stored = await contract.submit(self.nc, contract.REQUESTS, request, self.model, rid)
+            except QueueFullError:
+                finished = True  # refused: nothing to cancel (any other failure may hide a stored request)
+                raise
+            if not stored:
                 finished = True
                 raise DuplicateRequest(f"request id {rid!r} was submitted within the stream's dedup window")
             while True:
