@@ -197,6 +197,7 @@ class Rejected:
     error: str
     rid: str | None
     reply_to: str | None
+    code: str = MessageError.code
 
 
 async def decode_deliveries(msgs: list[Msg], kind: type[M]) -> tuple[list[Delivery[M]], list[Rejected]]:
@@ -211,7 +212,7 @@ async def decode_deliveries(msgs: list[Msg], kind: type[M]) -> tuple[list[Delive
             rid, reply_to = best_guess(msg.data)
             log.error("malformed message terminated", extra={"subject": msg.subject, "error": str(exc), "rid": rid})
             await msg.term()
-            bad.append(Rejected(str(exc), rid, reply_to))
+            bad.append(Rejected(str(exc), rid, reply_to, exc.code))
     return good, bad
 
 

@@ -139,9 +139,9 @@ REQUESTS = WorkChannel(
     subjects.REQUEST_STREAM,
     subjects.requests,
     subjects.prefill_consumer,
-    sender="API (or any publisher)",
+    sender="API (or any direct publisher)",
     receiver="prefill and unified workers",
-    senders=("api",),
+    senders=("api", "client"),
     receivers=("prefill", "unified"),
 )
 KV_READY = WorkChannel(
@@ -161,9 +161,9 @@ TOKENS = Channel(
     subjects.tokens,
     subjects.tokens_prefix,
     sender="prefill, decode and unified workers, at the request's reply_to",
-    receiver="the API instance that published the request",
+    receiver="the API instance (or direct publisher) that published the request",
     senders=("prefill", "decode", "unified"),
-    receivers=("api",),
+    receivers=("api", "client"),
 )
 TOKEN_BATCHES = Channel(
     "token_batches",
@@ -171,18 +171,18 @@ TOKEN_BATCHES = Channel(
     subjects.token_batches,
     subjects.token_batches,
     sender="decode and unified workers: one engine step's chunks for the requests whose batch_to it is",
-    receiver="the API instance that published those requests",
+    receiver="the API instance (or direct publisher) that published those requests",
     senders=("decode", "unified"),
-    receivers=("api",),
+    receivers=("api", "client"),
 )
 CANCEL = Channel(
     "cancel",
     Cancel,
     subjects.cancel,
     subjects.cancel,
-    sender="API on client disconnect",
+    sender="API on client disconnect (or a direct publisher)",
     receiver="every worker",
-    senders=("api",),
+    senders=("api", "client"),
     receivers=("prefill", "decode", "unified"),
 )
 KV_RELEASE = Channel(
@@ -260,7 +260,7 @@ async def subscribe(
                 "malformed message dropped", extra={"channel": channel.name, "subject": msg.subject, "error": str(exc)}
             )
             rid, reply_to = best_guess(msg.data)
-            await answer_malformed(nc, rid, reply_to, str(exc))
+            await answer_malformed(nc, rid, reply_to, str(exc), code=exc.code)
             return
         try:
             await handler(message)
@@ -320,16 +320,23 @@ async def publish(nc: Client, channel: Channel[M], message: M, *scope: str, to: 
 
 
 async def answer_malformed(
-    nc: Client, rid: str | None, reply_to: str | None, error: str, receiver_id: str = ""
+    nc: Client,
+    rid: str | None,
+    reply_to: str | None,
+    error: str,
+    receiver_id: str = "",
+    code: str = MessageError.code,
 ) -> None:
-    """Tell the sender of a message that did not decode, if its rid and reply subject are known."""
+    """Tell the sender of a message that did not decode, if its rid and reply subject are
+    known: an error chunk with ``code`` (``malformed_message``, or ``unsupported_version``
+    for a major version this receiver does not speak)."""
     if not (rid and reply_to):
         return
     chunk = TokenChunk(
         rid=rid,
         seq=0,
         finish_reason="error",
-        error=ErrorInfo(f"malformed message: {error}", "invalid_request_error"),
+        error=ErrorInfo(f"malformed message: {error}", "invalid_request_error", code),
         worker_id=receiver_id,
     )
     try:
@@ -387,5 +394,7 @@ class WorkQueue(Generic[M]):
             return []
         good, bad = await decode_deliveries(msgs, self.channel.message)
         for rejected in bad:
-            await answer_malformed(self._nc, rejected.rid, rejected.reply_to, rejected.error, self._receiver_id)
+            await answer_malformed(
+                self._nc, rejected.rid, rejected.reply_to, rejected.error, self._receiver_id, rejected.code
+            )
         return good

@@ -2,7 +2,9 @@
 
 One user per worker role (``prefill``, ``decode``, ``unified``), one per API process
 (named by the API's id, so that it may read only its own reply subjects) and ``admin``
-(every subject: for operators and test harnesses), each with a fresh random password in
+(every subject: for operators and test harnesses), one per direct publisher named with
+``pdserve up --nats-client NAME`` (role ``client``: requests, cancels and its own replies
+``pd.tokens.<NAME>.*``), each with a fresh random password in
 ``<data-dir>/nats/auth/<user>.password``, readable by this user only. What each may
 publish and subscribe to is :mod:`pdserve.broker.permissions`; the server refuses
 everyone else.
@@ -44,12 +46,17 @@ class EmbeddedCredentials:
     users: tuple[NatsUser, ...]
 
     @classmethod
-    def create(cls, directory: Path, api_ids: Iterable[str]) -> EmbeddedCredentials:
-        """Fresh users for every role and for each of ``api_ids``, their passwords
-        written (0600) under ``directory``."""
+    def create(cls, directory: Path, api_ids: Iterable[str], client_ids: Iterable[str] = ()) -> EmbeddedCredentials:
+        """Fresh users for every role, for each of ``api_ids`` and for each direct
+        publisher of ``client_ids``, their passwords written (0600) under ``directory``."""
         users = [NatsUser(role, _new_password(), permissions.for_role(role)) for role in permissions.WORKER_ROLES]
         users += [NatsUser(api_id, _new_password(), permissions.for_role("api", api_id)) for api_id in api_ids]
+        users += [NatsUser(c, _new_password(), permissions.for_role(permissions.CLIENT, c)) for c in client_ids]
         users.append(NatsUser(ADMIN, _new_password(), permissions.everything()))
+        names = [user.name for user in users]
+        taken = sorted({n for n in names if names.count(n) > 1 or n != subjects.token(n)})
+        if taken:
+            raise ValueError(f"NATS user names must be unique subject tokens ([A-Za-z0-9_-]): {', '.join(taken)}")
         directory.mkdir(parents=True, exist_ok=True)
         directory.chmod(0o700)
         for user in users:

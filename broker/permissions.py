@@ -17,6 +17,11 @@ first creates them; nothing may delete or purge them), reads its own inbox only
 reading and deleting the message, storing it in ``PD_DEAD``, answering its client on
 ``pd.tokens.>``). An API user's receiving subjects are scoped to its own API id: it
 cannot read another API's replies.
+
+A ``client`` (a direct publisher, ``docs/protocol.md``) is an API without the API's
+housekeeping: it publishes requests and cancels, and reads its own inbox and its own
+replies ``pd.tokens.<id>.*`` and ``pd.tokens.<id>``; it creates no stream and moves no
+dead letter.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from typing import Any
 from pdserve.broker import contract, subjects
 
 WORKER_ROLES = ("prefill", "decode", "unified")
-ROLES = ("api", *WORKER_ROLES)
+CLIENT = "client"
+ROLES = ("api", CLIENT, *WORKER_ROLES)
 
 _SCOPE = "PDSCOPE"  # stands for one subject token while a pattern is built
 
@@ -63,9 +69,12 @@ def pattern(build: Callable[..., str], *scope: str) -> str:
 
 
 def for_role(role: str, identity: str | None = None) -> Rights:
-    """The rights of ``role``; ``identity`` (an API's id) scopes what it receives."""
+    """The rights of ``role``; ``identity`` (an API's or a client's id, which a client
+    must have) scopes what it receives."""
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}; one of {ROLES}")
+    if role == CLIENT and not identity:
+        raise ValueError("a client's rights need its id (its replies are pd.tokens.<id>.*)")
     scope = (identity,) if identity else ()
     pub: list[str] = []
     sub: list[str] = [f"{subjects.inbox_prefix(identity or role)}.>"]
@@ -86,8 +95,9 @@ def for_role(role: str, identity: str | None = None) -> Rights:
                 pub += [pattern(subjects.pull_next, stream), f"$JS.ACK.{stream}.>"]
         elif isinstance(channel, contract.Bucket):
             pub += [f"{subjects.bucket_key_prefix(channel.bucket)}*"] if sends else []
-    pub += _jetstream_admin() + _dead_letters_publish()
-    sub += _dead_letters_subscribe()
+    if role != CLIENT:
+        pub += _jetstream_admin() + _dead_letters_publish()
+        sub += _dead_letters_subscribe()
     return Rights(tuple(dict.fromkeys(pub)), tuple(dict.fromkeys(sub)), responds)
 
 

@@ -135,6 +135,16 @@ class Engine:
         if not self.scheduler.fits_ever(longest):
             raise RequestError(f"the request may need {longest} tokens of KV; the KV pool holds {pool}")
 
+    def check_token_ids(self, *ids: list[int]) -> None:
+        """Raise :class:`RequestError` for a token id outside the model's vocabulary: the HTTP
+        API checks its input, but a direct NATS publisher's ids reach the engine as sent, and
+        one such id would fail the whole batch's forward pass."""
+        vocab = self.runner.vocab_size
+        for part in ids:
+            if part and not 0 <= min(part) <= max(part) < vocab:
+                bad = next(t for t in part if not 0 <= t < vocab)
+                raise RequestError(f"token id {bad} is outside the model's vocabulary of {vocab}")
+
     def add_request(
         self,
         rid: str,
@@ -147,6 +157,7 @@ class Engine:
             raise RequestError(f"request {rid!r} is already in the engine")
         outputs = list(output_ids or [])
         self.check_request(len(prompt_ids), sampling, len(outputs))
+        self.check_token_ids(prompt_ids, outputs)
         seq = Sequence(
             rid, list(prompt_ids), sampling, output_ids=outputs, num_resumed=len(outputs), prefill_only=prefill_only
         )
@@ -165,6 +176,7 @@ class Engine:
         with :meth:`commit_import` or :meth:`fail_import`.
         """
         self.check_request(len(prompt_ids), sampling, len(output_ids))
+        self.check_token_ids(prompt_ids, output_ids)
         seq = Sequence(rid, list(prompt_ids), sampling, output_ids=list(output_ids), num_resumed=len(output_ids))
         # The prompt's pages plus room to decode a page, and a watermark for the running batch.
         if not self.pages.reserve_prompt(seq, reserve=len(self.scheduler.running)):

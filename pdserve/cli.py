@@ -1,4 +1,5 @@
-"""The ``pdserve`` command: ``up``, ``api``, ``prefill``, ``decode``, ``unified``, ``bench``.
+"""The ``pdserve`` command: ``up``, ``api``, ``prefill``, ``decode``, ``unified``, ``bench``,
+``schemas``.
 
 Flags come from :mod:`pdserve.flags`; :mod:`pdserve.launch` turns them into configs and
 runs the process. Worker commands take the SGLang flags users already type
@@ -11,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pdserve import flags
+from pdserve import flags, schema_files
 from pdserve.bench.cli import add_parser as add_bench_parser
 from pdserve.launch import UsageError
 
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         flags.add_flags(worker, flags.NATS_AUTH, "NATS credentials")
 
     add_bench_parser(sub)
+    schema_files.add_parser(sub)
     return parser
 
 
@@ -65,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     from pdserve.logs import setup_logging
 
     args = build_parser().parse_args(argv)
+    if args.command == "schemas":
+        return schema_files.run(args)
     setup_logging(args.log_level, args.command)
     try:
         if args.command == "up":

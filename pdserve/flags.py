@@ -282,6 +282,12 @@ UP = (
     Flag("--transfer-host", WorkerConfig.host, help="address workers' transfer engines listen on"),
     TRANSFER_BACKEND,
     IB_DEVICE,
+    Flag(
+        "--nats-client",
+        many=True,
+        help="a user of the embedded broker for a direct NATS publisher (docs/protocol.md), repeatable: it may "
+        "publish requests and cancels and read pd.tokens.NAME.*; its password is <data-dir>/nats/auth/NAME.password",
+    ),
 )
 UP_BROKER_HELP = {
     "--prefill-max-ack-pending": "default: workers on the request queue x --max-running-requests",

@@ -135,9 +135,12 @@ def _nats_user(credentials: EmbeddedCredentials | None, user: str | None) -> dic
     return {"nats_user": user, "nats_password_file": credentials.password_file(credentials.directory, user)}
 
 
-def _embedded_broker(data_dir: Path, api_ids: list[str]) -> tuple[Broker, EmbeddedCredentials]:
-    """The embedded ``nats-server`` with a user per role and per API process."""
-    credentials = EmbeddedCredentials.create(data_dir / "auth", api_ids)
+def _embedded_broker(data_dir: Path, api_ids: list[str], client_ids: list[str]) -> tuple[Broker, EmbeddedCredentials]:
+    """The embedded ``nats-server`` with a user per role, per API process and per direct publisher."""
+    try:
+        credentials = EmbeddedCredentials.create(data_dir / "auth", api_ids, client_ids)
+    except ValueError as exc:
+        raise UsageError(f"--nats-client: {exc}") from None
     users = credentials.entries()
     broker = Broker(data_dir, start_nats_server(data_dir, users=users), users)
     log.info(
@@ -213,6 +216,8 @@ def run_up(args: argparse.Namespace) -> int:
     own_credentials = [f.name for f in flags.NATS_AUTH if getattr(args, f.dest) is not None]
     if own_credentials and not args.nats_url:
         raise UsageError(f"{', '.join(own_credentials)}: for --nats-url; the embedded broker makes its own users")
+    if args.nats_client and args.nats_url:
+        raise UsageError("--nats-client: for the embedded broker; an external server's operator makes its users")
     model_path = resolve_model(args)
     key_file = _key_file(args)
     prefix = f"api-{uuid.uuid4().hex[:8]}"
@@ -221,7 +226,7 @@ def run_up(args: argparse.Namespace) -> int:
     if args.nats_url:
         nats_url = args.nats_url
     else:
-        broker, credentials = _embedded_broker(Path(args.data_dir) / "nats", api_ids)
+        broker, credentials = _embedded_broker(Path(args.data_dir) / "nats", api_ids, args.nats_client or [])
         nats_url = broker.url
     threads = args.num_threads or max(1, (os.cpu_count() or 1) // len(roles))
     children = [

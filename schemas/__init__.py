@@ -1,6 +1,6 @@
 """Every message that crosses a process boundary: versioned frozen dataclasses, orjson-encoded."""
 
-from pdserve.schemas.codec import Message, MessageError
+from pdserve.schemas.codec import Message, MessageError, UnsupportedVersion
 from pdserve.schemas.control import Cancel
 from pdserve.schemas.kv import KVHandle, KVLayout, KVLease, KVLeaseReply, KVReady, KVRelease
 from pdserve.schemas.link import KVLink, KVLinkReply, KVPush, KVPushReply
@@ -29,6 +29,7 @@ __all__ = [
     "TokenBatch",
     "TokenChunk",
     "TokenLogprob",
+    "UnsupportedVersion",
     "Usage",
     "WorkerCounters",
     "WorkerInfo",

@@ -25,6 +25,14 @@ M = TypeVar("M", bound="Message")
 class MessageError(ValueError):
     """A payload that is not a valid message of the expected type and version."""
 
+    code = "malformed_message"  # ErrorInfo.code of the error a receiver answers with
+
+
+class UnsupportedVersion(MessageError):
+    """A payload whose major version ``v`` this receiver does not speak."""
+
+    code = "unsupported_version"
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Message:
@@ -45,7 +53,7 @@ class Message:
             raise MessageError(f"{cls.__name__}: expected a JSON object")
         version = raw.get("v")
         if version != cls.VERSION:
-            raise MessageError(f"{cls.__name__}: unsupported version {version!r} (expected {cls.VERSION})")
+            raise UnsupportedVersion(f"{cls.__name__}: unsupported version {version!r} (expected {cls.VERSION})")
         return _build(cls, raw, cls.__name__)
 
     @classmethod

@@ -23,11 +23,12 @@ from pdserve.schemas import KVHandle, KVLayout, KVReady, SamplingParams, TokenCh
 
 MODEL = "m"
 API, OTHER_API = "api-test-0", "api-test-1"
+PUBLISHER = "batch-job"
 
 
 @pytest.fixture
 def secured(tmp_path: Path) -> Any:
-    credentials = EmbeddedCredentials.create(tmp_path / "nats" / "auth", [API, OTHER_API])
+    credentials = EmbeddedCredentials.create(tmp_path / "nats" / "auth", [API, OTHER_API], [PUBLISHER])
     server = start_nats_server(tmp_path / "nats", users=credentials.entries())
     yield server, credentials
     server.stop()
@@ -157,13 +158,51 @@ def test_every_channel_names_its_roles_and_each_role_gets_its_subjects() -> None
     decode = permissions.for_role("decode")
     assert "pd.lease.*" in decode.publish and "pd.kv.*" not in decode.publish
     for role in permissions.ROLES:
-        rights = permissions.for_role(role)
+        rights = permissions.for_role(role, PUBLISHER if role == permissions.CLIENT else None)
         assert not any("DELETE.PD_" in s and "MSG" not in s for s in rights.publish)
         assert not any("PURGE" in s for s in rights.publish)
     assert permissions.pattern(subjects.tokens) == "pd.tokens.*.*"
     assert permissions.pattern(subjects.prefill_consumer) == "*"
     with pytest.raises(ValueError):
         permissions.for_role("root")
+    with pytest.raises(ValueError, match="id"):
+        permissions.for_role(permissions.CLIENT)
+    publisher = permissions.for_role(permissions.CLIENT, PUBLISHER)
+    assert set(publisher.publish) == {"pd.req.*", "pd.cancel"}
+    assert set(publisher.subscribe) == {f"_INBOX.{PUBLISHER}.>", f"pd.tokens.{PUBLISHER}.*", f"pd.tokens.{PUBLISHER}"}
+    with pytest.raises(ValueError, match="unique"):
+        EmbeddedCredentials.create(Path("/nonexistent"), [API], [API])
+    with pytest.raises(ValueError, match="subject tokens"):
+        EmbeddedCredentials.create(Path("/nonexistent"), [API], ["has.dot"])
+
+
+async def test_a_direct_publisher_requests_cancels_and_reads_its_own_replies_only(client: Any) -> None:
+    admin, _ = await client(ADMIN)
+    await ensure_model(admin.jetstream(), MODEL, BrokerConfig())
+    publisher, errors = await client(PUBLISHER)
+    worker, _ = await client("decode")
+    assert await _stored_after(publisher, admin, subjects.requests(MODEL), subjects.REQUEST_STREAM) == 1
+    await publisher.publish(subjects.cancel(), b"{}")
+    mine: list[bytes] = []
+
+    async def take(msg: Any) -> None:
+        mine.append(msg.data)
+
+    await publisher.subscribe(subjects.tokens_prefix(PUBLISHER), cb=take)
+    await publisher.subscribe(subjects.tokens_prefix(API), cb=take)  # refused
+    await publisher.publish(subjects.kv_ready(MODEL), _kv_ready("forged").encode())  # refused
+    await publisher.publish("$JS.API.STREAM.DELETE.PD_REQUESTS", b"")  # refused
+    await publisher.flush()
+    await asyncio.sleep(0.2)
+    chunk = TokenChunk(rid="r", seq=0, token_ids=(1,)).encode()
+    await worker.publish(subjects.tokens(PUBLISHER, "r"), chunk)
+    await worker.publish(subjects.tokens(API, "r"), chunk)
+    await worker.flush()
+    await asyncio.sleep(0.3)
+    assert mine == [chunk]
+    assert sum("permissions violation" in e for e in errors) == 3, errors
+    assert not any(subjects.cancel() in e or subjects.requests(MODEL) in e for e in errors), errors
+    assert (await admin.jetstream().stream_info(subjects.KV_STREAM)).state.messages == 0
 
 
 def test_a_server_without_users_stays_open(nats_server: NatsServer) -> None:
