@@ -18,7 +18,8 @@ Each role's *need* is the largest of what its signals ask for, in replicas:
 
 The need is rounded up and held within ``[min_replicas, max_replicas]``; a need within
 ``tolerance`` of the current size changes nothing. Against flapping: a scale-up happens only
-when every reading of the last ``scale_up_window`` seconds asked for more, and not within
+when every reading of the last ``scale_up_window`` seconds (and there were readings that
+long) asked for more, and not within
 ``scale_up_cooldown`` of the role's last change; a scale-down goes only to the most that any
 reading of the last ``scale_down_window`` seconds asked for, so one quiet moment does not
 shrink a busy pool, and a pool grows back at once when load returns.
@@ -183,6 +184,8 @@ class Autoscaler:
             return min(max(current, policy.min_replicas), policy.max_replicas)  # limits first, at once
         if target > current:
             if now - history.last_change < config.scale_up_cooldown:
+                return current
+            if now - history.targets[0][0] < config.scale_up_window:  # too few readings yet
                 return current
             agreed = min(t for at, t in _since(history.targets, now - config.scale_up_window))
             return min(max(agreed, current), current + config.max_scale_up_step)
