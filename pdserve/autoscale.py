@@ -27,6 +27,7 @@ from pathlib import Path
 
 from nats import errors as nats_errors
 from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -176,7 +177,10 @@ class Autoscale:
         try:
             backlogs = {role: await read_backlog(js, CHANNELS[role], self.model) for role in self.pools}
             workers = [w for w in await registry.list() if w.model == self.model]
-        except (nats_errors.Error, TimeoutError) as exc:  # away, or no consumer yet: hold
+        except NotFoundError:  # no worker has made the streams yet
+            log.debug("no work queues yet; holding")
+            return {}
+        except (nats_errors.Error, TimeoutError) as exc:  # the broker is away: hold
             log.warning("cannot read the queues; holding", extra={"error": str(exc) or type(exc).__name__})
             return {}
         return self.apply(backlogs, workers, time.time())

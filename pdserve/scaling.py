@@ -146,6 +146,7 @@ def target_replicas(need: float, current: int, policy: RolePolicy, tolerance: fl
 @dataclass
 class _History:
     targets: deque[tuple[float, int]] = field(default_factory=deque)
+    since: float | None = None  # the first reading
     last_change: float = -math.inf
 
 
@@ -169,6 +170,8 @@ class Autoscaler:
         target = target_replicas(need, current, policy, config.tolerance)
         keep = max(config.scale_up_window, config.scale_down_window)
         history.targets.append((now, target))
+        if history.since is None:
+            history.since = now
         while history.targets and history.targets[0][0] < now - keep:
             history.targets.popleft()
         desired = self._stabilize(now, current, target, policy, history)
@@ -185,13 +188,14 @@ class Autoscaler:
         if target > current:
             if now - history.last_change < config.scale_up_cooldown:
                 return current
-            if now - history.targets[0][0] < config.scale_up_window:  # too few readings yet
+            assert history.since is not None
+            if now - history.since < config.scale_up_window:  # not read for that long yet
                 return current
             agreed = min(t for at, t in _since(history.targets, now - config.scale_up_window))
             return min(max(agreed, current), current + config.max_scale_up_step)
         if target < current:
-            oldest = history.targets[0][0]
-            if now - oldest < config.scale_down_window:  # not enough readings to be sure yet
+            assert history.since is not None
+            if now - history.since < config.scale_down_window:  # not read for that long yet
                 return current
             return min(max(t for _, t in _since(history.targets, now - config.scale_down_window)), current)
         return current

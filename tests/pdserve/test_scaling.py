@@ -122,6 +122,15 @@ def test_scale_down_waits_for_a_whole_quiet_window_then_goes_to_its_most() -> No
     assert desired[50:] == [1] * 11
 
 
+def test_readings_at_any_interval_reach_the_minimum_after_the_window() -> None:
+    scaler = Autoscaler(dataclasses.replace(CONFIG, scale_down_window=10.0))
+    busy = PoolReading(replicas=2, busy=1.5)
+    times = [round(0.7 * i, 1) for i in range(40)]  # a reading every 0.7 s, for 27.3 s
+    desired = run(scaler, [(t, busy if t < 5 else PoolReading(replicas=2)) for t in times])
+    first_down = times[desired.index(1)]
+    assert 15.0 <= first_down <= 15.7, "down once a whole window of quiet readings has passed"
+
+
 def test_an_oscillating_backlog_does_not_flap() -> None:
     scaler = Autoscaler(CONFIG)
     high, low = PoolReading(replicas=1, pending=20), IDLE
