@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 
@@ -135,10 +136,10 @@ def test_an_oscillating_backlog_does_not_flap() -> None:
     scaler = Autoscaler(CONFIG)
     high, low = PoolReading(replicas=1, pending=20), IDLE
     desired = run(scaler, [(float(t), high if t % 4 < 2 else low) for t in range(120)])
-    changes = sum(1 for a, b in zip(desired, desired[1:], strict=False) if a != b)
+    changes = sum(1 for a, b in itertools.pairwise(desired) if a != b)
     assert changes == 0 and set(desired) == {1}, "two high readings in a row never fill the up window of 2 s"
     desired = run(Autoscaler(CONFIG), [(float(t), high if t % 6 < 4 else low) for t in range(120)])
-    changes = sum(1 for a, b in zip(desired, desired[1:], strict=False) if a != b)
+    changes = sum(1 for a, b in itertools.pairwise(desired) if a != b)
     assert changes == 1 and desired[-1] == 3, "up once, then held: every 30 s window has a high reading"
 
 
