@@ -383,6 +383,15 @@ def run_one(
     return summary
 
 
+def git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        return ""
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--min-prefill", type=int, default=1)
@@ -405,6 +414,7 @@ def main() -> int:
     p.add_argument("--tolerance", type=float, default=0.1, help="the rule's tolerance (for the threshold)")
     p.add_argument("--schedule-seed", type=int, default=14)
     p.add_argument("--seed", type=int, default=None, help="first prompt seed (default: fresh, recorded)")
+    p.add_argument("--commit", default="", help="the commit measured (default: git's HEAD)")
     p.add_argument("--configs", default="fixed-min,fixed-max,autoscale")
     p.add_argument("--scale-args", default="", help="extra flags for the autoscaled run")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/pdserve-autoscale-burst"))
@@ -431,9 +441,7 @@ def main() -> int:
     result: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join(["python", *sys.argv]),
-        "commit": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip(),
+        "commit": args.commit or git_commit(),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_before": os.getloadavg()},
         "model": model.name,
         "schedule": {
