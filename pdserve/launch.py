@@ -93,20 +93,27 @@ def broker_config(args: argparse.Namespace) -> BrokerConfig:
 def scaling_config(args: argparse.Namespace) -> ScalingConfig:
     """The autoscaling rule's limits and targets (``--min-prefill`` ... ``--scale-*``)."""
     decode_lag = args.decode_lag_threshold or max(1, args.max_running_requests * 3 // 4)
+    pools = {
+        "prefill": dict(
+            min_replicas=args.min_prefill,
+            max_replicas=args.max_prefill,
+            lag_per_replica=args.prefill_lag_threshold,
+            backlog_seconds=args.prefill_backlog_seconds,
+        ),
+        "decode": dict(min_replicas=args.min_decode, max_replicas=args.max_decode, lag_per_replica=decode_lag),
+    }
+    policies = {}
+    for role, values in pools.items():
+        try:
+            policies[role] = RolePolicy(**values)
+        except ValueError as exc:
+            raise UsageError(f"--min-{role}/--max-{role}/--{role}-*: {exc}") from None
     try:
         return ScalingConfig(
-            prefill=RolePolicy(
-                min_replicas=args.min_prefill,
-                max_replicas=args.max_prefill,
-                lag_per_replica=args.prefill_lag_threshold,
-                backlog_seconds=args.prefill_backlog_seconds,
-            ),
-            decode=RolePolicy(min_replicas=args.min_decode, max_replicas=args.max_decode, lag_per_replica=decode_lag),
-            scale_up_cooldown=args.scale_up_cooldown,
-            scale_down_window=args.scale_down_window,
+            **policies, scale_up_cooldown=args.scale_up_cooldown, scale_down_window=args.scale_down_window
         )
     except ValueError as exc:
-        raise UsageError(f"autoscaling: {exc}") from None
+        raise UsageError(f"--scale-*: {exc}") from None
 
 
 def nats_auth(args: argparse.Namespace) -> NatsAuth:

@@ -113,3 +113,45 @@ async def test_a_backlog_scales_prefill_out_and_idle_scales_it_in_with_a_drain(
     assert "scaling prefill 1 -> 2" in log and "scaling prefill 2 -> 1" in log
     assert re.search(r"retired worker exited role=prefill index=\d+ code=0 ", log), log
     assert "child process exited; restarting" not in log and "CRITICAL" not in log
+
+
+def test_pdserve_autoscale_runs_the_pools_against_a_broker_of_ones_own(
+    nats_server: Any, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """`pdserve autoscale`: workers only, against an external nats-server; its own /metrics;
+    SIGTERM drains the workers and exits 0."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    log_path = tmp_path / "autoscale.log"
+    argv = [sys.executable, "-m", "pdserve", "autoscale", "--nats-url", nats_server.url]
+    argv += ["--model-path", str(tiny_model_dir), "--data-dir", str(tmp_path / "data"), "--metrics-port", "0"]
+    argv += ["--heartbeat-seconds", "0.5", "--num-threads", "1", "--max-prefill", "1", "--max-decode", "1"]
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url = None
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, log_path.read_text()
+            found = re.search(r"autoscale metrics url=(\S+)", log_path.read_text())
+            if found:
+                url = found.group(1)
+                text = httpx.get(url, timeout=5).text
+                if "worker ready" in log_path.read_text() and desired(text, "prefill") == 1.0:
+                    break
+            time.sleep(0.5)
+        assert url is not None, log_path.read_text()
+        text = httpx.get(url, timeout=5).text
+        assert desired(text, "prefill") == 1.0 and desired(text, "decode") == 1.0, text
+        while log_path.read_text().count("worker ready") < 2:
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.5)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=90)
+    log = log_path.read_text()
+    assert code == 0, log
+    assert log.count("worker stopped") == 2, log
