@@ -357,6 +357,7 @@ def run_one(
     args: argparse.Namespace,
     seed: int,
 ) -> dict[str, Any]:
+    load_before = os.getloadavg()
     proc, url = start_up(name, home, model, extra)
     try:
         time.sleep(args.warmup)
@@ -379,6 +380,7 @@ def run_one(
         stop_up(proc)
     summary = summarize(name, records, plan, samples, args)
     summary["seed"] = seed
+    summary["load_before"] = load_before
     summary["flags"] = extra
     return summary
 

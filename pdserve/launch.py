@@ -110,7 +110,10 @@ def scaling_config(args: argparse.Namespace) -> ScalingConfig:
             raise UsageError(f"--min-{role}/--max-{role}/--{role}-*: {exc}") from None
     try:
         return ScalingConfig(
-            **policies, scale_up_cooldown=args.scale_up_cooldown, scale_down_window=args.scale_down_window
+            prefill=policies["prefill"],
+            decode=policies["decode"],
+            scale_up_cooldown=args.scale_up_cooldown,
+            scale_down_window=args.scale_down_window,
         )
     except ValueError as exc:
         raise UsageError(f"--scale-*: {exc}") from None
