@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 from pdserve.autoscale import Pool
 from pdserve.children import Child, tend
