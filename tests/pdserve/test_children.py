@@ -51,17 +51,19 @@ def test_a_retired_child_drains_is_dropped_and_never_restarted() -> None:
     wait_exit(children[0])
 
 
-def test_a_retired_child_that_will_not_stop_is_killed() -> None:
+def test_a_retired_child_that_will_not_stop_is_killed(tmp_path: Path) -> None:
     from pdserve.children import RETIRE_KILL_SECONDS
 
-    stubborn = [
-        sys.executable,
-        "-c",
-        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)",
-    ]
-    child = Child("prefill", 0, stubborn)
+    ready = tmp_path / "ready"
+    ignore_sigterm = "import pathlib, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    child = Child(
+        "prefill", 0, [sys.executable, "-c", ignore_sigterm + f"pathlib.Path({str(ready)!r}).touch(); time.sleep(60)"]
+    )
     child.start()
-    time.sleep(0.5)  # its handler is in place
+    deadline = time.monotonic() + 30
+    while not ready.exists():  # its handler is in place
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     child.retire()
     children = [child]
     assert child.retired_at is not None
