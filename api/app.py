@@ -6,10 +6,11 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -205,8 +206,9 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return error_response(APIError(exc.detail or "error", exc.status_code, kind, headers=headers))
 
 
-def create_app(config: ApiConfig, info: ModelInfo | None = None) -> Starlette:
-    """The app; the model's tokenizer loads and NATS connects in the lifespan."""
+def create_app(config: ApiConfig, info: ModelInfo | None = None, collectors: Sequence[Collector] = ()) -> Starlette:
+    """The app; the model's tokenizer loads and NATS connects in the lifespan. ``collectors``
+    join ``/metrics`` (``pdserve up --autoscale`` adds its autoscaler's)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -224,6 +226,8 @@ def create_app(config: ApiConfig, info: ModelInfo | None = None) -> Starlette:
             nats_auth=config.nats_auth,
         )
         await gateway.start()
+        for collector in collectors:
+            gateway.metrics.registry.register(collector)
         app.state.pd = AppState(config, model, gateway, time.time())
         log.info("api ready", extra={"model": model.name, "api_id": gateway.api_id, "api_keys": len(config.api_keys)})
         warn_if_open(config)

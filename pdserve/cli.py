@@ -1,5 +1,5 @@
-"""The ``pdserve`` command: ``up``, ``api``, ``prefill``, ``decode``, ``unified``, ``bench``,
-``schemas``.
+"""The ``pdserve`` command: ``up``, ``api``, ``prefill``, ``decode``, ``unified``, ``autoscale``,
+``bench``, ``schemas``.
 
 Flags come from :mod:`pdserve.flags`; :mod:`pdserve.launch` turns them into configs and
 runs the process. Worker commands take the SGLang flags users already type
@@ -37,6 +37,27 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add_flags(up, flags.NATS_AUTH, "an external NATS server's credentials (the embedded one makes its own)")
     for flag in flags.BROKER:
         flag.add_to(up, default=None, help=flags.UP_BROKER_HELP[flag.name])
+    flags.add_flags(up, (flags.AUTOSCALE_SWITCH, *flags.AUTOSCALE), "autoscaling (with --autoscale)")
+
+    scale = sub.add_parser(
+        "autoscale", help="run prefill and decode workers on this machine, as many as their queues ask for"
+    )
+    flags.add_flags(scale, flags.common())
+    flags.add_flags(scale, flags.MODEL, "model")
+    flags.add_flags(scale, flags.ENGINE, "engine")
+    flags.add_flags(scale, flags.AUTOSCALE, "autoscaling")
+    flags.add_flags(scale, flags.AUTOSCALE_METRICS)
+    flags.add_flags(
+        scale,
+        (
+            flags.nats_url(),
+            *(f for f in flags.UP if f.name in ("--transfer-host", "--disaggregation-transfer-backend")),
+            flags.IB_DEVICE,
+        ),
+    )
+    flags.add_flags(scale, flags.NATS_AUTH, "NATS credentials (the autoscaler's and its workers')")
+    for flag in flags.BROKER:
+        flag.add_to(scale, default=None, help=flags.AUTOSCALE_BROKER_HELP[flag.name])
 
     api = sub.add_parser("api", help="run the HTTP API only")
     flags.add_flags(api, flags.common())
@@ -75,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
             from pdserve.supervisor import run_up
 
             return run_up(args)
+        if args.command == "autoscale":
+            from pdserve.autoscale import run_autoscale
+
+            return run_autoscale(args)
         if args.command == "bench":
             from pdserve.bench.cli import run as run_bench
 

@@ -19,6 +19,7 @@ from pdserve import settings
 from pdserve.api.config import ApiConfig
 from pdserve.broker.streams import BrokerConfig
 from pdserve.engine.config import EngineConfig
+from pdserve.scaling import RolePolicy, ScalingConfig
 from pdserve.workers.config import WorkerConfig
 
 
@@ -289,9 +290,63 @@ UP = (
         "publish requests and cancels and read pd.tokens.NAME.*; its password is <data-dir>/nats/auth/NAME.password",
     ),
 )
+# ---- autoscaling (`autoscale`, and `up --autoscale`) ---------------------------------------
+AUTOSCALE_SWITCH = Flag(
+    "--autoscale",
+    switch=True,
+    help="grow and shrink the prefill and decode pools on their own backlog, within --min-/--max-prefill "
+    "and --min-/--max-decode (instead of --prefill-workers/--decode-workers)",
+)
+AUTOSCALE = (
+    Flag("--min-prefill", ScalingConfig.prefill.min_replicas, int, "fewest prefill workers (default: %(default)s)"),
+    Flag("--max-prefill", ScalingConfig.prefill.max_replicas, int, "most prefill workers (default: %(default)s)"),
+    Flag("--min-decode", ScalingConfig.decode.min_replicas, int, "fewest decode workers (default: %(default)s)"),
+    Flag("--max-decode", ScalingConfig.decode.max_replicas, int, "most decode workers (default: %(default)s)"),
+    Flag("--scale-interval", 1.0, float, "seconds between readings of the queues (default: %(default)s)"),
+    Flag(
+        "--scale-up-cooldown",
+        ScalingConfig.scale_up_cooldown,
+        float,
+        "seconds after a pool changed before it may grow again (default: %(default)s)",
+    ),
+    Flag(
+        "--scale-down-window",
+        ScalingConfig.scale_down_window,
+        float,
+        "a pool shrinks only to the most any reading of this many seconds asked for (default: %(default)s)",
+    ),
+    Flag(
+        "--prefill-lag-threshold",
+        RolePolicy.lag_per_replica,
+        int,
+        "requests waiting or in hand per prefill worker, as KEDA's lagThreshold (default: %(default)s)",
+    ),
+    Flag(
+        "--decode-lag-threshold",
+        type=int,
+        help="KV-ready events waiting or in hand (running sequences) per decode worker "
+        "(default: 3/4 of --max-running-requests)",
+    ),
+    Flag(
+        "--prefill-backlog-seconds",
+        RolePolicy.backlog_seconds,
+        float,
+        "a prefill worker should clear its share of the prompt tokens waiting within this many seconds, at its "
+        "measured rate (default: %(default)s)",
+    ),
+)
+AUTOSCALE_METRICS = (
+    Flag("--metrics-host", "127.0.0.1", help="address of the autoscaler's /metrics (default: %(default)s)"),
+    Flag("--metrics-port", 9464, int, "port of the autoscaler's /metrics (default: %(default)s; 0: any free port)"),
+)
+
 UP_BROKER_HELP = {
     "--prefill-max-ack-pending": "default: workers on the request queue x --max-running-requests",
     "--decode-max-ack-pending": "default: decode workers x --max-running-requests",
+}
+AUTOSCALE_BROKER_HELP = {
+    "--prefill-max-ack-pending": "default: --max-prefill x --max-running-requests",
+    "--decode-max-ack-pending": "default: --max-decode x --max-running-requests",
 }
 
 

@@ -16,6 +16,7 @@ from pdserve.api.config import ApiConfig
 from pdserve.broker.auth import NatsAuth, read_password
 from pdserve.broker.streams import BrokerConfig
 from pdserve.engine.config import EngineConfig
+from pdserve.scaling import RolePolicy, ScalingConfig
 from pdserve.telemetry import setup_tracing
 from pdserve.workers.config import WorkerConfig
 
@@ -87,6 +88,35 @@ def broker_config(args: argparse.Namespace) -> BrokerConfig:
     return BrokerConfig(
         prefill_max_ack_pending=args.prefill_max_ack_pending, decode_max_ack_pending=args.decode_max_ack_pending
     )
+
+
+def scaling_config(args: argparse.Namespace) -> ScalingConfig:
+    """The autoscaling rule's limits and targets (``--min-prefill`` ... ``--scale-*``)."""
+    decode_lag = args.decode_lag_threshold or max(1, args.max_running_requests * 3 // 4)
+    pools = {
+        "prefill": dict(
+            min_replicas=args.min_prefill,
+            max_replicas=args.max_prefill,
+            lag_per_replica=args.prefill_lag_threshold,
+            backlog_seconds=args.prefill_backlog_seconds,
+        ),
+        "decode": dict(min_replicas=args.min_decode, max_replicas=args.max_decode, lag_per_replica=decode_lag),
+    }
+    policies = {}
+    for role, values in pools.items():
+        try:
+            policies[role] = RolePolicy(**values)
+        except ValueError as exc:
+            raise UsageError(f"--min-{role}/--max-{role}/--{role}-*: {exc}") from None
+    try:
+        return ScalingConfig(
+            prefill=policies["prefill"],
+            decode=policies["decode"],
+            scale_up_cooldown=args.scale_up_cooldown,
+            scale_down_window=args.scale_down_window,
+        )
+    except ValueError as exc:
+        raise UsageError(f"--scale-*: {exc}") from None
 
 
 def nats_auth(args: argparse.Namespace) -> NatsAuth:

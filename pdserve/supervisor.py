@@ -15,7 +15,6 @@ import contextlib
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
 import uuid
@@ -28,33 +27,17 @@ import uvicorn
 
 from pdserve import flags
 from pdserve.api.config import ApiConfig
-from pdserve.broker.credentials import EmbeddedCredentials
+from pdserve.autoscale import EXIT_FAILED, Autoscale, Pool, size_for_autoscale, stop_children
+from pdserve.broker.auth import NatsAuth
+from pdserve.broker.credentials import ADMIN, EmbeddedCredentials
 from pdserve.broker.server import NatsServer, NatsServerError, start_nats_server, write_private
-from pdserve.launch import UsageError, api_config, api_keys, listen_socket, resolve_model
+from pdserve.children import Child, nats_user, tend, worker_argv
+from pdserve.launch import UsageError, api_config, api_keys, listen_socket, nats_auth, resolve_model, scaling_config
+from pdserve.scaling import ROLES, ScalingConfig
 from pdserve.telemetry import setup_tracing
 from pdserve.workers.transfer.base import backend_device_error
 
 log = logging.getLogger("pdserve.up")
-
-RESTART_BACKOFF_SECONDS = (1.0, 2.0, 5.0, 10.0, 30.0)
-
-
-@dataclass
-class Child:
-    role: str
-    index: int
-    argv: list[str]
-    process: subprocess.Popen[bytes] | None = None
-    restarts: int = 0
-    started_at: float = field(default_factory=time.monotonic)
-
-    def start(self) -> None:
-        self.process = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL)
-        self.started_at = time.monotonic()
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
 
 
 @dataclass
@@ -85,32 +68,6 @@ class Broker:
         self.server.stop()
 
 
-def worker_argv(
-    args: argparse.Namespace,
-    role: str,
-    model_path: Path,
-    nats_url: str,
-    threads: int,
-    device: str | None = None,
-    credentials: EmbeddedCredentials | None = None,
-) -> list[str]:
-    """``python -m pdserve <role>`` with every flag ``up`` shares with workers, from the flag
-    table, plus what ``up`` decides: the model, the broker (and the role's user of the
-    embedded one, by password file), threads, the transfer host and the worker's device
-    (default ``--device``)."""
-    values = {
-        **vars(args),
-        "device": device or args.device,
-        "model_path": model_path,
-        "nats_url": nats_url,
-        "num_threads": threads,
-        "host": args.transfer_host,
-        "exit_with_parent": True,
-        **_nats_user(credentials, role),
-    }
-    return [sys.executable, "-m", "pdserve", role, *flags.render(flags.forwarded(), values)]
-
-
 def api_argv(
     args: argparse.Namespace,
     model_path: Path,
@@ -125,14 +82,8 @@ def api_argv(
     values = {flag.dest: flag.default for flag in table}
     values.update({k: v for k, v in vars(args).items() if k in values})
     values.update(model_path=model_path, nats_url=nats_url, reuse_port=True, exit_with_parent=True, api_id=api_id)
-    values.update(api_key_file=key_file or values["api_key_file"], **_nats_user(credentials, api_id))
+    values.update(api_key_file=key_file or values["api_key_file"], **nats_user(credentials, api_id))
     return [sys.executable, "-m", "pdserve", "api", *flags.render(table, values)]
-
-
-def _nats_user(credentials: EmbeddedCredentials | None, user: str | None) -> dict[str, Any]:
-    if credentials is None or user is None:
-        return {}
-    return {"nats_user": user, "nats_password_file": credentials.password_file(credentials.directory, user)}
 
 
 def _embedded_broker(data_dir: Path, api_ids: list[str], client_ids: list[str]) -> tuple[Broker, EmbeddedCredentials]:
@@ -207,12 +158,29 @@ def size_consumers(args: argparse.Namespace, roles: list[str]) -> None:
         args.decode_max_ack_pending = per_worker * max(sum(1 for r in roles if r == "decode"), 1)
 
 
+def plan_autoscale(args: argparse.Namespace) -> tuple[ScalingConfig, list[str]]:
+    """``up --autoscale``: the rule's config and the workers to start with (each pool's
+    minimum); the consumers are sized for the largest pools."""
+    if args.mode != "pd":
+        raise UsageError("--autoscale grows and shrinks the prefill and decode pools: use --mode pd")
+    if args.worker_devices:
+        raise UsageError("--autoscale puts every worker on --device; --worker-devices is for fixed pools")
+    config = scaling_config(args)
+    return config, ["prefill"] * config.prefill.min_replicas + ["decode"] * config.decode.min_replicas
+
+
 def run_up(args: argparse.Namespace) -> int:
-    roles = plan_roles(args)
+    scaling = None
+    if args.autoscale:
+        scaling, roles = plan_autoscale(args)
+        threads = size_for_autoscale(args, scaling)
+    else:
+        roles = plan_roles(args)
+        size_consumers(args, roles)
+        threads = args.num_threads or max(1, (os.cpu_count() or 1) // len(roles))
     devices = plan_devices(args, roles)
     if args.api_processes < 1 or (args.api_processes > 1 and args.port == 0):
         raise SystemExit("pdserve up: error: --api-processes must be at least 1 (and more than 1 needs a fixed --port)")
-    size_consumers(args, roles)
     own_credentials = [f.name for f in flags.NATS_AUTH if getattr(args, f.dest) is not None]
     if own_credentials and not args.nats_url:
         raise UsageError(f"{', '.join(own_credentials)}: for --nats-url; the embedded broker makes its own users")
@@ -228,11 +196,18 @@ def run_up(args: argparse.Namespace) -> int:
     else:
         broker, credentials = _embedded_broker(Path(args.data_dir) / "nats", api_ids, args.nats_client or [])
         nats_url = broker.url
-    threads = args.num_threads or max(1, (os.cpu_count() or 1) // len(roles))
-    children = [
-        Child(role, i, worker_argv(args, role, model_path, nats_url, threads, device, credentials))
-        for i, (role, device) in enumerate(zip(roles, devices, strict=True))
-    ]
+    children: list[Child] = []
+    scaling_run: tuple[Autoscale, NatsAuth | None] | None = None
+    if scaling is not None:
+        argv = {r: worker_argv(args, r, model_path, nats_url, threads, None, credentials) for r in ROLES}
+        pools = {r: Pool(r, argv[r], children) for r in ROLES}
+        scaler = Autoscale(scaling, pools, args.served_model_name or model_path.name, args.scale_interval)
+        scaling_run = (scaler, credentials.auth(ADMIN) if credentials is not None else nats_auth(args))
+    else:
+        children += [
+            Child(role, i, worker_argv(args, role, model_path, nats_url, threads, device, credentials))
+            for i, (role, device) in enumerate(zip(roles, devices, strict=True))
+        ]
     children += [
         Child("api", i, api_argv(args, model_path, nats_url, api_ids[i], credentials, key_file))
         for i in range(1, args.api_processes)
@@ -242,45 +217,62 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         for child in children:
             child.start()
-        return asyncio.run(_serve(args, config, children, broker))
+        if scaling_run is not None:
+            for role, pool in scaling_run[0].pools.items():
+                pool.scale_to(scaling_run[0].rule.config.policy(role).min_replicas, {})
+        return asyncio.run(_serve(args, config, children, broker, scaling_run))
     finally:
-        for child in children:
-            child.stop()
-        for child in children:
-            if child.process is not None:
-                try:
-                    child.process.wait(timeout=40)
-                except subprocess.TimeoutExpired:
-                    child.process.kill()
+        stop_children(children)
         if broker is not None:
             broker.stop()
         log.info("pdserve stopped")
 
 
 async def _serve(
-    args: argparse.Namespace, config: ApiConfig, children: list[Child], broker: Broker | None = None
+    args: argparse.Namespace,
+    config: ApiConfig,
+    children: list[Child],
+    broker: Broker | None = None,
+    scaling: tuple[Autoscale, NatsAuth | None] | None = None,
 ) -> int:
+    """The API until SIGTERM/SIGINT, beside the tasks that keep the broker and the workers
+    running (and the autoscaler): if one of those ends, the API stops and so does ``up``
+    (status 70), loudly."""
     from pdserve.api.app import create_app
 
     setup_tracing("api")
-    app = create_app(config)
+    app = create_app(config, collectors=[scaling[0].metrics] if scaling else [])
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="on"))
     # With several API processes this one listens on the shared port like the others.
     sockets = [listen_socket(args.host, args.port, reuse_port=True)] if args.api_processes > 1 else None
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.request_exit)
-    watcher = asyncio.create_task(_watch(children, broker))
+    failed: list[asyncio.Task[None]] = []
+
+    def supervise(task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        log.critical("supervised task ended; stopping", extra={"task": task.get_name()}, exc_info=task.exception())
+        failed.append(task)
+        server.request_exit()
+
+    supervised = [asyncio.create_task(_watch(children, broker), name="watch")]
+    if scaling is not None:
+        scaler, admin = scaling
+        supervised.append(asyncio.create_task(scaler.run(config.nats_url, admin, config.broker), name="autoscale"))
+    for task in supervised:
+        task.add_done_callback(supervise)
     ready = asyncio.create_task(_announce(app, args, children))
     try:
         await server.serve(sockets=sockets)
     finally:
-        watcher.cancel()
-        ready.cancel()
-        for task in (watcher, ready):
+        for task in (*supervised, ready):
+            task.cancel()
+        for task in (*supervised, ready):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-    return 0
+    return EXIT_FAILED if failed else 0
 
 
 class _Server(uvicorn.Server):
@@ -297,27 +289,13 @@ class _Server(uvicorn.Server):
 
 
 async def _watch(children: list[Child], broker: Broker | None) -> None:
-    """Restart the broker and the workers when they die, workers with a growing back-off."""
+    """Restart the broker and the workers when they die, workers with a growing back-off;
+    let retired workers drain and go."""
     while True:
         await asyncio.sleep(0.5)
         if broker is not None and not broker.is_alive():
             await _restart_broker(broker)
-        for child in children:
-            proc = child.process
-            if proc is None or proc.poll() is None:
-                continue
-            code = proc.returncode
-            if time.monotonic() - child.started_at > 60:
-                child.restarts = 0
-            delay = RESTART_BACKOFF_SECONDS[min(child.restarts, len(RESTART_BACKOFF_SECONDS) - 1)]
-            log.error(
-                "child process exited; restarting",
-                extra={"role": child.role, "index": child.index, "code": code, "in_seconds": delay},
-            )
-            child.process = None
-            child.restarts += 1
-            await asyncio.sleep(delay)
-            child.start()
+        tend(children)
 
 
 async def _restart_broker(broker: Broker) -> None:

@@ -1,7 +1,8 @@
 """The prefill worker: prompt in, first token out, KV held for a decode worker.
 
-Fetches ``GenerateRequest`` only while the engine has room (the pull is the
-back-pressure), streams the first token to the reply subject (time to first token),
+Fetches ``GenerateRequest`` only while the engine has room and no more than two forward
+passes' worth of prompt tokens wait in it (the pull is the back-pressure; a backlog stays
+in the stream, visible and open to every prefill worker), streams the first token to the reply subject (time to first token),
 publishes ``KVReady`` with the transfer handle, then acks the request. Held pages are
 freed on ``KVRelease``, on ``Cancel`` or when the hold expires, never while a decode
 worker holds a lease on them for a read (:mod:`.holds`); a handle names its hold's
@@ -24,6 +25,11 @@ from pdserve.workers.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
 
+# A prefill worker takes no more prompts while this many forward passes' worth of prompt
+# tokens wait in its engine: the rest stay in the stream, where any prefill worker (one
+# just started by the autoscaler included) can take them, and where the backlog shows.
+QUEUED_PREFILL_STEPS = 2
+
 
 class PrefillWorker(WorkerRuntime):
     def __init__(self, config: WorkerConfig, engine: Engine) -> None:
@@ -36,6 +42,14 @@ class PrefillWorker(WorkerRuntime):
         await contract.subscribe(self.nc, contract.KV_RELEASE, self._on_release, self.worker_id)
         await contract.answer(self.nc, contract.KV_LEASE, self._on_lease, self.worker_id)
         self.intake = await self.request_intake(prefill_only=True)
+
+    def room_for_requests(self) -> int:
+        """The runtime's room, and none while :data:`QUEUED_PREFILL_STEPS` forward passes'
+        worth of prompt tokens wait here."""
+        engine = self.engine
+        if engine.num_prefill_tokens_waiting >= QUEUED_PREFILL_STEPS * engine.config.chunked_prefill_size:
+            return 0
+        return super().room_for_requests()
 
     async def on_outputs(self, outputs: list[RequestOutput]) -> None:
         await asyncio.gather(*(self._on_output(out) for out in outputs))

@@ -83,3 +83,57 @@ def test_up_plans_roles_and_forwards_engine_flags() -> None:
     assert plan_roles(unified) == ["unified", "unified"]
     with pytest.raises(SystemExit):
         plan_roles(build_parser().parse_args(["up", "--prefill-workers", "0"]))
+
+
+def test_up_autoscale_starts_each_pool_at_its_minimum_and_sizes_the_consumers_for_the_maximum() -> None:
+    from pdserve.autoscale import size_for_autoscale
+    from pdserve.supervisor import plan_autoscale
+
+    args = build_parser().parse_args(
+        [
+            "up",
+            "--autoscale",
+            "--min-prefill",
+            "2",
+            "--max-prefill",
+            "5",
+            "--max-decode",
+            "3",
+            "--max-running-requests",
+            "16",
+        ]
+    )
+    config, roles = plan_autoscale(args)
+    assert roles == ["prefill", "prefill", "decode"]
+    assert (config.prefill.min_replicas, config.prefill.max_replicas) == (2, 5)
+    assert (config.decode.min_replicas, config.decode.max_replicas) == (1, 3)
+    assert config.decode.lag_per_replica == 12, "3/4 of --max-running-requests"
+    assert size_for_autoscale(args, config) >= 1
+    assert (args.prefill_max_ack_pending, args.decode_max_ack_pending) == (5 * 16, 3 * 16)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--mode", "unified"], "use --mode pd"),
+        (["--worker-devices", "cuda:0,cuda:1"], "--worker-devices is for fixed pools"),
+        (["--min-prefill", "3", "--max-prefill", "2"], "min <= max"),
+        (["--max-decode", "0", "--min-decode", "0"], "max >= 1"),
+    ],
+)
+def test_up_autoscale_refuses_what_it_cannot_do(flags: list[str], message: str) -> None:
+    from pdserve.supervisor import plan_autoscale
+
+    args = build_parser().parse_args(["up", "--autoscale", *flags])
+    with pytest.raises(UsageError, match=message):
+        plan_autoscale(args)
+
+
+def test_autoscale_takes_the_worker_flags_up_hands_on() -> None:
+    from pdserve import flags
+
+    args = build_parser().parse_args(["autoscale", "--nats-url", "nats://b:4222", "--max-prefill", "3"])
+    argv = worker_argv(args, "prefill", Path("/m"), args.nats_url, 2)
+    assert argv[3] == "prefill" and "--nats-url" in argv and "nats://b:4222" in argv
+    assert {f.dest for f in flags.forwarded()} <= set(vars(args)) | {"host", "exit_with_parent"}
+    assert args.metrics_port == 9464
