@@ -125,6 +125,17 @@ def measure_engine(engine: Engine, vocab: int, timer: Timer, rng: random.Random,
             row["decode_bs1_fused_merge_graph_replay_ms"] = replay_ms(graphs, 1, timer)
         fast.fused_merge = False  # the rest measures the default
         engine.runner.graphs = graphs = None if graphs is None else recapture(engine)
+    if args.try_pdl and fast is not None:  # each GEMV a programmatic dependent launch
+        fast.pdl = True
+        engine.runner.graphs = graphs = None if graphs is None else recapture(engine)
+        runs = [engine_run(engine, prompts(rng, 1, 512, vocab), args.new, timer) for _ in range(3)]
+        row["decode_bs1_pdl_ms"] = statistics.median(
+            (r["seconds"] - r["all_first_s"]) / (args.new - 1) * 1e3 for r in runs
+        )
+        if graphs is not None:
+            row["decode_bs1_pdl_graph_replay_ms"] = replay_ms(graphs, 1, timer)
+        fast.pdl = False
+        engine.runner.graphs = graphs = None if graphs is None else recapture(engine)
     if args.try_l2_prefetch and fast is not None:  # the o projection read into L2 during attention
         fast.l2_prefetch = True
         engine.runner.graphs = graphs = None if graphs is None else recapture(engine)
@@ -401,6 +412,7 @@ def main() -> int:
     parser.add_argument(
         "--try-fused-merge", action="store_true", help="also batch 1 with the attention splits merged in-kernel"
     )
+    parser.add_argument("--try-pdl", action="store_true", help="also batch 1 with programmatic dependent launches")
     parser.add_argument(
         "--try-l2-prefetch", action="store_true", help="also batch 1 with the o projection prefetched into L2"
     )

@@ -3,10 +3,12 @@
 Two `pdserve up` systems (PD: 1 prefill + 1 decode each) run side by side: "off" with no
 ``OTEL_*`` variables and nobody reading its metrics; "on" exporting every span over
 OTLP/HTTP to a sink in this process (which counts what it receives) while this process
-scrapes its ``/metrics`` and ``/dashboard/data`` every second. Runs alternate off, on, off,
-on ...: each pair shares the machine's mood. Every run draws fresh prompts (its own seed),
-so no prefix cache helps either side; the cached prompt tokens the server reports are
-recorded. The figure is the median over pairs of on/off output tokens per second.
+scrapes its ``/metrics`` and ``/dashboard/data`` every second. Each pair runs the same
+requests on both systems (each meets them first: no prefix cache helps either side), off
+first in even pairs and on first in odd ones, so each pair shares the machine's mood and
+the draw of prompt lengths; every pair draws fresh requests (its own seed). The cached
+prompt tokens the servers report are recorded. The figure is the median over pairs of
+on/off output tokens per second.
 
     python bench/observability_overhead.py     # writes docs/data/observability_overhead.json
 """
@@ -98,8 +100,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--repeat", type=int, default=4, help="off/on pairs (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=5000, help="first workload seed; each run takes the next")
+    parser.add_argument("--repeat", type=int, default=6, help="off/on pairs (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=5000, help="first workload seed; each pair takes the next")
     parser.add_argument("--json", type=Path, default=Path("docs/data/observability_overhead.json"))
     parser.add_argument("--up-args", default="", help='extra `pdserve up` flags, e.g. "--num-threads 1"')
     args = parser.parse_args()
@@ -123,10 +125,18 @@ def main() -> int:
     try:
         for url in (off_url, on_url):  # warm-up: first forward passes, connections
             asyncio.run(through_http(url, workload(8, 7, 4000, 16, 64, 4, 8), 8))
-        for _ in range(args.repeat):
-            off = asyncio.run(measured(off_url, fresh(), args.concurrency, scrape=False))
+        for i in range(args.repeat):
+            # Both halves of a pair get the same requests (each server meets them first, so
+            # both are cold) and take turns going first, so that neither the workload's draw
+            # nor the machine's drift between the halves reads as overhead.
+            reqs = fresh()
             exports = sink.exports
-            on = asyncio.run(measured(on_url, fresh(), args.concurrency, scrape=True))
+            if i % 2 == 0:
+                off = asyncio.run(measured(off_url, reqs, args.concurrency, scrape=False))
+                on = asyncio.run(measured(on_url, reqs, args.concurrency, scrape=True))
+            else:
+                on = asyncio.run(measured(on_url, reqs, args.concurrency, scrape=True))
+                off = asyncio.run(measured(off_url, reqs, args.concurrency, scrape=False))
             on["span_exports"] = sink.exports - exports
             pairs.append({"off": off, "on": on, "ratio": on["out_tok_s"] / off["out_tok_s"]})
             print(
@@ -148,7 +158,7 @@ def main() -> int:
         "requests": args.requests,
         "concurrency": args.concurrency,
         "repeat": args.repeat,
-        "workload": "prompts 16-512 tokens, outputs 16-128, greedy, fresh seed per run; /generate streaming",
+        "workload": "prompts 16-512 tokens, outputs 16-128, greedy, fresh seed per pair (both halves the same requests, each on its own server); /generate streaming",
         "on": "OTLP/HTTP export of every span to a sink in the client process; /metrics and /dashboard/data read every second",
         "off": "OTEL_SDK_DISABLED=true, nothing scraped",
         "median_ratio_on_over_off": round(median, 4),

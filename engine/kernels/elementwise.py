@@ -14,8 +14,10 @@ import triton.language as tl
 
 @triton.jit
 def _add_rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, n, HAS_RES: tl.constexpr, BLOCK: tl.constexpr
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, n, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
 ):
+    if PDL:  # the GEMV after this may be scheduled now (it waits for this kernel's output)
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -32,9 +34,10 @@ def _add_rms_norm_kernel(
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, pdl: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(norm(x + residual) * weight, x + residual)`` for rows of ``x [T, n]``."""
+    """``(norm(x + residual) * weight, x + residual)`` for rows of ``x [T, n]``. ``pdl``: let
+    a programmatic dependent launched after it start early (CUDA only)."""
     rows, n = x.shape
     assert x.is_contiguous() and (residual is None or residual.is_contiguous())
     out = torch.empty_like(x)
@@ -50,6 +53,7 @@ def add_rms_norm(
             n,
             HAS_RES=residual is not None,
             BLOCK=triton.next_power_of_2(n),
+            PDL=pdl,
             num_warps=8 if n > 2048 else 4,
         )
     return out, res_out

@@ -23,6 +23,23 @@ import triton.language as tl
 
 
 @triton.jit
+def _accumulate(acc, w, x_ptr, rk, k_ok, rm, M, K, stride_xm, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``acc[m] += w @ x[m, rk]`` for each row ``m`` (``x`` read as ``silu(gate) * up``)."""
+    for m in tl.static_range(BLOCK_M):
+        x_ok = k_ok & ((rk * 0 + m) < M)  # a tensor mask: a scalar one is rejected by newer interpreters
+        if SILU_MUL:
+            gate = tl.load(x_ptr + m * stride_xm + rk, mask=x_ok, other=0.0).to(tl.float32)
+            up = tl.load(x_ptr + m * stride_xm + K + rk, mask=x_ok, other=0.0).to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
+            x = (act * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + m * stride_xm + rk, mask=x_ok, other=0.0).to(tl.float32)
+        part = tl.sum(w * x[None, :], 1)
+        acc += tl.where(rm[:, None] == m, part[None, :], 0.0)
+    return acc
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -41,6 +58,7 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -54,21 +72,23 @@ def _gemv_kernel(
         per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
         k_start = tl.program_id(1) * per_split
         k_end = tl.minimum(k_start + per_split, K)
-    for k0 in range(k_start, k_end, BLOCK_K):
+    if PDL:
+        # Launched while the kernel before still runs: the first weight tile (which no
+        # kernel writes) is read first, then the wait for that kernel's output, ``x``.
+        rk = k_start + tl.arange(0, BLOCK_K)
+        k_ok = rk < k_end
+        w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+        acc = _accumulate(acc, w, x_ptr, rk, k_ok, rm, M, K, stride_xm, SILU_MUL, BLOCK_M)
+        k_first = k_start + BLOCK_K
+    else:
+        k_first = k_start
+    for k0 in range(k_first, k_end, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < k_end
         w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        for m in tl.static_range(BLOCK_M):
-            x_ok = k_ok & ((rk * 0 + m) < M)  # a tensor mask: a scalar one is rejected by newer interpreters
-            if SILU_MUL:
-                gate = tl.load(x_ptr + m * stride_xm + rk, mask=x_ok, other=0.0).to(tl.float32)
-                up = tl.load(x_ptr + m * stride_xm + K + rk, mask=x_ok, other=0.0).to(tl.float32)
-                act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
-                x = (act * up).to(x_ptr.dtype.element_ty).to(tl.float32)
-            else:
-                x = tl.load(x_ptr + m * stride_xm + rk, mask=x_ok, other=0.0).to(tl.float32)
-            part = tl.sum(w * x[None, :], 1)
-            acc += tl.where(rm[:, None] == m, part[None, :], 0.0)
+        acc = _accumulate(acc, w, x_ptr, rk, k_ok, rm, M, K, stride_xm, SILU_MUL, BLOCK_M)
     keep = (rm[:, None] < M) & n_ok[None, :]
     if SPLIT_K > 1:
         # [SPLIT_K, BLOCK_M, N] partial sums; the last program of this row block adds them.
@@ -122,8 +142,13 @@ def gemv(
     num_warps: int = 4,
     num_stages: int = 3,
     split_k: int = 1,
+    pdl: bool = False,
 ) -> torch.Tensor:
-    """``x [M, K] @ w[N, K].T`` for small ``M`` (``x`` is ``[M, 2K]`` with ``silu_mul_input``)."""
+    """``x [M, K] @ w[N, K].T`` for small ``M`` (``x`` is ``[M, 2K]`` with ``silu_mul_input``).
+
+    ``pdl``: launched as a programmatic dependent of the kernel before it on the stream
+    (CUDA only): its programs start, and read their first weight tile, while that kernel
+    finishes, then wait for it before reading ``x``."""
     m = x.shape[0]
     n, k = w.shape
     assert w.is_contiguous() and x.stride(1) == 1
@@ -135,7 +160,7 @@ def gemv(
         part = torch.empty((split_k, block_m, n), dtype=torch.float32, device=x.device)
         counters = split_counters(x.device, blocks)
     else:
-        part = counters = out
+        part, counters = out, out
     _gemv_kernel[(blocks, split_k)](
         x,
         w,
@@ -154,8 +179,10 @@ def gemv(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         SPLIT_K=split_k,
+        PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return out
 

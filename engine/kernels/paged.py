@@ -189,7 +189,10 @@ def _decode_kernel(
     SPLITS_PAD: tl.constexpr,
     IEEE: tl.constexpr,
     FUSED_MERGE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # the o projection after this may be scheduled now (it waits for the output)
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -256,7 +259,11 @@ def _decode_kernel(
 
 
 @triton.jit
-def _merge_kernel(part_ptr, lse_ptr, out_ptr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, DIM: tl.constexpr):
+def _merge_kernel(
+    part_ptr, lse_ptr, out_ptr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, DIM: tl.constexpr, PDL: tl.constexpr
+):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)  # b * Hq + head
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, DIM)
@@ -282,13 +289,15 @@ def decode_attention(
     counters: torch.Tensor | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """``q [B, Hq, D]`` (rows may be strided) attends each sequence's ``ctx_lens[b]`` tokens
     in pages ``page_tables[b]``; writes ``out [B, Hq, D]``. Graph-safe: no host sync.
 
     ``counters`` (int32, at least ``B * num_kv``, zero, left zero): the splits are merged
     inside the attention kernel by whichever finishes last, instead of by a second kernel.
-    With one split the kernel writes ``out`` itself and nothing is merged.
+    With one split the kernel writes ``out`` itself and nothing is merged. ``pdl``: the
+    kernel that writes ``out`` lets a programmatic dependent start early (CUDA only).
 
     Unless given, keys per block and pipeline stages are the fastest that
     ``bench/attention_probe.py`` found on an H200 (7B layout, 640-token contexts,
@@ -332,12 +341,20 @@ def decode_attention(
         SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
         IEEE=q.dtype == torch.float32,
         FUSED_MERGE=counters is not None and splits > 1,
+        PDL=pdl and (splits == 1 or counters is not None),
         num_warps=num_warps,
         num_stages=num_stages,
     )
     if counters is None and splits > 1:
         _merge_kernel[(batch * num_q,)](
-            part, lse, out, SPLITS=splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)), DIM=dim, num_warps=4
+            part,
+            lse,
+            out,
+            SPLITS=splits,
+            SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
+            DIM=dim,
+            PDL=pdl,
+            num_warps=4,
         )
     return out
 

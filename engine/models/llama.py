@@ -93,12 +93,16 @@ class LlamaFamily:
     ``l2_prefetch``: in a one-token step on a GPU, the o projection's weights are read into
     L2 on a side stream while the layer's attention runs (see :func:`gemv.l2_prefetch`).
     Measured slower on an H200 (4.11 against 4.01 ms a step at batch 1, 2026-12-01): off.
+    ``pdl``: in a one-token step on a GPU, each GEMV is a programmatic dependent launch of the
+    kernel before it (which lets it start early), so that its programs are resident and
+    reading their first weights while that kernel finishes (not yet measured: off).
     """
 
     sdpa_prefill = True
     use_gemv = True  # single-token steps through :mod:`pdserve.engine.kernels.gemv`
     fused_merge = False  # decode attention merges its context splits in the same kernel
     l2_prefetch = False
+    pdl = False
 
     def __init__(self, model: Any, pool: torch.Tensor, max_positions: int) -> None:
         reason = unsupported_reason(model)
@@ -174,6 +178,7 @@ class LlamaFamily:
         residual: torch.Tensor | None = None
         nq, nkv, dim = self.num_q, self.num_kv, self.head_dim
         tokens = h.shape[0]
+        pdl = self.pdl and tokens == 1 and self.use_gemv and h.is_cuda and not self.l2_prefetch
         for index, layer in enumerate(self.layers):
             x, residual = elementwise.add_rms_norm(h, residual, layer.input_norm, self.eps)
             qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
@@ -190,27 +195,32 @@ class LlamaFamily:
                     gemv.l2_prefetch(layer.o_weight, self._sink)
             paged.rope_store(qkv, nq, nkv, self.cos, self.sin, step.positions, step.slots, self.pool, index)
             out = torch.empty((tokens, nq, dim), dtype=h.dtype, device=h.device)
-            self._attend(index, layer, qkv, out, step)
+            self._attend(index, layer, qkv, out, step, pdl)
             if prefetch:
                 main.wait_stream(self._side)
-            h = self._linear(out.view(tokens, nq * dim), layer.o_weight, layer.o_bias, GEMV_O)
-            x, residual = elementwise.add_rms_norm(h, residual, layer.post_norm, self.eps)
-            gate_up = self._linear(x, layer.gate_up_weight, layer.gate_up_bias, GEMV_GATE_UP)
+            h = self._linear(out.view(tokens, nq * dim), layer.o_weight, layer.o_bias, GEMV_O, pdl)
+            x, residual = elementwise.add_rms_norm(h, residual, layer.post_norm, self.eps, pdl)
+            gate_up = self._linear(x, layer.gate_up_weight, layer.gate_up_bias, GEMV_GATE_UP, pdl)
             if tokens == 1 and self.use_gemv:
-                h = gemv.gemv(gate_up, layer.down_weight, layer.down_bias, silu_mul_input=True, **GEMV_DOWN)
+                down = layer.down_weight
+                h = gemv.gemv(gate_up, down, layer.down_bias, silu_mul_input=True, pdl=pdl, **GEMV_DOWN)
             else:
                 h = F.linear(elementwise.silu_mul(gate_up), layer.down_weight, layer.down_bias)
         if step.sample_index is not None:
             h, residual = h[step.sample_index], residual[step.sample_index]  # type: ignore[index]
-        h, _ = elementwise.add_rms_norm(h, residual, self.norm, self.eps)
-        return self._linear(h, self.lm_head, None, GEMV_LM_HEAD)
+        h, _ = elementwise.add_rms_norm(h, residual, self.norm, self.eps, pdl)
+        return self._linear(h, self.lm_head, None, GEMV_LM_HEAD, pdl)
 
-    def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tiles: dict[str, int]) -> torch.Tensor:
+    def _linear(
+        self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tiles: dict[str, int], pdl: bool = False
+    ) -> torch.Tensor:
         if x.shape[0] == 1 and self.use_gemv:
-            return gemv.gemv(x, w, b, False, **tiles)
+            return gemv.gemv(x, w, b, False, pdl=pdl, **tiles)  # type: ignore[arg-type]
         return F.linear(x, w, b)
 
-    def _attend(self, index: int, layer: Layer, qkv: torch.Tensor, out: torch.Tensor, step: StepBatch) -> None:
+    def _attend(
+        self, index: int, layer: Layer, qkv: torch.Tensor, out: torch.Tensor, step: StepBatch, pdl: bool = False
+    ) -> None:
         nq, nkv, dim = self.num_q, self.num_kv, self.head_dim
         q = qkv[:, : nq * dim].view(-1, nq, dim)
         nd = step.num_decodes
@@ -231,6 +241,7 @@ class LlamaFamily:
                 out[:nd],
                 layer.window,
                 counters=counters,
+                pdl=pdl,
             )
         chunks = step.prefill
         if chunks is None:

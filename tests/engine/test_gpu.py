@@ -67,6 +67,29 @@ def test_graph_replay_equals_eager_decoding(dtype: torch.dtype, sizes: tuple[int
         assert run(graphed, prompts, 40) == run(eager, prompts, 40), n
 
 
+@pytest.mark.parametrize("option", ["pdl", "l2_prefetch"])
+def test_batch_one_options_decode_the_same_tokens(option: str) -> None:
+    """Programmatic dependent launches and the L2 prefetch change when kernels start, not
+    what they compute: replayed single-sequence decoding is the same token for token."""
+    from pdserve.engine.cuda_graph import DecodeGraphs
+
+    model = build(SMALL, torch.bfloat16)
+    plain, other = engine_for(model, 8), engine_for(model, 8)
+    runner = other.runner
+    assert runner.fast is not None and runner.graphs is not None
+    setattr(runner.fast, option, True)
+    old = runner.graphs
+    runner.graphs = DecodeGraphs(
+        runner.fast.forward, old.max_batch, old._tables.shape[1], old.page_size, old.scratch_page, old.splits_for,
+        runner.device,
+    )  # fmt: skip
+    runner.graphs.capture()
+    rng = random.Random(11)
+    for _ in range(3):
+        prompt = [[rng.randrange(5000) for _ in range(rng.randint(5, 300))]]
+        assert run(other, prompt, 40) == run(plain, prompt, 40)
+
+
 def test_float32_greedy_equals_transformers_at_7b_dimensions() -> None:
     model = build(QWEN2_5_7B, torch.float32)
     rng = random.Random(7)
