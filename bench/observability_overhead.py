@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import datetime
 import json
+import statistics
 import sys
 import tempfile
 import threading
@@ -31,7 +32,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import start_pdserve, stop_pdserve
+from common import process_cpu_seconds, start_pdserve, stop_pdserve
 from engine_bench import Request, workload
 from pipeline_vs_offline import through_http
 
@@ -79,7 +80,21 @@ async def scraping(url: str, stop: asyncio.Event) -> int:
     return rounds
 
 
-async def measured(url: str, reqs: list[Request], concurrency: int, scrape: bool) -> dict[str, float]:
+def measured(pid: int, url: str, reqs: list[Request], concurrency: int, scrape: bool) -> dict[str, Any]:
+    """One run against the system of process ``pid``, with the CPU its processes spent per
+    output token (the client's scraping not included): unlike throughput, that does not
+    depend on what else the machine runs."""
+    before = process_cpu_seconds(pid)
+    result = asyncio.run(_measured(url, reqs, concurrency, scrape))
+    after = process_cpu_seconds(pid)
+    tokens = sum(r.output_len for r in reqs)
+    result["cpu_us_per_out_token"] = {
+        role: round((after[role] - before.get(role, 0.0)) / tokens * 1e6, 1) for role in sorted(after)
+    }
+    return result
+
+
+async def _measured(url: str, reqs: list[Request], concurrency: int, scrape: bool) -> dict[str, Any]:
     stop = asyncio.Event()
     scraper = asyncio.create_task(scraping(url, stop)) if scrape else None
     seconds, ttfts, cached = await through_http(url, reqs, concurrency)
@@ -132,13 +147,17 @@ def main() -> int:
             reqs = fresh()
             exports = sink.exports
             if i % 2 == 0:
-                off = asyncio.run(measured(off_url, reqs, args.concurrency, scrape=False))
-                on = asyncio.run(measured(on_url, reqs, args.concurrency, scrape=True))
+                off = measured(off_proc.pid, off_url, reqs, args.concurrency, scrape=False)
+                on = measured(on_proc.pid, on_url, reqs, args.concurrency, scrape=True)
             else:
-                on = asyncio.run(measured(on_url, reqs, args.concurrency, scrape=True))
-                off = asyncio.run(measured(off_url, reqs, args.concurrency, scrape=False))
+                on = measured(on_proc.pid, on_url, reqs, args.concurrency, scrape=True)
+                off = measured(off_proc.pid, off_url, reqs, args.concurrency, scrape=False)
             on["span_exports"] = sink.exports - exports
             pairs.append({"off": off, "on": on, "ratio": on["out_tok_s"] / off["out_tok_s"]})
+            print(
+                f"CPU us per output token: off {off['cpu_us_per_out_token']}, on {on['cpu_us_per_out_token']}",
+                file=sys.stderr,
+            )
             print(
                 f"off {off['out_tok_s']:,.0f}, on {on['out_tok_s']:,.0f} output tok/s "
                 f"(ratio {pairs[-1]['ratio']:.3f}; cached prompt tokens {off['cached_tokens']} / "
@@ -148,6 +167,13 @@ def main() -> int:
     finally:
         stop_pdserve(on_proc)
         stop_pdserve(off_proc)
+    cpu = {
+        side: {
+            role: statistics.median(p[side]["cpu_us_per_out_token"].get(role, 0.0) for p in pairs)
+            for role in pairs[0][side]["cpu_us_per_out_token"]
+        }
+        for side in ("off", "on")
+    }
     ratios = sorted(p["ratio"] for p in pairs)
     median = (
         ratios[len(ratios) // 2] if len(ratios) % 2 else (ratios[len(ratios) // 2 - 1] + ratios[len(ratios) // 2]) / 2
@@ -162,10 +188,12 @@ def main() -> int:
         "on": "OTLP/HTTP export of every span to a sink in the client process; /metrics and /dashboard/data read every second",
         "off": "OTEL_SDK_DISABLED=true, nothing scraped",
         "median_ratio_on_over_off": round(median, 4),
+        "median_cpu_us_per_out_token": cpu,
         "span_bytes_received": sink.bytes,
         "pairs": pairs,
     }
     print(f"tracing and metrics on / off, median over {len(pairs)} pairs: {median:.3f}", file=sys.stderr)
+    print(f"CPU us per output token, median: off {cpu['off']}, on {cpu['on']}", file=sys.stderr)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0
