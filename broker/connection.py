@@ -27,10 +27,20 @@ class QueueFullError(RuntimeError):
     """The stream is at its limits; the caller should retry later (HTTP 503)."""
 
 
-async def connect(url: str, name: str, auth: NatsAuth | None = None) -> Client:
-    """Connect as ``auth`` says, with endless reconnects; connection problems are logged,
-    not raised later (quietly while the connection is being drained or closed on purpose).
-    Refused credentials raise at once."""
+def server_urls(url: str) -> list[str]:
+    """``--nats-url`` as the servers to try: one URL, or several separated by commas (the
+    nodes of a cluster; the client also learns the others from the server it reaches)."""
+    urls = [u.strip() for u in url.split(",") if u.strip()]
+    if not urls:
+        raise ValueError(f"no NATS server in {url!r}")
+    return urls
+
+
+async def connect(url: str, name: str, auth: NatsAuth | None = None, reconnect: bool = True) -> Client:
+    """Connect to ``url`` (one server or a comma-separated list) as ``auth`` says, with
+    endless reconnects (``reconnect=False``: one try of each server, for a check that must
+    end: each is tried twice); connection problems are logged, not raised later (quietly while the connection
+    is being drained or closed on purpose). Refused credentials raise at once."""
     holder: list[Client] = []
 
     def closing() -> bool:
@@ -46,9 +56,10 @@ async def connect(url: str, name: str, auth: NatsAuth | None = None) -> Client:
         log.info("nats reconnected", extra={"client": name})
 
     nc = await nats.connect(
-        url,
+        server_urls(url),
         name=name,
-        max_reconnect_attempts=-1,
+        allow_reconnect=reconnect,
+        max_reconnect_attempts=-1 if reconnect else 1,  # nats-py drops a server only past a positive limit
         reconnect_time_wait=0.5,
         error_cb=on_error,
         disconnected_cb=on_disconnect,
