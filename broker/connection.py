@@ -27,6 +27,12 @@ class QueueFullError(RuntimeError):
     """The stream is at its limits; the caller should retry later (HTTP 503)."""
 
 
+class BrokerUnavailableError(RuntimeError):
+    """No stream answered the publish: the broker is away, or a clustered stream is
+    electing a leader (a node died). The message may still have been stored (a lost ack):
+    the caller should retry later (HTTP 503) and cancel what it meant to publish."""
+
+
 def server_urls(url: str) -> list[str]:
     """``--nats-url`` as the servers to try: one URL, or several separated by commas (the
     nodes of a cluster; the client also learns the others from the server it reaches)."""
@@ -82,10 +88,14 @@ async def publish_work(
     besides the ``Nats-Msg-Id`` one.
 
     Returns ``False`` when the server saw ``msg_id`` already (a duplicate), raises
-    :class:`QueueFullError` when the stream is full.
+    :class:`QueueFullError` when the stream is full, :class:`BrokerUnavailableError` when no
+    stream answered within ``timeout`` (or at once: no responders).
     """
     try:
         ack = await _publisher(nc).publish(subject, message.encode(), msg_id, timeout, headers)
+    except (NoStreamResponseError, NatsTimeoutError) as exc:
+        kind = "no stream responded" if isinstance(exc, NoStreamResponseError) else f"no ack within {timeout:g}s"
+        raise BrokerUnavailableError(f"JetStream is not taking messages now ({kind})") from None
     except APIError as exc:
         if exc.err_code in _FULL_CODES or (exc.description and "maximum" in exc.description):
             raise QueueFullError(exc.description or "stream full") from None
