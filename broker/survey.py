@@ -74,14 +74,14 @@ async def _jetstream(js: JetStreamContext, config: BrokerConfig, model: str | No
         )
     ]
     expected = [request_stream(config), kv_stream(config), dead_stream(config)]
-    for stream in expected:
-        found += await _stream(js, stream, config)
+    for want in expected:
+        found += await _stream(js, want, config)
     found += await _bucket(js, config)
-    for stream, consumer in (
+    for name, consumer in (
         (subjects.REQUEST_STREAM, subjects.prefill_consumer),
         (subjects.KV_STREAM, subjects.decode_consumer),
     ):
-        found += await _consumers(js, stream, consumer(model) if model else None, config)
+        found += await _consumers(js, name, consumer(model) if model else None, config)
     return found
 
 
