@@ -112,6 +112,8 @@ async def _stream(js: JetStreamContext, want: js_api.StreamConfig, config: Broke
         info = await js.stream_info(name)
     except NotFoundError:
         return [Finding(f"stream {name}", WARN, "not created yet (the first worker or API creates it)")]
+    except Exception as exc:  # a user without the right to read it: the request times out
+        return [Finding(f"stream {name}", WARN, _unreadable(exc))]
     have = info.config
     differs = [
         f"{field} {_show(getattr(have, field))} (this deployment: {_show(getattr(want, field))})"
@@ -144,7 +146,9 @@ async def _bucket(js: JetStreamContext, config: BrokerConfig) -> list[Finding]:
     name = subjects.bucket_stream(subjects.WORKER_BUCKET)
     try:
         info = await js.stream_info(name)
-    except NotFoundError:
+    except Exception as exc:
+        if not isinstance(exc, NotFoundError):
+            return [Finding("registry", WARN, _unreadable(exc))]
         return [
             Finding(
                 "registry",
@@ -164,19 +168,18 @@ async def _bucket(js: JetStreamContext, config: BrokerConfig) -> list[Finding]:
 
 
 async def _consumers(js: JetStreamContext, stream: str, wanted: str | None, config: BrokerConfig) -> list[Finding]:
+    """``wanted`` (read by name: pdserve's roles may), else every consumer of ``stream``
+    (listing them takes a user that may list, such as ``admin``)."""
     try:
-        consumers = await js.consumers_info(stream)
+        consumers = [await js.consumer_info(stream, wanted)] if wanted else await js.consumers_info(stream)
     except NotFoundError:
-        return []
+        if not wanted:
+            return []
+        return [Finding(f"consumer {stream}/{wanted}", WARN, "not created yet (the first worker or API creates it)")]
+    except Exception as exc:
+        return [Finding(f"consumer {stream}/{wanted or '*'}", WARN, _unreadable(exc))]
     found = []
-    names = {c.name for c in consumers}
-    if wanted and wanted not in names:
-        found.append(
-            Finding(f"consumer {stream}/{wanted}", WARN, "not created yet (the first worker or API creates it)")
-        )
     for c in consumers:
-        if wanted and c.name != wanted:
-            continue
         cfg = c.config
         problems = []
         if cfg.ack_policy != js_api.AckPolicy.EXPLICIT:
@@ -194,6 +197,10 @@ async def _consumers(js: JetStreamContext, stream: str, wanted: str | None, conf
             Finding(f"consumer {stream}/{c.name}", status, detail + ("; " + "; ".join(problems) if problems else ""))
         )
     return found
+
+
+def _unreadable(exc: Exception) -> str:
+    return f"could not read it ({type(exc).__name__}: {exc or 'timeout'}): does this NATS user have the right?"
 
 
 def _show(value: Any) -> str:

@@ -113,3 +113,34 @@ def test_gpus_and_nccl_are_reported_for_what_this_machine_has(tmp_path: Path) ->
         ]
         code, findings = doctor("--skip-nats", "--disaggregation-transfer-backend", "nccl", "--data-dir", str(tmp_path))
         assert code == 1 and by_check(findings)["gpu"]["status"] == "fail"
+
+
+async def test_a_workers_own_nats_user_is_enough_to_check_its_streams(tmp_path: Path) -> None:
+    """On Kubernetes `pdserve doctor` runs in a worker pod with that worker's user: it reads
+    the streams and its model's consumers by name, which the role may."""
+    from pdserve.broker.credentials import ADMIN, EmbeddedCredentials
+    from pdserve.broker.server import start_nats_server
+
+    credentials = EmbeddedCredentials.create(tmp_path / "auth", ["api-1"])
+    server = start_nats_server(tmp_path / "nats", users=credentials.entries())
+    try:
+        nc = await connect(server.url, "test", credentials.auth(ADMIN))
+        await ensure_model(nc.jetstream(), MODEL, BrokerConfig())
+        await worker_bucket(nc.jetstream(), BrokerConfig())
+        await nc.close()
+        password = EmbeddedCredentials.password_file(credentials.directory, "prefill")
+        code, findings = await asyncio.to_thread(
+            doctor,
+            *("--nats-url", server.url, "--nats-user", "prefill", "--nats-password-file", str(password)),
+            *("--served-model-name", MODEL, "--data-dir", str(tmp_path)),
+        )
+    finally:
+        server.stop()
+    found = by_check(findings)
+    assert code == 0 and found["jetstream"]["status"] == "ok"
+    assert all(found[f"stream {name}"]["status"] == "ok" for name in (subjects.REQUEST_STREAM, subjects.KV_STREAM))
+    for stream, consumer in (
+        (subjects.REQUEST_STREAM, subjects.prefill_consumer),
+        (subjects.KV_STREAM, subjects.decode_consumer),
+    ):
+        assert found[f"consumer {stream}/{consumer(MODEL)}"]["status"] == "ok"
