@@ -88,7 +88,11 @@ def common() -> tuple[Flag, ...]:
 
 
 def nats_url() -> Flag:
-    return Flag("--nats-url", settings.default_nats_url(), help="the NATS server (default: %(default)s)")
+    return Flag(
+        "--nats-url",
+        settings.default_nats_url(),
+        help="the NATS server, or a cluster's nodes separated by commas (default: %(default)s)",
+    )
 
 
 # Credentials for a NATS server of one's own (`up` makes its embedded server's). Secrets
