@@ -18,7 +18,7 @@ from pdserve.api.config import ApiConfig
 from pdserve.api.errors import APIError
 from pdserve.api.gateway import DuplicateRequestError, Gateway, StreamError
 from pdserve.api.model_info import ModelInfo
-from pdserve.broker.connection import QueueFullError
+from pdserve.broker.connection import BrokerUnavailableError, QueueFullError
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,14 @@ def translate(exc: Exception) -> APIError:
     if isinstance(exc, QueueFullError):
         return APIError(
             f"the request queue is full: {exc}", 503, "server_overloaded", "queue_full", headers={"Retry-After": "1"}
+        )
+    if isinstance(exc, BrokerUnavailableError):
+        return APIError(
+            f"the broker is not taking requests now: {exc}",
+            503,
+            "server_overloaded",
+            "broker_unavailable",
+            headers={"Retry-After": "1"},
         )
     if isinstance(exc, DuplicateRequestError):
         return APIError(str(exc), 409, "invalid_request_error", "duplicate_request_id")

@@ -27,10 +27,26 @@ class QueueFullError(RuntimeError):
     """The stream is at its limits; the caller should retry later (HTTP 503)."""
 
 
-async def connect(url: str, name: str, auth: NatsAuth | None = None) -> Client:
-    """Connect as ``auth`` says, with endless reconnects; connection problems are logged,
-    not raised later (quietly while the connection is being drained or closed on purpose).
-    Refused credentials raise at once."""
+class BrokerUnavailableError(RuntimeError):
+    """No stream answered the publish: the broker is away, or a clustered stream is
+    electing a leader (a node died). The message may still have been stored (a lost ack):
+    the caller should retry later (HTTP 503) and cancel what it meant to publish."""
+
+
+def server_urls(url: str) -> list[str]:
+    """``--nats-url`` as the servers to try: one URL, or several separated by commas (the
+    nodes of a cluster; the client also learns the others from the server it reaches)."""
+    urls = [u.strip() for u in url.split(",") if u.strip()]
+    if not urls:
+        raise ValueError(f"no NATS server in {url!r}")
+    return urls
+
+
+async def connect(url: str, name: str, auth: NatsAuth | None = None, reconnect: bool = True) -> Client:
+    """Connect to ``url`` (one server or a comma-separated list) as ``auth`` says, with
+    endless reconnects (``reconnect=False``: one try of each server, for a check that must
+    end: each is tried twice); connection problems are logged, not raised later (quietly while the connection
+    is being drained or closed on purpose). Refused credentials raise at once."""
     holder: list[Client] = []
 
     def closing() -> bool:
@@ -46,9 +62,10 @@ async def connect(url: str, name: str, auth: NatsAuth | None = None) -> Client:
         log.info("nats reconnected", extra={"client": name})
 
     nc = await nats.connect(
-        url,
+        server_urls(url),
         name=name,
-        max_reconnect_attempts=-1,
+        allow_reconnect=reconnect,
+        max_reconnect_attempts=-1 if reconnect else 1,  # nats-py drops a server only past a positive limit
         reconnect_time_wait=0.5,
         error_cb=on_error,
         disconnected_cb=on_disconnect,
@@ -71,10 +88,14 @@ async def publish_work(
     besides the ``Nats-Msg-Id`` one.
 
     Returns ``False`` when the server saw ``msg_id`` already (a duplicate), raises
-    :class:`QueueFullError` when the stream is full.
+    :class:`QueueFullError` when the stream is full, :class:`BrokerUnavailableError` when no
+    stream answered within ``timeout`` (or at once: no responders).
     """
     try:
         ack = await _publisher(nc).publish(subject, message.encode(), msg_id, timeout, headers)
+    except (NoStreamResponseError, NatsTimeoutError) as exc:
+        kind = "no stream responded" if isinstance(exc, NoStreamResponseError) else f"no ack within {timeout:g}s"
+        raise BrokerUnavailableError(f"JetStream is not taking messages now ({kind})") from None
     except APIError as exc:
         if exc.err_code in _FULL_CODES or (exc.description and "maximum" in exc.description):
             raise QueueFullError(exc.description or "stream full") from None

@@ -51,6 +51,10 @@ _COUNTERS = {
     "kv_sends": ("pdserve_kv_sends", "requests' pages a prefill worker pushed to a decode worker"),
     "kv_send_bytes": ("pdserve_kv_send_bytes", "KV bytes a prefill worker pushed"),
     "kv_send_failures": ("pdserve_kv_send_failures", "KV pushes that failed or timed out on the prefill side"),
+    "kv_transport_fallbacks": (
+        "pdserve_kv_transport_fallbacks",
+        "RDMA asked for but unusable: KV moves over tcp (--allow-tcp-fallback)",
+    ),
     "steps": ("pdserve_engine_steps", "forward passes"),
     "batch_rows": ("pdserve_engine_batch_rows", "sequences computed, summed over steps (/ steps = mean batch size)"),
     "prompt_tokens": ("pdserve_prompt_tokens", "prompt tokens admitted by the engine"),

@@ -2,6 +2,9 @@
 
 Streams are bounded (``max_age``, ``max_bytes``, ``max_msgs`` with discard-new) so a
 stalled worker pool shows up as ``503 Retry-After`` at the API, not as a full disk.
+On a clustered server every stream and the registry bucket keep ``replicas`` copies
+(``--js-replicas``; consumers follow their stream), so a node may die without losing an
+accepted request or a delivery in hand.
 """
 
 from __future__ import annotations
@@ -38,10 +41,13 @@ class BrokerConfig:
     file_storage: bool = True
     dead_max_age: float = 7 * 24 * 3600.0
     dead_max_bytes: int = 256 << 20
+    replicas: int = 1
 
     def __post_init__(self) -> None:
         if self.ack_wait <= 0 or self.max_deliver < 1:
             raise ValueError("ack_wait must be positive and max_deliver at least 1")
+        if not 1 <= self.replicas <= 5:
+            raise ValueError("replicas must be 1 to 5 (JetStream's limit)")
         if self.prefill_max_ack_pending < 1 or self.decode_max_ack_pending < 1:
             raise ValueError("max_ack_pending must be at least 1")
 
@@ -56,6 +62,7 @@ def request_stream(config: BrokerConfig) -> js_api.StreamConfig:
         subjects=[subjects.REQUEST_SUBJECTS],
         retention=js_api.RetentionPolicy.WORK_QUEUE,
         storage=_storage(config),
+        num_replicas=config.replicas,
         discard=js_api.DiscardPolicy.NEW,
         max_age=config.request_max_age,
         max_bytes=config.request_max_bytes,
@@ -70,6 +77,7 @@ def kv_stream(config: BrokerConfig) -> js_api.StreamConfig:
         subjects=[subjects.KV_SUBJECTS],
         retention=js_api.RetentionPolicy.WORK_QUEUE,
         storage=_storage(config),
+        num_replicas=config.replicas,
         discard=js_api.DiscardPolicy.NEW,
         max_age=config.kv_max_age,
         max_bytes=config.kv_max_bytes,
@@ -85,6 +93,7 @@ def dead_stream(config: BrokerConfig) -> js_api.StreamConfig:
         subjects=[subjects.DEAD_SUBJECTS],
         retention=js_api.RetentionPolicy.LIMITS,
         storage=_storage(config),
+        num_replicas=config.replicas,
         discard=js_api.DiscardPolicy.OLD,
         max_age=config.dead_max_age,
         max_bytes=config.dead_max_bytes,
@@ -143,22 +152,30 @@ async def ensure_model(js: JetStreamContext, model: str, config: BrokerConfig) -
 async def worker_bucket(js: JetStreamContext, config: BrokerConfig) -> KeyValue:
     """The registry bucket; entries vanish ``worker_ttl`` seconds after their last heartbeat.
 
-    An existing bucket with another TTL is brought to this one."""
+    An existing bucket with another TTL or replica count is brought to this one."""
     try:
         bucket = await js.key_value(subjects.WORKER_BUCKET)
     except (BucketNotFoundError, NotFoundError):
         try:
             return await js.create_key_value(
                 js_api.KeyValueConfig(
-                    bucket=subjects.WORKER_BUCKET, history=1, ttl=config.worker_ttl, storage=js_api.StorageType.MEMORY
+                    bucket=subjects.WORKER_BUCKET,
+                    history=1,
+                    ttl=config.worker_ttl,
+                    storage=js_api.StorageType.MEMORY,
+                    replicas=config.replicas,
                 )
             )
         except BadRequestError:  # created by someone else meanwhile
             bucket = await js.key_value(subjects.WORKER_BUCKET)
     info = await js.stream_info(subjects.bucket_stream(subjects.WORKER_BUCKET))
-    if info.config.max_age != config.worker_ttl:
+    if info.config.max_age != config.worker_ttl or (info.config.num_replicas or 1) != config.replicas:
         window = min(info.config.duplicate_window or config.worker_ttl, config.worker_ttl)
-        await js.update_stream(dataclasses.replace(info.config, max_age=config.worker_ttl, duplicate_window=window))
+        await js.update_stream(
+            dataclasses.replace(
+                info.config, max_age=config.worker_ttl, duplicate_window=window, num_replicas=config.replicas
+            )
+        )
     return bucket
 
 

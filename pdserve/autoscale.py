@@ -39,7 +39,7 @@ from pdserve.broker.contract import KV_READY, REQUESTS, WorkChannel
 from pdserve.broker.registry import WorkerRegistry
 from pdserve.broker.streams import BrokerConfig, worker_bucket
 from pdserve.children import Child, tend, worker_argv
-from pdserve.launch import broker_config, nats_auth, resolve_model, scaling_config
+from pdserve.launch import broker_config, choose_transport, nats_auth, resolve_model, scaling_config
 from pdserve.scaling import (
     ROLES,
     Autoscaler,
@@ -262,6 +262,7 @@ def run_autoscale(args: argparse.Namespace) -> int:
     ``--nats-url``, as many as the queues ask for; ``/metrics`` on ``--metrics-port``."""
     config = scaling_config(args)
     threads = size_for_autoscale(args, config)
+    choose_transport(args.disaggregation_ib_device, args.allow_tcp_fallback, args.disaggregation_transfer_backend)
     model_path: Path = resolve_model(args)
     model = args.served_model_name or model_path.name
     children: list[Child] = []

@@ -1,5 +1,5 @@
 """The ``pdserve`` command: ``up``, ``api``, ``prefill``, ``decode``, ``unified``, ``autoscale``,
-``bench``, ``schemas``.
+``bench``, ``schemas``, ``doctor``.
 
 Flags come from :mod:`pdserve.flags`; :mod:`pdserve.launch` turns them into configs and
 runs the process. Worker commands take the SGLang flags users already type
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pdserve import flags, schema_files
+from pdserve import doctor, flags, schema_files
 from pdserve.bench.cli import add_parser as add_bench_parser
 from pdserve.launch import UsageError
 
@@ -36,7 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     flags.nats_url().add_to(up, default=None, help="use this NATS server instead of starting one")
     flags.add_flags(up, flags.NATS_AUTH, "an external NATS server's credentials (the embedded one makes its own)")
     for flag in flags.BROKER:
-        flag.add_to(up, default=None, help=flags.UP_BROKER_HELP[flag.name])
+        if flag.name in flags.UP_BROKER_HELP:
+            flag.add_to(up, default=None, help=flags.UP_BROKER_HELP[flag.name])
+        else:
+            flag.add_to(up)
     flags.add_flags(up, (flags.AUTOSCALE_SWITCH, *flags.AUTOSCALE), "autoscaling (with --autoscale)")
 
     scale = sub.add_parser(
@@ -53,11 +56,15 @@ def build_parser() -> argparse.ArgumentParser:
             flags.nats_url(),
             *(f for f in flags.UP if f.name in ("--transfer-host", "--disaggregation-transfer-backend")),
             flags.IB_DEVICE,
+            flags.ALLOW_TCP_FALLBACK,
         ),
     )
     flags.add_flags(scale, flags.NATS_AUTH, "NATS credentials (the autoscaler's and its workers')")
     for flag in flags.BROKER:
-        flag.add_to(scale, default=None, help=flags.AUTOSCALE_BROKER_HELP[flag.name])
+        if flag.name in flags.AUTOSCALE_BROKER_HELP:
+            flag.add_to(scale, default=None, help=flags.AUTOSCALE_BROKER_HELP[flag.name])
+        else:
+            flag.add_to(scale)
 
     api = sub.add_parser("api", help="run the HTTP API only")
     flags.add_flags(api, flags.common())
@@ -81,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
     schema_files.add_parser(sub)
+    doctor.add_parser(sub)
     return parser
 
 
@@ -100,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             from pdserve.autoscale import run_autoscale
 
             return run_autoscale(args)
+        if args.command == "doctor":
+            return doctor.run(args)
         if args.command == "bench":
             from pdserve.bench.cli import run as run_bench
 

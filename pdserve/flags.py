@@ -88,7 +88,11 @@ def common() -> tuple[Flag, ...]:
 
 
 def nats_url() -> Flag:
-    return Flag("--nats-url", settings.default_nats_url(), help="the NATS server (default: %(default)s)")
+    return Flag(
+        "--nats-url",
+        settings.default_nats_url(),
+        help="the NATS server, or a cluster's nodes separated by commas (default: %(default)s)",
+    )
 
 
 # Credentials for a NATS server of one's own (`up` makes its embedded server's). Secrets
@@ -159,9 +163,21 @@ BROKER = (
         int,
         "KV-ready events the decode pool may hold unacked (default: %(default)s)",
     ),
+    Flag(
+        "--js-replicas",
+        BrokerConfig.replicas,
+        int,
+        "copies JetStream keeps of pdserve's streams and registry bucket: 3 on a clustered server, so a node may "
+        "die without losing an accepted request (default: %(default)s)",
+    ),
 )
 
 WORKER_HOST = Flag("--host", WorkerConfig.host, help="address of this worker's transfer endpoint and health port")
+ADVERTISED_HOST = Flag(
+    "--transfer-host",
+    help="the address peers reach this worker's KV transfer endpoint at, when not --host (on Kubernetes: the pod "
+    "IP, from $PDSERVE_TRANSFER_HOST; default: --host)",
+)
 TRANSFER_BACKEND = Flag(
     "--disaggregation-transfer-backend",
     WorkerConfig.transfer_backend,
@@ -171,7 +187,14 @@ TRANSFER_BACKEND = Flag(
 IB_DEVICE = Flag(
     "--disaggregation-ib-device",
     WorkerConfig.ib_device,
-    help="RDMA device (e.g. mlx5_2): Mooncake uses rdma instead of tcp",
+    help="RDMA device(s), comma-separated (e.g. mlx5_2): Mooncake uses rdma instead of tcp; a worker refuses to "
+    "start when none of them has an active port (see --allow-tcp-fallback)",
+)
+ALLOW_TCP_FALLBACK = Flag(
+    "--allow-tcp-fallback",
+    switch=True,
+    help="with --disaggregation-ib-device: when RDMA cannot work here, move KV over tcp instead of refusing to "
+    "start (logged, and counted in pdserve_kv_transport_fallbacks_total)",
 )
 SGLANG = (
     WORKER_HOST,
@@ -185,6 +208,8 @@ SGLANG = (
     ),
     TRANSFER_BACKEND,
     IB_DEVICE,
+    ALLOW_TCP_FALLBACK,
+    ADVERTISED_HOST,
 )
 
 WORKER_ID = Flag("--worker-id", WorkerConfig.worker_id, help="default: <role>-<host>-<pid>-<random>")
@@ -283,6 +308,7 @@ UP = (
     Flag("--transfer-host", WorkerConfig.host, help="address workers' transfer engines listen on"),
     TRANSFER_BACKEND,
     IB_DEVICE,
+    ALLOW_TCP_FALLBACK,
     Flag(
         "--nats-client",
         many=True,
@@ -360,8 +386,10 @@ def forwarded() -> tuple[Flag, ...]:
         nats_url(),
         *NATS_AUTH,
         WORKER_HOST,
+        ADVERTISED_HOST,
         TRANSFER_BACKEND,
         IB_DEVICE,
+        ALLOW_TCP_FALLBACK,
         EXIT_WITH_PARENT,
     )
 

@@ -8,6 +8,7 @@ import argparse
 import logging
 import os
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,38 @@ def check_worker_flags(args: argparse.Namespace, role: str) -> None:
         raise UsageError("--page-size must be a power of two")
 
 
+@dataclass(frozen=True)
+class Transport:
+    """Mooncake's transport as it will really be used: ``protocol`` and ``ib_device`` for
+    the engine; ``fallback`` says why rdma was asked for and tcp is used (allowed)."""
+
+    protocol: str
+    ib_device: str
+    fallback: str = ""
+
+
+def choose_transport(
+    ib_device: str, allow_tcp_fallback: bool, backend: str = "mooncake", root: Path = Path("/")
+) -> Transport:
+    """rdma on ``ib_device`` when every device named has an active port and its verbs
+    device here; tcp when none is named. Asked for rdma where it cannot work, refuse
+    (:class:`UsageError`) unless ``allow_tcp_fallback``: never a silent fallback."""
+    if not ib_device or backend != "mooncake":
+        return Transport("tcp", "")
+    from pdserve.workers.transfer.rdma import rdma_devices, rdma_problem
+
+    problem = rdma_problem(ib_device, rdma_devices(root))
+    if problem is None:
+        return Transport("rdma", ib_device)
+    if not allow_tcp_fallback:
+        raise UsageError(
+            f"--disaggregation-ib-device {ib_device}: RDMA cannot work here: {problem}. Fix the device (or its "
+            "mount into the container), or pass --allow-tcp-fallback to move KV over tcp instead (`pdserve doctor` "
+            "lists what it finds)"
+        )
+    return Transport("tcp", "", fallback=problem)
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         page_size=args.page_size,
@@ -85,9 +118,14 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def broker_config(args: argparse.Namespace) -> BrokerConfig:
-    return BrokerConfig(
-        prefill_max_ack_pending=args.prefill_max_ack_pending, decode_max_ack_pending=args.decode_max_ack_pending
-    )
+    try:
+        return BrokerConfig(
+            prefill_max_ack_pending=args.prefill_max_ack_pending,
+            decode_max_ack_pending=args.decode_max_ack_pending,
+            replicas=args.js_replicas,
+        )
+    except ValueError as exc:
+        raise UsageError(f"--js-replicas/--*-max-ack-pending: {exc}") from None
 
 
 def scaling_config(args: argparse.Namespace) -> ScalingConfig:
@@ -159,6 +197,9 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def worker_config(args: argparse.Namespace, role: str, model_path: Path) -> WorkerConfig:
+    transport = choose_transport(
+        args.disaggregation_ib_device, args.allow_tcp_fallback, args.disaggregation_transfer_backend
+    )
     return WorkerConfig(
         role=role,
         model_path=model_path,
@@ -173,8 +214,11 @@ def worker_config(args: argparse.Namespace, role: str, model_path: Path) -> Work
         trust_remote_code=args.trust_remote_code,
         load_format=args.load_format,
         transfer_backend=args.disaggregation_transfer_backend,
-        transfer_protocol="rdma" if args.disaggregation_ib_device else "tcp",
-        ib_device=args.disaggregation_ib_device,
+        transfer_protocol=transport.protocol,
+        ib_device=transport.ib_device,
+        transfer_host=args.transfer_host or settings.default_transfer_host(),
+        transport_fallback=transport.fallback,
+        transport_fallback_device=args.disaggregation_ib_device if transport.fallback else "",
         kv_hold_seconds=args.kv_hold_seconds,
         heartbeat_seconds=args.heartbeat_seconds,
     )

@@ -20,6 +20,12 @@ def default_nats_url() -> str:
     return env("NATS_URL", "nats://127.0.0.1:4222")
 
 
+def default_transfer_host() -> str:
+    """``PDSERVE_TRANSFER_HOST``: the address a worker advertises for KV transfers (on
+    Kubernetes the pod IP, from the downward API); empty: the worker's ``--host``."""
+    return env("TRANSFER_HOST", "")
+
+
 def default_log_level() -> str:
     return env("LOG_LEVEL", "INFO")
 

@@ -32,7 +32,16 @@ from pdserve.broker.auth import NatsAuth
 from pdserve.broker.credentials import ADMIN, EmbeddedCredentials
 from pdserve.broker.server import NatsServer, NatsServerError, start_nats_server, write_private
 from pdserve.children import Child, nats_user, tend, worker_argv
-from pdserve.launch import UsageError, api_config, api_keys, listen_socket, nats_auth, resolve_model, scaling_config
+from pdserve.launch import (
+    UsageError,
+    api_config,
+    api_keys,
+    choose_transport,
+    listen_socket,
+    nats_auth,
+    resolve_model,
+    scaling_config,
+)
 from pdserve.scaling import ROLES, ScalingConfig
 from pdserve.telemetry import setup_tracing
 from pdserve.workers.transfer.base import backend_device_error
@@ -186,6 +195,15 @@ def run_up(args: argparse.Namespace) -> int:
         raise UsageError(f"{', '.join(own_credentials)}: for --nats-url; the embedded broker makes its own users")
     if args.nats_client and args.nats_url:
         raise UsageError("--nats-client: for the embedded broker; an external server's operator makes its users")
+    if args.js_replicas > 1 and not args.nats_url:
+        raise UsageError(
+            f"--js-replicas {args.js_replicas}: the embedded broker is one server; give a clustered one with --nats-url"
+        )
+    transport = choose_transport(
+        args.disaggregation_ib_device, args.allow_tcp_fallback, args.disaggregation_transfer_backend
+    )
+    if transport.fallback:
+        log.warning("RDMA cannot work here: workers will move KV over tcp", extra={"why": transport.fallback})
     model_path = resolve_model(args)
     key_file = _key_file(args)
     prefix = f"api-{uuid.uuid4().hex[:8]}"

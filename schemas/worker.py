@@ -27,7 +27,9 @@ class WorkerCounters:
     healthy pair opens one and reuses it); ``kv_links_refused``: handshakes refused for a
     layout, backend or device mismatch (each side counts it); ``kv_sends``/``kv_send_bytes``:
     requests' pages a prefill worker pushed to a decode worker; ``kv_send_failures``: pushes
-    that failed or timed out on the prefill side.
+    that failed or timed out on the prefill side; ``kv_transport_fallbacks``: 1 when RDMA was
+    asked for, could not work, and the worker moves KV over tcp with the user's leave
+    (``--allow-tcp-fallback``).
     """
 
     kv_pulls: int = 0
@@ -45,6 +47,7 @@ class WorkerCounters:
     kv_sends: int = 0
     kv_send_bytes: int = 0
     kv_send_failures: int = 0
+    kv_transport_fallbacks: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

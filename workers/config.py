@@ -27,7 +27,11 @@ class WorkerConfig:
     ``kv_lease_seconds`` is how long a decode worker's read may take: the prefill worker
     keeps the pages at least that long once it grants the lease, and a read that ends
     later is not trusted. ``keepalive_seconds``: a request in hand that sent its client
-    nothing for this long gets an ``alive`` chunk (the API's stall timeout must be longer)."""
+    nothing for this long gets an ``alive`` chunk (the API's stall timeout must be longer).
+    ``transfer_host``: the address peers reach the transfer endpoint at (on Kubernetes the
+    pod IP), when not ``host``. ``transport_fallback``: why RDMA was asked for
+    (``transport_fallback_device``) and tcp is used instead, with the user's leave
+    (``--allow-tcp-fallback``); the worker logs and counts it."""
 
     role: str
     model_path: Path
@@ -44,6 +48,9 @@ class WorkerConfig:
     transfer_backend: str = "mooncake"
     transfer_protocol: str = "tcp"
     ib_device: str = ""
+    transfer_host: str = ""
+    transport_fallback: str = ""
+    transport_fallback_device: str = ""
     kv_hold_seconds: float = 30.0
     kv_hold_grace_seconds: float = 5.0
     kv_pull_margin: float = 2.0

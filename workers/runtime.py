@@ -142,9 +142,15 @@ class WorkerRuntime:
         and its control plane on NATS (``serve``: answer the peers that read from this worker)."""
         cfg = self.config
         pool = self.engine.runner.pool
+        if cfg.transport_fallback:
+            log.warning(
+                "RDMA cannot work here: KV moves over tcp (--allow-tcp-fallback)",
+                extra={"ib_device": cfg.transport_fallback_device, "why": cfg.transport_fallback},
+            )
+            self.count("kv_transport_fallbacks")
         transfer = create_transfer(
             cfg.transfer_backend,
-            host=cfg.host,
+            host=cfg.transfer_host or cfg.host,
             protocol=cfg.transfer_protocol,
             device_name=cfg.ib_device,
             pool=pool,

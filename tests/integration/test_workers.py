@@ -327,3 +327,21 @@ async def test_a_redelivered_kv_ready_after_release_reads_nothing(workers, nats_
         assert decode.counters["recomputes"] == 1
     finally:
         await nc.close()
+
+
+async def test_an_allowed_tcp_fallback_is_logged_counted_and_advertised(
+    workers, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RDMA was asked for and could not work, and the user allowed tcp: the worker says so,
+    counts it on its heartbeat (pdserve_kv_transport_fallbacks_total) and advertises tcp at
+    its --transfer-host, so no decode worker mistakes it for an RDMA peer."""
+    why = "mlx5_0 not found (RDMA devices here: none)"
+    fell_back = await workers(
+        "prefill", transport_fallback=why, transport_fallback_device="mlx5_0", transfer_host="127.0.0.2"
+    )
+    plain = await workers("decode")
+    info = fell_back.worker_info()
+    assert info.counters.kv_transport_fallbacks == 1 and info.transfer_protocol == "tcp"
+    assert info.transfer_endpoint.startswith("127.0.0.2:")
+    assert plain.worker_info().counters.kv_transport_fallbacks == 0
+    assert any("RDMA cannot work here" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)

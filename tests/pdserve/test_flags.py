@@ -82,6 +82,9 @@ def test_a_worker_parses_what_up_means() -> None:
             "10.0.0.2",
             "--disaggregation-ib-device",
             "mlx5_2",
+            "--allow-tcp-fallback",  # no RDMA device on this machine: tcp, said and counted
+            "--js-replicas",
+            "3",
             "--log-level",
             "debug",
         ]
@@ -92,7 +95,8 @@ def test_a_worker_parses_what_up_means() -> None:
     assert worker.exit_with_parent and worker.log_level == "DEBUG" and worker.data_dir == up.data_dir
     config = worker_config(worker, "prefill", MODEL)
     assert config.engine == dataclasses.replace(engine_config(up), num_threads=3)
-    assert config.broker == BrokerConfig(prefill_max_ack_pending=16, decode_max_ack_pending=8)
+    assert config.broker == BrokerConfig(prefill_max_ack_pending=16, decode_max_ack_pending=8, replicas=3)
+    assert config.transport_fallback.startswith("mlx5_2 not found")
     assert config == WorkerConfig(
         "prefill",
         MODEL,
@@ -102,11 +106,14 @@ def test_a_worker_parses_what_up_means() -> None:
         broker=config.broker,
         worker_id=config.worker_id,
         host="10.0.0.2",
+        transfer_host="10.0.0.2",
         dtype="bfloat16",
         trust_remote_code=True,
         load_format="dummy",
-        transfer_protocol="rdma",
-        ib_device="mlx5_2",
+        transfer_protocol="tcp",
+        ib_device="",
+        transport_fallback=config.transport_fallback,
+        transport_fallback_device="mlx5_2",
         kv_hold_seconds=12.5,
         heartbeat_seconds=0.5,
     )
