@@ -214,12 +214,21 @@ class Engine:
         sampling: SamplingParams,
         output_ids: list[int] | None = None,
         prefill_only: bool = False,
+        samples: list[tuple[int, int]] | None = None,
     ) -> Sequence:
+        """Queue a request. ``samples``: an ``n > 1`` request whose samples already have their
+        first tokens, (index, token) each (a hand-off that is computed here after all): each
+        sample computes prompt and first token itself."""
         if rid in self.seqs or rid in self.held:
             raise RequestError(f"request {rid!r} is already in the engine")
         outputs = list(output_ids or [])
         self.check_request(len(prompt_ids), sampling, len(outputs))
-        self.check_token_ids(prompt_ids, outputs)
+        self.check_token_ids(prompt_ids, outputs, [t for _, t in samples or []])
+        if samples:
+            seq = self._samples(rid, prompt_ids, sampling, samples)
+            self.seqs[rid] = seq
+            self.fail_import(seq)
+            return seq
         if sampling.n > 1:
             seq = self._samples(rid, prompt_ids, sampling)
             for s in (seq, *seq.forks):
