@@ -15,6 +15,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from pdserve.schemas import SamplingParams
@@ -45,10 +46,11 @@ def check_constraint(kind: str, spec: str) -> None:
 
 
 class Matcher:
-    """One sequence's place in its grammar."""
+    """One sequence's place in its grammar. ``json``: its grammar is a JSON Schema's."""
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, json: bool = False) -> None:
         self._matcher = matcher
+        self.json = json
 
     def accept(self, token: int) -> bool:
         """Advance by ``token``; False if the grammar refuses it (the mask should prevent that)."""
@@ -78,6 +80,7 @@ class Grammars:
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()
         self.vocab_size = vocab_size
+        self._plain = _printable_mask(self._info.decoded_vocab, vocab_size)
 
     def compile(self, sampling: SamplingParams) -> Any:
         """The compiled constraint of ``sampling`` (cached); :class:`GrammarError` if it does not compile."""
@@ -107,7 +110,7 @@ class Grammars:
     def matcher(self, sampling: SamplingParams, output_ids: Sequence[int] = ()) -> Matcher:
         """A matcher at the start of ``sampling``'s constraint, advanced past ``output_ids``
         (a resumed request's tokens); :class:`GrammarError` if they break the grammar."""
-        m = Matcher(self._xgr.GrammarMatcher(self.compile(sampling)))
+        m = Matcher(self._xgr.GrammarMatcher(self.compile(sampling)), json=sampling.json_schema is not None)
         for token in output_ids:
             if not m.accept(token):
                 raise GrammarError("the tokens already generated do not follow the constraint")
@@ -120,6 +123,8 @@ class Grammars:
         for row, m in enumerate(matchers):
             if m is not None:
                 m.fill(bitmask, row)
+                if m.json:  # xgrammar's JSON strings admit raw control characters; strict parsers do not
+                    bitmask[row] &= self._plain
         return bitmask.to(device, non_blocking=True) if device.type != "cpu" else bitmask
 
 
@@ -128,6 +133,16 @@ def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     import xgrammar as xgr
 
     xgr.apply_token_bitmask_inplace(logits, bitmask)
+
+
+def _printable_mask(decoded_vocab: Sequence[bytes], vocab_size: int) -> torch.Tensor:
+    """A bitmask row allowing every token whose text holds no control character (bytes
+    below 0x20): what JSON allows unescaped, and all that compact JSON needs."""
+    allowed = np.zeros(-(-vocab_size // 32) * 32, dtype=np.uint64)
+    for i, text in enumerate(decoded_vocab[:vocab_size]):
+        allowed[i] = not any(b < 0x20 for b in text)
+    words = (allowed.reshape(-1, 32) << np.arange(32, dtype=np.uint64)).sum(axis=1)
+    return torch.from_numpy(words.astype(np.uint32).view(np.int32).copy())
 
 
 def _first_line(exc: BaseException) -> str:
