@@ -40,7 +40,7 @@ def _schema_text(value: Any, param: str) -> str:
             value = orjson.loads(value)
         except orjson.JSONDecodeError:
             raise bad_request(f"'{param}' is not valid JSON", param) from None
-    if not isinstance(value, (dict, bool)):
+    if not isinstance(value, dict):
         raise bad_request(f"'{param}' must be a JSON Schema (an object)", param)
     return orjson.dumps(value).decode()
 
@@ -54,14 +54,20 @@ def response_format(body: dict[str, Any]) -> dict[str, str]:
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
         raise bad_request("'response_format' must be an object with a 'type'", "response_format")
     kind = value["type"]
+    spec = value.get("json_schema")
+    if "json_schema" in value or kind == "json_schema":  # checked whatever the type, as the API describes it
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise bad_request(
+                "'response_format.json_schema' must be an object with a 'schema' object", "response_format"
+            )
+        if not isinstance(spec.get("name", ""), str):
+            raise bad_request("'response_format.json_schema.name' must be a string", "response_format")
     if kind == "text":
         return {}
     if kind == "json_object":
         return {"json_schema": JSON_OBJECT_SCHEMA}
     if kind == "json_schema":
-        spec = value.get("json_schema")
-        if not isinstance(spec, dict) or "schema" not in spec:
-            raise bad_request("'response_format.json_schema' must be an object with a 'schema'", "response_format")
+        assert isinstance(spec, dict)
         return {"json_schema": _schema_text(spec["schema"], "response_format")}
     raise bad_request(
         f"'response_format.type' must be text, json_object or json_schema; got {kind!r}", "response_format"

@@ -90,7 +90,11 @@ RESPONSE_FORMAT: Schema = _maybe(
         "required": ["type"],
         "properties": {
             "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
-            "json_schema": {"type": "object", "properties": {"name": {"type": "string"}, "schema": {"type": "object"}}},
+            "json_schema": {
+                "type": "object",
+                "required": ["schema"],
+                "properties": {"name": {"type": "string"}, "schema": {"type": "object"}},
+            },
         },
     }
 )
@@ -159,7 +163,8 @@ def generate_body(info: ModelInfo, config: ApiConfig) -> Schema:
     sampling = _sampling(100.0, _max_tokens(info, config))
     sampling["max_new_tokens"] = sampling.pop("max_tokens")
     sampling["skip_special_tokens"] = BOOL
-    for key in ("json_schema", "regex", "ebnf"):
+    sampling["json_schema"] = {"anyOf": [{"type": "string", "minLength": 1}, {"type": "object"}, {"type": "null"}]}
+    for key in ("regex", "ebnf"):
         sampling[key] = _maybe({"type": "string", "minLength": 1})
     rid = {"type": "string", "minLength": 1}
     return {
@@ -182,7 +187,7 @@ def generate_body(info: ModelInfo, config: ApiConfig) -> Schema:
 TOKENIZE: Schema = {
     "type": "object",
     "properties": {
-        "model": {"type": "string"},
+        "model": _maybe({"type": "string"}),
         "prompt": {"type": "string"},
         "messages": {"type": "array", "items": {"type": "object"}},
         "add_special_tokens": BOOL,
@@ -198,7 +203,7 @@ def detokenize_body(info: ModelInfo) -> Schema:
         "type": "object",
         "required": ["tokens"],
         "properties": {
-            "model": {"type": "string"},
+            "model": _maybe({"type": "string"}),
             "tokens": {"type": "array", "items": token},
             "skip_special_tokens": BOOL,
         },

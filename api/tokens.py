@@ -43,15 +43,17 @@ async def tokenize(request: Request) -> Response:
     info = state_of(request).info
     if ("prompt" in body) == ("messages" in body):
         raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
+    flags = {key: _bool(body, key, True) for key in ("add_special_tokens", "add_generation_prompt")}
+    strs = _bool(body, "return_token_strs", False)
     if "prompt" in body:
         prompt = body["prompt"]
         if not isinstance(prompt, str):
             raise bad_request("'prompt' must be a string", "prompt")
-        special = _bool(body, "add_special_tokens", True)
+        special = flags["add_special_tokens"]
     else:
         if not info.has_chat_template:
             raise bad_request("this model has no chat template", "messages")
-        generation = _bool(body, "add_generation_prompt", True)
+        generation = flags["add_generation_prompt"]
         prompt = info.tokenizer.apply_chat_template(
             chat_messages(body), add_generation_prompt=generation, tokenize=False
         )
@@ -59,8 +61,10 @@ async def tokenize(request: Request) -> Response:
     if info.max_prompt_chars and len(prompt) > info.max_prompt_chars:
         raise bad_request(f"the text has {len(prompt)} characters, more than any prompt can", "prompt")
     ids = list(info.tokenizer.encode(prompt, add_special_tokens=special))
-    strs = _pieces(info, ids) if _bool(body, "return_token_strs", False) else None
-    return ORJSONResponse({"count": len(ids), "max_model_len": info.context_length, "tokens": ids, "token_strs": strs})
+    pieces = _pieces(info, ids) if strs else None
+    return ORJSONResponse(
+        {"count": len(ids), "max_model_len": info.context_length, "tokens": ids, "token_strs": pieces}
+    )
 
 
 async def detokenize(request: Request) -> Response:
