@@ -26,6 +26,7 @@ from pdserve.api.http import AppState, ORJSONResponse, state_of
 from pdserve.api.model_info import ModelInfo, load_model_info
 from pdserve.api.openapi import describe
 from pdserve.api.routes import generation_routes
+from pdserve.api.tokens import routes as token_routes
 from pdserve.api.tracing import TraceMiddleware
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ async def model_info(request: Request) -> Response:
             "tokenizer_path": str(info.path),
             "is_generation": True,
             "served_model_name": info.name,
+            "context_length": info.context_length,
         }
     )
 
@@ -246,6 +248,7 @@ def create_app(config: ApiConfig, info: ModelInfo | None = None, collectors: Seq
         Route("/dashboard/data", dashboard_data, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
         *generation_routes(),
+        *token_routes(),
     ]
     access = Middleware(AccessMiddleware, keys=config.api_keys, max_concurrent=config.max_concurrent_requests)
     return Starlette(

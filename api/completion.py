@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -12,6 +13,7 @@ from pdserve.api.gateway import Gateway
 from pdserve.api.model_info import ModelInfo
 from pdserve.api.protocol import Job
 from pdserve.schemas import TokenChunk, TokenLogprob, Usage
+from pdserve.schemas.sampling import sample_rid
 
 
 @dataclass
@@ -89,6 +91,34 @@ async def _deltas(
             return
 
 
+async def sample_deltas(
+    gateway: Gateway,
+    info: ModelInfo,
+    job: Job,
+    rid: str,
+    timeout: float,
+    skip_special_tokens: bool = True,
+) -> list[AsyncIterator[Delta]]:
+    """One stream of deltas per sample of ``job`` (``n`` of them; with ``n > 1`` one request
+    is published now for them all, its samples streaming under ``rid#i``)."""
+    if job.sampling.n == 1:
+        return [deltas(gateway, info, job, rid, timeout, skip_special_tokens)]
+    streams = await gateway.generate_samples(job.prompt_ids, job.sampling, rid, timeout)
+    return [_sample(chunks, info, job, skip_special_tokens) for chunks in streams]
+
+
+async def _sample(
+    chunks: AsyncIterator[TokenChunk], info: ModelInfo, job: Job, skip_special_tokens: bool
+) -> AsyncIterator[Delta]:
+    detok = IncrementalDetokenizer(info.tokenizer, skip_special_tokens)
+    stop = StopMatcher(job.sampling.stop)
+    async with contextlib.aclosing(chunks):  # type: ignore[type-var]
+        async for delta in _deltas(chunks, job, detok, stop):
+            yield delta
+            if delta.finish_reason is not None:
+                return
+
+
 async def collect(
     gateway: Gateway,
     info: ModelInfo,
@@ -96,11 +126,22 @@ async def collect(
     rid: str,
     timeout: float,
     skip_special_tokens: bool = True,
-) -> Result:
+) -> list[Result]:
+    """Every sample of ``job``, whole (one result for ``n`` of 1)."""
     started = time.perf_counter()
+    streams = await sample_deltas(gateway, info, job, rid, timeout, skip_special_tokens)
+    rids = [rid] if len(streams) == 1 else [sample_rid(rid, i) for i in range(len(streams))]
+    try:
+        return list(await asyncio.gather(*(_collect(s, job, r, started) for s, r in zip(streams, rids, strict=True))))
+    finally:
+        for s in streams:
+            await s.aclose()  # type: ignore[attr-defined]
+
+
+async def _collect(stream: AsyncIterator[Delta], job: Job, rid: str, started: float) -> Result:
     result = Result(rid)
     parts: list[str] = []
-    async for d in deltas(gateway, info, job, rid, timeout, skip_special_tokens):
+    async for d in stream:
         if not result.token_ids:
             result.first_token_seconds = time.perf_counter() - started
         parts.append(d.text)
@@ -116,3 +157,10 @@ async def collect(
     if result.usage is None:
         result.usage = Usage(len(job.prompt_ids), len(result.token_ids))
     return result
+
+
+def total_usage(results: list[Result]) -> Usage:
+    """Usage of one prompt's samples: its prompt (and cached part) once, every sample's output."""
+    usages = [r.usage or Usage(0, len(r.token_ids)) for r in results]
+    first = usages[0] if usages else Usage(0, 0)
+    return Usage(first.prompt_tokens, sum(u.completion_tokens for u in usages), first.cached_tokens)

@@ -21,7 +21,8 @@ class ApiConfig:
     Limits refused with 400: prompts over ``max_prompt_tokens`` tokens, more new tokens
     than ``max_output_tokens``, more than ``max_batch_prompts`` prompts in one request
     (``None``: the model's context length). ``max_concurrent_requests`` generation
-    requests per key may be in flight (0: no limit); more get 429."""
+    requests per key may be in flight (0: no limit); more get 429. ``enable_flush_cache``
+    turns on ``/flush_cache`` (benchmarks: every worker forgets its cached prefixes)."""
 
     nats_url: str
     model_path: Path
@@ -41,6 +42,7 @@ class ApiConfig:
     max_output_tokens: int | None = None
     max_batch_prompts: int = 256
     max_concurrent_requests: int = 0
+    enable_flush_cache: bool = False
     trust_remote_code: bool = False
     context_length: int | None = None
     broker: BrokerConfig = BrokerConfig()

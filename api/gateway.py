@@ -40,6 +40,8 @@ from pdserve.broker.registry import WorkerRegistry
 from pdserve.schemas import (
     Cancel,
     ErrorInfo,
+    FlushCache,
+    FlushCacheReply,
     GenerateRequest,
     SamplingParams,
     TokenBatch,
@@ -47,6 +49,7 @@ from pdserve.schemas import (
     Usage,
     WorkerInfo,
 )
+from pdserve.schemas.sampling import sample_rid
 
 log = logging.getLogger(__name__)
 
@@ -322,12 +325,37 @@ class Gateway:
         dedup window, :class:`StreamError` on a worker error, a timeout, or too many
         migrations. Leaving early (the client went away) publishes ``Cancel``.
         """
-        assert self.nc is not None
         rid = rid or uuid.uuid4().hex
-        if rid in self.live:
-            raise DuplicateRequestError(f"request id {rid!r} is in use")
+        request = self._request(rid, prompt_ids, sampling, timeout)
+        live = self._register([request])[0]
+        published = await self._submit(request, [live])
+        async for chunk in self._follow(live, published, timeout):
+            yield chunk
+
+    async def generate_samples(
+        self, prompt_ids: list[int], sampling: SamplingParams, rid: str, timeout: float = 600.0
+    ) -> list[AsyncGenerator[TokenChunk, None]]:
+        """Publish one request of ``sampling.n`` samples (one prefill, its KV shared) and
+        return each sample's chunks (``rid#i``). Each sample is followed, migrated and
+        cancelled on its own, as the request of one sample it stands for (``n`` 1, ``seed
+        + i``). Raises as :meth:`generate` before anything is published."""
+        group = self._request(rid, prompt_ids, sampling, timeout)
+        singles = [
+            dataclasses.replace(
+                group,
+                rid=sample_rid(rid, i),
+                reply_to=contract.TOKENS.subject(self.api_id, sample_rid(rid, i)),
+                sampling=sampling.for_sample(i),
+            )
+            for i in range(sampling.n)
+        ]
+        lives = self._register(singles)
+        published = await self._submit(group, lives)
+        return [self._follow(live, published, timeout) for live in lives]
+
+    def _request(self, rid: str, prompt_ids: list[int], sampling: SamplingParams, timeout: float) -> GenerateRequest:
         now = time.time()
-        request = GenerateRequest(
+        return GenerateRequest(
             rid=rid,
             model=self.model,
             prompt_ids=tuple(prompt_ids),
@@ -337,21 +365,51 @@ class Gateway:
             deadline=now + timeout,
             published_at=now,
         )
-        live = _Live(request, TokenStream(rid, heard_at=time.monotonic()))
-        if tracing.is_on():
-            live.trace = otel_context.get_current()
-        self.live[rid] = live
+
+    def _register(self, requests: list[GenerateRequest]) -> list[_Live]:
+        """A stream per request id, or :class:`DuplicateRequestError` if one is in use."""
+        for request in requests:
+            if request.rid in self.live:
+                raise DuplicateRequestError(f"request id {request.rid!r} is in use")
+        lives = [_Live(request, TokenStream(request.rid, heard_at=time.monotonic())) for request in requests]
+        for live in lives:
+            if tracing.is_on():
+                live.trace = otel_context.get_current()
+            self.live[live.request.rid] = live
         self.stats.requests += 1
-        finished = False
-        outcome, published, last = "rejected", time.monotonic(), 0.0
+        return lives
+
+    async def _submit(self, request: GenerateRequest, lives: list[_Live]) -> float:
+        """Publish ``request`` for the streams ``lives``; when it fails nothing of it runs:
+        the streams are dropped and the error raised."""
+        assert self.nc is not None
         try:
-            if not await contract.submit(self.nc, contract.REQUESTS, request, self.model, rid, trace=live.trace):
-                finished = True  # nothing of ours runs: nothing to cancel
-                raise DuplicateRequestError(
-                    f"request id {rid!r} was submitted within the last {self.broker.dedup_window:.0f}s"
-                )
-            outcome, published = "cancelled", time.monotonic()
-            live.deadline = published + timeout
+            fresh = await contract.submit(
+                self.nc, contract.REQUESTS, request, self.model, request.rid, trace=lives[0].trace
+            )
+        except BaseException:
+            self._unregister(lives, "rejected")
+            raise
+        if not fresh:
+            self._unregister(lives, "rejected")
+            raise DuplicateRequestError(
+                f"request id {request.rid!r} was submitted within the last {self.broker.dedup_window:.0f}s"
+            )
+        return time.monotonic()
+
+    def _unregister(self, lives: list[_Live], outcome: str) -> None:
+        for live in lives:
+            if self.live.get(live.request.rid) is live:
+                del self.live[live.request.rid]
+            self.metrics.finished(outcome, None)
+
+    async def _follow(self, live: _Live, published: float, timeout: float) -> AsyncGenerator[TokenChunk, None]:
+        """The chunks of a submitted request, in order, until its last."""
+        rid = live.request.rid
+        finished = False
+        outcome, last = "cancelled", 0.0
+        live.deadline = published + timeout
+        try:
             while True:
                 # Everything queued, merged (no wait while behind). No timer per wait: the
                 # watch puts a timeout error in the queue once the deadline has passed.
@@ -394,6 +452,21 @@ class Gateway:
             await contract.publish(self.nc, contract.CANCEL, cancel)
         except Exception as exc:
             log.warning("could not publish cancel", extra={"rid": cancel.rid, "error": str(exc)})
+
+    async def flush_cache(self, timeout: float = 5.0) -> list[FlushCacheReply | str]:
+        """Ask every registered worker of this model to forget its cached prefixes; each
+        answer, or what went wrong with that worker (a string)."""
+        nc = self.nc
+        assert nc is not None
+        workers = [w for w in await self.workers() if w.model == self.model]
+
+        async def ask(worker: WorkerInfo) -> FlushCacheReply | str:
+            try:
+                return await contract.ask(nc, contract.FLUSH_CACHE, FlushCache(), worker.worker_id, timeout=timeout)
+            except contract.Unanswered as exc:
+                return f"{worker.worker_id}: {exc}"
+
+        return list(await asyncio.gather(*(ask(w) for w in workers)))
 
     async def workers(self) -> list[WorkerInfo]:
         """The live workers; none while the registry bucket is missing (a restarted

@@ -15,7 +15,7 @@ from pdserve.api.access import LIMITED_PATHS, OPEN_PATHS
 from pdserve.api.config import ApiConfig
 from pdserve.api.model_info import ModelInfo
 from pdserve.api.protocol import INT64, MAX_COMPLETION_LOGPROBS
-from pdserve.schemas.sampling import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+from pdserve.schemas.sampling import MAX_LOGIT_BIAS, MAX_SAMPLES, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 
 Schema = dict[str, Any]
 
@@ -58,7 +58,10 @@ def _sampling(temperature_max: float, max_tokens: Schema) -> dict[str, Schema]:
         "frequency_penalty": _number(-2.0, 2.0),
         "presence_penalty": _number(-2.0, 2.0),
         "repetition_penalty": _number(0.0, 10.0, exclusive_low=True),
-        "n": _integer(1, 1),
+        "n": _integer(1, MAX_SAMPLES),
+        "logit_bias": _maybe(
+            {"type": "object", "additionalProperties": _number(-100.0, 100.0), "maxProperties": MAX_LOGIT_BIAS}
+        ),
         "max_tokens": max_tokens,
     }
 
@@ -81,6 +84,22 @@ def _max_tokens(info: ModelInfo, config: ApiConfig) -> Schema:
     return _integer(1, config.max_output_tokens or max(info.context_length - 1, 1))
 
 
+RESPONSE_FORMAT: Schema = _maybe(
+    {
+        "type": "object",
+        "required": ["type"],
+        "properties": {
+            "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+            "json_schema": {
+                "type": "object",
+                "required": ["schema"],
+                "properties": {"name": {"type": "string"}, "schema": {"type": "object"}},
+            },
+        },
+    }
+)
+
+
 def completion_body(info: ModelInfo, config: ApiConfig) -> Schema:
     return {
         "type": "object",
@@ -91,6 +110,8 @@ def completion_body(info: ModelInfo, config: ApiConfig) -> Schema:
             **_sampling(100.0, _max_tokens(info, config)),
             "logprobs": _integer(0, MAX_COMPLETION_LOGPROBS),
             "echo": BOOL,
+            "user": _maybe({"type": "string"}),
+            "response_format": RESPONSE_FORMAT,
             "stream": BOOL,
             "stream_options": _maybe({"type": "object", "properties": {"include_usage": BOOL}}),
         },
@@ -130,6 +151,8 @@ def chat_body(info: ModelInfo, config: ApiConfig) -> Schema:
             "max_completion_tokens": max_tokens,
             "logprobs": BOOL,
             "top_logprobs": _integer(0, MAX_TOP_LOGPROBS),
+            "user": _maybe({"type": "string"}),
+            "response_format": RESPONSE_FORMAT,
             "stream": BOOL,
             "stream_options": _maybe({"type": "object", "properties": {"include_usage": BOOL}}),
         },
@@ -140,6 +163,9 @@ def generate_body(info: ModelInfo, config: ApiConfig) -> Schema:
     sampling = _sampling(100.0, _max_tokens(info, config))
     sampling["max_new_tokens"] = sampling.pop("max_tokens")
     sampling["skip_special_tokens"] = BOOL
+    sampling["json_schema"] = {"anyOf": [{"type": "string", "minLength": 1}, {"type": "object"}, {"type": "null"}]}
+    for key in ("regex", "ebnf"):
+        sampling[key] = _maybe({"type": "string", "minLength": 1})
     rid = {"type": "string", "minLength": 1}
     return {
         "type": "object",
@@ -154,6 +180,32 @@ def generate_body(info: ModelInfo, config: ApiConfig) -> Schema:
             "top_logprobs_num": _integer(0, MAX_TOP_LOGPROBS),
             "stream": BOOL,
             "rid": {"anyOf": [rid, {"type": "array", "items": rid}, {"type": "null"}]},
+        },
+    }
+
+
+TOKENIZE: Schema = {
+    "type": "object",
+    "properties": {
+        "model": _maybe({"type": "string"}),
+        "prompt": {"type": "string"},
+        "messages": {"type": "array", "items": {"type": "object"}},
+        "add_special_tokens": BOOL,
+        "add_generation_prompt": BOOL,
+        "return_token_strs": BOOL,
+    },
+}
+
+
+def detokenize_body(info: ModelInfo) -> Schema:
+    token = {"type": "integer", "minimum": 0, "maximum": len(info.tokenizer) - 1}
+    return {
+        "type": "object",
+        "required": ["tokens"],
+        "properties": {
+            "model": _maybe({"type": "string"}),
+            "tokens": {"type": "array", "items": token},
+            "skip_special_tokens": BOOL,
         },
     }
 
@@ -235,7 +287,15 @@ def describe(config: ApiConfig, info: ModelInfo) -> Schema:
         "/dashboard": _get("/dashboard", "the live page", "text/html", text, config),
         "/dashboard/data": _get("/dashboard/data", "what the live page draws", "application/json", obj, config),
         "/openapi.json": _get("/openapi.json", "this description", "application/json", obj, config),
+        "/tokenize": _generation("/tokenize", "text or chat messages to token ids (vLLM)", TOKENIZE, config),
+        "/detokenize": _generation("/detokenize", "token ids to text (vLLM)", detokenize_body(info), config),
+        "/version": _get("/version", "pdserve's version", "application/json", obj, config),
+        "/get_server_info": _get(
+            "/get_server_info", "the server and its limits (SGLang)", "application/json", obj, config
+        ),
     }
+    if config.enable_flush_cache:
+        paths["/flush_cache"] = _generation("/flush_cache", "every worker forgets its cached prefixes", obj, config)
     paths["/health"]["get"]["responses"]["503"] = _json(obj, "no worker pool can serve yet")
     document: Schema = {
         "openapi": "3.1.0",

@@ -11,10 +11,11 @@ from typing import Any
 
 import orjson
 
+from pdserve.api import constraints
 from pdserve.api.errors import bad_request
 from pdserve.api.model_info import ModelInfo
 from pdserve.schemas import SamplingParams
-from pdserve.schemas.sampling import MAX_STOP_STRINGS
+from pdserve.schemas.sampling import MAX_SAMPLES, MAX_STOP_STRINGS
 
 MAX_COMPLETION_LOGPROBS = 5
 MAX_BATCH = 256  # prompts in one request, by default
@@ -153,7 +154,11 @@ def _sampling(
     num_prompt: int,
     logprobs: bool,
     top_logprobs: int,
+    n: int = 1,
+    body: dict[str, Any] | None = None,
 ) -> SamplingParams:
+    """``src``: where the sampling keys are (``/generate``: its merged ``sampling_params``);
+    ``body``: the whole body (``response_format`` lives there)."""
     if limits.max_prompt_tokens is not None and num_prompt > limits.max_prompt_tokens:
         raise bad_request(
             f"the prompt has {num_prompt} tokens; this server takes at most {limits.max_prompt_tokens}",
@@ -180,6 +185,7 @@ def _sampling(
             "context_length_exceeded",
         )
     stop_ids = src.get("stop_token_ids")
+    body = src if body is None else body
     try:
         return SamplingParams(
             max_new_tokens=max_tokens,
@@ -196,6 +202,9 @@ def _sampling(
             repetition_penalty=_f(src, "repetition_penalty", 1.0, 0.0, 10.0),
             logprobs=logprobs,
             top_logprobs=top_logprobs,
+            n=n,
+            logit_bias=constraints.logit_bias(src, len(info.tokenizer)),
+            **constraints.constraint(body, src),
         )
     except ValueError as exc:
         raise bad_request(str(exc)) from None
@@ -215,9 +224,18 @@ def check_model(body: dict[str, Any], info: ModelInfo, required: bool) -> None:
         )
 
 
-def _n(body: dict[str, Any]) -> None:
-    if _int(body, "n", 1, 1) != 1:
-        raise bad_request("only n=1 is supported", "n")
+def _n(body: dict[str, Any]) -> int:
+    n = _int(body, "n", 1, 1, MAX_SAMPLES)
+    assert n is not None
+    if n > 1 and body.get("best_of") not in (None, n):
+        raise bad_request("'best_of' other than n is not supported", "best_of")
+    return n
+
+
+def _user(body: dict[str, Any]) -> None:
+    """OpenAI's ``user``: an end-user id for the operator's logs; only its type is checked."""
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise bad_request("'user' must be a string", "user")
 
 
 def _default_max(info: ModelInfo, num_prompt: int, default: int) -> int:
@@ -268,7 +286,8 @@ def _prompts(
 # ---- /v1/completions ----------------------------------------------------------------
 def parse_completion(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Parsed:
     check_model(body, info, required=True)
-    _n(body)
+    n = _n(body)
+    _user(body)
     if "prompt" not in body:
         raise bad_request("'prompt' is required", "prompt")
     prompts, batch = _prompts(body["prompt"], info, "prompt", limits.max_batch)
@@ -280,7 +299,7 @@ def parse_completion(body: dict[str, Any], info: ModelInfo, limits: Limits) -> P
     for ids, text in prompts:
         max_tokens = _int(body, "max_tokens", limits.default_for(COMPLETION_MAX_TOKENS), 1)
         assert max_tokens is not None
-        sampling = _sampling(body, max_tokens, info, limits, len(ids), logprobs is not None, logprobs or 0)
+        sampling = _sampling(body, max_tokens, info, limits, len(ids), logprobs is not None, logprobs or 0, n)
         jobs.append(Job(ids, sampling, text))
     return Parsed(
         jobs,
@@ -333,7 +352,8 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 def parse_chat(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Parsed:
     check_model(body, info, required=True)
-    _n(body)
+    n = _n(body)
+    _user(body)
     messages = chat_messages(body)
     if not info.has_chat_template:
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
@@ -351,7 +371,7 @@ def parse_chat(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Parsed:
     if top and not logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     return Parsed(
-        [Job(ids, _sampling(body, max_tokens, info, limits, len(ids), logprobs, top), text)],
+        [Job(ids, _sampling(body, max_tokens, info, limits, len(ids), logprobs, top, n), text)],
         stream=_bool(body, "stream", False),
         include_usage=_stream_usage(body),
     )
@@ -373,6 +393,10 @@ _SGLANG_SAMPLING = (
     "seed",
     "n",
     "skip_special_tokens",
+    "json_schema",
+    "regex",
+    "ebnf",
+    "logit_bias",
 )
 
 
@@ -387,7 +411,7 @@ def parse_generate(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Par
         raise bad_request("'sampling_params' must be an object", "sampling_params")
     merged = {k: body[k] for k in _SGLANG_SAMPLING if k in body}
     merged.update(params)
-    _n(merged)
+    n = _n(merged)
     if ("text" in body) == ("input_ids" in body):
         raise bad_request("give exactly one of 'text' and 'input_ids'", "text")
     key = "text" if "text" in body else "input_ids"
@@ -402,7 +426,7 @@ def parse_generate(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Par
         max_new = _int(merged, "max_new_tokens", None, 1)
         if max_new is None:
             max_new = _default_max(info, len(ids), limits.default_for(min(limits.default_max_tokens, 128)))
-        jobs.append(Job(ids, _sampling(merged, max_new, info, limits, len(ids), want_logprobs, top), text))
+        jobs.append(Job(ids, _sampling(merged, max_new, info, limits, len(ids), want_logprobs, top, n, body), text))
     rid = body.get("rid")
     if batch and rid is not None:
         if not (isinstance(rid, list) and len(rid) == len(jobs) and all(isinstance(r, str) and r for r in rid)):

@@ -14,11 +14,13 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from pdserve.api import formats
-from pdserve.api.completion import Delta, Result, collect, deltas
+from pdserve.api.completion import Delta, Result, collect, sample_deltas, total_usage
 from pdserve.api.config import ApiConfig
 from pdserve.api.errors import APIError
 from pdserve.api.http import AppState, ORJSONResponse, read_body, state_of, translate, until_disconnect
 from pdserve.api.protocol import Job, Limits, Parsed, parse_chat, parse_completion, parse_generate, parse_json
+from pdserve.schemas import Usage
+from pdserve.schemas.sampling import sample_rid
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -59,23 +61,16 @@ def _job_rids(parsed: Parsed, rid: str) -> list[str]:
 
 async def _collect_all(
     request: Request, state: AppState, parsed: Parsed, rid: str, skip_special: bool = True
-) -> list[Result | APIError]:
-    """Every job's result; a job that fails is its own error, the others go on. When
+) -> list[list[Result] | APIError]:
+    """Every job's samples; a job that fails is its own error, the others go on. When
     every job fails the request fails with the first error."""
     cfg = state.config
     rids = _job_rids(parsed, rid)
 
-    async def run() -> list[Result | BaseException]:
+    async def run() -> list[list[Result] | BaseException]:
         return await asyncio.gather(
             *(
-                collect(
-                    state.gateway,
-                    state.info,
-                    job,
-                    rids[i],
-                    cfg.request_timeout,
-                    skip_special,
-                )
+                collect(state.gateway, state.info, job, rids[i], cfg.request_timeout, skip_special)
                 for i, job in enumerate(parsed.jobs)
             ),
             return_exceptions=True,
@@ -85,7 +80,7 @@ async def _collect_all(
         results = await until_disconnect(request, run())
     except Exception as exc:
         raise translate(exc) from None
-    out: list[Result | APIError] = []
+    out: list[list[Result] | APIError] = []
     for r in results:
         if isinstance(r, Exception):
             out.append(translate(r))
@@ -98,33 +93,78 @@ async def _collect_all(
     return out
 
 
-async def _first_and_rest(request: Request, stream: AsyncIterator[Delta]) -> tuple[Delta | None, AsyncIterator[Delta]]:
-    """Wait for the first delta before answering 200, so queue-full and bad
-    requests still get a proper status code."""
+async def _merge(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
+    """The samples' deltas as they come, each with its sample index."""
+    if len(streams) == 1:
+        async for d in streams[0]:
+            yield 0, d
+        return
+    queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[Delta]) -> None:
+        try:
+            async for d in stream:
+                await queue.put((i, d))
+            await queue.put((i, None))
+        except BaseException as exc:  # handed to the reader, which raises it
+            await queue.put((i, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     try:
-        first = await until_disconnect(request, stream.__anext__())
-    except StopAsyncIteration:
-        return None, stream
+        open_streams = len(streams)
+        while open_streams:
+            i, item = await queue.get()
+            if item is None:
+                open_streams -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+
+async def _open_stream(
+    request: Request, state: AppState, job: Job, rid: str, skip_special: bool = True
+) -> tuple[tuple[int, Delta] | None, AsyncIterator[tuple[int, Delta]]]:
+    """Publish ``job`` and wait for its first delta before answering 200, so queue-full and
+    bad requests still get a proper status code."""
+    cfg = state.config
+    try:
+        streams = await until_disconnect(
+            request, sample_deltas(state.gateway, state.info, job, rid, cfg.request_timeout, skip_special)
+        )
     except Exception as exc:
         raise translate(exc) from None
-    return first, stream
-
-
-def _stream_deltas(state: AppState, job: Job, rid: str, skip_special: bool = True) -> AsyncIterator[Delta]:
-    cfg = state.config
-    return deltas(state.gateway, state.info, job, rid, cfg.request_timeout, skip_special)
+    merged = _merge(streams)
+    try:
+        first = await until_disconnect(request, merged.__anext__())
+    except StopAsyncIteration:
+        return None, merged
+    except Exception as exc:
+        await merged.aclose()  # type: ignore[attr-defined]
+        raise translate(exc) from None
+    return first, merged
 
 
 async def _sse_body(
-    first: Delta | None, rest: AsyncIterator[Delta], render: Callable[[Delta], list[Any]]
+    first: tuple[int, Delta] | None,
+    rest: AsyncIterator[tuple[int, Delta]],
+    render: Callable[[int, Delta], list[Any]],
+    end: Callable[[], list[Any]] = list,
 ) -> AsyncIterator[bytes]:
     try:
         if first is not None:
-            for event in render(first):
+            for event in render(*first):
                 yield _sse(event)
-        async for d in rest:
-            for event in render(d):
+        async for i, d in rest:
+            for event in render(i, d):
                 yield _sse(event)
+        for event in end():
+            yield _sse(event)
     except Exception as exc:
         yield _sse(translate(exc).body())
     finally:
@@ -132,12 +172,33 @@ async def _sse_body(
     yield _DONE
 
 
-def _stream_events(head: dict[str, Any], choice: dict[str, Any], d: Delta, include_usage: bool) -> list[Any]:
-    """One OpenAI stream chunk, and after the last one the usage chunk if it was asked for."""
-    events: list[Any] = [{**head, "choices": [choice]}]
-    if d.finish_reason is not None and include_usage:
-        events.append({**head, "choices": [], "usage": formats.usage_body(d.usage)})
-    return events
+class _Usage:
+    """A streamed job's usage: its prompt once, every sample's output, once all have finished."""
+
+    def __init__(self, n: int) -> None:
+        self.open = n
+        self.usages: list[Usage] = []
+
+    def add(self, d: Delta) -> None:
+        if d.finish_reason is not None:
+            self.open -= 1
+            if d.usage is not None:
+                self.usages.append(d.usage)
+
+    def total(self) -> Usage | None:
+        if not self.usages:
+            return None
+        first = self.usages[0]
+        return Usage(first.prompt_tokens, sum(u.completion_tokens for u in self.usages), first.cached_tokens)
+
+
+def _stream_end(head: dict[str, Any], usage: _Usage, include_usage: bool) -> Callable[[], list[Any]]:
+    """After every sample's last chunk: the usage chunk, if it was asked for."""
+
+    def end() -> list[Any]:
+        return [{**head, "choices": [], "usage": formats.usage_body(usage.total())}] if include_usage else []
+
+    return end
 
 
 def _prompt_text(state: AppState, job: Job) -> str:
@@ -150,54 +211,54 @@ async def completions(request: Request) -> Response:
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     name = state.info.name
+    head = {"id": rid, "object": "text_completion", "created": created, "model": name}
     if parsed.stream:
         job = parsed.jobs[0]
-        first, rest = await _first_and_rest(request, _stream_deltas(state, job, rid))
-        prefix = [_prompt_text(state, job)] if parsed.echo else []
+        first, rest = await _open_stream(request, state, job, rid)
+        unsent = set(range(job.sampling.n)) if parsed.echo else set()
+        usage = _Usage(job.sampling.n)
 
-        def render(d: Delta) -> list[Any]:
-            text = (prefix.pop() if prefix else "") + d.text
+        def render(i: int, d: Delta) -> list[Any]:
+            usage.add(d)
+            text = d.text
+            if i in unsent:
+                unsent.discard(i)
+                text = _prompt_text(state, job) + text
             choice = {
-                "index": 0,
+                "index": i,
                 "text": text,
                 "logprobs": formats.completion_logprobs(state.info, d.token_ids, d.logprobs),
                 "finish_reason": formats.openai_finish(d.finish_reason),
             }
-            head = {"id": rid, "object": "text_completion", "created": created, "model": name}
-            return _stream_events(head, choice, d, parsed.include_usage)
+            return [{**head, "choices": [choice]}]
 
-        return StreamingResponse(_sse_body(first, rest, render), media_type="text/event-stream", headers=SSE_HEADERS)
+        body = _sse_body(first, rest, render, _stream_end(head, usage, parsed.include_usage))
+        return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
     results = await _collect_all(request, state, parsed, rid)
     choices = []
-    for i, (job, r) in enumerate(zip(parsed.jobs, results, strict=True)):
-        if isinstance(r, APIError):  # this prompt failed; the others did not
-            choices.append({"index": i, "text": "", "logprobs": None, "finish_reason": "error", **r.body()})
+    n = parsed.jobs[0].sampling.n
+    for i, (job, samples) in enumerate(zip(parsed.jobs, results, strict=True)):
+        if isinstance(samples, APIError):  # this prompt failed; the others did not
+            for k in range(n):
+                choices.append(
+                    {"index": i * n + k, "text": "", "logprobs": None, "finish_reason": "error", **samples.body()}
+                )
             continue
-        text = (_prompt_text(state, job) if parsed.echo else "") + r.text
-        choices.append(
-            {
-                "index": i,
-                "text": text,
-                "logprobs": formats.completion_logprobs(state.info, r.token_ids, r.logprobs),
-                "finish_reason": formats.openai_finish(r.finish_reason),
-            }
-        )
-    return ORJSONResponse(
-        {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": name,
-            "choices": choices,
-            "usage": _sum_usage(results),
-        }
-    )
+        for k, r in enumerate(samples):
+            text = (_prompt_text(state, job) if parsed.echo else "") + r.text
+            choices.append(
+                {
+                    "index": i * n + k,
+                    "text": text,
+                    "logprobs": formats.completion_logprobs(state.info, r.token_ids, r.logprobs),
+                    "finish_reason": formats.openai_finish(r.finish_reason),
+                }
+            )
+    return ORJSONResponse({**head, "choices": choices, "usage": _sum_usage(results)})
 
 
-def _sum_usage(results: list[Result | APIError]) -> dict[str, Any] | None:
-    from pdserve.schemas import Usage
-
-    usages = [r.usage for r in results if isinstance(r, Result) and r.usage is not None]
+def _sum_usage(results: list[list[Result] | APIError]) -> dict[str, Any] | None:
+    usages = [total_usage(r) for r in results if not isinstance(r, APIError)]
     total = Usage(
         sum(u.prompt_tokens for u in usages),
         sum(u.completion_tokens for u in usages),
@@ -214,28 +275,31 @@ async def chat_completions(request: Request) -> Response:
     name = state.info.name
     job = parsed.jobs[0]
     if parsed.stream:
-        first, rest = await _first_and_rest(request, _stream_deltas(state, job, rid))
-        sent_role = [False]
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name}
+        first, rest = await _open_stream(request, state, job, rid)
+        unsent_role = set(range(job.sampling.n))
+        usage = _Usage(job.sampling.n)
 
-        def render(d: Delta) -> list[Any]:
+        def render(i: int, d: Delta) -> list[Any]:
+            usage.add(d)
             delta: dict[str, Any] = {}
-            if not sent_role[0]:
+            if i in unsent_role:
                 delta["role"] = "assistant"
-                sent_role[0] = True
+                unsent_role.discard(i)
             if d.text:
                 delta["content"] = d.text
             choice = {
-                "index": 0,
+                "index": i,
                 "delta": delta,
                 "logprobs": formats.chat_logprobs(state.info, d.token_ids, d.logprobs),
                 "finish_reason": formats.openai_finish(d.finish_reason),
             }
-            head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name}
-            return _stream_events(head, choice, d, parsed.include_usage)
+            return [{**head, "choices": [choice]}]
 
-        return StreamingResponse(_sse_body(first, rest, render), media_type="text/event-stream", headers=SSE_HEADERS)
-    (r,) = await _collect_all(request, state, parsed, rid)
-    assert isinstance(r, Result)  # a single job's failure is raised
+        body = _sse_body(first, rest, render, _stream_end(head, usage, parsed.include_usage))
+        return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
+    (samples,) = await _collect_all(request, state, parsed, rid)
+    assert not isinstance(samples, APIError)  # a single job's failure is raised
     return ORJSONResponse(
         {
             "id": rid,
@@ -244,13 +308,14 @@ async def chat_completions(request: Request) -> Response:
             "model": name,
             "choices": [
                 {
-                    "index": 0,
+                    "index": k,
                     "message": {"role": "assistant", "content": r.text},
                     "logprobs": formats.chat_logprobs(state.info, r.token_ids, r.logprobs),
                     "finish_reason": formats.openai_finish(r.finish_reason),
                 }
+                for k, r in enumerate(samples)
             ],
-            "usage": formats.usage_body(r.usage),
+            "usage": formats.usage_body(total_usage(samples)),
         }
     )
 
@@ -261,47 +326,50 @@ async def generate(request: Request) -> Response:
     rid = parsed.rid if isinstance(parsed.rid, str) else uuid.uuid4().hex
     if parsed.stream:
         job = parsed.jobs[0]
+        n = job.sampling.n
         started = time.perf_counter()
-        first, rest = await _first_and_rest(request, _stream_deltas(state, job, rid, parsed.skip_special_tokens))
-        text: list[str] = []
-        ids: list[int] = []
+        first, rest = await _open_stream(request, state, job, rid, parsed.skip_special_tokens)
+        text: list[list[str]] = [[] for _ in range(n)]
+        ids: list[list[int]] = [[] for _ in range(n)]
 
-        def render(d: Delta) -> list[Any]:
-            text.append(d.text)
-            ids.extend(d.token_ids)
+        def render(i: int, d: Delta) -> list[Any]:
+            text[i].append(d.text)
+            ids[i].extend(d.token_ids)
             usage = d.usage
             done = d.finish_reason is not None
             meta = formats.sglang_meta(
-                rid,
+                rid if n == 1 else sample_rid(rid, i),
                 d,
                 len(job.prompt_ids),
-                len(ids),
+                len(ids[i]),
                 usage.cached_tokens if usage else 0,
                 time.perf_counter() - started if done else None,
             )
             formats.sglang_logprobs(meta, d.token_ids, d.logprobs)
-            return [{"text": "".join(text), "output_ids": list(ids), "meta_info": meta}]
+            body = {"text": "".join(text[i]), "output_ids": list(ids[i]), "meta_info": meta}
+            return [body if n == 1 else {"index": i, **body}]
 
         return StreamingResponse(_sse_body(first, rest, render), media_type="text/event-stream", headers=SSE_HEADERS)
     results = await _collect_all(request, state, parsed, rid, parsed.skip_special_tokens)
     bodies = []
-    for i, (job, r) in enumerate(zip(parsed.jobs, results, strict=True)):
-        if isinstance(r, APIError):  # this prompt failed; the others did not
+    for i, (job, samples) in enumerate(zip(parsed.jobs, results, strict=True)):
+        if isinstance(samples, APIError):  # this prompt failed; the others did not
             meta = {
                 "id": _job_rids(parsed, rid)[i],
                 "prompt_tokens": len(job.prompt_ids),
                 "completion_tokens": 0,
-                "finish_reason": {"type": "abort", "message": r.message},
+                "finish_reason": {"type": "abort", "message": samples.message},
             }
-            bodies.append({"text": "", "output_ids": [], "meta_info": meta, **r.body()})
+            bodies += [{"text": "", "output_ids": [], "meta_info": meta, **samples.body()}] * job.sampling.n
             continue
-        usage = r.usage
-        meta = formats.sglang_meta(
-            r.rid, r, len(job.prompt_ids), len(r.token_ids), usage.cached_tokens if usage else 0, r.seconds
-        )
-        formats.sglang_logprobs(meta, r.token_ids, r.logprobs)
-        bodies.append({"text": r.text, "output_ids": r.token_ids, "meta_info": meta})
-    return ORJSONResponse(bodies if parsed.batch else bodies[0])
+        for r in samples:
+            usage = r.usage
+            meta = formats.sglang_meta(
+                r.rid, r, len(job.prompt_ids), len(r.token_ids), usage.cached_tokens if usage else 0, r.seconds
+            )
+            formats.sglang_logprobs(meta, r.token_ids, r.logprobs)
+            bodies.append({"text": r.text, "output_ids": r.token_ids, "meta_info": meta})
+    return ORJSONResponse(bodies if parsed.batch or len(bodies) > 1 else bodies[0])
 
 
 def generation_routes() -> list[Route]:

@@ -13,6 +13,7 @@ send and receive on it.
 | ``KV_LEASE`` | ``KVLease`` → ``KVLeaseReply`` | core request/reply ``pd.lease.<prefill-id>`` | decode asks the prefill worker holding the KV, before reading it |
 | ``KV_LINK`` | ``KVLink`` → ``KVLinkReply`` | core request/reply ``pd.link.<prefill-id>`` | a decode worker of the ``nccl``/``gloo`` backends opens its communicator with the prefill worker |
 | ``KV_PUSH`` | ``KVPush`` → ``KVPushReply`` | core request/reply ``pd.push.<prefill-id>`` | decode asks the prefill worker to send a request's pages over their communicator |
+| ``FLUSH_CACHE`` | ``FlushCache`` → ``FlushCacheReply`` | core request/reply ``pd.flush.<worker-id>`` | the API (``/flush_cache``, when enabled) asks each worker to forget its cached prefixes |
 | ``WORKERS`` | ``WorkerInfo`` | key-value bucket ``PD_WORKERS``, one key per worker | every worker (heartbeat) → API |
 
 A work message delivered ``max_deliver`` times without being done is moved to the
@@ -46,6 +47,8 @@ from pdserve.broker.consumer import Delivery, PullConsumer, best_guess, decode_d
 from pdserve.schemas import (
     Cancel,
     ErrorInfo,
+    FlushCache,
+    FlushCacheReply,
     GenerateRequest,
     KVLease,
     KVLeaseReply,
@@ -228,6 +231,17 @@ KV_PUSH = Service(
     senders=("decode",),
     receivers=("prefill",),
 )
+FLUSH_CACHE = Service(
+    "flush_cache",
+    FlushCache,
+    FlushCacheReply,
+    subjects.flush_cache,
+    subjects.flush_cache,
+    sender="API (/flush_cache, when enabled), one request per worker of the registry",
+    receiver="each worker, which forgets every cached prefix",
+    senders=("api",),
+    receivers=("prefill", "decode", "unified"),
+)
 WORKERS = Bucket(
     "workers",
     WorkerInfo,
@@ -239,7 +253,19 @@ WORKERS = Bucket(
     receivers=("api", "decode"),
 )
 
-CHANNELS = (REQUESTS, KV_READY, TOKENS, TOKEN_BATCHES, CANCEL, KV_RELEASE, KV_LEASE, KV_LINK, KV_PUSH, WORKERS)
+CHANNELS = (
+    REQUESTS,
+    KV_READY,
+    TOKENS,
+    TOKEN_BATCHES,
+    CANCEL,
+    KV_RELEASE,
+    KV_LEASE,
+    KV_LINK,
+    KV_PUSH,
+    FLUSH_CACHE,
+    WORKERS,
+)
 
 
 # ---- core NATS ---------------------------------------------------------------------

@@ -56,6 +56,10 @@ def kv_push(prefill_id: str) -> str:
     return f"pd.push.{token(prefill_id)}"
 
 
+def flush_cache(worker_id: str) -> str:
+    return f"pd.flush.{token(worker_id)}"
+
+
 def tokens_prefix(api_id: str) -> str:
     """Wildcard an API instance subscribes to once for all of its requests."""
     return f"pd.tokens.{token(api_id)}.*"

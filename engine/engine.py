@@ -11,6 +11,17 @@ and the tests call ``step()`` directly: no sockets anywhere in here.
 Roles: a *prefill* request (``prefill_only``) stops after its first token and its
 pages are *held* until :meth:`release`; an *imported* request arrives with its
 prompt's KV written into pages by a transfer and starts decoding at once.
+
+A request of ``n > 1`` samples is one sequence (sample 0, keyed by the request's id)
+carrying the others as ``forks``: its prompt is computed once, the prompt's last logits
+row is drawn from once per sample, and each fork takes the prompt's full pages by
+reference and a copy of the partial last page (``PageManager.fork``). Every sample then
+decodes on its own, its outputs under ``rid#i``. On a prefill worker the forks only draw
+their first token (the decode worker forks the pulled KV the same way).
+
+Structured output: a sequence with a constraint has a grammar matcher; its rows' token
+masks are filled on the host right after the forward pass is queued (so on a GPU while
+it runs), and such a step is never left queued (the next mask needs this token).
 """
 
 from __future__ import annotations
@@ -24,12 +35,14 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.grammar import GrammarError, Grammars
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.page_manager import PageManager
+from pdserve.engine.page_manager import OutOfPages, PageManager
 from pdserve.engine.sampler import Sampler, SampleRequest, SamplerOutput
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import ScheduledBatch, Sequence, Status
 from pdserve.schemas import SamplingParams, TokenLogprob
+from pdserve.schemas.sampling import sample_rid
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +67,7 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    group: str = ""  # a sample of an n > 1 request: the request's id (``rid`` is the sample's)
 
 
 @dataclass
@@ -95,8 +109,10 @@ class Engine:
         config: EngineConfig,
         eos_token_ids: Iterable[int] = (),
         detokenize: Callable[[list[int]], str] | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
         self.runner = runner
+        self.grammars = grammars
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.detokenize = detokenize
@@ -134,6 +150,52 @@ class Engine:
         longest = num_prompt + sampling.max_new_tokens
         if not self.scheduler.fits_ever(longest):
             raise RequestError(f"the request may need {longest} tokens of KV; the KV pool holds {pool}")
+        if sampling.n > self.config.max_num_seqs:
+            raise RequestError(f"n is {sampling.n}; this worker runs at most {self.config.max_num_seqs} sequences")
+        if sampling.n > 1 and num_output:
+            raise RequestError("a request of n > 1 cannot be resumed: resume each sample alone (rid#i, n=1)")
+        if sampling.constraint is not None and self.grammars is None:
+            raise RequestError("structured output is not available on this worker")
+
+    def compile_constraint(self, sampling: SamplingParams) -> None:
+        """Compile ``sampling``'s constraint (cached), raising :class:`RequestError` if it does
+        not compile; workers call it in a thread before :meth:`add_request`."""
+        if sampling.constraint is not None and self.grammars is not None:
+            try:
+                self.grammars.compile(sampling)
+            except GrammarError as exc:
+                raise RequestError(str(exc)) from None
+
+    def _with_matcher(self, seq: Sequence) -> Sequence:
+        if seq.sampling.constraint is not None:
+            assert self.grammars is not None
+            try:
+                seq.matcher = self.grammars.matcher(seq.sampling, seq.output_ids)
+            except GrammarError as exc:
+                raise RequestError(str(exc)) from None
+        return seq
+
+    def _samples(
+        self, rid: str, prompt_ids: list[int], sampling: SamplingParams, firsts: list[tuple[int, int]] | None = None
+    ) -> Sequence:
+        """The sequence of an ``n > 1`` request: sample ``firsts[0]`` (default 0) keyed by
+        ``rid``, the others as its forks. ``firsts``: (sample index, first token) of the
+        samples an import continues; ``None``: all ``n``, none drawn yet."""
+        picks = firsts if firsts is not None else [(i, -1) for i in range(sampling.n)]
+
+        def sample(index: int, first: int, key: str) -> Sequence:
+            outputs = [first] if first >= 0 else []
+            seq = Sequence(
+                key, list(prompt_ids), sampling.for_sample(index), output_ids=outputs, num_resumed=len(outputs)
+            )
+            seq.group, seq.reply_rid = rid, sample_rid(rid, index)
+            return self._with_matcher(seq)
+
+        head = sample(*picks[0], rid)
+        head.forks = [sample(i, t, sample_rid(rid, i)) for i, t in picks[1:]]
+        for fork in head.forks:
+            fork.forked = True
+        return head
 
     def check_token_ids(self, *ids: list[int]) -> None:
         """Raise :class:`RequestError` for a token id outside the model's vocabulary: the HTTP
@@ -152,32 +214,58 @@ class Engine:
         sampling: SamplingParams,
         output_ids: list[int] | None = None,
         prefill_only: bool = False,
+        samples: list[tuple[int, int]] | None = None,
     ) -> Sequence:
+        """Queue a request. ``samples``: an ``n > 1`` request whose samples already have their
+        first tokens, (index, token) each (a hand-off that is computed here after all): each
+        sample computes prompt and first token itself."""
         if rid in self.seqs or rid in self.held:
             raise RequestError(f"request {rid!r} is already in the engine")
         outputs = list(output_ids or [])
         self.check_request(len(prompt_ids), sampling, len(outputs))
-        self.check_token_ids(prompt_ids, outputs)
-        seq = Sequence(
-            rid, list(prompt_ids), sampling, output_ids=outputs, num_resumed=len(outputs), prefill_only=prefill_only
-        )
+        self.check_token_ids(prompt_ids, outputs, [t for _, t in samples or []])
+        if samples:
+            seq = self._samples(rid, prompt_ids, sampling, samples)
+            self.seqs[rid] = seq
+            self.fail_import(seq)
+            return seq
+        if sampling.n > 1:
+            seq = self._samples(rid, prompt_ids, sampling)
+            for s in (seq, *seq.forks):
+                s.prefill_only = prefill_only
+        else:
+            seq = Sequence(
+                rid, list(prompt_ids), sampling, output_ids=outputs, num_resumed=len(outputs), prefill_only=prefill_only
+            )
+            self._with_matcher(seq)
         self.seqs[rid] = seq
         self.scheduler.add(seq)
         return seq
 
     def reserve_import(
-        self, rid: str, prompt_ids: list[int], output_ids: list[int], sampling: SamplingParams
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        output_ids: list[int],
+        sampling: SamplingParams,
+        samples: list[tuple[int, int]] | None = None,
     ) -> Sequence | None:
         """Pages for a request whose KV arrives by transfer, or ``None`` if the pool is short.
 
         The KV to arrive is that of every known token but the last: the prompt, and for a
         resumed request the output already streamed (``output_ids[:-1]``). The prefix
         already in this pool is reused: ``seq.num_cached`` tokens need no transfer. Follow
-        with :meth:`commit_import` or :meth:`fail_import`.
+        with :meth:`commit_import` or :meth:`fail_import`. ``samples``: for an ``n > 1``
+        request, (index, first token) of each sample that goes on; they share the KV.
         """
+        firsts = [t for _, t in samples or []]
         self.check_request(len(prompt_ids), sampling, len(output_ids))
-        self.check_token_ids(prompt_ids, output_ids)
-        seq = Sequence(rid, list(prompt_ids), sampling, output_ids=list(output_ids), num_resumed=len(output_ids))
+        self.check_token_ids(prompt_ids, output_ids, firsts)
+        if samples:
+            seq = self._samples(rid, prompt_ids, sampling, samples)
+        else:
+            seq = Sequence(rid, list(prompt_ids), sampling, output_ids=list(output_ids), num_resumed=len(output_ids))
+            self._with_matcher(seq)
         # The prompt's pages plus room to decode a page, and a watermark for the running batch.
         if not self.pages.reserve_prompt(seq, reserve=len(self.scheduler.running)):
             return None
@@ -204,11 +292,29 @@ class Engine:
         self._fences.pop(seq.rid, None)
         seq.num_computed = 0
         self.scheduler.on_computed(seq, seq.num_tokens - 1)
+        forks, seq.forks = seq.forks, []
         if seq.output_ids:
             self.scheduler.start_running(seq)
         else:
             seq.status = Status.WAITING
             self.scheduler.add(seq)
+        for fork in forks:  # the other samples: the prompt's KV shared, each with its own first token
+            self.seqs[fork.rid] = fork
+            if self._fork(seq, fork):
+                self.scheduler.start_running(fork)
+            else:
+                self.scheduler.add(fork)
+
+    def _fork(self, parent: Sequence, child: Sequence) -> bool:
+        """``child`` takes ``parent``'s computed KV (see ``PageManager.fork``); False (``child``
+        gets nothing and computes its prompt itself) when no page is free."""
+        try:
+            fresh = self.pages.fork(parent, child)
+        except OutOfPages:
+            return False
+        if fresh is not None:
+            self.runner.pool.copy_page(parent.page_table[len(child.page_table) - 1], fresh)
+        return True
 
     def fail_import(self, seq: Sequence) -> None:
         """Transfer failed: free the pages and compute the prompt here instead."""
@@ -216,18 +322,27 @@ class Engine:
         self.pages.release(seq)
         seq.status = Status.WAITING
         self.scheduler.add(seq)
+        for fork in seq.forks:  # each sample computes prompt and first token itself
+            self.seqs[fork.rid] = fork
+            self.scheduler.add(fork)
+        seq.forks = []
 
     def abort(self, rid: str) -> bool:
-        """Drop a request wherever it is; its pages are freed (after the steps in flight)."""
-        seq = self.seqs.get(rid) or self.held.get(rid)
-        if seq is None:
-            return False
-        if self.is_in_flight(rid):
-            self._aborted.add(rid)
-            self.scheduler.remove(seq, keep_pages=True)  # scheduled no more; pages go when its steps end
-            return True
-        self._drop(seq, "abort")
-        return True
+        """Drop a request wherever it is; its pages are freed (after the steps in flight).
+        ``rid`` of an ``n > 1`` request drops every sample; ``rid#i`` only that one."""
+        seqs = [s for s in (*self.seqs.values(), *self.held.values()) if rid in (s.rid, s.group, s.out_rid)]
+        for seq in seqs:
+            if self.is_in_flight(seq.rid):
+                self._aborted.add(seq.rid)
+                self.scheduler.remove(seq, keep_pages=True)  # scheduled no more; pages go when its steps end
+            else:
+                self._drop(seq, "abort")
+        return bool(seqs)
+
+    def flush_cache(self) -> int:
+        """Forget every cached prefix (see ``PageManager.reset_prefix_cache``); returns the
+        cached pages freed."""
+        return self.pages.reset_prefix_cache(in_use=True)
 
     def release(self, rid: str) -> bool:
         """Free a held prefill's pages (decode has pulled them, or they expired)."""
@@ -271,13 +386,20 @@ class Engine:
         started = time.perf_counter()
         feed = self._feed(batch)
         seqs, logits = self.runner.execute(batch, feed)
+        if logits is not None and any(s.forks for s in seqs):
+            seqs, logits = _with_forks(seqs, logits)
         launched = Launched(batch, seqs, started)
         if logits is None:
             return launched
         rows = [SampleRequest(s.sampling, s.prompt_ids, s.output_ids, index=s.num_outputs) for s in seqs]
-        tokens = self.sampler.sample_on_device(logits, rows) if self.overlap else None
+        masks = None
+        if self.grammars is not None and any(s.matcher is not None for s in seqs):
+            # Filled on the host while the device runs the forward pass just queued.
+            masks = self.grammars.masks([s.matcher for s in seqs], logits.device)
+        on_device = self.overlap and len(seqs) <= (len(self._pinned[0]) if self._pinned else len(seqs))
+        tokens = self.sampler.sample_on_device(logits, rows, masks) if on_device else None
         if tokens is None:
-            launched.host = self.sampler(logits, rows)
+            launched.host = self.sampler(logits, rows, masks)
         elif tokens.is_cuda:
             launched.tokens = tokens
             copy = self._pinned[self._next_pinned][: len(seqs)]
@@ -328,14 +450,38 @@ class Engine:
             self.scheduler.on_computed(seq, n)
         outputs: list[RequestOutput] = []
         decoded = {id(s) for s in batch.decodes}
+        unforked = self._branch(result.seqs)
         for seq, token, logprob in zip(result.seqs, result.token_ids, result.logprobs, strict=True):
             seq.num_pending -= 1
-            if seq.rid in self._aborted or seq.is_finished:
+            if seq.rid in self._aborted or seq.group in self._aborted or seq.is_finished:
                 continue  # aborted, or finished by the step before while this one was queued
+            if id(seq) in unforked:
+                continue  # no page to fork into (or its request is gone): it computes its prompt itself
             outputs.append(self._append(seq, token, logprob, id(seq) in decoded))
         self._in_flight = [b for b in self._in_flight if b is not batch]
         self._drop_aborted()
         return outputs
+
+    def _branch(self, seqs: list[Sequence]) -> set[int]:
+        """At an ``n > 1`` request's first token: its forks join the engine, on the prompt's
+        KV (shared pages, a copy of the partial one) unless they only draw a first token
+        (prefill role). Returns the forks (by ``id``) whose token this step must drop."""
+        unforked: set[int] = set()
+        for parent in seqs:
+            if not parent.forks or parent.forked:
+                continue
+            forks, parent.forks = parent.forks, []
+            if parent.rid in self._aborted:
+                unforked.update(id(f) for f in forks)  # the request is gone: its forks never start
+                continue
+            for fork in forks:
+                if fork.prefill_only:
+                    continue  # its first token goes into the KV hand-off
+                self.seqs[fork.rid] = fork
+                if not self._fork(parent, fork):
+                    unforked.add(id(fork))
+                    self.scheduler.add(fork)
+        return unforked
 
     def fail(self, batch: ScheduledBatch) -> list[Sequence]:
         """The batch's forward pass raised: drop its requests (pages freed); returns them."""
@@ -392,7 +538,7 @@ class Engine:
             self.overlap
             and launched.tokens is not None
             and not launched.batch.prefills
-            and not any(s.sampling.has_penalties for s in launched.batch.decodes)
+            and not any(s.sampling.has_penalties or s.matcher is not None for s in launched.batch.decodes)
         )
 
     def _drop_aborted(self) -> None:
@@ -410,21 +556,37 @@ class Engine:
         first = not was_decode and seq.status is Status.WAITING
         if first and seq.first_token_at is None:
             seq.first_token_at = time.monotonic()
-            self.stats.prompt_tokens += len(seq.prompt_ids)
-            self.stats.cached_tokens += seq.num_cached
+            if not seq.forked:  # the samples of one request share its prompt
+                self.stats.prompt_tokens += len(seq.prompt_ids)
+                self.stats.cached_tokens += seq.num_cached
         seq.output_ids.append(token)
         self.stats.generated_tokens += 1
+        if seq.matcher is not None:
+            seq.matcher.accept(token)
         reason, stop = self._check_stop(seq, token)
         out = RequestOutput(
-            rid=seq.rid,
+            rid=seq.out_rid,
             index=len(seq.output_ids) - 1,
             token_ids=[token],
             logprobs=[logprob] if logprob is not None else None,
             prompt_tokens=len(seq.prompt_ids),
             completion_tokens=len(seq.output_ids),
             cached_tokens=seq.num_cached,
+            group=seq.group,
         )
-        if reason is not None:
+        if first and seq.prefill_only and seq.forked:  # a sample's first token, for the hand-off
+            out.finish_reason, out.stop_reason = reason, stop
+            out.held = reason is None
+            seq.status = Status.FINISHED
+        elif first and seq.prefill_only and seq.group:
+            # The KV stays held for the other samples even if this one ends here.
+            out.finish_reason, out.stop_reason = reason, stop
+            out.held = True
+            self.scheduler.remove(seq, keep_pages=True)
+            self.seqs.pop(seq.rid, None)
+            seq.status = Status.HELD
+            self.held[seq.rid] = seq
+        elif reason is not None:
             out.finish_reason, out.stop_reason = reason, stop
             seq.finish_reason, seq.stop_reason = reason, stop
             self._drop(seq, reason)
@@ -444,6 +606,8 @@ class Engine:
             return "stop", token
         if token in self.eos_token_ids and not p.ignore_eos:
             return "stop", None
+        if seq.matcher is not None and seq.matcher.is_terminated:
+            return "stop", None  # the grammar is complete and took its end
         if p.stop and self.detokenize is not None:
             longest = max(len(s.encode()) for s in p.stop)
             tail = self.detokenize(seq.output_ids[-(longest + 2) :])
@@ -477,3 +641,17 @@ class Engine:
         if seq is None:
             return None
         return seq.page_table, seq.num_computed
+
+
+def _with_forks(seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
+    """The rows of a step with each ``n > 1`` request's first-token row repeated for its
+    forks (each draws from the prompt's last logits with its own seed and matcher)."""
+    rows: list[int] = []
+    out: list[Sequence] = []
+    for i, seq in enumerate(seqs):
+        rows.append(i)
+        out.append(seq)
+        for fork in seq.forks:
+            rows.append(i)
+            out.append(fork)
+    return out, logits[torch.tensor(rows, device=logits.device)]

@@ -59,6 +59,10 @@ class KVPool:
     def page_address(self, page: int) -> int:
         return self.data_ptr + page * self.page_bytes
 
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copy page ``src``'s KV (every layer) into page ``dst`` (queued on the device's stream)."""
+        self.tensor[dst].copy_(self.tensor[src], non_blocking=True)
+
     def segments(self, pages: Sequence[int]) -> list[tuple[int, int]]:
         """``(address, nbytes)`` of each maximal run of consecutive page ids, in order."""
         return [(self.page_address(start), n * self.page_bytes) for start, n in page_runs(pages)]

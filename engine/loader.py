@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
+from pdserve.engine.grammar import Grammars
 from pdserve.engine.model_runner import ModelRunner, ModelSpec
 
 log = logging.getLogger(__name__)
@@ -54,4 +55,15 @@ def build_engine(
         assert isinstance(text, str)
         return text
 
-    return Engine(runner, config, eos_ids(model_path, trust_remote_code), detokenize)
+    eos = eos_ids(model_path, trust_remote_code)
+    return Engine(runner, config, eos, detokenize, grammars=make_grammars(tokenizer, runner.vocab_size, eos))
+
+
+def make_grammars(tokenizer: object, vocab_size: int, eos: set[int]) -> Grammars | None:
+    """Structured output for this tokenizer, or ``None`` (logged) where xgrammar is missing
+    or cannot read the tokenizer: constrained requests are then refused with an error."""
+    try:
+        return Grammars(tokenizer, vocab_size, sorted(eos))
+    except Exception as exc:  # ImportError, or a tokenizer xgrammar does not know
+        log.warning("structured output unavailable", extra={"error": str(exc)})
+        return None

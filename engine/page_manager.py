@@ -130,11 +130,36 @@ class PageManager:
         self._hash_of[page] = h
         self._page_of[h] = page
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self, in_use: bool = False) -> int:
+        """Forget the cached prefixes of unreferenced pages (they become free), and with
+        ``in_use`` those of pages in use too (no longer found as a prefix, freed when their
+        owners let go). Returns the cached pages that became free."""
+        freed = len(self._evictable)
         for page in list(self._evictable):
             self._forget(page)
             self._free.append(page)
         self._evictable.clear()
+        if in_use:
+            for page in list(self._hash_of):
+                self._forget(page)
+        return freed
+
+    def fork(self, parent: Seq, child: Seq) -> int | None:
+        """Give ``child`` ``parent``'s computed KV: its full pages shared, and a fresh page for
+        the partial last one, whose id is returned for the caller to copy into (``None``:
+        nothing to copy). Raises :class:`OutOfPages` (nothing changed) if no page is free."""
+        assert not child.page_table, f"{child.rid} already has pages"
+        full = parent.num_computed // self.page_size
+        partial = parent.num_computed % self.page_size != 0
+        fresh = self.allocate(1) if partial else []
+        shared = parent.page_table[:full]
+        self.share(shared)
+        child.page_table = list(shared) + fresh
+        child.num_computed = parent.num_computed
+        child.num_cached = parent.num_cached
+        child.page_hashes = parent.page_hashes[:full]
+        child.num_registered_pages = min(parent.num_registered_pages, full)
+        return fresh[0] if fresh else None
 
     def _forget(self, page: int) -> None:
         h = self._hash_of.pop(page, None)

@@ -5,7 +5,11 @@ exponential race (argmax of p / E, E ~ Exp(1)), which equals a multinomial draw.
 with a ``seed`` draws its noise from a generator seeded by (seed, output index), so its
 tokens depend only on the seed and the logits: the same in PD and unified mode, after
 preemption, and whatever else shares the batch. Log-probabilities are those of the
-model's raw distribution (before penalties and temperature).
+model's raw distribution (before penalties, bias, constraints and temperature).
+
+Before the choice, in this order: repetition/frequency/presence penalties, ``logit_bias``,
+and a structured-output constraint's token mask (``masks``, filled by the engine from each
+row's grammar).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.grammar import apply_masks
 from pdserve.schemas import SamplingParams, TokenLogprob
 
 _MASK = float("-inf")
@@ -54,33 +59,44 @@ class Sampler:
         self._generator.manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
         self._seeded = torch.Generator(device=device)  # re-seeded per seeded row and token
 
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRequest]) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, rows: list[SampleRequest], masks: torch.Tensor | None = None
+    ) -> SamplerOutput:
+        """``masks``: the rows' structured-output bitmasks (see :mod:`.grammar`), or ``None``."""
         assert logits.shape[0] == len(rows)
-        if all(r.params.is_greedy and not r.params.has_penalties and not r.params.logprobs for r in rows):
+        if masks is None and all(_plain_greedy(r.params) and not r.params.logprobs for r in rows):
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))  # the common fast path
-        tokens, raw_logprobs = self._tokens(logits, rows)
+        tokens, raw_logprobs = self._tokens(logits, rows, masks)
         token_list = tokens.tolist()
         return SamplerOutput(token_list, _logprobs(raw_logprobs, rows, token_list))
 
-    def sample_on_device(self, logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor | None:
+    def sample_on_device(
+        self, logits: torch.Tensor, rows: list[SampleRequest], masks: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """The tokens as a device tensor, with no host synchronisation; ``None`` when a row
         wants log-probabilities (those are read on the host with the tokens)."""
         if any(r.params.logprobs for r in rows):
             return None
-        if all(r.params.is_greedy and not r.params.has_penalties for r in rows):
+        if masks is None and all(_plain_greedy(r.params) for r in rows):
             return logits.argmax(dim=-1)
-        return self._tokens(logits, rows)[0]
+        return self._tokens(logits, rows, masks)[0]
 
-    def _tokens(self, logits: torch.Tensor, rows: list[SampleRequest]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _tokens(
+        self, logits: torch.Tensor, rows: list[SampleRequest], masks: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         logits = logits.float()
         raw_logprobs = None
         if any(r.params.logprobs for r in rows):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        if any(r.params.has_penalties for r in rows):
-            logits = logits.clone()
+        if masks is not None or any(r.params.has_penalties or r.params.has_bias for r in rows):
+            logits = logits.clone().contiguous()
             for i, r in enumerate(rows):
                 if r.params.has_penalties:
                     _apply_penalties(logits[i], r)
+                if r.params.has_bias:
+                    _apply_bias(logits[i], r.params)
+            if masks is not None:
+                apply_masks(logits, masks)
         tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
@@ -112,6 +128,18 @@ class Sampler:
 
     def reseed(self, seed: int) -> None:
         self._generator.manual_seed(seed)
+
+
+def _plain_greedy(p: SamplingParams) -> bool:
+    return p.is_greedy and not p.has_penalties and not p.has_bias
+
+
+def _apply_bias(row: torch.Tensor, p: SamplingParams) -> None:
+    """In place: OpenAI's ``logit_bias``, added to the logits (ids past the vocabulary ignored)."""
+    items = [(t, b) for t, b in p.bias_items() if t < row.shape[0]]
+    if items:
+        ids = torch.tensor([t for t, _ in items], dtype=torch.long, device=row.device)
+        row.index_add_(0, ids, torch.tensor([b for _, b in items], dtype=row.dtype, device=row.device))
 
 
 def _filters(p: SamplingParams) -> bool:

@@ -85,8 +85,9 @@ class Scheduler:
             started = seq.num_computed > seq.num_cached
             if blocked and not started:
                 continue  # once short of pages, only half-done prefills go on (they finish and free)
+            need = 1 + len(seq.forks)  # an n > 1 request's samples all run after its prefill
             if not seq.page_table and seq.num_computed == 0:
-                if active >= self.config.max_num_seqs:
+                if active + need > self.config.max_num_seqs:
                     blocked = True
                     continue
                 self.pages.attach_prefix(seq, seq.num_tokens - 1)  # at least one token left to compute
@@ -98,7 +99,7 @@ class Scheduler:
                 continue
             prefills.append((seq, n))
             budget -= n
-            active += 1
+            active += need
         if blocked and not prefills and not self.running:
             self._unblock()
         return prefills

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.schemas import SamplingParams
 
@@ -43,6 +44,19 @@ class Sequence:
     page_hashes: list[bytes] = field(default_factory=list)
     num_resumed: int = 0  # output tokens already streamed before this engine saw the request
     num_pending: int = 0  # tokens sampled on the device but not yet appended (0 or 1)
+    # A sample of an ``n > 1`` request: ``group`` is the request's id, ``reply_rid`` the id its
+    # outputs carry (``rid#i``); ``forks`` are the other samples, which branch off this one's
+    # pages at the first token (``forked`` marks them).
+    group: str = ""
+    reply_rid: str = ""
+    forks: list[Sequence] = field(default_factory=list)
+    forked: bool = False
+    matcher: Any = None  # structured output: the grammar matcher (engine.grammar.Matcher)
+
+    @property
+    def out_rid(self) -> str:
+        """The request id this sequence's tokens go out under."""
+        return self.reply_rid or self.rid
 
     @property
     def tokens(self) -> list[int]:

@@ -282,7 +282,12 @@ LIMITS = (
         "more get 429 with Retry-After (default: %(default)s, no limit)",
     ),
 )
-GUARD = (API_KEY, API_KEY_FILE, *LIMITS)
+ENABLE_FLUSH_CACHE = Flag(
+    "--enable-flush-cache",
+    switch=True,
+    help="serve /flush_cache, which makes every worker forget its cached prefixes (for benchmarks; off by default)",
+)
+GUARD = (API_KEY, API_KEY_FILE, *LIMITS, ENABLE_FLUSH_CACHE)
 API_ID = Flag("--api-id", help="this API's id on the broker (default: api-<random>)")
 
 REUSE_PORT = Flag("--reuse-port", switch=True, help="share --port with other API processes (SO_REUSEPORT, Linux)")

@@ -234,6 +234,7 @@ API_ONLY = (
     "max_output_tokens",
     "max_batch_prompts",
     "max_concurrent_requests",
+    "enable_flush_cache",
     "api_id",
 )
 

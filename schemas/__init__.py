@@ -1,7 +1,7 @@
 """Every message that crosses a process boundary: versioned frozen dataclasses, orjson-encoded."""
 
 from pdserve.schemas.codec import Message, MessageError, UnsupportedVersion
-from pdserve.schemas.control import Cancel
+from pdserve.schemas.control import Cancel, FlushCache, FlushCacheReply
 from pdserve.schemas.kv import KVHandle, KVLayout, KVLease, KVLeaseReply, KVReady, KVRelease
 from pdserve.schemas.link import KVLink, KVLinkReply, KVPush, KVPushReply
 from pdserve.schemas.request import GenerateRequest
@@ -12,6 +12,8 @@ from pdserve.schemas.worker import WorkerCounters, WorkerInfo, WorkerStats
 __all__ = [
     "Cancel",
     "ErrorInfo",
+    "FlushCache",
+    "FlushCacheReply",
     "GenerateRequest",
     "KVHandle",
     "KVLayout",

@@ -22,3 +22,23 @@ class Cancel(Message):
     attempt: int = 0
     issued_at: float = 0.0
     v: int = 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FlushCache(Message):
+    """Forget every cached prefix (a benchmark's cold start); asked of one worker, answered
+    with :class:`FlushCacheReply`."""
+
+    reason: str = "flush_cache"
+    v: int = 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FlushCacheReply(Message):
+    """``pages_freed``: cached pages that were dropped; ``running``: requests the worker held
+    then (their own pages stay until they finish, but are no longer found as a prefix)."""
+
+    worker_id: str
+    pages_freed: int = 0
+    running: int = 0
+    v: int = 1

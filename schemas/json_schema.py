@@ -20,11 +20,11 @@ from typing import Any, Union, get_args, get_origin
 import orjson
 
 from pdserve.schemas.codec import Message
-from pdserve.schemas.control import Cancel
+from pdserve.schemas.control import Cancel, FlushCache, FlushCacheReply
 from pdserve.schemas.kv import KVLease, KVLeaseReply, KVReady, KVRelease
 from pdserve.schemas.link import KVLink, KVLinkReply, KVPush, KVPushReply
 from pdserve.schemas.request import GenerateRequest
-from pdserve.schemas.sampling import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SamplingParams
+from pdserve.schemas.sampling import MAX_LOGIT_BIAS, MAX_SAMPLES, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SamplingParams
 from pdserve.schemas.tokens import STATES, TokenBatch, TokenChunk
 from pdserve.schemas.worker import WorkerInfo
 
@@ -46,6 +46,8 @@ MESSAGES: tuple[type[Message], ...] = (
     KVPush,
     KVPushReply,
     WorkerInfo,
+    FlushCache,
+    FlushCacheReply,
 )
 
 _NON_NEGATIVE_INT = {"type": "integer", "minimum": 0}
@@ -64,6 +66,15 @@ RULES: dict[type, dict[str, dict[str, Any]]] = {
         "top_logprobs": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS},
         "stop": {"maxItems": MAX_STOP_STRINGS, "items": {"type": "string", "minLength": 1}},
         "stop_token_ids": {"items": _NON_NEGATIVE_INT},
+        "n": {"minimum": 1, "maximum": MAX_SAMPLES},
+        "logit_bias": {
+            "maxProperties": MAX_LOGIT_BIAS,
+            "propertyNames": {"pattern": "^[0-9]+$"},
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+        },
+        "json_schema": {"minLength": 1},
+        "regex": {"minLength": 1},
+        "ebnf": {"minLength": 1},
     },
     GenerateRequest: {
         "rid": {"minLength": 1},
@@ -105,6 +116,11 @@ DESCRIPTIONS: dict[type, dict[str, str]] = {
         "repetition_penalty": "Multiplicative repetition penalty; 1 disables it.",
         "logprobs": "Send each token's log probability.",
         "top_logprobs": "Also send the n most likely alternatives per token.",
+        "n": "Parallel samples of the prompt (one prefill, its KV shared): sample i streams as rid#i, with seed + i when seeded.",
+        "logit_bias": "Token id (a decimal string) -> bias in [-100, 100] added to its logit before sampling (OpenAI's logit_bias).",
+        "json_schema": "Structured output: the output is JSON valid against this JSON Schema (a JSON text). At most one of json_schema, regex, ebnf.",
+        "regex": "Structured output: the output matches this regular expression.",
+        "ebnf": "Structured output: the output is a sentence of this EBNF grammar (GBNF dialect, start rule root).",
     },
     TokenChunk: {
         "rid": "The request's id.",

@@ -63,7 +63,12 @@ class KVHandle:
 @dataclasses.dataclass(frozen=True, slots=True)
 class KVReady(Message):
     """Prefill is done: the first token is out, the KV waits at ``handle``. ``attempt`` and
-    ``batch_to`` are the request's (see :class:`GenerateRequest`)."""
+    ``batch_to`` are the request's (see :class:`GenerateRequest`).
+
+    For a request of ``sampling.n > 1`` the handle holds the prompt's KV once, and the
+    samples still going after their first token are ``samples`` (their indices) with
+    ``first_ids`` (each one's first token); ``output_ids`` is then empty. The decode
+    worker pulls the KV once and decodes every sample on shared pages."""
 
     rid: str
     model: str
@@ -80,7 +85,20 @@ class KVReady(Message):
     timings: dict[str, float] | None = None
     attempt: int = 0
     batch_to: str = ""
+    samples: tuple[int, ...] = ()
+    first_ids: tuple[int, ...] = ()
     v: int = 1
+
+    def __post_init__(self) -> None:
+        if len(self.samples) != len(self.first_ids):
+            raise ValueError("samples and first_ids must have the same length")
+        if self.samples and self.output_ids:
+            raise ValueError("a request of several samples carries no output_ids")
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """Tokens whose KV the handle must hold: every known token but the last."""
+        return len(self.prompt_ids) + (len(self.output_ids) - 1 if not self.samples else 0)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

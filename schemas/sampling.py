@@ -6,6 +6,8 @@ import dataclasses
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
+MAX_SAMPLES = 64  # n: parallel samples of one prompt
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -31,6 +33,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: bool = False
     top_logprobs: int = 0
+    n: int = 1
+    logit_bias: dict[str, float] | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def __post_init__(self) -> None:
         _require(self.max_new_tokens >= 1, "max_new_tokens must be at least 1")
@@ -45,6 +52,14 @@ class SamplingParams:
         _require(all(s for s in self.stop), "stop strings must not be empty")
         _require(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative")
         _require(self.seed is None or 0 <= self.seed < 2**63, "seed must be a non-negative 64-bit integer")
+        _require(1 <= self.n <= MAX_SAMPLES, f"n must be between 1 and {MAX_SAMPLES}")
+        bias = self.logit_bias or {}
+        _require(len(bias) <= MAX_LOGIT_BIAS, f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries")
+        _require(all(k.isdigit() for k in bias), "logit_bias keys must be token ids (non-negative integers)")
+        _require(all(-100.0 <= v <= 100.0 for v in bias.values()), "logit_bias values must be between -100 and 100")
+        constraints = [c for c in (self.json_schema, self.regex, self.ebnf) if c is not None]
+        _require(len(constraints) <= 1, "give at most one of json_schema, regex and ebnf")
+        _require(all(constraints), "a constraint must not be empty")
 
     @property
     def is_greedy(self) -> bool:
@@ -53,6 +68,35 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def has_bias(self) -> bool:
+        return bool(self.logit_bias)
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """``(kind, spec)`` of the structured-output constraint: ``json_schema``, ``regex``
+        or ``ebnf``; ``None`` when the output is free."""
+        for kind in ("json_schema", "regex", "ebnf"):
+            spec = getattr(self, kind)
+            if spec is not None:
+                return kind, spec
+        return None
+
+    def bias_items(self) -> list[tuple[int, float]]:
+        return [(int(k), v) for k, v in (self.logit_bias or {}).items()]
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """What sample ``index`` of an ``n > 1`` request draws with: ``n`` of 1, and with a
+        ``seed``, ``seed + index`` (so sample 0 of a seeded request equals that request with
+        ``n`` of 1, and a sample moved to another worker alone continues exactly)."""
+        seed = None if self.seed is None else (self.seed + index) % 2**63
+        return dataclasses.replace(self, n=1, seed=seed)
+
+
+def sample_rid(rid: str, index: int) -> str:
+    """The request id that sample ``index`` of an ``n > 1`` request ``rid`` streams under."""
+    return f"{rid}#{index}"
 
 
 def _require(condition: bool, message: str) -> None:

@@ -22,6 +22,7 @@ from pdserve.broker.consumer import Delivery
 from pdserve.engine.engine import Engine, RequestError, RequestOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.schemas import KVLease, KVReady, KVRelease, WorkerInfo
+from pdserve.schemas.sampling import sample_rid
 from pdserve.schemas.tokens import ALIVE
 from pdserve.workers.config import WorkerConfig
 from pdserve.workers.intake import Intake
@@ -71,6 +72,8 @@ class DecodeWorker(WorkerRuntime):
                 d, ready.rid, ready.reply_to, ready.deadline, ready.attempt, ready.request_published_at, ready.batch_to
             )
             t.timings = dict(ready.timings or {})
+            t.samples = [sample_rid(ready.rid, i) for i in ready.samples]
+            t.sample_seq = dict.fromkeys(t.samples, 1)
             if ready.published_at:
                 t.timings["kv_queue"] = max(d.received_at - ready.published_at, 0.0)
                 self.span(tracing.QUEUE_DECODE, t, ready.published_at, d.received_at)
@@ -139,7 +142,11 @@ class DecodeWorker(WorkerRuntime):
             await self._recompute(ready, t)
             return True
         try:
-            seq = self.engine.reserve_import(ready.rid, list(ready.prompt_ids), list(ready.output_ids), ready.sampling)
+            if ready.sampling.constraint is not None:  # compiled off the loop (cached after the first)
+                await asyncio.get_running_loop().run_in_executor(None, self.engine.compile_constraint, ready.sampling)
+            seq = self.engine.reserve_import(
+                ready.rid, list(ready.prompt_ids), list(ready.output_ids), ready.sampling, _samples(ready)
+            )
         except RequestError as exc:
             await self._refuse(ready, t, str(exc))
             return True
@@ -178,14 +185,16 @@ class DecodeWorker(WorkerRuntime):
                 f"{there} holds KV as {h.layout.describe()}, {here} as {layout.describe()}: "
                 "run both pools with the same model, --page-size and --dtype"
             )
-        expected = len(ready.prompt_ids) + len(ready.output_ids) - 1
+        expected = ready.num_kv_tokens
         if h.num_tokens != expected:
             return f"{there} holds KV of {h.num_tokens} tokens, the request needs {expected}"
         return None
 
     async def _recompute(self, ready: KVReady, t: Tracked) -> None:
         try:
-            self.engine.add_request(ready.rid, list(ready.prompt_ids), ready.sampling, list(ready.output_ids))
+            self.engine.add_request(
+                ready.rid, list(ready.prompt_ids), ready.sampling, list(ready.output_ids), samples=_samples(ready)
+            )
         except RequestError as exc:
             await self._refuse(ready, t, str(exc))
             return
@@ -353,3 +362,8 @@ class DecodeWorker(WorkerRuntime):
         self._transfer_threads.shutdown(wait=True)
         if self.transfer is not None:
             self.transfer.close()
+
+
+def _samples(ready: KVReady) -> list[tuple[int, int]] | None:
+    """(index, first token) of each sample of an ``n > 1`` request that goes on; ``None`` else."""
+    return list(zip(ready.samples, ready.first_ids, strict=True)) or None

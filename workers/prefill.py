@@ -17,7 +17,8 @@ import time
 
 from pdserve.broker import contract
 from pdserve.engine.engine import Engine, RequestOutput
-from pdserve.schemas import KVHandle, KVLease, KVLeaseReply, KVReady, KVRelease
+from pdserve.schemas import GenerateRequest, KVHandle, KVLease, KVLeaseReply, KVReady, KVRelease
+from pdserve.schemas.sampling import sample_rid
 from pdserve.workers.config import WorkerConfig
 from pdserve.workers.holds import Holds
 from pdserve.workers.replies import Tracked
@@ -52,7 +53,12 @@ class PrefillWorker(WorkerRuntime):
         return super().room_for_requests()
 
     async def on_outputs(self, outputs: list[RequestOutput]) -> None:
-        await asyncio.gather(*(self._on_output(out) for out in outputs))
+        groups: dict[str, list[RequestOutput]] = {}
+        for out in outputs:
+            if out.group:
+                groups.setdefault(out.group, []).append(out)
+        singles = [self._on_output(out) for out in outputs if not out.group]
+        await asyncio.gather(*singles, *(self._on_samples(rid, outs) for rid, outs in groups.items()))
 
     async def _on_output(self, out: RequestOutput) -> None:
         t = self.tracked.get(out.rid)
@@ -65,7 +71,39 @@ class PrefillWorker(WorkerRuntime):
             self._forget(out.rid)
             await t.settle()
             return
-        held = self.engine.held_pages(out.rid)
+        await self._hand_off(t, req, out.cached_tokens, req.output_ids + tuple(out.token_ids))
+
+    async def _on_samples(self, rid: str, outs: list[RequestOutput]) -> None:
+        """Every sample's first token of an ``n > 1`` request (one step draws them all): each
+        goes to the client; the prompt's KV is handed off once for those that go on."""
+        t = self.tracked.get(rid)
+        req = self.requests.get(rid)
+        if t is None or req is None:
+            return
+        self.prefill_done(t, outs[0])
+        for out in outs:
+            await self.replies.send(t.reply_to, self.replies.chunk(out, t), t)
+        index = {sample_rid(rid, i): i for i in range(req.sampling.n)}
+        going = [(index[o.rid], o.token_ids[0]) for o in outs if o.finish_reason is None]
+        if not going:
+            self._free(rid)
+            self._forget(rid)
+            await t.settle()
+            return
+        samples, firsts = zip(*sorted(going), strict=True)
+        await self._hand_off(t, req, outs[0].cached_tokens, (), samples, firsts)
+
+    async def _hand_off(
+        self,
+        t: Tracked,
+        req: GenerateRequest,
+        cached_tokens: int,
+        output_ids: tuple[int, ...],
+        samples: tuple[int, ...] = (),
+        first_ids: tuple[int, ...] = (),
+    ) -> None:
+        """Publish ``KVReady`` for ``req``'s held KV, then ack the request."""
+        held = self.engine.held_pages(req.rid)
         assert held is not None
         pages, num_tokens = held
         pool = self.engine.runner.pool
@@ -77,7 +115,7 @@ class PrefillWorker(WorkerRuntime):
             rid=req.rid,
             model=req.model,
             prompt_ids=req.prompt_ids,
-            output_ids=req.output_ids + tuple(out.token_ids),
+            output_ids=output_ids,
             reply_to=req.reply_to,
             sampling=req.sampling,
             prefill_id=self.worker_id,
@@ -91,13 +129,15 @@ class PrefillWorker(WorkerRuntime):
                 protocol=self.transfer.protocol,
                 generation=generation,
             ),
-            cached_tokens=out.cached_tokens,
+            cached_tokens=cached_tokens,
             deadline=req.deadline,
             published_at=time.time(),
             request_published_at=req.published_at,
             timings=dict(t.timings),
             attempt=req.attempt,
             batch_to=req.batch_to,
+            samples=samples,
+            first_ids=first_ids,
         )
         try:
             fresh = await contract.submit(

@@ -47,6 +47,18 @@ class Tracked:
     trace: Context | None = None
     received_at: float = 0.0
     decode_from: float = 0.0
+    # A request of n > 1 samples: the samples still open (``rid#i``), and the next index of
+    # each (its chunks number its own tokens). Empty for a request of one sample.
+    samples: list[str] = field(default_factory=list)
+    sample_seq: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def rids(self) -> list[str]:
+        """The ids this request's chunks go out under: its samples', or its own."""
+        return list(self.samples) or [self.rid]
+
+    def seq_of(self, rid: str) -> int:
+        return self.sample_seq.get(rid, 0) if self.samples else self.next_seq
 
     async def settle(self, ok: bool = True) -> None:
         """Ack (done) or terminate (failed for good) the delivery; once."""
@@ -142,9 +154,16 @@ class Replies:
         await self.send(reply_to, chunk)
 
     async def state(self, t: Tracked, state: str) -> None:
-        """A chunk without tokens saying ``state`` (``alive``, ``handed_back``) about ``t``."""
-        chunk = TokenChunk(rid=t.rid, seq=t.next_seq, worker_id=self.worker_id, attempt=t.attempt, state=state)
-        await self.send(t.reply_to, chunk, t)
+        """A chunk without tokens saying ``state`` (``alive``, ``handed_back``) about ``t``
+        (about each of its open samples)."""
+        for rid in t.rids:
+            chunk = TokenChunk(rid=rid, seq=t.seq_of(rid), worker_id=self.worker_id, attempt=t.attempt, state=state)
+            await self.send(t.reply_to, chunk, t)
+
+    async def fail(self, t: Tracked, message: str, kind: str = "server_error", code: str | None = None) -> None:
+        """The last chunk of ``t`` (of each of its open samples): an error."""
+        for rid in t.rids:
+            await self.error(t.reply_to, rid, t.seq_of(rid), message, kind, t.attempt, code)
 
     def chunk(self, out: RequestOutput, tracked: Tracked | None) -> TokenChunk:
         """One engine step's output for a request; usage and timings ride on its last chunk
@@ -173,4 +192,7 @@ class Replies:
 def _note_sent(t: Tracked, chunk: TokenChunk, now: float) -> None:
     """What ``t``'s keep-alives need: when something last went out, and the next index."""
     t.sent_at = now
-    t.next_seq = max(t.next_seq, chunk.seq + len(chunk.token_ids))
+    if chunk.rid != t.rid:  # a sample's
+        t.sample_seq[chunk.rid] = max(t.sample_seq.get(chunk.rid, 0), chunk.seq + len(chunk.token_ids))
+    else:
+        t.next_seq = max(t.next_seq, chunk.seq + len(chunk.token_ids))

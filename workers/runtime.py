@@ -30,7 +30,16 @@ from pdserve.broker.consumer import Delivery
 from pdserve.broker.deadletter import watch_dead_letters
 from pdserve.engine.engine import Engine, Launched, RequestError, RequestOutput
 from pdserve.engine.sequence import ScheduledBatch
-from pdserve.schemas import Cancel, GenerateRequest, WorkerCounters, WorkerInfo, WorkerStats
+from pdserve.schemas import (
+    Cancel,
+    FlushCache,
+    FlushCacheReply,
+    GenerateRequest,
+    WorkerCounters,
+    WorkerInfo,
+    WorkerStats,
+)
+from pdserve.schemas.sampling import sample_rid
 from pdserve.schemas.tokens import ALIVE, HANDED_BACK, RETRYABLE
 from pdserve.workers.cancels import Cancels
 from pdserve.workers.config import WorkerConfig
@@ -79,6 +88,7 @@ class WorkerRuntime:
         self.nc, self.js = await self.lifecycle.connect()
         self.replies.connect(self.nc)
         await contract.subscribe(self.nc, contract.CANCEL, self._on_cancel)
+        await contract.answer(self.nc, contract.FLUSH_CACHE, self._on_flush, self.worker_id)
         await watch_dead_letters(self.nc, self.js, self.config.model_name, self._on_dead_letter)
         await self.setup()
         work = [self._engine_loop(), self._tick_loop()]
@@ -126,8 +136,16 @@ class WorkerRuntime:
 
     async def give_back(self, t: Tracked) -> None:
         await self.replies.state(t, HANDED_BACK)
-        await t.hand_back()
+        if t.samples:
+            await t.settle()  # its client moves each sample on alone: no redelivery of the whole
+        else:
+            await t.hand_back()
         self.count("handed_back")
+
+    async def _on_flush(self, flush: FlushCache) -> FlushCacheReply:
+        freed = self.engine.flush_cache()
+        log.info("prefix cache flushed", extra={"pages_freed": freed, "reason": flush.reason})
+        return FlushCacheReply(self.worker_id, freed, len(self.tracked))
 
     async def teardown(self) -> None:
         """Stop the intake; roles add their own clean-up."""
@@ -290,6 +308,8 @@ class WorkerRuntime:
             await t.hand_back(delay=0.5)
             return
         try:
+            if req.sampling.constraint is not None:  # compiled off the loop (cached after the first)
+                await asyncio.get_running_loop().run_in_executor(None, self.engine.compile_constraint, req.sampling)
             self.engine.add_request(
                 req.rid, list(req.prompt_ids), req.sampling, list(req.output_ids), prefill_only=prefill_only
             )
@@ -298,6 +318,8 @@ class WorkerRuntime:
             return
         self.tracked[req.rid] = t
         self.requests[req.rid] = req
+        if req.sampling.n > 1:
+            t.samples = [sample_rid(req.rid, i) for i in range(req.sampling.n)]
         if req.output_ids:
             self.count("migrations")
         await self.replies.state(t, ALIVE)  # the client's API now knows a worker holds it
@@ -309,7 +331,7 @@ class WorkerRuntime:
 
     async def fail(self, t: Tracked, message: str, kind: str = "server_error", code: str | None = None) -> None:
         """Answer ``t`` with an error and terminate its delivery."""
-        await self.replies.error(t.reply_to, t.rid, t.next_seq, message, kind, t.attempt, code)
+        await self.replies.fail(t, message, kind, code)
         await t.settle(ok=False)
 
     def wake(self) -> None:
@@ -375,8 +397,9 @@ class WorkerRuntime:
 
     async def _fail_batch(self, batch: ScheduledBatch) -> None:
         for seq in self.engine.fail(batch):
-            t = self.tracked.pop(seq.rid, None)
-            self.requests.pop(seq.rid, None)
+            self.engine.abort(seq.group or seq.rid)  # the other samples of its request go with it
+            t = self.tracked.pop(seq.group or seq.rid, None)
+            self.requests.pop(seq.group or seq.rid, None)
             if t is not None:
                 t.next_seq = len(seq.output_ids)
                 await self.fail(t, "engine step failed", code=RETRYABLE)
@@ -406,7 +429,7 @@ class WorkerRuntime:
         batches, see ``GenerateRequest.batch_to``); then settle those that finished."""
         sent = []
         for out in outputs:
-            t = self.tracked.get(out.rid)
+            t = self.tracked.get(out.group or out.rid)
             if t is None:
                 continue
             if not t.decode_from:  # a unified worker's first token: its prefill is done
@@ -417,9 +440,19 @@ class WorkerRuntime:
         await self.replies.send_step(sent)
         for t, chunk in sent:
             if chunk.finish_reason is not None:
-                self.tracked.pop(t.rid, None)
-                self.requests.pop(t.rid, None)
-                await t.settle()
+                await self.sample_done(t, chunk.rid)
+
+    async def sample_done(self, t: Tracked, rid: str) -> None:
+        """``rid`` of ``t`` (``t`` itself, or one of its samples) ended; once all have, ``t``
+        is settled."""
+        if rid in t.samples:
+            t.samples.remove(rid)
+            if t.samples:
+                return
+        if self.tracked.get(t.rid) is t:
+            self.tracked.pop(t.rid, None)
+            self.requests.pop(t.rid, None)
+        await t.settle()
 
     # ---- cancel and deadlines -------------------------------------------------
     async def _on_cancel(self, cancel: Cancel) -> None:
@@ -432,6 +465,13 @@ class WorkerRuntime:
         t = self.tracked.get(rid)
         if t is not None and self.is_cancelled(rid, t.attempt, t.published_at):
             await self.cancel(rid, reason)
+            return
+        for group in [g for g in self.tracked.values() if rid in g.samples]:  # one sample of a request
+            if self.is_cancelled(rid, group.attempt, group.published_at):
+                self.engine.abort(rid)
+                log.info("sample cancelled", extra={"rid": rid, "reason": reason})
+                await self.sample_done(group, rid)
+                self.wake()
 
     async def cancel(self, rid: str, reason: str) -> None:
         """Drop ``rid`` everywhere in this worker and free its pages."""
@@ -463,7 +503,7 @@ class WorkerRuntime:
             now_wall = time.time()
             for rid, t in list(self.tracked.items()):
                 if t.deadline and now_wall > t.deadline:
-                    await self.replies.error(t.reply_to, rid, t.next_seq, "deadline exceeded", "timeout", t.attempt)
+                    await self.replies.fail(t, "deadline exceeded", "timeout")
                     await self.cancel(rid, "deadline exceeded")
             self.cancels.forget(now)
             await self.on_tick()

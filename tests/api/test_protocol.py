@@ -227,7 +227,7 @@ def test_completion_max_tokens_fills_context_exactly(info: ModelInfo, name: str)
         ({"frequency_penalty": 3}, "frequency_penalty"),
         ({"stream_options": "usage"}, "stream_options"),
         ({"stream_options": {"include_usage": "yes"}}, "include_usage"),
-        ({"n": 2}, "n"),  # n > 1
+        ({"n": 65}, "n"),  # more than 64 samples
         ({"n": 0}, "n"),
         ({"model": 5}, "model"),
     ],
@@ -392,7 +392,7 @@ def test_chat_default_max_tokens_is_capped_by_context(info: ModelInfo, name: str
         ({"max_tokens": "many"}, "max_tokens"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
-        ({"n": 3}, "n"),
+        ({"n": 65}, "n"),
         ({"stop": 1}, "stop"),
     ],
 )
@@ -501,8 +501,8 @@ def test_generate_default_max_new_tokens(info: ModelInfo) -> None:
         ({"text": "x", "max_new_tokens": "32"}, "max_new_tokens"),
         ({"text": "x", "temperature": "0.7"}, "temperature"),
         ({"text": "x", "sampling_params": {"stop": 1}}, "stop"),
-        ({"text": "x", "sampling_params": {"n": 2}}, "n"),
-        ({"text": "x", "n": 2}, "n"),
+        ({"text": "x", "sampling_params": {"n": 65}}, "n"),
+        ({"text": "x", "n": 0}, "n"),
         ({"text": "x", "sampling_params": {"skip_special_tokens": "no"}}, "skip_special_tokens"),
         ({"text": ["a", "b"], "stream": True}, "stream"),
         ({"text": "x", "rid": 5}, "rid"),
@@ -535,3 +535,36 @@ def test_model_info(info: ModelInfo, tiny_model_dir: Path) -> None:
     assert info.has_chat_template
     assert info.tokenizer.eos_token_id in info.eos_token_ids
     assert load_model_info(tiny_model_dir, name="alias", context_length=1000).context_length == 1000
+
+
+def test_n_bias_user_and_constraints_reach_the_sampling(info: Any) -> None:
+    body = {
+        "model": info.name,
+        "prompt": "hi",
+        "n": 3,
+        "logit_bias": {"5": -100, 7: 2.5},
+        "user": "u1",
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
+    }
+    (job,) = parse_completion(body, info, Limits()).jobs
+    assert job.sampling.n == 3
+    assert job.sampling.logit_bias == {"5": -100.0, "7": 2.5}
+    assert job.sampling.json_schema == '{"type":"object"}'
+    generate = parse_generate({"text": "x", "sampling_params": {"regex": "[ab]+", "n": 2}}, info, Limits())
+    assert generate.jobs[0].sampling.regex == "[ab]+" and generate.jobs[0].sampling.n == 2
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"response_format": {"type": "json_object"}, "guided_regex": "a+"},  # two constraints
+        {"guided_regex": "(unclosed"},
+        {"guided_grammar": "root ::= "},
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": "{not json"}}},
+        {"logit_bias": [1, 2]},
+    ],
+)
+def test_constraints_that_cannot_work_are_400s(info: Any, extra: dict[str, Any]) -> None:
+    with pytest.raises(APIError) as caught:
+        parse_completion({"model": info.name, "prompt": "hi", **extra}, info, Limits())
+    assert caught.value.status == 400

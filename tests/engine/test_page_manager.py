@@ -285,6 +285,20 @@ def test_reset_prefix_cache() -> None:
     bm.check_invariants()
 
 
+def test_reset_prefix_cache_of_pages_in_use_too() -> None:
+    """What /flush_cache does: nothing cached is found afterwards, pages in use stay theirs."""
+    bm = _bm(8)
+    a_pages, a_hashes = _cache_prompt(bm, [1] * 8)
+    b_pages, b_hashes = _cache_prompt(bm, [2] * 8)
+    bm.free(a_pages)
+    assert bm.reset_prefix_cache(in_use=True) == 2
+    assert bm.lookup(a_hashes) == [] and bm.lookup(b_hashes) == []
+    assert [bm.ref_count(p) for p in b_pages] == [1, 1]
+    bm.free(b_pages)
+    assert bm.num_free_pages == 8 and bm.num_cached_pages == 0
+    bm.check_invariants()
+
+
 def test_disabled_prefix_cache() -> None:
     bm = _bm(4, cache=False)
     pages = bm.allocate(2)

@@ -67,7 +67,9 @@ def test_messages_the_code_makes_validate() -> None:
         state="queued",
     )
     error = TokenChunk(rid="r", seq=0, finish_reason="error", error=ErrorInfo("no", "invalid_request_error", "c"))
-    for message in (request, chunk, error, TokenBatch((chunk, error)), Cancel(rid="r")):
+    several = SamplingParams(n=3, logit_bias={"5": -100.0}, json_schema='{"type": "object"}')
+    group = GenerateRequest(rid="g", model="m", prompt_ids=(1,), reply_to="pd.tokens.c.g", sampling=several)
+    for message in (request, group, chunk, error, TokenBatch((chunk, error)), Cancel(rid="r")):
         payload = orjson.loads(message.encode())
         validator(type(message)).validate(payload)
 
@@ -120,6 +122,18 @@ EDGES: list[tuple[tuple[str, ...], Any]] = [
     (("sampling", "stop_token_ids"), [-3]),
     (("sampling", "stop_token_ids"), [3]),
     (("sampling", "ignore_eos"), 1),
+    (("sampling", "n"), 0),
+    (("sampling", "n"), 64),
+    (("sampling", "n"), 65),
+    (("sampling", "logit_bias"), {"17": -100, "3": 5.5}),
+    (("sampling", "logit_bias"), {"17": 101}),
+    (("sampling", "logit_bias"), {"x": 1}),
+    (("sampling", "logit_bias"), {"-1": 1}),
+    (("sampling", "logit_bias"), None),
+    (("sampling", "json_schema"), '{"type": "object"}'),
+    (("sampling", "json_schema"), ""),
+    (("sampling", "regex"), "[a-z]+"),
+    (("sampling", "ebnf"), 1),
     (("output_ids",), [1, 2]),
     (("deadline",), "soon"),
 ]

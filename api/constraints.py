@@ -1,0 +1,117 @@
+"""What a request body may ask of the output's shape and the token choice: OpenAI's
+``response_format`` and ``logit_bias``, SGLang's ``json_schema``/``regex``/``ebnf``, vLLM's
+``guided_*``; each checked here (a 400 before anything is published) and carried to the
+workers in ``SamplingParams``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from pdserve.api.errors import bad_request
+from pdserve.schemas.sampling import MAX_LOGIT_BIAS
+
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+
+
+def logit_bias(body: dict[str, Any], vocab: int) -> dict[str, float] | None:
+    """OpenAI's ``logit_bias``: token id (a string or an integer) -> bias in [-100, 100]."""
+    value = body.get("logit_bias")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad_request("'logit_bias' must be an object mapping token ids to numbers", "logit_bias")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise bad_request(f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} entries", "logit_bias")
+    out: dict[str, float] = {}
+    for key, bias in value.items():
+        if not str(key).isdigit() or int(key) >= vocab:
+            raise bad_request(f"'logit_bias' key {key!r} is not a token id of the vocabulary", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise bad_request(f"'logit_bias' values must be numbers between -100 and 100; got {bias!r}", "logit_bias")
+        out[str(int(key))] = float(bias)
+    return out or None
+
+
+def _schema_text(value: Any, param: str) -> str:
+    if isinstance(value, str):
+        try:
+            value = orjson.loads(value)
+        except orjson.JSONDecodeError:
+            raise bad_request(f"'{param}' is not valid JSON", param) from None
+    if not isinstance(value, dict):
+        raise bad_request(f"'{param}' must be a JSON Schema (an object)", param)
+    return orjson.dumps(value).decode()
+
+
+def response_format(body: dict[str, Any]) -> dict[str, str]:
+    """``response_format`` as constraint fields: ``text`` none, ``json_object`` any JSON
+    object, ``json_schema`` its ``json_schema.schema``."""
+    value = body.get("response_format")
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise bad_request("'response_format' must be an object with a 'type'", "response_format")
+    kind = value["type"]
+    spec = value.get("json_schema")
+    if "json_schema" in value or kind == "json_schema":  # checked whatever the type, as the API describes it
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise bad_request(
+                "'response_format.json_schema' must be an object with a 'schema' object", "response_format"
+            )
+        if not isinstance(spec.get("name", ""), str):
+            raise bad_request("'response_format.json_schema.name' must be a string", "response_format")
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_schema": JSON_OBJECT_SCHEMA}
+    if kind == "json_schema":
+        assert isinstance(spec, dict)
+        return {"json_schema": _schema_text(spec["schema"], "response_format")}
+    raise bad_request(
+        f"'response_format.type' must be text, json_object or json_schema; got {kind!r}", "response_format"
+    )
+
+
+def guided(src: dict[str, Any]) -> dict[str, str]:
+    """SGLang's ``json_schema``/``regex``/``ebnf`` and vLLM's ``guided_json``/``guided_regex``/
+    ``guided_grammar`` (the same three, other names)."""
+    out: dict[str, str] = {}
+    for key, field in (("json_schema", "json_schema"), ("guided_json", "json_schema")):
+        if src.get(key) is not None:
+            out[field] = _schema_text(src[key], key)
+    for key, field in (("regex", "regex"), ("guided_regex", "regex"), ("ebnf", "ebnf"), ("guided_grammar", "ebnf")):
+        value = src.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, str) or not value:
+            raise bad_request(f"'{key}' must be a non-empty string", key)
+        out[field] = value
+    return out
+
+
+def constraint(body: dict[str, Any], src: dict[str, Any]) -> dict[str, str]:
+    """The one constraint a request asks for, checked to compile; {} for none."""
+    found = {**response_format(body), **guided(src)}
+    if len(found) > 1:
+        raise bad_request("give at most one of response_format, json_schema, regex and ebnf", "response_format")
+    for kind, spec in found.items():
+        check(kind, spec)
+    return found
+
+
+def check(kind: str, spec: str) -> None:
+    """A 400 unless ``spec`` compiles as a ``kind`` constraint (xgrammar, no tokenizer needed)."""
+    import xgrammar as xgr
+
+    try:
+        if kind == "json_schema":
+            xgr.Grammar.from_json_schema(spec)
+        elif kind == "regex":
+            xgr.Grammar.from_regex(spec)
+        else:
+            xgr.Grammar.from_ebnf(spec)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        lines = str(exc).strip().splitlines()
+        raise bad_request(f"the {kind} constraint does not compile: {lines[0] if lines else exc}", kind) from None

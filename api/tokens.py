@@ -1,0 +1,134 @@
+"""The endpoints around generation that clients call: ``/tokenize`` and ``/detokenize``
+(vLLM's shapes), ``/version``, SGLang's ``/get_server_info``, and the benchmark-only
+``/flush_cache`` (off unless ``--enable-flush-cache``)."""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from pdserve.api.errors import APIError, bad_request
+from pdserve.api.http import ORJSONResponse, read_body, state_of
+from pdserve.api.model_info import ModelInfo
+from pdserve.api.protocol import _bool, _token_ids, chat_messages, check_model, parse_json
+from pdserve.schemas import FlushCacheReply
+
+
+def pdserve_version() -> str:
+    try:
+        return version("pdserve")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        return "0+unknown"
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    state = state_of(request)
+    body = parse_json(await read_body(request, state.config.max_body_bytes))
+    check_model(body, state.info, required=False)
+    return body
+
+
+def _pieces(info: ModelInfo, ids: list[int]) -> list[str]:
+    return [str(t) for t in info.tokenizer.convert_ids_to_tokens(ids)]
+
+
+async def tokenize(request: Request) -> Response:
+    """``{"prompt": text}`` or ``{"messages": [...]}`` (through the chat template) to token
+    ids: ``{"count", "max_model_len", "tokens", "token_strs"}``."""
+    body = await _body(request)
+    info = state_of(request).info
+    if ("prompt" in body) == ("messages" in body):
+        raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
+    flags = {key: _bool(body, key, True) for key in ("add_special_tokens", "add_generation_prompt")}
+    strs = _bool(body, "return_token_strs", False)
+    if "prompt" in body:
+        prompt = body["prompt"]
+        if not isinstance(prompt, str):
+            raise bad_request("'prompt' must be a string", "prompt")
+        special = flags["add_special_tokens"]
+    else:
+        if not info.has_chat_template:
+            raise bad_request("this model has no chat template", "messages")
+        generation = flags["add_generation_prompt"]
+        prompt = info.tokenizer.apply_chat_template(
+            chat_messages(body), add_generation_prompt=generation, tokenize=False
+        )
+        special = _bool(body, "add_special_tokens", False)
+    if info.max_prompt_chars and len(prompt) > info.max_prompt_chars:
+        raise bad_request(f"the text has {len(prompt)} characters, more than any prompt can", "prompt")
+    ids = list(info.tokenizer.encode(prompt, add_special_tokens=special))
+    pieces = _pieces(info, ids) if strs else None
+    return ORJSONResponse(
+        {"count": len(ids), "max_model_len": info.context_length, "tokens": ids, "token_strs": pieces}
+    )
+
+
+async def detokenize(request: Request) -> Response:
+    """``{"tokens": [ids]}`` to ``{"prompt": text}``."""
+    body = await _body(request)
+    info = state_of(request).info
+    if "tokens" not in body:
+        raise bad_request("'tokens' is required", "tokens")
+    ids = _token_ids(body["tokens"], "tokens", len(info.tokenizer))
+    skip = _bool(body, "skip_special_tokens", False)
+    return ORJSONResponse({"prompt": info.tokenizer.decode(ids, skip_special_tokens=skip)})
+
+
+async def server_version(request: Request) -> Response:
+    return ORJSONResponse({"version": pdserve_version()})
+
+
+async def server_info(request: Request) -> Response:
+    """SGLang's ``/get_server_info``: what this server runs and its limits."""
+    state = state_of(request)
+    cfg, info = state.config, state.info
+    workers = await state.gateway.workers()
+    return ORJSONResponse(
+        {
+            "version": pdserve_version(),
+            "model_path": str(info.path),
+            "tokenizer_path": str(info.path),
+            "served_model_name": info.name,
+            "context_length": info.context_length,
+            "max_total_num_tokens": sum(w.pages_total * w.page_size for w in workers if w.role != "prefill"),
+            "default_max_tokens": cfg.default_max_tokens,
+            "max_prompt_tokens": cfg.max_prompt_tokens,
+            "max_output_tokens": cfg.max_output_tokens,
+            "max_batch_prompts": cfg.max_batch_prompts,
+            "api_id": state.gateway.api_id,
+            "enable_flush_cache": cfg.enable_flush_cache,
+            "disaggregation_mode": "unified" if any(w.role == "unified" for w in workers) else "pd",
+            "workers": {role: sum(1 for w in workers if w.role == role) for role in ("prefill", "decode", "unified")},
+        }
+    )
+
+
+async def flush_cache(request: Request) -> Response:
+    """Every worker forgets its cached prefixes (for benchmarks that need a cold cache).
+    200 when every registered worker did; 503 naming those that did not answer."""
+    state = state_of(request)
+    if not state.config.enable_flush_cache:
+        raise APIError("/flush_cache is off: start the API with --enable-flush-cache", 403, "permission_error")
+    answers = await state.gateway.flush_cache()
+    done = [a for a in answers if isinstance(a, FlushCacheReply)]
+    failed = [a for a in answers if isinstance(a, str)]
+    body = {
+        "flushed": not failed,
+        "workers": [{"id": a.worker_id, "pages_freed": a.pages_freed, "running": a.running} for a in done],
+        "errors": failed,
+    }
+    return ORJSONResponse(body, status_code=200 if not failed else 503)
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/version", server_version, methods=["GET"]),
+        Route("/get_server_info", server_info, methods=["GET"]),
+        Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
+    ]

@@ -1,0 +1,143 @@
+"""What structured output costs: output tokens per second with a JSON-schema constraint
+against none, 64 requests at once, in one run of one system.
+
+One `pdserve up` (cold: a fresh data directory, started by this script), the built-in tiny
+model unless ``--model-path``. Rounds alternate none, schema, none, schema ...: each pair
+shares the machine's mood. Every round sends ``--concurrency`` requests at once through
+``/generate`` with fresh random prompts (its own seed) and flushes every worker's prefix
+cache first (``/flush_cache``), so no cache helps either side. A constrained request ends
+when its grammar does; an unconstrained one runs to ``--max-new-tokens`` (``ignore_eos``).
+The figure is the median over pairs of schema/none output tokens per second (goal: within
+10%, a ratio of at least 0.9). Every constrained output is checked against the schema.
+
+    python bench/structured_output.py                 # writes docs/data/structured_output_cpu.json
+    python bench/structured_output.py --mode pd --out docs/data/structured_output_pd_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import start_pdserve, stop_pdserve
+
+from pdserve.engine.tiny_model import ensure_default_model
+
+# Tens of tokens of output whatever the model wants: 15 words from a closed set.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "words": {"type": "array", "items": {"enum": ["alpha", "beta", "gamma"]}, "minItems": 15, "maxItems": 15}
+    },
+    "required": ["words"],
+    "additionalProperties": False,
+}
+
+
+async def one_round(url: str, constrained: bool, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 4000) for _ in range(args.prompt_tokens)] for _ in range(args.concurrency)]
+    params: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "temperature": 1.0}
+    if constrained:
+        params["json_schema"] = json.dumps(SCHEMA)
+    else:
+        params["ignore_eos"] = True
+    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+        assert (await http.post("/flush_cache")).status_code == 200
+        started = time.perf_counter()
+        replies = await asyncio.gather(
+            *(http.post("/generate", json={"input_ids": p, "sampling_params": params}) for p in prompts)
+        )
+        seconds = time.perf_counter() - started
+    bodies = [r.json() for r in replies]
+    assert all(r.status_code == 200 for r in replies), [b for b in bodies if "error" in b][:1]
+    tokens = sum(b["meta_info"]["completion_tokens"] for b in bodies)
+    valid, invalid = 0, []
+    if constrained:
+        for b in bodies:
+            try:
+                jsonschema.validate(json.loads(b["text"]), SCHEMA)
+                valid += 1
+            except (ValueError, jsonschema.ValidationError):
+                invalid.append({"finish_reason": b["meta_info"]["finish_reason"], "text": b["text"]})
+    return {
+        "constrained": constrained,
+        "seconds": round(seconds, 3),
+        "output_tokens": tokens,
+        "output_tokens_per_second": round(tokens / seconds, 1),
+        "cached_tokens": sum(b["meta_info"]["cached_tokens"] for b in bodies),
+        "valid_json": valid,
+        "invalid": invalid[:3],
+    }
+
+
+async def run(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    await one_round(url, True, 999, args)  # warm both paths once (grammar compiled, pages touched)
+    await one_round(url, False, 998, args)
+    rounds = []
+    for pair in range(args.pairs):
+        for constrained in (False, True):
+            r = await one_round(url, constrained, 2 * pair + constrained, args)
+            print(json.dumps(r), flush=True)
+            rounds.append(r)
+    return rounds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", default="unified", choices=("unified", "pd"))
+    parser.add_argument("--model-path", type=Path)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=160)
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--extra", default="", help="more `pdserve up` flags, space-separated")
+    parser.add_argument("--out", type=Path, default=Path("docs/data/structured_output_cpu.json"))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="pdserve-so-") as tmp:
+        model = args.model_path or ensure_default_model(Path(tmp) / "data")
+        flags = ["--model-path", str(model), "--enable-flush-cache", *args.extra.split()]
+        proc, url = start_pdserve(args.mode, Path(tmp) / "up", flags)
+        try:
+            rounds = asyncio.run(run(url, args))
+        finally:
+            stop_pdserve(proc)
+    pairs = [(rounds[i], rounds[i + 1]) for i in range(0, len(rounds), 2)]
+    ratios = [c["output_tokens_per_second"] / n["output_tokens_per_second"] for n, c in pairs]
+    result = {
+        "what": "output tok/s with a JSON-schema constraint against none, same run, alternating rounds",
+        "date": datetime.date.today().isoformat(),
+        "command": "python bench/structured_output.py " + " ".join(sys.argv[1:]),
+        "mode": args.mode,
+        "model": str(args.model_path or "built-in tiny model (random weights)"),
+        "concurrency": args.concurrency,
+        "prompt_tokens": args.prompt_tokens,
+        "max_new_tokens": args.max_new_tokens,
+        "schema": SCHEMA,
+        "rounds": rounds,
+        "ratio_per_pair": [round(r, 3) for r in ratios],
+        "median_ratio": round(statistics.median(ratios), 3),
+        "goal": "median ratio >= 0.9",
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"median schema/none output tok/s: {result['median_ratio']} -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()

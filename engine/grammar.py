@@ -1,0 +1,150 @@
+"""Structured output: JSON Schema, regular-expression and EBNF constraints as token masks.
+
+xgrammar compiles a constraint against the model's vocabulary once (cached by its text)
+and keeps one matcher per sequence; before each step the host fills the masks of the
+constrained rows (a few tens of microseconds each, while the device runs the forward pass
+it has just been given), and the sampler applies them to the logits. The matcher
+advances with every token the sequence keeps; when it completes, the sequence may end
+only as the grammar allows (it then stops at end of sequence).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from pdserve.schemas import SamplingParams
+
+MAX_COMPILED = 256  # constraints kept compiled (LRU)
+
+
+class GrammarError(ValueError):
+    """A constraint that does not compile (a malformed schema, regex or grammar)."""
+
+
+def check_constraint(kind: str, spec: str) -> None:
+    """Raise :class:`GrammarError` unless ``spec`` parses as a ``kind`` constraint (no
+    tokenizer needed: what the API checks before it publishes)."""
+    import xgrammar as xgr
+
+    try:
+        if kind == "json_schema":
+            xgr.Grammar.from_json_schema(spec)
+        elif kind == "regex":
+            xgr.Grammar.from_regex(spec)
+        elif kind == "ebnf":
+            xgr.Grammar.from_ebnf(spec)
+        else:
+            raise GrammarError(f"unknown constraint kind {kind!r}")
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise GrammarError(f"the {kind} constraint does not compile: {_first_line(exc)}") from None
+
+
+class Matcher:
+    """One sequence's place in its grammar. ``json``: its grammar is a JSON Schema's."""
+
+    def __init__(self, matcher: Any, json: bool = False) -> None:
+        self._matcher = matcher
+        self.json = json
+
+    def accept(self, token: int) -> bool:
+        """Advance by ``token``; False if the grammar refuses it (the mask should prevent that)."""
+        if self._matcher.is_terminated():
+            return False
+        return bool(self._matcher.accept_token(token))
+
+    @property
+    def is_terminated(self) -> bool:
+        return bool(self._matcher.is_terminated())
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+
+class Grammars:
+    """Compiles constraints for one tokenizer and vocabulary; thread-safe (a worker compiles
+    in a thread at admission, the engine makes matchers on its loop)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int] = ()) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        stop = list(stop_token_ids) or None
+        self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop)
+        self._compiler = xgr.GrammarCompiler(self._info, max_threads=2)
+        self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self.vocab_size = vocab_size
+        self._plain = _printable_mask(self._info.decoded_vocab, vocab_size)
+
+    def compile(self, sampling: SamplingParams) -> Any:
+        """The compiled constraint of ``sampling`` (cached); :class:`GrammarError` if it does not compile."""
+        constraint = sampling.constraint
+        assert constraint is not None
+        with self._lock:
+            compiled = self._compiled.get(constraint)
+            if compiled is not None:
+                self._compiled.move_to_end(constraint)
+                return compiled
+        kind, spec = constraint
+        try:
+            if kind == "json_schema":
+                compiled = self._compiler.compile_json_schema(spec, any_whitespace=False)
+            elif kind == "regex":
+                compiled = self._compiler.compile_regex(spec)
+            else:
+                compiled = self._compiler.compile_grammar(spec)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise GrammarError(f"the {kind} constraint does not compile: {_first_line(exc)}") from None
+        with self._lock:
+            self._compiled[constraint] = compiled
+            while len(self._compiled) > MAX_COMPILED:
+                self._compiled.popitem(last=False)
+        return compiled
+
+    def matcher(self, sampling: SamplingParams, output_ids: Sequence[int] = ()) -> Matcher:
+        """A matcher at the start of ``sampling``'s constraint, advanced past ``output_ids``
+        (a resumed request's tokens); :class:`GrammarError` if they break the grammar."""
+        m = Matcher(self._xgr.GrammarMatcher(self.compile(sampling)), json=sampling.json_schema is not None)
+        for token in output_ids:
+            if not m.accept(token):
+                raise GrammarError("the tokens already generated do not follow the constraint")
+        return m
+
+    def masks(self, matchers: Sequence[Matcher | None], device: torch.device) -> torch.Tensor:
+        """The rows' token bitmasks (``int32 [rows, ceil(vocab / 32)]``, on ``device``); a row
+        without a matcher allows every token."""
+        bitmask = self._xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        for row, m in enumerate(matchers):
+            if m is not None:
+                m.fill(bitmask, row)
+                if m.json:  # xgrammar's JSON strings admit raw control characters; strict parsers do not
+                    bitmask[row] &= self._plain
+        return bitmask.to(device, non_blocking=True) if device.type != "cpu" else bitmask
+
+
+def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set the logits of the tokens ``bitmask`` forbids to -inf, in place (float32, contiguous)."""
+    import xgrammar as xgr
+
+    xgr.apply_token_bitmask_inplace(logits, bitmask)
+
+
+def _printable_mask(decoded_vocab: Sequence[bytes], vocab_size: int) -> torch.Tensor:
+    """A bitmask row allowing every token whose text holds no control character (bytes
+    below 0x20): what JSON allows unescaped, and all that compact JSON needs."""
+    allowed = np.zeros(-(-vocab_size // 32) * 32, dtype=np.uint64)
+    for i, text in enumerate(decoded_vocab[:vocab_size]):
+        allowed[i] = not any(b < 0x20 for b in text)
+    words = (allowed.reshape(-1, 32) << np.arange(32, dtype=np.uint64)).sum(axis=1)
+    return torch.from_numpy(words.astype(np.uint32).view(np.int32).copy())
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

@@ -1,0 +1,223 @@
+"""What a request asks of sampling beyond the basics: ``n`` samples of one prompt sharing
+its KV, penalties and ``logit_bias`` (against ``transformers``' logits processors), and
+structured output (xgrammar token masks): on the real tiny model."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
+
+from pdserve.engine.engine import Engine, RequestError
+from pdserve.engine.loader import quiet_transformers
+from pdserve.schemas import SamplingParams
+from pdserve.schemas.sampling import sample_rid
+from tests.engine.test_engine import hf_greedy, iter_outputs, make_engine, random_prompts, run_all
+
+PROMPT = random_prompts(1, 4000, seed=7, low=37, high=37)[0]  # 37 tokens: two full pages and a partial one
+
+
+def test_n_greedy_samples_are_identical_equal_transformers_and_share_one_prefill(tiny_model_dir: Path) -> None:
+    engine = make_engine(tiny_model_dir, page_size=16)
+    engine.add_request("g", PROMPT, SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, n=4))
+    outs = run_all(engine)
+    (expected,) = hf_greedy(tiny_model_dir, [PROMPT], 12)
+    assert outs == {sample_rid("g", i): expected for i in range(4)}
+    assert engine.stats.prompt_tokens == len(PROMPT)  # one prefill
+    assert engine.stats.batch_rows < 4 + 4 * 12  # the prompt was not computed per sample
+    assert engine.pages.num_used_pages == 0
+    engine.pages.check_invariants()
+
+
+def test_n_samples_share_the_prompts_full_pages(tiny_model_dir: Path) -> None:
+    engine = make_engine(tiny_model_dir, page_size=16)
+    engine.add_request("g", PROMPT, SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True, n=3))
+    while not engine.scheduler.running:
+        engine.step()
+    seqs = list(engine.scheduler.running)
+    assert len(seqs) == 3
+    shared = seqs[0].page_table[:2]
+    assert all(s.page_table[:2] == shared for s in seqs)
+    assert all(engine.pages.ref_count(p) == 3 for p in shared)
+    assert len({s.page_table[2] for s in seqs}) == 3  # the partial page was copied
+    run_all(engine)
+    assert engine.pages.num_used_pages == 0
+
+
+def test_n_seeded_samples_differ_and_each_equals_its_own_seed(tiny_model_dir: Path) -> None:
+    params = SamplingParams(max_new_tokens=10, temperature=3.0, seed=123, ignore_eos=True)  # the tiny model is peaked
+    engine = make_engine(tiny_model_dir)
+    engine.add_request("g", PROMPT, SamplingParams(**{**_fields(params), "n": 4}))
+    outs = run_all(engine)
+    samples = [outs[sample_rid("g", i)] for i in range(4)]
+    assert len({tuple(s) for s in samples}) == 4
+    for i in (0, 3):  # sample i is the request alone with seed + i: how a lone sample resumes
+        alone = make_engine(tiny_model_dir)
+        alone.add_request("a", PROMPT, params.for_sample(i))
+        assert run_all(alone)["a"] == samples[i]
+
+
+def test_n_samples_over_the_prefill_decode_hand_off(tiny_model_dir: Path) -> None:
+    """Prefill draws every sample's first token and holds the prompt's KV once; decode
+    imports it once and forks it; the samples equal a unified run's."""
+    params = SamplingParams(max_new_tokens=8, temperature=0.9, seed=5, ignore_eos=True, n=3)
+    unified = make_engine(tiny_model_dir)
+    unified.add_request("g", PROMPT, params)
+    expected = run_all(unified)
+
+    prefill, decode = make_engine(tiny_model_dir), make_engine(tiny_model_dir)
+    prefill.add_request("g", PROMPT, params, prefill_only=True)
+    firsts = {o.rid: o for o in iter_outputs(prefill)}
+    assert sorted(firsts) == [sample_rid("g", i) for i in range(3)] and all(o.held for o in firsts.values())
+    pages, num_tokens = prefill.held_pages("g")
+    assert num_tokens == len(PROMPT)
+    samples = [(i, firsts[sample_rid("g", i)].token_ids[0]) for i in range(3)]
+    seq = decode.reserve_import("g", PROMPT, [], params, samples)
+    assert seq is not None
+    n = -(-num_tokens // decode.pages.page_size)
+    decode.runner.pool.tensor[seq.page_table[:n]] = prefill.runner.pool.tensor[pages[:n]]  # the one transfer
+    decode.commit_import(seq)
+    assert prefill.release("g") and prefill.pages.num_used_pages == 0
+    outs = run_all(decode)
+    assert {rid: firsts[rid].token_ids + outs[rid] for rid in outs} == expected
+    assert decode.pages.num_used_pages == 0
+
+
+def test_a_sample_can_be_aborted_alone_or_with_its_request(tiny_model_dir: Path) -> None:
+    engine = make_engine(tiny_model_dir)
+    engine.add_request("g", PROMPT, SamplingParams(max_new_tokens=50, temperature=0.0, ignore_eos=True, n=3))
+    while len(engine.scheduler.running) < 3:
+        engine.step()
+    assert engine.abort(sample_rid("g", 1))
+    engine.step()
+    assert len(engine.scheduler.running) == 2
+    assert engine.abort("g")
+    run_all(engine)
+    assert engine.pages.num_used_pages == 0
+
+
+def test_n_too_large_or_resumed_is_refused(tiny_model_dir: Path) -> None:
+    engine = make_engine(tiny_model_dir, max_num_seqs=4)
+    with pytest.raises(RequestError, match="n is 5"):
+        engine.add_request("g", PROMPT, SamplingParams(n=5))
+    with pytest.raises(RequestError, match="resume each sample"):
+        engine.add_request("g", PROMPT, SamplingParams(n=2), output_ids=[5])
+
+
+# ---- penalties and logit_bias against transformers --------------------------------------
+class OpenAIPenalties(LogitsProcessor):
+    """OpenAI's documented formula: mu[j] -= c[j] * frequency + (c[j] > 0) * presence, over
+    the generated tokens only."""
+
+    def __init__(self, prompt_len: int, frequency: float, presence: float) -> None:
+        self.prompt_len, self.frequency, self.presence = prompt_len, frequency, presence
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        out = input_ids[:, self.prompt_len :]
+        counts = torch.zeros_like(scores)
+        counts.scatter_add_(1, out, torch.ones_like(out, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+
+
+def hf_processed(model_dir: Path, prompt: list[int], steps: int, processors: list[LogitsProcessor]) -> list[int]:
+    quiet_transformers()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        g = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=steps,
+            min_new_tokens=steps,
+            do_sample=False,
+            logits_processor=LogitsProcessorList(processors),
+        )
+    return g[0, len(prompt) :].tolist()
+
+
+def test_penalties_and_bias_equal_transformers_logits_processors(tiny_model_dir: Path) -> None:
+    (plain,) = hf_greedy(tiny_model_dir, [PROMPT], 16)
+    banned, boosted = plain[0], 1234
+    bias = {str(banned): -100.0, str(boosted): 4.0}
+    cases = [
+        (SamplingParams(frequency_penalty=1.5, presence_penalty=0.5), [OpenAIPenalties(len(PROMPT), 1.5, 0.5)]),
+        (SamplingParams(repetition_penalty=1.8), [RepetitionPenaltyLogitsProcessor(1.8)]),
+        (SamplingParams(logit_bias=bias), [SequenceBiasLogitsProcessor([[[banned], -100.0], [[boosted], 4.0]])]),
+    ]
+    engine = make_engine(tiny_model_dir)
+    expected = {}
+    for i, (params, processors) in enumerate(cases):
+        full = SamplingParams(**{**_fields(params), "max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True})
+        engine.add_request(f"c{i}", PROMPT, full)
+        expected[f"c{i}"] = hf_processed(tiny_model_dir, PROMPT, 16, processors)
+    outs = run_all(engine)
+    assert outs == expected
+    assert outs["c0"] != plain and outs["c2"] != plain  # each did something
+    assert banned not in outs["c2"]
+
+
+# ---- structured output -----------------------------------------------------------------
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "ok"],
+    "additionalProperties": False,
+}
+
+
+def _text(engine: Engine, ids: list[int]) -> str:
+    assert engine.detokenize is not None
+    return engine.detokenize(ids)
+
+
+def test_json_schema_outputs_validate_at_temperature_one(tiny_model_dir: Path) -> None:
+    engine = make_engine(tiny_model_dir)
+    schema = json.dumps(SCHEMA)
+    for i in range(12):
+        engine.add_request(
+            f"j{i}", PROMPT[: 5 + i], SamplingParams(max_new_tokens=200, temperature=1.0, json_schema=schema)
+        )
+    engine.add_request(
+        "n", PROMPT, SamplingParams(max_new_tokens=200, temperature=1.0, seed=9, json_schema=schema, n=4)
+    )
+    tokens: dict[str, list[int]] = {}
+    reasons: dict[str, str | None] = {}
+    for o in iter_outputs(engine):
+        tokens.setdefault(o.rid, []).extend(o.token_ids)
+        reasons[o.rid] = o.finish_reason
+    assert len(tokens) == 16
+    assert set(reasons.values()) == {"stop"}  # each ended with its grammar, none ran out
+    for ids in tokens.values():
+        jsonschema.validate(json.loads(_text(engine, ids)), SCHEMA)
+
+
+def test_regex_and_ebnf_constraints_hold(tiny_model_dir: Path) -> None:
+    engine = make_engine(tiny_model_dir)
+    pattern = r"[a-c]{3}-[0-9]{2,4}"
+    grammar = 'root ::= "yes" | "no" | "maybe " [0-9]'
+    engine.add_request("r", PROMPT, SamplingParams(max_new_tokens=40, temperature=1.0, seed=1, regex=pattern, n=3))
+    engine.add_request("e", PROMPT, SamplingParams(max_new_tokens=40, temperature=1.0, seed=2, ebnf=grammar, n=3))
+    outs = run_all(engine)
+    for i in range(3):
+        assert re.fullmatch(pattern, _text(engine, outs[sample_rid("r", i)]))
+        assert re.fullmatch(r"yes|no|maybe [0-9]", _text(engine, outs[sample_rid("e", i)]))
+
+
+def test_a_constraint_that_does_not_compile_is_refused(tiny_model_dir: Path) -> None:
+    engine = make_engine(tiny_model_dir)
+    with pytest.raises(RequestError, match="does not compile"):
+        engine.compile_constraint(SamplingParams(json_schema="{not json"))
+    with pytest.raises(RequestError, match="does not compile"):
+        engine.add_request("x", PROMPT, SamplingParams(ebnf="root ::= "))
+
+
+def _fields(params: SamplingParams) -> dict[str, object]:
+    return {f: getattr(params, f) for f in params.__dataclass_fields__}

@@ -1,0 +1,298 @@
+"""The API surface clients call, through the whole system (`pdserve up` on a real
+nats-server and the real tiny model), in both modes, with the official `openai` client:
+``n`` samples, penalties and ``logit_bias``, ``top_logprobs`` in streams, ``user``,
+structured output (``response_format``, SGLang's ``regex``/``ebnf``), the tokenizer
+endpoints, ``/version``, ``/get_server_info`` and ``/flush_cache``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList
+from transformers.generation.logits_process import SequenceBiasLogitsProcessor
+
+from tests.engine.test_samples import OpenAIPenalties
+
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.slow
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+PROMPT_IDS = [(17 * i + 5) % 4000 + 3 for i in range(40)]
+
+
+@pytest.fixture(scope="module", params=["pd", "unified"])
+def system(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    tiny_model_dir: Path,
+    nats_for_module: Any,
+    system_control: Any,
+) -> Iterator[Any]:
+    start, stop = system_control
+    mode = request.param
+    s = start(
+        tmp_path_factory.mktemp(mode), tiny_model_dir, nats_for_module.url, "--mode", mode, "--enable-flush-cache"
+    )
+    s.mode = mode
+    yield s
+    stop(s)
+
+
+@pytest.fixture
+def client(system: Any) -> Any:
+    return openai.AsyncOpenAI(base_url=system.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def hf(model_dir: Path, prompt: list[int], steps: int, processors: list[Any] = ()) -> list[int]:  # type: ignore[assignment]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=steps,
+            min_new_tokens=steps,
+            do_sample=False,
+            logits_processor=LogitsProcessorList(list(processors)),
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+async def generate(system: Any, body: dict[str, Any]) -> Any:
+    async with httpx.AsyncClient(base_url=system.url, timeout=120) as http:
+        r = await http.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+# ---- n -------------------------------------------------------------------------------
+async def test_n_greedy_samples_are_identical_and_equal_transformers(system: Any, client: Any) -> None:
+    params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True, "n": 4}
+    outs = await generate(system, {"input_ids": PROMPT_IDS, "sampling_params": params})
+    assert len(outs) == 4
+    expected = hf(system.model_dir, PROMPT_IDS, 12)
+    assert [o["output_ids"] for o in outs] == [expected] * 4
+    completion = await client.completions.create(
+        model=system.model_name, prompt=PROMPT_IDS, max_tokens=12, temperature=0, n=4, extra_body={"ignore_eos": True}
+    )
+    assert [c.index for c in completion.choices] == [0, 1, 2, 3]
+    assert len({c.text for c in completion.choices}) == 1
+    assert completion.usage.prompt_tokens == len(PROMPT_IDS)  # the prompt once
+    assert completion.usage.completion_tokens == 4 * 12
+
+
+async def test_n_seeded_samples_differ_and_chat_streams_every_choice(system: Any, client: Any) -> None:
+    completion = await client.completions.create(
+        model=system.model_name,
+        prompt="Once upon a time",
+        max_tokens=12,
+        temperature=3.0,
+        seed=11,
+        n=4,
+        extra_body={"ignore_eos": True},
+    )
+    assert len({c.text for c in completion.choices}) == 4
+    again = await client.completions.create(
+        model=system.model_name,
+        prompt="Once upon a time",
+        max_tokens=12,
+        temperature=3.0,
+        seed=11,
+        n=4,
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.text for c in again.choices] == [c.text for c in completion.choices]  # seeded: reproducible
+
+    stream = await client.chat.completions.create(
+        model=system.model_name,
+        messages=[{"role": "user", "content": "Say something."}],
+        max_tokens=8,
+        temperature=1.0,
+        n=3,
+        logprobs=True,
+        top_logprobs=3,
+        user="user-42",
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    text: dict[int, str] = {}
+    tops: dict[int, int] = {}
+    finished: set[int] = set()
+    usage = None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            text[choice.index] = text.get(choice.index, "") + (choice.delta.content or "")
+            for entry in (choice.logprobs.content if choice.logprobs else None) or []:
+                assert len(entry.top_logprobs) == 3
+                tops[choice.index] = tops.get(choice.index, 0) + 1
+            if choice.finish_reason is not None:
+                assert choice.finish_reason == "length"
+                finished.add(choice.index)
+    assert finished == {0, 1, 2} and tops == {0: 8, 1: 8, 2: 8}
+    assert usage is not None and usage.completion_tokens == 3 * 8
+
+
+# ---- penalties and bias ----------------------------------------------------------------
+async def test_penalties_and_logit_bias_equal_transformers_logits_processors(system: Any) -> None:
+    plain = hf(system.model_dir, PROMPT_IDS, 10)
+    bias = {str(plain[0]): -100, "1234": 3}
+    params = {
+        "max_new_tokens": 10,
+        "temperature": 0,
+        "ignore_eos": True,
+        "frequency_penalty": 1.2,
+        "presence_penalty": 0.4,
+        "logit_bias": bias,
+    }
+    out = await generate(system, {"input_ids": PROMPT_IDS, "sampling_params": params})
+    processors = [
+        OpenAIPenalties(len(PROMPT_IDS), 1.2, 0.4),
+        SequenceBiasLogitsProcessor([[[plain[0]], -100.0], [[1234], 3.0]]),
+    ]
+    assert out["output_ids"] == hf(system.model_dir, PROMPT_IDS, 10, processors)
+    assert out["output_ids"] != plain
+
+
+# ---- structured output -------------------------------------------------------------------
+async def test_json_schema_output_always_validates_100_samples_at_temperature_1(system: Any, client: Any) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+
+    async def ask(i: int) -> list[str]:
+        reply = await client.chat.completions.create(
+            model=system.model_name,
+            messages=[{"role": "user", "content": f"Person number {i}, as JSON."}],
+            temperature=1.0,
+            max_tokens=300,
+            n=4,
+            response_format=fmt,
+        )
+        assert {c.finish_reason for c in reply.choices} == {"stop"}
+        return [c.message.content for c in reply.choices]
+
+    texts = [t for batch in await asyncio.gather(*(ask(i) for i in range(25))) for t in batch]
+    assert len(texts) == 100
+    for text in texts:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    stream = await client.completions.create(
+        model=system.model_name,
+        prompt="JSON:",
+        max_tokens=300,
+        temperature=1.0,
+        stream=True,
+        extra_body={"response_format": fmt},
+    )
+    streamed = "".join([c.choices[0].text async for c in stream if c.choices])
+    jsonschema.validate(json.loads(streamed), SCHEMA)
+    # any object: the random model may not close it within max_tokens, but it is one from the start
+    anything = await client.completions.create(
+        model=system.model_name, prompt="JSON:", max_tokens=5, extra_body={"response_format": {"type": "json_object"}}
+    )
+    assert anything.choices[0].text.startswith("{")
+
+
+async def test_sglang_regex_and_ebnf_constraints(system: Any) -> None:
+    regex = r"(red|green|blue)-[0-9]{3}"
+    outs = await generate(
+        system, {"text": "Pick:", "sampling_params": {"max_new_tokens": 30, "temperature": 1.0, "regex": regex, "n": 3}}
+    )
+    assert all(re.fullmatch(regex, o["text"]) for o in outs)
+    ebnf = 'root ::= "(" ("ab" | "cd" | "ef") ")"'
+    out = await generate(
+        system, {"text": "Go:", "sampling_params": {"max_new_tokens": 30, "temperature": 1.0, "ebnf": ebnf}}
+    )
+    assert re.fullmatch(r"\((ab|cd|ef)\)", out["text"])
+    assert out["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+# ---- tokenizer and info endpoints ----------------------------------------------------------
+async def test_tokenize_and_detokenize_round_trip_equal_the_tokenizer(system: Any) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(system.model_dir)
+    text = "Hello, wörld! 你好 🙂 tokens"
+    async with httpx.AsyncClient(base_url=system.url, timeout=30) as http:
+        tok = (await http.post("/tokenize", json={"model": system.model_name, "prompt": text})).json()
+        assert tok["tokens"] == tokenizer.encode(text) and tok["count"] == len(tok["tokens"])
+        assert tok["max_model_len"] > 0
+        back = (await http.post("/detokenize", json={"tokens": tok["tokens"]})).json()
+        assert back["prompt"] == tokenizer.decode(tok["tokens"]) == text
+        messages = [{"role": "user", "content": "hi"}]
+        chat = (await http.post("/tokenize", json={"messages": messages, "return_token_strs": True})).json()
+        templated = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert chat["tokens"] == tokenizer.encode(templated, add_special_tokens=False)
+        assert len(chat["token_strs"]) == chat["count"]
+        version = (await http.get("/version")).json()
+        assert version["version"]
+        info = (await http.get("/get_server_info")).json()
+        assert info["served_model_name"] == system.model_name and info["enable_flush_cache"] is True
+        assert info["disaggregation_mode"] == system.mode
+        model = (await http.get("/get_model_info")).json()
+        assert model["served_model_name"] == system.model_name
+        for body in ({"prompt": 5}, {}, {"tokens": [-1]}, {"tokens": "x"}):
+            path = "/detokenize" if "tokens" in body else "/tokenize"
+            r = await http.post(path, json=body)
+            assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+async def test_flush_cache_empties_every_workers_prefix_cache(system: Any) -> None:
+    prompt = [(7 * i + 11) % 4000 + 3 for i in range(200)]
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    await generate(system, body)
+    cached = (await generate(system, body))["meta_info"]["cached_tokens"]
+    assert cached >= 128
+    async with httpx.AsyncClient(base_url=system.url, timeout=30) as http:
+        r = await http.post("/flush_cache")
+    assert r.status_code == 200, r.text
+    flushed = r.json()
+    assert flushed["flushed"] and len(flushed["workers"]) == (2 if system.mode == "pd" else 1)
+    assert sum(w["pages_freed"] for w in flushed["workers"]) > 0
+    assert (await generate(system, body))["meta_info"]["cached_tokens"] == 0
+
+
+BAD = [
+    ({"n": 0}, "n"),
+    ({"n": 65}, "n"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 500}}, "logit_bias"),
+    ({"user": 5}, "user"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, None),
+]
+
+
+@pytest.mark.parametrize(("extra", "param"), BAD)
+async def test_bad_parameters_are_openai_style_400s(
+    system: Any, client: Any, extra: dict[str, Any], param: str | None
+) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.completions.create(model=system.model_name, prompt="hi", max_tokens=4, extra_body=extra)
+    body = caught.value.body
+    error = body.get("error", body) if isinstance(body, dict) else {}
+    assert error["type"] == "invalid_request_error" and error["message"]
+    if param is not None:
+        assert error["param"] == param
+    r = await generate_raw(system, {"text": "hi", "sampling_params": {"regex": "(unclosed"}})
+    assert r.status_code == 400
+
+
+async def generate_raw(system: Any, body: dict[str, Any]) -> httpx.Response:
+    async with httpx.AsyncClient(base_url=system.url, timeout=30) as http:
+        return await http.post("/generate", json=body)
