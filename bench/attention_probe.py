@@ -17,35 +17,11 @@ import json
 import sys
 
 import torch
+from gemv_probe import timed
 
 from pdserve.engine.kernels import decode_splits, paged
 
 LAYERS, NUM_Q, NUM_KV, DIM, PAGE = 28, 28, 4, 128, 16
-
-
-def graph_us(fn, calls: int) -> float:
-    """Median microseconds per call of ``fn(i)`` for ``i < calls``, replayed from a graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(2):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(7):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[3]
 
 
 def probe(batch: int, context: int, shapes: list[tuple[int, int, int, int, bool]]) -> dict:
@@ -72,7 +48,7 @@ def probe(batch: int, context: int, shapes: list[tuple[int, int, int, int, bool]
             )  # fmt: skip
 
         try:
-            us = graph_us(call, LAYERS)
+            us = timed(call, LAYERS)
         except Exception as exc:  # a shape that does not compile or fit: skip it
             print(f"  batch {batch} {block_n}/{warps}/{stages}/{splits}: {type(exc).__name__}", file=sys.stderr)
             continue

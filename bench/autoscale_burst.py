@@ -31,7 +31,6 @@ import itertools
 import os
 import platform
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -40,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from common import free_port
+from common import free_port, git_commit, stop_pdserve
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.bench.arrivals import arrival_offsets
@@ -170,18 +169,8 @@ def start_up(name: str, home: Path, model: Path, extra: list[str]) -> tuple[subp
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    stop_up(proc)
+    stop_pdserve(proc, timeout=90)
     raise SystemExit(f"{name}: pdserve up did not come up; see {home / 'up.log'}")
-
-
-def stop_up(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=90)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 async def replay(
@@ -377,21 +366,12 @@ def run_one(
 
         records = asyncio.run(go())
     finally:
-        stop_up(proc)
+        stop_pdserve(proc, timeout=90)
     summary = summarize(name, records, plan, samples, args)
     summary["seed"] = seed
     summary["load_before"] = load_before
     summary["flags"] = extra
     return summary
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip()
-    except OSError:
-        return ""
 
 
 def main() -> int:

@@ -12,6 +12,18 @@ from pathlib import Path
 
 import httpx
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def git_commit() -> str:
+    """The checkout's short commit, or "" outside a git checkout."""
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        return ""
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -64,12 +76,13 @@ def start_pdserve(
         time.sleep(0.5)
 
 
-def stop_pdserve(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM to `pdserve up` alone: it stops its workers, then its broker."""
+def stop_pdserve(proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+    """SIGTERM to `pdserve up` alone: it stops its workers, then its broker; the whole
+    process group is killed after ``timeout`` seconds."""
     if proc.poll() is None:
         os.kill(proc.pid, signal.SIGTERM)
     try:
-        proc.wait(timeout=60)
+        proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()

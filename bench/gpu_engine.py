@@ -114,38 +114,21 @@ def measure_engine(engine: Engine, vocab: int, timer: Timer, rng: random.Random,
         row["decode_bs1_graph_replay_ms"] = replay_ms(graphs, 1, timer)
         row["decode64_graph_replay_ms"] = replay_ms(graphs, 64, timer)
     fast = engine.runner.fast
-    if args.try_fused_merge and fast is not None:  # the attention splits merged in one kernel
-        fast.fused_merge = True
+    options = {  # batch-1 options of the fast model, each measured on and then switched back off
+        "fused_merge": args.try_fused_merge,  # the attention splits merged in one kernel
+        "pdl": args.try_pdl,  # each GEMV a programmatic dependent launch
+        "l2_prefetch": args.try_l2_prefetch,  # the o projection read into L2 during attention
+    }
+    for option in [name for name, wanted in options.items() if wanted and fast is not None]:
+        setattr(fast, option, True)
         engine.runner.graphs = graphs = None if graphs is None else recapture(engine)
         runs = [engine_run(engine, prompts(rng, 1, 512, vocab), args.new, timer) for _ in range(3)]
-        row["decode_bs1_fused_merge_ms"] = statistics.median(
+        row[f"decode_bs1_{option}_ms"] = statistics.median(
             (r["seconds"] - r["all_first_s"]) / (args.new - 1) * 1e3 for r in runs
         )
         if graphs is not None:
-            row["decode_bs1_fused_merge_graph_replay_ms"] = replay_ms(graphs, 1, timer)
-        fast.fused_merge = False  # the rest measures the default
-        engine.runner.graphs = graphs = None if graphs is None else recapture(engine)
-    if args.try_pdl and fast is not None:  # each GEMV a programmatic dependent launch
-        fast.pdl = True
-        engine.runner.graphs = graphs = None if graphs is None else recapture(engine)
-        runs = [engine_run(engine, prompts(rng, 1, 512, vocab), args.new, timer) for _ in range(3)]
-        row["decode_bs1_pdl_ms"] = statistics.median(
-            (r["seconds"] - r["all_first_s"]) / (args.new - 1) * 1e3 for r in runs
-        )
-        if graphs is not None:
-            row["decode_bs1_pdl_graph_replay_ms"] = replay_ms(graphs, 1, timer)
-        fast.pdl = False
-        engine.runner.graphs = graphs = None if graphs is None else recapture(engine)
-    if args.try_l2_prefetch and fast is not None:  # the o projection read into L2 during attention
-        fast.l2_prefetch = True
-        engine.runner.graphs = graphs = None if graphs is None else recapture(engine)
-        runs = [engine_run(engine, prompts(rng, 1, 512, vocab), args.new, timer) for _ in range(3)]
-        row["decode_bs1_l2_prefetch_ms"] = statistics.median(
-            (r["seconds"] - r["all_first_s"]) / (args.new - 1) * 1e3 for r in runs
-        )
-        if graphs is not None:
-            row["decode_bs1_l2_prefetch_graph_replay_ms"] = replay_ms(graphs, 1, timer)
-        fast.l2_prefetch = False
+            row[f"decode_bs1_{option}_graph_replay_ms"] = replay_ms(graphs, 1, timer)
+        setattr(fast, option, False)  # the rest measures the default
         engine.runner.graphs = graphs = None if graphs is None else recapture(engine)
     say(f"pdserve: {args.requests} requests")
     engine_run(engine, prompts(rng, args.requests, 512, vocab), 8, timer)  # the same shapes, warmed up

@@ -31,7 +31,6 @@ import datetime
 import json
 import multiprocessing
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import git_commit
 from make_dummy_model import write_model_dir
 from serving_sweep import System, goodput
 
@@ -397,15 +397,6 @@ def serve(args: argparse.Namespace, mode: str, model: Path, extra: list[str], se
 def best_goodput(run: dict[str, Any], workload: str) -> float | None:
     points = (run.get("workloads") or {}).get(workload, {}).get("points") or []
     return max((p["goodput_rps"] for p in points), default=None)
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-        ).stdout.strip()
-    except OSError:
-        return ""
 
 
 def main() -> int:
