@@ -395,6 +395,7 @@ class Engine:
         masks = None
         if self.grammars is not None and any(s.matcher is not None for s in seqs):
             # Filled on the host while the device runs the forward pass just queued.
+            self._catch_up(seqs)
             masks = self.grammars.masks([s.matcher for s in seqs], logits.device)
         on_device = self.overlap and len(seqs) <= (len(self._pinned[0]) if self._pinned else len(seqs))
         tokens = self.sampler.sample_on_device(logits, rows, masks) if on_device else None
@@ -413,6 +414,21 @@ class Engine:
         for seq in seqs:
             seq.num_pending += 1
         return launched
+
+    def _catch_up(self, seqs: list[Sequence]) -> None:
+        """Hand the step left queued before this one its tokens' place in the grammars of
+        the rows it feeds: their masks follow from those tokens. Waits for that step (the
+        device meanwhile runs the forward pass just queued behind it)."""
+        previous = self._pending
+        if previous is None:
+            return
+        behind = {id(s) for s in seqs if s.matcher is not None and s.num_pending}
+        if not any(id(s) in behind for s in previous.seqs):
+            return
+        result = self.collect(previous)
+        for seq, token in zip(result.seqs, result.token_ids, strict=True):
+            if id(seq) in behind and seq.matcher is not None:
+                seq.matcher.accept_at(len(seq.output_ids), token)
 
     def _feed(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]] | None:
         """The previous step's device tokens and, per decode, its row there (-1: known)."""
@@ -533,12 +549,13 @@ class Engine:
     def _may_overlap(self, launched: Launched) -> bool:
         """Whether the next step may be scheduled before this one's tokens are known: only
         decodes in it (no prefill progress to account), tokens on the device, and no row
-        whose sampling reads its own history (penalties)."""
+        whose sampling reads its own history (penalties). A constrained row may: the next
+        step's launch hands its grammar the token before filling its mask (``_catch_up``)."""
         return (
             self.overlap
             and launched.tokens is not None
             and not launched.batch.prefills
-            and not any(s.sampling.has_penalties or s.matcher is not None for s in launched.batch.decodes)
+            and not any(s.sampling.has_penalties for s in launched.batch.decodes)
         )
 
     def _drop_aborted(self) -> None:
@@ -562,7 +579,7 @@ class Engine:
         seq.output_ids.append(token)
         self.stats.generated_tokens += 1
         if seq.matcher is not None:
-            seq.matcher.accept(token)
+            seq.matcher.accept_at(len(seq.output_ids) - 1, token)
         reason, stop = self._check_stop(seq, token)
         out = RequestOutput(
             rid=seq.out_rid,

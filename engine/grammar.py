@@ -51,12 +51,23 @@ class Matcher:
     def __init__(self, matcher: Any, json: bool = False) -> None:
         self._matcher = matcher
         self.json = json
+        self.seen = 0  # output tokens taken so far
 
     def accept(self, token: int) -> bool:
         """Advance by ``token``; False if the grammar refuses it (the mask should prevent that)."""
+        self.seen += 1
         if self._matcher.is_terminated():
             return False
         return bool(self._matcher.accept_token(token))
+
+    def accept_at(self, index: int, token: int) -> None:
+        """Advance by output token ``index`` unless it was taken already: an overlapped step
+        hands the matcher its token early, before the token is appended (see
+        ``Engine._catch_up``)."""
+        if index == self.seen:
+            self.accept(token)
+        elif index > self.seen:
+            raise AssertionError(f"output token {index} reached a matcher that has taken {self.seen}")
 
     @property
     def is_terminated(self) -> bool:
@@ -81,6 +92,10 @@ class Grammars:
         self._lock = threading.Lock()
         self.vocab_size = vocab_size
         self._plain = _printable_mask(self._info.decoded_vocab, vocab_size)
+        # Pinned host masks for a device, in turn (the one written is never one still on
+        # its way over: its copy's event is waited for first).
+        self._staged: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+        self._next_stage = 0
 
     def compile(self, sampling: SamplingParams) -> Any:
         """The compiled constraint of ``sampling`` (cached); :class:`GrammarError` if it does not compile."""
@@ -119,13 +134,43 @@ class Grammars:
     def masks(self, matchers: Sequence[Matcher | None], device: torch.device) -> torch.Tensor:
         """The rows' token bitmasks (``int32 [rows, ceil(vocab / 32)]``, on ``device``); a row
         without a matcher allows every token."""
-        bitmask = self._xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        rows = len(matchers)
+        if device.type == "cpu":
+            bitmask = self._xgr.allocate_token_bitmask(rows, self.vocab_size)
+            self._fill(matchers, bitmask)
+            return bitmask
+        # A pageable source would make the copy wait, with the host, for the forward pass
+        # queued before it: the masks are filled while that pass runs, into pinned memory.
+        host, copied = self._stage(rows)
+        bitmask = host[:rows]
+        bitmask.fill_(-1)
+        self._fill(matchers, bitmask)
+        on_device = bitmask.to(device, non_blocking=True)
+        copied.record()
+        return on_device
+
+    def _fill(self, matchers: Sequence[Matcher | None], bitmask: torch.Tensor) -> None:
+        json_rows = []
         for row, m in enumerate(matchers):
-            if m is not None:
+            if m is not None and not m.is_terminated:  # a finished row's token is discarded
                 m.fill(bitmask, row)
-                if m.json:  # xgrammar's JSON strings admit raw control characters; strict parsers do not
-                    bitmask[row] &= self._plain
-        return bitmask.to(device, non_blocking=True) if device.type != "cpu" else bitmask
+                if m.json:
+                    json_rows.append(row)
+        if json_rows:  # xgrammar's JSON strings admit raw control characters; strict parsers do not
+            bitmask[json_rows] &= self._plain
+
+    def _stage(self, rows: int) -> tuple[torch.Tensor, torch.cuda.Event]:
+        if not self._staged or self._staged[0][0].shape[0] < rows:
+            words = -(-self.vocab_size // 32)
+            capacity = max(rows, 64)
+            self._staged = [
+                (torch.empty((capacity, words), dtype=torch.int32, pin_memory=True), torch.cuda.Event())
+                for _ in range(2)
+            ]
+        host, copied = self._staged[self._next_stage]
+        self._next_stage ^= 1
+        copied.synchronize()  # its last copy has left
+        return host, copied
 
 
 def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor) -> None:

@@ -199,6 +199,31 @@ def test_json_schema_outputs_validate_at_temperature_one(tiny_model_dir: Path) -
         jsonschema.validate(json.loads(_text(engine, ids)), SCHEMA)
 
 
+def test_constrained_steps_overlap_and_draw_what_plain_steps_draw(tiny_model_dir: Path) -> None:
+    """A constrained row's next step is launched before its token is read: its grammar is
+    handed the token on the way (before the mask is filled), and the draws are the ones
+    waited-for steps make. (Short constraints: the interpreted kernels are slow.)"""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    schema["additionalProperties"] = False
+    patterns = {"r0": "[a-f]{9}", "r1": "[0-9]{4}-[a-z]{3}"}
+    runs = []
+    for overlap in (False, True):
+        engine = make_engine(tiny_model_dir, overlap_schedule=overlap, model_impl="pdserve")
+        assert engine.overlap is overlap and engine.runner.fast is not None
+        engine.runner.fast.use_gemv = False  # interpreted, it is slow; the greedy tests cover it
+        engine.add_request("j", PROMPT, SamplingParams(temperature=1.0, seed=40, json_schema=json.dumps(schema)))
+        for i, (rid, pattern) in enumerate(patterns.items()):
+            engine.add_request(rid, PROMPT[: 20 + i], SamplingParams(temperature=1.0, seed=3 + i, regex=pattern))
+        runs.append(run_all(engine))
+        assert (engine.stats.overlapped_steps > 0) is overlap
+        assert engine.pages.num_used_pages == 0
+    plain, overlapped = runs
+    assert overlapped == plain
+    jsonschema.validate(json.loads(_text(engine, plain.pop("j"))), schema)
+    for rid, ids in plain.items():
+        assert re.fullmatch(patterns[rid], _text(engine, ids))
+
+
 def test_regex_and_ebnf_constraints_hold(tiny_model_dir: Path) -> None:
     engine = make_engine(tiny_model_dir)
     pattern = r"[a-c]{3}-[0-9]{2,4}"
