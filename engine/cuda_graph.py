@@ -4,7 +4,8 @@ A graph is captured per batch-size bucket (1, 2, 4, 8, then steps of 8 up to
 ``max_batch``); a step of ``n`` sequences replays the smallest bucket that holds it, the
 extra rows pointing at a scratch page that no sequence owns. Inputs travel in one
 pinned host buffer and one copy, into static device buffers that every graph reads; a
-sequence whose input token is still on the device (an overlapped step) is fed it there.
+sequence whose input token is still on the device (an overlapped step) is fed it there
+(one small kernel before the replay).
 """
 
 from __future__ import annotations
@@ -48,21 +49,24 @@ class DecodeGraphs:
         self.scratch_page = scratch_page
         self.splits_for = splits_for
         self.buckets = buckets(max_batch)
-        # One row each: input ids, positions, slots, context lengths, feed rows. Two host
-        # copies in turn: one is written while the other may still be on its way over.
-        self._stages = [
-            (
-                torch.zeros((5, max_batch), dtype=torch.int64, pin_memory=True),
-                torch.zeros((max_batch, max_pages), dtype=torch.int32, pin_memory=True),
-                torch.cuda.Event(),
-            )
-            for _ in range(2)
-        ]
+        # One row each: input ids, positions, slots, context lengths, feed rows; then the
+        # page tables, row by row. One buffer, so that a step's inputs and its rows of the
+        # tables leave in one copy. Two host copies in turn: one is written while the other
+        # may still be on its way over.
+        self._row_bytes = 5 * max_batch * 8
+        size = self._row_bytes + max_batch * max_pages * 4
+        self.max_pages = max_pages
+        self._stages = [(torch.zeros(size, dtype=torch.uint8, pin_memory=True), torch.cuda.Event()) for _ in range(2)]
         self._stage = 0
-        self._inputs = torch.zeros((5, max_batch), dtype=torch.int64, device=device)
-        self._tables = torch.zeros((max_batch, max_pages), dtype=torch.int32, device=device)
+        self._bytes = torch.zeros(size, dtype=torch.uint8, device=device)
+        self._inputs, self._tables = self._views(self._bytes)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
+
+    def _views(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The inputs ``int64 [5, max_batch]`` and tables ``int32 [max_batch, max_pages]`` in ``buffer``."""
+        rows = buffer[: self._row_bytes].view(torch.int64).view(5, self.max_batch)
+        return rows, buffer[self._row_bytes :].view(torch.int32).view(self.max_batch, self.max_pages)
 
     def _step(self, batch: int) -> StepBatch:
         return StepBatch(
@@ -80,10 +84,10 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture every bucket, largest first so the smaller ones reuse its memory."""
         started = time.monotonic()
-        host, host_tables, _ = self._stages[0]
-        self._fill_padding(host.numpy(), host_tables.numpy(), 0, self.max_batch)
-        self._inputs.copy_(host)
-        self._tables.copy_(host_tables)
+        host, _ = self._stages[0]
+        rows, tables = self._views(host)
+        self._fill_padding(rows.numpy(), tables.numpy(), 0, self.max_batch)
+        self._bytes.copy_(host)
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -125,11 +129,12 @@ class DecodeGraphs:
         n = len(ids)
         batch = self.bucket(n)
         assert batch is not None, f"{n} sequences exceed the largest graph"
-        host, host_tables, uploaded = self._stages[self._stage]
+        host, uploaded = self._stages[self._stage]
         self._stage ^= 1
         uploaded.synchronize()  # this copy's last trip to the device has left
         page = self.page_size
-        rows = host.numpy()
+        host_rows, host_tables = self._views(host)
+        rows = host_rows.numpy()
         table_rows = host_tables.numpy()
         rows[0, :n] = ids
         rows[1, :n] = positions
@@ -139,12 +144,13 @@ class DecodeGraphs:
         rows[3, :n] = rows[1, :n] + 1
         rows[4, :n] = feed[1] if feed is not None else -1
         self._fill_padding(rows, table_rows, n, batch)
-        self._inputs.copy_(host, non_blocking=True)
-        self._tables[:batch].copy_(host_tables[:batch], non_blocking=True)
+        used = self._row_bytes + batch * self.max_pages * 4
+        self._bytes[:used].copy_(host[:used], non_blocking=True)
         uploaded.record()
         if feed is not None:
-            own, src = self._inputs[0, :n], self._inputs[4, :n]
-            own.copy_(torch.where(src >= 0, feed[0][src.clamp(min=0)], own))
+            from pdserve.engine.kernels import elementwise  # the fast path has Triton
+
+            elementwise.feed(self._inputs[0, :n], self._inputs[4, :n], feed[0])
         self._graphs[batch].replay()
         return self._outputs[batch][:n]
 

@@ -22,7 +22,7 @@ from pdserve.engine.cuda_graph import DecodeGraphs
 from pdserve.engine.kernels import decode_splits
 from pdserve.engine.kv_pool import KVPool, bytes_per_token, dtype_name
 from pdserve.engine.models import create_fast_model, fast_path_reason
-from pdserve.engine.models.batch import build_step, fed_tokens
+from pdserve.engine.models.batch import build_step
 from pdserve.engine.sequence import ScheduledBatch, Sequence
 from pdserve.schemas import KVLayout
 
@@ -213,8 +213,10 @@ class ModelRunner:
             return seqs, logits
         step, seqs = build_step(batch, self.config.page_size, self.device, self._splits(len(batch.decodes)))
         if feed is not None:
-            ids = step.input_ids[: step.num_decodes]
-            ids.copy_(fed_tokens(ids, feed))
+            from pdserve.engine.kernels import elementwise  # the fast path has Triton
+
+            src = torch.tensor(feed[1], dtype=torch.long).to(self.device, non_blocking=True)
+            elementwise.feed(step.input_ids[: step.num_decodes], src, feed[0])
         logits = self.fast.forward(step)
         return (seqs, logits) if seqs else ([], None)
 

@@ -80,3 +80,62 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
         block = 1024
         _silu_mul_kernel[(rows, triton.cdiv(n, block))](x, out, n, BLOCK=block, num_warps=4)
     return out
+
+
+@triton.jit
+def _feed_kernel(ids_ptr, src_ptr, tokens_ptr, n, BLOCK: tl.constexpr):
+    rows = tl.arange(0, BLOCK)
+    ok = rows < n
+    src = tl.load(src_ptr + rows, mask=ok, other=-1)
+    fed = src >= 0
+    token = tl.load(tokens_ptr + tl.maximum(src, 0), mask=ok & fed, other=0)
+    tl.store(ids_ptr + rows, token.to(ids_ptr.dtype.element_ty), mask=ok & fed)
+
+
+def feed(ids: torch.Tensor, src: torch.Tensor, tokens: torch.Tensor) -> None:
+    """In place, one launch: ``ids[i] = tokens[src[i]]`` where ``src[i] >= 0`` (an overlapped
+    step's input tokens, still on the device, from the step before)."""
+    n = ids.shape[0]
+    assert src.shape[0] == n and ids.is_contiguous() and src.is_contiguous()
+    if n:
+        _feed_kernel[(1,)](ids, src, tokens, n, BLOCK=triton.next_power_of_2(n), num_warps=1)
+
+
+@triton.jit
+def _argmax_part_kernel(x_ptr, val_ptr, idx_ptr, n, stride, chunks, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * stride + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
+    best = tl.max(x, 0)
+    first = tl.min(tl.where(x == best, cols, n), 0)  # the first of equals, as torch.argmax
+    tl.store(val_ptr + row * chunks + chunk, best)
+    tl.store(idx_ptr + row * chunks + chunk, first)
+
+
+@triton.jit
+def _argmax_kernel(val_ptr, idx_ptr, out_ptr, chunks, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK)
+    ok = j < chunks
+    val = tl.load(val_ptr + row * chunks + j, mask=ok, other=float("-inf"))
+    idx = tl.load(idx_ptr + row * chunks + j, mask=ok, other=2**31 - 1)
+    best = tl.max(val, 0)
+    tl.store(out_ptr + row, tl.min(tl.where(val == best, idx, 2**31 - 1), 0).to(tl.int64))
+
+
+def argmax_rows(x: torch.Tensor, block: int = 4096) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` (int64; the first index of equal maxima) for a few long rows:
+    each row cut into ``block``-wide chunks read at once by many programs, then their
+    winners compared (torch reduces a row with few blocks: 9 us for a 152k vocabulary
+    on an H200)."""
+    rows, n = x.shape
+    assert x.stride(1) == 1
+    chunks = triton.cdiv(n, block)
+    vals = torch.empty((rows, chunks), dtype=torch.float32, device=x.device)
+    idx = torch.empty((rows, chunks), dtype=torch.int32, device=x.device)
+    out = torch.empty(rows, dtype=torch.long, device=x.device)
+    if rows:
+        _argmax_part_kernel[(rows, chunks)](x, vals, idx, n, x.stride(0), chunks, BLOCK=block, num_warps=8)
+        _argmax_kernel[(rows,)](vals, idx, out, chunks, BLOCK=triton.next_power_of_2(chunks), num_warps=1)
+    return out

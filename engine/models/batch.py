@@ -139,10 +139,3 @@ def build_step(
         else _to(torch.tensor(sample_rows, dtype=torch.long), device),
     )
     return step, sample_seqs
-
-
-def fed_tokens(own: torch.Tensor, feed: tuple[torch.Tensor, list[int]]) -> torch.Tensor:
-    """``own`` with the rows that ``feed`` names taken from its device tokens instead."""
-    tokens, rows = feed
-    src = _to(torch.tensor(rows, dtype=torch.long), own.device)
-    return torch.where(src >= 0, tokens[src.clamp(min=0)], own)

@@ -254,3 +254,29 @@ def test_l2_prefetch_reads_every_element() -> None:
     want = torch.stack([t[i * 512 : (i + 1) * 512].sum() for i in range(math.ceil(10_000 / 512))])
     assert torch.allclose(sink[:20], want, rtol=1e-4, atol=1e-3)
     assert not sink[20:].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16] if DEVICE.type == "cuda" else DTYPES)
+@pytest.mark.parametrize("rows,n,block", [(1, 5000, 1024), (3, 152064, 4096), (2, 700, 4096)])
+def test_argmax_rows_equals_torch_first_of_ties(dtype: torch.dtype, rows: int, n: int, block: int) -> None:
+    x = torch.randn((rows, n), device=DEVICE).to(dtype)
+    top = x.max()
+    x[0, n // 3] = x[0, n - 1] = top + 1  # a tie across chunks: the first wins
+    if rows > 1:
+        x[1, 17] = x[1, 18] = top + 2  # a tie inside a chunk
+    wide = torch.empty((rows, n + 64), device=DEVICE, dtype=dtype)
+    wide[:, :n] = x  # rows with a stride past their length (logits views)
+    for t in (x, wide[:, :n]):
+        out = elementwise.argmax_rows(t, block=block)
+        assert out.dtype == torch.long
+        assert out.tolist() == t.argmax(dim=-1).tolist()
+    assert elementwise.argmax_rows(x, block=block)[0].item() == n // 3
+
+
+def test_feed_takes_device_tokens_where_asked() -> None:
+    ids = torch.tensor([5, 6, 7, 8, 9], dtype=torch.long, device=DEVICE)
+    src = torch.tensor([-1, 2, -1, 0, 1], dtype=torch.long, device=DEVICE)
+    tokens = torch.tensor([100, 101, 102], dtype=torch.long, device=DEVICE)
+    elementwise.feed(ids, src, tokens)
+    assert ids.tolist() == [5, 102, 7, 100, 101]
+    elementwise.feed(ids[:0], src[:0], tokens)  # an empty batch launches nothing
