@@ -2,11 +2,14 @@
 against none, 64 requests at once, in one run of one system.
 
 One `pdserve up` (cold: a fresh data directory, started by this script), the built-in tiny
-model unless ``--model-path``. Rounds alternate none, schema, none, schema ...: each pair
-shares the machine's mood. Every round sends ``--concurrency`` requests at once through
+model unless ``--model-path``. Rounds come in pairs, schema then none: each pair shares
+the machine's mood. Every round sends ``--concurrency`` requests at once through
 ``/generate`` with fresh random prompts (its own seed) and flushes every worker's prefix
 cache first (``/flush_cache``), so no cache helps either side. A constrained request ends
-when its grammar does; an unconstrained one runs to ``--max-new-tokens`` (``ignore_eos``).
+when its grammar does; an unconstrained one (``ignore_eos``) runs as long as its
+constrained twin in the pair did, so both sides do the same work
+(``--no-same-lengths``: to ``--max-new-tokens``, which charges the constrained side for
+its spread of lengths and for spreading each round's fixed costs over fewer tokens).
 The figure is the median over pairs of schema/none output tokens per second (goal: within
 10%, a ratio of at least 0.9). Every constrained output is checked against the schema.
 
@@ -49,7 +52,11 @@ SCHEMA = {
 }
 
 
-async def one_round(url: str, constrained: bool, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+async def one_round(
+    url: str, constrained: bool, seed: int, args: argparse.Namespace, lengths: list[int] | None = None
+) -> dict[str, Any]:
+    """``lengths``: an unconstrained round's output length per request (default: all
+    ``--max-new-tokens``)."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, 4000) for _ in range(args.prompt_tokens)] for _ in range(args.concurrency)]
     params: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "temperature": 1.0}
@@ -57,11 +64,15 @@ async def one_round(url: str, constrained: bool, seed: int, args: argparse.Names
         params["json_schema"] = json.dumps(SCHEMA)
     else:
         params["ignore_eos"] = True
+    wanted = lengths or [args.max_new_tokens] * len(prompts)
     async with httpx.AsyncClient(base_url=url, timeout=600) as http:
         assert (await http.post("/flush_cache")).status_code == 200
         started = time.perf_counter()
         replies = await asyncio.gather(
-            *(http.post("/generate", json={"input_ids": p, "sampling_params": params}) for p in prompts)
+            *(
+                http.post("/generate", json={"input_ids": p, "sampling_params": {**params, "max_new_tokens": n}})
+                for p, n in zip(prompts, wanted, strict=True)
+            )
         )
         seconds = time.perf_counter() - started
     bodies = [r.json() for r in replies]
@@ -81,6 +92,7 @@ async def one_round(url: str, constrained: bool, seed: int, args: argparse.Names
         "output_tokens": tokens,
         "output_tokens_per_second": round(tokens / seconds, 1),
         "cached_tokens": sum(b["meta_info"]["cached_tokens"] for b in bodies),
+        "lengths": [b["meta_info"]["completion_tokens"] for b in bodies],
         "valid_json": valid,
         "invalid": invalid[:3],
     }
@@ -91,9 +103,14 @@ async def run(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     await one_round(url, False, 998, args)
     rounds = []
     for pair in range(args.pairs):
-        for constrained in (False, True):
-            r = await one_round(url, constrained, 2 * pair + constrained, args)
-            print(json.dumps(r), flush=True)
+        # The constrained round first: its requests' lengths are the unconstrained ones'
+        # (same work; without it, the constrained side's spread of lengths and fixed
+        # per-round costs over fewer tokens weigh on it, not the constraint).
+        constrained = await one_round(url, True, 2 * pair + 1, args)
+        lengths = constrained["lengths"] if args.same_lengths else None
+        plain = await one_round(url, False, 2 * pair, args, lengths)
+        for r in (plain, constrained):
+            print(json.dumps({k: v for k, v in r.items() if k != "lengths"}), flush=True)
             rounds.append(r)
     return rounds
 
@@ -106,6 +123,12 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument(
+        "--same-lengths",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="each unconstrained request as long as its constrained twin (default: on)",
+    )
     parser.add_argument("--extra", default="", help="more `pdserve up` flags, space-separated")
     parser.add_argument("--out", type=Path, default=Path("docs/data/structured_output_cpu.json"))
     args = parser.parse_args()
@@ -128,6 +151,7 @@ def main() -> None:
         "concurrency": args.concurrency,
         "prompt_tokens": args.prompt_tokens,
         "max_new_tokens": args.max_new_tokens,
+        "same_lengths": args.same_lengths,
         "schema": SCHEMA,
         "rounds": rounds,
         "ratio_per_pair": [round(r, 3) for r in ratios],
