@@ -339,7 +339,7 @@ def measure_e2e(args: argparse.Namespace, dims: dict, device: str) -> dict:
     flags += ["--max-total-tokens", str(tokens), "--max-running-requests", "128", "--chunked-prefill-size", "8192"]
     by_processes: dict[int, dict] = {}
     for n in [int(x) for x in args.e2e_api_processes.split(",")]:
-        up = [*flags, "--api-processes", str(n)]
+        up = [*flags, "--api-processes", str(n), *(["--log-level", "DEBUG"] if args.e2e_step_log else [])]
         proc, url = start_pdserve("unified", Path(tempfile.mkdtemp(prefix="pdserve-up-")), up, timeout=600)
         pairs = []
         try:
@@ -347,7 +347,9 @@ def measure_e2e(args: argparse.Namespace, dims: dict, device: str) -> dict:
             for _ in range(args.e2e_repeat):
                 reqs = fresh()
                 offline.pages.reset_prefix_cache()
+                steps_before = offline.stats.steps
                 base = sum(r.output_len for r in reqs) / run_pdserve(offline, reqs, args.requests)
+                offline_steps = offline.stats.steps - steps_before
                 reqs = fresh()
                 last = len(pairs) == args.e2e_repeat - 1
                 profile_to = args.e2e_profile.with_suffix(f".api{n}.txt") if args.e2e_profile else None
@@ -363,6 +365,7 @@ def measure_e2e(args: argparse.Namespace, dims: dict, device: str) -> dict:
                 pairs.append(
                     {
                         "offline_out_tok_s": base,
+                        "offline_steps": offline_steps,
                         "pipeline_out_tok_s": served,
                         "ttft_p50_s": sorted(ttfts)[len(ttfts) // 2],
                         "pipeline_cached_tokens": cached,
@@ -401,6 +404,10 @@ def main() -> int:
     )
     parser.add_argument("--e2e", action="store_true", help="also pdserve up --mode unified against the offline engine")
     parser.add_argument("--e2e-repeat", type=int, default=3)
+    parser.add_argument("--only-e2e", action="store_true", help="the end-to-end pairs alone")
+    parser.add_argument(
+        "--e2e-step-log", action="store_true", help="the pipeline at --log-level DEBUG: each worker step on stderr"
+    )
     parser.add_argument("--e2e-profile", type=Path, help="py-spy stacks of the last pipeline run (raw format)")
     parser.add_argument(
         "--e2e-api-processes",
@@ -442,14 +449,15 @@ def main() -> int:
         "command": "python " + " ".join(sys.argv),
         "torch": torch.__version__,
     }
-    result.update(measure_engine(engine, vocab, timer, rng, args))
-    if args.profile:
+    if not args.only_e2e:
+        result.update(measure_engine(engine, vocab, timer, rng, args))
+    if args.profile and not args.only_e2e:
         profile(engine, vocab, rng, args.profile)
-    if not args.skip_transformers:
+    if not args.skip_transformers and not args.only_e2e:
         result["transformers"] = measure_transformers(model, vocab, timer, rng, args)
     if args.json:  # written now and again after the end-to-end pairs
         args.json.write_text(json.dumps(result, indent=2) + "\n")
-    if args.e2e:
+    if args.e2e or args.only_e2e:
         del engine
         torch.cuda.empty_cache() if device.type == "cuda" else None
         result.update(measure_e2e(args, dims, str(device)))

@@ -393,6 +393,18 @@ class WorkerRuntime:
             return
         outputs = self.engine.complete(launched, result)
         self.metrics.batch_size.observe(len(launched.seqs))
+        if log.isEnabledFor(logging.DEBUG):  # a step timeline (``--log-level DEBUG``)
+            batch = launched.batch
+            log.debug(
+                "step",
+                extra={
+                    "decodes": len(batch.decodes),
+                    "prefill_tokens": sum(n for _, n in batch.prefills),
+                    "launched_at": round(launched.started, 4),
+                    "seconds": round(result.seconds, 4),
+                    "done_at": round(time.perf_counter(), 4),
+                },
+            )
         await self.on_outputs(outputs)  # raising here is a bug: the worker ends (supervised)
 
     async def _fail_batch(self, batch: ScheduledBatch) -> None:

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# One H200, one call (about 4 minutes): structured output's cost with each unconstrained
+# request as long as its constrained twin, then the end-to-end pairs alone with the
+# unified worker's step timeline (--log-level DEBUG) to see where the pipeline loses to
+# the offline engine. Needs no Mooncake or py-spy wheels.
+set -u
+out=${OUT:-/tmp/pdserve-gpu}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 MC_LOG_LEVEL=ERROR
+python3 bench/make_dummy_model.py --out /tmp/m7b >/dev/null
+timeout 240 python3 bench/structured_output.py --model-path /tmp/m7b --extra "--device cuda --load-format dummy" \
+  --out "$out/structured_output_gpu.json" 2>&1 | tee "$out/structured_output.log" | grep -v Warning | tail -8
+timeout 300 python3 bench/gpu_engine.py --json "$out/gpu_engine_e2e.json" --only-e2e --e2e-api-processes 2 \
+  --e2e-step-log > "$out/e2e.log" 2>&1
+grep -v " step" "$out/e2e.log" | grep -v Warning | tail -10
