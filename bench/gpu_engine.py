@@ -320,7 +320,7 @@ def measure_e2e(args: argparse.Namespace, dims: dict, device: str) -> dict:
     from common import process_cpu_seconds, start_pdserve, stop_pdserve
     from engine_bench import run_pdserve, workload
     from make_dummy_model import write_model_dir
-    from pipeline_vs_offline import cpu_per_token, through_http
+    from pipeline_vs_offline import cpu_per_token, drive, through_http
 
     from pdserve.engine.loader import build_engine
 
@@ -334,7 +334,7 @@ def measure_e2e(args: argparse.Namespace, dims: dict, device: str) -> dict:
     def fresh():
         return workload(args.requests, next(seed), vocab, 512, 512, args.new, args.new)
 
-    run_pdserve(offline, workload(4, 1, vocab, 64, 64, 4, 4), 4)  # warm-up
+    run_pdserve(offline, fresh(), args.requests)  # warm-up at full size (a first run compiles)
     flags = ["--device", device, "--model-path", str(model_dir), "--load-format", "dummy"]
     flags += ["--max-total-tokens", str(tokens), "--max-running-requests", "128", "--chunked-prefill-size", "8192"]
     by_processes: dict[int, dict] = {}
@@ -343,7 +343,7 @@ def measure_e2e(args: argparse.Namespace, dims: dict, device: str) -> dict:
         proc, url = start_pdserve("unified", Path(tempfile.mkdtemp(prefix="pdserve-up-")), up, timeout=600)
         pairs = []
         try:
-            asyncio.run(through_http(url, workload(4, 2, vocab, 64, 64, 4, 4), 4))  # warm-up
+            asyncio.run(through_http(url, fresh(), args.requests))  # warm-up at full size
             for _ in range(args.e2e_repeat):
                 reqs = fresh()
                 offline.pages.reset_prefix_cache()
@@ -354,18 +354,17 @@ def measure_e2e(args: argparse.Namespace, dims: dict, device: str) -> dict:
                 last = len(pairs) == args.e2e_repeat - 1
                 profile_to = args.e2e_profile.with_suffix(f".api{n}.txt") if args.e2e_profile else None
                 spy = py_spy(proc.pid, profile_to) if profile_to and last else None
-                cpu_before, client_before = process_cpu_seconds(proc.pid), time.process_time()
-                seconds, ttfts, cached = asyncio.run(through_http(url, reqs, args.requests))
+                cpu_before = process_cpu_seconds(proc.pid)
+                seconds, ttfts, cached, client_cpu = drive(url, reqs, args.requests, args.e2e_client_processes)
                 served = sum(r.output_len for r in reqs) / seconds
-                cpu = cpu_per_token(
-                    proc.pid, cpu_before, time.process_time() - client_before, sum(r.output_len for r in reqs)
-                )
+                cpu = cpu_per_token(proc.pid, cpu_before, client_cpu, sum(r.output_len for r in reqs))
                 if spy is not None:
                     spy.wait(timeout=60)
                 pairs.append(
                     {
                         "offline_out_tok_s": base,
                         "offline_steps": offline_steps,
+                        "client_processes": args.e2e_client_processes,
                         "pipeline_out_tok_s": served,
                         "ttft_p50_s": sorted(ttfts)[len(ttfts) // 2],
                         "pipeline_cached_tokens": cached,
@@ -405,6 +404,12 @@ def main() -> int:
     parser.add_argument("--e2e", action="store_true", help="also pdserve up --mode unified against the offline engine")
     parser.add_argument("--e2e-repeat", type=int, default=3)
     parser.add_argument("--only-e2e", action="store_true", help="the end-to-end pairs alone")
+    parser.add_argument(
+        "--e2e-client-processes",
+        type=int,
+        default=4,
+        help="processes that send the requests and read the streams (one reads ~10k tokens/s)",
+    )
     parser.add_argument(
         "--e2e-step-log", action="store_true", help="the pipeline at --log-level DEBUG: each worker step on stderr"
     )
