@@ -355,7 +355,7 @@ def measure_e2e(args: argparse.Namespace, dims: dict, device: str) -> dict:
                 profile_to = args.e2e_profile.with_suffix(f".api{n}.txt") if args.e2e_profile else None
                 spy = py_spy(proc.pid, profile_to) if profile_to and last else None
                 cpu_before = process_cpu_seconds(proc.pid)
-                seconds, ttfts, cached, client_cpu = drive(url, reqs, args.requests, args.e2e_client_processes)
+                seconds, ttfts, cached, client_cpu, span = drive(url, reqs, args.requests, args.e2e_client_processes)
                 served = sum(r.output_len for r in reqs) / seconds
                 cpu = cpu_per_token(proc.pid, cpu_before, client_cpu, sum(r.output_len for r in reqs))
                 if spy is not None:
@@ -365,6 +365,7 @@ def measure_e2e(args: argparse.Namespace, dims: dict, device: str) -> dict:
                         "offline_out_tok_s": base,
                         "offline_steps": offline_steps,
                         "client_processes": args.e2e_client_processes,
+                        "client_span": span,  # perf_counter: against the workers' step timeline
                         "pipeline_out_tok_s": served,
                         "ttft_p50_s": sorted(ttfts)[len(ttfts) // 2],
                         "pipeline_cached_tokens": cached,
@@ -407,8 +408,8 @@ def main() -> int:
     parser.add_argument(
         "--e2e-client-processes",
         type=int,
-        default=4,
-        help="processes that send the requests and read the streams (one reads ~10k tokens/s)",
+        default=1,
+        help="processes that send the requests and read the streams (default: %(default)s)",
     )
     parser.add_argument(
         "--e2e-step-log", action="store_true", help="the pipeline at --log-level DEBUG: each worker step on stderr"

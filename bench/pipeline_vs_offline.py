@@ -78,20 +78,24 @@ async def through_http(url: str, reqs: list[Request], concurrency: int) -> tuple
 def _client_share(url: str, reqs: list[Request], lanes: int, barrier: Any, results: Any) -> None:
     """One client process of :func:`drive`: its share of the requests, from the barrier on."""
     barrier.wait()
-    began, cpu = time.time(), time.process_time()
+    began, cpu = time.perf_counter(), time.process_time()  # CLOCK_MONOTONIC: one clock for every process
     _, ttfts, cached = asyncio.run(through_http(url, reqs, lanes))
-    results.put((began, time.time(), ttfts, cached, time.process_time() - cpu))
+    results.put((began, time.perf_counter(), ttfts, cached, time.process_time() - cpu))
 
 
-def drive(url: str, reqs: list[Request], concurrency: int, processes: int = 1) -> tuple[float, list[float], int, float]:
+def drive(
+    url: str, reqs: list[Request], concurrency: int, processes: int = 1
+) -> tuple[float, list[float], int, float, tuple[float, float]]:
     """:func:`through_http` from ``processes`` client processes at once (the requests and
     lanes dealt out among them): one Python client reads about 10,000 streamed tokens a
     second, less than one GPU serves. Returns seconds from the first start to the last
-    finish, times to first token, cached prompt tokens, and the clients' CPU seconds."""
+    finish, times to first token, cached prompt tokens, the clients' CPU seconds, and the
+    first start and last finish on ``time.perf_counter``'s clock (the workers' step
+    timeline is on it too)."""
     if processes <= 1:
-        cpu = time.process_time()
+        cpu, began = time.process_time(), time.perf_counter()
         seconds, ttfts, cached = asyncio.run(through_http(url, reqs, concurrency))
-        return seconds, ttfts, cached, time.process_time() - cpu
+        return seconds, ttfts, cached, time.process_time() - cpu, (began, time.perf_counter())
     ctx = multiprocessing.get_context("spawn")  # the parent may hold a CUDA context
     barrier, results = ctx.Barrier(processes + 1), ctx.Queue()
     shares = [(reqs[i::processes], concurrency // processes + (i < concurrency % processes)) for i in range(processes)]
@@ -102,8 +106,9 @@ def drive(url: str, reqs: list[Request], concurrency: int, processes: int = 1) -
     outs = [results.get(timeout=900) for _ in procs]
     for proc in procs:
         proc.join(timeout=30)
-    seconds = max(o[1] for o in outs) - min(o[0] for o in outs)
-    return seconds, [t for o in outs for t in o[2]], sum(o[3] for o in outs), sum(o[4] for o in outs)
+    span = (min(o[0] for o in outs), max(o[1] for o in outs))
+    ttfts = [t for o in outs for t in o[2]]
+    return span[1] - span[0], ttfts, sum(o[3] for o in outs), sum(o[4] for o in outs), span
 
 
 def cpu_per_token(root: int, before: dict[str, float], client_seconds: float, tokens: int) -> dict[str, float]:
