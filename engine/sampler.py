@@ -97,29 +97,33 @@ class Sampler:
                     _apply_bias(logits[i], r.params)
             if masks is not None:
                 apply_masks(logits, masks)
-        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
-        if greedy:
-            index = torch.tensor(greedy, device=logits.device)
-            tokens[index] = logits[index].argmax(dim=-1)
-        if sampled:
-            index = torch.tensor(sampled, device=logits.device)
-            tokens[index] = self._sample(logits[index], [rows[i] for i in sampled])
+        if not sampled:
+            return logits.argmax(dim=-1), raw_logprobs
+        if not greedy:
+            return self._sample(logits, rows), raw_logprobs
+        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        index = _tensor(greedy, torch.long, logits.device)
+        tokens[index] = logits[index].argmax(dim=-1)
+        index = _tensor(sampled, torch.long, logits.device)
+        tokens[index] = self._sample(logits[index], [rows[i] for i in sampled])
         return tokens, raw_logprobs
 
     def _sample(self, logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
-        temps = torch.tensor([r.params.temperature for r in rows], device=logits.device)
+        temps = _tensor([r.params.temperature for r in rows], logits.dtype, logits.device)
         logits = logits / temps[:, None]
         if any(_filters(r.params) for r in rows):
             logits = _filter(logits, rows)
         probs = torch.softmax(logits, dim=-1)
         noise = torch.empty_like(probs)
         unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
-        if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
-                generator=self._generator
-            )
+        if len(unseeded) == len(rows):
+            noise.exponential_(generator=self._generator)
+        elif unseeded:
+            noise[_tensor(unseeded, torch.long, probs.device)] = torch.empty(
+                len(unseeded), probs.shape[1], device=probs.device
+            ).exponential_(generator=self._generator)
         for i, r in enumerate(rows):
             if r.params.seed is not None:
                 self._seeded.manual_seed(seed_for(r.params.seed, r.position))
@@ -128,6 +132,17 @@ class Sampler:
 
     def reseed(self, seed: int) -> None:
         self._generator.manual_seed(seed)
+
+
+def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` on ``device`` without waiting for it: a small host list copied from
+    pageable memory (``torch.tensor(values, device=...)``) makes the host wait until the
+    device has run everything queued before the copy, the forward pass included, which
+    undoes the overlap of the next step's scheduling with this one."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -147,8 +162,8 @@ def _apply_bias(row: torch.Tensor, p: SamplingParams) -> None:
     """In place: OpenAI's ``logit_bias``, added to the logits (ids past the vocabulary ignored)."""
     items = [(t, b) for t, b in p.bias_items() if t < row.shape[0]]
     if items:
-        ids = torch.tensor([t for t, _ in items], dtype=torch.long, device=row.device)
-        row.index_add_(0, ids, torch.tensor([b for _, b in items], dtype=row.dtype, device=row.device))
+        ids = _tensor([t for t, _ in items], torch.long, row.device)
+        row.index_add_(0, ids, _tensor([b for _, b in items], row.dtype, row.device))
 
 
 def _filters(p: SamplingParams) -> bool:
@@ -161,13 +176,13 @@ def _filter(logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
     vocab = logits.shape[-1]
     device = logits.device
     rank = torch.arange(vocab, device=device)[None, :]
-    top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in rows], device=device)
+    top_k = _tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in rows], torch.long, device)
     remove = rank >= top_k[:, None]
     probs = torch.softmax(sorted_logits.masked_fill(remove, _MASK), dim=-1)
-    top_p = torch.tensor([r.params.top_p for r in rows], device=device)
+    top_p = _tensor([r.params.top_p for r in rows], torch.float32, device)
     before = probs.cumsum(dim=-1) - probs
     remove |= (before >= top_p[:, None]) & (top_p[:, None] < 1.0)  # top_p == 1: no cut, whatever the rounding
-    min_p = torch.tensor([r.params.min_p for r in rows], device=device)
+    min_p = _tensor([r.params.min_p for r in rows], torch.float32, device)
     remove |= probs < (min_p[:, None] * probs[:, :1])
     remove[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(remove, _MASK)
@@ -179,11 +194,11 @@ def _apply_penalties(row: torch.Tensor, r: SampleRequest) -> None:
     p = r.params
     device = row.device
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), dtype=torch.long, device=device)
+        seen = _tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), torch.long, device)
         vals = row[seen]
         row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
     if (p.frequency_penalty or p.presence_penalty) and r.output_ids:
-        out = torch.tensor(list(r.output_ids), dtype=torch.long, device=device)
+        out = _tensor(list(r.output_ids), torch.long, device)
         counts = torch.bincount(out, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
