@@ -366,6 +366,7 @@ def measure_e2e(args: argparse.Namespace, dims: dict, device: str) -> dict:
                         "offline_steps": offline_steps,
                         "client_processes": args.e2e_client_processes,
                         "client_span": span,  # perf_counter: against the workers' step timeline
+                        "output_tokens": sum(r.output_len for r in reqs),
                         "pipeline_out_tok_s": served,
                         "ttft_p50_s": sorted(ttfts)[len(ttfts) // 2],
                         "pipeline_cached_tokens": cached,

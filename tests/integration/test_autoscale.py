@@ -72,7 +72,9 @@ async def test_a_backlog_scales_prefill_out_and_idle_scales_it_in_with_a_drain(
             assert await prefill_workers(client) == 1
 
             # A burst: 80 prompts of 1,000 tokens at once (20 prefill replicas' worth of lag,
-            # 10-20 s of one prefill worker's time here).
+            # 10-20 s of one prefill worker's time here). The backlog is kept at least 24
+            # prompts deep until the new worker registers (its start takes as long as the
+            # burst on a slow machine), so there is work left for it to take.
             burst = [asyncio.create_task(generate(client, rng, 1000, 8)) for _ in range(80)]
             scaled_out_at = None
             began = time.monotonic()
@@ -82,14 +84,21 @@ async def test_a_backlog_scales_prefill_out_and_idle_scales_it_in_with_a_drain(
                 await asyncio.sleep(0.25)
             assert scaled_out_at is not None, system.log()
             while await prefill_workers(client) < 2:  # the new worker registers
-                assert time.monotonic() - began < 90, system.log()
+                assert time.monotonic() - began < 120, system.log()
+                pending = sum(1 for t in burst if not t.done())
+                burst += [asyncio.create_task(generate(client, rng, 1000, 8)) for _ in range(24 - pending)]
                 await asyncio.sleep(0.5)
-            assert sum(await asyncio.gather(*burst)) == 80 * 8
-            computed = re.findall(
-                r'^pdserve_prompt_tokens_total{role="prefill",worker="[^"]+"} (\S+)$',
-                (await client.get("/metrics")).text,
-                re.M,
-            )
+            assert sum(await asyncio.gather(*burst)) == len(burst) * 8
+            # Each worker's count comes with its heartbeat: wait until both have reported it all.
+            while True:
+                computed = re.findall(
+                    r'^pdserve_prompt_tokens_total{role="prefill",worker="[^"]+"} (\S+)$',
+                    (await client.get("/metrics")).text,
+                    re.M,
+                )
+                if sum(float(n) for n in computed) >= len(burst) * 1000 or time.monotonic() - began > 150:
+                    break
+                await asyncio.sleep(0.5)
             assert len(computed) == 2 and all(float(n) > 0 for n in computed), "the new worker took part of the backlog"
 
             # Idle (but for a trickle of short requests, which a draining worker may hold):
