@@ -6,6 +6,42 @@ import dataclasses
 
 
 @dataclasses.dataclass(frozen=True)
+class KVTierConfig:
+    """The KV cache tiers below the device pool (all off by default; see ``engine/kv_tiers.py``).
+
+    ``host_bytes``: host memory for pages evicted from the device (pinned on a GPU).
+    ``disk_dir``: a directory (local or a shared mount) of page-group files, kept within
+    ``disk_bytes``. ``store_master``: the ``host:port`` of a Mooncake Store master (with its
+    HTTP metadata server at ``store_metadata``); this worker contributes ``store_bytes`` of
+    memory to the store and reaches it from ``store_host``. ``group_pages``: pages per
+    file or store object. ``max_pending_writes``: page groups queued for the writer
+    thread; more are dropped (counted), never waited for.
+    """
+
+    host_bytes: int = 0
+    disk_dir: str = ""
+    disk_bytes: int = 4 << 30
+    store_master: str = ""
+    store_metadata: str = ""
+    store_host: str = "127.0.0.1"
+    store_bytes: int = 256 << 20
+    group_pages: int = 8
+    max_pending_writes: int = 256
+
+    def __post_init__(self) -> None:
+        if self.host_bytes < 0 or self.disk_bytes < 1 or self.store_bytes < 1:
+            raise ValueError("kv tier sizes must be positive (host_bytes 0: no host tier)")
+        if self.group_pages < 1 or self.max_pending_writes < 1:
+            raise ValueError("group_pages and max_pending_writes must be at least 1")
+        if self.store_master and not self.store_metadata:
+            raise ValueError("a Mooncake Store master needs its metadata server's URL")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.host_bytes or self.disk_dir or self.store_master)
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Knobs of the serving engine.
 
@@ -17,7 +53,8 @@ class EngineConfig:
     ``transformers`` code; ``pdserve`` insists on the former, ``transformers`` on the
     latter. ``cuda_graph_max_batch``: decode steps of up to this many sequences replay a
     captured CUDA graph (0: never). ``overlap_schedule``: on a GPU with the fast path,
-    schedule and launch the next decode step while the current one runs.
+    schedule and launch the next decode step while the current one runs. ``kv_tiers``:
+    host memory, disk and Mooncake Store below the device's prefix cache.
     """
 
     page_size: int = 16
@@ -35,6 +72,7 @@ class EngineConfig:
     model_impl: str = "auto"
     cuda_graph_max_batch: int = 128
     overlap_schedule: bool = True
+    kv_tiers: KVTierConfig = KVTierConfig()
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

@@ -36,6 +36,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.grammar import GrammarError, Grammars
+from pdserve.engine.kv_tiers import KVTiers, create_tiers
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.page_manager import OutOfPages, PageManager
 from pdserve.engine.sampler import Sampler, SampleRequest, SamplerOutput
@@ -117,6 +118,10 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.detokenize = detokenize
         self.pages = PageManager(runner.num_pages, config.page_size, config.enable_prefix_cache)
+        self.tiers: KVTiers | None = None
+        if config.kv_tiers.enabled and config.enable_prefix_cache:
+            self.tiers = create_tiers(runner.pool, runner.model, config.kv_tiers)
+            self.pages.tiers = self.tiers
         self.scheduler = Scheduler(config, self.pages, runner.max_model_len)
         self.sampler = Sampler(runner.device)
         assert runner.max_model_len is not None
@@ -340,9 +345,17 @@ class Engine:
         return bool(seqs)
 
     def flush_cache(self) -> int:
-        """Forget every cached prefix (see ``PageManager.reset_prefix_cache``); returns the
-        cached pages freed."""
+        """Forget every cached prefix (see ``PageManager.reset_prefix_cache``) and the host
+        tier's pages (the disk and store tiers are shared and persist); returns the cached
+        device pages freed."""
+        if self.tiers is not None:
+            self.tiers.flush()
         return self.pages.reset_prefix_cache(in_use=True)
+
+    def close(self) -> None:
+        """Finish the KV tiers' queued writes and close them."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     def release(self, rid: str) -> bool:
         """Free a held prefill's pages (decode has pulled them, or they expired)."""

@@ -6,6 +6,10 @@ Pages are reference counted: a full page whose token content is known gets a cha
 hash (hash of the previous page's hash and its own tokens) and stays findable in the
 prefix index after its last owner lets go; such unreferenced cached pages form an LRU
 and are the first reused when the free list runs dry.
+
+With :attr:`PageManager.tiers` set (``engine/kv_tiers.py``), a cached page about to be
+reused is first demoted to the tiers below, a prefix that misses in the index is looked
+up there and its pages promoted into fresh pages, and full pages are offered to them.
 """
 
 from __future__ import annotations
@@ -14,8 +18,18 @@ import hashlib
 import struct
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any, Protocol
 
 from pdserve.engine.sequence import Sequence as Seq
+
+
+class PrefixTiers(Protocol):
+    """The KV tiers below the pool, as the page manager uses them (``KVTiers``)."""
+
+    def demote(self, page: int, h: bytes) -> None: ...
+    def find(self, hashes: Sequence[bytes], start: int, limit: int) -> Any: ...  # a plan with ``num_pages``
+    def load(self, plan: Any, pages: Sequence[int]) -> int: ...
+    def offer(self, hashes: Sequence[bytes], page_table: Sequence[int], old_full: int, new_full: int) -> None: ...
 
 
 def page_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
@@ -42,6 +56,7 @@ class PageManager:
         self._hash_of: dict[int, bytes] = {}
         self._page_of: dict[bytes, int] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, refcount 0, LRU order
+        self.tiers: PrefixTiers | None = None
 
     # ---- queries -----------------------------------------------------------
     @property
@@ -98,6 +113,8 @@ class PageManager:
                 page = self._free.pop()
             else:
                 page, _ = self._evictable.popitem(last=False)
+                if self.tiers is not None:
+                    self.tiers.demote(page, self._hash_of[page])
                 self._forget(page)
             self._refs[page] = 1
             pages.append(page)
@@ -172,11 +189,29 @@ class PageManager:
         tokens; they count as computed (and cached)."""
         assert not seq.page_table, f"{seq.rid} already has pages"
         seq.page_hashes = self.match_prefix(seq.tokens)
-        cached = self.lookup(seq.page_hashes)[: max_tokens // self.page_size]
+        limit = max_tokens // self.page_size
+        cached = self.lookup(seq.page_hashes)[:limit]
         self.share(cached)
+        if self.tiers is not None and self.enable_prefix_cache and len(cached) < limit:
+            cached += self._promote(seq.page_hashes, len(cached), limit - len(cached))
         seq.page_table = list(cached)
         seq.num_computed = seq.num_cached = len(cached) * self.page_size
         seq.num_registered_pages = len(cached)
+
+    def _promote(self, hashes: list[bytes], start: int, limit: int) -> list[int]:
+        """Pages for ``hashes[start:]`` loaded from the tiers below (at most ``limit``, and
+        no more than are free), indexed like computed ones, referenced once."""
+        assert self.tiers is not None
+        plan = self.tiers.find(hashes, start, limit)
+        n = min(plan.num_pages, self.num_free_pages)
+        if n <= 0:
+            return []
+        pages = self.allocate(n)
+        loaded = self.tiers.load(plan, pages)
+        for page, h in zip(pages[:loaded], hashes[start:], strict=False):
+            self.register(page, h)  # an equal page still indexed keeps its place; this copy stays private
+        self.free(pages[loaded:])
+        return pages[:loaded]
 
     def grow(self, seq: Seq, num_tokens: int, reserve: int = 0) -> bool:
         """Pages for ``num_tokens`` tokens of ``seq``, leaving ``reserve`` pages free;
@@ -218,6 +253,8 @@ class PageManager:
                 parent = seq.page_hashes[-1] if seq.page_hashes else None
                 seq.page_hashes.append(page_hash(parent, tokens[i * self.page_size : (i + 1) * self.page_size]))
             self.register(seq.page_table[i], seq.page_hashes[i])
+        if self.tiers is not None and self.enable_prefix_cache and full > seq.num_registered_pages:
+            self.tiers.offer(seq.page_hashes, seq.page_table, seq.num_registered_pages, full)
         seq.num_registered_pages = max(seq.num_registered_pages, full)
 
     def check_invariants(self) -> None:

@@ -1,0 +1,83 @@
+"""A page group as bytes: what the disk and store tiers keep, checked when read back.
+
+A blob is a fixed header, then the group's pages exactly as they lie in the pool
+(``[num_pages, num_layers, 2, num_kv_heads, page_size, head_dim]``). The header names
+the format, the *identity* (model weights and KV layout: a blob from another model or
+layout is never used), the group's key (the chained hash of its last page, so a file
+renamed onto another key is caught) and a checksum of the payload. :func:`decode`
+raises :class:`CorruptBlob` for any mismatch; callers count it and treat it as a miss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import torch
+
+from pdserve.engine.kv_pool import dtype_from_name
+from pdserve.schemas import KVLayout
+
+MAGIC = b"PDKV"
+VERSION = 1
+# magic, version, identity (16), key (16), num_pages, payload bytes, payload checksum (16)
+_HEADER = struct.Struct("<4sH16s16sIQ16s")
+HEADER_BYTES = _HEADER.size
+
+
+class CorruptBlob(ValueError):
+    """A blob that must not be used: truncated, another format, model, layout or key, or
+    a payload whose checksum does not match."""
+
+
+def identity(model_fingerprint: bytes, layout: KVLayout, group_pages: int) -> bytes:
+    """16 bytes naming the model's weights, the KV layout and the group size: blobs are
+    shared only between pools whose groups mean the same thing."""
+    h = hashlib.blake2b(model_fingerprint, digest_size=16)
+    fields = (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.page_size, group_pages, VERSION)
+    h.update(struct.pack("<6I", *fields) + layout.dtype.encode() + layout.order.encode())
+    return h.digest()
+
+
+def model_fingerprint(model: torch.nn.Module, name: str) -> bytes:
+    """The model's name and a digest of a slice of every parameter (two checkpoints with
+    one name but other weights differ here), cheap even for a large model."""
+    h = hashlib.blake2b(name.encode(), digest_size=16)
+    for pname, param in model.named_parameters():
+        h.update(pname.encode())
+        h.update(param.detach().reshape(-1)[:64].float().cpu().numpy().tobytes())
+    return h.digest()
+
+
+def _checksum(payload: bytes | memoryview) -> bytes:
+    return hashlib.blake2b(payload, digest_size=16).digest()
+
+
+def encode(ident: bytes, key: bytes, pages: torch.Tensor) -> bytes:
+    """``pages`` (on the host, contiguous) with its header."""
+    payload = pages.contiguous().numpy().tobytes()
+    header = _HEADER.pack(MAGIC, VERSION, ident, key, pages.shape[0], len(payload), _checksum(payload))
+    return header + payload
+
+
+def decode(blob: bytes | bytearray | memoryview, ident: bytes, key: bytes, layout: KVLayout) -> torch.Tensor:
+    """The pages of ``blob`` as a host tensor; :class:`CorruptBlob` unless every check passes."""
+    view = memoryview(blob).cast("B")
+    if len(view) < HEADER_BYTES:
+        raise CorruptBlob(f"{len(view)} bytes: shorter than the header")
+    magic, version, blob_ident, blob_key, num_pages, size, checksum = _HEADER.unpack_from(view)
+    if magic != MAGIC or version != VERSION:
+        raise CorruptBlob("not a pdserve KV blob of this version")
+    if blob_ident != ident:
+        raise CorruptBlob("another model or KV layout")
+    if blob_key != key:
+        raise CorruptBlob("another page group's key")
+    payload = view[HEADER_BYTES:]
+    dtype = dtype_from_name(layout.dtype)
+    expected = num_pages * layout.page_numel * torch.empty((), dtype=dtype).element_size()
+    if len(payload) != size or size != expected:
+        raise CorruptBlob(f"payload of {len(payload)} bytes, header says {size}, layout needs {expected}")
+    if _checksum(payload) != checksum:
+        raise CorruptBlob("payload checksum mismatch")
+    shape = (num_pages, layout.num_layers, 2, layout.num_kv_heads, layout.page_size, layout.head_dim)
+    return torch.frombuffer(bytearray(payload), dtype=dtype).reshape(shape)

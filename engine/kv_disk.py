@@ -1,0 +1,99 @@
+"""The disk tier: one file per page group in a directory, local or a shared mount.
+
+Files live under ``<dir>/<identity hex>/<key hex>.kv`` (the identity names model and
+KV layout, see :mod:`.kv_blob`), are written under a temporary name and renamed into
+place (a reader never sees half a file, a crash leaves only a temporary to sweep), and
+are reusable by any worker of the same model and layout, across restarts. The tier
+keeps its directory within ``max_bytes``: it knows the files it found at start and
+those it wrote, and removes the least recently used when a write passes the bound
+(other workers sharing the directory bound their own writes the same way). Reads and
+writes block: the tiers' writer thread writes, loads run when a prefix is attached.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import uuid
+from collections import OrderedDict
+from pathlib import Path
+
+TMP_SUFFIX = ".tmp"
+
+
+class DiskTier:
+    name = "disk"
+
+    def __init__(self, root: Path, ident: bytes, max_bytes: int) -> None:
+        assert max_bytes > 0
+        self.dir = Path(root) / ident.hex()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self._files: OrderedDict[str, int] = OrderedDict()  # name -> size, least recently used first
+        self.num_bytes = 0
+        self.num_evicted = 0
+        self._lock = threading.Lock()  # the writer thread puts, the engine's loop reads
+        self._scan()
+
+    def _scan(self) -> None:
+        found = []
+        for entry in os.scandir(self.dir):
+            if entry.name.endswith(TMP_SUFFIX):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)  # a write cut short by a crash
+            elif entry.name.endswith(".kv"):
+                st = entry.stat()
+                found.append((st.st_mtime, entry.name, st.st_size))
+        for _, name, size in sorted(found):
+            self._files[name] = size
+            self.num_bytes += size
+        self._evict()
+
+    def path(self, key: bytes) -> Path:
+        return self.dir / f"{key.hex()}.kv"
+
+    def contains(self, key: bytes) -> bool:
+        return self.path(key).exists()
+
+    def get(self, key: bytes) -> bytes | None:
+        """The file's bytes, or ``None`` if there is none (removed meanwhile included)."""
+        try:
+            data = self.path(key).read_bytes()
+        except FileNotFoundError:
+            return None
+        with self._lock:
+            if key.hex() + ".kv" in self._files:
+                self._files.move_to_end(key.hex() + ".kv")
+        return data
+
+    def put(self, key: bytes, blob: bytes) -> None:
+        """Write ``blob`` under ``key`` (write, then rename), then evict down to the bound."""
+        if len(blob) > self.max_bytes:
+            return
+        target = self.path(key)
+        tmp = target.with_name(f"{target.name}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
+        with open(tmp, "wb") as f:
+            f.write(blob)
+        os.replace(tmp, target)
+        with self._lock:
+            old = self._files.pop(target.name, 0)
+            self._files[target.name] = len(blob)
+            self.num_bytes += len(blob) - old
+            self._evict()
+
+    def discard(self, key: bytes) -> None:
+        """Remove a file found corrupt, so no one reads it again."""
+        name = self.path(key).name
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path(key))
+        with self._lock:
+            self.num_bytes -= self._files.pop(name, 0)
+
+    def _evict(self) -> None:
+        while self.num_bytes > self.max_bytes and self._files:
+            name, size = self._files.popitem(last=False)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.dir / name)
+            self.num_bytes -= size
+            self.num_evicted += 1

@@ -1,0 +1,68 @@
+"""The Mooncake Store tier: page groups in Mooncake's distributed store, shared by every
+worker that reaches its master (``pdserve up --kv-store`` starts one).
+
+Each worker is a store client and contributes ``segment_bytes`` of its memory to the
+store; the master places and evicts objects (its own LRU past a high-water mark). Keys
+are ``pdserve/<identity hex>/<key hex>``; values are :mod:`.kv_blob` blobs, checked on
+every read like the disk tier's files. Puts run on the tiers' writer thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+PREFIX = "pdserve"
+
+
+class StoreError(RuntimeError):
+    pass
+
+
+class StoreTier:
+    name = "store"
+
+    def __init__(
+        self,
+        master: str,
+        metadata: str,
+        ident: bytes,
+        host: str = "127.0.0.1",
+        segment_bytes: int = 256 << 20,
+        buffer_bytes: int = 64 << 20,
+    ) -> None:
+        from mooncake.store import MooncakeDistributedStore  # lazy: only workers with a store tier need it
+
+        self._store: Any = MooncakeDistributedStore()
+        rc = self._store.setup(host, metadata, segment_bytes, buffer_bytes, "tcp", "", master)
+        if rc != 0:
+            raise StoreError(f"Mooncake Store setup against master {master} (metadata {metadata}) failed: {rc}")
+        self._prefix = f"{PREFIX}/{ident.hex()}/"
+        self._lock = threading.Lock()  # one client, used from the loop and the writer thread
+        self.num_put_failures = 0
+
+    def _key(self, key: bytes) -> str:
+        return self._prefix + key.hex()
+
+    def contains(self, key: bytes) -> bool:
+        with self._lock:
+            return bool(self._store.is_exist(self._key(key)) == 1)
+
+    def get(self, key: bytes) -> bytes | None:
+        with self._lock:
+            data = self._store.get(self._key(key))
+        return bytes(data) if data else None
+
+    def put(self, key: bytes, blob: bytes) -> None:
+        with self._lock:
+            rc = self._store.put(self._key(key), blob)
+        if rc != 0:
+            self.num_put_failures += 1  # the store is full of leased objects, or the master is away
+
+    def discard(self, key: bytes) -> None:
+        with self._lock:
+            self._store.remove(self._key(key))
+
+    def close(self) -> None:
+        with self._lock:
+            self._store.close()

@@ -1,0 +1,329 @@
+"""The KV cache tiers below the device pool: host memory, a directory, Mooncake Store.
+
+A prefix is looked up fastest medium first: the device pool's prefix index (the page
+manager's), then host memory page by page, then the group tiers (disk, then store) a
+page group at a time. Keys are the prefix cache's chained page hashes, so equal keys
+mean equal whole prefixes; the group tiers add the model and layout identity.
+
+- **Demotion**: a cached device page the page manager evicts is first copied to host
+  memory (:meth:`KVTiers.demote`, queued on the device's stream: off the host's path).
+- **Write-through**: a page group (``group_pages`` consecutive full pages, keyed by the
+  hash of its last page) is offered to the group tiers once computed
+  (:meth:`KVTiers.offer`): its pages are snapshotted and a writer thread encodes and
+  writes them; a full queue drops the write (counted), never blocks a step.
+- **Promotion**: a prefix that misses on the device but hits below is loaded into fresh
+  pool pages (:meth:`KVTiers.find`, then :meth:`KVTiers.load`), which join the prefix
+  index like computed ones. A group blob that fails its checks is a miss (counted) and
+  is removed from its tier.
+
+Used through the page manager's two hooks (``demote`` and ``promote``); the page
+manager stays free of tensors and I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from pdserve.engine import kv_blob
+from pdserve.engine.config import KVTierConfig
+from pdserve.engine.kv_host import HostTier
+from pdserve.engine.kv_pool import KVPool
+
+log = logging.getLogger(__name__)
+
+TIER_NAMES = ("host", "disk", "store")
+_REMEMBERED_GROUPS = 1 << 16
+
+
+class GroupTier(Protocol):
+    """A tier of page-group blobs (disk, store). Methods may block."""
+
+    name: str
+
+    def contains(self, key: bytes) -> bool: ...
+    def get(self, key: bytes) -> bytes | None: ...
+    def put(self, key: bytes, blob: bytes) -> None: ...
+    def discard(self, key: bytes) -> None: ...
+
+
+@dataclass
+class TierCounters:
+    """Cumulative counts of one tier."""
+
+    hit_pages: int = 0  # pages loaded from this tier into the pool
+    load_bytes: int = 0
+    stored_pages: int = 0  # pages written into this tier
+    store_bytes: int = 0
+    corrupt: int = 0  # blobs that failed their checks (treated as misses)
+
+
+@dataclass
+class TierStats:
+    tiers: dict[str, TierCounters] = field(default_factory=lambda: {n: TierCounters() for n in TIER_NAMES})
+    lookups: int = 0  # prefix lookups that went below the device
+    missed_pages: int = 0  # pages those lookups wanted and no tier had
+    write_drops: int = 0  # groups not written: the writer's queue was full
+    write_errors: int = 0  # groups a tier failed to take (logged)
+    lookup_seconds: float = 0.0
+    load_seconds: float = 0.0
+
+
+@dataclass
+class _Step:
+    """Part of a load: ``count`` pages from ``tier`` (host: one page, ``key`` its hash;
+    a group tier: pages ``skip..skip+count`` of the group under ``key``)."""
+
+    tier: str
+    key: bytes
+    skip: int
+    count: int
+
+
+@dataclass
+class Plan:
+    """What :meth:`KVTiers.find` found for ``hashes[start:start + num_pages]``."""
+
+    hashes: Sequence[bytes]
+    start: int
+    steps: list[_Step]
+
+    @property
+    def num_pages(self) -> int:
+        return sum(s.count for s in self.steps)
+
+
+@dataclass
+class _Write:
+    key: bytes
+    pages: torch.Tensor  # on the host
+    ready: torch.cuda.Event | None
+
+
+class KVTiers:
+    """The tiers of one pool. ``observe(name, seconds)`` receives each lookup's
+    (``lookup``) and load's (``load``) duration, for the worker's histograms."""
+
+    def __init__(self, pool: KVPool, config: KVTierConfig, ident: bytes) -> None:
+        self.pool = pool
+        self.config = config
+        self.ident = ident
+        self.group_pages = config.group_pages
+        self.stats = TierStats()
+        self.observe: Callable[[str, float], None] | None = None
+        self.host = HostTier(pool, config.host_bytes) if config.host_bytes else None
+        self.groups: list[GroupTier] = []
+        if config.disk_dir:
+            from pdserve.engine.kv_disk import DiskTier
+
+            self.groups.append(DiskTier(Path(config.disk_dir), ident, config.disk_bytes))
+        if config.store_master:
+            from pdserve.engine.kv_store import StoreTier
+
+            self.groups.append(
+                StoreTier(config.store_master, config.store_metadata, ident, config.store_host, config.store_bytes)
+            )
+        self._written: OrderedDict[bytes, None] = OrderedDict()  # groups offered lately
+        self._queue: queue.Queue[_Write | None] = queue.Queue(maxsize=config.max_pending_writes)
+        self._writer: threading.Thread | None = None
+        if self.groups:
+            self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
+            self._writer.start()
+
+    @property
+    def enabled(self) -> bool:
+        return self.host is not None or bool(self.groups)
+
+    def tier(self, name: str) -> GroupTier | None:
+        return next((t for t in self.groups if t.name == name), None)
+
+    # ---- demotion --------------------------------------------------------------
+    def demote(self, page: int, h: bytes) -> None:
+        """Device page ``page`` (hash ``h``) is about to be reused: keep a copy in host memory."""
+        if self.host is not None:
+            self.host.store(h, page)
+            counters = self.stats.tiers["host"]
+            counters.stored_pages += 1
+            counters.store_bytes += self.pool.page_bytes
+
+    # ---- promotion -------------------------------------------------------------
+    def find(self, hashes: Sequence[bytes], start: int, limit: int) -> Plan:
+        """Where the pages of ``hashes[start:start + limit]`` are, fastest tier first, for
+        the longest run found (a page of the run may also still be on the device)."""
+        began = time.perf_counter()
+        steps: list[_Step] = []
+        end = min(start + limit, len(hashes))
+        i = start
+        g = self.group_pages
+        while i < end:
+            if self.host is not None and self.host.contains(hashes[i]):
+                steps.append(_Step("host", hashes[i], 0, 1))
+                i += 1
+                continue
+            group_end = (i // g + 1) * g
+            if group_end > len(hashes):
+                break  # a group is keyed by its last page: this one is not full in the prompt
+            key = hashes[group_end - 1]
+            tier = next((t for t in self.groups if t.contains(key)), None)
+            if tier is None:
+                break
+            count = min(group_end, end) - i
+            steps.append(_Step(tier.name, key, i - (group_end - g), count))
+            i += count
+        self.stats.lookups += 1
+        self.stats.missed_pages += end - i
+        self._timed("lookup", began)
+        return Plan(hashes, start, steps)
+
+    def load(self, plan: Plan, pages: Sequence[int]) -> int:
+        """Fill ``pages`` with ``plan``'s pages in order; returns how many were loaded (a
+        page lost since :meth:`find`, or a corrupt blob, ends the run there)."""
+        began = time.perf_counter()
+        assert len(pages) <= plan.num_pages
+        done = 0
+        for step in plan.steps:
+            if done >= len(pages):
+                break
+            n = min(step.count, len(pages) - done)
+            if not self._load_step(step, pages[done : done + n]):
+                break
+            counters = self.stats.tiers[step.tier]
+            counters.hit_pages += n
+            counters.load_bytes += n * self.pool.page_bytes
+            done += n
+        self._timed("load", began)
+        return done
+
+    def _load_step(self, step: _Step, pages: Sequence[int]) -> bool:
+        if step.tier == "host":
+            assert self.host is not None
+            return self.host.load(step.key, pages[0])
+        tier = self.tier(step.tier)
+        assert tier is not None
+        blob = tier.get(step.key)
+        if blob is None:
+            return False
+        try:
+            group = kv_blob.decode(blob, self.ident, step.key, self.pool.layout)
+        except kv_blob.CorruptBlob as exc:
+            self.stats.tiers[tier.name].corrupt += 1
+            log.warning(
+                "corrupt KV page group: a miss", extra={"tier": tier.name, "key": step.key.hex(), "why": str(exc)}
+            )
+            tier.discard(step.key)
+            return False
+        if group.shape[0] != self.group_pages:
+            self.stats.tiers[tier.name].corrupt += 1
+            tier.discard(step.key)
+            return False
+        index = torch.tensor(list(pages), device=self.pool.device)
+        src = group[step.skip : step.skip + len(pages)]
+        self.pool.tensor.index_copy_(0, index, src.to(self.pool.device, non_blocking=True))
+        return True
+
+    # ---- write-through ---------------------------------------------------------
+    def offer(self, hashes: Sequence[bytes], page_table: Sequence[int], old_full: int, new_full: int) -> None:
+        """Pages ``old_full..new_full`` of a sequence became full and indexed: queue each
+        page group they complete for the group tiers."""
+        if not self.groups:
+            return
+        g = self.group_pages
+        for group_end in range((old_full // g + 1) * g, new_full + 1, g):
+            key = hashes[group_end - 1]
+            if key in self._written:
+                self._written.move_to_end(key)
+                continue
+            self._written[key] = None
+            if len(self._written) > _REMEMBERED_GROUPS:
+                self._written.popitem(last=False)
+            self._enqueue(key, page_table[group_end - g : group_end])
+
+    def _enqueue(self, key: bytes, pages: Sequence[int]) -> None:
+        index = torch.tensor(list(pages), device=self.pool.device)
+        ready = None
+        if self.pool.device.type == "cuda":
+            snap = torch.empty((len(pages), *self.pool.tensor.shape[1:]), dtype=self.pool.tensor.dtype, pin_memory=True)
+            snap.copy_(self.pool.tensor.index_select(0, index), non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            snap = self.pool.tensor.index_select(0, index)
+        try:
+            self._queue.put_nowait(_Write(key, snap, ready))
+        except queue.Full:
+            self.stats.write_drops += 1
+            self._written.pop(key, None)  # offered again next time it is computed
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                self._write(item)
+            except Exception:  # a full disk or a store away: this group is not kept, the worker goes on
+                self.stats.write_errors += 1
+                log.exception("KV page group write failed")
+            finally:
+                self._queue.task_done()
+
+    def _write(self, item: _Write) -> None:
+        if item.ready is not None:
+            item.ready.synchronize()
+        blob = None
+        for tier in self.groups:
+            if tier.contains(item.key):
+                continue
+            blob = blob or kv_blob.encode(self.ident, item.key, item.pages)
+            tier.put(item.key, blob)
+            counters = self.stats.tiers[tier.name]
+            counters.stored_pages += item.pages.shape[0]
+            counters.store_bytes += len(blob)
+
+    # ---- upkeep ----------------------------------------------------------------
+    def drain(self) -> None:
+        """Block until every queued write is done (tests, benchmarks, shutdown)."""
+        if self._writer is not None:
+            self._queue.join()
+
+    def flush(self) -> int:
+        """Forget the host tier's pages (the group tiers are shared and persist); returns how many."""
+        self._written.clear()
+        return self.host.clear() if self.host is not None else 0
+
+    def close(self) -> None:
+        """Finish queued writes, stop the writer, close the store client."""
+        if self._writer is not None:
+            self._queue.put(None)
+            self._writer.join()
+            self._writer = None
+        for tier in self.groups:
+            close = getattr(tier, "close", None)
+            if close is not None:
+                close()
+
+    def _timed(self, name: str, began: float) -> None:
+        seconds = time.perf_counter() - began
+        if name == "lookup":
+            self.stats.lookup_seconds += seconds
+        else:
+            self.stats.load_seconds += seconds
+        if self.observe is not None:
+            self.observe(name, seconds)
+
+
+def create_tiers(pool: KVPool, model: torch.nn.Module, config: KVTierConfig) -> KVTiers:
+    """The tiers ``config`` asks for, below ``pool`` of ``model`` (its weights and the
+    pool's layout name the group tiers' entries)."""
+    name = Path(str(getattr(model.config, "_name_or_path", "") or "model")).name
+    ident = kv_blob.identity(kv_blob.model_fingerprint(model, name), pool.layout, config.group_pages)
+    return KVTiers(pool, config, ident)

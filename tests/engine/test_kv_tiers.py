@@ -1,0 +1,153 @@
+"""The KV tiers below the device pool: each round-trips pages bit-exact, stays within its
+bound, refuses corrupt or foreign entries; greedy output served from any tier equals
+``transformers``' (and the engine's without the tiers)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.engine import kv_blob
+from pdserve.engine.config import EngineConfig, KVTierConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.kv_disk import DiskTier
+from pdserve.engine.kv_host import HostTier
+from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.loader import build_engine
+from pdserve.schemas import KVLayout, SamplingParams
+from tests.engine.test_engine import hf_greedy, random_prompts, run_all
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype="float32")
+IDENT = kv_blob.identity(b"model", LAYOUT, 2)
+GREEDY = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+POOL_TOKENS = 320  # 20 pages of 16: one prompt and a little more
+
+
+def random_pool(num_pages: int = 8, seed: int = 0) -> KVPool:
+    pool = KVPool(LAYOUT, num_pages, torch.device("cpu"))
+    pool.tensor.copy_(torch.randn(pool.tensor.shape, generator=torch.Generator().manual_seed(seed)))
+    return pool
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def test_host_tier_round_trips_pages_and_keeps_its_bound() -> None:
+    pool = random_pool()
+    host = HostTier(pool, 3 * pool.page_bytes + 1)
+    assert host.num_slots == 3
+    original = pool.tensor.clone()
+    for page in range(5):
+        host.store(key(page), page)
+        assert len(host) <= 3 and host.num_bytes <= host.max_bytes
+    assert host.num_evicted == 2
+    assert not host.contains(key(0)) and not host.contains(key(1))  # the least recently used went
+    pool.tensor.zero_()
+    for page in (2, 3, 4):
+        assert host.load(key(page), 7 - page)
+        assert torch.equal(pool.tensor[7 - page], original[page])
+    assert not host.load(key(0), 0)
+
+
+def test_blob_round_trips_and_refuses_corrupt_or_foreign_ones() -> None:
+    pages = random_pool().tensor[:2].clone()
+    blob = kv_blob.encode(IDENT, key(1), pages)
+    assert torch.equal(kv_blob.decode(blob, IDENT, key(1), LAYOUT), pages)
+    flipped = bytearray(blob)
+    flipped[-5] ^= 0x40
+    other_layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype="float16")
+    for bad, ident, k in [
+        (bytes(flipped), IDENT, key(1)),  # a flipped bit in the payload
+        (blob[:-4], IDENT, key(1)),  # truncated
+        (blob[:10], IDENT, key(1)),  # shorter than the header
+        (blob, kv_blob.identity(b"model", other_layout, 2), key(1)),  # another layout
+        (blob, kv_blob.identity(b"other", LAYOUT, 2), key(1)),  # another model
+        (blob, IDENT, key(2)),  # renamed onto another key
+    ]:
+        with pytest.raises(kv_blob.CorruptBlob):
+            kv_blob.decode(bad, ident, k, LAYOUT)
+
+
+def test_disk_tier_round_trips_keeps_its_bound_and_survives_a_restart(tmp_path: Path) -> None:
+    pages = random_pool().tensor[:2].clone()
+    blob = kv_blob.encode(IDENT, key(0), pages)
+    disk = DiskTier(tmp_path, IDENT, max_bytes=3 * len(blob))
+    for i in range(5):
+        disk.put(key(i), kv_blob.encode(IDENT, key(i), pages + i))
+        on_disk = sum(f.stat().st_size for f in disk.dir.iterdir())
+        assert on_disk == disk.num_bytes <= disk.max_bytes
+    assert disk.num_evicted == 2 and not disk.contains(key(0)) and disk.contains(key(4))
+    (disk.dir / "leftover.kv.1234.tmp").write_bytes(b"half a file")  # a write cut short by a crash
+    again = DiskTier(tmp_path, IDENT, max_bytes=3 * len(blob))  # a restarted worker
+    assert again.num_bytes == disk.num_bytes and not list(again.dir.glob("*.tmp"))
+    got = again.get(key(3))
+    assert got is not None and torch.equal(kv_blob.decode(got, IDENT, key(3), LAYOUT), pages + 3)
+    assert again.get(key(0)) is None
+
+
+# ---- the engine with tiers, against transformers ------------------------------------------
+@pytest.fixture(scope="module")
+def prompts_and_expected(tiny_model_dir: Path) -> tuple[list[list[int]], list[list[int]]]:
+    """A long prompt, then that prompt with two other endings (the reuse), and fillers."""
+    base = random_prompts(1, 4000, seed=11, low=200, high=200)[0]
+    fillers = random_prompts(2, 4000, seed=12, low=220, high=220)
+    prompts = [base, base + [5, 6, 7], *fillers, base[:100] + [9, 9]]
+    return prompts, hf_greedy(tiny_model_dir, prompts, GREEDY.max_new_tokens)
+
+
+def tiered_engine(model_dir: Path, **tiers: object) -> Engine:
+    config = EngineConfig(max_total_tokens=POOL_TOKENS, kv_tiers=KVTierConfig(**tiers))  # type: ignore[arg-type]
+    return build_engine(model_dir, config)
+
+
+def serve(engine: Engine, prompts: list[list[int]], first: int = 0) -> list[list[int]]:
+    """Each prompt alone, in order (so each one's pages are evicted by the next ones)."""
+    outs = []
+    for i, p in enumerate(prompts, start=first):
+        engine.add_request(f"r{i}", p, GREEDY)
+        outs.append(run_all(engine)[f"r{i}"])
+    return outs
+
+
+def test_host_tier_serves_evicted_prefixes_with_equal_output(tiny_model_dir: Path, prompts_and_expected) -> None:
+    prompts, expected = prompts_and_expected
+    engine = tiered_engine(tiny_model_dir, host_bytes=64 << 20)
+    base, again, *fillers, shorter = prompts
+    assert serve(engine, [base, *fillers, again, shorter]) == [expected[0], *expected[2:4], expected[1], expected[4]]
+    host = engine.tiers.stats.tiers["host"]  # type: ignore[union-attr]
+    assert host.stored_pages > 0  # the fillers pushed the base prompt's pages out of the pool
+    assert host.hit_pages >= 200 // 16 - 2  # ... and they came back from host memory
+    assert engine.stats.cached_tokens >= host.hit_pages * 16
+    engine.pages.check_invariants()
+
+
+def test_disk_tier_serves_a_restarted_engine_and_skips_corrupt_files(
+    tiny_model_dir: Path, prompts_and_expected, tmp_path: Path
+) -> None:
+    prompts, expected = prompts_and_expected
+    engine = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4)
+    assert serve(engine, prompts[:1]) == expected[:1]
+    engine.close()  # the writes are done
+    disk = engine.tiers.stats.tiers["disk"]  # type: ignore[union-attr]
+    assert disk.stored_pages == 200 // 16 // 4 * 4
+    restarted = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4)
+    assert serve(restarted, [prompts[1]]) == [expected[1]]
+    stats = restarted.tiers.stats.tiers["disk"]  # type: ignore[union-attr]
+    assert stats.hit_pages == disk.stored_pages and stats.corrupt == 0
+    assert restarted.stats.cached_tokens == disk.stored_pages * 16
+    restarted.close()
+    files = sorted(Path(tmp_path).rglob("*.kv"))
+    for f in files:  # a flipped byte in every file's payload
+        data = bytearray(f.read_bytes())
+        data[-3] ^= 0xFF
+        f.write_bytes(bytes(data))
+    third = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4)
+    assert serve(third, [prompts[4]]) == [expected[4]]
+    stats = third.tiers.stats.tiers["disk"]  # type: ignore[union-attr]
+    assert stats.hit_pages == 0 and stats.corrupt == 1  # the first group failed: a miss, and removed
+    assert third.stats.cached_tokens == 0
+    assert len(list(Path(tmp_path).rglob("*.kv"))) == len(files)  # rewritten by this run's own prefill
+    third.close()
