@@ -18,7 +18,7 @@ from typing import Any
 from pdserve import settings
 from pdserve.api.config import ApiConfig
 from pdserve.broker.streams import BrokerConfig
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.config import EngineConfig, KVTierConfig
 from pdserve.scaling import RolePolicy, ScalingConfig
 from pdserve.workers.config import WorkerConfig
 
@@ -147,6 +147,39 @@ ENGINE = (
     Flag("--disable-overlap-schedule", switch=True, help="wait for each step before scheduling the next"),
     Flag("--num-threads", type=int, help="torch CPU threads (default: cores / workers under `up`)"),
     Flag("--kv-hold-seconds", WorkerConfig.kv_hold_seconds, float, "how long prefill keeps unclaimed KV"),
+    Flag(
+        "--kv-host-bytes",
+        KVTierConfig.host_bytes,
+        int,
+        "host memory for KV pages evicted from the prefix cache, loaded back on a prefix hit (pinned on a GPU); "
+        "0: no host tier (default: %(default)s)",
+    ),
+    Flag(
+        "--kv-disk-dir",
+        KVTierConfig.disk_dir,
+        help="directory (local or a shared mount) of KV page-group files, written as prefixes are computed and "
+        "reused by any worker of the same model, across restarts (default: no disk tier)",
+    ),
+    Flag("--kv-disk-bytes", KVTierConfig.disk_bytes, int, "bound of --kv-disk-dir (default: %(default)s)"),
+    Flag(
+        "--kv-store-master",
+        KVTierConfig.store_master,
+        help="HOST:PORT of a Mooncake Store master: KV page groups shared by every worker (`pdserve up --kv-store` "
+        "starts one; default: no store tier)",
+    ),
+    Flag("--kv-store-metadata", KVTierConfig.store_metadata, help="URL of that master's HTTP metadata server"),
+    Flag(
+        "--kv-store-bytes",
+        KVTierConfig.store_bytes,
+        int,
+        "memory each worker lends Mooncake Store (default: %(default)s)",
+    ),
+    Flag(
+        "--kv-group-pages",
+        KVTierConfig.group_pages,
+        int,
+        "KV pages per disk file or store object (default: %(default)s)",
+    ),
     Flag("--heartbeat-seconds", WorkerConfig.heartbeat_seconds, float, "worker registry refresh interval"),
 )
 
@@ -311,6 +344,12 @@ UP = (
         "(e.g. cuda:0,cuda:1: prefill on GPU 0, decode on GPU 1; default: every worker on --device)",
     ),
     Flag("--transfer-host", WorkerConfig.host, help="address workers' transfer engines listen on"),
+    Flag(
+        "--kv-store",
+        switch=True,
+        help="start a Mooncake Store master (mooncake_master, from the Mooncake wheel) on --transfer-host and give "
+        "every worker a store tier (see --kv-store-bytes)",
+    ),
     TRANSFER_BACKEND,
     IB_DEVICE,
     ALLOW_TCP_FALLBACK,

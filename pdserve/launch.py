@@ -16,7 +16,7 @@ from pdserve import settings
 from pdserve.api.config import ApiConfig
 from pdserve.broker.auth import NatsAuth, read_password
 from pdserve.broker.streams import BrokerConfig
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.config import EngineConfig, KVTierConfig
 from pdserve.scaling import RolePolicy, ScalingConfig
 from pdserve.telemetry import setup_tracing
 from pdserve.workers.config import WorkerConfig
@@ -101,6 +101,23 @@ def choose_transport(
     return Transport("tcp", "", fallback=problem)
 
 
+def tier_config(args: argparse.Namespace) -> KVTierConfig:
+    """The KV tiers below the prefix cache (``--kv-*``)."""
+    try:
+        return KVTierConfig(
+            host_bytes=args.kv_host_bytes,
+            disk_dir=args.kv_disk_dir or "",
+            disk_bytes=args.kv_disk_bytes,
+            store_master=args.kv_store_master or "",
+            store_metadata=args.kv_store_metadata or "",
+            store_host=args.transfer_host or args.host,
+            store_bytes=args.kv_store_bytes,
+            group_pages=args.kv_group_pages,
+        )
+    except ValueError as exc:
+        raise UsageError(f"--kv-*: {exc}") from None
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         page_size=args.page_size,
@@ -114,6 +131,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model_impl=args.model_impl,
         cuda_graph_max_batch=0 if args.disable_cuda_graph else args.cuda_graph_max_bs,
         overlap_schedule=not args.disable_overlap_schedule,
+        kv_tiers=tier_config(args),
     )
 
 

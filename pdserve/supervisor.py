@@ -178,6 +178,26 @@ def plan_autoscale(args: argparse.Namespace) -> tuple[ScalingConfig, list[str]]:
     return config, ["prefill"] * config.prefill.min_replicas + ["decode"] * config.decode.min_replicas
 
 
+def _store_master(args: argparse.Namespace) -> Child:
+    """``--kv-store``: Mooncake Store's master on ``--transfer-host``, started now (the
+    workers need it at start-up) and kept running like a worker; the workers' flags name it."""
+    from pdserve.kv_store import StoreMasterError, plan_master, wait_until_listening
+
+    if args.kv_store_master:
+        raise UsageError("--kv-store starts a master; --kv-store-master names one already running: give one of them")
+    try:
+        master = plan_master(args.transfer_host)
+        child = Child("kv-store", 0, master.argv())
+        child.start()
+        assert child.process is not None
+        wait_until_listening(master, child.process)
+    except StoreMasterError as exc:
+        raise UsageError(f"--kv-store: {exc}") from None
+    args.kv_store_master, args.kv_store_metadata = master.address, master.metadata_url
+    log.info("mooncake store master started", extra={"address": master.address, "metadata": master.metadata_url})
+    return child
+
+
 def run_up(args: argparse.Namespace) -> int:
     scaling = None
     if args.autoscale:
@@ -215,6 +235,8 @@ def run_up(args: argparse.Namespace) -> int:
         broker, credentials = _embedded_broker(Path(args.data_dir) / "nats", api_ids, args.nats_client or [])
         nats_url = broker.url
     children: list[Child] = []
+    if args.kv_store:
+        children.append(_store_master(args))
     scaling_run: tuple[Autoscale, NatsAuth | None] | None = None
     if scaling is not None:
         argv = {r: worker_argv(args, r, model_path, nats_url, threads, None, credentials) for r in ROLES}
@@ -234,7 +256,8 @@ def run_up(args: argparse.Namespace) -> int:
     config = api_config(args, nats_url, model_path, auth, api_id=api_ids[0])
     try:
         for child in children:
-            child.start()
+            if child.process is None:  # the store master is already up
+                child.start()
         if scaling_run is not None:
             for role, pool in scaling_run[0].pools.items():
                 pool.scale_to(scaling_run[0].rule.config.policy(role).min_replicas, {})

@@ -76,7 +76,7 @@ class WorkerRuntime:
         self.cancels = Cancels()
         self.counters = dict.fromkeys((f.name for f in dataclasses.fields(WorkerCounters)), 0)
         self.kv_pull_seconds = 0.0
-        self.metrics = WorkerMetrics(self.worker_info)
+        self.metrics = WorkerMetrics(self.worker_info, engine.tiers)
         self.transfer: TransferBackend | None = None
         self._wake = asyncio.Event()
         self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
@@ -148,9 +148,10 @@ class WorkerRuntime:
         return FlushCacheReply(self.worker_id, freed, len(self.tracked))
 
     async def teardown(self) -> None:
-        """Stop the intake; roles add their own clean-up."""
+        """Stop the intake, finish the KV tiers' queued writes; roles add their own clean-up."""
         if self.intake is not None:
             await self.intake.stop()
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.close)
 
     async def _stop_engine(self) -> None:
         self._engine_thread.shutdown(wait=True)

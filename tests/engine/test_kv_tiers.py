@@ -4,6 +4,7 @@ bound, refuses corrupt or foreign entries; greedy output served from any tier eq
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,9 @@ from pdserve.engine.kv_disk import DiskTier
 from pdserve.engine.kv_host import HostTier
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.loader import build_engine
-from pdserve.schemas import KVLayout, SamplingParams
+from pdserve.kv_store import StoreMaster, plan_master, start_master
+from pdserve.schemas import KVLayout, SamplingParams, WorkerInfo
+from pdserve.workers.metrics import WorkerMetrics
 from tests.engine.test_engine import hf_greedy, random_prompts, run_all
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype="float32")
@@ -115,6 +118,7 @@ def serve(engine: Engine, prompts: list[list[int]], first: int = 0) -> list[list
 def test_host_tier_serves_evicted_prefixes_with_equal_output(tiny_model_dir: Path, prompts_and_expected) -> None:
     prompts, expected = prompts_and_expected
     engine = tiered_engine(tiny_model_dir, host_bytes=64 << 20)
+    metrics = WorkerMetrics(lambda: WorkerInfo("w", "prefill", "m", "h", 1, 1, 1, 0, 16, 0), engine.tiers)
     base, again, *fillers, shorter = prompts
     assert serve(engine, [base, *fillers, again, shorter]) == [expected[0], *expected[2:4], expected[1], expected[4]]
     host = engine.tiers.stats.tiers["host"]  # type: ignore[union-attr]
@@ -122,6 +126,15 @@ def test_host_tier_serves_evicted_prefixes_with_equal_output(tiny_model_dir: Pat
     assert host.hit_pages >= 200 // 16 - 2  # ... and they came back from host memory
     assert engine.stats.cached_tokens >= host.hit_pages * 16
     engine.pages.check_invariants()
+    text = metrics.exposition().decode()
+    page_bytes = engine.runner.pool.page_bytes
+    for line in (
+        f'pdserve_kv_tier_hit_pages_total{{role="prefill",tier="host",worker="w"}} {host.hit_pages}.0',
+        f'pdserve_kv_tier_load_bytes_total{{role="prefill",tier="host",worker="w"}} {host.hit_pages * page_bytes}.0',
+        'pdserve_kv_tier_hit_pages_total{role="prefill",tier="disk",worker="w"} 0.0',
+        f"pdserve_kv_tier_lookup_duration_seconds_count {engine.tiers.stats.lookups}.0",  # type: ignore[union-attr]
+    ):
+        assert line in text
 
 
 def test_disk_tier_serves_a_restarted_engine_and_skips_corrupt_files(
@@ -151,3 +164,51 @@ def test_disk_tier_serves_a_restarted_engine_and_skips_corrupt_files(
     assert third.stats.cached_tokens == 0
     assert len(list(Path(tmp_path).rglob("*.kv"))) == len(files)  # rewritten by this run's own prefill
     third.close()
+
+
+# ---- Mooncake Store ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def store_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreMaster]:
+    """A real ``mooncake_master`` from the Mooncake wheel, on loopback."""
+    master = plan_master()
+    process = start_master(master, tmp_path_factory.mktemp("store") / "master.log")
+    try:
+        yield master
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def test_store_tier_round_trips_and_refuses_corrupt_objects(store_master: StoreMaster) -> None:
+    from pdserve.engine.kv_store import StoreTier
+
+    store = StoreTier(store_master.address, store_master.metadata_url, IDENT, segment_bytes=16 << 20)
+    pages = random_pool().tensor[:2].clone()
+    assert not store.contains(key(7)) and store.get(key(7)) is None
+    store.put(key(7), kv_blob.encode(IDENT, key(7), pages))
+    assert store.contains(key(7))
+    got = store.get(key(7))
+    assert got is not None and torch.equal(kv_blob.decode(got, IDENT, key(7), LAYOUT), pages)
+    store.put(key(8), kv_blob.encode(IDENT, key(7), pages))  # stored under a key it does not belong to
+    with pytest.raises(kv_blob.CorruptBlob):
+        kv_blob.decode(store.get(key(8)) or b"", IDENT, key(8), LAYOUT)
+    store.close()
+
+
+def test_a_second_engine_serves_a_prompt_first_seen_by_another_from_the_store(
+    tiny_model_dir: Path, prompts_and_expected, store_master: StoreMaster
+) -> None:
+    prompts, expected = prompts_and_expected
+    tiers = dict(store_master=store_master.address, store_metadata=store_master.metadata_url, store_bytes=32 << 20)
+    first = tiered_engine(tiny_model_dir, group_pages=4, **tiers)
+    assert serve(first, prompts[:1]) == expected[:1]
+    first.tiers.drain()  # type: ignore[union-attr]
+    stored = first.tiers.stats.tiers["store"].stored_pages  # type: ignore[union-attr]
+    assert stored == 200 // 16 // 4 * 4
+    second = tiered_engine(tiny_model_dir, group_pages=4, **tiers)
+    assert serve(second, [prompts[1]]) == [expected[1]]
+    hits = second.tiers.stats.tiers["store"]  # type: ignore[union-attr]
+    assert hits.hit_pages == stored and hits.corrupt == 0
+    assert second.stats.cached_tokens == stored * 16
+    second.close()
+    first.close()
