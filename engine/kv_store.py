@@ -9,6 +9,7 @@ every read like the disk tier's files. Puts run on the tiers' writer thread.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -31,6 +32,7 @@ class StoreTier:
         segment_bytes: int = 256 << 20,
         buffer_bytes: int = 64 << 20,
     ) -> None:
+        os.environ.setdefault("GLOG_minloglevel", "2")  # the store client's glog INFO lines are noise
         from mooncake.store import MooncakeDistributedStore  # lazy: only workers with a store tier need it
 
         self._store: Any = MooncakeDistributedStore()

@@ -194,6 +194,7 @@ def _store_master(args: argparse.Namespace) -> Child:
     except StoreMasterError as exc:
         raise UsageError(f"--kv-store: {exc}") from None
     args.kv_store_master, args.kv_store_metadata = master.address, master.metadata_url
+    os.environ.setdefault("GLOG_minloglevel", "2")  # the workers' store clients: glog INFO lines are noise
     log.info("mooncake store master started", extra={"address": master.address, "metadata": master.metadata_url})
     return child
 
@@ -263,7 +264,9 @@ def run_up(args: argparse.Namespace) -> int:
                 pool.scale_to(scaling_run[0].rule.config.policy(role).min_replicas, {})
         return asyncio.run(_serve(args, config, children, broker, scaling_run))
     finally:
-        stop_children(children)
+        # The workers first: at teardown they finish their KV tier writes into the store.
+        stop_children([c for c in children if c.role != "kv-store"])
+        stop_children([c for c in children if c.role == "kv-store"])
         if broker is not None:
             broker.stop()
         log.info("pdserve stopped")
