@@ -197,3 +197,17 @@ def test_the_api_listens_on_loopback_unless_told_otherwise() -> None:
     for command in ("up", "api"):
         args = build_parser().parse_args([command])
         assert args.host == "127.0.0.1"
+
+
+def test_kv_tier_flags_reach_the_engine_and_a_store_needs_its_metadata_server() -> None:
+    from pdserve.engine.config import KVTierConfig
+    from pdserve.launch import UsageError
+
+    base = ["prefill", "--model-path", str(MODEL), "--nats-url", "nats://n:1"]
+    tiers = ["--kv-host-bytes", "1024", "--kv-disk-dir", "/kv", "--kv-group-pages", "4"]
+    args = build_parser().parse_args([*base, *tiers, "--kv-store-master", "h:1", "--kv-store-metadata", "http://h:2/m"])
+    assert engine_config(args).kv_tiers == KVTierConfig(
+        host_bytes=1024, disk_dir="/kv", group_pages=4, store_master="h:1", store_metadata="http://h:2/m"
+    )
+    with pytest.raises(UsageError, match="metadata"):
+        engine_config(build_parser().parse_args([*base, "--kv-store-master", "h:1"]))

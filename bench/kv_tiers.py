@@ -1,0 +1,246 @@
+"""KV cache tiers: time to first token of a multi-turn chat with and without them.
+
+**Chat** (one process, one engine per configuration, each cold: fresh pool, fresh tier
+directory, the same seeded workload): ``--users`` conversations, each opening on its own
+``--prefix`` tokens of context, take turns round-robin for ``--turns`` rounds; a turn
+sends the conversation so far plus ``--message`` new tokens, waits for its first token
+(TTFT) and its ``--answer`` tokens, which join the conversation. The device pool holds
+``--pool-tokens`` tokens, fewer than the conversations together, so by a user's next
+turn the device's prefix cache has lost that user's pages: without tiers they are
+computed again; with a tier they are loaded from it.
+
+**Restart** (separate processes): a prefill process computes a prompt with the disk tier
+and exits; a new process (a restarted worker) serves the same prompt from the disk
+tier; a third, without tiers, computes it (the baseline). **Store**: a process computes
+a prompt with the Mooncake Store tier (the benchmark starts ``mooncake_master``); a second
+process (another worker) serves it from the store.
+
+    python bench/kv_tiers.py --json docs/data/kv_tiers.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pdserve.engine.config import EngineConfig, KVTierConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.loader import build_engine
+from pdserve.engine.tiny_model import ensure_default_model
+from pdserve.schemas import SamplingParams
+
+VOCAB_LOW, VOCAB_HIGH = 3, 4000
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(n)]
+
+
+def warm_up(engine: Engine) -> None:
+    """One short unrelated request: the first forward pass pays one-time costs."""
+    engine.add_request("warm-up", list(range(10, 60)), SamplingParams(max_new_tokens=2, temperature=0.0))
+    while engine.has_work():
+        engine.step()
+
+
+def one_turn(engine: Engine, rid: str, prompt: list[int], answer: int) -> tuple[float, list[int], int]:
+    """TTFT (seconds), the answer's tokens, and the prompt's cached tokens."""
+    sampling = SamplingParams(max_new_tokens=answer, temperature=0.0, ignore_eos=True)
+    started = time.perf_counter()
+    engine.add_request(rid, prompt, sampling)
+    ttft = None
+    out: list[int] = []
+    cached = 0
+    while engine.has_work():
+        for o in engine.step():
+            if o.rid != rid:
+                continue
+            if ttft is None:
+                ttft = time.perf_counter() - started
+                cached = o.cached_tokens
+            out += o.token_ids
+    assert ttft is not None
+    return ttft, out, cached
+
+
+def tier_counts(engine: Engine) -> dict[str, Any]:
+    if engine.tiers is None:
+        return {}
+    s = engine.tiers.stats
+    return {
+        name: {"hit_pages": c.hit_pages, "stored_pages": c.stored_pages, "corrupt": c.corrupt}
+        for name, c in s.tiers.items()
+    } | {"lookup_seconds": round(s.lookup_seconds, 4), "load_seconds": round(s.load_seconds, 4)}
+
+
+def chat(model: Path, tiers: KVTierConfig, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    config = EngineConfig(max_total_tokens=args.pool_tokens, kv_tiers=tiers)
+    engine = build_engine(model, config)
+    warm_up(engine)
+    rng = random.Random(seed)
+    contexts = [tokens(rng, args.prefix) for _ in range(args.users)]
+    ttfts: list[float] = []
+    cached: list[int] = []
+    outputs: list[list[int]] = []
+    for turn in range(args.turns):
+        for user in range(args.users):
+            prompt = contexts[user] + tokens(rng, args.message)
+            ttft, answer, hit = one_turn(engine, f"u{user}t{turn}", prompt, args.answer)
+            ttfts.append(ttft)
+            cached.append(hit)
+            outputs.append(answer)
+            contexts[user] = prompt + answer
+            if engine.tiers is not None:
+                engine.tiers.drain()  # the writes of this turn land before the next (a user's think time)
+    engine.close()
+    later = ttfts[args.users :]
+    return {
+        "mean_ttft_ms": round(statistics.mean(ttfts) * 1000, 2),
+        "mean_ttft_later_turns_ms": round(statistics.mean(later) * 1000, 2) if later else None,
+        "p50_ttft_ms": round(statistics.median(ttfts) * 1000, 2),
+        "turns": len(ttfts),
+        "prompt_tokens": sum(len(c) for c in contexts) - args.answer * len(ttfts),
+        "cached_tokens": sum(cached),
+        "tiers": tier_counts(engine),
+        "outputs": outputs,
+    }
+
+
+# ---- one prompt in a fresh process (restart, second worker) -------------------------------
+def serve_one(model: Path, tiers: KVTierConfig, args: argparse.Namespace, seed: int) -> tuple[Engine, dict[str, Any]]:
+    """A fresh engine serving the seeded prompt: the engine (still open) and its reading."""
+    engine = build_engine(model, EngineConfig(max_total_tokens=args.pool_tokens, kv_tiers=tiers))
+    warm_up(engine)
+    prompt = tokens(random.Random(seed), args.prefix + args.message)
+    ttft, answer, cached = one_turn(engine, "p", prompt, args.answer)
+    if engine.tiers is not None:
+        engine.tiers.drain()
+    reading = {"ttft_ms": round(ttft * 1000, 2), "cached_tokens": cached, "tiers": tier_counts(engine)}
+    return engine, reading | {"answer": answer}
+
+
+def one_prompt(args: argparse.Namespace) -> None:
+    engine, reading = serve_one(args.model, KVTierConfig(**json.loads(args.tiers_json)), args, args.seed)
+    engine.close()
+    print(json.dumps(reading))
+
+
+def in_new_process(args: argparse.Namespace, model: Path, seed: int, tiers: dict[str, Any]) -> dict[str, Any]:
+    cmd = [
+        sys.executable,
+        __file__,
+        "--one-prompt",
+        "--model",
+        str(model),
+        "--seed",
+        str(seed),
+        "--tiers-json",
+        json.dumps(tiers),
+        "--prefix",
+        str(args.prefix),
+        "--message",
+        str(args.message),
+        "--answer",
+        str(args.answer),
+        "--pool-tokens",
+        str(args.pool_tokens),
+    ]
+    env = {"MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env}, check=True)
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--users", type=int, default=6)
+    p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--prefix", type=int, default=2048, help="tokens of each conversation's opening context")
+    p.add_argument("--message", type=int, default=32, help="new tokens a turn sends")
+    p.add_argument("--answer", type=int, default=16, help="tokens a turn generates")
+    p.add_argument("--pool-tokens", type=int, default=6144, help="device KV pool (fewer than the users' contexts)")
+    p.add_argument("--host-bytes", type=int, default=256 << 20)
+    p.add_argument("--seed", type=int, default=None, help="default: a fresh one per run")
+    p.add_argument("--model", type=Path, default=None, help="default: the built-in tiny model")
+    p.add_argument("--json", type=Path)
+    p.add_argument("--one-prompt", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--tiers-json", default="{}", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.one_prompt:
+        one_prompt(args)
+        return
+    seed = args.seed if args.seed is not None else random.randrange(1 << 30)
+    model = args.model or ensure_default_model(Path(tempfile.gettempdir()) / "pdserve-bench-data")
+    from pdserve.kv_store import plan_master, start_master
+
+    results: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+        "seed": seed,
+        "model": str(model.name),
+        "machine": "shared 2-core CPU machine (other sessions running)",
+        "params": {k: v for k, v in vars(args).items() if k not in ("json", "one_prompt", "tiers_json", "model")},
+    }
+    master = plan_master()
+    with tempfile.TemporaryDirectory() as tmp:
+        process = start_master(master, Path(tmp) / "master.log")
+        try:
+            store = {"store_master": master.address, "store_metadata": master.metadata_url}
+            configs = {
+                "none": KVTierConfig(),
+                "host": KVTierConfig(host_bytes=args.host_bytes),
+                "disk": KVTierConfig(disk_dir=str(Path(tmp) / "disk-chat")),
+                "store": KVTierConfig(**store),
+            }
+            results["chat"] = {}
+            for name, tiers in configs.items():
+                results["chat"][name] = chat(model, tiers, args, seed)
+                shown = {k: v for k, v in results["chat"][name].items() if k != "outputs"}
+                print(name, json.dumps(shown), flush=True)
+            base = results["chat"]["none"]
+            for name in configs:
+                reading = results["chat"][name]
+                reading["speedup_mean_ttft"] = round(base["mean_ttft_ms"] / reading["mean_ttft_ms"], 2)
+                reading["outputs_equal_to_none"] = reading["outputs"] == base["outputs"]
+            for reading in results["chat"].values():
+                del reading["outputs"]
+            disk = {"disk_dir": str(Path(tmp) / "disk-restart")}
+            results["restart"] = {
+                "first_process_disk": in_new_process(args, model, seed + 1, disk),
+                "restarted_process_disk": in_new_process(args, model, seed + 1, disk),
+                "fresh_process_no_tiers": in_new_process(args, model, seed + 1, {}),
+            }
+            # A store object lives in the memory a client lent the store: the first worker
+            # stays up (here, in this process) while the second serves the prompt.
+            first, reading = serve_one(model, KVTierConfig(**store), args, seed + 2)
+            results["store_shared"] = {
+                "first_worker_store": reading,
+                "second_worker_store": in_new_process(args, model, seed + 2, store),
+                "fresh_process_no_tiers": results["restart"]["fresh_process_no_tiers"],
+            }
+            first.close()
+            for part in ("restart", "store_shared"):
+                readings = list(results[part].values())
+                results[part]["answers_equal"] = all(r["answer"] == readings[0]["answer"] for r in readings)
+        finally:
+            process.terminate()
+            process.wait(10)
+    print(json.dumps({k: results[k] for k in ("restart", "store_shared")}, indent=1))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
