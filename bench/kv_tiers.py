@@ -21,6 +21,7 @@ process (another worker) serves it from the store.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -30,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -86,8 +88,8 @@ def tier_counts(engine: Engine) -> dict[str, Any]:
 
 
 def chat(model: Path, tiers: KVTierConfig, args: argparse.Namespace, seed: int) -> dict[str, Any]:
-    config = EngineConfig(max_total_tokens=args.pool_tokens, kv_tiers=tiers)
-    engine = build_engine(model, config)
+    config = EngineConfig(max_total_tokens=args.pool_tokens, kv_tiers=tiers, device=args.device)
+    engine = build_engine(model, config, load_format=args.load_format)
     warm_up(engine)
     rng = random.Random(seed)
     contexts = [tokens(rng, args.prefix) for _ in range(args.users)]
@@ -121,7 +123,8 @@ def chat(model: Path, tiers: KVTierConfig, args: argparse.Namespace, seed: int) 
 # ---- one prompt in a fresh process (restart, second worker) -------------------------------
 def serve_one(model: Path, tiers: KVTierConfig, args: argparse.Namespace, seed: int) -> tuple[Engine, dict[str, Any]]:
     """A fresh engine serving the seeded prompt: the engine (still open) and its reading."""
-    engine = build_engine(model, EngineConfig(max_total_tokens=args.pool_tokens, kv_tiers=tiers))
+    config = EngineConfig(max_total_tokens=args.pool_tokens, kv_tiers=tiers, device=args.device)
+    engine = build_engine(model, config, load_format=args.load_format)
     warm_up(engine)
     prompt = tokens(random.Random(seed), args.prefix + args.message)
     ttft, answer, cached = one_turn(engine, "p", prompt, args.answer)
@@ -156,10 +159,31 @@ def in_new_process(args: argparse.Namespace, model: Path, seed: int, tiers: dict
         str(args.answer),
         "--pool-tokens",
         str(args.pool_tokens),
+        "--device",
+        args.device,
+        "--load-format",
+        args.load_format,
     ]
     env = {"MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2", "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env}, check=True)
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+@contextlib.contextmanager
+def store_master(args: argparse.Namespace, tmp: Path) -> Iterator[dict[str, str] | None]:
+    """A ``mooncake_master`` for the store parts (``None`` with ``--no-store``)."""
+    if args.no_store:
+        yield None
+        return
+    from pdserve.kv_store import plan_master, start_master
+
+    master = plan_master()
+    process = start_master(master, tmp / "master.log")
+    try:
+        yield {"store_master": master.address, "store_metadata": master.metadata_url}
+    finally:
+        process.terminate()
+        process.wait(10)
 
 
 def main() -> None:
@@ -173,6 +197,9 @@ def main() -> None:
     p.add_argument("--host-bytes", type=int, default=256 << 20)
     p.add_argument("--seed", type=int, default=None, help="default: a fresh one per run")
     p.add_argument("--model", type=Path, default=None, help="default: the built-in tiny model")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
+    p.add_argument("--no-store", action="store_true", help="skip the Mooncake Store parts")
     p.add_argument("--json", type=Path)
     p.add_argument("--one-prompt", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--tiers-json", default="{}", help=argparse.SUPPRESS)
@@ -182,8 +209,6 @@ def main() -> None:
         return
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     model = args.model or ensure_default_model(Path(tempfile.gettempdir()) / "pdserve-bench-data")
-    from pdserve.kv_store import plan_master, start_master
-
     results: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join(sys.argv),
@@ -192,51 +217,50 @@ def main() -> None:
         "machine": "shared 2-core CPU machine (other sessions running)",
         "params": {k: v for k, v in vars(args).items() if k not in ("json", "one_prompt", "tiers_json", "model")},
     }
-    master = plan_master()
-    with tempfile.TemporaryDirectory() as tmp:
-        process = start_master(master, Path(tmp) / "master.log")
-        try:
-            store = {"store_master": master.address, "store_metadata": master.metadata_url}
-            configs = {
-                "none": KVTierConfig(),
-                "host": KVTierConfig(host_bytes=args.host_bytes),
-                "disk": KVTierConfig(disk_dir=str(Path(tmp) / "disk-chat")),
-                "store": KVTierConfig(**store),
-            }
-            results["chat"] = {}
-            for name, tiers in configs.items():
-                results["chat"][name] = chat(model, tiers, args, seed)
-                shown = {k: v for k, v in results["chat"][name].items() if k != "outputs"}
-                print(name, json.dumps(shown), flush=True)
-            base = results["chat"]["none"]
-            for name in configs:
-                reading = results["chat"][name]
-                reading["speedup_mean_ttft"] = round(base["mean_ttft_ms"] / reading["mean_ttft_ms"], 2)
-                reading["outputs_equal_to_none"] = reading["outputs"] == base["outputs"]
-            for reading in results["chat"].values():
-                del reading["outputs"]
-            disk = {"disk_dir": str(Path(tmp) / "disk-restart")}
-            results["restart"] = {
-                "first_process_disk": in_new_process(args, model, seed + 1, disk),
-                "restarted_process_disk": in_new_process(args, model, seed + 1, disk),
-                "fresh_process_no_tiers": in_new_process(args, model, seed + 1, {}),
-            }
+    with tempfile.TemporaryDirectory() as tmp, store_master(args, Path(tmp)) as store:
+        configs = {
+            "none": KVTierConfig(),
+            "host": KVTierConfig(host_bytes=args.host_bytes),
+            "disk": KVTierConfig(disk_dir=str(Path(tmp) / "disk-chat")),
+        }
+        if store is not None:
+            configs["store"] = KVTierConfig(**store)
+        results["chat"] = {}
+        for name, tiers in configs.items():
+            results["chat"][name] = chat(model, tiers, args, seed)
+            shown = {k: v for k, v in results["chat"][name].items() if k != "outputs"}
+            print(name, json.dumps(shown), flush=True)
+        base = results["chat"]["none"]
+        for name in configs:
+            reading = results["chat"][name]
+            reading["speedup_mean_ttft"] = round(base["mean_ttft_ms"] / reading["mean_ttft_ms"], 2)
+            reading["outputs_equal_to_none"] = reading["outputs"] == base["outputs"]
+        for reading in results["chat"].values():
+            del reading["outputs"]
+        disk = {"disk_dir": str(Path(tmp) / "disk-restart")}
+        cold = in_new_process(args, model, seed + 1, {})
+        results["restart"] = {
+            "first_process_disk": in_new_process(args, model, seed + 1, disk),
+            "restarted_process_disk": in_new_process(args, model, seed + 1, disk),
+            "fresh_process_no_tiers": dict(cold),
+        }
+        if store is not None:
             # A store object lives in the memory a client lent the store: the first worker
             # stays up (here, in this process) while the second serves the prompt.
-            first, reading = serve_one(model, KVTierConfig(**store), args, seed + 2)
+            first, reading = serve_one(model, KVTierConfig(**store), args, seed + 1)
             results["store_shared"] = {
                 "first_worker_store": reading,
-                "second_worker_store": in_new_process(args, model, seed + 2, store),
-                "fresh_process_no_tiers": results["restart"]["fresh_process_no_tiers"],
+                "second_worker_store": in_new_process(args, model, seed + 1, store),
+                "fresh_process_no_tiers": dict(cold),
             }
             first.close()
-            for part in ("restart", "store_shared"):
-                readings = list(results[part].values())
-                results[part]["answers_equal"] = all(r["answer"] == readings[0]["answer"] for r in readings)
-        finally:
-            process.terminate()
-            process.wait(10)
-    print(json.dumps({k: results[k] for k in ("restart", "store_shared")}, indent=1))
+    for part in ("restart", "store_shared"):
+        if part in results:
+            readings = list(results[part].values())
+            results[part]["answers_equal"] = all(r["answer"] == readings[0]["answer"] for r in readings)
+            for r in readings:
+                del r["answer"]
+    print(json.dumps({k: results.get(k) for k in ("restart", "store_shared")}, indent=1))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=1) + "\n")
