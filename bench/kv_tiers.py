@@ -12,8 +12,9 @@ computed again; with a tier they are loaded from it.
 **Restart** (separate processes): a prefill process computes a prompt with the disk tier
 and exits; a new process (a restarted worker) serves the same prompt from the disk
 tier; a third, without tiers, computes it (the baseline). **Store**: a process computes
-a prompt with the Mooncake Store tier (the benchmark starts ``mooncake_master``); a second
-process (another worker) serves it from the store.
+a prompt with the Mooncake Store tier (the benchmark starts ``mooncake_master`` and a
+store server, as ``pdserve up --kv-store`` does) and exits; a second process (another
+worker) serves it from the store.
 
     python bench/kv_tiers.py --json docs/data/kv_tiers.json
 """
@@ -171,19 +172,14 @@ def in_new_process(args: argparse.Namespace, model: Path, seed: int, tiers: dict
 
 @contextlib.contextmanager
 def store_master(args: argparse.Namespace, tmp: Path) -> Iterator[dict[str, str] | None]:
-    """A ``mooncake_master`` for the store parts (``None`` with ``--no-store``)."""
+    """Mooncake Store (master and a store server) for the store parts (``None`` with ``--no-store``)."""
     if args.no_store:
         yield None
         return
-    from pdserve.kv_store import plan_master, start_master
+    from pdserve.kv_store import running_store
 
-    master = plan_master()
-    process = start_master(master, tmp / "master.log")
-    try:
+    with running_store(args.store_bytes, tmp) as master:
         yield {"store_master": master.address, "store_metadata": master.metadata_url}
-    finally:
-        process.terminate()
-        process.wait(10)
 
 
 def main() -> None:
@@ -200,6 +196,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
     p.add_argument("--no-store", action="store_true", help="skip the Mooncake Store parts")
+    p.add_argument("--store-bytes", type=int, default=1 << 30, help="memory of the store server")
     p.add_argument("--json", type=Path)
     p.add_argument("--one-prompt", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--tiers-json", default="{}", help=argparse.SUPPRESS)
@@ -245,15 +242,11 @@ def main() -> None:
             "fresh_process_no_tiers": dict(cold),
         }
         if store is not None:
-            # A store object lives in the memory a client lent the store: the first worker
-            # stays up (here, in this process) while the second serves the prompt.
-            first, reading = serve_one(model, KVTierConfig(**store), args, seed + 1)
             results["store_shared"] = {
-                "first_worker_store": reading,
+                "first_worker_store": in_new_process(args, model, seed + 1, store),
                 "second_worker_store": in_new_process(args, model, seed + 1, store),
                 "fresh_process_no_tiers": dict(cold),
             }
-            first.close()
     for part in ("restart", "store_shared"):
         if part in results:
             readings = list(results[part].values())

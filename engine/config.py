@@ -12,8 +12,8 @@ class KVTierConfig:
     ``host_bytes``: host memory for pages evicted from the device (pinned on a GPU).
     ``disk_dir``: a directory (local or a shared mount) of page-group files, kept within
     ``disk_bytes``. ``store_master``: the ``host:port`` of a Mooncake Store master (with its
-    HTTP metadata server at ``store_metadata``); this worker contributes ``store_bytes`` of
-    memory to the store and reaches it from ``store_host``. ``group_pages``: pages per
+    HTTP metadata server at ``store_metadata``); this worker lends the store ``store_bytes``
+    of its memory (0: none, objects live in a store server's) and reaches it from ``store_host``. ``group_pages``: pages per
     file or store object. ``max_pending_writes``: page groups queued for the writer
     thread; more are dropped (counted), never waited for.
     """
@@ -24,13 +24,13 @@ class KVTierConfig:
     store_master: str = ""
     store_metadata: str = ""
     store_host: str = "127.0.0.1"
-    store_bytes: int = 256 << 20
+    store_bytes: int = 0
     group_pages: int = 8
     max_pending_writes: int = 256
 
     def __post_init__(self) -> None:
-        if self.host_bytes < 0 or self.disk_bytes < 1 or self.store_bytes < 1:
-            raise ValueError("kv tier sizes must be positive (host_bytes 0: no host tier)")
+        if self.host_bytes < 0 or self.disk_bytes < 1 or self.store_bytes < 0:
+            raise ValueError("kv tier sizes must be positive (host_bytes 0: no host tier; store_bytes 0: lend none)")
         if self.group_pages < 1 or self.max_pending_writes < 1:
             raise ValueError("group_pages and max_pending_writes must be at least 1")
         if self.store_master and not self.store_metadata:

@@ -1,8 +1,9 @@
 """The Mooncake Store tier: page groups in Mooncake's distributed store, shared by every
 worker that reaches its master (``pdserve up --kv-store`` starts one).
 
-Each worker is a store client and contributes ``segment_bytes`` of its memory to the
-store; the master places and evicts objects (its own LRU past a high-water mark). Keys
+Each worker is a store client; by default it lends the store none of its memory
+(``segment_bytes`` 0), so objects live in a store server's memory (``pdserve up
+--kv-store`` starts one) and outlive any worker. The master places and evicts objects. Keys
 are ``pdserve/<identity hex>/<key hex>``; values are :mod:`.kv_blob` blobs, checked on
 every read like the disk tier's files. Puts run on the tiers' writer thread.
 """
@@ -29,7 +30,7 @@ class StoreTier:
         metadata: str,
         ident: bytes,
         host: str = "127.0.0.1",
-        segment_bytes: int = 256 << 20,
+        segment_bytes: int = 0,
         buffer_bytes: int = 64 << 20,
     ) -> None:
         os.environ.setdefault("GLOG_minloglevel", "2")  # the store client's glog INFO lines are noise

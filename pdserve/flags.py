@@ -172,7 +172,8 @@ ENGINE = (
         "--kv-store-bytes",
         KVTierConfig.store_bytes,
         int,
-        "memory each worker lends Mooncake Store (default: %(default)s)",
+        "memory this worker lends Mooncake Store; 0: none, the objects live in a store server's memory, "
+        "as `up --kv-store` starts one (default: %(default)s)",
     ),
     Flag(
         "--kv-group-pages",
@@ -347,8 +348,14 @@ UP = (
     Flag(
         "--kv-store",
         switch=True,
-        help="start a Mooncake Store master (mooncake_master, from the Mooncake wheel) on --transfer-host and give "
-        "every worker a store tier (see --kv-store-bytes)",
+        help="start Mooncake Store on --transfer-host (mooncake_master and a mooncake_client lending "
+        "--kv-store-server-bytes, from the Mooncake wheel) and give every worker a store tier",
+    ),
+    Flag(
+        "--kv-store-server-bytes",
+        1 << 30,
+        int,
+        "memory of the store server --kv-store starts: what the store holds (default: %(default)s)",
     ),
     TRANSFER_BACKEND,
     IB_DEVICE,

@@ -47,6 +47,7 @@ from pdserve.telemetry import setup_tracing
 from pdserve.workers.transfer.base import backend_device_error
 
 log = logging.getLogger("pdserve.up")
+KV_STORE = "kv-store"  # the role of the Mooncake Store processes of --kv-store
 
 
 @dataclass
@@ -178,25 +179,31 @@ def plan_autoscale(args: argparse.Namespace) -> tuple[ScalingConfig, list[str]]:
     return config, ["prefill"] * config.prefill.min_replicas + ["decode"] * config.decode.min_replicas
 
 
-def _store_master(args: argparse.Namespace) -> Child:
-    """``--kv-store``: Mooncake Store's master on ``--transfer-host``, started now (the
-    workers need it at start-up) and kept running like a worker; the workers' flags name it."""
-    from pdserve.kv_store import StoreMasterError, plan_master, wait_until_listening
+def _store(args: argparse.Namespace, children: list[Child]) -> None:
+    """``--kv-store``: Mooncake Store's master and a store server on ``--transfer-host``,
+    started now (the workers need them at start-up), added to ``children`` (restarted like
+    workers); the workers' flags name the master."""
+    from pdserve.kv_store import StoreMasterError, plan_master, plan_server, wait_until_listening
 
     if args.kv_store_master:
-        raise UsageError("--kv-store starts a master; --kv-store-master names one already running: give one of them")
-    try:
-        master = plan_master(args.transfer_host)
-        child = Child("kv-store", 0, master.argv())
+        raise UsageError("--kv-store starts a store; --kv-store-master names one already running: give one of them")
+    master = plan_master(args.transfer_host)
+    for part in (master, plan_server(master, args.kv_store_server_bytes)):
+        child = Child(KV_STORE, len(children), part.argv())
+        children.append(child)
         child.start()
         assert child.process is not None
-        wait_until_listening(master, child.process)
-    except StoreMasterError as exc:
-        raise UsageError(f"--kv-store: {exc}") from None
+        try:
+            wait_until_listening(part, child.process)
+        except StoreMasterError as exc:
+            stop_children(children)
+            raise UsageError(f"--kv-store: {exc}") from None
     args.kv_store_master, args.kv_store_metadata = master.address, master.metadata_url
     os.environ.setdefault("GLOG_minloglevel", "2")  # the workers' store clients: glog INFO lines are noise
-    log.info("mooncake store master started", extra={"address": master.address, "metadata": master.metadata_url})
-    return child
+    log.info(
+        "mooncake store started",
+        extra={"master": master.address, "metadata": master.metadata_url, "bytes": args.kv_store_server_bytes},
+    )
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -237,7 +244,7 @@ def run_up(args: argparse.Namespace) -> int:
         nats_url = broker.url
     children: list[Child] = []
     if args.kv_store:
-        children.append(_store_master(args))
+        _store(args, children)
     scaling_run: tuple[Autoscale, NatsAuth | None] | None = None
     if scaling is not None:
         argv = {r: worker_argv(args, r, model_path, nats_url, threads, None, credentials) for r in ROLES}
@@ -265,8 +272,9 @@ def run_up(args: argparse.Namespace) -> int:
         return asyncio.run(_serve(args, config, children, broker, scaling_run))
     finally:
         # The workers first: at teardown they finish their KV tier writes into the store.
-        stop_children([c for c in children if c.role != "kv-store"])
-        stop_children([c for c in children if c.role == "kv-store"])
+        stop_children([c for c in children if c.role != KV_STORE])
+        for child in reversed([c for c in children if c.role == KV_STORE]):  # the server, then the master
+            stop_children([child])
         if broker is not None:
             broker.stop()
         log.info("pdserve stopped")

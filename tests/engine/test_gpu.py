@@ -101,3 +101,30 @@ def test_float32_greedy_equals_transformers_at_7b_dimensions() -> None:
             out = model.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)
             expected.append(out[0, len(p) :].tolist())
     assert_greedy_equal(model, prompts, run(engine_for(model, 8, tokens=4096), prompts, 24), expected)
+
+
+def test_kv_tiers_on_the_gpu_serve_evicted_prefixes_with_equal_output(tmp_path: Path) -> None:
+    """Host slots (pinned, copies on the stream) and disk files (snapshots behind an event)
+    under the fast path with overlap: hits from either equal a run without tiers."""
+    from pdserve.engine.config import KVTierConfig
+
+    model = build(SMALL, torch.float32)
+
+    def tiered(tiers: KVTierConfig, tokens: int = 512) -> Engine:
+        config = EngineConfig(device="cuda", max_total_tokens=tokens, max_num_seqs=8, kv_tiers=tiers)
+        return Engine(ModelRunner(ModelSpec(Path("m")), config, model=model), config)
+
+    rng = random.Random(9)
+    base = [rng.randrange(5000) for _ in range(300)]
+    fillers = [[rng.randrange(5000) for _ in range(320)] for _ in range(2)]
+    prompts = [base, *fillers, base + [1, 2, 3]]
+    reference = [run(engine_for(model, 0), [p], 12)[0] for p in prompts]
+    disk = KVTierConfig(disk_dir=str(tmp_path), group_pages=4)
+    engine = tiered(KVTierConfig(host_bytes=64 << 20, disk_dir=str(tmp_path), group_pages=4))
+    assert [run(engine, [p], 12)[0] for p in prompts] == reference
+    assert engine.tiers is not None and engine.tiers.stats.tiers["host"].hit_pages >= 300 // 16 - 2
+    engine.close()
+    restarted = tiered(disk)
+    assert run(restarted, [prompts[-1]], 12)[0] == reference[-1]
+    assert restarted.tiers is not None and restarted.tiers.stats.tiers["disk"].hit_pages == 300 // 16 // 4 * 4
+    restarted.close()

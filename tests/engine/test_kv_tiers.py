@@ -17,7 +17,7 @@ from pdserve.engine.kv_disk import DiskTier
 from pdserve.engine.kv_host import HostTier
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.loader import build_engine
-from pdserve.kv_store import StoreMaster, plan_master, start_master
+from pdserve.kv_store import StoreMaster, running_store
 from pdserve.schemas import KVLayout, SamplingParams, WorkerInfo
 from pdserve.workers.metrics import WorkerMetrics
 from tests.engine.test_engine import hf_greedy, random_prompts, run_all
@@ -169,20 +169,16 @@ def test_disk_tier_serves_a_restarted_engine_and_skips_corrupt_files(
 # ---- Mooncake Store ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def store_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreMaster]:
-    """A real ``mooncake_master`` from the Mooncake wheel, on loopback."""
-    master = plan_master()
-    process = start_master(master, tmp_path_factory.mktemp("store") / "master.log")
-    try:
+    """A real ``mooncake_master`` and a ``mooncake_client`` lending it 64 MiB (the Mooncake
+    wheel's), on loopback."""
+    with running_store(64 << 20, tmp_path_factory.mktemp("store")) as master:
         yield master
-    finally:
-        process.terminate()
-        process.wait(10)
 
 
 def test_store_tier_round_trips_and_refuses_corrupt_objects(store_master: StoreMaster) -> None:
     from pdserve.engine.kv_store import StoreTier
 
-    store = StoreTier(store_master.address, store_master.metadata_url, IDENT, segment_bytes=16 << 20)
+    store = StoreTier(store_master.address, store_master.metadata_url, IDENT)
     pages = random_pool().tensor[:2].clone()
     assert not store.contains(key(7)) and store.get(key(7)) is None
     store.put(key(7), kv_blob.encode(IDENT, key(7), pages))
@@ -199,16 +195,16 @@ def test_a_second_engine_serves_a_prompt_first_seen_by_another_from_the_store(
     tiny_model_dir: Path, prompts_and_expected, store_master: StoreMaster
 ) -> None:
     prompts, expected = prompts_and_expected
-    tiers = dict(store_master=store_master.address, store_metadata=store_master.metadata_url, store_bytes=32 << 20)
+    tiers = dict(store_master=store_master.address, store_metadata=store_master.metadata_url)
     first = tiered_engine(tiny_model_dir, group_pages=4, **tiers)
     assert serve(first, prompts[:1]) == expected[:1]
     first.tiers.drain()  # type: ignore[union-attr]
     stored = first.tiers.stats.tiers["store"].stored_pages  # type: ignore[union-attr]
     assert stored == 200 // 16 // 4 * 4
+    first.close()  # the objects live in the store server's memory: they outlive the first worker
     second = tiered_engine(tiny_model_dir, group_pages=4, **tiers)
     assert serve(second, [prompts[1]]) == [expected[1]]
     hits = second.tiers.stats.tiers["store"]  # type: ignore[union-attr]
     assert hits.hit_pages == stored and hits.corrupt == 0
     assert second.stats.cached_tokens == stored * 16
     second.close()
-    first.close()
