@@ -112,8 +112,8 @@ class RuleObserver:
     """The autoscaler's rule on a running system, read-only, in a thread of its own."""
 
     def __init__(self, nats_url: str, model: str, counts: dict[str, int], gpus: int, extra: list[str]) -> None:
-        from pdserve.cli import build_parser
         from pdserve.autoscale import size_for_autoscale
+        from pdserve.cli import build_parser
         from pdserve.launch import broker_config, scaling_config
 
         argv = ["up", "--autoscale", "--max-prefill", str(gpus), "--max-decode", str(gpus), *extra]
