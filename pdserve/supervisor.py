@@ -38,6 +38,7 @@ from pdserve.launch import (
     api_keys,
     choose_transport,
     listen_socket,
+    model_name,
     nats_auth,
     resolve_model,
     scaling_config,
@@ -204,7 +205,7 @@ def run_up(args: argparse.Namespace) -> int:
     )
     if transport.fallback:
         log.warning("RDMA cannot work here: workers will move KV over tcp", extra={"why": transport.fallback})
-    model_path = resolve_model(args)
+    model_path = resolve_model(args, weights=args.load_format != "dummy")
     key_file = _key_file(args)
     prefix = f"api-{uuid.uuid4().hex[:8]}"
     api_ids = [f"{prefix}-{i}" for i in range(args.api_processes)]
@@ -219,7 +220,7 @@ def run_up(args: argparse.Namespace) -> int:
     if scaling is not None:
         argv = {r: worker_argv(args, r, model_path, nats_url, threads, None, credentials) for r in ROLES}
         pools = {r: Pool(r, argv[r], children) for r in ROLES}
-        scaler = Autoscale(scaling, pools, args.served_model_name or model_path.name, args.scale_interval)
+        scaler = Autoscale(scaling, pools, model_name(args, model_path), args.scale_interval)
         scaling_run = (scaler, credentials.auth(ADMIN) if credentials is not None else nats_auth(args))
     else:
         children += [
