@@ -60,12 +60,15 @@ def sampling_defaults(path: Path, mode: str = "auto") -> dict[str, float | int]:
         config = json.loads(file.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"{file}: cannot read it ({exc}); --generation-config none ignores it") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file}: not a JSON object; --generation-config none ignores it")
     defaults: dict[str, float | int] = {}
     for key, (kind, low, high) in SAMPLING_KEYS.items():
         value = config.get(key)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or not low <= value <= high or (kind is int and value != int(value)):
             raise ValueError(
                 f"{file}: {key} {value!r} is not a {kind.__name__} in [{low:g}, {high:g}]; "
                 "--generation-config none ignores the file"

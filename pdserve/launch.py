@@ -250,6 +250,14 @@ API_ONLY = (
 )
 
 
+def check_generation_config(args: argparse.Namespace, model_path: Path) -> None:
+    """Refuse a generation config the API could not read now, rather than in its start-up."""
+    try:
+        sampling_defaults(model_path, getattr(args, "generation_config", ApiConfig.generation_config))
+    except ValueError as exc:
+        raise UsageError(f"--generation-config: {exc}") from None
+
+
 def api_config(
     args: argparse.Namespace, nats_url: str, model_path: Path, auth: NatsAuth | None = None, **overrides: Any
 ) -> ApiConfig:
@@ -257,16 +265,13 @@ def api_config(
     API-only ones at their defaults); ``auth`` replaces the NATS credentials the flags
     name, ``overrides`` any field."""
     api_only: dict[str, Any] = {name: getattr(args, name) for name in API_ONLY if hasattr(args, name)}
-    try:  # refused now rather than in the API's start-up
-        sampling_defaults(model_path, api_only.get("generation_config", ApiConfig.generation_config))
-    except ValueError as exc:
-        raise UsageError(f"--generation-config: {exc}") from None
+    check_generation_config(args, model_path)
     return ApiConfig(
         nats_url=nats_url,
         nats_auth=auth if auth is not None else nats_auth(args),
         api_keys=api_keys(args),
         model_path=model_path,
-        model_name=model_name(args, model_path),
+        model_name=args.served_model_name,
         host=args.host,
         port=args.port,
         trust_remote_code=args.trust_remote_code,

@@ -36,6 +36,7 @@ from pdserve.launch import (
     UsageError,
     api_config,
     api_keys,
+    check_generation_config,
     choose_transport,
     listen_socket,
     model_name,
@@ -206,6 +207,7 @@ def run_up(args: argparse.Namespace) -> int:
     if transport.fallback:
         log.warning("RDMA cannot work here: workers will move KV over tcp", extra={"why": transport.fallback})
     model_path = resolve_model(args, weights=args.load_format != "dummy")
+    check_generation_config(args, model_path)
     key_file = _key_file(args)
     prefix = f"api-{uuid.uuid4().hex[:8]}"
     api_ids = [f"{prefix}-{i}" for i in range(args.api_processes)]
