@@ -29,8 +29,8 @@ openai = pytest.importorskip("openai")
 
 pytestmark = pytest.mark.slow
 
-# A real model's kind of generation config (Qwen2.5's, with top_k 1: every default sample
-# is then the penalised greedy token, which transformers can reproduce).
+# Every key a generation config may set; top_k 1 makes each default sample the penalised
+# greedy token, which transformers reproduces (a penalty of 2 changes this model's output).
 DEFAULTS = {"temperature": 0.7, "top_p": 0.8, "top_k": 1, "min_p": 0.05, "repetition_penalty": 2.0}
 PDSERVE_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
 STEPS = 10
