@@ -84,15 +84,13 @@ def load_model_info(
     context_length: int | None = None,
     generation_config: str = "auto",
 ) -> ModelInfo:
-    """Tokenizer, limits and sampling defaults of the model at ``path`` (a directory, or a
-    hub id resolved through :mod:`pdserve.engine.checkpoint`; no weights are loaded)."""
+    """Tokenizer, limits and sampling defaults of the model in the local directory ``path``
+    (no weights are loaded); ``name`` is the served name (default: the directory's)."""
     import transformers
     from transformers import AutoTokenizer
 
-    from pdserve.engine.checkpoint import resolve, served_name
-
     transformers.utils.logging.set_verbosity_error()
-    path = resolve(path, weights=False)
+    path = Path(path)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     config = json.loads((path / "config.json").read_text())
     text = config.get("text_config", config)
@@ -105,7 +103,7 @@ def load_model_info(
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
     return ModelInfo(
-        name=name or served_name(path),
+        name=name or path.name,
         path=path.resolve(),
         tokenizer=tokenizer,
         context_length=int(context),

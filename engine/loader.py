@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from pdserve.engine.checkpoint import resolve
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.grammar import Grammars
@@ -39,19 +38,18 @@ def eos_ids(model_path: Path, trust_remote_code: bool = False) -> set[int]:
 
 
 def build_engine(
-    model_path: Path | str,
+    model_path: Path,
     config: EngineConfig,
     dtype: str = "auto",
     trust_remote_code: bool = False,
     load_format: str = "auto",
 ) -> Engine:
-    """The engine for the model at ``model_path``: a local directory (safetensors weights,
-    sharded or not, or ``pytorch_model*.bin``), or a hub id resolved by
-    :func:`pdserve.engine.checkpoint.resolve`."""
+    """The engine for the model in the local directory ``model_path`` (safetensors weights,
+    sharded or not, or ``pytorch_model*.bin``; a hub id is resolved before, by
+    :func:`pdserve.checkpoint.resolve`)."""
     from transformers import AutoTokenizer
 
     quiet_transformers()
-    model_path = resolve(model_path, weights=load_format != "dummy")
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     runner = ModelRunner(ModelSpec(Path(model_path), dtype, trust_remote_code, load_format), config)
 

@@ -35,7 +35,7 @@ def resolve_model(args: argparse.Namespace, weights: bool = True) -> Path:
     Face cache (fetched when missing, only configs and tokenizer unless ``weights``; see
     :mod:`pdserve.engine.checkpoint`); without it the built-in model, created on first use."""
     if args.model_path is not None:
-        from pdserve.engine.checkpoint import CheckpointError, resolve
+        from pdserve.checkpoint import CheckpointError, resolve
 
         try:
             return resolve(args.model_path, args.revision, weights)
@@ -52,7 +52,7 @@ def resolve_model(args: argparse.Namespace, weights: bool = True) -> Path:
 
 def model_name(args: argparse.Namespace, model_path: Path) -> str:
     """``--served-model-name``, else the hub id or the directory's name."""
-    from pdserve.engine.checkpoint import served_name
+    from pdserve.checkpoint import served_name
 
     return str(args.served_model_name or served_name(model_path))
 
@@ -271,7 +271,7 @@ def api_config(
         nats_auth=auth if auth is not None else nats_auth(args),
         api_keys=api_keys(args),
         model_path=model_path,
-        model_name=args.served_model_name,
+        model_name=model_name(args, model_path),
         host=args.host,
         port=args.port,
         trust_remote_code=args.trust_remote_code,

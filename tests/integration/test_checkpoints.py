@@ -21,9 +21,9 @@ import pytest
 from transformers import AutoTokenizer
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from tests.engine.test_checkpoint import FAKE_ID, hf_cache
 from tests.integration.conftest import free_port
 from tests.integration.test_api_surface import PROMPT_IDS, hf
+from tests.pdserve.test_checkpoint import FAKE_ID, hf_cache
 
 openai = pytest.importorskip("openai")
 

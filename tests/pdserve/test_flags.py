@@ -37,7 +37,8 @@ def test_worker_flags_default_to_the_configs_defaults() -> None:
 
 def test_api_flags_default_to_the_configs_defaults() -> None:
     args = build_parser().parse_args(["api", "--nats-url", "nats://n:1"])
-    assert api_config(args, args.nats_url, MODEL) == ApiConfig("nats://n:1", MODEL)
+    # the served name is decided where the model is resolved: the directory's name here
+    assert api_config(args, args.nats_url, MODEL) == ApiConfig("nats://n:1", MODEL, model_name="m")
 
 
 def test_up_forwards_every_flag_it_shares_with_workers() -> None:

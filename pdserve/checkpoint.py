@@ -2,9 +2,11 @@
 (``Qwen/Qwen2.5-0.5B-Instruct``) resolved to its snapshot in the Hugging Face cache,
 downloaded first when it is missing and the hub is reachable.
 
-Every command resolves ``--model-path`` through :func:`resolve`; ``pdserve up`` and
-``pdserve autoscale`` resolve it once and hand their workers and API processes the
-local directory, so every process reads the same commit even if the hub moves meanwhile.
+Every command resolves ``--model-path`` through :func:`resolve` (in
+:func:`pdserve.launch.resolve_model`); ``pdserve up`` and ``pdserve autoscale`` resolve it
+once and hand their workers and API processes the local directory, so every process reads
+the same commit even if the hub moves meanwhile. Below this floor (the engine, the API)
+a model is always a local directory.
 The Hugging Face variables apply as ``huggingface_hub`` reads them: ``HF_HOME`` /
 ``HF_HUB_CACHE`` (where the cache is), ``HF_HUB_OFFLINE`` (never ask the hub),
 ``HF_TOKEN`` (private and gated models), ``HF_ENDPOINT`` (a mirror).
