@@ -41,6 +41,8 @@ def resolve(model: str | Path, revision: str | None = None, weights: bool = True
     if path.is_dir():
         if not (path / "config.json").exists():
             raise CheckpointError(f"{model}: no config.json there (a Hugging Face model directory is needed)")
+        if revision:
+            log.warning("a revision applies to hub ids only; serving the directory as it is", extra={"path": str(path)})
         return path
     repo_id = str(model)
     _check_repo_id(repo_id)

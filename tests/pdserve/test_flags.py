@@ -48,6 +48,12 @@ def test_up_forwards_every_flag_it_shares_with_workers() -> None:
     assert shared - own_meaning <= {flag.name for flag in flags.forwarded()}
 
 
+def test_up_hands_workers_and_apis_the_resolved_directory_without_the_revision() -> None:
+    up = build_parser().parse_args(["up", "--model-path", "Qwen/Qwen2.5-0.5B-Instruct", "--revision", "v1"])
+    for argv in (worker_argv(up, "decode", MODEL, "nats://n:1", 1), api_argv(up, MODEL, "nats://n:1")):
+        assert argv[argv.index("--model-path") + 1] == str(MODEL) and "--revision" not in argv
+
+
 def test_a_worker_parses_what_up_means() -> None:
     parser = build_parser()
     up = parser.parse_args(
