@@ -106,13 +106,14 @@ def _snapshot(repo_id: str, revision: str | None, weights: list[str]) -> Path:
         ) from None
     except RepositoryNotFoundError:
         raise CheckpointError(
-            f"{repo_id}: no such model on the Hugging Face hub (or a private one: set HF_TOKEN); "
+            f"{repo_id}: no such local directory, and no such model on the Hugging Face hub (or a private one: "
+            "set HF_TOKEN); "
             "check the id, or pass a local directory"
         ) from None
     except LocalEntryNotFoundError as exc:
-        where = f"not in the Hugging Face cache {cache}{at}"
+        where = f"no such local directory, and not in the Hugging Face cache {cache}{at}"
         if "incomplete" in str(exc):
-            where = f"only partly in the Hugging Face cache {cache}{at}"
+            where = f"only partly in the Hugging Face cache {cache}{at}"  # a directory would have been used
         if offline:
             raise CheckpointError(
                 f"{repo_id}: {where}, and HF_HUB_OFFLINE is set: download it where the hub is reachable "

@@ -77,7 +77,11 @@ def test_a_local_directory_is_used_as_is(tiny_model_dir: Path, tmp_path: Path) -
 @pytest.mark.parametrize(
     ("model", "revision", "message"),
     [
-        ("nobody/no-such-model", None, "nobody/no-such-model: not in the Hugging Face cache .*HF_HUB_OFFLINE is set"),
+        (
+            "nobody/no-such-model",
+            None,
+            "nobody/no-such-model: no such local directory, and not in the Hugging Face cache .*HF_HUB_OFFLINE is set",
+        ),
         (FAKE_ID, "v9", "at revision 'v9'.*HF_HUB_OFFLINE is set"),
         ("./no/such/dir/here", None, "no such directory, and not a Hugging Face hub id"),
     ],
@@ -103,6 +107,7 @@ def test_the_command_names_the_id_and_exits_2_without_a_traceback(tmp_path: Path
     lines = [line for line in run.stderr.splitlines() if line.strip()]
     assert lines == [lines[0]] and "Traceback" not in run.stderr
     assert lines[0].startswith(
-        "pdserve prefill: error: --model-path nobody/no-such-model: not in the Hugging Face cache"
+        "pdserve prefill: error: --model-path nobody/no-such-model: no such local directory, and not in the "
+        "Hugging Face cache"
     )
     assert "HF_HUB_OFFLINE" in lines[0] and "hf download nobody/no-such-model" in lines[0]
