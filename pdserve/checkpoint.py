@@ -51,6 +51,11 @@ def resolve(model: str | Path, revision: str | None = None, weights: bool = True
         local = _snapshot(repo_id, revision, PICKLE_PATTERNS)
     if not (local / "config.json").exists():
         raise CheckpointError(f"{repo_id}: the hub repository has no config.json (not a transformers model)")
+    if weights and not any(local.glob("*.safetensors")) and not any(local.glob("*.bin")):
+        raise CheckpointError(
+            f"{repo_id}: no weights (*.safetensors or pytorch_model*.bin) in its snapshot {local}; fetch them where "
+            "the hub is reachable, or serve random ones with --load-format dummy"
+        )
     return local
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -64,6 +65,17 @@ def test_a_hub_id_resolves_to_its_cached_snapshot_offline(offline_cache: Path) -
     assert resolve(FAKE_ID, revision=COMMIT) == offline_cache
     assert resolve(FAKE_ID, weights=False) == offline_cache
     assert served_name(offline_cache) == FAKE_ID
+
+
+def test_a_snapshot_without_weights_serves_the_api_but_no_worker(
+    offline_cache: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    configs_only = tmp_path / "configs-only"
+    shutil.copytree(tiny_model_dir, configs_only, ignore=shutil.ignore_patterns("*.safetensors"))
+    snapshot = hf_cache(offline_cache.parents[3], configs_only, repo_id="pdserve-test/no-weights")
+    assert resolve("pdserve-test/no-weights", weights=False) == snapshot
+    with pytest.raises(CheckpointError, match=r"no weights .* in its snapshot .*--load-format dummy"):
+        resolve("pdserve-test/no-weights")
 
 
 def test_a_local_directory_is_used_as_is(tiny_model_dir: Path, tmp_path: Path) -> None:
