@@ -239,6 +239,11 @@ def create_app(config: ApiConfig, info: ModelInfo | None = None, collectors: Seq
             gateway.metrics.registry.register(collector)
         app.state.pd = AppState(config, model, gateway, time.time())
         log.info("api ready", extra={"model": model.name, "api_id": gateway.api_id, "api_keys": len(config.api_keys)})
+        if model.sampling_defaults:
+            log.info(
+                "requests that do not set them sample with the model's generation config (--generation-config none: not)",
+                extra=model.sampling_defaults,
+            )
         warn_if_open(config)
         try:
             yield
