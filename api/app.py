@@ -241,7 +241,7 @@ def create_app(config: ApiConfig, info: ModelInfo | None = None, collectors: Seq
         log.info("api ready", extra={"model": model.name, "api_id": gateway.api_id, "api_keys": len(config.api_keys)})
         if model.sampling_defaults:
             log.info(
-                "requests that do not set them sample with the model's generation config (--generation-config none: not)",
+                "sampling defaults from the model's generation config (a request's own values win)",
                 extra=model.sampling_defaults,
             )
         warn_if_open(config)
