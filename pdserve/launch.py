@@ -33,7 +33,7 @@ class UsageError(Exception):
 def resolve_model(args: argparse.Namespace, weights: bool = True) -> Path:
     """``--model-path`` as a local directory: itself, or a hub id's snapshot in the Hugging
     Face cache (fetched when missing, only configs and tokenizer unless ``weights``; see
-    :mod:`pdserve.engine.checkpoint`); without it the built-in model, created on first use."""
+    :mod:`pdserve.checkpoint`); without it the built-in model, created on first use."""
     if args.model_path is not None:
         from pdserve.checkpoint import CheckpointError, resolve
 
