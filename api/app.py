@@ -82,6 +82,9 @@ async def model_info(request: Request) -> Response:
             "is_generation": True,
             "served_model_name": info.name,
             "context_length": info.context_length,
+            "generation_config": state_of(request).config.generation_config,
+            # what a request that does not set them samples with (the model's generation config)
+            "preferred_sampling_params": info.sampling_defaults,
         }
     )
 
@@ -215,7 +218,11 @@ def create_app(config: ApiConfig, info: ModelInfo | None = None, collectors: Seq
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         model = info or load_model_info(
-            config.model_path, config.model_name, config.trust_remote_code, config.context_length
+            config.model_path,
+            config.model_name,
+            config.trust_remote_code,
+            config.context_length,
+            config.generation_config,
         )
         gateway = Gateway(
             config.nats_url,
@@ -232,6 +239,11 @@ def create_app(config: ApiConfig, info: ModelInfo | None = None, collectors: Seq
             gateway.metrics.registry.register(collector)
         app.state.pd = AppState(config, model, gateway, time.time())
         log.info("api ready", extra={"model": model.name, "api_id": gateway.api_id, "api_keys": len(config.api_keys)})
+        if model.sampling_defaults:
+            log.info(
+                "sampling defaults from the model's generation config (a request's own values win)",
+                extra=model.sampling_defaults,
+            )
         warn_if_open(config)
         try:
             yield

@@ -22,7 +22,10 @@ class ApiConfig:
     than ``max_output_tokens``, more than ``max_batch_prompts`` prompts in one request
     (``None``: the model's context length). ``max_concurrent_requests`` generation
     requests per key may be in flight (0: no limit); more get 429. ``enable_flush_cache``
-    turns on ``/flush_cache`` (benchmarks: every worker forgets its cached prefixes)."""
+    turns on ``/flush_cache`` (benchmarks: every worker forgets its cached prefixes).
+    ``generation_config`` ``auto``: the sampling values of the model's
+    ``generation_config.json`` are the defaults of a request that does not set them
+    (``none``: pdserve's and OpenAI's defaults)."""
 
     nats_url: str
     model_path: Path
@@ -45,6 +48,7 @@ class ApiConfig:
     enable_flush_cache: bool = False
     trust_remote_code: bool = False
     context_length: int | None = None
+    generation_config: str = "auto"
     broker: BrokerConfig = BrokerConfig()
 
     def __post_init__(self) -> None:
@@ -60,5 +64,7 @@ class ApiConfig:
                 raise ValueError(f"{name} must be at least 1")
         if self.max_batch_prompts < 1 or self.max_concurrent_requests < 0:
             raise ValueError("max_batch_prompts must be at least 1 and max_concurrent_requests at least 0")
+        if self.generation_config not in ("auto", "none"):
+            raise ValueError("generation_config must be auto or none")
         if any(not key or key != key.strip() for key in self.api_keys):
             raise ValueError("an API key must be non-empty and hold no surrounding whitespace")

@@ -1,10 +1,11 @@
-"""What the API knows about the served model: name, tokenizer, context, chat template."""
+"""What the API knows about the served model: name, tokenizer, context, chat template, and
+the sampling defaults its ``generation_config.json`` recommends."""
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ class ModelInfo:
     eos_token_ids: frozenset[int]
     created: int
     max_token_chars: int = 0  # the longest token's text; 0: unknown
+    # What a request that does not set them samples with (``generation_config.json``'s).
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
 
     @property
     def max_prompt_chars(self) -> int:
@@ -32,10 +35,57 @@ class ModelInfo:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
 
+# The generation-config keys a request inherits when it does not set them (what vLLM's
+# ``--generation-config auto`` takes), with the range each must lie in.
+SAMPLING_KEYS: dict[str, tuple[type, float, float]] = {
+    "temperature": (float, 0.0, 2.0),
+    "top_p": (float, 1e-9, 1.0),
+    "top_k": (int, -1, 2**31 - 1),
+    "min_p": (float, 0.0, 1.0),
+    "repetition_penalty": (float, 1e-9, 10.0),
+}
+GENERATION_CONFIG_MODES = ("auto", "none")
+
+
+def sampling_defaults(path: Path, mode: str = "auto") -> dict[str, float | int]:
+    """With ``mode`` ``auto``: the sampling keys (:data:`SAMPLING_KEYS`) that the model's
+    ``generation_config.json`` sets, as request defaults; ``none``: no defaults (pdserve's
+    and OpenAI's apply). Raises ``ValueError`` naming a value out of range."""
+    if mode not in GENERATION_CONFIG_MODES:
+        raise ValueError(f"generation config {mode!r}: use one of {', '.join(GENERATION_CONFIG_MODES)}")
+    file = Path(path) / "generation_config.json"
+    if mode == "none" or not file.exists():
+        return {}
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{file}: cannot read it ({exc}); --generation-config none ignores it") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file}: not a JSON object; --generation-config none ignores it")
+    defaults: dict[str, float | int] = {}
+    for key, (kind, low, high) in SAMPLING_KEYS.items():
+        value = config.get(key)
+        if value is None:
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or not low <= value <= high or (kind is int and value != int(value)):
+            raise ValueError(
+                f"{file}: {key} {value!r} is not a {kind.__name__} in [{low:g}, {high:g}]; "
+                "--generation-config none ignores the file"
+            )
+        defaults[key] = kind(value)
+    return defaults
+
+
 def load_model_info(
-    path: Path, name: str | None = None, trust_remote_code: bool = False, context_length: int | None = None
+    path: Path,
+    name: str | None = None,
+    trust_remote_code: bool = False,
+    context_length: int | None = None,
+    generation_config: str = "auto",
 ) -> ModelInfo:
-    """Tokenizer and limits of the model at ``path`` (no weights are loaded)."""
+    """Tokenizer, limits and sampling defaults of the model in the local directory ``path``
+    (no weights are loaded); ``name`` is the served name (default: the directory's)."""
     import transformers
     from transformers import AutoTokenizer
 
@@ -60,4 +110,5 @@ def load_model_info(
         eos_token_ids=frozenset(eos),
         created=int(path.stat().st_mtime),
         max_token_chars=max((len(t) for t in tokenizer.get_vocab()), default=0),
+        sampling_defaults=sampling_defaults(path, generation_config),
     )

@@ -186,20 +186,23 @@ def _sampling(
         )
     stop_ids = src.get("stop_token_ids")
     body = src if body is None else body
+    default = info.sampling_defaults  # the model's generation config, where the request is silent
     try:
         return SamplingParams(
             max_new_tokens=max_tokens,
-            temperature=_f(src, "temperature", 1.0, 0.0, 2.0 if "messages" in src else 100.0),
-            top_p=_f(src, "top_p", 1.0, 0.0, 1.0),
-            top_k=_i(src, "top_k", -1, -1),
-            min_p=_f(src, "min_p", 0.0, 0.0, 1.0),
+            temperature=_f(
+                src, "temperature", default.get("temperature", 1.0), 0.0, 2.0 if "messages" in src else 100.0
+            ),
+            top_p=_f(src, "top_p", default.get("top_p", 1.0), 0.0, 1.0),
+            top_k=_i(src, "top_k", int(default.get("top_k", -1)), -1),
+            min_p=_f(src, "min_p", default.get("min_p", 0.0), 0.0, 1.0),
             seed=_int(src, "seed", None, 0, 2**63 - 1),
             stop=_stops(src),
             stop_token_ids=tuple(_token_ids(stop_ids, "stop_token_ids") if stop_ids is not None else ()),
             ignore_eos=_bool(src, "ignore_eos", False),
             frequency_penalty=_f(src, "frequency_penalty", 0.0, -2.0, 2.0),
             presence_penalty=_f(src, "presence_penalty", 0.0, -2.0, 2.0),
-            repetition_penalty=_f(src, "repetition_penalty", 1.0, 0.0, 10.0),
+            repetition_penalty=_f(src, "repetition_penalty", default.get("repetition_penalty", 1.0), 0.0, 10.0),
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             n=n,

@@ -331,8 +331,8 @@ def measure_e2e(args: argparse.Namespace, dims: dict, device: str) -> dict:
     vocab = min(4000, dims["vocab_size"])  # token ids the tokenizer knows: the API checks them
     seed = iter(range(1000, 2000))
 
-    def fresh():
-        return workload(args.requests, next(seed), vocab, 512, 512, args.new, args.new)
+    def fresh():  # --e2e-waves times the requests, --requests of them in flight at once
+        return workload(args.requests * args.e2e_waves, next(seed), vocab, 512, 512, args.new, args.new)
 
     run_pdserve(offline, fresh(), args.requests)  # warm-up at full size (a first run compiles)
     flags = ["--device", device, "--model-path", str(model_dir), "--load-format", "dummy"]
@@ -365,6 +365,9 @@ def measure_e2e(args: argparse.Namespace, dims: dict, device: str) -> dict:
                         "offline_out_tok_s": base,
                         "offline_steps": offline_steps,
                         "client_processes": args.e2e_client_processes,
+                        "requests": len(reqs),
+                        "in_flight": args.requests,
+                        "client_connections": "warm (opened before the clock starts)",
                         "client_span": span,  # perf_counter: against the workers' step timeline
                         "output_tokens": sum(r.output_len for r in reqs),
                         "pipeline_out_tok_s": served,
@@ -382,6 +385,7 @@ def measure_e2e(args: argparse.Namespace, dims: dict, device: str) -> dict:
     best = max(by_processes, key=lambda n: by_processes[n]["ratio"])
     return {
         "e2e_unified_ratio": by_processes[best]["ratio"],
+        "e2e_waves": args.e2e_waves,
         "e2e_api_processes": best,
         "e2e_by_api_processes": by_processes,
     }
@@ -405,6 +409,13 @@ def main() -> int:
     )
     parser.add_argument("--e2e", action="store_true", help="also pdserve up --mode unified against the offline engine")
     parser.add_argument("--e2e-repeat", type=int, default=3)
+    parser.add_argument(
+        "--e2e-waves",
+        type=int,
+        default=4,
+        help="end to end: this many times --requests requests, --requests in flight (1: one wave, mostly the "
+        "ramp-up and the drain; default %(default)s)",
+    )
     parser.add_argument("--only-e2e", action="store_true", help="the end-to-end pairs alone")
     parser.add_argument(
         "--e2e-client-processes",

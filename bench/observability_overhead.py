@@ -97,7 +97,7 @@ def measured(pid: int, url: str, reqs: list[Request], concurrency: int, scrape: 
 async def _measured(url: str, reqs: list[Request], concurrency: int, scrape: bool) -> dict[str, Any]:
     stop = asyncio.Event()
     scraper = asyncio.create_task(scraping(url, stop)) if scrape else None
-    seconds, ttfts, cached = await through_http(url, reqs, concurrency)
+    seconds, ttfts, cached, _ = await through_http(url, reqs, concurrency)
     stop.set()
     rounds = await scraper if scraper is not None else 0
     ttfts.sort()

@@ -51,7 +51,7 @@ def measure(args: argparse.Namespace, mode: str, model: Path) -> dict:
             )
             tokens = sum(r.output_len for r in reqs)
             before, client = process_cpu_seconds(proc.pid), time.process_time()
-            seconds, _, cached = asyncio.run(through_http(url, reqs, args.requests))
+            seconds, _, cached, _ = asyncio.run(through_http(url, reqs, args.requests))
             spent = cpu_per_token(proc.pid, before, time.process_time() - client, tokens)
             runs.append({"out_tok_s": tokens / seconds, "cached_tokens": cached, "us_per_token": spent})
             print(

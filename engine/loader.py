@@ -44,6 +44,9 @@ def build_engine(
     trust_remote_code: bool = False,
     load_format: str = "auto",
 ) -> Engine:
+    """The engine for the model in the local directory ``model_path`` (safetensors weights,
+    sharded or not, or ``pytorch_model*.bin``; a hub id is resolved before, by
+    :func:`pdserve.checkpoint.resolve`)."""
     from transformers import AutoTokenizer
 
     quiet_transformers()

@@ -39,7 +39,7 @@ from pdserve.broker.contract import KV_READY, REQUESTS, WorkChannel
 from pdserve.broker.registry import WorkerRegistry
 from pdserve.broker.streams import BrokerConfig, worker_bucket
 from pdserve.children import Child, tend, worker_argv
-from pdserve.launch import broker_config, choose_transport, nats_auth, resolve_model, scaling_config
+from pdserve.launch import broker_config, choose_transport, model_name, nats_auth, resolve_model, scaling_config
 from pdserve.scaling import (
     ROLES,
     Autoscaler,
@@ -263,8 +263,8 @@ def run_autoscale(args: argparse.Namespace) -> int:
     config = scaling_config(args)
     threads = size_for_autoscale(args, config)
     choose_transport(args.disaggregation_ib_device, args.allow_tcp_fallback, args.disaggregation_transfer_backend)
-    model_path: Path = resolve_model(args)
-    model = args.served_model_name or model_path.name
+    model_path: Path = resolve_model(args, weights=args.load_format != "dummy")
+    model = model_name(args, model_path)
     children: list[Child] = []
     pools = {r: Pool(r, worker_argv(args, r, model_path, args.nats_url, threads), children) for r in ROLES}
     scaler = Autoscale(config, pools, model, args.scale_interval)

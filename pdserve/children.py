@@ -114,13 +114,14 @@ def worker_argv(
     credentials: EmbeddedCredentials | None = None,
 ) -> list[str]:
     """``python -m pdserve <role>`` with every flag ``up`` shares with workers, from the flag
-    table, plus what ``up`` decides: the model, the broker (and the role's user of the
-    embedded one, by password file), threads, the transfer host and the worker's device
-    (default ``--device``)."""
+    table, plus what ``up`` decides: the model (the directory ``--model-path`` resolved to),
+    the broker (and the role's user of the embedded one, by password file), threads, the
+    transfer host and the worker's device (default ``--device``)."""
     values = {
         **vars(args),
         "device": device or args.device,
         "model_path": model_path,
+        "revision": None,  # model_path is the resolved directory
         "nats_url": nats_url,
         "num_threads": threads,
         "host": args.transfer_host,

@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add_flags(up, flags.common())
     flags.add_flags(up, flags.MODEL, "model")
     flags.add_flags(up, flags.ENGINE, "engine")
-    flags.add_flags(up, flags.HTTP)
+    flags.add_flags(up, (*flags.HTTP, flags.GENERATION_CONFIG))
     flags.add_flags(up, flags.GUARD, "access and limits")
     flags.add_flags(up, flags.RECOVERY, "recovery")
     flags.add_flags(up, flags.UP)
@@ -70,7 +70,16 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add_flags(api, flags.common())
     flags.add_flags(api, flags.MODEL, "model")
     flags.add_flags(
-        api, (*flags.HTTP, flags.nats_url(), *flags.API, flags.API_ID, flags.REUSE_PORT, flags.EXIT_WITH_PARENT)
+        api,
+        (
+            *flags.HTTP,
+            flags.nats_url(),
+            *flags.API,
+            flags.GENERATION_CONFIG,
+            flags.API_ID,
+            flags.REUSE_PORT,
+            flags.EXIT_WITH_PARENT,
+        ),
     )
     flags.add_flags(api, flags.GUARD, "access and limits")
     flags.add_flags(api, flags.NATS_AUTH, "NATS credentials")

@@ -110,10 +110,12 @@ NATS_AUTH = (
 MODEL = (
     Flag(
         "--model-path",
-        type=Path,
-        help="local Hugging Face model directory (default: a small random model created in the data dir)",
+        help="a local Hugging Face model directory, or a hub id (Qwen/Qwen2.5-0.5B-Instruct) fetched into the "
+        "Hugging Face cache when missing (HF_HOME, HF_HUB_OFFLINE and HF_TOKEN apply; default: a small random model "
+        "created in the data dir)",
     ),
-    Flag("--served-model-name", help="name clients use (default: the directory name)"),
+    Flag("--revision", help="with a hub id: the branch, tag or commit to serve (default: the default branch)"),
+    Flag("--served-model-name", help="name clients use (default: the hub id, or the directory's name)"),
     Flag("--dtype", WorkerConfig.dtype, choices=("auto", "float32", "float16", "half", "bfloat16")),
     Flag("--trust-remote-code", switch=True),
     Flag("--context-length", type=int, help="override the model's context length"),
@@ -322,6 +324,14 @@ ENABLE_FLUSH_CACHE = Flag(
     help="serve /flush_cache, which makes every worker forget its cached prefixes (for benchmarks; off by default)",
 )
 GUARD = (API_KEY, API_KEY_FILE, *LIMITS, ENABLE_FLUSH_CACHE)
+GENERATION_CONFIG = Flag(
+    "--generation-config",
+    ApiConfig.generation_config,
+    choices=("auto", "none"),
+    help="auto: temperature, top_p, top_k, min_p and repetition_penalty from the model's generation_config.json "
+    "are the defaults of a request that does not set them (as vLLM's); none: pdserve's and OpenAI's defaults "
+    "(default: %(default)s)",
+)
 API_ID = Flag("--api-id", help="this API's id on the broker (default: api-<random>)")
 
 REUSE_PORT = Flag("--reuse-port", switch=True, help="share --port with other API processes (SO_REUSEPORT, Linux)")
@@ -455,6 +465,7 @@ def api_forwarded() -> tuple[Flag, ...]:
         nats_url(),
         *NATS_AUTH,
         *API,
+        GENERATION_CONFIG,
         API_KEY_FILE,
         *LIMITS,
         API_ID,

@@ -14,6 +14,7 @@ from typing import Any
 
 from pdserve import settings
 from pdserve.api.config import ApiConfig
+from pdserve.api.model_info import sampling_defaults
 from pdserve.broker.auth import NatsAuth, read_password
 from pdserve.broker.streams import BrokerConfig
 from pdserve.engine.config import EngineConfig, KVTierConfig
@@ -29,15 +30,17 @@ class UsageError(Exception):
 
 
 # ---- configs ------------------------------------------------------------------------
-def resolve_model(args: argparse.Namespace) -> Path:
-    """``--model-path``, checked; without it the built-in model, created on first use."""
+def resolve_model(args: argparse.Namespace, weights: bool = True) -> Path:
+    """``--model-path`` as a local directory: itself, or a hub id's snapshot in the Hugging
+    Face cache (fetched when missing, only configs and tokenizer unless ``weights``; see
+    :mod:`pdserve.checkpoint`); without it the built-in model, created on first use."""
     if args.model_path is not None:
-        path = Path(args.model_path)
-        if not (path / "config.json").exists():
-            raise UsageError(
-                f"--model-path {path}: no config.json there (a local Hugging Face model directory is needed)"
-            )
-        return path
+        from pdserve.checkpoint import CheckpointError, resolve
+
+        try:
+            return resolve(args.model_path, args.revision, weights)
+        except CheckpointError as exc:
+            raise UsageError(f"--model-path {exc}") from None
     from pdserve.engine.tiny_model import ensure_default_model
 
     path = ensure_default_model(Path(args.data_dir), progress=lambda line: log.info(line))
@@ -45,6 +48,13 @@ def resolve_model(args: argparse.Namespace) -> Path:
         "serving the built-in random-weight model: its output is not meaningful text", extra={"path": str(path)}
     )
     return path
+
+
+def model_name(args: argparse.Namespace, model_path: Path) -> str:
+    """``--served-model-name``, else the hub id or the directory's name."""
+    from pdserve.checkpoint import served_name
+
+    return str(args.served_model_name or served_name(model_path))
 
 
 def check_worker_flags(args: argparse.Namespace, role: str) -> None:
@@ -221,7 +231,7 @@ def worker_config(args: argparse.Namespace, role: str, model_path: Path) -> Work
     return WorkerConfig(
         role=role,
         model_path=model_path,
-        model_name=args.served_model_name or model_path.name,
+        model_name=model_name(args, model_path),
         nats_url=args.nats_url,
         nats_auth=nats_auth(args),
         engine=engine_config(args),
@@ -253,8 +263,17 @@ API_ONLY = (
     "max_batch_prompts",
     "max_concurrent_requests",
     "enable_flush_cache",
+    "generation_config",
     "api_id",
 )
+
+
+def check_generation_config(args: argparse.Namespace, model_path: Path) -> None:
+    """Refuse a generation config the API could not read now, rather than in its start-up."""
+    try:
+        sampling_defaults(model_path, getattr(args, "generation_config", ApiConfig.generation_config))
+    except ValueError as exc:
+        raise UsageError(f"--generation-config: {exc}") from None
 
 
 def api_config(
@@ -264,12 +283,13 @@ def api_config(
     API-only ones at their defaults); ``auth`` replaces the NATS credentials the flags
     name, ``overrides`` any field."""
     api_only: dict[str, Any] = {name: getattr(args, name) for name in API_ONLY if hasattr(args, name)}
+    check_generation_config(args, model_path)
     return ApiConfig(
         nats_url=nats_url,
         nats_auth=auth if auth is not None else nats_auth(args),
         api_keys=api_keys(args),
         model_path=model_path,
-        model_name=args.served_model_name,
+        model_name=model_name(args, model_path),
         host=args.host,
         port=args.port,
         trust_remote_code=args.trust_remote_code,
@@ -311,7 +331,7 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
         log.info(
             "--disaggregation-bootstrap-port is not needed by pdserve (handles travel over NATS); ignoring its value"
         )
-    config = worker_config(args, role, resolve_model(args))
+    config = worker_config(args, role, resolve_model(args, weights=args.load_format != "dummy"))
     setup_tracing(role, config.worker_id)
     log.info("loading model", extra={"role": role, "path": str(config.model_path)})
     from pdserve.engine.loader import build_engine
@@ -364,7 +384,7 @@ def run_api(args: argparse.Namespace) -> None:
 
     if args.exit_with_parent:
         exit_with_parent()
-    config = api_config(args, args.nats_url, resolve_model(args))
+    config = api_config(args, args.nats_url, resolve_model(args, weights=False))
     setup_tracing("api")
     app = create_app(config)
     if not args.reuse_port:

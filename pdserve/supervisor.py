@@ -36,8 +36,10 @@ from pdserve.launch import (
     UsageError,
     api_config,
     api_keys,
+    check_generation_config,
     choose_transport,
     listen_socket,
+    model_name,
     nats_auth,
     resolve_model,
     scaling_config,
@@ -91,7 +93,8 @@ def api_argv(
     table = flags.api_forwarded()
     values = {flag.dest: flag.default for flag in table}
     values.update({k: v for k, v in vars(args).items() if k in values})
-    values.update(model_path=model_path, nats_url=nats_url, reuse_port=True, exit_with_parent=True, api_id=api_id)
+    values.update(model_path=model_path, revision=None, nats_url=nats_url, reuse_port=True, exit_with_parent=True)
+    values.update(api_id=api_id)
     values.update(api_key_file=key_file or values["api_key_file"], **nats_user(credentials, api_id))
     return [sys.executable, "-m", "pdserve", "api", *flags.render(table, values)]
 
@@ -232,7 +235,8 @@ def run_up(args: argparse.Namespace) -> int:
     )
     if transport.fallback:
         log.warning("RDMA cannot work here: workers will move KV over tcp", extra={"why": transport.fallback})
-    model_path = resolve_model(args)
+    model_path = resolve_model(args, weights=args.load_format != "dummy")
+    check_generation_config(args, model_path)
     key_file = _key_file(args)
     prefix = f"api-{uuid.uuid4().hex[:8]}"
     api_ids = [f"{prefix}-{i}" for i in range(args.api_processes)]
@@ -249,7 +253,7 @@ def run_up(args: argparse.Namespace) -> int:
     if scaling is not None:
         argv = {r: worker_argv(args, r, model_path, nats_url, threads, None, credentials) for r in ROLES}
         pools = {r: Pool(r, argv[r], children) for r in ROLES}
-        scaler = Autoscale(scaling, pools, args.served_model_name or model_path.name, args.scale_interval)
+        scaler = Autoscale(scaling, pools, model_name(args, model_path), args.scale_interval)
         scaling_run = (scaler, credentials.auth(ADMIN) if credentials is not None else nats_auth(args))
     else:
         children += [

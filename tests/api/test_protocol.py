@@ -568,3 +568,41 @@ def test_constraints_that_cannot_work_are_400s(info: Any, extra: dict[str, Any])
     with pytest.raises(APIError) as caught:
         parse_completion({"model": info.name, "prompt": "hi", **extra}, info, Limits())
     assert caught.value.status == 400
+
+
+# ---- the model's generation config as request defaults ---------------------------------
+def test_generation_config_values_are_the_defaults_a_request_can_override(info: ModelInfo) -> None:
+    import dataclasses
+
+    defaults = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1}
+    model = dataclasses.replace(info, sampling_defaults=defaults)
+    messages = [{"role": "user", "content": "hi"}]
+    for parsed in (
+        parse_completion({"model": info.name, "prompt": "hi"}, model, Limits()),
+        parse_chat({"model": info.name, "messages": messages}, model, Limits()),
+        parse_generate({"text": "hi", "sampling_params": {}}, model, Limits()),
+    ):
+        s = parsed.jobs[0].sampling
+        assert (s.temperature, s.top_p, s.top_k, s.min_p, s.repetition_penalty) == (0.6, 0.9, 20, 0.05, 1.1)
+    own = parse_generate({"text": "hi", "temperature": 0, "sampling_params": {"top_k": -1}}, model, Limits())
+    assert (own.jobs[0].sampling.temperature, own.jobs[0].sampling.top_k, own.jobs[0].sampling.top_p) == (0, -1, 0.9)
+    plain = parse_completion({"model": info.name, "prompt": "hi"}, info, Limits()).jobs[0].sampling
+    assert (plain.temperature, plain.top_k, plain.repetition_penalty) == (1.0, -1, 1.0)
+
+
+def test_sampling_defaults_read_only_the_sampling_keys_and_refuse_bad_values(tmp_path: Path) -> None:
+    from pdserve.api.model_info import sampling_defaults
+
+    file = tmp_path / "generation_config.json"
+    assert sampling_defaults(tmp_path) == {}  # no file
+    file.write_text('{"do_sample": true, "temperature": 0.7, "top_k": 20, "max_new_tokens": 99, "eos_token_id": 2}')
+    assert sampling_defaults(tmp_path) == {"temperature": 0.7, "top_k": 20}
+    assert isinstance(sampling_defaults(tmp_path)["temperature"], float)
+    assert sampling_defaults(tmp_path, "none") == {}
+    for bad in ('{"temperature": -1}', '{"top_p": 0}', '{"top_k": 2.5}', '{"repetition_penalty": "x"}', "{", "[]"):
+        file.write_text(bad)
+        with pytest.raises(ValueError, match=r"generation_config\.json"):
+            sampling_defaults(tmp_path)
+        assert sampling_defaults(tmp_path, "none") == {}
+    with pytest.raises(ValueError, match="auto, none"):
+        sampling_defaults(tmp_path, "vllm")

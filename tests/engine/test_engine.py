@@ -1,9 +1,12 @@
 """The engine against ``transformers``' own ``generate``: continuous batching, chunked
-prefill, prefix hits, preemption, two architectures, and the PD hand-off over Mooncake."""
+prefill, prefix hits, preemption, two architectures, the PD hand-off over Mooncake, and
+sharded safetensors checkpoints."""
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -295,3 +298,21 @@ def test_resumed_request_hands_off_prompt_and_streamed_output(tiny_model_dir: Pa
     finally:
         src.close()
         dst.close()
+
+
+def test_sharded_safetensors_load_and_decode_as_transformers(tiny_model_dir: Path, tmp_path: Path) -> None:
+    sharded = tmp_path / "sharded"
+    shutil.copytree(tiny_model_dir, sharded, ignore=shutil.ignore_patterns("model.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model.save_pretrained(sharded, max_shard_size="5MB")
+    shards = sorted(p.name for p in sharded.glob("*.safetensors"))
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert len(shards) >= 3 and set(index["weight_map"].values()) == set(shards)
+    assert not list(sharded.glob("*.bin"))
+
+    engine = build_engine(sharded, EngineConfig(max_total_tokens=8192))
+    prompts = random_prompts(2, 4000, seed=3, high=60)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, GREEDY)
+    outs = run_all(engine)
+    assert [outs[f"r{i}"] for i in range(len(prompts))] == hf_greedy(tiny_model_dir, prompts, GREEDY.max_new_tokens)

@@ -153,7 +153,7 @@ async def test_n_seeded_samples_differ_and_chat_streams_every_choice(system: Any
 
 
 # ---- penalties and bias ----------------------------------------------------------------
-async def test_penalties_and_logit_bias_equal_transformers_logits_processors(system: Any) -> None:
+async def test_penalties_and_logit_bias_equal_transformers_logits_processors(system: Any, client: Any) -> None:
     plain = hf(system.model_dir, PROMPT_IDS, 10)
     bias = {str(plain[0]): -100, "1234": 3}
     params = {
@@ -171,6 +171,20 @@ async def test_penalties_and_logit_bias_equal_transformers_logits_processors(sys
     ]
     assert out["output_ids"] == hf(system.model_dir, PROMPT_IDS, 10, processors)
     assert out["output_ids"] != plain
+    openai_body: dict[str, Any] = {  # the OpenAI spelling of the same request, streamed and not
+        "model": system.model_name,
+        "prompt": PROMPT_IDS,
+        "max_tokens": 10,
+        "temperature": 0,
+        "frequency_penalty": 1.2,
+        "presence_penalty": 0.4,
+        "logit_bias": bias,
+        "extra_body": {"ignore_eos": True},
+    }
+    completion = await client.completions.create(**openai_body)
+    assert completion.choices[0].text == out["text"]
+    stream = await client.completions.create(**openai_body, stream=True)
+    assert "".join([c.choices[0].text async for c in stream if c.choices]) == out["text"]
 
 
 # ---- structured output -------------------------------------------------------------------

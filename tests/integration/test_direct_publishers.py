@@ -295,9 +295,15 @@ async def test_leaving_a_stream_cancels_it_and_frees_both_workers(system: Any) -
             seen += len(piece.token_ids)
             if seen >= 5:
                 break
+        # The workers' cancel line first: a heartbeat sent before the request reached a
+        # worker also reads idle, so settled() alone could return before the cancel arrived.
+        cancelled = f'request cancelled rid={rid} reason="client stopped reading"'
+        deadline = time.monotonic() + 30
+        while cancelled not in system.log() and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        assert cancelled in system.log()
         workers = await settled(system.url)
     assert all(w["pages_used"] == 0 and w["requests_in_flight"] == 0 for w in workers), workers
-    assert f'request cancelled rid={rid} reason="client stopped reading"' in system.log()
 
 
 async def test_cancel_by_request_id_ends_the_stream_with_abort(system: Any) -> None:

@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 
 from pdserve.cli import build_parser
-from pdserve.launch import UsageError, check_worker_flags, engine_config
+from pdserve.launch import (
+    UsageError,
+    api_config,
+    check_generation_config,
+    check_worker_flags,
+    engine_config,
+    resolve_model,
+)
 from pdserve.supervisor import plan_roles, size_consumers, worker_argv
 
 SGLANG_PREFILL = (
@@ -65,6 +72,17 @@ def test_a_directory_without_a_model_is_refused(tmp_path: Path) -> None:
         timeout=120,
     )
     assert proc.returncode == 2 and "no config.json" in proc.stderr
+
+
+def test_a_generation_config_the_api_cannot_use_is_refused_before_start(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "generation_config.json").write_text('{"temperature": 7}')
+    for command in ("api", "up"):
+        args = build_parser().parse_args([command, "--model-path", str(tmp_path)])
+        with pytest.raises(UsageError, match=r"--generation-config: .*temperature 7 .*--generation-config none"):
+            check_generation_config(args, resolve_model(args))
+    args = build_parser().parse_args(["api", "--model-path", str(tmp_path), "--generation-config", "none"])
+    assert api_config(args, args.nats_url, resolve_model(args)).generation_config == "none"
 
 
 def test_up_plans_roles_and_forwards_engine_flags() -> None:

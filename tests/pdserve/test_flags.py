@@ -37,7 +37,8 @@ def test_worker_flags_default_to_the_configs_defaults() -> None:
 
 def test_api_flags_default_to_the_configs_defaults() -> None:
     args = build_parser().parse_args(["api", "--nats-url", "nats://n:1"])
-    assert api_config(args, args.nats_url, MODEL) == ApiConfig("nats://n:1", MODEL)
+    # the served name is decided where the model is resolved: the directory's name here
+    assert api_config(args, args.nats_url, MODEL) == ApiConfig("nats://n:1", MODEL, model_name="m")
 
 
 def test_up_forwards_every_flag_it_shares_with_workers() -> None:
@@ -45,6 +46,12 @@ def test_up_forwards_every_flag_it_shares_with_workers() -> None:
     shared = _options(parser, "up") & _options(parser, "prefill")
     own_meaning = {"-h", "--help", "--host", "--port"}  # HTTP under `up`, the worker's own under `prefill`
     assert shared - own_meaning <= {flag.name for flag in flags.forwarded()}
+
+
+def test_up_hands_workers_and_apis_the_resolved_directory_without_the_revision() -> None:
+    up = build_parser().parse_args(["up", "--model-path", "Qwen/Qwen2.5-0.5B-Instruct", "--revision", "v1"])
+    for argv in (worker_argv(up, "decode", MODEL, "nats://n:1", 1), api_argv(up, MODEL, "nats://n:1")):
+        assert argv[argv.index("--model-path") + 1] == str(MODEL) and "--revision" not in argv
 
 
 def test_a_worker_parses_what_up_means() -> None:
