@@ -1,7 +1,7 @@
 """KV cache tiers: time to first token of a multi-turn chat with and without them.
 
 **Chat** (one process, one engine per configuration, each cold: fresh pool, fresh tier
-directory, the same seeded workload): ``--users`` conversations, each opening on its own
+directory, the same seeded workload, the configurations' turns interleaved): ``--users`` conversations, each opening on its own
 ``--prefix`` tokens of context, take turns round-robin for ``--turns`` rounds; a turn
 sends the conversation so far plus ``--message`` new tokens, waits for its first token
 (TTFT) and its ``--answer`` tokens, which join the conversation. The device pool holds
@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -88,43 +89,79 @@ def tier_counts(engine: Engine) -> dict[str, Any]:
     } | {"lookup_seconds": round(s.lookup_seconds, 4), "load_seconds": round(s.load_seconds, 4)}
 
 
-def chat(model: Path, tiers: KVTierConfig, args: argparse.Namespace, seed: int) -> dict[str, Any]:
-    config = EngineConfig(max_total_tokens=args.pool_tokens, kv_tiers=tiers, device=args.device)
-    engine = build_engine(model, config, load_format=args.load_format)
-    warm_up(engine)
+@dataclass
+class Run:
+    """One configuration's engine and what its turns measured."""
+
+    engine: Engine
+    contexts: list[list[int]]
+    ttfts: list[float] = field(default_factory=list)
+    cached: list[int] = field(default_factory=list)
+    outputs: list[list[int]] = field(default_factory=list)
+    prompt_tokens: int = 0
+
+    def turn(self, rid: str, user: int, message: list[int], answer: int) -> None:
+        prompt = self.contexts[user] + message
+        self.prompt_tokens += len(prompt)
+        ttft, out, hit = one_turn(self.engine, rid, prompt, answer)
+        self.ttfts.append(ttft)
+        self.cached.append(hit)
+        self.outputs.append(out)
+        self.contexts[user] = prompt + out
+        if self.engine.tiers is not None:
+            self.engine.tiers.drain()  # the writes of this turn land before the next (a user's think time)
+
+    def reading(self, users: int) -> dict[str, Any]:
+        later = self.ttfts[users:]
+        return {
+            "mean_ttft_ms": round(statistics.mean(self.ttfts) * 1000, 2),
+            "mean_ttft_later_turns_ms": round(statistics.mean(later) * 1000, 2) if later else None,
+            "p50_ttft_ms": round(statistics.median(self.ttfts) * 1000, 2),
+            "turns": len(self.ttfts),
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": sum(self.cached),
+            "tiers": tier_counts(self.engine),
+            "outputs": self.outputs,
+        }
+
+
+def chat(model: Path, configs: dict[str, KVTierConfig], args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """Every configuration's engine, each cold, serving the same turns interleaved: each
+    turn runs on every engine in turn (the order rotating), so a slow spell of this shared
+    machine falls on all of them alike."""
     rng = random.Random(seed)
-    contexts = [tokens(rng, args.prefix) for _ in range(args.users)]
-    ttfts: list[float] = []
-    cached: list[int] = []
-    outputs: list[list[int]] = []
+    openings = [tokens(rng, args.prefix) for _ in range(args.users)]
+    runs = {}
+    for name, tiers in configs.items():
+        config = EngineConfig(
+            max_total_tokens=args.pool_tokens, kv_tiers=tiers, device=args.device, num_threads=args.num_threads
+        )
+        engine = build_engine(model, config, load_format=args.load_format)
+        warm_up(engine)
+        runs[name] = Run(engine, [list(o) for o in openings])
+    names = list(runs)
     for turn in range(args.turns):
         for user in range(args.users):
-            prompt = contexts[user] + tokens(rng, args.message)
-            ttft, answer, hit = one_turn(engine, f"u{user}t{turn}", prompt, args.answer)
-            ttfts.append(ttft)
-            cached.append(hit)
-            outputs.append(answer)
-            contexts[user] = prompt + answer
-            if engine.tiers is not None:
-                engine.tiers.drain()  # the writes of this turn land before the next (a user's think time)
-    engine.close()
-    later = ttfts[args.users :]
-    return {
-        "mean_ttft_ms": round(statistics.mean(ttfts) * 1000, 2),
-        "mean_ttft_later_turns_ms": round(statistics.mean(later) * 1000, 2) if later else None,
-        "p50_ttft_ms": round(statistics.median(ttfts) * 1000, 2),
-        "turns": len(ttfts),
-        "prompt_tokens": sum(len(c) for c in contexts) - args.answer * len(ttfts),
-        "cached_tokens": sum(cached),
-        "tiers": tier_counts(engine),
-        "outputs": outputs,
-    }
+            message = tokens(rng, args.message)
+            shift = (turn * args.users + user) % len(names)
+            for name in names[shift:] + names[:shift]:
+                runs[name].turn(f"u{user}t{turn}", user, message, args.answer)
+        print(
+            f"turn {turn}:",
+            {n: round(statistics.mean(r.ttfts[-args.users :]) * 1000) for n, r in runs.items()},
+            flush=True,
+        )
+    for run in runs.values():
+        run.engine.close()
+    return {name: run.reading(args.users) for name, run in runs.items()}
 
 
 # ---- one prompt in a fresh process (restart, second worker) -------------------------------
 def serve_one(model: Path, tiers: KVTierConfig, args: argparse.Namespace, seed: int) -> tuple[Engine, dict[str, Any]]:
     """A fresh engine serving the seeded prompt: the engine (still open) and its reading."""
-    config = EngineConfig(max_total_tokens=args.pool_tokens, kv_tiers=tiers, device=args.device)
+    config = EngineConfig(
+        max_total_tokens=args.pool_tokens, kv_tiers=tiers, device=args.device, num_threads=args.num_threads
+    )
     engine = build_engine(model, config, load_format=args.load_format)
     warm_up(engine)
     prompt = tokens(random.Random(seed), args.prefix + args.message)
@@ -164,6 +201,8 @@ def in_new_process(args: argparse.Namespace, model: Path, seed: int, tiers: dict
         args.device,
         "--load-format",
         args.load_format,
+        "--num-threads",
+        str(args.num_threads),
     ]
     env = {"MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2", "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env}, check=True)
@@ -185,7 +224,7 @@ def store_master(args: argparse.Namespace, tmp: Path) -> Iterator[dict[str, str]
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--users", type=int, default=6)
-    p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--turns", type=int, default=10)
     p.add_argument("--prefix", type=int, default=2048, help="tokens of each conversation's opening context")
     p.add_argument("--message", type=int, default=32, help="new tokens a turn sends")
     p.add_argument("--answer", type=int, default=16, help="tokens a turn generates")
@@ -194,6 +233,13 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=None, help="default: a fresh one per run")
     p.add_argument("--model", type=Path, default=None, help="default: the built-in tiny model")
     p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--num-threads",
+        type=int,
+        default=1,
+        help="torch threads (1, as `pdserve up` gives each of two workers on two cores: on a busy machine "
+        "more spin and wait)",
+    )
     p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
     p.add_argument("--no-store", action="store_true", help="skip the Mooncake Store parts")
     p.add_argument("--store-bytes", type=int, default=1 << 30, help="memory of the store server")
@@ -222,11 +268,9 @@ def main() -> None:
         }
         if store is not None:
             configs["store"] = KVTierConfig(**store)
-        results["chat"] = {}
-        for name, tiers in configs.items():
-            results["chat"][name] = chat(model, tiers, args, seed)
-            shown = {k: v for k, v in results["chat"][name].items() if k != "outputs"}
-            print(name, json.dumps(shown), flush=True)
+        results["chat"] = chat(model, configs, args, seed)
+        for name, reading in results["chat"].items():
+            print(name, json.dumps({k: v for k, v in reading.items() if k != "outputs"}), flush=True)
         base = results["chat"]["none"]
         for name in configs:
             reading = results["chat"][name]
