@@ -42,7 +42,7 @@ class StoreTier:
             raise StoreError(f"Mooncake Store setup against master {master} (metadata {metadata}) failed: {rc}")
         self._prefix = f"{PREFIX}/{ident.hex()}/"
         self._lock = threading.Lock()  # one client, used from the loop and the writer thread
-        self.num_put_failures = 0
+        self._closed = False
 
     def _key(self, key: bytes) -> str:
         return self._prefix + key.hex()
@@ -59,8 +59,8 @@ class StoreTier:
     def put(self, key: bytes, blob: bytes) -> None:
         with self._lock:
             rc = self._store.put(self._key(key), blob)
-        if rc != 0:
-            self.num_put_failures += 1  # the store is full of leased objects, or the master is away
+        if rc != 0:  # the store is full of leased objects, or the master is away: the writer counts it
+            raise StoreError(f"Mooncake Store put failed: {rc}")
 
     def discard(self, key: bytes) -> None:
         with self._lock:
@@ -68,4 +68,6 @@ class StoreTier:
 
     def close(self) -> None:
         with self._lock:
-            self._store.close()
+            if not self._closed:
+                self._closed = True
+                self._store.close()

@@ -38,6 +38,7 @@ from pdserve.engine import kv_blob
 from pdserve.engine.config import KVTierConfig
 from pdserve.engine.kv_host import HostTier
 from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.kv_store import StoreError
 
 log = logging.getLogger(__name__)
 
@@ -266,11 +267,15 @@ class KVTiers:
     def _write_loop(self) -> None:
         while True:
             item = self._queue.get()
+            if item is None:
+                self._queue.task_done()
+                return
             try:
-                if item is None:
-                    return
                 self._write(item)
-            except Exception:  # a full disk or a store away: this group is not kept, the worker goes on
+            except (OSError, StoreError) as exc:  # a full disk, a store away: this group is not kept
+                self.stats.write_errors += 1
+                log.warning("KV page group not written", extra={"key": item.key.hex(), "error": str(exc)})
+            except Exception:  # a bug: counted and logged whole, the worker goes on
                 self.stats.write_errors += 1
                 log.exception("KV page group write failed")
             finally:
@@ -301,11 +306,12 @@ class KVTiers:
         return self.host.clear() if self.host is not None else 0
 
     def close(self) -> None:
-        """Finish queued writes, stop the writer, close the store client."""
-        if self._writer is not None:
-            self._queue.put(None)
-            self._writer.join()
-            self._writer = None
+        """Finish queued writes, stop the writer, close the store client (again: nothing)."""
+        if self._writer is None:
+            return
+        self._queue.put(None)
+        self._writer.join()
+        self._writer = None
         for tier in self.groups:
             close = getattr(tier, "close", None)
             if close is not None:

@@ -17,7 +17,7 @@ from pdserve.engine.kv_disk import DiskTier
 from pdserve.engine.kv_host import HostTier
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.loader import build_engine
-from pdserve.kv_store import StoreMaster, running_store
+from pdserve.kv_store import StoreMaster, plan_master, running_store, start
 from pdserve.schemas import KVLayout, SamplingParams, WorkerInfo
 from pdserve.workers.metrics import WorkerMetrics
 from tests.engine.test_engine import hf_greedy, random_prompts, run_all
@@ -150,6 +150,7 @@ def test_disk_tier_serves_a_restarted_engine_and_skips_corrupt_files(
     assert serve(restarted, [prompts[1]]) == [expected[1]]
     stats = restarted.tiers.stats.tiers["disk"]  # type: ignore[union-attr]
     assert stats.hit_pages == disk.stored_pages and stats.corrupt == 0
+    assert engine.tiers.stats.write_errors == engine.tiers.stats.write_drops == 0  # type: ignore[union-attr]
     assert restarted.stats.cached_tokens == disk.stored_pages * 16
     restarted.close()
     files = sorted(Path(tmp_path).rglob("*.kv"))
@@ -206,5 +207,27 @@ def test_a_second_engine_serves_a_prompt_first_seen_by_another_from_the_store(
     assert serve(second, [prompts[1]]) == [expected[1]]
     hits = second.tiers.stats.tiers["store"]  # type: ignore[union-attr]
     assert hits.hit_pages == stored and hits.corrupt == 0
+    assert first.tiers.stats.write_errors == first.tiers.stats.write_drops == 0  # type: ignore[union-attr]
     assert second.stats.cached_tokens == stored * 16
     second.close()
+
+
+def test_writes_a_store_cannot_take_are_counted_errors(
+    tiny_model_dir: Path, prompts_and_expected, tmp_path: Path
+) -> None:
+    """A master with no memory lent to it (no store server): every put fails, is counted
+    and logged, and the request is served all the same."""
+    prompts, expected = prompts_and_expected
+    master = plan_master()
+    process = start(master, tmp_path / "master.log")
+    try:
+        engine = tiered_engine(
+            tiny_model_dir, group_pages=4, store_master=master.address, store_metadata=master.metadata_url
+        )
+        assert serve(engine, prompts[:1]) == expected[:1]
+        engine.close()
+        stats = engine.tiers.stats  # type: ignore[union-attr]
+        assert stats.write_errors == 200 // 16 // 4 and stats.tiers["store"].stored_pages == 0
+    finally:
+        process.terminate()
+        process.wait(10)
