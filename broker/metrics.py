@@ -55,6 +55,10 @@ _COUNTERS = {
         "pdserve_kv_transport_fallbacks",
         "RDMA asked for but unusable: KV moves over tcp (--allow-tcp-fallback)",
     ),
+    "kv_tier_lookups": ("pdserve_kv_tier_lookups", "prefix lookups that went below the device's prefix cache"),
+    "kv_tier_missed_pages": ("pdserve_kv_tier_missed_pages", "pages those lookups wanted that no KV tier held"),
+    "kv_tier_write_drops": ("pdserve_kv_tier_write_drops", "KV page groups not written: the writer's queue was full"),
+    "kv_tier_write_errors": ("pdserve_kv_tier_write_errors", "KV page groups a tier failed to take (logged)"),
     "steps": ("pdserve_engine_steps", "forward passes"),
     "batch_rows": ("pdserve_engine_batch_rows", "sequences computed, summed over steps (/ steps = mean batch size)"),
     "prompt_tokens": ("pdserve_prompt_tokens", "prompt tokens admitted by the engine"),
@@ -64,6 +68,20 @@ _COUNTERS = {
     "kv_pull_seconds": ("pdserve_kv_transfer_seconds", "seconds spent pulling KV"),
 }
 _STATS_GAUGES = {"waiting", "running", "prefill_tokens_waiting"}
+# TierCounts fields → (metric name, help); labels worker, role and tier.
+_TIER_COUNTERS = {
+    "hit_pages": (
+        "pdserve_kv_tier_hit_pages",
+        "KV pages loaded from the tier into the pool (prefix hits below the device)",
+    ),
+    "load_bytes": ("pdserve_kv_tier_load_bytes", "bytes loaded from the tier into the pool"),
+    "stored_pages": ("pdserve_kv_tier_stored_pages", "KV pages written into the tier"),
+    "store_bytes": ("pdserve_kv_tier_store_bytes", "bytes written into the tier"),
+    "corrupt": (
+        "pdserve_kv_tier_corrupt",
+        "entries that failed their checksum, identity or key check (used as misses)",
+    ),
+}
 _TOTALS = [f.name for cls in (WorkerCounters, WorkerStats) for f in dataclasses.fields(cls)]
 assert set(_TOTALS) == set(_COUNTERS) | _STATS_GAUGES, "every worker total has a metric"
 
@@ -99,6 +117,23 @@ def worker_families(workers: Iterable[WorkerInfo]) -> Iterator[Metric]:
     yield info
     yield from gauges.values()
     yield from counters.values()
+    if any(w.kv_tiers for w in workers):
+        yield from _tier_families(workers)
+
+
+def _tier_families(workers: list[WorkerInfo]) -> Iterator[Metric]:
+    """The KV tiers' totals of the workers that have tiers, one sample per worker and tier."""
+    labels = [*WORKER_LABELS, "tier"]
+    counters = {f: CounterMetricFamily(name, help, labels=labels) for f, (name, help) in _TIER_COUNTERS.items()}
+    held = GaugeMetricFamily("pdserve_kv_tier_bytes", "bytes the KV tier holds now (host, disk)", labels=labels)
+    for w in workers:
+        for t in w.kv_tiers:
+            values = [w.worker_id, w.role, t.tier]
+            for field, family in counters.items():
+                family.add_metric(values, getattr(t, field))
+            held.add_metric(values, t.held_bytes)
+    yield from counters.values()
+    yield held
 
 
 @dataclass(frozen=True)

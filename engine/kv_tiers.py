@@ -22,6 +22,7 @@ manager stays free of tensors and I/O.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -39,6 +40,7 @@ from pdserve.engine.config import KVTierConfig
 from pdserve.engine.kv_host import HostTier
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.kv_store import StoreError
+from pdserve.schemas import TierCounts
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +148,25 @@ class KVTiers:
 
     def tier(self, name: str) -> GroupTier | None:
         return next((t for t in self.groups if t.name == name), None)
+
+    def counts(self) -> tuple[TierCounts, ...]:
+        """Each configured tier's totals, for the worker's heartbeat (and metrics)."""
+        present = {"host": self.host, **{t.name: t for t in self.groups}}
+        return tuple(
+            TierCounts(name, **dataclasses.asdict(self.stats.tiers[name]), held_bytes=getattr(tier, "num_bytes", 0))
+            for name, tier in present.items()
+            if tier is not None
+        )
+
+    def totals(self) -> dict[str, int]:
+        """The tiers' :class:`WorkerCounters` fields."""
+        s = self.stats
+        return {
+            "kv_tier_lookups": s.lookups,
+            "kv_tier_missed_pages": s.missed_pages,
+            "kv_tier_write_drops": s.write_drops,
+            "kv_tier_write_errors": s.write_errors,
+        }
 
     # ---- demotion --------------------------------------------------------------
     def demote(self, page: int, h: bytes) -> None:

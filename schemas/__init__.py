@@ -7,7 +7,7 @@ from pdserve.schemas.link import KVLink, KVLinkReply, KVPush, KVPushReply
 from pdserve.schemas.request import GenerateRequest
 from pdserve.schemas.sampling import SamplingParams
 from pdserve.schemas.tokens import ErrorInfo, TokenBatch, TokenChunk, TokenLogprob, Usage
-from pdserve.schemas.worker import WorkerCounters, WorkerInfo, WorkerStats
+from pdserve.schemas.worker import TierCounts, WorkerCounters, WorkerInfo, WorkerStats
 
 __all__ = [
     "Cancel",
@@ -28,6 +28,7 @@ __all__ = [
     "Message",
     "MessageError",
     "SamplingParams",
+    "TierCounts",
     "TokenBatch",
     "TokenChunk",
     "TokenLogprob",

@@ -30,6 +30,11 @@ class WorkerCounters:
     that failed or timed out on the prefill side; ``kv_transport_fallbacks``: 1 when RDMA was
     asked for, could not work, and the worker moves KV over tcp with the user's leave
     (``--allow-tcp-fallback``).
+
+    The KV tiers below the prefix cache (docs/kv_tiers.md): ``kv_tier_lookups``: prefix
+    lookups that went below the device; ``kv_tier_missed_pages``: pages they wanted that no
+    tier held; ``kv_tier_write_drops``: page groups not written (the writer's queue was
+    full); ``kv_tier_write_errors``: page groups a tier failed to take.
     """
 
     kv_pulls: int = 0
@@ -48,6 +53,26 @@ class WorkerCounters:
     kv_send_bytes: int = 0
     kv_send_failures: int = 0
     kv_transport_fallbacks: int = 0
+    kv_tier_lookups: int = 0
+    kv_tier_missed_pages: int = 0
+    kv_tier_write_drops: int = 0
+    kv_tier_write_errors: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TierCounts:
+    """One KV tier's totals: ``tier`` is ``host``, ``disk`` or ``store``; ``hit_pages`` and
+    ``load_bytes``: loaded from it into the pool; ``stored_pages`` and ``store_bytes``:
+    written into it; ``corrupt``: entries that failed their checks (used as misses);
+    ``held_bytes``: what it holds now (host and disk; 0 where unknown)."""
+
+    tier: str
+    hit_pages: int = 0
+    load_bytes: int = 0
+    stored_pages: int = 0
+    store_bytes: int = 0
+    corrupt: int = 0
+    held_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -76,8 +101,8 @@ class WorkerStats:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class WorkerInfo(Message):
-    """Minor additions (``counters``, ``kv_layout``, ``transfer_*``, ``stats``) are
-    optional, so an older worker's entry still decodes."""
+    """Minor additions (``counters``, ``kv_layout``, ``transfer_*``, ``stats``,
+    ``kv_tiers``) are optional, so an older worker's entry still decodes."""
 
     worker_id: str
     role: str
@@ -98,4 +123,5 @@ class WorkerInfo(Message):
     transfer_backend: str = ""
     transfer_protocol: str = ""
     stats: WorkerStats = WorkerStats()
+    kv_tiers: tuple[TierCounts, ...] = ()
     v: int = 1

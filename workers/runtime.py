@@ -189,6 +189,7 @@ class WorkerRuntime:
         pages = self.engine.pages
         transfer = self.transfer
         engine = self.engine
+        tiers = engine.tiers
         stats = WorkerStats(
             steps=engine.stats.steps,
             batch_rows=engine.stats.batch_rows,
@@ -216,11 +217,14 @@ class WorkerRuntime:
             model_path=str(self.config.model_path),
             started_at=self._started_at,
             updated_at=time.time(),
-            counters=WorkerCounters(**{**self.counters, **(transfer.counts() if transfer else {})}),
+            counters=WorkerCounters(
+                **{**self.counters, **(transfer.counts() if transfer else {}), **(tiers.totals() if tiers else {})}
+            ),
             kv_layout=self.engine.runner.pool.layout if transfer else None,
             transfer_backend=transfer.name if transfer else "",
             transfer_protocol=transfer.protocol if transfer else "",
             stats=stats,
+            kv_tiers=tiers.counts() if tiers else (),
         )
 
     # ---- requests in ---------------------------------------------------------

@@ -11,7 +11,7 @@ from prometheus_client.registry import Collector
 
 from pdserve.broker import tracing
 from pdserve.broker.metrics import QueueReading, queue_families, worker_families
-from pdserve.schemas import WorkerCounters, WorkerInfo, WorkerStats
+from pdserve.schemas import TierCounts, WorkerCounters, WorkerInfo, WorkerStats
 
 
 def _worker(worker_id: str, role: str, n: int) -> WorkerInfo:
@@ -58,6 +58,16 @@ def test_every_worker_total_is_a_metric_with_one_sample_per_worker() -> None:
     # 7 gauges + the info family + every WorkerCounters and WorkerStats total but the 3 gauges among them
     totals = len(dataclasses.fields(WorkerCounters)) + len(dataclasses.fields(WorkerStats)) - 3
     assert len(exposed) == 1 + 7 + totals
+
+
+def test_kv_tiers_are_labelled_by_tier_for_the_workers_that_have_them() -> None:
+    tiers = (TierCounts("host", hit_pages=7, held_bytes=1024), TierCounts("disk", hit_pages=2, corrupt=1))
+    workers = [dataclasses.replace(_worker("p1", "prefill", 3), kv_tiers=tiers), _worker("d1", "decode", 5)]
+    exposed = _exposed(list(worker_families(workers)))
+    hits = {(s.labels["worker"], s.labels["tier"]): s.value for s in exposed["pdserve_kv_tier_hit_pages"]}
+    assert hits == {("p1", "host"): 7, ("p1", "disk"): 2}
+    assert {s.labels["tier"]: s.value for s in exposed["pdserve_kv_tier_corrupt"]} == {"host": 0, "disk": 1}
+    assert {s.labels["tier"]: s.value for s in exposed["pdserve_kv_tier_bytes"]} == {"host": 1024, "disk": 0}
 
 
 def test_queues_are_labelled_by_stage_and_consumer() -> None:
