@@ -23,7 +23,8 @@ class HostTier:
     def __init__(self, pool: KVPool, max_bytes: int) -> None:
         self.pool = pool
         self.num_slots = max_bytes // pool.page_bytes
-        assert self.num_slots > 0, "the host tier must hold at least one page"
+        if self.num_slots < 1:
+            raise ValueError(f"a host tier of {max_bytes} bytes holds no KV page of {pool.page_bytes} bytes")
         pin = pool.device.type == "cuda"
         self.slots = torch.empty((self.num_slots, *pool.tensor.shape[1:]), dtype=pool.tensor.dtype, pin_memory=pin)
         self._slot_of: OrderedDict[bytes, int] = OrderedDict()  # LRU order, oldest first
