@@ -2,7 +2,8 @@
 # One H200, one call (about 8 minutes): the GPU tests, the engine bench with the end-to-end
 # pairs at four waves of 64 in flight (warm client connections) and the worker's step
 # timeline, the one-wave pairs beside them, then structured output's cost with its step
-# timeline. Needs no Mooncake or py-spy wheels.
+# timeline, and the host's grammar work per step (masks, accepts; bench/grammar_host.py).
+# Needs no Mooncake or py-spy wheels.
 set -u
 out=${OUT:-/tmp/pdserve-gpu}
 mkdir -p "$out"
@@ -20,3 +21,4 @@ python3 bench/make_dummy_model.py --out /tmp/m7b >/dev/null
 timeout 240 python3 bench/structured_output.py --model-path /tmp/m7b --extra "--device cuda --load-format dummy --log-level DEBUG" \
   --out "$out/structured_output_gpu.json" > "$out/structured_output.log" 2>&1
 grep "^{\|median" "$out/structured_output.log" | cut -c1-150
+timeout 120 python3 bench/grammar_host.py --out "$out/grammar_host.json" 2>&1 | tail -6

@@ -156,8 +156,15 @@ class Grammars:
                 m.fill(bitmask, row)
                 if m.json:
                     json_rows.append(row)
-        if json_rows:  # xgrammar's JSON strings admit raw control characters; strict parsers do not
-            bitmask[json_rows] &= self._plain
+        # xgrammar's JSON strings admit raw control characters; strict parsers do not. Not
+        # through an index list: an indexed in-place update gathers, computes and scatters
+        # (64 rows of a 152k vocabulary: 0.6 ms on one quiet core, tens of ms when its
+        # threads compete for busy cores), against 0.03 ms for the whole tensor at once.
+        if len(json_rows) == bitmask.shape[0]:
+            bitmask &= self._plain
+        else:
+            for row in json_rows:  # views: ~6 us a row
+                bitmask[row] &= self._plain
 
     def _stage(self, rows: int) -> tuple[torch.Tensor, torch.cuda.Event]:
         if not self._staged or self._staged[0][0].shape[0] < rows:

@@ -246,3 +246,43 @@ def test_a_constraint_that_does_not_compile_is_refused(tiny_model_dir: Path) -> 
 
 def _fields(params: SamplingParams) -> dict[str, object]:
     return {f: getattr(params, f) for f in params.__dataclass_fields__}
+
+
+def test_masks_keep_control_characters_out_of_json_rows_only(tiny_model_dir: Path) -> None:
+    """A batch mixing a JSON-schema row, a regex row and an unconstrained row: only the JSON
+    row loses the tokens holding control characters (strict JSON parsers refuse them raw);
+    the regex row keeps what its pattern allows, the free row everything; all rows JSON:
+    the same masks as each row alone."""
+    from transformers import AutoTokenizer
+
+    from pdserve.engine.grammar import Grammars
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    grammars = Grammars(tokenizer, 4096, [tokenizer.eos_token_id])
+    control = [i for i, text in enumerate(grammars._info.decoded_vocab) if text and any(b < 0x20 for b in text)]
+    assert control, "the tiny tokenizer has tokens with control characters"
+
+    def allowed(bitmask: torch.Tensor, row: int) -> set[int]:
+        bits = bitmask[row].numpy().view("uint32")
+        return {w * 32 + b for w in range(len(bits)) for b in range(32) if (int(bits[w]) >> b) & 1}
+
+    schema = SamplingParams(json_schema=json.dumps({"type": "string"}))
+    regex = SamplingParams(regex=r'"[\s\S]*"')  # a quoted string of anything, control characters too
+    mixed = grammars.masks([grammars.matcher(schema), grammars.matcher(regex), None], torch.device("cpu"))
+    quote = [tokenizer.convert_tokens_to_ids('"')]
+    after_quote = grammars.masks(
+        [
+            grammars.matcher(schema, quote),
+            grammars.matcher(regex, quote),
+            None,
+        ],
+        torch.device("cpu"),
+    )
+    json_row, regex_row, free_row = (allowed(after_quote, r) for r in range(3))
+    assert not json_row & set(control)  # inside a JSON string: no raw control character
+    assert regex_row & set(control)  # the regex's [\s\S] admits them
+    assert free_row >= set(range(4096))
+    assert allowed(mixed, 2) >= set(range(4096))
+    alone = grammars.masks([grammars.matcher(schema, quote)], torch.device("cpu"))
+    both = grammars.masks([grammars.matcher(schema, quote)] * 2, torch.device("cpu"))
+    assert allowed(alone, 0) == json_row == allowed(both, 0) == allowed(both, 1)
