@@ -127,8 +127,9 @@ class Engine:
         self._in_flight: list[ScheduledBatch] = []  # scheduled, not yet postprocessed
         self._aborted: set[str] = set()  # aborted while in flight: dropped when their steps end
         self._pending: Launched | None = None  # a step left queued on the device by step()
-        # Overlap needs tokens that can stay on the device: the fast path's.
-        self.overlap = config.overlap_schedule and runner.fast is not None
+        # Overlap needs tokens that can stay on the device: the fast path's; and under tensor
+        # parallelism the followers would need them too (not yet: each step is waited for).
+        self.overlap = config.overlap_schedule and runner.fast is not None and runner.tp is None
         capacity = config.max_num_seqs + config.max_prefill_seqs
         on_gpu = self.overlap and runner.device.type == "cuda"
         self._pinned = [torch.empty(capacity, dtype=torch.long, pin_memory=True) for _ in range(3)] if on_gpu else []
@@ -313,7 +314,7 @@ class Engine:
         except OutOfPages:
             return False
         if fresh is not None:
-            self.runner.pool.copy_page(parent.page_table[len(child.page_table) - 1], fresh)
+            self.runner.copy_page(parent.page_table[len(child.page_table) - 1], fresh)
         return True
 
     def fail_import(self, seq: Sequence) -> None:
