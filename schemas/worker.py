@@ -76,8 +76,9 @@ class WorkerStats:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class WorkerInfo(Message):
-    """Minor additions (``counters``, ``kv_layout``, ``transfer_*``, ``stats``) are
-    optional, so an older worker's entry still decodes."""
+    """Minor additions (``counters``, ``kv_layout``, ``transfer_*``, ``stats``,
+    ``tp_size``) are optional, so an older worker's entry still decodes. ``kv_layout`` is
+    one rank's pool: with ``tp_size`` ranks it holds ``1 / tp_size`` of the KV heads."""
 
     worker_id: str
     role: str
@@ -98,4 +99,5 @@ class WorkerInfo(Message):
     transfer_backend: str = ""
     transfer_protocol: str = ""
     stats: WorkerStats = WorkerStats()
+    tp_size: int = 1
     v: int = 1
