@@ -153,7 +153,7 @@ def check_divisible(config: Any, size: int) -> None:
 def tp_plan(model: torch.nn.Module) -> dict[str, str]:
     """``transformers``' tensor-parallel plan of the model's decoder (module pattern ->
     style), or a :class:`TPError` if it has none pdserve can apply."""
-    config = model.config.get_text_config()  # type: ignore[operator]
+    config = model.config.get_text_config()  # type: ignore[union-attr,operator]
     plan = dict(getattr(config, "base_model_tp_plan", None) or {})
     if not plan:
         raise TPError(f"{type(model).__name__} has no tensor-parallel plan in transformers")
@@ -167,7 +167,7 @@ def shard_model(model: torch.nn.Module, rank: int, size: int, reduce: Callable[[
     """Split ``model``'s weights in place by its plan: ``colwise`` keeps this rank's rows
     (and bias), ``rowwise`` this rank's columns (the bias on rank 0 only) and all-reduces the
     module's output through ``reduce``. Returns the number of modules split."""
-    config = model.config.get_text_config()  # type: ignore[operator]
+    config = model.config.get_text_config()  # type: ignore[union-attr,operator]
     check_divisible(config, size)
     plan = tp_plan(model)
     base = getattr(model, "base_model", model)
@@ -199,7 +199,7 @@ def _split(module: torch.nn.Linear, style: str, rank: int, size: int) -> None:
         else:
             module.weight.data = weight.chunk(size, dim=1)[rank].clone()
             if module.bias is not None and rank != 0:
-                module.bias = None
+                module.bias = None  # type: ignore[assignment]
             module.in_features //= size
 
 

@@ -297,6 +297,19 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{int(index or 0) + rank}"
 
 
+def check_tp_split(config: WorkerConfig, size: int) -> None:
+    """Refuse (before any rank starts) a model whose heads or MLP do not split over ``size``."""
+    from transformers import AutoConfig
+
+    from pdserve.engine.parallel import TPError, check_divisible
+
+    model_config = AutoConfig.from_pretrained(config.model_path, trust_remote_code=config.trust_remote_code)
+    try:
+        check_divisible(model_config.get_text_config(), size)
+    except TPError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def start_tensor_parallel(args: argparse.Namespace, role: str) -> tuple[Any, Any]:
     """``(group, followers)`` of a worker of ``--tensor-parallel-size`` > 1, ``(None,
     None)`` otherwise. Rank 0 starts the store and ranks 1.. (this command again, with
@@ -349,6 +362,7 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
     if args.tensor_parallel_size > 1:
         import dataclasses
 
+        check_tp_split(config, args.tensor_parallel_size)
         engine_cfg = dataclasses.replace(config.engine, device=rank_device(args.device, args.tp_rank))
         if args.num_threads is None and engine_cfg.device == "cpu":  # the ranks share the cores
             engine_cfg = dataclasses.replace(

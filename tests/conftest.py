@@ -71,7 +71,15 @@ def mixing_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFact
     with torch.no_grad():
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            for linear in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            for linear in (
+                attn.q_proj,
+                attn.k_proj,
+                attn.v_proj,
+                attn.o_proj,
+                mlp.gate_proj,
+                mlp.up_proj,
+                mlp.down_proj,
+            ):
                 linear.weight.mul_(MIXING_SCALE)
     model.save_pretrained(out, safe_serialization=True)
     return out

@@ -65,7 +65,9 @@ def test_two_ranks_equal_one_and_transformers(mixing_model_dir: Path, tmp_path: 
     model = AutoModelForCausalLM.from_pretrained(mixing_model_dir).eval()
     with torch.inference_mode():
         theirs = [
-            model.generate(torch.tensor([p]), max_new_tokens=new, min_new_tokens=new, do_sample=False)[0, len(p) :].tolist()
+            model.generate(torch.tensor([p]), max_new_tokens=new, min_new_tokens=new, do_sample=False)[
+                0, len(p) :
+            ].tolist()
             for p, new, _ in cases()
         ]
     assert_greedy_equal(model, prompts, ours, theirs)

@@ -56,7 +56,9 @@ def reference(mixing_model_dir: Path) -> list[list[int]]:
     model = AutoModelForCausalLM.from_pretrained(mixing_model_dir).eval()
     with torch.inference_mode():
         return [
-            model.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[0, len(p) :].tolist()
+            model.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[
+                0, len(p) :
+            ].tolist()
             for p in prompts()
         ]
 
