@@ -36,13 +36,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_engine import SMALL, Timer, engine_run, prompts, replay_ms  # noqa: E402
+from gpu_engine import SMALL, Timer, engine_run, prompts, replay_ms
 
-from pdserve.bench.shapes import QWEN2_5_7B  # noqa: E402
-from pdserve.engine.config import EngineConfig  # noqa: E402
-from pdserve.engine.engine import Engine  # noqa: E402
-from pdserve.engine.loader import quiet_transformers  # noqa: E402
-from pdserve.engine.model_runner import ModelRunner, ModelSpec  # noqa: E402
+from pdserve.bench.shapes import QWEN2_5_7B
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.loader import quiet_transformers
+from pdserve.engine.model_runner import ModelRunner, ModelSpec
 
 
 def say(msg: str) -> None:
