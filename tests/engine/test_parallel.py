@@ -30,8 +30,16 @@ def cases() -> list[tuple[list[int], int, int]]:
     return [(p, 10, 2 if i == 3 else 1) for i, p in enumerate(prompts)]
 
 
+def fast_cases() -> list[tuple[list[int], int, int]]:
+    """Fewer and shorter for the interpreter (the small model's vocabulary is 300): a prompt
+    computed in two chunks, and one of two samples."""
+    rng = random.Random(19)
+    return [([rng.randrange(3, 300) for _ in range(n)], 4, s) for n, s in ((20, 1), (6, 2))]
+
+
 def start_ranks(model: Path, out: Path, size: int, *extra: str) -> list[subprocess.Popen[bytes]]:
-    out.with_name(out.name + ".prompts.json").write_text(json.dumps(cases()))
+    work = fast_cases() if "fast" in extra else cases()
+    out.with_name(out.name + ".prompts.json").write_text(json.dumps(work))
     store, address = start_store("127.0.0.1")
     start_ranks.store = store  # type: ignore[attr-defined]  # the master lives as long as the ranks
     argv = [sys.executable, "-m", "tests.engine.tp_rank"]
@@ -70,6 +78,35 @@ def test_two_ranks_equal_one_and_transformers(mixing_model_dir: Path, tmp_path: 
             ].tolist()
             for p, new, _ in cases()
         ]
+    assert_greedy_equal(model, prompts, ours, theirs)
+
+
+def test_the_fast_path_splits_too(tmp_path: Path) -> None:
+    """pdserve's own forward pass (fused projections, its all-reduces inline; the kernels in
+    Triton's interpreter) with 2 ranks equals 1 rank's and ``transformers``'."""
+    from pdserve.engine.engine import Engine
+    from pdserve.engine.model_runner import ModelRunner, ModelSpec
+    from tests.engine.tp_rank import FAST_CONFIG, fast_model
+
+    out = tmp_path / "fast.json"
+    ranks = start_ranks(Path("qwen2"), out, 2, "fast")
+    model = fast_model()
+    work = fast_cases()
+    prompts = [p for p, _, _ in work]
+    with torch.inference_mode():
+        theirs = [
+            model.generate(torch.tensor([p]), max_new_tokens=new, min_new_tokens=new, do_sample=False)[
+                0, len(p) :
+            ].tolist()
+            for p, new, _ in work
+        ]
+    one = run(Engine(ModelRunner(ModelSpec(Path("qwen2")), FAST_CONFIG, model=model), FAST_CONFIG), work)
+    logs = [p.communicate(timeout=300)[0].decode(errors="replace") for p in ranks]
+    assert [p.returncode for p in ranks] == [0, 0], "\n".join(logs)
+    two = json.loads(out.read_text())
+    assert two == one
+    ours = [two[str(i)] if n == 1 else two[f"{i}#0"] for i, (_, _, n) in enumerate(work)]
+    assert two["1#0"] == two["1#1"]
     assert_greedy_equal(model, prompts, ours, theirs)
 
 
