@@ -7,9 +7,9 @@ step broadcast by rank 0 exactly as a ``--tensor-parallel-size 2`` worker does. 
 is cold: fresh random prompts, prefix cache reset, cached tokens reported.
 
   * ``tp*_step_ms``: a 512-token prompt, 128 new tokens, milliseconds per token after the
-    first through the engine loop (median of 3 runs). A tensor-parallel engine waits for
-    each step (no overlap of the next step's scheduling), so TP 1 is also measured so
-    (``tp1_no_overlap_step_ms``): the step against the step;
+    first through the engine loop (median of 3 runs), the next step scheduled while one
+    runs on both sides (rank 0 shares each step's sampled tokens with the other rank); TP 1
+    is also measured waiting for each step (``tp1_no_overlap_step_ms``);
   * ``tp*_graph_replay_ms``: device time of one batch-1 decode graph replay, the forward
     pass alone (on rank 0; its all-reduces wait for the other rank).
 

@@ -127,9 +127,9 @@ class Engine:
         self._in_flight: list[ScheduledBatch] = []  # scheduled, not yet postprocessed
         self._aborted: set[str] = set()  # aborted while in flight: dropped when their steps end
         self._pending: Launched | None = None  # a step left queued on the device by step()
-        # Overlap needs tokens that can stay on the device: the fast path's; and under tensor
-        # parallelism the followers would need them too (not yet: each step is waited for).
-        self.overlap = config.overlap_schedule and runner.fast is not None and runner.tp is None
+        # Overlap needs tokens that can stay on the device: the fast path's (under tensor
+        # parallelism they are shared with the other ranks, whose next step they feed too).
+        self.overlap = config.overlap_schedule and runner.fast is not None
         capacity = config.max_num_seqs + config.max_prefill_seqs
         on_gpu = self.overlap and runner.device.type == "cuda"
         self._pinned = [torch.empty(capacity, dtype=torch.long, pin_memory=True) for _ in range(3)] if on_gpu else []
@@ -400,6 +400,8 @@ class Engine:
             masks = self.grammars.masks([s.matcher for s in seqs], logits.device)
         on_device = self.overlap and len(seqs) <= (len(self._pinned[0]) if self._pinned else len(seqs))
         tokens = self.sampler.sample_on_device(logits, rows, masks) if on_device else None
+        if tokens is not None and self.runner.tp is not None:
+            tokens = self.runner.share_tokens(tokens)
         if tokens is None:
             launched.host = self.sampler(logits, rows, masks)
         elif tokens.is_cuda:

@@ -209,8 +209,7 @@ class ModelRunner:
         if self.tp is not None and self.tp.is_leader:
             from pdserve.engine.parallel import step_command
 
-            assert feed is None, "tensor-parallel steps take their input tokens from the host"
-            self.tp.send(step_command(batch))
+            self.tp.send(step_command(batch, None if feed is None else feed[1]))
         if self.fast is not None:
             return self._execute_fast(batch, feed)
         assert feed is None, "only the fast path takes its input tokens from the device"
@@ -260,17 +259,32 @@ class ModelRunner:
 
         assert self.tp is not None and not self.tp.is_leader
         handlers = handlers or {}
+        shared: torch.Tensor | None = None  # rank 0's last sampled tokens (they feed its next step)
         while True:
             kind, *rest = self.tp.receive()
             if kind == "step":
+                decodes, prefills, rows = rest
+                feed = None if rows is None else (shared, rows)
                 with torch.inference_mode():
-                    self.execute(mirror_batch(*rest))
+                    self.execute(mirror_batch(decodes, prefills), feed)  # type: ignore[arg-type]
+            elif kind == "tokens":
+                shared = torch.empty(rest[0], dtype=torch.long, device=self.device)
+                self.tp.broadcast(shared)
             elif kind == "copy":
                 self.pool.copy_page(*rest)
             elif kind == "stop":
                 return
             else:
                 handlers[kind](*rest)
+
+    def share_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Rank 0, after sampling on the device: the followers get the step's tokens too (a
+        step left queued feeds them to the next); returns the tokens, as ``long``."""
+        tokens = tokens.to(torch.long).contiguous()
+        if self.tp is not None and self.tp.is_leader:
+            self.tp.send(("tokens", tokens.shape[0]))
+            self.tp.broadcast(tokens)
+        return tokens
 
     def stop_followers(self) -> None:
         """Rank 0, when the worker ends: the followers leave :meth:`follow`."""

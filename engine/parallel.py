@@ -70,6 +70,12 @@ class TPGroup:
 
         dist.all_reduce(tensor, group=self.compute)
 
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        """Rank 0's ``tensor`` into every rank's (on the compute group: device to device)."""
+        import torch.distributed as dist
+
+        dist.broadcast(tensor, src=0, group=self.compute)
+
     def send(self, command: tuple[Any, ...]) -> None:
         """Rank 0: broadcast ``command`` to every follower (in the order sends are made)."""
         import torch.distributed as dist
@@ -229,14 +235,16 @@ class MirrorSeq:
         return self.tokens[-1]
 
 
-def step_command(batch: ScheduledBatch) -> tuple[Any, ...]:
-    """Rank 0's step as a plain, picklable command."""
+def step_command(batch: ScheduledBatch, feed_rows: list[int] | None) -> tuple[Any, ...]:
+    """Rank 0's step as a plain, picklable command. ``feed_rows``: per decode, its row in
+    the tokens last shared (``"tokens"``) that is its input, or -1 (see ``Engine._feed``).
+    A decode whose input is fed has a placeholder ``last_token``; the row gives the truth."""
     decodes = [(s.last_token, s.num_tokens, list(s.page_table)) for s in batch.decodes]
     prefills = [
         (s.tokens[s.num_computed : s.num_computed + n], s.num_computed, s.num_tokens, list(s.page_table))
         for s, n in batch.prefills
     ]
-    return ("step", decodes, prefills)
+    return ("step", decodes, prefills, feed_rows)
 
 
 def mirror_batch(decodes: list[Any], prefills: list[Any]) -> ScheduledBatch:
