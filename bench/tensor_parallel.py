@@ -18,6 +18,9 @@ all-reduce of a hidden-size vector after attention and one after the MLP, per la
 
     python bench/tensor_parallel.py --json docs/data/tensor_parallel.json      # 2 GPUs
     python bench/tensor_parallel.py --small --device cpu --json /tmp/tp.json    # a check of the script
+
+``--no-graphs`` measures eager steps on both sides (should capturing the all-reduces in CUDA
+graphs fail on some torch/NCCL pair: this code has not met a GPU yet).
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ def rank_main(args: argparse.Namespace) -> int:
         max_total_tokens=8192,
         max_num_seqs=8,
         chunked_prefill_size=2048,
-        cuda_graph_max_batch=8,
+        cuda_graph_max_batch=0 if args.no_graphs else 8,
         overlap_schedule=not args.no_overlap,
     )
     runner = ModelRunner(ModelSpec(Path("qwen2.5-7b-dims")), config, model=model, tp=tp)
@@ -110,6 +113,7 @@ def run_group(args: argparse.Namespace, size: int, out: Path, *extra: str) -> di
     base = [sys.executable, __file__, "--device", args.device, "--tp", str(size), "--store", address]
     base += ["--out", str(out), "--prompt", str(args.prompt), "--new", str(args.new), "--threads", str(args.threads)]
     base += ["--small"] if args.small else []
+    base += ["--no-graphs"] if args.no_graphs else []
     procs = [subprocess.Popen([*base, "--rank", str(r), *extra]) for r in range(size)]
     codes = [p.wait() for p in procs]
     del store
@@ -126,6 +130,7 @@ def main() -> int:
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2, help="CPU threads, shared by the ranks (--device cpu)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--no-graphs", action="store_true", help="eager decode steps on both sides (no CUDA graphs)")
     # One rank (started by the script itself).
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
