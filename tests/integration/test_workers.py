@@ -137,19 +137,24 @@ async def test_decode_recomputes_when_the_handle_is_expired(workers, nats_server
         await nc.close()
 
 
-@pytest.mark.parametrize("why", ["page size", "dtype", "protocol"])
+@pytest.mark.parametrize("why", ["page size", "dtype", "protocol", "kv heads"])
 async def test_a_handle_decode_cannot_read_is_a_clear_error(
     workers, nats_server, tiny_model_dir: Path, why: str
 ) -> None:
-    """Pools started with different --page-size, --dtype or transport: every request would
-    silently recompute; instead it fails with a message naming what differs."""
+    """Pools started with different --page-size, --dtype or transport, or KV heads that do
+    not map between the tensor-parallel sizes (here 2 ranks of 2 heads against 1 rank of 2):
+    every request would silently recompute; instead it fails with a message naming what
+    differs."""
     decode = await workers("decode")
     layout = decode.engine.runner.pool.layout
     protocol = "tcp"
+    ranks: dict[str, Any] = {}
     if why == "page size":
         layout = dataclasses.replace(layout, page_size=layout.page_size * 2)
     elif why == "dtype":
         layout = dataclasses.replace(layout, dtype="float16")
+    elif why == "kv heads":
+        ranks = {"tp_size": 2, "rank_endpoints": ("127.0.0.1:1", "127.0.0.1:2"), "rank_bases": (4096, 1 << 20)}
     else:
         protocol = "rdma"
     nc = await nats.connect(nats_server.url)
@@ -171,13 +176,19 @@ async def test_a_handle_decode_cannot_read_is_a_clear_error(
             len(prompt),
             time.time() + 60,
             protocol,
+            **ranks,
         ),
     )
     try:
         await _publish_ready(nc, ready)
         chunk = await asyncio.wait_for(chunks.get(), 20)
         assert chunk.finish_reason == "error" and chunk.error is not None
-        flag = {"page size": "--page-size", "dtype": "--dtype", "protocol": "--disaggregation-ib-device"}[why]
+        flag = {
+            "page size": "--page-size",
+            "dtype": "--dtype",
+            "protocol": "--disaggregation-ib-device",
+            "kv heads": "KV heads: prefill 4 (2 on each of 2 ranks), decode 2 (2 on each of 1 ranks)",
+        }[why]
         assert flag in chunk.error.message and "other-prefill" in chunk.error.message
         assert decode.counters["recomputes"] == 0
         assert decode.engine.pages.num_used_pages == 0
