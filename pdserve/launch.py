@@ -298,10 +298,21 @@ def rank_device(device: str, rank: int) -> str:
 
 
 def check_tp_split(config: WorkerConfig, size: int) -> None:
-    """Refuse (before any rank starts) a model whose heads or MLP do not split over ``size``."""
+    """Refuse (before any rank starts) a model whose heads or MLP do not split over ``size``,
+    or ranks on GPUs this machine does not have."""
+    import torch
     from transformers import AutoConfig
 
     from pdserve.engine.parallel import TPError, check_divisible
+
+    device = config.engine.device
+    if device.startswith("cuda"):
+        last = rank_device(device, size - 1)
+        if int(last.partition(":")[2]) >= torch.cuda.device_count():
+            raise UsageError(
+                f"--tensor-parallel-size {size} on --device {device} needs GPUs up to {last}; "
+                f"this machine has {torch.cuda.device_count()}"
+            )
 
     model_config = AutoConfig.from_pretrained(config.model_path, trust_remote_code=config.trust_remote_code)
     try:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from pdserve.cli import build_parser
 from pdserve.launch import UsageError, check_worker_flags, engine_config
@@ -67,6 +68,11 @@ def test_a_model_that_does_not_split_evenly_is_refused_before_any_rank_starts(ti
     assert proc.returncode == 2
     assert "--tensor-parallel-size 4 does not divide the model's KV heads 2" in proc.stderr
     assert "tensor-parallel ranks started" not in proc.stderr
+    if not torch.cuda.is_available():
+        argv = ["unified", "--model-path", str(tiny_model_dir), "--tp-size", "2", "--device", "cuda"]
+        proc = subprocess.run([sys.executable, "-m", "pdserve", *argv], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2
+        assert "needs GPUs up to cuda:1; this machine has 0" in proc.stderr
 
 
 def test_a_directory_without_a_model_is_refused(tmp_path: Path) -> None:
