@@ -80,6 +80,7 @@ def rank_main(args: argparse.Namespace) -> int:
     runner = ModelRunner(ModelSpec(Path("qwen2.5-7b-dims")), config, model=model, tp=tp)
     if tp is not None and not tp.is_leader:
         runner.follow()
+        tp.close()
         return 0
     engine = Engine(runner, config)
     timer = Timer(device)
@@ -102,6 +103,8 @@ def rank_main(args: argparse.Namespace) -> int:
         row["graph_replay_ms"] = replay_ms(runner.graphs, 1, timer)
     args.out.write_text(json.dumps(row))
     runner.stop_followers()
+    if tp is not None:
+        tp.close()
     return 0
 
 

@@ -433,6 +433,8 @@ def run_follower(config: WorkerConfig, tp: Any) -> int:
         serve_follower(config, runner)
     except RuntimeError:
         return 1
+    finally:
+        tp.close()
     return 0
 
 

@@ -176,11 +176,13 @@ class WorkerRuntime:
         self._engine_thread.shutdown(wait=True)
 
     async def _stop_followers(self) -> None:
-        if self.followers is None or self.followers.dead() is not None:
+        tp = self.engine.runner.tp
+        if self.followers is None or tp is None or self.followers.dead() is not None:
             return
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self.engine.runner.stop_followers)
         await loop.run_in_executor(None, self.followers.wait, 10.0)
+        tp.close()
 
     async def start_transfer(self, serve: bool) -> TransferBackend:
         """The configured KV transfer backend, with this worker's whole page pool registered

@@ -54,6 +54,7 @@ def main() -> int:
             serve_follower(worker, runner)
         except RuntimeError:
             return 1
+        tp.close()
         return 0
     if fast:
         from pdserve.engine.engine import Engine
@@ -67,6 +68,7 @@ def main() -> int:
     if crash:
         os._exit(3)
     engine.runner.stop_followers()
+    tp.close()
     return 0
 
 
