@@ -113,6 +113,7 @@ async def workers(request: Request) -> Response:
                 "transfer_backend": w.transfer_backend,
                 "transfer_protocol": w.transfer_protocol,
                 "kv_layout": dataclasses.asdict(w.kv_layout) if w.kv_layout else None,
+                "tp_size": w.tp_size,
                 "counters": dataclasses.asdict(w.counters),
                 "age_seconds": round(time.time() - w.started_at, 1),
                 "last_seen_seconds": round(time.time() - w.updated_at, 1),

@@ -132,7 +132,8 @@ class Engine:
         self._in_flight: list[ScheduledBatch] = []  # scheduled, not yet postprocessed
         self._aborted: set[str] = set()  # aborted while in flight: dropped when their steps end
         self._pending: Launched | None = None  # a step left queued on the device by step()
-        # Overlap needs tokens that can stay on the device: the fast path's.
+        # Overlap needs tokens that can stay on the device: the fast path's (under tensor
+        # parallelism they are shared with the other ranks, whose next step they feed too).
         self.overlap = config.overlap_schedule and runner.fast is not None
         capacity = config.max_num_seqs + config.max_prefill_seqs
         on_gpu = self.overlap and runner.device.type == "cuda"
@@ -318,7 +319,7 @@ class Engine:
         except OutOfPages:
             return False
         if fresh is not None:
-            self.runner.pool.copy_page(parent.page_table[len(child.page_table) - 1], fresh)
+            self.runner.copy_page(parent.page_table[len(child.page_table) - 1], fresh)
         return True
 
     def fail_import(self, seq: Sequence) -> None:
@@ -412,6 +413,8 @@ class Engine:
             masks = self.grammars.masks([s.matcher for s in seqs], logits.device)
         on_device = self.overlap and len(seqs) <= (len(self._pinned[0]) if self._pinned else len(seqs))
         tokens = self.sampler.sample_on_device(logits, rows, masks) if on_device else None
+        if tokens is not None and self.runner.tp is not None:
+            tokens = self.runner.share_tokens(tokens)
         if tokens is None:
             launched.host = self.sampler(logits, rows, masks)
         elif tokens.is_cuda:

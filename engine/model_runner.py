@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,6 +29,7 @@ from pdserve.schemas import KVLayout
 
 if TYPE_CHECKING:
     from pdserve.engine.models.llama import LlamaFamily
+    from pdserve.engine.parallel import TPGroup
 
 log = logging.getLogger(__name__)
 
@@ -82,13 +84,14 @@ def load_model(spec: ModelSpec, device: torch.device) -> torch.nn.Module:
     return model.to(device).eval()
 
 
-def kv_layout_of(model: torch.nn.Module, page_size: int) -> KVLayout:
+def kv_layout_of(model: torch.nn.Module, page_size: int, tp_size: int = 1) -> KVLayout:
+    """The layout of one rank's pool: with tensor parallelism, its share of the KV heads."""
     config = model.config.get_text_config()
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return KVLayout(
         num_layers=config.num_hidden_layers,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        num_kv_heads=(getattr(config, "num_key_value_heads", None) or heads) // tp_size,
         head_dim=head_dim,
         page_size=page_size,
         dtype=dtype_name(next(model.parameters()).dtype),
@@ -96,20 +99,39 @@ def kv_layout_of(model: torch.nn.Module, page_size: int) -> KVLayout:
 
 
 class ModelRunner:
-    """``model``, if given, is used as is (it must already use :data:`ATTN_IMPLEMENTATION`)."""
+    """``model``, if given, is used as is (it must already use :data:`ATTN_IMPLEMENTATION`).
 
-    def __init__(self, spec: ModelSpec, config: EngineConfig, model: torch.nn.Module | None = None) -> None:
+    ``tp``: this process's place in a tensor-parallel group (see :mod:`.parallel`): the
+    model is split by its plan, the pool holds this rank's KV heads, and rank 0 sends each
+    step (and each page copy) to the followers before running it; a follower runs
+    :meth:`follow`. The page count is rank 0's, sent to the followers, so pools match."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        config: EngineConfig,
+        model: torch.nn.Module | None = None,
+        tp: TPGroup | None = None,
+    ) -> None:
         self.config = config
         self.device = torch.device(config.device)
+        self.tp = tp
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         started = time.monotonic()
         self.model = model if model is not None else load_model(spec, self.device)
+        tp_size = 1 if tp is None else tp.size
+        if tp is not None:
+            from pdserve.engine.parallel import shard_model
+
+            shard_model(self.model, tp.rank, tp.size, tp.all_reduce)
         text_config = self.model.config.get_text_config()
         self.vocab_size = text_config.vocab_size
         self.max_model_len = config.max_model_len or getattr(text_config, "max_position_embeddings", 4096)
-        self.layout = kv_layout_of(self.model, config.page_size)
+        self.layout = kv_layout_of(self.model, config.page_size, tp_size)
         self.num_pages = self._num_pages()
+        if tp is not None:  # the pools of all ranks have the same pages: as many as the smallest holds
+            self.num_pages = _smallest(tp, self.num_pages)
         # One page past the allocator's: padded rows of a replayed decode graph write there.
         self.scratch_page = self.num_pages
         self.pool = KVPool(self.layout, self.num_pages + 1, self.device)
@@ -153,7 +175,7 @@ class ModelRunner:
                 raise ValueError(f"model_impl 'pdserve' cannot serve this model: {reason}")
             log.info("stock transformers forward pass", extra={"reason": reason})
             return None
-        return create_fast_model(self.model, self.pool.tensor, self.max_model_len)
+        return create_fast_model(self.model, self.pool.tensor, self.max_model_len, self.tp)
 
     def _splits(self, batch: int) -> int:
         if self.device.type != "cuda":
@@ -184,6 +206,10 @@ class ModelRunner:
         ``feed``: device tokens of the step before and, per decode, the row there that is
         its input token (-1: the sequence's own last token); the fast path only.
         """
+        if self.tp is not None and self.tp.is_leader:
+            from pdserve.engine.parallel import step_command
+
+            self.tp.send(step_command(batch, None if feed is None else feed[1]))
         if self.fast is not None:
             return self._execute_fast(batch, feed)
         assert feed is None, "only the fast path takes its input tokens from the device"
@@ -219,6 +245,51 @@ class ModelRunner:
             elementwise.feed(step.input_ids[: step.num_decodes], src, feed[0])
         logits = self.fast.forward(step)
         return (seqs, logits) if seqs else ([], None)
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copy page ``src`` into ``dst`` (every rank's share of it)."""
+        if self.tp is not None and self.tp.is_leader:
+            self.tp.send(("copy", src, dst))
+        self.pool.copy_page(src, dst)
+
+    def follow(self, handlers: dict[str, Callable[..., None]] | None = None) -> None:
+        """A follower rank: run rank 0's commands until it says stop (or is gone, which
+        raises). ``handlers`` serve the commands of the worker's floor (KV pulls)."""
+        from pdserve.engine.parallel import mirror_batch
+
+        assert self.tp is not None and not self.tp.is_leader
+        handlers = handlers or {}
+        shared: torch.Tensor | None = None  # rank 0's last sampled tokens (they feed its next step)
+        while True:
+            kind, *rest = self.tp.receive()
+            if kind == "step":
+                decodes, prefills, rows = rest
+                feed = None if rows is None else (shared, rows)
+                with torch.inference_mode():
+                    self.execute(mirror_batch(decodes, prefills), feed)  # type: ignore[arg-type]
+            elif kind == "tokens":
+                shared = torch.empty(rest[0], dtype=torch.long, device=self.device)
+                self.tp.broadcast(shared)
+            elif kind == "copy":
+                self.pool.copy_page(*rest)
+            elif kind == "stop":
+                return
+            else:
+                handlers[kind](*rest)
+
+    def share_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Rank 0, after sampling on the device: the followers get the step's tokens too (a
+        step left queued feeds them to the next); returns the tokens, as ``long``."""
+        tokens = tokens.to(torch.long).contiguous()
+        if self.tp is not None and self.tp.is_leader:
+            self.tp.send(("tokens", tokens.shape[0]))
+            self.tp.broadcast(tokens)
+        return tokens
+
+    def stop_followers(self) -> None:
+        """Rank 0, when the worker ends: the followers leave :meth:`follow`."""
+        if self.tp is not None and self.tp.is_leader:
+            self.tp.send(("stop",))
 
     def _prepare(
         self, batch: ScheduledBatch
@@ -302,3 +373,12 @@ class ModelRunner:
             )
             start = end
         return groups
+
+
+def _smallest(tp: TPGroup, value: int) -> int:
+    """The smallest of every rank's ``value``, on every rank."""
+    import torch.distributed as dist
+
+    box = torch.tensor([value], dtype=torch.long)
+    dist.all_reduce(box, op=dist.ReduceOp.MIN, group=tp.control)
+    return int(box.item())

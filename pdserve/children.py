@@ -116,19 +116,28 @@ def worker_argv(
     """``python -m pdserve <role>`` with every flag ``up`` shares with workers, from the flag
     table, plus what ``up`` decides: the model (the directory ``--model-path`` resolved to),
     the broker (and the role's user of the embedded one, by password file), threads, the
-    transfer host and the worker's device (default ``--device``)."""
+    transfer host and the worker's device (default ``--device``), and the role's
+    tensor-parallel size (its ranks share the worker's threads)."""
+    tp = role_tp_size(args, role)
     values = {
         **vars(args),
         "device": device or args.device,
         "model_path": model_path,
         "revision": None,  # model_path is the resolved directory
         "nats_url": nats_url,
-        "num_threads": threads,
+        "num_threads": max(1, threads // tp),
         "host": args.transfer_host,
         "exit_with_parent": True,
         **nats_user(credentials, role),
     }
-    return [sys.executable, "-m", "pdserve", role, *flags.render(flags.forwarded(), values)]
+    argv = [sys.executable, "-m", "pdserve", role, *flags.render(flags.forwarded(), values)]
+    return argv + (["--tensor-parallel-size", str(tp)] if tp > 1 else [])
+
+
+def role_tp_size(args: argparse.Namespace, role: str) -> int:
+    """``--prefill-/--decode-tensor-parallel-size``, else ``--tensor-parallel-size``."""
+    own = getattr(args, f"{role}_tensor_parallel_size", None)
+    return int(own or getattr(args, "tensor_parallel_size", 1) or 1)
 
 
 def nats_user(credentials: EmbeddedCredentials | None, user: str | None) -> dict[str, Any]:

@@ -235,7 +235,14 @@ ALLOW_TCP_FALLBACK = Flag(
 SGLANG = (
     WORKER_HOST,
     Flag("--port", type=int, help="serve GET /health on this port"),
-    Flag("--tensor-parallel-size", 1, int, aliases=("--tp-size",)),
+    Flag(
+        "--tensor-parallel-size",
+        1,
+        int,
+        "split the model over this many ranks, one process and one device each (cuda: --device and the "
+        "next N-1 GPUs; cpu: gloo); the KV heads must divide evenly (default: %(default)s)",
+        aliases=("--tp-size",),
+    ),
     Flag("--disaggregation-mode", choices=("prefill", "decode", "null")),
     Flag(
         "--disaggregation-bootstrap-port",
@@ -250,6 +257,23 @@ SGLANG = (
 
 WORKER_ID = Flag("--worker-id", WorkerConfig.worker_id, help="default: <role>-<host>-<pid>-<random>")
 EXIT_WITH_PARENT = Flag("--exit-with-parent", switch=True, help=argparse.SUPPRESS)
+# A follower rank of a tensor-parallel worker, started by rank 0 with its group's store address.
+TP_RANK = (
+    Flag("--tp-rank", 0, int, help=argparse.SUPPRESS),
+    Flag("--tp-store", help=argparse.SUPPRESS),
+)
+# `up`: each role's tensor-parallel size (default: --tensor-parallel-size).
+UP_TP = (
+    Flag(
+        "--tensor-parallel-size",
+        1,
+        int,
+        "ranks of every worker (one process and device each); see the worker's flag (default: %(default)s)",
+        aliases=("--tp-size",),
+    ),
+    Flag("--prefill-tensor-parallel-size", type=int, help="ranks of each prefill worker (default: --tp-size)"),
+    Flag("--decode-tensor-parallel-size", type=int, help="ranks of each decode worker (default: --tp-size)"),
+)
 
 # ---- the API --------------------------------------------------------------------------
 HTTP = (
@@ -349,6 +373,7 @@ UP = (
     Flag("--prefill-workers", 1, int),
     Flag("--decode-workers", 1, int),
     Flag("--unified-workers", 1, int, "workers in unified mode"),
+    *UP_TP,
     Flag(
         "--worker-devices",
         help="comma-separated devices given to the workers in turn, prefill workers first "

@@ -59,10 +59,31 @@ def model_name(args: argparse.Namespace, model_path: Path) -> str:
 
 def check_worker_flags(args: argparse.Namespace, role: str) -> None:
     """Refuse what a worker cannot honour, before anything loads."""
-    if args.tensor_parallel_size != 1:
+    size = args.tensor_parallel_size
+    if size < 1:
+        raise UsageError(f"--tensor-parallel-size {size}: must be at least 1")
+    if size > 1 and role != "unified" and args.disaggregation_transfer_backend != "mooncake":
         raise UsageError(
-            f"--tensor-parallel-size {args.tensor_parallel_size}: pdserve runs one device per worker for now; use 1"
+            f"--tensor-parallel-size {size} with --disaggregation-transfer-backend "
+            f"{args.disaggregation_transfer_backend}: a tensor-parallel worker moves KV over mooncake (each rank "
+            "reads its own KV heads); the nccl and gloo links pair workers of one rank each"
         )
+    tiers = [
+        f
+        for f, on in (
+            ("--kv-host-bytes", args.kv_host_bytes),
+            ("--kv-disk-dir", args.kv_disk_dir),
+            ("--kv-store-master", args.kv_store_master),
+        )
+        if on
+    ]
+    if size > 1 and tiers:
+        raise UsageError(
+            f"--tensor-parallel-size {size} with {', '.join(tiers)}: the KV tiers copy a whole page pool, and a "
+            "tensor-parallel worker's pool is split over its ranks; use the tiers with one rank per worker"
+        )
+    if not 0 <= args.tp_rank < size:
+        raise UsageError(f"--tp-rank {args.tp_rank}: outside --tensor-parallel-size {size}")
     mode = args.disaggregation_mode
     if mode is not None and not (mode == role or (mode == "null" and role == "unified")):
         raise UsageError(f"--disaggregation-mode {mode} does not match `pdserve {role}`")
@@ -319,6 +340,75 @@ def exit_with_parent() -> None:
 EXIT_CRASHED = 70
 
 
+def rank_device(device: str, rank: int) -> str:
+    """Rank ``rank``'s device: the ``rank``-th GPU from ``device``'s (``cuda`` is GPU 0);
+    every rank of a CPU worker is on the CPU."""
+    kind, _, index = device.partition(":")
+    if kind != "cuda":
+        return device
+    return f"cuda:{int(index or 0) + rank}"
+
+
+def check_tp_split(config: WorkerConfig, size: int) -> None:
+    """Refuse (before any rank starts) a model whose heads or MLP do not split over ``size``,
+    or ranks on GPUs this machine does not have."""
+    import torch
+    from transformers import AutoConfig
+
+    from pdserve.engine.parallel import TPError, check_divisible
+
+    device = config.engine.device
+    if device.startswith("cuda"):
+        last = rank_device(device, size - 1)
+        if int(last.partition(":")[2]) >= torch.cuda.device_count():
+            raise UsageError(
+                f"--tensor-parallel-size {size} on --device {device} needs GPUs up to {last}; "
+                f"this machine has {torch.cuda.device_count()}"
+            )
+
+    model_config = AutoConfig.from_pretrained(config.model_path, trust_remote_code=config.trust_remote_code)
+    try:
+        check_divisible(model_config.get_text_config(), size)
+    except TPError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def start_tensor_parallel(args: argparse.Namespace, role: str) -> tuple[Any, Any]:
+    """``(group, followers)`` of a worker of ``--tensor-parallel-size`` > 1, ``(None,
+    None)`` otherwise. Rank 0 starts the store and ranks 1.. (this command again, with
+    ``--tp-rank`` and ``--tp-store``; each gets SIGTERM if rank 0 dies); a follower joins
+    the store it was given. Every rank then joins the group."""
+    size = args.tensor_parallel_size
+    if size == 1:
+        return None, None
+    import subprocess
+    import sys
+
+    import torch
+
+    from pdserve.engine.parallel import connect_store, join_group, start_store
+    from pdserve.workers.tensor_parallel import Followers
+
+    followers = None
+    if args.tp_rank == 0:
+        store, address = start_store("127.0.0.1")
+        argv = [sys.executable, "-m", "pdserve", *sys.argv[1:], "--exit-with-parent", "--tp-store", address]
+        processes = [subprocess.Popen([*argv, "--tp-rank", str(r)], stdin=subprocess.DEVNULL) for r in range(1, size)]
+        followers = Followers(processes)
+        log.info("tensor-parallel ranks started", extra={"size": size, "pids": [p.pid for p in processes]})
+    else:
+        store = connect_store(args.tp_store)
+    device = torch.device(rank_device(args.device, args.tp_rank))
+    try:
+        group = join_group(args.tp_rank, size, store, device)
+    except Exception:
+        if followers is not None:
+            for proc in followers.processes:
+                proc.kill()
+        raise
+    return group, followers
+
+
 def run_worker(args: argparse.Namespace, role: str) -> int:
     """``pdserve prefill|decode|unified``: load the model, serve until SIGTERM. Returns the
     exit status: 0 after a graceful stop, :data:`EXIT_CRASHED` after a failed loop."""
@@ -332,6 +422,19 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
             "--disaggregation-bootstrap-port is not needed by pdserve (handles travel over NATS); ignoring its value"
         )
     config = worker_config(args, role, resolve_model(args, weights=args.load_format != "dummy"))
+    if args.tensor_parallel_size > 1:
+        import dataclasses
+
+        check_tp_split(config, args.tensor_parallel_size)
+        engine_cfg = dataclasses.replace(config.engine, device=rank_device(args.device, args.tp_rank))
+        if args.num_threads is None and engine_cfg.device == "cpu":  # the ranks share the cores
+            engine_cfg = dataclasses.replace(
+                engine_cfg, num_threads=max(1, (os.cpu_count() or 1) // args.tensor_parallel_size)
+            )
+        config = dataclasses.replace(config, engine=engine_cfg)
+    tp, followers = start_tensor_parallel(args, role)
+    if args.tp_rank > 0:
+        return run_follower(config, tp)
     setup_tracing(role, config.worker_id)
     log.info("loading model", extra={"role": role, "path": str(config.model_path)})
     from pdserve.engine.loader import build_engine
@@ -340,9 +443,12 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
     from pdserve.workers.prefill import PrefillWorker
     from pdserve.workers.unified import UnifiedWorker
 
-    engine = build_engine(config.model_path, config.engine, config.dtype, config.trust_remote_code, config.load_format)
+    engine = build_engine(
+        config.model_path, config.engine, config.dtype, config.trust_remote_code, config.load_format, tp=tp
+    )
     cls = {"prefill": PrefillWorker, "decode": DecodeWorker, "unified": UnifiedWorker}[role]
     worker = cls(config, engine)
+    worker.followers = followers
 
     async def main() -> None:
         health = None
@@ -362,6 +468,25 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
         log.error("worker exits after a failure", extra={"role": role, "failure": str(exc)})
         _exit_soon(EXIT_CRASHED)
         return EXIT_CRASHED
+    return 0
+
+
+def run_follower(config: WorkerConfig, tp: Any) -> int:
+    """Rank 1.. of a tensor-parallel worker: its shard of the model, then rank 0's steps
+    until rank 0 says stop (0) or is gone (1, logged)."""
+    from pdserve.engine.loader import quiet_transformers
+    from pdserve.engine.model_runner import ModelRunner, ModelSpec
+    from pdserve.workers.tensor_parallel import serve_follower
+
+    quiet_transformers()
+    spec = ModelSpec(config.model_path, config.dtype, config.trust_remote_code, config.load_format)
+    runner = ModelRunner(spec, config.engine, tp=tp)
+    try:
+        serve_follower(config, runner)
+    except RuntimeError:
+        return 1
+    finally:
+        tp.close()
     return 0
 
 

@@ -44,6 +44,13 @@ class KVHandle:
     of the pages: a reader leases it (:class:`KVLease`) before reading, and a handle whose
     hold has ended (released, cancelled, expired) is refused, so a stale handle never
     reads pages that were freed and reused.
+
+    Tensor parallelism: a prefill worker of ``tp_size`` ranks holds each page once per
+    rank, rank ``r`` with KV heads ``[r * h, (r + 1) * h)`` where ``h`` is
+    ``layout.num_kv_heads`` (the heads per rank). ``rank_endpoints[r]`` is rank ``r``'s
+    transfer endpoint and ``rank_bases[r]`` the address of its pool's first page; the
+    ``segments`` are rank 0's, and rank ``r``'s lie ``rank_bases[r] - rank_bases[0]`` bytes
+    further. Both are empty for one rank (``endpoint`` is rank 0's).
     """
 
     backend: str
@@ -54,10 +61,28 @@ class KVHandle:
     expires_at: float
     protocol: str = ""
     generation: int = 0
+    tp_size: int = 1
+    rank_endpoints: tuple[str, ...] = ()
+    rank_bases: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if any(len(s) != 2 or s[1] <= 0 for s in self.segments):
             raise ValueError("segments must be (address, nbytes) pairs")
+        if self.tp_size < 1:
+            raise ValueError("tp_size must be at least 1")
+        if self.tp_size > 1 and not (len(self.rank_endpoints) == len(self.rank_bases) == self.tp_size):
+            raise ValueError("a handle of several ranks names each rank's endpoint and pool base")
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        return self.layout.num_kv_heads
+
+    def rank_endpoint(self, rank: int) -> str:
+        return self.rank_endpoints[rank] if self.rank_endpoints else self.endpoint
+
+    def rank_offset(self, rank: int) -> int:
+        """How far rank ``rank``'s copy of a page lies from rank 0's, in bytes."""
+        return self.rank_bases[rank] - self.rank_bases[0] if self.rank_bases else 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -102,7 +102,9 @@ class WorkerStats:
 @dataclasses.dataclass(frozen=True, slots=True)
 class WorkerInfo(Message):
     """Minor additions (``counters``, ``kv_layout``, ``transfer_*``, ``stats``,
-    ``kv_tiers``) are optional, so an older worker's entry still decodes."""
+    ``kv_tiers``, ``tp_size``) are optional, so an older worker's entry still decodes.
+    ``kv_layout`` is one rank's pool: with ``tp_size`` ranks it holds ``1 / tp_size`` of the
+    KV heads."""
 
     worker_id: str
     role: str
@@ -124,4 +126,5 @@ class WorkerInfo(Message):
     transfer_protocol: str = ""
     stats: WorkerStats = WorkerStats()
     kv_tiers: tuple[TierCounts, ...] = ()
+    tp_size: int = 1
     v: int = 1

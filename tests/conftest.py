@@ -48,3 +48,38 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from pdserve.engine.tiny_model import ensure_default_model
 
     return ensure_default_model(tmp_path_factory.mktemp("data"))
+
+
+# The built-in model's LM head is its embedding scaled, so its greedy output mostly repeats
+# the last token whatever the context: a test of moved or split KV learns little from it.
+MIXING_SCALE = 4.0
+
+
+@pytest.fixture(scope="session")
+def mixing_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model (2 KV heads, 4 query heads) with every decoder layer's projections
+    scaled by :data:`MIXING_SCALE`: attention and MLP then dominate the residual stream, so
+    each greedy token depends on the KV of the whole context (the outputs vary)."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path_factory.mktemp("mixing") / "pdserve-tiny-mixing"
+    shutil.copytree(tiny_model_dir, out)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for linear in (
+                attn.q_proj,
+                attn.k_proj,
+                attn.v_proj,
+                attn.o_proj,
+                mlp.gate_proj,
+                mlp.up_proj,
+                mlp.down_proj,
+            ):
+                linear.weight.mul_(MIXING_SCALE)
+    model.save_pretrained(out, safe_serialization=True)
+    return out

@@ -28,7 +28,9 @@ from pdserve.workers.config import WorkerConfig
 from pdserve.workers.intake import Intake
 from pdserve.workers.replies import Tracked
 from pdserve.workers.runtime import WorkerRuntime
+from pdserve.workers.tensor_parallel import ShardedPull
 from pdserve.workers.transfer import LinkRefused, TransferError, plan_reads
+from pdserve.workers.transfer.shards import shard_mismatch
 
 log = logging.getLogger(__name__)
 
@@ -180,10 +182,16 @@ class DecodeWorker(WorkerRuntime):
                 "give both pools the same --disaggregation-ib-device (rdma) or none (tcp)"
             )
         layout = self.engine.runner.pool.layout
-        if h.layout != layout:
+        if h.backend != "mooncake" and max(h.tp_size, self.tp_size) > 1:
             return (
-                f"{there} holds KV as {h.layout.describe()}, {here} as {layout.describe()}: "
-                "run both pools with the same model, --page-size and --dtype"
+                f"{there} has {h.tp_size} tensor-parallel ranks, {here} {self.tp_size}: the {h.backend} backend "
+                "pairs workers of one rank each; move KV between tensor-parallel workers over mooncake"
+            )
+        problem = shard_mismatch(h.layout, h.tp_size, layout, self.tp_size)
+        if problem is not None:
+            return (
+                f"{there} ({h.tp_size} tensor-parallel ranks) holds KV that {here} ({self.tp_size} ranks) cannot "
+                f"map: {problem}; run both pools with the same model, --page-size and --dtype"
             )
         expected = ready.num_kv_tokens
         if h.num_tokens != expected:
@@ -216,6 +224,14 @@ class DecodeWorker(WorkerRuntime):
         assert self.transfer is not None
         self.engine.wait_for_pages(ready.rid)
         return self.transfer.read(ready.handle.endpoint, reads)
+
+    def _transfer_shards(self, ready: KVReady, pages: list[int], skip: int) -> tuple[int, int]:
+        """In a transfer thread: like :meth:`_transfer_pages`, every rank reading its own
+        KV heads from the prefill rank(s) holding them (Mooncake). Operations and bytes."""
+        assert self.transfer is not None
+        self.engine.wait_for_pages(ready.rid)
+        pull = ShardedPull(self.engine.runner, self.transfer, self.config.kv_lease_seconds)
+        return pull.run(ready.handle, pages, skip)
 
     async def _pull(self, ready: KVReady, seq: Sequence, t: Tracked) -> None:
         started = time.time()
@@ -271,16 +287,17 @@ class DecodeWorker(WorkerRuntime):
             return None
         pool = self.engine.runner.pool
         page = pool.layout.page_size
+        pages = seq.page_table[: -(-h.num_tokens // page)]
+        loop = asyncio.get_running_loop()
         try:
-            reads = plan_reads(
-                h.segments,
-                pool.page_bytes,
-                seq.page_table[: -(-h.num_tokens // page)],
-                pool.data_ptr,
-                skip_pages=seq.num_cached // page,
-            )
-            loop = asyncio.get_running_loop()
-            ops = await loop.run_in_executor(self._transfer_threads, self._transfer_pages, ready, reads)
+            if self.transfer.name == "mooncake":
+                ops, nbytes = await loop.run_in_executor(
+                    self._transfer_threads, self._transfer_shards, ready, pages, seq.num_cached // page
+                )
+            else:
+                reads = plan_reads(h.segments, pool.page_bytes, pages, pool.data_ptr, skip_pages=seq.num_cached // page)
+                ops = await loop.run_in_executor(self._transfer_threads, self._transfer_pages, ready, reads)
+                nbytes = sum(n for _, _, n in reads)
         except LinkRefused:
             raise
         except TransferError as exc:
@@ -291,7 +308,6 @@ class DecodeWorker(WorkerRuntime):
             self.count("kv_pull_failures")
             log.warning("KV read outlasted its lease; computing the prompt here", extra={"rid": ready.rid})
             return None
-        nbytes = sum(n for _, _, n in reads)
         self.count("kv_pulls")
         self.count("kv_pull_bytes", nbytes)
         self.count("kv_pull_ops", ops)
@@ -336,8 +352,10 @@ class DecodeWorker(WorkerRuntime):
                 continue
             self._peers_seen.add(w.worker_id)
             problems = []
-            if w.kv_layout is not None and w.kv_layout != layout:
-                problems.append(f"KV as {w.kv_layout.describe()}, here {layout.describe()}")
+            if w.kv_layout is not None:
+                problem = shard_mismatch(w.kv_layout, w.tp_size, layout, self.tp_size)
+                if problem is not None:
+                    problems.append(problem)
             if w.transfer_backend and w.transfer_backend != self.transfer.name:
                 problems.append(f"backend {w.transfer_backend}, here {self.transfer.name}")
             if w.transfer_protocol and w.transfer_protocol != self.transfer.protocol:

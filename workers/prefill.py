@@ -17,12 +17,13 @@ import time
 
 from pdserve.broker import contract
 from pdserve.engine.engine import Engine, RequestOutput
-from pdserve.schemas import GenerateRequest, KVHandle, KVLease, KVLeaseReply, KVReady, KVRelease
+from pdserve.schemas import GenerateRequest, KVHandle, KVLease, KVLeaseReply, KVReady, KVRelease, WorkerInfo
 from pdserve.schemas.sampling import sample_rid
 from pdserve.workers.config import WorkerConfig
 from pdserve.workers.holds import Holds
 from pdserve.workers.replies import Tracked
 from pdserve.workers.runtime import WorkerRuntime
+from pdserve.workers.transfer.shards import shard_mismatch
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class PrefillWorker(WorkerRuntime):
     def __init__(self, config: WorkerConfig, engine: Engine) -> None:
         super().__init__(config, engine)
         self.holds = Holds()
+        self._peers_seen: set[str] = set()
 
     async def setup(self) -> None:
         assert self.nc is not None
@@ -128,6 +130,11 @@ class PrefillWorker(WorkerRuntime):
                 expires_at=expires,
                 protocol=self.transfer.protocol,
                 generation=generation,
+                tp_size=self.tp_size,
+                rank_endpoints=(self.transfer.endpoint, *(e for e, _ in self.rank_transfers))
+                if self.rank_transfers
+                else (),
+                rank_bases=(pool.data_ptr, *(b for _, b in self.rank_transfers)) if self.rank_transfers else (),
             ),
             cached_tokens=cached_tokens,
             deadline=req.deadline,
@@ -214,6 +221,24 @@ class PrefillWorker(WorkerRuntime):
 
     def busy(self) -> bool:
         return self.engine.has_work() or len(self.holds) > 0
+
+    async def on_peers(self, peers: list[WorkerInfo]) -> None:
+        """Log, once per worker, each decode worker of this model that cannot read this
+        worker's KV (another layout, or KV heads that do not map between the TP sizes)."""
+        await super().on_peers(peers)
+        layout = self.engine.runner.pool.layout
+        for w in peers:
+            if w.role != "decode" or w.model != self.config.model_name or w.kv_layout is None:
+                continue
+            if w.worker_id in self._peers_seen:
+                continue
+            self._peers_seen.add(w.worker_id)
+            problem = shard_mismatch(layout, self.tp_size, w.kv_layout, w.tp_size)
+            if problem is not None:
+                log.error(
+                    "a decode worker cannot read this prefill worker's KV; its pulls will fail",
+                    extra={"decode": w.worker_id, "differs": problem},
+                )
 
     async def teardown(self) -> None:
         """Free every hold, once no decode worker's lease on one runs (at most a lease long)."""

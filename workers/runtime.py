@@ -47,6 +47,7 @@ from pdserve.workers.intake import Intake
 from pdserve.workers.lifecycle import Lifecycle
 from pdserve.workers.metrics import WorkerMetrics
 from pdserve.workers.replies import Replies, Tracked
+from pdserve.workers.tensor_parallel import Followers, follower_endpoints
 from pdserve.workers.transfer import TransferBackend, create_transfer
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,9 @@ class WorkerRuntime:
         self.kv_pull_seconds = 0.0
         self.metrics = WorkerMetrics(self.worker_info, engine.tiers)
         self.transfer: TransferBackend | None = None
+        # Tensor parallelism: the other ranks' processes, and their (endpoint, pool address).
+        self.followers: Followers | None = None
+        self.rank_transfers: list[tuple[str, int]] = []
         self._wake = asyncio.Event()
         self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._background: set[asyncio.Task[None]] = set()
@@ -92,9 +96,20 @@ class WorkerRuntime:
         await watch_dead_letters(self.nc, self.js, self.config.model_name, self._on_dead_letter)
         await self.setup()
         work = [self._engine_loop(), self._tick_loop()]
+        if self.followers is not None:
+            work.append(self._watch_followers())
         if self.intake is not None:
             work.append(self.intake.run(self.stopping))
         await self.lifecycle.report_ready(*work)
+
+    async def _watch_followers(self) -> None:
+        """A tensor-parallel rank that dies ends this worker (its steps cannot run without it)."""
+        assert self.followers is not None
+        while True:
+            await asyncio.sleep(0.5)
+            dead = self.followers.dead()
+            if dead is not None:
+                raise RuntimeError(dead)
 
     async def _on_dead_letter(self, rid: str) -> None:
         self.count("dead_lettered")
@@ -111,7 +126,12 @@ class WorkerRuntime:
         back the rest, free KV, leave the registry, drain the connection."""
         self.stopping.set()
         self.wake()
-        steps = [("hand back", self.hand_back), ("teardown", self.teardown), ("engine thread", self._stop_engine)]
+        steps = [
+            ("hand back", self.hand_back),
+            ("teardown", self.teardown),
+            ("engine thread", self._stop_engine),
+            ("tensor-parallel ranks", self._stop_followers),
+        ]
         await self.lifecycle.stop(self.busy, steps)
 
     def busy(self) -> bool:
@@ -156,6 +176,15 @@ class WorkerRuntime:
     async def _stop_engine(self) -> None:
         self._engine_thread.shutdown(wait=True)
 
+    async def _stop_followers(self) -> None:
+        tp = self.engine.runner.tp
+        if self.followers is None or tp is None or self.followers.dead() is not None:
+            return
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.engine.runner.stop_followers)
+        await loop.run_in_executor(None, self.followers.wait, 10.0)
+        tp.close()
+
     async def start_transfer(self, serve: bool) -> TransferBackend:
         """The configured KV transfer backend, with this worker's whole page pool registered
         and its control plane on NATS (``serve``: answer the peers that read from this worker)."""
@@ -179,7 +208,16 @@ class WorkerRuntime:
         transfer.register(pool.data_ptr, pool.nbytes)
         assert self.nc is not None
         await transfer.attach(self.nc, serve, self.lifecycle.crash)
+        tp = self.engine.runner.tp
+        if tp is not None:
+            self.rank_transfers = await asyncio.get_running_loop().run_in_executor(None, follower_endpoints, tp)
+            log.info("tensor-parallel ranks' transfer endpoints", extra={"ranks": self.rank_transfers})
         return transfer
+
+    @property
+    def tp_size(self) -> int:
+        tp = self.engine.runner.tp
+        return 1 if tp is None else tp.size
 
     def count(self, counter: str, n: int = 1) -> None:
         """Add ``n`` to one of the :class:`WorkerCounters` (a ``KeyError`` for a misspelt name)."""
@@ -225,6 +263,7 @@ class WorkerRuntime:
             transfer_protocol=transfer.protocol if transfer else "",
             stats=stats,
             kv_tiers=tiers.counts() if tiers else (),
+            tp_size=self.tp_size,
         )
 
     # ---- requests in ---------------------------------------------------------

@@ -14,6 +14,7 @@ import torch
 
 if TYPE_CHECKING:
     from pdserve.engine.models.llama import LlamaFamily
+    from pdserve.engine.parallel import TPGroup
 
 
 def fast_path_reason(model: torch.nn.Module, device: torch.device, allow_interpreter: bool = False) -> str | None:
@@ -33,8 +34,11 @@ def fast_path_reason(model: torch.nn.Module, device: torch.device, allow_interpr
     return unsupported_reason(model)
 
 
-def create_fast_model(model: torch.nn.Module, pool: torch.Tensor, max_positions: int) -> LlamaFamily:
-    """The fast forward pass for ``model`` over ``pool`` (check :func:`fast_path_reason` first)."""
+def create_fast_model(
+    model: torch.nn.Module, pool: torch.Tensor, max_positions: int, tp: TPGroup | None = None
+) -> LlamaFamily:
+    """The fast forward pass for ``model`` over ``pool`` (check :func:`fast_path_reason`
+    first); ``tp``: ``model`` is this rank's shard, and the pass all-reduces across ``tp``."""
     from pdserve.engine.models.llama import LlamaFamily
 
-    return LlamaFamily(model, pool, max_positions)
+    return LlamaFamily(model, pool, max_positions, tp)

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from pdserve.engine.kernels import elementwise, gemv, paged
 from pdserve.engine.models.batch import StepBatch
+
+if TYPE_CHECKING:
+    from pdserve.engine.parallel import TPGroup
 
 ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"})
 # GEMV tiles for a single token, the fastest of a sweep on an H200 at 7B dimensions
@@ -96,6 +99,10 @@ class LlamaFamily:
     ``pdl``: in a one-token step on a GPU, each GEMV is a programmatic dependent launch of the
     kernel before it (which lets it start early), so that its programs are resident and
     reading their first weights while that kernel finishes (not yet measured: off).
+
+    ``tp``: the model's weights are this rank's shard (:mod:`pdserve.engine.parallel`): the
+    layer has ``1 / tp.size`` of the heads and of the MLP, and the outputs of o and down are
+    all-reduced across the group (inside the CUDA graph, on a GPU).
     """
 
     sdpa_prefill = True
@@ -104,15 +111,17 @@ class LlamaFamily:
     l2_prefetch = False
     pdl = False
 
-    def __init__(self, model: Any, pool: torch.Tensor, max_positions: int) -> None:
+    def __init__(self, model: Any, pool: torch.Tensor, max_positions: int, tp: TPGroup | None = None) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(reason)
         config = model.config.get_text_config()
         inner = model.model
         self.pool = pool
-        self.num_q = config.num_attention_heads
-        self.num_kv = getattr(config, "num_key_value_heads", None) or self.num_q
+        self.tp = tp
+        ranks = 1 if tp is None else tp.size
+        self.num_q = config.num_attention_heads // ranks
+        self.num_kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) // ranks
         first = inner.layers[0].self_attn
         self.head_dim = first.head_dim
         self.scale = first.scaling
@@ -199,6 +208,8 @@ class LlamaFamily:
             if prefetch:
                 main.wait_stream(self._side)
             h = self._linear(out.view(tokens, nq * dim), layer.o_weight, layer.o_bias, GEMV_O, pdl)
+            if self.tp is not None:
+                self.tp.all_reduce(h)
             x, residual = elementwise.add_rms_norm(h, residual, layer.post_norm, self.eps, pdl)
             gate_up = self._linear(x, layer.gate_up_weight, layer.gate_up_bias, GEMV_GATE_UP, pdl)
             if tokens == 1 and self.use_gemv:
@@ -206,6 +217,8 @@ class LlamaFamily:
                 h = gemv.gemv(gate_up, down, layer.down_bias, silu_mul_input=True, pdl=pdl, **GEMV_DOWN)
             else:
                 h = F.linear(elementwise.silu_mul(gate_up), layer.down_weight, layer.down_bias)
+            if self.tp is not None:
+                self.tp.all_reduce(h)
         if step.sample_index is not None:
             h, residual = h[step.sample_index], residual[step.sample_index]  # type: ignore[index]
         h, _ = elementwise.add_rms_norm(h, residual, self.norm, self.eps, pdl)

@@ -137,19 +137,24 @@ async def test_decode_recomputes_when_the_handle_is_expired(workers, nats_server
         await nc.close()
 
 
-@pytest.mark.parametrize("why", ["page size", "dtype", "protocol"])
+@pytest.mark.parametrize("why", ["page size", "dtype", "protocol", "kv heads"])
 async def test_a_handle_decode_cannot_read_is_a_clear_error(
     workers, nats_server, tiny_model_dir: Path, why: str
 ) -> None:
-    """Pools started with different --page-size, --dtype or transport: every request would
-    silently recompute; instead it fails with a message naming what differs."""
+    """Pools started with different --page-size, --dtype or transport, or KV heads that do
+    not map between the tensor-parallel sizes (here 2 ranks of 2 heads against 1 rank of 2):
+    every request would silently recompute; instead it fails with a message naming what
+    differs."""
     decode = await workers("decode")
     layout = decode.engine.runner.pool.layout
     protocol = "tcp"
+    ranks: dict[str, Any] = {}
     if why == "page size":
         layout = dataclasses.replace(layout, page_size=layout.page_size * 2)
     elif why == "dtype":
         layout = dataclasses.replace(layout, dtype="float16")
+    elif why == "kv heads":
+        ranks = {"tp_size": 2, "rank_endpoints": ("127.0.0.1:1", "127.0.0.1:2"), "rank_bases": (4096, 1 << 20)}
     else:
         protocol = "rdma"
     nc = await nats.connect(nats_server.url)
@@ -171,13 +176,19 @@ async def test_a_handle_decode_cannot_read_is_a_clear_error(
             len(prompt),
             time.time() + 60,
             protocol,
+            **ranks,
         ),
     )
     try:
         await _publish_ready(nc, ready)
         chunk = await asyncio.wait_for(chunks.get(), 20)
         assert chunk.finish_reason == "error" and chunk.error is not None
-        flag = {"page size": "--page-size", "dtype": "--dtype", "protocol": "--disaggregation-ib-device"}[why]
+        flag = {
+            "page size": "--page-size",
+            "dtype": "--dtype",
+            "protocol": "--disaggregation-ib-device",
+            "kv heads": "KV heads: prefill 4 (2 on each of 2 ranks), decode 2 (2 on each of 1 ranks)",
+        }[why]
         assert flag in chunk.error.message and "other-prefill" in chunk.error.message
         assert decode.counters["recomputes"] == 0
         assert decode.engine.pages.num_used_pages == 0
@@ -345,3 +356,26 @@ async def test_an_allowed_tcp_fallback_is_logged_counted_and_advertised(
     assert info.transfer_endpoint.startswith("127.0.0.2:")
     assert plain.worker_info().counters.kv_transport_fallbacks == 0
     assert any("RDMA cannot work here" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
+
+
+async def test_both_sides_name_a_peer_whose_kv_heads_do_not_map(workers, caplog: pytest.LogCaptureFixture) -> None:
+    """A decode worker of 1 rank and 2 KV heads, a prefill worker whose registry entry says
+    2 ranks of 2 heads (4 in all): each logs the other as a peer it cannot pair with, naming
+    both TP sizes; a peer that maps (2 ranks of 1 head) is not named."""
+    prefill, decode = await workers("prefill"), await workers("decode")
+    info = prefill.worker_info()
+    assert info.tp_size == 1 and decode.worker_info().tp_size == 1
+    layout = info.kv_layout
+    assert layout is not None and layout.num_kv_heads == 2
+    wide = dataclasses.replace(info, worker_id="prefill-wide", tp_size=2)
+    fits = dataclasses.replace(
+        info, worker_id="prefill-fits", tp_size=2, kv_layout=dataclasses.replace(layout, num_kv_heads=1)
+    )
+    await decode.on_peers([wide, fits])
+    wide_decode = dataclasses.replace(decode.worker_info(), worker_id="decode-wide", tp_size=2)
+    await prefill.on_peers([wide_decode])
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    said = [(getattr(r, "prefill", None) or getattr(r, "decode", None), getattr(r, "differs", "")) for r in errors]
+    assert ("prefill-wide", "KV heads: prefill 4 (2 on each of 2 ranks), decode 2 (2 on each of 1 ranks)") in said
+    assert ("decode-wide", "KV heads: prefill 2 (2 on each of 1 ranks), decode 4 (2 on each of 2 ranks)") in said
+    assert not any(who == "prefill-fits" for who, _ in said)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from pdserve.cli import build_parser
 from pdserve.launch import (
@@ -39,7 +40,10 @@ def test_an_sglang_prefill_command_parses_and_passes_the_checks() -> None:
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--tensor-parallel-size", "2"], "tensor-parallel-size 2"),
+        (["--tensor-parallel-size", "0"], "at least 1"),
+        (["--tensor-parallel-size", "2", "--disaggregation-transfer-backend", "gloo"], "moves KV over mooncake"),
+        (["--tensor-parallel-size", "2", "--tp-rank", "2"], "outside --tensor-parallel-size 2"),
+        (["--tensor-parallel-size", "2", "--kv-host-bytes", "1000000"], "tiers copy a whole page pool"),
         (["--disaggregation-mode", "decode"], "does not match"),
         (["--disaggregation-transfer-backend", "nixl"], "available: gloo, mooncake, nccl"),
         (["--disaggregation-transfer-backend", "nccl"], "moves cuda pools, not cpu ones .a cpu pool moves over gloo"),
@@ -54,14 +58,29 @@ def test_values_pdserve_cannot_honour_are_errors(flags: list[str], message: str)
 
 
 def test_worker_exits_with_a_clear_message_before_loading_anything(tmp_path: Path) -> None:
+    argv = ["decode", "--model-path", str(tmp_path), "--tensor-parallel-size", "4"]
     proc = subprocess.run(
-        [sys.executable, "-m", "pdserve", "decode", "--model-path", str(tmp_path), "--tensor-parallel-size", "4"],
+        [sys.executable, "-m", "pdserve", *argv, "--disaggregation-transfer-backend", "gloo"],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert proc.returncode == 2
     assert "--tensor-parallel-size 4" in proc.stderr
+
+
+def test_a_model_that_does_not_split_evenly_is_refused_before_any_rank_starts(tiny_model_dir: Path) -> None:
+    """The built-in model has 2 KV heads: 4 ranks cannot share them."""
+    argv = ["unified", "--model-path", str(tiny_model_dir), "--tensor-parallel-size", "4"]
+    proc = subprocess.run([sys.executable, "-m", "pdserve", *argv], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--tensor-parallel-size 4 does not divide the model's KV heads 2" in proc.stderr
+    assert "tensor-parallel ranks started" not in proc.stderr
+    if not torch.cuda.is_available():
+        argv = ["unified", "--model-path", str(tiny_model_dir), "--tp-size", "2", "--device", "cuda"]
+        proc = subprocess.run([sys.executable, "-m", "pdserve", *argv], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2
+        assert "needs GPUs up to cuda:1; this machine has 0" in proc.stderr
 
 
 def test_a_directory_without_a_model_is_refused(tmp_path: Path) -> None:
@@ -97,6 +116,12 @@ def test_up_plans_roles_and_forwards_engine_flags() -> None:
     assert argv[3] == "decode" and "--exit-with-parent" in argv
     assert argv[argv.index("--max-total-tokens") + 1] == "8192"
     assert argv[argv.index("--nats-url") + 1] == "nats://127.0.0.1:1"
+    assert "--tensor-parallel-size" not in argv
+    tp = build_parser().parse_args(["up", "--tp-size", "2", "--decode-tensor-parallel-size", "4"])
+    for role, size in (("prefill", "2"), ("decode", "4")):
+        argv = worker_argv(tp, role, Path("/m"), "nats://127.0.0.1:1", 8)
+        assert argv[argv.index("--tensor-parallel-size") + 1] == size
+        assert argv[argv.index("--num-threads") + 1] == str(8 // int(size)), "the ranks share the worker's threads"
     unified = build_parser().parse_args(["up", "--mode", "unified", "--unified-workers", "2"])
     assert plan_roles(unified) == ["unified", "unified"]
     with pytest.raises(SystemExit):

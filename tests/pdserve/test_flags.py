@@ -45,6 +45,8 @@ def test_up_forwards_every_flag_it_shares_with_workers() -> None:
     parser = build_parser()
     shared = _options(parser, "up") & _options(parser, "prefill")
     own_meaning = {"-h", "--help", "--host", "--port"}  # HTTP under `up`, the worker's own under `prefill`
+    # `up` hands each role its own size (--prefill-/--decode-tensor-parallel-size override it).
+    own_meaning |= {"--tensor-parallel-size", "--tp-size"}
     assert shared - own_meaning <= {flag.name for flag in flags.forwarded()}
 
 

@@ -1,0 +1,90 @@
+"""One rank of a tensor-parallel engine, for ``tests/engine/test_parallel.py``:
+``python -m tests.engine.tp_rank RANK SIZE STORE MODEL OUT [crash] [fast]``. Rank 0 runs
+the prompts of ``OUT.prompts.json`` greedily and writes the outputs to ``OUT``; then says
+stop, or with ``crash`` ends at once without a word. The others follow until stopped
+(exit 0) or until rank 0 is gone (exit 1). ``fast``: pdserve's own forward pass (its
+kernels in Triton's interpreter) on :func:`fast_model` instead of the stock one on MODEL."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+if __name__ == "__main__" and "fast" in sys.argv[6:]:
+    from pdserve.engine.kernels import use_interpreter
+
+    use_interpreter()
+
+import torch
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.loader import build_engine
+from pdserve.engine.model_runner import ModelRunner, ModelSpec
+from pdserve.engine.parallel import connect_store, join_group
+from pdserve.schemas import SamplingParams
+from pdserve.workers.config import WorkerConfig
+from pdserve.workers.tensor_parallel import serve_follower
+
+CONFIG = EngineConfig(max_total_tokens=4096, num_threads=1)
+# The fast path in the interpreter: small chunks, so prompts are computed in pieces.
+FAST_CONFIG = EngineConfig(
+    max_total_tokens=1024, num_threads=1, model_impl="pdserve", chunked_prefill_size=16, cuda_graph_max_batch=0
+)
+
+
+def fast_model() -> Any:
+    """The fast-path tests' 2-layer Qwen2 (4 heads, 2 KV heads), seeded: the same on every rank."""
+    from pdserve.bench import shapes
+
+    return shapes.small_model("qwen2", "cpu")
+
+
+def main() -> int:
+    rank, size, store, model, out = sys.argv[1:6]
+    crash, fast = "crash" in sys.argv[6:], "fast" in sys.argv[6:]
+    tp = join_group(int(rank), int(size), connect_store(store), torch.device("cpu"))
+    config = FAST_CONFIG if fast else CONFIG
+    if tp.rank:
+        runner = ModelRunner(ModelSpec(Path(model)), config, model=fast_model() if fast else None, tp=tp)
+        worker = WorkerConfig(role="unified", model_path=Path(model), model_name="m", nats_url="")
+        try:
+            serve_follower(worker, runner)
+        except RuntimeError:
+            return 1
+        tp.close()
+        return 0
+    if fast:
+        from pdserve.engine.engine import Engine
+
+        engine = Engine(ModelRunner(ModelSpec(Path(model)), config, model=fast_model(), tp=tp), config)
+        assert engine.runner.model_impl == "pdserve"
+    else:
+        engine = build_engine(Path(model), config, tp=tp)
+    outputs = run(engine, json.loads(Path(out + ".prompts.json").read_text()))
+    Path(out).write_text(json.dumps(outputs))
+    if crash:
+        os._exit(3)
+    engine.runner.stop_followers()
+    tp.close()
+    return 0
+
+
+def run(engine: object, cases: list[tuple[list[int], int, int]]) -> dict[str, list[int]]:
+    """Greedy outputs by rid (``i`` or, for a case of ``n`` samples, ``i#s``)."""
+    from pdserve.engine.engine import Engine
+
+    assert isinstance(engine, Engine)
+    for i, (prompt, new, n) in enumerate(cases):
+        engine.add_request(str(i), prompt, SamplingParams(max_new_tokens=new, temperature=0, ignore_eos=True, n=n))
+    outputs: dict[str, list[int]] = {}
+    while engine.has_work():
+        for o in engine.step():
+            outputs.setdefault(o.rid, []).extend(o.token_ids)
+    return outputs
+
+
+if __name__ == "__main__":
+    sys.exit(main())
