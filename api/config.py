@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from pdserve.api.placement import PlacementConfig
 from pdserve.broker.auth import NatsAuth
 from pdserve.broker.streams import BrokerConfig
 
@@ -22,7 +23,8 @@ class ApiConfig:
     than ``max_output_tokens``, more than ``max_batch_prompts`` prompts in one request
     (``None``: the model's context length). ``max_concurrent_requests`` generation
     requests per key may be in flight (0: no limit); more get 429. ``enable_flush_cache``
-    turns on ``/flush_cache`` (benchmarks: every worker forgets its cached prefixes)."""
+    turns on ``/flush_cache`` (benchmarks: every worker forgets its cached prefixes).
+    ``placement``: which path each request takes (``docs/placement.md``)."""
 
     nats_url: str
     model_path: Path
@@ -46,6 +48,7 @@ class ApiConfig:
     trust_remote_code: bool = False
     context_length: int | None = None
     broker: BrokerConfig = BrokerConfig()
+    placement: PlacementConfig = PlacementConfig()
 
     def __post_init__(self) -> None:
         if self.default_max_tokens < 1:

@@ -9,6 +9,11 @@ migration cancels the earlier attempts and publishes attempt ``n + 1`` with the 
 the client already has; after ``max_migrations`` the client gets an error instead.
 While the connection to NATS is down nothing is judged silent, and every stream gets a
 fresh ``stall_timeout`` once it is back.
+
+With conditional disaggregation on, a request's first attempt goes where
+:func:`.placement.choose` says (the request stream, or a decode worker's local-prefill
+queue), from the load read every ``refresh_seconds``; migrations always take the request
+stream.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from pdserve.api.metrics import ApiMetrics
+from pdserve.api.placement import LOCAL, Load, PlacementConfig, choose
 from pdserve.api.token_stream import TokenStream
 from pdserve.broker import contract, streams, tracing
 from pdserve.broker.auth import NatsAuth
@@ -113,6 +119,7 @@ class Gateway:
         gap_timeout: float = 1.0,
         max_migrations: int = 3,
         nats_auth: NatsAuth | None = None,
+        placement: PlacementConfig | None = None,
     ) -> None:
         self.nats_url = nats_url
         self.nats_auth = nats_auth
@@ -122,6 +129,8 @@ class Gateway:
         self.stall_timeout = stall_timeout
         self.gap_timeout = gap_timeout
         self.max_migrations = max_migrations
+        self.placement = placement or PlacementConfig()
+        self.load = Load()  # read every placement.refresh_seconds while placement decides
         self.nc: Client | None = None
         self.js: JetStreamContext | None = None
         self.registry: WorkerRegistry | None = None
@@ -142,6 +151,8 @@ class Gateway:
         self._batches = await contract.subscribe(self.nc, contract.TOKEN_BATCHES, self._on_batch, self.api_id)
         await watch_dead_letters(self.nc, self.js, self.model, self._on_dead_letter)
         self._spawn(self._watch())
+        if self.placement.conditional_disagg:
+            self._spawn(self._read_load())
 
     async def _on_dead_letter(self, rid: str) -> None:
         self.stats.dead_letters += 1
@@ -230,6 +241,38 @@ class Gateway:
             reason = live.stream.expired(now, self.stall_timeout, self.gap_timeout)
             if reason is not None:
                 self.migrate(live, reason)
+
+    # ---- placement -------------------------------------------------------------------
+    async def _read_load(self) -> None:
+        """The load placement decides on, every ``refresh_seconds``; a failed reading is
+        logged and the last one kept (the broker may be away for a while)."""
+        assert self.js is not None
+        while True:
+            try:
+                workers = await self.workers()
+                prefill = await streams.queue_depth(
+                    self.js, contract.REQUESTS.stream, contract.REQUESTS.consumer(self.model)
+                )
+                local = await streams.queue_depth(
+                    self.js, contract.LOCAL_REQUESTS.stream, contract.LOCAL_REQUESTS.consumer(self.model)
+                )
+                self.load = Load.read(workers, self.model, prefill.pending, local.pending)
+            except Exception as exc:
+                log.warning("load reading failed; placement keeps the last one", extra={"error": str(exc)})
+            await asyncio.sleep(self.placement.refresh_seconds)
+
+    def cached_estimate(self, prompt_ids: tuple[int, ...]) -> int:
+        """Prompt tokens believed cached where the request would be prefilled (0: unknown)."""
+        return 0
+
+    def _channel(self, request: GenerateRequest) -> contract.WorkChannel[GenerateRequest]:
+        """The work channel of ``request``'s first attempt, counted by path."""
+        prompt = request.prompt_ids
+        decision = choose(len(prompt), self.cached_estimate(prompt), self.load, self.placement)
+        self.metrics.placed(decision.path)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("placed", extra={"rid": request.rid, "path": decision.path, "reason": decision.reason})
+        return contract.LOCAL_REQUESTS if decision.path == LOCAL else contract.REQUESTS
 
     # ---- migration -------------------------------------------------------------------
     def migrate(self, live: _Live, reason: str) -> None:
@@ -384,9 +427,8 @@ class Gateway:
         the streams are dropped and the error raised."""
         assert self.nc is not None
         try:
-            fresh = await contract.submit(
-                self.nc, contract.REQUESTS, request, self.model, request.rid, trace=lives[0].trace
-            )
+            channel = self._channel(request)
+            fresh = await contract.submit(self.nc, channel, request, self.model, request.rid, trace=lives[0].trace)
         except BaseException:
             self._unregister(lives, "rejected")
             raise
@@ -489,7 +531,10 @@ class Gateway:
         """Each work queue of the model: waiting, in hand, and the age of its oldest message."""
         assert self.js is not None
         readings = []
-        for stage, channel in (("prefill", contract.REQUESTS), ("decode", contract.KV_READY)):
+        channels = [("prefill", contract.REQUESTS), ("decode", contract.KV_READY)]
+        if self.placement.conditional_disagg:
+            channels.append(("local", contract.LOCAL_REQUESTS))
+        for stage, channel in channels:
             consumer = channel.consumer(self.model)
             depth = await streams.queue_depth(self.js, channel.stream, consumer)
             age = await streams.queue_age(self.js, channel.stream, channel.subject(self.model))

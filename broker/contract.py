@@ -5,6 +5,7 @@ send and receive on it.
 | channel | message | travels on | sender → receiver |
 | --- | --- | --- | --- |
 | ``REQUESTS`` | ``GenerateRequest`` | stream ``PD_REQUESTS``, ``pd.req.<model>``, pull consumer ``prefill-<model>`` | API → prefill and unified workers |
+| ``LOCAL_REQUESTS`` | ``GenerateRequest`` | stream ``PD_REQUESTS``, ``pd.local.<model>``, pull consumer ``local-<model>`` | API → decode workers, which prefill it themselves |
 | ``KV_READY`` | ``KVReady`` | stream ``PD_KV``, ``pd.kv.<model>``, pull consumer ``decode-<model>`` | prefill → decode |
 | ``TOKENS`` | ``TokenChunk`` | core ``pd.tokens.<api-id>.<rid>`` (the request's ``reply_to``) | workers → the API that asked |
 | ``TOKEN_BATCHES`` | ``TokenBatch`` | core ``pd.tokens.<api-id>`` (the request's ``batch_to``) | decode and unified workers, one per step and API → that API |
@@ -147,6 +148,17 @@ REQUESTS = WorkChannel(
     senders=("api", "client"),
     receivers=("prefill", "unified"),
 )
+LOCAL_REQUESTS = WorkChannel(
+    "local_requests",
+    GenerateRequest,
+    subjects.REQUEST_STREAM,
+    subjects.local_requests,
+    subjects.local_consumer,
+    sender="API, for a request it places on a decode worker (conditional disaggregation)",
+    receiver="decode workers, which prefill and decode it themselves while they have room",
+    senders=("api",),
+    receivers=("decode",),
+)
 KV_READY = WorkChannel(
     "kv_ready",
     KVReady,
@@ -255,6 +267,7 @@ WORKERS = Bucket(
 
 CHANNELS = (
     REQUESTS,
+    LOCAL_REQUESTS,
     KV_READY,
     TOKENS,
     TOKEN_BATCHES,

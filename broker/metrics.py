@@ -55,6 +55,10 @@ _COUNTERS = {
         "pdserve_kv_transport_fallbacks",
         "RDMA asked for but unusable: KV moves over tcp (--allow-tcp-fallback)",
     ),
+    "local_prefills": (
+        "pdserve_local_prefills",
+        "requests a decode worker prefilled itself (conditional disaggregation)",
+    ),
     "steps": ("pdserve_engine_steps", "forward passes"),
     "batch_rows": ("pdserve_engine_batch_rows", "sequences computed, summed over steps (/ steps = mean batch size)"),
     "prompt_tokens": ("pdserve_prompt_tokens", "prompt tokens admitted by the engine"),

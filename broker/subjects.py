@@ -36,6 +36,11 @@ def requests(model: str) -> str:
     return f"pd.req.{token(model)}"
 
 
+def local_requests(model: str) -> str:
+    """Requests a decode worker prefills itself (conditional disaggregation)."""
+    return f"pd.local.{token(model)}"
+
+
 def kv_ready(model: str) -> str:
     return f"pd.kv.{token(model)}"
 
@@ -90,6 +95,10 @@ def prefill_consumer(model: str) -> str:
     return f"prefill-{token(model)}"
 
 
+def local_consumer(model: str) -> str:
+    return f"local-{token(model)}"
+
+
 def decode_consumer(model: str) -> str:
     return f"decode-{token(model)}"
 
@@ -124,5 +133,6 @@ def pull_next(stream: str, consumer: str) -> str:
 
 
 REQUEST_SUBJECTS = "pd.req.*"
+LOCAL_SUBJECTS = "pd.local.*"
 KV_SUBJECTS = "pd.kv.*"
 DEAD_SUBJECTS = "pd.dead.>"

@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add_flags(up, flags.HTTP)
     flags.add_flags(up, flags.GUARD, "access and limits")
     flags.add_flags(up, flags.RECOVERY, "recovery")
+    flags.add_flags(up, flags.PLACEMENT, "placement")
     flags.add_flags(up, flags.UP)
     flags.nats_url().add_to(up, default=None, help="use this NATS server instead of starting one")
     flags.add_flags(up, flags.NATS_AUTH, "an external NATS server's credentials (the embedded one makes its own)")
@@ -73,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         api, (*flags.HTTP, flags.nats_url(), *flags.API, flags.API_ID, flags.REUSE_PORT, flags.EXIT_WITH_PARENT)
     )
     flags.add_flags(api, flags.GUARD, "access and limits")
+    flags.add_flags(api, flags.PLACEMENT, "placement")
     flags.add_flags(api, flags.NATS_AUTH, "NATS credentials")
     flags.add_flags(api, flags.BROKER, "broker")
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from pdserve import settings
 from pdserve.api.config import ApiConfig
+from pdserve.api.placement import PlacementConfig
 from pdserve.broker.streams import BrokerConfig
 from pdserve.engine.config import EngineConfig
 from pdserve.scaling import RolePolicy, ScalingConfig
@@ -288,6 +289,27 @@ ENABLE_FLUSH_CACHE = Flag(
     help="serve /flush_cache, which makes every worker forget its cached prefixes (for benchmarks; off by default)",
 )
 GUARD = (API_KEY, API_KEY_FILE, *LIMITS, ENABLE_FLUSH_CACHE)
+PLACEMENT = (
+    Flag(
+        "--conditional-disagg",
+        switch=True,
+        help="decide per request whether to prefill on a prefill worker or on the decode worker that will decode "
+        "it (short or mostly cached prompts; docs/placement.md); off: every request is disaggregated",
+    ),
+    Flag(
+        "--local-prefill-max-tokens",
+        PlacementConfig.local_prefill_max_tokens,
+        int,
+        "with --conditional-disagg: prompts of at most this many uncached tokens are prefilled on a decode "
+        "worker (default: %(default)s)",
+    ),
+    Flag(
+        "--local-prefill-max-tokens-busy",
+        PlacementConfig.local_prefill_max_tokens_busy,
+        int,
+        "with --conditional-disagg: the limit while the prefill pool is backed up (default: %(default)s)",
+    ),
+)
 API_ID = Flag("--api-id", help="this API's id on the broker (default: api-<random>)")
 
 REUSE_PORT = Flag("--reuse-port", switch=True, help="share --port with other API processes (SO_REUSEPORT, Linux)")
@@ -411,6 +433,7 @@ def api_forwarded() -> tuple[Flag, ...]:
         *API,
         API_KEY_FILE,
         *LIMITS,
+        *PLACEMENT,
         API_ID,
         *BROKER,
         REUSE_PORT,

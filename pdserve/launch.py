@@ -14,6 +14,7 @@ from typing import Any
 
 from pdserve import settings
 from pdserve.api.config import ApiConfig
+from pdserve.api.placement import PlacementConfig
 from pdserve.broker.auth import NatsAuth, read_password
 from pdserve.broker.streams import BrokerConfig
 from pdserve.engine.config import EngineConfig
@@ -239,6 +240,15 @@ API_ONLY = (
 )
 
 
+def placement_config(args: argparse.Namespace) -> PlacementConfig:
+    """Where requests go (``--conditional-disagg`` and its limits)."""
+    return PlacementConfig(
+        conditional_disagg=args.conditional_disagg,
+        local_prefill_max_tokens=args.local_prefill_max_tokens,
+        local_prefill_max_tokens_busy=args.local_prefill_max_tokens_busy,
+    )
+
+
 def api_config(
     args: argparse.Namespace, nats_url: str, model_path: Path, auth: NatsAuth | None = None, **overrides: Any
 ) -> ApiConfig:
@@ -257,6 +267,7 @@ def api_config(
         trust_remote_code=args.trust_remote_code,
         context_length=args.context_length,
         broker=broker_config(args),
+        placement=placement_config(args),
         **{**api_only, **overrides},
     )
 

@@ -19,7 +19,9 @@ class WorkerCounters:
     above, and handles too close to expiry); ``redeliveries``: work messages that arrived
     more than once; ``migrations``: requests taken over mid-stream (continued from the
     tokens already streamed); ``handed_back``: unfinished requests given back on a drain;
-    ``dead_lettered``: messages this worker moved to the dead-letter stream.
+    ``dead_lettered``: messages this worker moved to the dead-letter stream;
+    ``local_prefills``: requests a decode worker prefilled itself (conditional
+    disaggregation).
 
     The transport itself: ``kv_pull_ops``: operations the pulls took (Mooncake: segments
     read; ``nccl``/``gloo``: point-to-point messages received); ``kv_links_opened``:
@@ -48,6 +50,7 @@ class WorkerCounters:
     kv_send_bytes: int = 0
     kv_send_failures: int = 0
     kv_transport_fallbacks: int = 0
+    local_prefills: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -69,6 +69,7 @@ class WorkerRuntime:
         self.stopped = self.lifecycle.stopped
         self.replies = Replies(config.worker_id)
         self.intake: Intake[Any] | None = None
+        self.side_intakes: list[Intake[Any]] = []  # more queues a role takes work from
         self.nc: Client | None = None
         self.js: JetStreamContext | None = None
         self.tracked: dict[str, Tracked] = {}
@@ -92,8 +93,9 @@ class WorkerRuntime:
         await watch_dead_letters(self.nc, self.js, self.config.model_name, self._on_dead_letter)
         await self.setup()
         work = [self._engine_loop(), self._tick_loop()]
-        if self.intake is not None:
-            work.append(self.intake.run(self.stopping))
+        for intake in (self.intake, *self.side_intakes):
+            if intake is not None:
+                work.append(intake.run(self.stopping))
         await self.lifecycle.report_ready(*work)
 
     async def _on_dead_letter(self, rid: str) -> None:
@@ -148,9 +150,10 @@ class WorkerRuntime:
         return FlushCacheReply(self.worker_id, freed, len(self.tracked))
 
     async def teardown(self) -> None:
-        """Stop the intake; roles add their own clean-up."""
-        if self.intake is not None:
-            await self.intake.stop()
+        """Stop the intakes; roles add their own clean-up."""
+        for intake in (self.intake, *self.side_intakes):
+            if intake is not None:
+                await intake.stop()
 
     async def _stop_engine(self) -> None:
         self._engine_thread.shutdown(wait=True)
@@ -223,14 +226,22 @@ class WorkerRuntime:
         )
 
     # ---- requests in ---------------------------------------------------------
-    async def request_intake(self, prefill_only: bool) -> Intake[GenerateRequest]:
-        """Intake from the request queue, admitting into the engine (prefill and unified)."""
+    async def request_intake(
+        self,
+        prefill_only: bool,
+        channel: contract.WorkChannel[GenerateRequest] = contract.REQUESTS,
+        room_for: Callable[[], int] | None = None,
+    ) -> Intake[GenerateRequest]:
+        """Intake from a request queue (``channel``), admitting into the engine (prefill and
+        unified from the request stream; decode from its local-prefill queue), while
+        ``room_for()`` (default :meth:`room_for_requests`) says there is room."""
         assert self.nc is not None
-        queue = contract.WorkQueue(self.nc, contract.REQUESTS, self.config.model_name, self.worker_id)
+        queue = contract.WorkQueue(self.nc, channel, self.config.model_name, self.worker_id)
         await queue.start()
+        room_for = room_for or self.room_for_requests
 
         async def room() -> int:
-            return self.room_for_requests()
+            return room_for()
 
         async def take(deliveries: list[Delivery[GenerateRequest]]) -> None:
             for d in deliveries:
