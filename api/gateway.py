@@ -35,10 +35,12 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from pdserve.api.metrics import ApiMetrics
-from pdserve.api.placement import LOCAL, Load, PlacementConfig, choose
+from pdserve.api.placement import LOCAL, PLACED, Load, PlacementConfig, choose
+from pdserve.api.prefix_index import PrefixIndex, Target, best_worker
 from pdserve.api.token_stream import TokenStream
 from pdserve.broker import contract, streams, tracing
 from pdserve.broker.auth import NatsAuth
+from pdserve.broker.claims import Claims
 from pdserve.broker.connection import QueueFullError, connect
 from pdserve.broker.deadletter import watch_dead_letters
 from pdserve.broker.metrics import QueueReading
@@ -49,6 +51,7 @@ from pdserve.schemas import (
     FlushCache,
     FlushCacheReply,
     GenerateRequest,
+    KVEvents,
     SamplingParams,
     TokenBatch,
     TokenChunk,
@@ -89,6 +92,7 @@ class GatewayStats:
     duplicate_chunks: int = 0
     stale_chunks: int = 0
     dead_letters: int = 0
+    placement_fallbacks: int = 0
     chunk_messages: int = 0  # token chunks that came one per message (reply_to)
     batches: int = 0  # TokenBatch messages (batch_to), and the chunks they carried
     batched_chunks: int = 0
@@ -106,6 +110,8 @@ class _Live:
     deadline: float = float("inf")  # monotonic; the watch ends the stream past it
     timed_out: bool = False
     reasons: list[str] = field(default_factory=list)
+    taken: bool = False  # a worker sent a chunk of it
+    placed_seq: int = 0  # its placed copy in the request stream (prefix-aware placement)
 
 
 class Gateway:
@@ -131,6 +137,10 @@ class Gateway:
         self.max_migrations = max_migrations
         self.placement = placement or PlacementConfig()
         self.load = Load()  # read every placement.refresh_seconds while placement decides
+        self.index = PrefixIndex(self.placement.index_max_hashes)
+        self.claims: Claims | None = None
+        self.placeable: set[str] = set()  # live prefill and unified workers of the model
+        self.decoders: set[str] = set()
         self.nc: Client | None = None
         self.js: JetStreamContext | None = None
         self.registry: WorkerRegistry | None = None
@@ -151,7 +161,10 @@ class Gateway:
         self._batches = await contract.subscribe(self.nc, contract.TOKEN_BATCHES, self._on_batch, self.api_id)
         await watch_dead_letters(self.nc, self.js, self.model, self._on_dead_letter)
         self._spawn(self._watch())
-        if self.placement.conditional_disagg:
+        if self.placement.prefix_aware:
+            self.claims = Claims(await streams.claim_bucket(self.js, self.broker))
+            await contract.subscribe(self.nc, contract.KV_EVENTS, self._on_kv_events, self.model)
+        if self.placement.conditional_disagg or self.placement.prefix_aware:
             self._spawn(self._read_load())
 
     async def _on_dead_letter(self, rid: str) -> None:
@@ -175,6 +188,7 @@ class Gateway:
         live = self.live.get(chunk.rid)
         if live is None:
             return
+        live.taken = True
         stream = live.stream
         duplicates = stream.duplicates
         reason = stream.deliver(chunk, time.monotonic())
@@ -257,13 +271,77 @@ class Gateway:
                     self.js, contract.LOCAL_REQUESTS.stream, contract.LOCAL_REQUESTS.consumer(self.model)
                 )
                 self.load = Load.read(workers, self.model, prefill.pending, local.pending)
+                mine = [w for w in workers if w.model == self.model]
+                self.placeable = {w.worker_id for w in mine if w.role in ("prefill", "unified")}
+                self.decoders = {w.worker_id for w in mine if w.role == "decode"}
+                self.index.forget(self.index.workers() - self.placeable - self.decoders)
             except Exception as exc:
                 log.warning("load reading failed; placement keeps the last one", extra={"error": str(exc)})
             await asyncio.sleep(self.placement.refresh_seconds)
 
+    async def _on_kv_events(self, events: KVEvents) -> None:
+        self.index.apply(events)
+
     def cached_estimate(self, prompt_ids: tuple[int, ...]) -> int:
-        """Prompt tokens believed cached where the request would be prefilled (0: unknown)."""
-        return 0
+        """Prompt tokens a decode worker is believed to cache (0: unknown, or prefix-aware
+        placement off: no index)."""
+        if not self.placement.prefix_aware or not self.decoders:
+            return 0
+        matches = self.index.matches(prompt_ids)
+        return max((matches.get(w, 0) for w in self.decoders), default=0)
+
+    def _prefix_target(self, request: GenerateRequest) -> Target | None:
+        """The prefill or unified worker believed to cache most of ``request``'s prompt."""
+        if not self.placement.prefix_aware or request.sampling.n > 1 or not self.placeable:
+            return None
+        matches = self.index.matches(request.prompt_ids)
+        return best_worker(matches, self.placeable, self.placement.prefix_min_tokens)
+
+    async def _place(self, live: _Live, target: Target) -> bool:
+        """Store ``live``'s request on ``target``'s own subject and watch that it is taken
+        in time; False for a duplicate."""
+        assert self.nc is not None
+        request = live.request
+        seq = await contract.place(self.nc, request, self.model, target.worker_id, trace=live.trace)
+        if seq is None:
+            return False
+        live.placed_seq = seq
+        self.metrics.placed(PLACED)
+        self._spawn(self._fall_back(live, target.worker_id))
+        return True
+
+    async def _fall_back(self, live: _Live, worker_id: str) -> None:
+        """After ``placed_deadline``: unless its worker took it, claim the request for the
+        shared queue (the worker, finding the claim taken, drops its copy), withdraw the
+        placed copy and submit it to the request stream. If the worker claimed it first,
+        it runs there (and moves on like any request if that worker dies)."""
+        assert self.claims is not None and self.js is not None
+        await asyncio.sleep(self.placement.placed_deadline)
+        rid = live.request.rid
+        while self.live.get(rid) is live and not live.taken:
+            try:
+                owner = await self.claims.claim(rid, 0, self.api_id)
+            except Exception as exc:  # the broker is away: try again (the worker cannot claim either)
+                log.warning("placement claim failed; retrying", extra={"rid": rid, "error": str(exc)})
+                await asyncio.sleep(RESUBMIT_RETRY_SECONDS)
+                continue
+            if owner != self.api_id:
+                return
+            self.stats.placement_fallbacks += 1
+            log.info("placed request not taken in time; to the shared queue", extra={"rid": rid, "worker": worker_id})
+            await self._withdraw(live)
+            await self._resubmit(live, live.request)
+            return
+
+    async def _withdraw(self, live: _Live) -> None:
+        """Delete ``live``'s placed copy from the request stream (gone already is fine)."""
+        if not live.placed_seq or self.js is None:
+            return
+        seq, live.placed_seq = live.placed_seq, 0
+        try:
+            await self.js.delete_msg(contract.PLACED.stream, seq)
+        except Exception as exc:
+            log.debug("placed copy not deleted", extra={"rid": live.request.rid, "error": str(exc)})
 
     def _channel(self, request: GenerateRequest) -> contract.WorkChannel[GenerateRequest]:
         """The work channel of ``request``'s first attempt, counted by path."""
@@ -427,8 +505,12 @@ class Gateway:
         the streams are dropped and the error raised."""
         assert self.nc is not None
         try:
-            channel = self._channel(request)
-            fresh = await contract.submit(self.nc, channel, request, self.model, request.rid, trace=lives[0].trace)
+            target = self._prefix_target(request) if len(lives) == 1 else None
+            if target is not None:
+                fresh = await self._place(lives[0], target)
+            else:
+                channel = self._channel(request)
+                fresh = await contract.submit(self.nc, channel, request, self.model, request.rid, trace=lives[0].trace)
         except BaseException:
             self._unregister(lives, "rejected")
             raise
@@ -478,6 +560,8 @@ class Gateway:
             self.metrics.finished(outcome, time.monotonic() - published if outcome in ("stop", "length") else None)
             if self.live.get(rid) is live:
                 del self.live[rid]
+            if live.placed_seq:
+                self._spawn(self._withdraw(live))
             if not finished:
                 # A task of its own: this generator may be closing inside a cancelled
                 # scope (client disconnect), where any await here would be cancelled too.
@@ -531,7 +615,10 @@ class Gateway:
         """Each work queue of the model: waiting, in hand, and the age of its oldest message."""
         assert self.js is not None
         readings = []
-        channels = [("prefill", contract.REQUESTS), ("decode", contract.KV_READY)]
+        channels: list[tuple[str, contract.WorkChannel[Any]]] = [
+            ("prefill", contract.REQUESTS),
+            ("decode", contract.KV_READY),
+        ]
         if self.placement.conditional_disagg:
             channels.append(("local", contract.LOCAL_REQUESTS))
         for stage, channel in channels:

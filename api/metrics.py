@@ -23,7 +23,7 @@ from pdserve.schemas import WorkerInfo
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 OUTCOMES = ("stop", "length", "error", "timeout", "cancelled", "rejected")
-PLACEMENT_PATHS = ("disaggregated", "local")
+PLACEMENT_PATHS = ("disaggregated", "local", "placed")
 
 # GatewayStats field → help; each is served as pdserve_<field>_total.
 GATEWAY_TOTALS = {
@@ -33,6 +33,7 @@ GATEWAY_TOTALS = {
     "duplicate_chunks": "token chunks received twice (dropped)",
     "stale_chunks": "token chunks of a superseded attempt (dropped)",
     "dead_letters": "work messages moved to the dead-letter stream",
+    "placement_fallbacks": "placed requests their worker did not take in time, moved to the shared queue",
 }
 
 
@@ -88,7 +89,7 @@ class ApiMetrics:
         self.placements = Counter(
             "pdserve_placement_decisions",
             "requests by the path placement chose for them (disaggregated: the request stream; "
-            "local: prefilled on a decode worker)",
+            "local: prefilled on a decode worker; placed: on the worker caching its prefix)",
             ["path"],
             registry=self.registry,
         )

@@ -59,6 +59,11 @@ _COUNTERS = {
         "pdserve_local_prefills",
         "requests a decode worker prefilled itself (conditional disaggregation)",
     ),
+    "placed_taken": ("pdserve_placed_taken", "requests placed on this worker that it claimed and ran"),
+    "placed_withdrawn": (
+        "pdserve_placed_withdrawn",
+        "requests placed on this worker that the API had moved to the shared queue (dropped here)",
+    ),
     "steps": ("pdserve_engine_steps", "forward passes"),
     "batch_rows": ("pdserve_engine_batch_rows", "sequences computed, summed over steps (/ steps = mean batch size)"),
     "prompt_tokens": ("pdserve_prompt_tokens", "prompt tokens admitted by the engine"),

@@ -10,19 +10,11 @@ and are the first reused when the free list runs dry.
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 
 from pdserve.engine.sequence import Sequence as Seq
-
-
-def page_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
-    """Chained hash of one full page: equal hashes mean equal whole prefixes."""
-    h = hashlib.blake2b(parent or b"", digest_size=16)
-    h.update(struct.pack(f"<{len(tokens)}q", *tokens))
-    return h.digest()
+from pdserve.schemas.kv_events import page_hash, page_hashes
 
 
 class OutOfPages(RuntimeError):
@@ -42,6 +34,9 @@ class PageManager:
         self._hash_of: dict[int, bytes] = {}
         self._page_of: dict[bytes, int] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, refcount 0, LRU order
+        self.record_events = False  # keep what the index gains and loses, for take_events
+        self._stored: list[bytes] = []
+        self._evicted: list[bytes] = []
 
     # ---- queries -----------------------------------------------------------
     @property
@@ -68,12 +63,7 @@ class PageManager:
 
     def match_prefix(self, tokens: Sequence[int]) -> list[bytes]:
         """Hashes of the leading full pages of ``tokens`` (whether or not cached)."""
-        hashes: list[bytes] = []
-        parent: bytes | None = None
-        for start in range(0, len(tokens) - self.page_size + 1, self.page_size):
-            parent = page_hash(parent, tokens[start : start + self.page_size])
-            hashes.append(parent)
-        return hashes
+        return page_hashes(tokens, self.page_size)
 
     def lookup(self, hashes: Sequence[bytes]) -> list[int]:
         """Cached pages for the longest run of leading ``hashes`` found in the index."""
@@ -129,6 +119,14 @@ class PageManager:
             return  # an equal page is already indexed; this copy stays private
         self._hash_of[page] = h
         self._page_of[h] = page
+        if self.record_events:
+            self._stored.append(h)
+
+    def take_events(self) -> tuple[list[bytes], list[bytes]]:
+        """Hashes indexed and forgotten since the last call (with ``record_events``)."""
+        stored, evicted = self._stored, self._evicted
+        self._stored, self._evicted = [], []
+        return stored, evicted
 
     def reset_prefix_cache(self, in_use: bool = False) -> int:
         """Forget the cached prefixes of unreferenced pages (they become free), and with
@@ -165,6 +163,8 @@ class PageManager:
         h = self._hash_of.pop(page, None)
         if h is not None and self._page_of.get(h) == page:
             del self._page_of[h]
+            if self.record_events:
+                self._evicted.append(h)
 
     # ---- a sequence's pages --------------------------------------------------
     def attach_prefix(self, seq: Seq, max_tokens: int) -> None:

@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
             *(f for f in flags.UP if f.name in ("--transfer-host", "--disaggregation-transfer-backend")),
             flags.IB_DEVICE,
             flags.ALLOW_TCP_FALLBACK,
+            flags.PREFIX_PLACEMENT,
         ),
     )
     flags.add_flags(scale, flags.NATS_AUTH, "NATS credentials (the autoscaler's and its workers')")
@@ -86,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         flags.add_flags(worker, flags.SGLANG, "SGLang-compatible flags")
         flags.add_flags(worker, flags.BROKER, "broker")
         flags.add_flags(worker, (flags.nats_url(), flags.WORKER_ID, flags.EXIT_WITH_PARENT))
+        flags.add_flags(worker, (flags.PREFIX_PLACEMENT,), "placement")
         flags.add_flags(worker, flags.NATS_AUTH, "NATS credentials")
 
     add_bench_parser(sub)

@@ -289,7 +289,29 @@ ENABLE_FLUSH_CACHE = Flag(
     help="serve /flush_cache, which makes every worker forget its cached prefixes (for benchmarks; off by default)",
 )
 GUARD = (API_KEY, API_KEY_FILE, *LIMITS, ENABLE_FLUSH_CACHE)
+PREFIX_PLACEMENT = Flag(
+    "--prefix-aware-placement",
+    switch=True,
+    help="workers announce their cached prefixes and the API sends a request whose prefix one prefill worker "
+    "holds to that worker's own queue, falling back to the shared queue if it is not taken in time "
+    "(docs/placement.md); give it to the API and the workers alike (`up` does)",
+)
 PLACEMENT = (
+    PREFIX_PLACEMENT,
+    Flag(
+        "--prefix-min-tokens",
+        PlacementConfig.prefix_min_tokens,
+        int,
+        "with --prefix-aware-placement: place a request only when its worker caches at least this many of "
+        "its prompt's tokens (default: %(default)s)",
+    ),
+    Flag(
+        "--placement-deadline",
+        PlacementConfig.placed_deadline,
+        float,
+        "with --prefix-aware-placement: seconds a placed request waits for its worker before it goes to the "
+        "shared queue (default: %(default)s)",
+    ),
     Flag(
         "--conditional-disagg",
         switch=True,
@@ -417,6 +439,7 @@ def forwarded() -> tuple[Flag, ...]:
         TRANSFER_BACKEND,
         IB_DEVICE,
         ALLOW_TCP_FALLBACK,
+        PREFIX_PLACEMENT,
         EXIT_WITH_PARENT,
     )
 

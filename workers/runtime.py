@@ -25,7 +25,8 @@ from typing import Any
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from pdserve.broker import contract, tracing
+from pdserve.broker import contract, streams, tracing
+from pdserve.broker.claims import Claims
 from pdserve.broker.consumer import Delivery
 from pdserve.broker.deadletter import watch_dead_letters
 from pdserve.engine.engine import Engine, Launched, RequestError, RequestOutput
@@ -35,6 +36,7 @@ from pdserve.schemas import (
     FlushCache,
     FlushCacheReply,
     GenerateRequest,
+    KVEvents,
     WorkerCounters,
     WorkerInfo,
     WorkerStats,
@@ -79,6 +81,7 @@ class WorkerRuntime:
         self.kv_pull_seconds = 0.0
         self.metrics = WorkerMetrics(self.worker_info)
         self.transfer: TransferBackend | None = None
+        self.claims: Claims | None = None
         self._wake = asyncio.Event()
         self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._background: set[asyncio.Task[None]] = set()
@@ -91,6 +94,7 @@ class WorkerRuntime:
         await contract.subscribe(self.nc, contract.CANCEL, self._on_cancel)
         await contract.answer(self.nc, contract.FLUSH_CACHE, self._on_flush, self.worker_id)
         await watch_dead_letters(self.nc, self.js, self.config.model_name, self._on_dead_letter)
+        self.engine.pages.record_events = self.config.prefix_placement
         await self.setup()
         work = [self._engine_loop(), self._tick_loop()]
         for intake in (self.intake, *self.side_intakes):
@@ -231,24 +235,76 @@ class WorkerRuntime:
         prefill_only: bool,
         channel: contract.WorkChannel[GenerateRequest] = contract.REQUESTS,
         room_for: Callable[[], int] | None = None,
+        scope: tuple[str, ...] = (),
     ) -> Intake[GenerateRequest]:
         """Intake from a request queue (``channel``), admitting into the engine (prefill and
         unified from the request stream; decode from its local-prefill queue), while
         ``room_for()`` (default :meth:`room_for_requests`) says there is room."""
         assert self.nc is not None
-        queue = contract.WorkQueue(self.nc, channel, self.config.model_name, self.worker_id)
+        queue = contract.WorkQueue(self.nc, channel, self.config.model_name, self.worker_id, scope)
         await queue.start()
-        room_for = room_for or self.room_for_requests
+        claims = channel is contract.PLACED
 
         async def room() -> int:
-            return room_for()
+            return room_for() if room_for is not None else self.room_for_requests()
 
         async def take(deliveries: list[Delivery[GenerateRequest]]) -> None:
             for d in deliveries:
+                if claims and not await self._claim_placed(d):
+                    continue
                 await self.admit(d, prefill_only)
             self.wake()
 
         return Intake(queue, room, take, REQUEST_BATCH, self.config.fetch_timeout, idle_wait=0.01)
+
+    async def placed_intake(self, prefill_only: bool) -> Intake[GenerateRequest]:
+        """Intake of the requests the API placed on this worker (prefix-aware placement):
+        its own durable consumer on its own subject; each is claimed before it runs."""
+        assert self.js is not None
+        broker = self.config.broker
+        await streams.ensure_placed_consumer(self.js, self.config.model_name, self.worker_id, broker)
+        self.claims = Claims(await streams.claim_bucket(self.js, broker))
+        return await self.request_intake(prefill_only, contract.PLACED, scope=(self.worker_id,))
+
+    async def _claim_placed(self, d: Delivery[GenerateRequest]) -> bool:
+        """True when this worker holds the claim of placed ``d`` (it runs it); else ``d`` is
+        dropped (the API moved it to the shared queue) or, with the broker away, handed back."""
+        assert self.claims is not None
+        req = d.message
+        try:
+            owner = await self.claims.claim(req.rid, req.attempt, self.worker_id)
+        except Exception as exc:
+            log.warning("placement claim failed; handing back", extra={"rid": req.rid, "error": str(exc)})
+            await d.nak(delay=0.5)
+            return False
+        if owner == self.worker_id:
+            self.count("placed_taken")
+            return True
+        self.count("placed_withdrawn")
+        await d.ack()
+        return False
+
+    async def publish_kv_events(self) -> None:
+        """What the prefix cache indexed and forgot since the last call, as one
+        ``KVEvents`` (with prefix-aware placement; lost on a broker outage: the API's index
+        is approximate)."""
+        if not self.config.prefix_placement or self.nc is None:
+            return
+        pages = self.engine.pages
+        stored, evicted = pages.take_events()
+        if not (stored or evicted):
+            return
+        events = KVEvents(
+            self.worker_id,
+            self.config.model_name,
+            pages.page_size,
+            tuple(h.hex() for h in stored),
+            tuple(h.hex() for h in evicted),
+        )
+        try:
+            await contract.publish(self.nc, contract.KV_EVENTS, events, self.config.model_name)
+        except Exception as exc:
+            log.debug("KV events not published", extra={"error": str(exc)})
 
     def room_for_requests(self) -> int:
         """How many more requests to take: bounded by the batch size and free pages."""
@@ -417,6 +473,7 @@ class WorkerRuntime:
                 },
             )
         await self.on_outputs(outputs)  # raising here is a bug: the worker ends (supervised)
+        await self.publish_kv_events()
 
     async def _fail_batch(self, batch: ScheduledBatch) -> None:
         for seq in self.engine.fail(batch):
@@ -530,6 +587,7 @@ class WorkerRuntime:
                     await self.cancel(rid, "deadline exceeded")
             self.cancels.forget(now)
             await self.on_tick()
+            await self.publish_kv_events()
             if now >= next_peer_check:
                 next_peer_check = now + PEER_CHECK_SECONDS
                 await self._check_peers()

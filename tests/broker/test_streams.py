@@ -82,19 +82,21 @@ async def _messages(js: JetStreamContext, stream: str) -> int:
 # --------------------------------------------------------------------------- ensure_model
 
 
-async def test_a_request_stream_of_an_older_release_gains_the_local_subjects(js: JetStreamContext, model: str) -> None:
+async def test_a_request_stream_of_an_older_release_gains_the_local_and_placed_subjects(
+    js: JetStreamContext, model: str
+) -> None:
     older = dataclasses.replace(request_stream(CONFIG), subjects=[subjects.REQUEST_SUBJECTS])
     await js.add_stream(older)
     await ensure_model(js, model, CONFIG)
     info = await js.stream_info(subjects.REQUEST_STREAM)
-    assert info.config.subjects == [subjects.REQUEST_SUBJECTS, subjects.LOCAL_SUBJECTS]
+    assert info.config.subjects == [subjects.REQUEST_SUBJECTS, subjects.LOCAL_SUBJECTS, subjects.PLACED_SUBJECTS]
 
 
 async def test_ensure_model_creates_streams_and_consumers(js: JetStreamContext, model: str) -> None:
     await ensure_model(js, model, CONFIG)
 
     req = (await js.stream_info(subjects.REQUEST_STREAM)).config
-    assert req.subjects == [subjects.REQUEST_SUBJECTS, subjects.LOCAL_SUBJECTS]
+    assert req.subjects == [subjects.REQUEST_SUBJECTS, subjects.LOCAL_SUBJECTS, subjects.PLACED_SUBJECTS]
     assert req.retention == js_api.RetentionPolicy.WORK_QUEUE
     assert req.storage == js_api.StorageType.FILE
     assert req.discard == js_api.DiscardPolicy.NEW

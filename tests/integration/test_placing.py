@@ -88,7 +88,7 @@ async def test_a_short_prompt_is_prefilled_on_the_decode_worker_a_long_one_is_di
     assert seen == [prefill.worker_id, decode.worker_id]
     assert decode.counters["local_prefills"] == 1 and decode.counters["kv_pulls"] == 1
     assert decode.counters["recomputes"] == 0
-    assert gateway.metrics.placed_by_path == {"disaggregated": 1, "local": 1}
+    assert gateway.metrics.placed_by_path == {"disaggregated": 1, "local": 1, "placed": 0}
     exposition = gateway.metrics.exposition().decode()
     assert 'pdserve_placement_decisions_total{path="local"} 1.0' in exposition
 
@@ -138,3 +138,78 @@ async def test_a_local_request_is_redelivered_to_another_decode_worker(
     assert seen == [first.worker_id, second.worker_id]
     assert second.counters["redeliveries"] == 1 and second.counters["local_prefills"] == 1
     assert gateway.stats.migrations == 0
+
+
+# ---- prefix-aware placement ---------------------------------------------------------------
+PREFIX = [(i * 11 + 5) % 240 + 4 for i in range(160)]  # ten pages of 16
+PREFIX_ON = PlacementConfig(prefix_aware=True, prefix_min_tokens=64, placed_deadline=1.0)
+
+
+@pytest.fixture
+async def placing(nats_server, tiny_model_dir: Path) -> AsyncIterator[Gateway]:
+    gw = Gateway(nats_server.url, tiny_model_dir.name, streams.BrokerConfig(), placement=PREFIX_ON)
+    await gw.start()
+    yield gw
+    await gw.stop()
+
+
+async def cached_on_one(workers: Any, gw: Gateway, tiny_model_dir: Path) -> tuple[Any, Any]:
+    """Two prefill workers and a decode worker; the prefix computed once (on the shared
+    queue: the index knows nothing yet). Returns (the worker that holds it, the other)."""
+    a = await workers("prefill", prefix_placement=True)
+    b = await workers("prefill", prefix_placement=True)
+    await workers("decode", prefix_placement=True)
+    await until(lambda: len(gw.placeable) == 2 and len(gw.decoders) == 1)
+    tokens, seen = await run(gw, [*PREFIX, 1, 2, 3], 8, "first")
+    assert tokens == reference(tiny_model_dir, [*PREFIX, 1, 2, 3], 8)
+    holder, other = (a, b) if seen[0] == a.worker_id else (b, a)
+    await until(lambda: gw.index.matches(tuple(PREFIX)).get(holder.worker_id, 0) == len(PREFIX))
+    assert gw.metrics.placed_by_path["placed"] == 0
+    return holder, other
+
+
+async def test_a_request_goes_to_the_worker_that_caches_its_prefix(
+    workers, placing: Gateway, tiny_model_dir: Path
+) -> None:
+    holder, other = await cached_on_one(workers, placing, tiny_model_dir)
+    cached_before = holder.engine.stats.cached_tokens
+    prompt = [*PREFIX, 9, 8, 7, 6]
+    tokens, seen = await run(placing, prompt, 16, "second")
+    assert tokens == reference(tiny_model_dir, prompt, 16)
+    assert seen[0] == holder.worker_id
+    assert placing.metrics.placed_by_path["placed"] == 1 and placing.stats.placement_fallbacks == 0
+    assert holder.counters["placed_taken"] == 1
+    assert holder.engine.stats.cached_tokens - cached_before == len(PREFIX)
+    assert other.engine.stats.prompt_tokens == 0
+
+
+async def test_a_busy_worker_s_placed_request_falls_back_to_the_shared_queue_and_runs_once(
+    workers, placing: Gateway, tiny_model_dir: Path
+) -> None:
+    holder, other = await cached_on_one(workers, placing, tiny_model_dir)
+    room = holder.room_for_requests
+    holder.room_for_requests = lambda: 0  # busy: it fetches nothing
+    await asyncio.sleep(holder.config.fetch_timeout + 0.5)  # the pulls it had open (it had room) expire
+    prompt = [*PREFIX, 4, 4, 4]
+    tokens, seen = await run(placing, prompt, 16, "busy")
+    assert tokens == reference(tiny_model_dir, prompt, 16)
+    assert seen[0] == other.worker_id
+    assert placing.metrics.placed_by_path["placed"] == 1 and placing.stats.placement_fallbacks == 1
+    computed = holder.engine.stats.prompt_tokens
+    holder.room_for_requests = room  # free again: its placed copy was withdrawn, nothing runs twice
+    holder.intake.room_freed.set()
+    await asyncio.sleep(1.5)
+    assert holder.engine.stats.prompt_tokens == computed and holder.counters["placed_taken"] == 0
+
+
+async def test_a_dead_worker_s_placed_request_falls_back_to_the_shared_queue(
+    workers, kill, placing: Gateway, tiny_model_dir: Path
+) -> None:
+    holder, other = await cached_on_one(workers, placing, tiny_model_dir)
+    await kill(holder)  # still in the registry (and the index) until its entry expires
+    assert holder.worker_id in placing.placeable
+    prompt = [*PREFIX, 5, 5]
+    tokens, seen = await run(placing, prompt, 16, "dead")
+    assert tokens == reference(tiny_model_dir, prompt, 16)
+    assert seen[0] == other.worker_id
+    assert placing.stats.placement_fallbacks == 1 and placing.stats.migrations == 0
