@@ -141,6 +141,7 @@ class Gateway:
         self.claims: Claims | None = None
         self.placeable: set[str] = set()  # live prefill and unified workers of the model
         self.decoders: set[str] = set()
+        self.busy: dict[str, int] = {}  # requests each worker holds, at its last heartbeat
         self.nc: Client | None = None
         self.js: JetStreamContext | None = None
         self.registry: WorkerRegistry | None = None
@@ -274,6 +275,7 @@ class Gateway:
                 mine = [w for w in workers if w.model == self.model]
                 self.placeable = {w.worker_id for w in mine if w.role in ("prefill", "unified")}
                 self.decoders = {w.worker_id for w in mine if w.role == "decode"}
+                self.busy = {w.worker_id: w.requests_in_flight for w in mine}
                 self.index.forget(self.index.workers() - self.placeable - self.decoders)
             except Exception as exc:
                 log.warning("load reading failed; placement keeps the last one", extra={"error": str(exc)})
@@ -295,7 +297,7 @@ class Gateway:
         if not self.placement.prefix_aware or request.sampling.n > 1 or not self.placeable:
             return None
         matches = self.index.matches(request.prompt_ids)
-        return best_worker(matches, self.placeable, self.placement.prefix_min_tokens)
+        return best_worker(matches, self.placeable, self.placement.prefix_min_tokens, self.busy)
 
     async def _place(self, live: _Live, target: Target) -> bool:
         """Store ``live``'s request on ``target``'s own subject and watch that it is taken

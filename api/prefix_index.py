@@ -89,12 +89,13 @@ class Target:
     cached_tokens: int
 
 
-def best_worker(matches: Mapping[str, int], candidates: Iterable[str], min_tokens: int) -> Target | None:
-    """The candidate with the longest cached prefix of at least ``min_tokens`` (ties: the
-    first id), or ``None``."""
-    best: Target | None = None
-    for w in sorted(candidates):
-        n = matches.get(w, 0)
-        if n >= min_tokens and (best is None or n > best.cached_tokens):
-            best = Target(w, n)
-    return best
+def best_worker(
+    matches: Mapping[str, int], candidates: Iterable[str], min_tokens: int, busy: Mapping[str, int] | None = None
+) -> Target | None:
+    """The candidate with the longest cached prefix of at least ``min_tokens``, or ``None``;
+    among equals the least ``busy`` (requests in hand), then the first id."""
+    busy = busy or {}
+    ranked = sorted(candidates, key=lambda w: (-matches.get(w, 0), busy.get(w, 0), w))
+    if not ranked or matches.get(ranked[0], 0) < min_tokens:
+        return None
+    return Target(ranked[0], matches[ranked[0]])

@@ -92,7 +92,9 @@ def bench(url: str, model_dir: Path, out: Path, seed: int, args: list[str]) -> d
 
 
 def measure(url: str, model_dir: Path, seed: int, bench_args: list[str], out: Path) -> dict[str, Any]:
-    """One round against a running system; the workers' totals are read before and after."""
+    """One round against a running system, every worker's prefix cache flushed first; the
+    workers' totals are read before and after."""
+    assert httpx.post(url + "/flush_cache", timeout=30).status_code == 200
     before, roles_before = read_metrics(url)
     metrics = bench(url, model_dir, out, seed, bench_args)
     after, roles_after = read_metrics(url)
@@ -142,8 +144,8 @@ def run_case(case: str, model_dir: Path, seed: int, work: Path, a: argparse.Name
     else:
         bench_args = [*load, "--dataset", "prefix-chat", "--num-groups", str(a.groups), "--prefix-len"]
         bench_args += [str(a.prefix_len), "--num-turns", "2", "--turn-len", "64", *out]
-        flag, up = "--prefix-aware-placement", ["--prefill-workers", "2"]
-    common = ["--model-path", str(model_dir), *up]
+        flag, up = "--prefix-aware-placement", ["--prefill-workers", "2", "--max-total-tokens", str(a.pool_tokens)]
+    common = ["--model-path", str(model_dir), "--enable-flush-cache", *up]
     systems: dict[str, tuple[Any, str]] = {}
     rounds: list[dict[str, Any]] = []
     try:
@@ -199,6 +201,13 @@ def main() -> None:
     p.add_argument("--slo-itl", type=float, default=100.0, help="mixed: TPOT SLO in ms")
     p.add_argument("--groups", type=int, default=8, help="prefix: tenants, each with its own system prompt")
     p.add_argument("--prefix-len", type=int, default=1024, help="prefix: tokens of each system prompt")
+    p.add_argument(
+        "--pool-tokens",
+        type=int,
+        default=7168,
+        help="prefix: each worker's KV pool (--max-total-tokens): fewer than all the groups' prefixes, "
+        "more than half of them",
+    )
     p.add_argument("--rounds", type=int, default=3, help="pairs of runs (off and on, alternating first)")
     p.add_argument("--seed", type=int, help="the workload's seed (default: a fresh one, recorded)")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "data" / "placement.json")
