@@ -143,7 +143,7 @@ def run_case(case: str, model_dir: Path, seed: int, work: Path, a: argparse.Name
         flag, up = "--conditional-disagg", []
     else:
         bench_args = [*load, "--dataset", "prefix-chat", "--num-groups", str(a.groups), "--prefix-len"]
-        bench_args += [str(a.prefix_len), "--num-turns", "2", "--turn-len", "64", *out]
+        bench_args += [str(a.prefix_len), "--num-turns", "2", "--turn-len", str(a.turn_len), *out]
         flag, up = "--prefix-aware-placement", ["--prefill-workers", "2", "--max-total-tokens", str(a.pool_tokens)]
     common = ["--model-path", str(model_dir), "--enable-flush-cache", *up]
     systems: dict[str, tuple[Any, str]] = {}
@@ -200,11 +200,12 @@ def main() -> None:
     p.add_argument("--slo-ttft", type=float, default=1000.0, help="mixed: TTFT SLO in ms")
     p.add_argument("--slo-itl", type=float, default=100.0, help="mixed: TPOT SLO in ms")
     p.add_argument("--groups", type=int, default=8, help="prefix: tenants, each with its own system prompt")
-    p.add_argument("--prefix-len", type=int, default=1024, help="prefix: tokens of each system prompt")
+    p.add_argument("--prefix-len", type=int, default=2048, help="prefix: tokens of each system prompt")
+    p.add_argument("--turn-len", type=int, default=32, help="prefix: tokens of each user turn")
     p.add_argument(
         "--pool-tokens",
         type=int,
-        default=7168,
+        default=14336,
         help="prefix: each worker's KV pool (--max-total-tokens): fewer than all the groups' prefixes, "
         "more than half of them",
     )

@@ -80,7 +80,9 @@ R = TypeVar("R", bound=Message)
 @dataclass(frozen=True)
 class Channel(Generic[M]):
     """Core NATS: no storage, delivered to whoever listens now. ``subject(*scope)`` is
-    where a sender publishes, ``listen(*scope)`` what a receiver subscribes to."""
+    where a sender publishes, ``listen(*scope)`` what a receiver subscribes to; with
+    ``per_receiver`` the scope is the receiver's own id (an API's replies), which its
+    broker user is limited to."""
 
     name: str
     message: type[M]
@@ -90,6 +92,7 @@ class Channel(Generic[M]):
     receiver: str
     senders: tuple[str, ...] = ()  # roles, for the broker's permissions
     receivers: tuple[str, ...] = ()
+    per_receiver: bool = True
 
 
 @dataclass(frozen=True)
@@ -268,6 +271,7 @@ KV_EVENTS = Channel(
     receiver="the API instances (their index of which worker holds which prefix)",
     senders=("prefill", "decode", "unified"),
     receivers=("api",),
+    per_receiver=False,
 )
 FLUSH_CACHE = Service(
     "flush_cache",

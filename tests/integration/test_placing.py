@@ -213,3 +213,31 @@ async def test_a_dead_worker_s_placed_request_falls_back_to_the_shared_queue(
     assert tokens == reference(tiny_model_dir, prompt, 16)
     assert seen[0] == other.worker_id
     assert placing.stats.placement_fallbacks == 1 and placing.stats.migrations == 0
+
+
+def test_pdserve_up_places_with_its_own_broker_s_permissions(
+    tmp_path: Path, tiny_model_dir: Path, system_control: Any
+) -> None:
+    """Both flags through `pdserve up` with its embedded broker (a user per role): the
+    workers' KV events reach the API, a repeated prefix is placed, a short prompt is
+    prefilled on the decode worker, and no permission is refused."""
+    import httpx
+
+    start_system, stop_system = system_control
+    system = start_system(
+        tmp_path, tiny_model_dir, None, "--prefix-aware-placement", "--conditional-disagg", "--prefix-min-tokens", "64"
+    )
+    try:
+        body = {"sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+        for i in range(3):
+            r = httpx.post(system.url + "/generate", json={"input_ids": [*PREFIX, i + 1], **body}, timeout=60)
+            assert r.status_code == 200, r.text
+            time.sleep(0.5)  # the KV events of the first reach the API
+        r = httpx.post(system.url + "/generate", json={"input_ids": SHORT, **body}, timeout=60)
+        assert r.status_code == 200, r.text
+        metrics = httpx.get(system.url + "/metrics", timeout=10).text
+        assert 'pdserve_placement_decisions_total{path="placed"} 2.0' in metrics, metrics[:2000]
+        assert 'pdserve_placement_decisions_total{path="local"} 1.0' in metrics
+        assert "permissions violation" not in system.log()
+    finally:
+        stop_system(system)
