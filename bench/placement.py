@@ -4,7 +4,9 @@ placement flag on and off, one run each, in one invocation.
 ``mixed``: short prompts (``--short-len`` ± 30 %, at most 125 tokens) and long ones
 (``--long-len`` ± 30 %) under load, with SLOs: the short prompts' mean TTFT with
 ``--conditional-disagg`` against always disaggregated (goal: at least 30 % lower), and the
-goodput of all (goal: no loss). ``short``: short prompts alone (not run by default).
+goodput of all (goal: no loss). ``short``: short prompts alone; ``crossover``: always local
+against always disaggregated over prompt lengths, for the default
+``--local-prefill-max-tokens`` (neither run by default).
 ``prefix``: shared-prefix multi-tenant chat on 2 prefill workers; prefix-cache hit rate and
 P90 TTFT with ``--prefix-aware-placement`` against without (goal: hit rate >= 90 %, P90 TTFT
 >= 3x lower).
@@ -47,7 +49,7 @@ from common import git_commit, start_pdserve, stop_pdserve
 from pdserve.engine.tiny_model import ensure_default_model
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = ("short", "mixed", "prefix")
+CASES = ("short", "mixed", "prefix", "crossover")
 DEFAULT_CASES = ("mixed", "prefix")
 
 
@@ -170,6 +172,39 @@ def run_case(case: str, model_dir: Path, seed: int, work: Path, a: argparse.Name
     return result
 
 
+def run_crossover(model_dir: Path, seed: int, work: Path, a: argparse.Namespace) -> dict[str, Any]:
+    """Where local prefill stops paying: prompts of each length in ``--crossover-lens``,
+    always disaggregated against always local (``--local-prefill-max-tokens`` above any
+    prompt), at ``--rate``; the mean TTFT and TPOT of each. The default limit is the
+    longest length at which local prefill gives a lower mean TTFT without a TPOT more than
+    25 % higher."""
+    flags = ["--conditional-disagg", "--local-prefill-max-tokens", "100000"]
+    flags += ["--local-prefill-max-tokens-busy", "100000"]
+    common = ["--model-path", str(model_dir), "--enable-flush-cache"]
+    systems: dict[str, tuple[Any, str]] = {}
+    points = []
+    try:
+        for side, extra in (("off", []), ("on", flags)):
+            systems[side] = start_pdserve("pd", work / f"crossover-{side}", [*common, *extra])
+        for i, length in enumerate(a.crossover_lens):
+            args = ["--num-prompts", str(a.crossover_prompts), "--request-rate", str(a.rate), "--dataset", "random"]
+            args += ["--input-len", str(length), "--range-ratio", "0.1", "--output-len", str(a.output_len)]
+            point: dict[str, Any] = {"input_len": length}
+            for side in ("off", "on") if i % 2 == 0 else ("on", "off"):
+                m = measure(systems[side][1], model_dir, seed + i, args, work / f"crossover-{side}-{length}.json")
+                point[side] = {"ttft_mean_ms": m["ttft_ms"]["mean"], "tpot_mean_ms": m["tpot_ms"]["mean"]}
+                point[side]["placement_decisions"] = m["placement_decisions"]
+            point["ttft_ratio"] = point["on"]["ttft_mean_ms"] / point["off"]["ttft_mean_ms"]
+            point["tpot_ratio"] = point["on"]["tpot_mean_ms"] / point["off"]["tpot_mean_ms"]
+            print("crossover", length, round(point["ttft_ratio"], 3), round(point["tpot_ratio"], 3), flush=True)
+            points.append(point)
+    finally:
+        for proc, _ in systems.values():
+            stop_pdserve(proc)
+    good = [p["input_len"] for p in points if p["ttft_ratio"] < 1.0 and p["tpot_ratio"] <= 1.25]
+    return {"points": points, "suggested_local_prefill_max_tokens": max(good, default=0)}
+
+
 def ratios(pair: dict[str, Any]) -> dict[str, float]:
     """On against off in one round."""
     on, off = pair["on"], pair["off"]
@@ -182,9 +217,21 @@ def ratios(pair: dict[str, Any]) -> dict[str, float]:
         out["short_ttft_mean_ratio"] = on["short_prompts_ttft_ms"]["mean"] / off["short_prompts_ttft_ms"]["mean"]
     if "goodput" in on:
         out["goodput_ratio"] = on["goodput"] / max(off["goodput"], 1e-9)
-    if "prefix_cache_hit_rate" in on:
-        out["hit_rate_on"], out["hit_rate_off"] = on["prefix_cache_hit_rate"], off["prefix_cache_hit_rate"]
+    for side, m in (("on", on), ("off", off)):
+        prefill = m.get("workers", {}).get("prefill", {})
+        if prefill.get("prompt_tokens"):
+            # The prefill workers' own hits: in PD a response's usage.cached_tokens counts the
+            # decode worker's (the pages it did not pull), not the prefill worker's.
+            out[f"prefill_hit_rate_{side}"] = prefill.get("cached_tokens", 0.0) / prefill["prompt_tokens"]
     return out
+
+
+def recompute(data: dict[str, Any]) -> None:
+    """The medians of every case's rounds again (after a change to :func:`ratios`)."""
+    for result in data.values():
+        if isinstance(result, dict) and result.get("rounds"):
+            each = [ratios(p) for p in result["rounds"]]
+            result["median"] = {k: statistics.median(e[k] for e in each) for k in each[0]}
 
 
 def main() -> None:
@@ -209,17 +256,28 @@ def main() -> None:
         help="prefix: each worker's KV pool (--max-total-tokens): fewer than all the groups' prefixes, "
         "more than half of them",
     )
+    p.add_argument("--crossover-lens", type=lambda s: [int(x) for x in s.split(",")], default=[64, 128, 256, 512, 1024])
+    p.add_argument("--crossover-prompts", type=int, default=24, help="crossover: prompts per length and side")
     p.add_argument("--rounds", type=int, default=3, help="pairs of runs (off and on, alternating first)")
     p.add_argument("--seed", type=int, help="the workload's seed (default: a fresh one, recorded)")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "data" / "placement.json")
+    p.add_argument("--recompute", action="store_true", help="only recompute the medians of --out from its rounds")
     a = p.parse_args()
+    if a.recompute:
+        data = json.loads(a.out.read_text())
+        recompute(data)
+        a.out.write_text(json.dumps(data, indent=2) + "\n")
+        return
     seed = a.seed if a.seed is not None else random.SystemRandom().randrange(1 << 31)
     with tempfile.TemporaryDirectory(prefix="pd-placement-") as tmp:
         work = Path(tmp)
         model_dir = a.model_path or ensure_default_model(work / "model")
         data = json.loads(a.out.read_text()) if a.out.exists() else {}
         for case in a.cases:
-            result = run_case(case, model_dir, seed, work, a)
+            if case == "crossover":
+                result = run_crossover(model_dir, seed, work, a)
+            else:
+                result = run_case(case, model_dir, seed, work, a)
             result.update(
                 seed=seed,
                 commit=git_commit(),
@@ -230,7 +288,7 @@ def main() -> None:
             data[case] = result
             a.out.parent.mkdir(parents=True, exist_ok=True)
             a.out.write_text(json.dumps(data, indent=2) + "\n")
-            print(case, "median", json.dumps(result["median"]), flush=True)
+            print(case, "median", json.dumps(result.get("median", result.get("suggested_local_prefill_max_tokens"))))
 
 
 if __name__ == "__main__":
