@@ -36,7 +36,7 @@ from opentelemetry import trace
 
 from pdserve.api.metrics import ApiMetrics
 from pdserve.api.placement import LOCAL, PLACED, Load, PlacementConfig, choose
-from pdserve.api.prefix_index import PrefixIndex, Target, best_worker
+from pdserve.api.prefix_index import PrefixIndex, Target, best_worker, coldest_worker
 from pdserve.api.token_stream import TokenStream
 from pdserve.broker import contract, streams, tracing
 from pdserve.broker.auth import NatsAuth
@@ -142,6 +142,7 @@ class Gateway:
         self.placeable: set[str] = set()  # live prefill and unified workers of the model
         self.decoders: set[str] = set()
         self.busy: dict[str, int] = {}  # requests each worker holds, at its last heartbeat
+        self.cold_pages: dict[str, int] = {}  # pages of prefixes sent to a worker, not yet announced
         self.nc: Client | None = None
         self.js: JetStreamContext | None = None
         self.registry: WorkerRegistry | None = None
@@ -283,6 +284,9 @@ class Gateway:
 
     async def _on_kv_events(self, events: KVEvents) -> None:
         self.index.apply(events)
+        pending = self.cold_pages.get(events.worker_id, 0)
+        if pending:
+            self.cold_pages[events.worker_id] = max(pending - len(events.stored), 0)
 
     def cached_estimate(self, prompt_ids: tuple[int, ...]) -> int:
         """Prompt tokens a decode worker is believed to cache (0: unknown, or prefix-aware
@@ -297,7 +301,19 @@ class Gateway:
         if not self.placement.prefix_aware or request.sampling.n > 1 or not self.placeable:
             return None
         matches = self.index.matches(request.prompt_ids)
-        return best_worker(matches, self.placeable, self.placement.prefix_min_tokens, self.busy)
+        target = best_worker(matches, self.placeable, self.placement.prefix_min_tokens, self.busy)
+        if target is not None or len(request.prompt_ids) < self.placement.prefix_min_tokens:
+            return target
+        if self.load.prefill_queued > 0:  # a backlog: the shared queue serves it soonest
+            return None
+        # A long prefix nobody caches: to the worker caching least, so tenants spread.
+        pages = {w: self.index.pages.get(w, 0) + self.cold_pages.get(w, 0) for w in self.placeable}
+        worker = coldest_worker(self.placeable, pages)
+        if worker is None:
+            return None
+        page_size = self.index.page_sizes.get(worker, 16)
+        self.cold_pages[worker] = self.cold_pages.get(worker, 0) + len(request.prompt_ids) // page_size
+        return Target(worker, 0)
 
     async def _place(self, live: _Live, target: Target) -> bool:
         """Store ``live``'s request on ``target``'s own subject and watch that it is taken

@@ -25,6 +25,7 @@ class PrefixIndex:
         self.max_hashes = max_hashes
         self._holders: OrderedDict[str, set[str]] = OrderedDict()
         self.page_sizes: dict[str, int] = {}  # worker → its page size
+        self.pages: dict[str, int] = {}  # worker → hashes the index holds for it
 
     def __len__(self) -> int:
         return len(self._holders)
@@ -32,10 +33,12 @@ class PrefixIndex:
     def apply(self, events: KVEvents) -> None:
         worker = events.worker_id
         self.page_sizes[worker] = events.page_size
+        count = self.pages.get(worker, 0)
         for h in events.evicted:
             holders = self._holders.get(h)
-            if holders is not None:
+            if holders is not None and worker in holders:
                 holders.discard(worker)
+                count -= 1
                 if not holders:
                     del self._holders[h]
         for h in events.stored:
@@ -44,9 +47,14 @@ class PrefixIndex:
                 holders = self._holders[h] = set()
             else:
                 self._holders.move_to_end(h)
-            holders.add(worker)
+            if worker not in holders:
+                holders.add(worker)
+                count += 1
+        self.pages[worker] = count
         while len(self._holders) > self.max_hashes:
-            self._holders.popitem(last=False)
+            _, gone = self._holders.popitem(last=False)
+            for w in gone:
+                self.pages[w] -= 1
 
     def forget(self, workers: Iterable[str]) -> None:
         """Drop every entry of ``workers`` (they left the registry)."""
@@ -60,6 +68,7 @@ class PrefixIndex:
                 del self._holders[h]
         for w in gone:
             self.page_sizes.pop(w, None)
+            self.pages.pop(w, None)
 
     def workers(self) -> set[str]:
         return set(self.page_sizes)
@@ -87,6 +96,14 @@ class PrefixIndex:
 class Target:
     worker_id: str
     cached_tokens: int
+
+
+def coldest_worker(candidates: Iterable[str], pages: Mapping[str, int]) -> str | None:
+    """The candidate whose cache holds the fewest pages (``pages``: the index's, plus those
+    of prefixes just sent its way), ties by id: where a prefix nobody caches yet goes, so
+    that the tenants' prefixes spread over the workers instead of each worker caching all."""
+    ranked = sorted(candidates, key=lambda w: (pages.get(w, 0), w))
+    return ranked[0] if ranked else None
 
 
 def best_worker(

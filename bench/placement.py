@@ -84,6 +84,7 @@ def read_metrics(url: str) -> tuple[dict[str, float], dict[str, dict[str, float]
 def bench(url: str, model_dir: Path, out: Path, seed: int, args: list[str]) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "pdserve", "bench", "--base-url", url, "--backend", "generate"]
     cmd += ["--tokenizer", str(model_dir), "--seed", str(seed), "--output-json", str(out), "--quiet", *args]
+    cmd += ["--request-timeout", "180"]  # a wedged system fails its round instead of waiting 10 minutes
     subprocess.run(cmd, check=True, cwd=ROOT)
     result = json.loads(out.read_text())
     points = result.get("points") or result.get("runs") or [result]
@@ -238,21 +239,21 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", nargs="+", choices=CASES, default=list(DEFAULT_CASES))
     p.add_argument("--model-path", type=Path, help="default: the built-in tiny model")
-    p.add_argument("--num-prompts", type=int, default=120)
-    p.add_argument("--rate", type=float, default=8.0, help="requests/s, Poisson arrivals")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--rate", type=float, default=1.5, help="requests/s, Poisson arrivals")
     p.add_argument("--short-len", type=int, default=96, help="short prompts: mean tokens (±30 %%, so <= 125)")
     p.add_argument("--long-len", type=int, default=1024, help="mixed: the long prompts' mean tokens (±30 %%)")
     p.add_argument("--short-fraction", type=float, default=0.5, help="mixed: share of short prompts")
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--slo-ttft", type=float, default=1000.0, help="mixed: TTFT SLO in ms")
     p.add_argument("--slo-itl", type=float, default=100.0, help="mixed: TPOT SLO in ms")
-    p.add_argument("--groups", type=int, default=8, help="prefix: tenants, each with its own system prompt")
+    p.add_argument("--groups", type=int, default=4, help="prefix: tenants, each with its own system prompt")
     p.add_argument("--prefix-len", type=int, default=2048, help="prefix: tokens of each system prompt")
     p.add_argument("--turn-len", type=int, default=32, help="prefix: tokens of each user turn")
     p.add_argument(
         "--pool-tokens",
         type=int,
-        default=14336,
+        default=6144,
         help="prefix: each worker's KV pool (--max-total-tokens): fewer than all the groups' prefixes, "
         "more than half of them",
     )

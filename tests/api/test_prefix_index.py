@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.api.prefix_index import PrefixIndex, Target, best_worker
+from pdserve.api.prefix_index import PrefixIndex, Target, best_worker, coldest_worker
 from pdserve.schemas import KVEvents
 from pdserve.schemas.kv_events import page_hashes
 
@@ -34,10 +34,21 @@ def test_evictions_and_departures_are_forgotten() -> None:
     assert index.matches(PROMPT) == {"b": 20} and index.workers() == {"b"}
 
 
+def test_each_worker_s_pages_are_counted_and_a_new_prefix_goes_to_the_coldest() -> None:
+    index = PrefixIndex()
+    index.apply(KVEvents("a", "m", PAGE, stored=hexes(PROMPT)))
+    index.apply(KVEvents("a", "m", PAGE, stored=hexes(PROMPT)[:2], evicted=hexes(PROMPT)[4:]))
+    index.apply(KVEvents("b", "m", PAGE, stored=hexes(PROMPT)[:2]))
+    assert index.pages == {"a": 4, "b": 2}
+    assert coldest_worker({"a", "b", "c"}, index.pages) == "c"
+    assert coldest_worker({"a", "b"}, index.pages) == "b"
+    assert coldest_worker(set(), index.pages) is None
+
+
 def test_the_index_is_bounded_oldest_first() -> None:
     index = PrefixIndex(max_hashes=3)
     index.apply(KVEvents("a", "m", PAGE, stored=hexes(PROMPT)))
-    assert len(index) == 3
+    assert len(index) == 3 and index.pages == {"a": 3}
     assert index.matches(PROMPT) == {}, "the leading pages went first"
 
 

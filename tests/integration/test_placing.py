@@ -154,8 +154,8 @@ async def placing(nats_server, tiny_model_dir: Path) -> AsyncIterator[Gateway]:
 
 
 async def cached_on_one(workers: Any, gw: Gateway, tiny_model_dir: Path) -> tuple[Any, Any]:
-    """Two prefill workers and a decode worker; the prefix computed once (on the shared
-    queue: the index knows nothing yet). Returns (the worker that holds it, the other)."""
+    """Two prefill workers and a decode worker; the prefix computed once (placed on the
+    worker caching least: nobody caches it yet). Returns (the worker that holds it, the other)."""
     a = await workers("prefill", prefix_placement=True)
     b = await workers("prefill", prefix_placement=True)
     await workers("decode", prefix_placement=True)
@@ -164,7 +164,7 @@ async def cached_on_one(workers: Any, gw: Gateway, tiny_model_dir: Path) -> tupl
     assert tokens == reference(tiny_model_dir, [*PREFIX, 1, 2, 3], 8)
     holder, other = (a, b) if seen[0] == a.worker_id else (b, a)
     await until(lambda: gw.index.matches(tuple(PREFIX)).get(holder.worker_id, 0) == len(PREFIX))
-    assert gw.metrics.placed_by_path["placed"] == 0
+    assert gw.metrics.placed_by_path["placed"] == 1 and holder.counters["placed_taken"] == 1
     return holder, other
 
 
@@ -177,8 +177,8 @@ async def test_a_request_goes_to_the_worker_that_caches_its_prefix(
     tokens, seen = await run(placing, prompt, 16, "second")
     assert tokens == reference(tiny_model_dir, prompt, 16)
     assert seen[0] == holder.worker_id
-    assert placing.metrics.placed_by_path["placed"] == 1 and placing.stats.placement_fallbacks == 0
-    assert holder.counters["placed_taken"] == 1
+    assert placing.metrics.placed_by_path["placed"] == 2 and placing.stats.placement_fallbacks == 0
+    assert holder.counters["placed_taken"] == 2
     assert holder.engine.stats.cached_tokens - cached_before == len(PREFIX)
     assert other.engine.stats.prompt_tokens == 0
 
@@ -194,12 +194,12 @@ async def test_a_busy_worker_s_placed_request_falls_back_to_the_shared_queue_and
     tokens, seen = await run(placing, prompt, 16, "busy")
     assert tokens == reference(tiny_model_dir, prompt, 16)
     assert seen[0] == other.worker_id
-    assert placing.metrics.placed_by_path["placed"] == 1 and placing.stats.placement_fallbacks == 1
+    assert placing.metrics.placed_by_path["placed"] == 2 and placing.stats.placement_fallbacks == 1
     computed = holder.engine.stats.prompt_tokens
     holder.room_for_requests = room  # free again: its placed copy was withdrawn, nothing runs twice
     holder.intake.room_freed.set()
     await asyncio.sleep(1.5)
-    assert holder.engine.stats.prompt_tokens == computed and holder.counters["placed_taken"] == 0
+    assert holder.engine.stats.prompt_tokens == computed and holder.counters["placed_taken"] == 1
 
 
 async def test_a_dead_worker_s_placed_request_falls_back_to_the_shared_queue(
@@ -236,7 +236,7 @@ def test_pdserve_up_places_with_its_own_broker_s_permissions(
         r = httpx.post(system.url + "/generate", json={"input_ids": SHORT, **body}, timeout=60)
         assert r.status_code == 200, r.text
         metrics = httpx.get(system.url + "/metrics", timeout=10).text
-        assert 'pdserve_placement_decisions_total{path="placed"} 2.0' in metrics, metrics[:2000]
+        assert 'pdserve_placement_decisions_total{path="placed"} 3.0' in metrics, metrics[:2000]
         assert 'pdserve_placement_decisions_total{path="local"} 1.0' in metrics
         assert "permissions violation" not in system.log()
     finally:
