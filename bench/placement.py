@@ -270,6 +270,7 @@ def main() -> None:
         a.out.write_text(json.dumps(data, indent=2) + "\n")
         return
     seed = a.seed if a.seed is not None else random.SystemRandom().randrange(1 << 31)
+    commit = git_commit()  # the code the systems start with
     with tempfile.TemporaryDirectory(prefix="pd-placement-") as tmp:
         work = Path(tmp)
         model_dir = a.model_path or ensure_default_model(work / "model")
@@ -281,7 +282,7 @@ def main() -> None:
                 result = run_case(case, model_dir, seed, work, a)
             result.update(
                 seed=seed,
-                commit=git_commit(),
+                commit=commit,
                 date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 machine=f"{os.cpu_count()} CPUs, shared with other builds",
                 command=" ".join(["python", "bench/placement.py", *sys.argv[1:]]),
