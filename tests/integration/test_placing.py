@@ -241,3 +241,25 @@ def test_pdserve_up_places_with_its_own_broker_s_permissions(
         assert "permissions violation" not in system.log()
     finally:
         stop_system(system)
+
+
+async def test_a_placed_request_whose_worker_dies_after_taking_it_moves_on(
+    workers, kill, placing: Gateway, tiny_model_dir: Path
+) -> None:
+    """The holder claims the request and dies at its first word: the claim keeps the API
+    from moving it to the shared queue a second time, and the request still completes (the
+    decode worker computes the prompt when the dead holder's KV cannot be leased, or the
+    API's stall timeout moves it on, whichever the kill caught)."""
+    holder, other = await cached_on_one(workers, placing, tiny_model_dir)
+    placing.stall_timeout = 1.5
+    prompt = [*PREFIX, 6, 6, 6]
+
+    async def on_chunk(tokens: list[int], chunk: TokenChunk) -> None:
+        if chunk.worker_id == holder.worker_id and not holder.stopped.is_set():
+            await kill(holder)  # at its first word (the alive chunk): it holds the claim
+
+    tokens, seen = await run(placing, prompt, 16, "claimed-then-dead", on_chunk)
+    assert tokens == reference(tiny_model_dir, prompt, 16)
+    assert seen[0] == holder.worker_id and holder.worker_id not in seen[1:]
+    assert holder.counters["placed_taken"] == 2 and placing.stats.placement_fallbacks == 0
+    assert other.counters["placed_taken"] == 0
