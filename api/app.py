@@ -234,6 +234,7 @@ def create_app(config: ApiConfig, info: ModelInfo | None = None, collectors: Seq
             gap_timeout=config.gap_timeout,
             max_migrations=config.max_migrations,
             nats_auth=config.nats_auth,
+            placement=config.placement,
         )
         await gateway.start()
         for collector in collectors:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from pdserve.api.placement import PlacementConfig
 from pdserve.broker.auth import NatsAuth
 from pdserve.broker.streams import BrokerConfig
 
@@ -25,7 +26,8 @@ class ApiConfig:
     turns on ``/flush_cache`` (benchmarks: every worker forgets its cached prefixes).
     ``generation_config`` ``auto``: the sampling values of the model's
     ``generation_config.json`` are the defaults of a request that does not set them
-    (``none``: pdserve's and OpenAI's defaults)."""
+    (``none``: pdserve's and OpenAI's defaults).
+    ``placement``: which path each request takes (``docs/placement.md``)."""
 
     nats_url: str
     model_path: Path
@@ -50,6 +52,7 @@ class ApiConfig:
     context_length: int | None = None
     generation_config: str = "auto"
     broker: BrokerConfig = BrokerConfig()
+    placement: PlacementConfig = PlacementConfig()
 
     def __post_init__(self) -> None:
         if self.default_max_tokens < 1:

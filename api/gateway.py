@@ -9,6 +9,11 @@ migration cancels the earlier attempts and publishes attempt ``n + 1`` with the 
 the client already has; after ``max_migrations`` the client gets an error instead.
 While the connection to NATS is down nothing is judged silent, and every stream gets a
 fresh ``stall_timeout`` once it is back.
+
+With conditional disaggregation on, a request's first attempt goes where
+:func:`.placement.choose` says (the request stream, or a decode worker's local-prefill
+queue), from the load read every ``refresh_seconds``; migrations always take the request
+stream.
 """
 
 from __future__ import annotations
@@ -30,9 +35,12 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from pdserve.api.metrics import ApiMetrics
+from pdserve.api.placement import LOCAL, PLACED, Load, PlacementConfig, choose
+from pdserve.api.prefix_index import PrefixIndex, Target, best_worker, coldest_worker
 from pdserve.api.token_stream import TokenStream
 from pdserve.broker import contract, streams, tracing
 from pdserve.broker.auth import NatsAuth
+from pdserve.broker.claims import Claims
 from pdserve.broker.connection import QueueFullError, connect
 from pdserve.broker.deadletter import watch_dead_letters
 from pdserve.broker.metrics import QueueReading
@@ -43,6 +51,7 @@ from pdserve.schemas import (
     FlushCache,
     FlushCacheReply,
     GenerateRequest,
+    KVEvents,
     SamplingParams,
     TokenBatch,
     TokenChunk,
@@ -83,6 +92,7 @@ class GatewayStats:
     duplicate_chunks: int = 0
     stale_chunks: int = 0
     dead_letters: int = 0
+    placement_fallbacks: int = 0
     chunk_messages: int = 0  # token chunks that came one per message (reply_to)
     batches: int = 0  # TokenBatch messages (batch_to), and the chunks they carried
     batched_chunks: int = 0
@@ -100,6 +110,8 @@ class _Live:
     deadline: float = float("inf")  # monotonic; the watch ends the stream past it
     timed_out: bool = False
     reasons: list[str] = field(default_factory=list)
+    taken: bool = False  # a worker sent a chunk of it
+    placed_seq: int = 0  # its placed copy in the request stream (prefix-aware placement)
 
 
 class Gateway:
@@ -113,6 +125,7 @@ class Gateway:
         gap_timeout: float = 1.0,
         max_migrations: int = 3,
         nats_auth: NatsAuth | None = None,
+        placement: PlacementConfig | None = None,
     ) -> None:
         self.nats_url = nats_url
         self.nats_auth = nats_auth
@@ -122,6 +135,14 @@ class Gateway:
         self.stall_timeout = stall_timeout
         self.gap_timeout = gap_timeout
         self.max_migrations = max_migrations
+        self.placement = placement or PlacementConfig()
+        self.load = Load()  # read every placement.refresh_seconds while placement decides
+        self.index = PrefixIndex(self.placement.index_max_hashes)
+        self.claims: Claims | None = None
+        self.placeable: set[str] = set()  # live prefill and unified workers of the model
+        self.decoders: set[str] = set()
+        self.busy: dict[str, int] = {}  # requests each worker holds, at its last heartbeat
+        self.cold_pages: dict[str, int] = {}  # pages of prefixes sent to a worker, not yet announced
         self.nc: Client | None = None
         self.js: JetStreamContext | None = None
         self.registry: WorkerRegistry | None = None
@@ -142,6 +163,11 @@ class Gateway:
         self._batches = await contract.subscribe(self.nc, contract.TOKEN_BATCHES, self._on_batch, self.api_id)
         await watch_dead_letters(self.nc, self.js, self.model, self._on_dead_letter)
         self._spawn(self._watch())
+        if self.placement.prefix_aware:
+            self.claims = Claims(await streams.claim_bucket(self.js, self.broker))
+            await contract.subscribe(self.nc, contract.KV_EVENTS, self._on_kv_events, self.model)
+        if self.placement.conditional_disagg or self.placement.prefix_aware:
+            self._spawn(self._read_load())
 
     async def _on_dead_letter(self, rid: str) -> None:
         self.stats.dead_letters += 1
@@ -164,6 +190,7 @@ class Gateway:
         live = self.live.get(chunk.rid)
         if live is None:
             return
+        live.taken = True
         stream = live.stream
         duplicates = stream.duplicates
         reason = stream.deliver(chunk, time.monotonic())
@@ -230,6 +257,118 @@ class Gateway:
             reason = live.stream.expired(now, self.stall_timeout, self.gap_timeout)
             if reason is not None:
                 self.migrate(live, reason)
+
+    # ---- placement -------------------------------------------------------------------
+    async def _read_load(self) -> None:
+        """The load placement decides on, every ``refresh_seconds``; a failed reading is
+        logged and the last one kept (the broker may be away for a while)."""
+        assert self.js is not None
+        while True:
+            try:
+                workers = await self.workers()
+                prefill = await streams.queue_depth(
+                    self.js, contract.REQUESTS.stream, contract.REQUESTS.consumer(self.model)
+                )
+                local = await streams.queue_depth(
+                    self.js, contract.LOCAL_REQUESTS.stream, contract.LOCAL_REQUESTS.consumer(self.model)
+                )
+                self.load = Load.read(workers, self.model, prefill.pending, local.pending)
+                mine = [w for w in workers if w.model == self.model]
+                self.placeable = {w.worker_id for w in mine if w.role in ("prefill", "unified")}
+                self.decoders = {w.worker_id for w in mine if w.role == "decode"}
+                self.busy = {w.worker_id: w.requests_in_flight for w in mine}
+                self.index.forget(self.index.workers() - self.placeable - self.decoders)
+            except Exception as exc:
+                log.warning("load reading failed; placement keeps the last one", extra={"error": str(exc)})
+            await asyncio.sleep(self.placement.refresh_seconds)
+
+    async def _on_kv_events(self, events: KVEvents) -> None:
+        self.index.apply(events)
+        pending = self.cold_pages.get(events.worker_id, 0)
+        if pending:
+            self.cold_pages[events.worker_id] = max(pending - len(events.stored), 0)
+
+    def cached_estimate(self, prompt_ids: tuple[int, ...]) -> int:
+        """Prompt tokens a decode worker is believed to cache (0: unknown, or prefix-aware
+        placement off: no index)."""
+        if not self.placement.prefix_aware or not self.decoders:
+            return 0
+        matches = self.index.matches(prompt_ids)
+        return max((matches.get(w, 0) for w in self.decoders), default=0)
+
+    def _prefix_target(self, request: GenerateRequest) -> Target | None:
+        """The prefill or unified worker believed to cache most of ``request``'s prompt."""
+        if not self.placement.prefix_aware or request.sampling.n > 1 or not self.placeable:
+            return None
+        matches = self.index.matches(request.prompt_ids)
+        target = best_worker(matches, self.placeable, self.placement.prefix_min_tokens, self.busy)
+        if target is not None or len(request.prompt_ids) < self.placement.prefix_min_tokens:
+            return target
+        if self.load.prefill_queued > 0:  # a backlog: the shared queue serves it soonest
+            return None
+        # A long prefix nobody caches: to the worker caching least, so tenants spread.
+        pages = {w: self.index.pages.get(w, 0) + self.cold_pages.get(w, 0) for w in self.placeable}
+        worker = coldest_worker(self.placeable, pages)
+        if worker is None:
+            return None
+        page_size = self.index.page_sizes.get(worker, 16)
+        self.cold_pages[worker] = self.cold_pages.get(worker, 0) + len(request.prompt_ids) // page_size
+        return Target(worker, 0)
+
+    async def _place(self, live: _Live, target: Target) -> bool:
+        """Store ``live``'s request on ``target``'s own subject and watch that it is taken
+        in time; False for a duplicate."""
+        assert self.nc is not None
+        request = live.request
+        seq = await contract.place(self.nc, request, self.model, target.worker_id, trace=live.trace)
+        if seq is None:
+            return False
+        live.placed_seq = seq
+        self.metrics.placed(PLACED)
+        self._spawn(self._fall_back(live, target.worker_id))
+        return True
+
+    async def _fall_back(self, live: _Live, worker_id: str) -> None:
+        """After ``placed_deadline``: unless its worker took it, claim the request for the
+        shared queue (the worker, finding the claim taken, drops its copy), withdraw the
+        placed copy and submit it to the request stream. If the worker claimed it first,
+        it runs there (and moves on like any request if that worker dies)."""
+        assert self.claims is not None and self.js is not None
+        await asyncio.sleep(self.placement.placed_deadline)
+        rid = live.request.rid
+        while self.live.get(rid) is live and not live.taken:
+            try:
+                owner = await self.claims.claim(rid, 0, self.api_id)
+            except Exception as exc:  # the broker is away: try again (the worker cannot claim either)
+                log.warning("placement claim failed; retrying", extra={"rid": rid, "error": str(exc)})
+                await asyncio.sleep(RESUBMIT_RETRY_SECONDS)
+                continue
+            if owner != self.api_id:
+                return
+            self.stats.placement_fallbacks += 1
+            log.info("placed request not taken in time; to the shared queue", extra={"rid": rid, "worker": worker_id})
+            await self._withdraw(live)
+            await self._resubmit(live, live.request)
+            return
+
+    async def _withdraw(self, live: _Live) -> None:
+        """Delete ``live``'s placed copy from the request stream (gone already is fine)."""
+        if not live.placed_seq or self.js is None:
+            return
+        seq, live.placed_seq = live.placed_seq, 0
+        try:
+            await self.js.delete_msg(contract.PLACED.stream, seq)
+        except Exception as exc:
+            log.debug("placed copy not deleted", extra={"rid": live.request.rid, "error": str(exc)})
+
+    def _channel(self, request: GenerateRequest) -> contract.WorkChannel[GenerateRequest]:
+        """The work channel of ``request``'s first attempt, counted by path."""
+        prompt = request.prompt_ids
+        decision = choose(len(prompt), self.cached_estimate(prompt), self.load, self.placement)
+        self.metrics.placed(decision.path)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("placed", extra={"rid": request.rid, "path": decision.path, "reason": decision.reason})
+        return contract.LOCAL_REQUESTS if decision.path == LOCAL else contract.REQUESTS
 
     # ---- migration -------------------------------------------------------------------
     def migrate(self, live: _Live, reason: str) -> None:
@@ -384,9 +523,12 @@ class Gateway:
         the streams are dropped and the error raised."""
         assert self.nc is not None
         try:
-            fresh = await contract.submit(
-                self.nc, contract.REQUESTS, request, self.model, request.rid, trace=lives[0].trace
-            )
+            target = self._prefix_target(request) if len(lives) == 1 else None
+            if target is not None:
+                fresh = await self._place(lives[0], target)
+            else:
+                channel = self._channel(request)
+                fresh = await contract.submit(self.nc, channel, request, self.model, request.rid, trace=lives[0].trace)
         except BaseException:
             self._unregister(lives, "rejected")
             raise
@@ -436,6 +578,8 @@ class Gateway:
             self.metrics.finished(outcome, time.monotonic() - published if outcome in ("stop", "length") else None)
             if self.live.get(rid) is live:
                 del self.live[rid]
+            if live.placed_seq:
+                self._spawn(self._withdraw(live))
             if not finished:
                 # A task of its own: this generator may be closing inside a cancelled
                 # scope (client disconnect), where any await here would be cancelled too.
@@ -489,7 +633,13 @@ class Gateway:
         """Each work queue of the model: waiting, in hand, and the age of its oldest message."""
         assert self.js is not None
         readings = []
-        for stage, channel in (("prefill", contract.REQUESTS), ("decode", contract.KV_READY)):
+        channels: list[tuple[str, contract.WorkChannel[Any]]] = [
+            ("prefill", contract.REQUESTS),
+            ("decode", contract.KV_READY),
+        ]
+        if self.placement.conditional_disagg:
+            channels.append(("local", contract.LOCAL_REQUESTS))
+        for stage, channel in channels:
             consumer = channel.consumer(self.model)
             depth = await streams.queue_depth(self.js, channel.stream, consumer)
             age = await streams.queue_age(self.js, channel.stream, channel.subject(self.model))

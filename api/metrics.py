@@ -23,6 +23,7 @@ from pdserve.schemas import WorkerInfo
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 OUTCOMES = ("stop", "length", "error", "timeout", "cancelled", "rejected")
+PLACEMENT_PATHS = ("disaggregated", "local", "placed")
 
 # GatewayStats field → help; each is served as pdserve_<field>_total.
 GATEWAY_TOTALS = {
@@ -32,6 +33,7 @@ GATEWAY_TOTALS = {
     "duplicate_chunks": "token chunks received twice (dropped)",
     "stale_chunks": "token chunks of a superseded attempt (dropped)",
     "dead_letters": "work messages moved to the dead-letter stream",
+    "placement_fallbacks": "placed requests their worker did not take in time, moved to the shared queue",
 }
 
 
@@ -84,6 +86,16 @@ class ApiMetrics:
         self.finished_by_outcome = dict.fromkeys(OUTCOMES, 0)  # the same counts, readable
         for outcome in OUTCOMES:
             self.outcomes.labels(outcome)
+        self.placements = Counter(
+            "pdserve_placement_decisions",
+            "requests by the path placement chose for them (disaggregated: the request stream; "
+            "local: prefilled on a decode worker; placed: on the worker caching its prefix)",
+            ["path"],
+            registry=self.registry,
+        )
+        self.placed_by_path = dict.fromkeys(PLACEMENT_PATHS, 0)  # the same counts, readable
+        for path in PLACEMENT_PATHS:
+            self.placements.labels(path)
         self.output_tokens = Counter("pdserve_output_tokens", "tokens streamed to clients", registry=self.registry)
         self.ttft = Histogram(
             "pdserve_ttft_seconds", "publish to first token", buckets=LATENCY_BUCKETS, registry=self.registry
@@ -116,6 +128,10 @@ class ApiMetrics:
             for _ in range(n):
                 self.itl.observe(gap)
             self.window.add("itl", now, gap, n)
+
+    def placed(self, path: str) -> None:
+        self.placements.labels(path).inc()
+        self.placed_by_path[path] = self.placed_by_path.get(path, 0) + 1
 
     def finished(self, outcome: str, seconds: float | None) -> None:
         self.outcomes.labels(outcome).inc()

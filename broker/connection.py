@@ -91,6 +91,19 @@ async def publish_work(
     :class:`QueueFullError` when the stream is full, :class:`BrokerUnavailableError` when no
     stream answered within ``timeout`` (or at once: no responders).
     """
+    return (await publish_work_at(nc, subject, message, msg_id, timeout, headers)) is not None
+
+
+async def publish_work_at(
+    nc: Client,
+    subject: str,
+    message: Message,
+    msg_id: str,
+    timeout: float = 5.0,
+    headers: dict[str, str] | None = None,
+) -> int | None:
+    """:func:`publish_work`, returning the message's sequence in its stream (``None`` for a
+    duplicate), which is what deleting it later takes."""
     try:
         ack = await _publisher(nc).publish(subject, message.encode(), msg_id, timeout, headers)
     except (NoStreamResponseError, NatsTimeoutError) as exc:
@@ -100,7 +113,10 @@ async def publish_work(
         if exc.err_code in _FULL_CODES or (exc.description and "maximum" in exc.description):
             raise QueueFullError(exc.description or "stream full") from None
         raise
-    return not ack.get("duplicate", False)
+    if ack.get("duplicate", False):
+        return None
+    seq = ack.get("seq", 0)
+    return seq if isinstance(seq, int) else 0
 
 
 class AckedPublisher:

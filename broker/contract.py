@@ -5,6 +5,8 @@ send and receive on it.
 | channel | message | travels on | sender → receiver |
 | --- | --- | --- | --- |
 | ``REQUESTS`` | ``GenerateRequest`` | stream ``PD_REQUESTS``, ``pd.req.<model>``, pull consumer ``prefill-<model>`` | API → prefill and unified workers |
+| ``LOCAL_REQUESTS`` | ``GenerateRequest`` | stream ``PD_REQUESTS``, ``pd.local.<model>``, pull consumer ``local-<model>`` | API → decode workers, which prefill it themselves |
+| ``PLACED`` | ``GenerateRequest`` | stream ``PD_REQUESTS``, ``pd.place.<model>.<worker-id>``, pull consumer ``place-<model>-<worker-id>`` | API → the one worker it placed the request on |
 | ``KV_READY`` | ``KVReady`` | stream ``PD_KV``, ``pd.kv.<model>``, pull consumer ``decode-<model>`` | prefill → decode |
 | ``TOKENS`` | ``TokenChunk`` | core ``pd.tokens.<api-id>.<rid>`` (the request's ``reply_to``) | workers → the API that asked |
 | ``TOKEN_BATCHES`` | ``TokenBatch`` | core ``pd.tokens.<api-id>`` (the request's ``batch_to``) | decode and unified workers, one per step and API → that API |
@@ -14,6 +16,8 @@ send and receive on it.
 | ``KV_LINK`` | ``KVLink`` → ``KVLinkReply`` | core request/reply ``pd.link.<prefill-id>`` | a decode worker of the ``nccl``/``gloo`` backends opens its communicator with the prefill worker |
 | ``KV_PUSH`` | ``KVPush`` → ``KVPushReply`` | core request/reply ``pd.push.<prefill-id>`` | decode asks the prefill worker to send a request's pages over their communicator |
 | ``FLUSH_CACHE`` | ``FlushCache`` → ``FlushCacheReply`` | core request/reply ``pd.flush.<worker-id>`` | the API (``/flush_cache``, when enabled) asks each worker to forget its cached prefixes |
+| ``KV_EVENTS`` | ``KVEvents`` | core ``pd.kvevents.<model>`` | workers → API (index of cached prefixes) |
+| ``CLAIMS`` | ``PlacementClaim`` | key-value bucket ``PD_CLAIMS``, one key per placed attempt | the placed worker or the API, whoever stores it first |
 | ``WORKERS`` | ``WorkerInfo`` | key-value bucket ``PD_WORKERS``, one key per worker | every worker (heartbeat) → API |
 
 A work message delivered ``max_deliver`` times without being done is moved to the
@@ -42,7 +46,7 @@ from nats.aio.subscription import Subscription
 from opentelemetry.context import Context
 
 from pdserve.broker import subjects, tracing
-from pdserve.broker.connection import publish_work
+from pdserve.broker.connection import publish_work, publish_work_at
 from pdserve.broker.consumer import Delivery, PullConsumer, best_guess, decode_deliveries
 from pdserve.schemas import (
     Cancel,
@@ -50,6 +54,7 @@ from pdserve.schemas import (
     FlushCache,
     FlushCacheReply,
     GenerateRequest,
+    KVEvents,
     KVLease,
     KVLeaseReply,
     KVLink,
@@ -60,6 +65,7 @@ from pdserve.schemas import (
     KVRelease,
     Message,
     MessageError,
+    PlacementClaim,
     TokenBatch,
     TokenChunk,
     WorkerInfo,
@@ -74,7 +80,9 @@ R = TypeVar("R", bound=Message)
 @dataclass(frozen=True)
 class Channel(Generic[M]):
     """Core NATS: no storage, delivered to whoever listens now. ``subject(*scope)`` is
-    where a sender publishes, ``listen(*scope)`` what a receiver subscribes to."""
+    where a sender publishes, ``listen(*scope)`` what a receiver subscribes to; with
+    ``per_receiver`` the scope is the receiver's own id (an API's replies), which its
+    broker user is limited to."""
 
     name: str
     message: type[M]
@@ -84,6 +92,7 @@ class Channel(Generic[M]):
     receiver: str
     senders: tuple[str, ...] = ()  # roles, for the broker's permissions
     receivers: tuple[str, ...] = ()
+    per_receiver: bool = True
 
 
 @dataclass(frozen=True)
@@ -114,8 +123,8 @@ class WorkChannel(Generic[M]):
     name: str
     message: type[M]
     stream: str
-    subject: Callable[[str], str]
-    consumer: Callable[[str], str]
+    subject: Callable[..., str]  # (model, *scope)
+    consumer: Callable[..., str]
     sender: str
     receiver: str
     senders: tuple[str, ...] = ()  # roles, for the broker's permissions
@@ -145,6 +154,28 @@ REQUESTS = WorkChannel(
     sender="API (or any direct publisher)",
     receiver="prefill and unified workers",
     senders=("api", "client"),
+    receivers=("prefill", "unified"),
+)
+LOCAL_REQUESTS = WorkChannel(
+    "local_requests",
+    GenerateRequest,
+    subjects.REQUEST_STREAM,
+    subjects.local_requests,
+    subjects.local_consumer,
+    sender="API, for a request it places on a decode worker (conditional disaggregation)",
+    receiver="decode workers, which prefill and decode it themselves while they have room",
+    senders=("api",),
+    receivers=("decode",),
+)
+PLACED = WorkChannel(
+    "placed",
+    GenerateRequest,
+    subjects.REQUEST_STREAM,
+    subjects.placed,
+    subjects.placed_consumer,
+    sender="API, for a request whose prefix one worker's cache holds (prefix-aware placement)",
+    receiver="that worker alone (prefill or unified), after it claims the request",
+    senders=("api",),
     receivers=("prefill", "unified"),
 )
 KV_READY = WorkChannel(
@@ -231,6 +262,17 @@ KV_PUSH = Service(
     senders=("decode",),
     receivers=("prefill",),
 )
+KV_EVENTS = Channel(
+    "kv_events",
+    KVEvents,
+    subjects.kv_events,
+    subjects.kv_events,
+    sender="every worker of the model, after an engine step that changed its prefix cache",
+    receiver="the API instances (their index of which worker holds which prefix)",
+    senders=("prefill", "decode", "unified"),
+    receivers=("api",),
+    per_receiver=False,
+)
 FLUSH_CACHE = Service(
     "flush_cache",
     FlushCache,
@@ -253,8 +295,21 @@ WORKERS = Bucket(
     receivers=("api", "decode"),
 )
 
+CLAIMS = Bucket(
+    "claims",
+    PlacementClaim,
+    subjects.CLAIM_BUCKET,
+    subjects.claim_key,
+    sender="a worker taking a placed request, or the API moving it to the shared queue",
+    receiver="the same roles, reading who holds a claim their own store found taken",
+    senders=("api", "prefill", "unified"),
+    receivers=("api", "prefill", "unified"),
+)
+
 CHANNELS = (
     REQUESTS,
+    LOCAL_REQUESTS,
+    PLACED,
     KV_READY,
     TOKENS,
     TOKEN_BATCHES,
@@ -263,8 +318,10 @@ CHANNELS = (
     KV_LEASE,
     KV_LINK,
     KV_PUSH,
+    KV_EVENTS,
     FLUSH_CACHE,
     WORKERS,
+    CLAIMS,
 )
 
 
@@ -380,16 +437,38 @@ async def submit(
     rid: str,
     attempt: int = 0,
     trace: Context | None = None,
+    scope: tuple[str, ...] = (),
+    msg_id: str | None = None,
 ) -> bool:
     """Store ``message`` in ``channel``'s stream for ``model``, deduplicated on ``rid`` and
-    ``attempt`` (:func:`subjects.msg_id`). With tracing on, the ``traceparent`` of ``trace``
+    ``attempt`` (:func:`subjects.msg_id`, or ``msg_id``); ``scope`` follows the model in its
+    subject (a placed request's worker). With tracing on, the ``traceparent`` of ``trace``
     (default: the current span) travels in its headers; the receiver reads it as
     :attr:`Delivery.trace`.
 
     Returns ``False`` for a duplicate; raises ``QueueFullError`` when the stream is full."""
     assert isinstance(message, channel.message), f"{channel.name} carries {channel.message.__name__}"
     return await publish_work(
-        nc, channel.subject(model), message, msg_id=subjects.msg_id(rid, attempt), headers=tracing.headers(trace)
+        nc,
+        channel.subject(model, *scope),
+        message,
+        msg_id=msg_id or subjects.msg_id(rid, attempt),
+        headers=tracing.headers(trace),
+    )
+
+
+async def place(
+    nc: Client, request: GenerateRequest, model: str, worker_id: str, trace: Context | None = None
+) -> int | None:
+    """Store ``request`` on ``worker_id``'s own subject (:data:`PLACED`), deduplicated on
+    :func:`subjects.placed_msg_id`; its sequence in the stream, ``None`` for a duplicate.
+    Raises as :func:`submit`."""
+    return await publish_work_at(
+        nc,
+        PLACED.subject(model, worker_id),
+        request,
+        msg_id=subjects.placed_msg_id(request.rid),
+        headers=tracing.headers(trace),
     )
 
 
@@ -400,11 +479,13 @@ class WorkQueue(Generic[M]):
     be read, answered with an error chunk from ``receiver_id``. Not thread-safe.
     """
 
-    def __init__(self, nc: Client, channel: WorkChannel[M], model: str, receiver_id: str) -> None:
+    def __init__(
+        self, nc: Client, channel: WorkChannel[M], model: str, receiver_id: str, scope: tuple[str, ...] = ()
+    ) -> None:
         self.channel = channel
         self._nc = nc
         self._receiver_id = receiver_id
-        self._pull = PullConsumer(nc, channel.stream, channel.consumer(model))
+        self._pull = PullConsumer(nc, channel.stream, channel.consumer(model, *scope))
 
     async def start(self) -> None:
         await self._pull.start()

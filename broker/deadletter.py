@@ -30,10 +30,10 @@ DEAD_LETTER_HEADERS = ("Pd-Stream", "Pd-Seq", "Pd-Deliveries")
 async def watch_dead_letters(
     nc: Client, js: JetStreamContext, model: str, on_moved: Callable[[str], Awaitable[None]] | None = None
 ) -> list[Subscription]:
-    """Listen for the max-deliveries advisories of ``model``'s two consumers and handle
+    """Listen for the max-deliveries advisories of ``model``'s work consumers and handle
     each (see the module). ``on_moved(rid)`` is told of every message moved here."""
     subs = []
-    for channel in (contract.REQUESTS, contract.KV_READY):
+    for channel in (contract.REQUESTS, contract.LOCAL_REQUESTS, contract.KV_READY):
 
         async def on_advisory(msg: Msg, channel: contract.WorkChannel = channel) -> None:  # type: ignore[type-arg]
             try:

@@ -59,6 +59,15 @@ _COUNTERS = {
     "kv_tier_missed_pages": ("pdserve_kv_tier_missed_pages", "pages those lookups wanted that no KV tier held"),
     "kv_tier_write_drops": ("pdserve_kv_tier_write_drops", "KV page groups not written: the writer's queue was full"),
     "kv_tier_write_errors": ("pdserve_kv_tier_write_errors", "KV page groups a tier failed to take (logged)"),
+    "local_prefills": (
+        "pdserve_local_prefills",
+        "requests a decode worker prefilled itself (conditional disaggregation)",
+    ),
+    "placed_taken": ("pdserve_placed_taken", "requests placed on this worker that it claimed and ran"),
+    "placed_withdrawn": (
+        "pdserve_placed_withdrawn",
+        "requests placed on this worker that the API had moved to the shared queue (dropped here)",
+    ),
     "steps": ("pdserve_engine_steps", "forward passes"),
     "batch_rows": ("pdserve_engine_batch_rows", "sequences computed, summed over steps (/ steps = mean batch size)"),
     "prompt_tokens": ("pdserve_prompt_tokens", "prompt tokens admitted by the engine"),

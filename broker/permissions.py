@@ -83,7 +83,7 @@ def for_role(role: str, identity: str | None = None) -> Rights:
         sends, receives = role in channel.senders, role in channel.receivers
         if isinstance(channel, contract.Channel):
             pub += [pattern(channel.subject)] if sends else []
-            sub += [pattern(channel.listen, *scope)] if receives else []
+            sub += [pattern(channel.listen, *(scope if channel.per_receiver else ()))] if receives else []
         elif isinstance(channel, contract.Service):
             pub += [pattern(channel.subject)] if sends else []
             sub += [pattern(channel.listen)] if receives else []

@@ -42,6 +42,8 @@ class BrokerConfig:
     dead_max_age: float = 7 * 24 * 3600.0
     dead_max_bytes: int = 256 << 20
     replicas: int = 1
+    placed_inactive: float = 60.0
+    claim_ttl: float = 900.0
 
     def __post_init__(self) -> None:
         if self.ack_wait <= 0 or self.max_deliver < 1:
@@ -59,7 +61,7 @@ def _storage(config: BrokerConfig) -> js_api.StorageType:
 def request_stream(config: BrokerConfig) -> js_api.StreamConfig:
     return js_api.StreamConfig(
         name=subjects.REQUEST_STREAM,
-        subjects=[subjects.REQUEST_SUBJECTS],
+        subjects=[subjects.REQUEST_SUBJECTS, subjects.LOCAL_SUBJECTS, subjects.PLACED_SUBJECTS],
         retention=js_api.RetentionPolicy.WORK_QUEUE,
         storage=_storage(config),
         num_replicas=config.replicas,
@@ -100,8 +102,11 @@ def dead_stream(config: BrokerConfig) -> js_api.StreamConfig:
     )
 
 
-def _consumer(name: str, subject: str, max_ack_pending: int, config: BrokerConfig) -> js_api.ConsumerConfig:
+def _consumer(
+    name: str, subject: str, max_ack_pending: int, config: BrokerConfig, inactive_threshold: float | None = None
+) -> js_api.ConsumerConfig:
     return js_api.ConsumerConfig(
+        inactive_threshold=inactive_threshold,
         name=name,
         durable_name=name,
         filter_subject=subject,
@@ -133,7 +138,8 @@ async def _ensure_consumer(js: JetStreamContext, stream: str, consumer: js_api.C
 
 
 async def ensure_model(js: JetStreamContext, model: str, config: BrokerConfig) -> None:
-    """Create (or update) the streams and the model's two consumers. Idempotent."""
+    """Create (or update) the streams and the model's consumers (prefill, decode, and the
+    decode workers' local prefill). Idempotent."""
     await _ensure_stream(js, request_stream(config))
     await _ensure_stream(js, kv_stream(config))
     await _ensure_stream(js, dead_stream(config))
@@ -144,9 +150,52 @@ async def ensure_model(js: JetStreamContext, model: str, config: BrokerConfig) -
     )
     await _ensure_consumer(
         js,
+        subjects.REQUEST_STREAM,
+        _consumer(
+            subjects.local_consumer(model), subjects.local_requests(model), config.decode_max_ack_pending, config
+        ),
+    )
+    await _ensure_consumer(
+        js,
         subjects.KV_STREAM,
         _consumer(subjects.decode_consumer(model), subjects.kv_ready(model), config.decode_max_ack_pending, config),
     )
+
+
+async def ensure_placed_consumer(js: JetStreamContext, model: str, worker_id: str, config: BrokerConfig) -> None:
+    """The durable consumer of the requests placed on ``worker_id`` (its own subject, which
+    no other consumer's filter overlaps); the server deletes it ``placed_inactive`` seconds
+    after its worker stops pulling."""
+    await _ensure_consumer(
+        js,
+        subjects.REQUEST_STREAM,
+        _consumer(
+            subjects.placed_consumer(model, worker_id),
+            subjects.placed(model, worker_id),
+            config.prefill_max_ack_pending,
+            config,
+            inactive_threshold=config.placed_inactive,
+        ),
+    )
+
+
+async def claim_bucket(js: JetStreamContext, config: BrokerConfig) -> KeyValue:
+    """Claims of placed requests (:mod:`pdserve.broker.claims`), kept ``claim_ttl`` seconds."""
+    try:
+        return await js.key_value(subjects.CLAIM_BUCKET)
+    except (BucketNotFoundError, NotFoundError):
+        try:
+            return await js.create_key_value(
+                js_api.KeyValueConfig(
+                    bucket=subjects.CLAIM_BUCKET,
+                    history=1,
+                    ttl=config.claim_ttl,
+                    storage=js_api.StorageType.MEMORY,
+                    replicas=config.replicas,
+                )
+            )
+        except BadRequestError:  # created by someone else meanwhile
+            return await js.key_value(subjects.CLAIM_BUCKET)
 
 
 async def worker_bucket(js: JetStreamContext, config: BrokerConfig) -> KeyValue:

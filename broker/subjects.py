@@ -14,6 +14,7 @@ KV_STREAM = "PD_KV"
 DEAD_STREAM = "PD_DEAD"
 DEAD_LETTER_GROUP = "pd-dead-letter"
 WORKER_BUCKET = "PD_WORKERS"
+CLAIM_BUCKET = "PD_CLAIMS"
 CANCEL = "pd.cancel"
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
@@ -34,6 +35,21 @@ def cancel() -> str:
 
 def requests(model: str) -> str:
     return f"pd.req.{token(model)}"
+
+
+def local_requests(model: str) -> str:
+    """Requests a decode worker prefills itself (conditional disaggregation)."""
+    return f"pd.local.{token(model)}"
+
+
+def placed(model: str, worker_id: str) -> str:
+    """Requests the API placed on one worker (prefix-aware placement)."""
+    return f"pd.place.{token(model)}.{token(worker_id)}"
+
+
+def kv_events(model: str) -> str:
+    """Where workers tell what their prefix caches gained and lost."""
+    return f"pd.kvevents.{token(model)}"
 
 
 def kv_ready(model: str) -> str:
@@ -90,12 +106,31 @@ def prefill_consumer(model: str) -> str:
     return f"prefill-{token(model)}"
 
 
+def local_consumer(model: str) -> str:
+    return f"local-{token(model)}"
+
+
+def placed_consumer(model: str, worker_id: str) -> str:
+    return f"place-{token(model)}-{token(worker_id)}"
+
+
 def decode_consumer(model: str) -> str:
     return f"decode-{token(model)}"
 
 
 def worker_key(worker_id: str) -> str:
     return token(worker_id)
+
+
+def claim_key(rid: str, attempt: int = 0) -> str:
+    """The claim of a placed request's attempt: whoever creates it first runs it."""
+    return f"{token(rid)}-{attempt}"
+
+
+def placed_msg_id(rid: str) -> str:
+    """The ``Nats-Msg-Id`` of a placed copy (its fallback to the shared queue uses
+    :func:`msg_id`, so both may be stored)."""
+    return f"{rid}~placed"
 
 
 def bucket_stream(bucket: str) -> str:
@@ -124,5 +159,7 @@ def pull_next(stream: str, consumer: str) -> str:
 
 
 REQUEST_SUBJECTS = "pd.req.*"
+LOCAL_SUBJECTS = "pd.local.*"
+PLACED_SUBJECTS = "pd.place.*.*"
 KV_SUBJECTS = "pd.kv.*"
 DEAD_SUBJECTS = "pd.dead.>"

@@ -14,13 +14,12 @@ up there and its pages promoted into fresh pages, and full pages are offered to 
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 from pdserve.engine.sequence import Sequence as Seq
+from pdserve.schemas.kv_events import page_hash, page_hashes
 
 
 class PrefixTiers(Protocol):
@@ -30,13 +29,6 @@ class PrefixTiers(Protocol):
     def find(self, hashes: Sequence[bytes], start: int, limit: int) -> Any: ...  # a plan with ``num_pages``
     def load(self, plan: Any, pages: Sequence[int]) -> int: ...
     def offer(self, hashes: Sequence[bytes], page_table: Sequence[int], old_full: int, new_full: int) -> None: ...
-
-
-def page_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
-    """Chained hash of one full page: equal hashes mean equal whole prefixes."""
-    h = hashlib.blake2b(parent or b"", digest_size=16)
-    h.update(struct.pack(f"<{len(tokens)}q", *tokens))
-    return h.digest()
 
 
 class OutOfPages(RuntimeError):
@@ -57,6 +49,9 @@ class PageManager:
         self._page_of: dict[bytes, int] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, refcount 0, LRU order
         self.tiers: PrefixTiers | None = None
+        self.record_events = False  # keep what the index gains and loses, for take_events
+        self._stored: list[bytes] = []
+        self._evicted: list[bytes] = []
 
     # ---- queries -----------------------------------------------------------
     @property
@@ -83,12 +78,7 @@ class PageManager:
 
     def match_prefix(self, tokens: Sequence[int]) -> list[bytes]:
         """Hashes of the leading full pages of ``tokens`` (whether or not cached)."""
-        hashes: list[bytes] = []
-        parent: bytes | None = None
-        for start in range(0, len(tokens) - self.page_size + 1, self.page_size):
-            parent = page_hash(parent, tokens[start : start + self.page_size])
-            hashes.append(parent)
-        return hashes
+        return page_hashes(tokens, self.page_size)
 
     def lookup(self, hashes: Sequence[bytes]) -> list[int]:
         """Cached pages for the longest run of leading ``hashes`` found in the index."""
@@ -146,6 +136,14 @@ class PageManager:
             return  # an equal page is already indexed; this copy stays private
         self._hash_of[page] = h
         self._page_of[h] = page
+        if self.record_events:
+            self._stored.append(h)
+
+    def take_events(self) -> tuple[list[bytes], list[bytes]]:
+        """Hashes indexed and forgotten since the last call (with ``record_events``)."""
+        stored, evicted = self._stored, self._evicted
+        self._stored, self._evicted = [], []
+        return stored, evicted
 
     def reset_prefix_cache(self, in_use: bool = False) -> int:
         """Forget the cached prefixes of unreferenced pages (they become free), and with
@@ -182,6 +180,8 @@ class PageManager:
         h = self._hash_of.pop(page, None)
         if h is not None and self._page_of.get(h) == page:
             del self._page_of[h]
+            if self.record_events:
+                self._evicted.append(h)
 
     # ---- a sequence's pages --------------------------------------------------
     def attach_prefix(self, seq: Seq, max_tokens: int) -> None:

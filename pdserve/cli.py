@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add_flags(up, (*flags.HTTP, flags.GENERATION_CONFIG))
     flags.add_flags(up, flags.GUARD, "access and limits")
     flags.add_flags(up, flags.RECOVERY, "recovery")
+    flags.add_flags(up, flags.PLACEMENT, "placement")
     flags.add_flags(up, flags.UP)
     flags.nats_url().add_to(up, default=None, help="use this NATS server instead of starting one")
     flags.add_flags(up, flags.NATS_AUTH, "an external NATS server's credentials (the embedded one makes its own)")
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
             *(f for f in flags.UP if f.name in ("--transfer-host", "--disaggregation-transfer-backend")),
             flags.IB_DEVICE,
             flags.ALLOW_TCP_FALLBACK,
+            flags.PREFIX_PLACEMENT,
         ),
     )
     flags.add_flags(scale, flags.NATS_AUTH, "NATS credentials (the autoscaler's and its workers')")
@@ -82,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     flags.add_flags(api, flags.GUARD, "access and limits")
+    flags.add_flags(api, flags.PLACEMENT, "placement")
     flags.add_flags(api, flags.NATS_AUTH, "NATS credentials")
     flags.add_flags(api, flags.BROKER, "broker")
 
@@ -93,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         flags.add_flags(worker, flags.SGLANG, "SGLang-compatible flags")
         flags.add_flags(worker, flags.BROKER, "broker")
         flags.add_flags(worker, (flags.nats_url(), flags.WORKER_ID, flags.EXIT_WITH_PARENT, *flags.TP_RANK))
+        flags.add_flags(worker, (flags.PREFIX_PLACEMENT,), "placement")
         flags.add_flags(worker, flags.NATS_AUTH, "NATS credentials")
 
     add_bench_parser(sub)

@@ -17,6 +17,7 @@ from typing import Any
 
 from pdserve import settings
 from pdserve.api.config import ApiConfig
+from pdserve.api.placement import PlacementConfig
 from pdserve.broker.streams import BrokerConfig
 from pdserve.engine.config import EngineConfig, KVTierConfig
 from pdserve.scaling import RolePolicy, ScalingConfig
@@ -356,6 +357,49 @@ GENERATION_CONFIG = Flag(
     "are the defaults of a request that does not set them (as vLLM's); none: pdserve's and OpenAI's defaults "
     "(default: %(default)s)",
 )
+PREFIX_PLACEMENT = Flag(
+    "--prefix-aware-placement",
+    switch=True,
+    help="workers announce their cached prefixes and the API sends a request whose prefix one prefill worker "
+    "holds to that worker's own queue, falling back to the shared queue if it is not taken in time "
+    "(docs/placement.md); give it to the API and the workers alike (`up` does)",
+)
+PLACEMENT = (
+    PREFIX_PLACEMENT,
+    Flag(
+        "--prefix-min-tokens",
+        PlacementConfig.prefix_min_tokens,
+        int,
+        "with --prefix-aware-placement: place a request only when its worker caches at least this many of "
+        "its prompt's tokens (default: %(default)s)",
+    ),
+    Flag(
+        "--placement-deadline",
+        PlacementConfig.placed_deadline,
+        float,
+        "with --prefix-aware-placement: seconds a placed request waits for its worker before it goes to the "
+        "shared queue (default: %(default)s)",
+    ),
+    Flag(
+        "--conditional-disagg",
+        switch=True,
+        help="decide per request whether to prefill on a prefill worker or on the decode worker that will decode "
+        "it (short or mostly cached prompts; docs/placement.md); off: every request is disaggregated",
+    ),
+    Flag(
+        "--local-prefill-max-tokens",
+        PlacementConfig.local_prefill_max_tokens,
+        int,
+        "with --conditional-disagg: prompts of at most this many uncached tokens are prefilled on a decode "
+        "worker (default: %(default)s)",
+    ),
+    Flag(
+        "--local-prefill-max-tokens-busy",
+        PlacementConfig.local_prefill_max_tokens_busy,
+        int,
+        "with --conditional-disagg: the limit while the prefill pool is backed up (default: %(default)s)",
+    ),
+)
 API_ID = Flag("--api-id", help="this API's id on the broker (default: api-<random>)")
 
 REUSE_PORT = Flag("--reuse-port", switch=True, help="share --port with other API processes (SO_REUSEPORT, Linux)")
@@ -476,6 +520,7 @@ def forwarded() -> tuple[Flag, ...]:
         TRANSFER_BACKEND,
         IB_DEVICE,
         ALLOW_TCP_FALLBACK,
+        PREFIX_PLACEMENT,
         EXIT_WITH_PARENT,
     )
 
@@ -493,6 +538,7 @@ def api_forwarded() -> tuple[Flag, ...]:
         GENERATION_CONFIG,
         API_KEY_FILE,
         *LIMITS,
+        *PLACEMENT,
         API_ID,
         *BROKER,
         REUSE_PORT,

@@ -15,6 +15,7 @@ from typing import Any
 from pdserve import settings
 from pdserve.api.config import ApiConfig
 from pdserve.api.model_info import sampling_defaults
+from pdserve.api.placement import PlacementConfig
 from pdserve.broker.auth import NatsAuth, read_password
 from pdserve.broker.streams import BrokerConfig
 from pdserve.engine.config import EngineConfig, KVTierConfig
@@ -270,6 +271,7 @@ def worker_config(args: argparse.Namespace, role: str, model_path: Path) -> Work
         transport_fallback_device=args.disaggregation_ib_device if transport.fallback else "",
         kv_hold_seconds=args.kv_hold_seconds,
         heartbeat_seconds=args.heartbeat_seconds,
+        prefix_placement=args.prefix_aware_placement,
     )
 
 
@@ -297,6 +299,18 @@ def check_generation_config(args: argparse.Namespace, model_path: Path) -> None:
         raise UsageError(f"--generation-config: {exc}") from None
 
 
+def placement_config(args: argparse.Namespace) -> PlacementConfig:
+    """Where requests go (``--conditional-disagg`` and its limits)."""
+    return PlacementConfig(
+        conditional_disagg=args.conditional_disagg,
+        local_prefill_max_tokens=args.local_prefill_max_tokens,
+        local_prefill_max_tokens_busy=args.local_prefill_max_tokens_busy,
+        prefix_aware=args.prefix_aware_placement,
+        prefix_min_tokens=args.prefix_min_tokens,
+        placed_deadline=args.placement_deadline,
+    )
+
+
 def api_config(
     args: argparse.Namespace, nats_url: str, model_path: Path, auth: NatsAuth | None = None, **overrides: Any
 ) -> ApiConfig:
@@ -316,6 +330,7 @@ def api_config(
         trust_remote_code=args.trust_remote_code,
         context_length=args.context_length,
         broker=broker_config(args),
+        placement=placement_config(args),
         **{**api_only, **overrides},
     )
 

@@ -3,6 +3,7 @@
 from pdserve.schemas.codec import Message, MessageError, UnsupportedVersion
 from pdserve.schemas.control import Cancel, FlushCache, FlushCacheReply
 from pdserve.schemas.kv import KVHandle, KVLayout, KVLease, KVLeaseReply, KVReady, KVRelease
+from pdserve.schemas.kv_events import KVEvents, PlacementClaim
 from pdserve.schemas.link import KVLink, KVLinkReply, KVPush, KVPushReply
 from pdserve.schemas.request import GenerateRequest
 from pdserve.schemas.sampling import SamplingParams
@@ -15,6 +16,7 @@ __all__ = [
     "FlushCache",
     "FlushCacheReply",
     "GenerateRequest",
+    "KVEvents",
     "KVHandle",
     "KVLayout",
     "KVLease",
@@ -27,6 +29,7 @@ __all__ = [
     "KVRelease",
     "Message",
     "MessageError",
+    "PlacementClaim",
     "SamplingParams",
     "TierCounts",
     "TokenBatch",

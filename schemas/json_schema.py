@@ -22,6 +22,7 @@ import orjson
 from pdserve.schemas.codec import Message
 from pdserve.schemas.control import Cancel, FlushCache, FlushCacheReply
 from pdserve.schemas.kv import KVLease, KVLeaseReply, KVReady, KVRelease
+from pdserve.schemas.kv_events import KVEvents, PlacementClaim
 from pdserve.schemas.link import KVLink, KVLinkReply, KVPush, KVPushReply
 from pdserve.schemas.request import GenerateRequest
 from pdserve.schemas.sampling import MAX_LOGIT_BIAS, MAX_SAMPLES, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SamplingParams
@@ -48,6 +49,8 @@ MESSAGES: tuple[type[Message], ...] = (
     WorkerInfo,
     FlushCache,
     FlushCacheReply,
+    KVEvents,
+    PlacementClaim,
 )
 
 _NON_NEGATIVE_INT = {"type": "integer", "minimum": 0}

@@ -19,7 +19,11 @@ class WorkerCounters:
     above, and handles too close to expiry); ``redeliveries``: work messages that arrived
     more than once; ``migrations``: requests taken over mid-stream (continued from the
     tokens already streamed); ``handed_back``: unfinished requests given back on a drain;
-    ``dead_lettered``: messages this worker moved to the dead-letter stream.
+    ``dead_lettered``: messages this worker moved to the dead-letter stream;
+    ``local_prefills``: requests a decode worker prefilled itself (conditional
+    disaggregation); ``placed_taken``/``placed_withdrawn``: requests placed on this worker
+    (prefix-aware placement) that it claimed and ran, or found claimed by the API (moved to
+    the shared queue) and dropped.
 
     The transport itself: ``kv_pull_ops``: operations the pulls took (Mooncake: segments
     read; ``nccl``/``gloo``: point-to-point messages received); ``kv_links_opened``:
@@ -57,6 +61,9 @@ class WorkerCounters:
     kv_tier_missed_pages: int = 0
     kv_tier_write_drops: int = 0
     kv_tier_write_errors: int = 0
+    local_prefills: int = 0
+    placed_taken: int = 0
+    placed_withdrawn: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

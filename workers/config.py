@@ -31,7 +31,9 @@ class WorkerConfig:
     ``transfer_host``: the address peers reach the transfer endpoint at (on Kubernetes the
     pod IP), when not ``host``. ``transport_fallback``: why RDMA was asked for
     (``transport_fallback_device``) and tcp is used instead, with the user's leave
-    (``--allow-tcp-fallback``); the worker logs and counts it."""
+    (``--allow-tcp-fallback``); the worker logs and counts it. ``prefix_placement``: publish
+    the prefix cache's changes (``KVEvents``) and take requests placed on this worker's own
+    subject (prefill and unified)."""
 
     role: str
     model_path: Path
@@ -59,6 +61,7 @@ class WorkerConfig:
     keepalive_seconds: float = 1.0
     fetch_timeout: float = 1.0
     drain_seconds: float = 30.0
+    prefix_placement: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

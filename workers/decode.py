@@ -1,6 +1,13 @@
 """The decode worker: claims ``KVReady`` events while it has free pages, pulls the KV
 with one batched transfer, tells the prefill worker to release, and decodes.
 
+With conditional disaggregation the API sends some requests (short prompts, or a busy
+prefill pool) to the local-prefill queue instead: a decode worker takes them only while
+its KV backlog is empty, its batch has room and less than one prefill chunk of prompt
+tokens waits in its engine, and prefills and decodes them itself, like a unified worker
+(counted in ``local_prefills``). Such a request is acked when it finishes, so a worker that
+dies with it has it redelivered, and its client's API moves it on, as any work message.
+
 A handle that is about to expire or a failed pull end the same way: the worker computes
 the prompt itself (counted in ``recomputes``), and the stream goes on. A handle this
 worker can never read (another transfer backend or protocol, another KV layout, or a
@@ -21,7 +28,7 @@ from pdserve.broker import contract, tracing
 from pdserve.broker.consumer import Delivery
 from pdserve.engine.engine import Engine, RequestError, RequestOutput
 from pdserve.engine.sequence import Sequence
-from pdserve.schemas import KVLease, KVReady, KVRelease, WorkerInfo
+from pdserve.schemas import GenerateRequest, KVLease, KVReady, KVRelease, WorkerInfo
 from pdserve.schemas.sampling import sample_rid
 from pdserve.schemas.tokens import ALIVE
 from pdserve.workers.config import WorkerConfig
@@ -35,6 +42,7 @@ from pdserve.workers.transfer.shards import shard_mismatch
 log = logging.getLogger(__name__)
 
 KV_READY_BATCH = 32
+LOCAL_BATCH = 8  # local-prefill requests taken at once
 LEASE_TIMEOUT = 2.0
 TRANSFER_THREADS = 4  # pulls from several prefill workers at once
 
@@ -53,6 +61,23 @@ class DecodeWorker(WorkerRuntime):
         queue = contract.WorkQueue(self.nc, contract.KV_READY, self.config.model_name, self.worker_id)
         await queue.start()
         self.intake = Intake(queue, self._room, self._take, KV_READY_BATCH, self.config.fetch_timeout, idle_wait=0.02)
+        local = await self.request_intake(False, contract.LOCAL_REQUESTS, self.room_for_local)
+        self.side_intakes.append(local)
+
+    def room_for_local(self) -> int:
+        """Local-prefill requests to take now: none while claimed KV waits for pages or a
+        prefill chunk's worth of prompt tokens waits here (the running batch's steps come
+        first); else the batch's room, a few at a time."""
+        engine = self.engine
+        if engine.num_prefill_tokens_waiting >= engine.config.chunked_prefill_size:
+            return 0
+        return min(self.room(), LOCAL_BATCH)
+
+    async def admit(self, d: Delivery[GenerateRequest], prefill_only: bool) -> None:
+        """A local-prefill request: prefilled and decoded here (see the module)."""
+        await super().admit(d, prefill_only)
+        if self.tracked.get(d.message.rid) is not None:
+            self.count("local_prefills")
 
     def room(self) -> int:
         engine = self.engine

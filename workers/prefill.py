@@ -45,6 +45,8 @@ class PrefillWorker(WorkerRuntime):
         await contract.subscribe(self.nc, contract.KV_RELEASE, self._on_release, self.worker_id)
         await contract.answer(self.nc, contract.KV_LEASE, self._on_lease, self.worker_id)
         self.intake = await self.request_intake(prefill_only=True)
+        if self.config.prefix_placement:
+            self.side_intakes.append(await self.placed_intake(prefill_only=True))
 
     def room_for_requests(self) -> int:
         """The runtime's room, and none while :data:`QUEUED_PREFILL_STEPS` forward passes'

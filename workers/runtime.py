@@ -18,14 +18,15 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from pdserve.broker import contract, tracing
+from pdserve.broker import contract, streams, tracing
+from pdserve.broker.claims import Claims
 from pdserve.broker.consumer import Delivery
 from pdserve.broker.deadletter import watch_dead_letters
 from pdserve.engine.engine import Engine, Launched, RequestError, RequestOutput
@@ -35,6 +36,7 @@ from pdserve.schemas import (
     FlushCache,
     FlushCacheReply,
     GenerateRequest,
+    KVEvents,
     WorkerCounters,
     WorkerInfo,
     WorkerStats,
@@ -70,6 +72,7 @@ class WorkerRuntime:
         self.stopped = self.lifecycle.stopped
         self.replies = Replies(config.worker_id)
         self.intake: Intake[Any] | None = None
+        self.side_intakes: list[Intake[Any]] = []  # more queues a role takes work from
         self.nc: Client | None = None
         self.js: JetStreamContext | None = None
         self.tracked: dict[str, Tracked] = {}
@@ -82,6 +85,7 @@ class WorkerRuntime:
         # Tensor parallelism: the other ranks' processes, and their (endpoint, pool address).
         self.followers: Followers | None = None
         self.rank_transfers: list[tuple[str, int]] = []
+        self.claims: Claims | None = None
         self._wake = asyncio.Event()
         self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._background: set[asyncio.Task[None]] = set()
@@ -94,12 +98,14 @@ class WorkerRuntime:
         await contract.subscribe(self.nc, contract.CANCEL, self._on_cancel)
         await contract.answer(self.nc, contract.FLUSH_CACHE, self._on_flush, self.worker_id)
         await watch_dead_letters(self.nc, self.js, self.config.model_name, self._on_dead_letter)
+        self.engine.pages.record_events = self.config.prefix_placement
         await self.setup()
         work = [self._engine_loop(), self._tick_loop()]
         if self.followers is not None:
             work.append(self._watch_followers())
-        if self.intake is not None:
-            work.append(self.intake.run(self.stopping))
+        for intake in (self.intake, *self.side_intakes):
+            if intake is not None:
+                work.append(intake.run(self.stopping))
         await self.lifecycle.report_ready(*work)
 
     async def _watch_followers(self) -> None:
@@ -168,9 +174,10 @@ class WorkerRuntime:
         return FlushCacheReply(self.worker_id, freed, len(self.tracked))
 
     async def teardown(self) -> None:
-        """Stop the intake, finish the KV tiers' queued writes; roles add their own clean-up."""
-        if self.intake is not None:
-            await self.intake.stop()
+        """Stop the intakes, finish the KV tiers' queued writes; roles add their own clean-up."""
+        for intake in (self.intake, *self.side_intakes):
+            if intake is not None:
+                await intake.stop()
         await asyncio.get_running_loop().run_in_executor(None, self.engine.close)
 
     async def _stop_engine(self) -> None:
@@ -267,21 +274,81 @@ class WorkerRuntime:
         )
 
     # ---- requests in ---------------------------------------------------------
-    async def request_intake(self, prefill_only: bool) -> Intake[GenerateRequest]:
-        """Intake from the request queue, admitting into the engine (prefill and unified)."""
+    async def request_intake(
+        self,
+        prefill_only: bool,
+        channel: contract.WorkChannel[GenerateRequest] = contract.REQUESTS,
+        room_for: Callable[[], int] | None = None,
+        scope: tuple[str, ...] = (),
+    ) -> Intake[GenerateRequest]:
+        """Intake from a request queue (``channel``), admitting into the engine (prefill and
+        unified from the request stream; decode from its local-prefill queue), while
+        ``room_for()`` (default :meth:`room_for_requests`) says there is room."""
         assert self.nc is not None
-        queue = contract.WorkQueue(self.nc, contract.REQUESTS, self.config.model_name, self.worker_id)
+        queue = contract.WorkQueue(self.nc, channel, self.config.model_name, self.worker_id, scope)
         await queue.start()
+        claims = channel is contract.PLACED
 
         async def room() -> int:
-            return self.room_for_requests()
+            return room_for() if room_for is not None else self.room_for_requests()
 
         async def take(deliveries: list[Delivery[GenerateRequest]]) -> None:
             for d in deliveries:
+                if claims and not await self._claim_placed(d):
+                    continue
                 await self.admit(d, prefill_only)
             self.wake()
 
         return Intake(queue, room, take, REQUEST_BATCH, self.config.fetch_timeout, idle_wait=0.01)
+
+    async def placed_intake(self, prefill_only: bool) -> Intake[GenerateRequest]:
+        """Intake of the requests the API placed on this worker (prefix-aware placement):
+        its own durable consumer on its own subject; each is claimed before it runs."""
+        assert self.js is not None
+        broker = self.config.broker
+        await streams.ensure_placed_consumer(self.js, self.config.model_name, self.worker_id, broker)
+        self.claims = Claims(await streams.claim_bucket(self.js, broker))
+        return await self.request_intake(prefill_only, contract.PLACED, scope=(self.worker_id,))
+
+    async def _claim_placed(self, d: Delivery[GenerateRequest]) -> bool:
+        """True when this worker holds the claim of placed ``d`` (it runs it); else ``d`` is
+        dropped (the API moved it to the shared queue) or, with the broker away, handed back."""
+        assert self.claims is not None
+        req = d.message
+        try:
+            owner = await self.claims.claim(req.rid, req.attempt, self.worker_id)
+        except Exception as exc:
+            log.warning("placement claim failed; handing back", extra={"rid": req.rid, "error": str(exc)})
+            await d.nak(delay=0.5)
+            return False
+        if owner == self.worker_id:
+            self.count("placed_taken")
+            return True
+        self.count("placed_withdrawn")
+        await d.ack()
+        return False
+
+    async def publish_kv_events(self) -> None:
+        """What the prefix cache indexed and forgot since the last call, as one
+        ``KVEvents`` (with prefix-aware placement; lost on a broker outage: the API's index
+        is approximate)."""
+        if not self.config.prefix_placement or self.nc is None:
+            return
+        pages = self.engine.pages
+        stored, evicted = pages.take_events()
+        if not (stored or evicted):
+            return
+        events = KVEvents(
+            self.worker_id,
+            self.config.model_name,
+            pages.page_size,
+            tuple(h.hex() for h in stored),
+            tuple(h.hex() for h in evicted),
+        )
+        try:
+            await contract.publish(self.nc, contract.KV_EVENTS, events, self.config.model_name)
+        except Exception as exc:
+            log.debug("KV events not published", extra={"error": str(exc)})
 
     def room_for_requests(self) -> int:
         """How many more requests to take: bounded by the batch size and free pages."""
@@ -450,6 +517,7 @@ class WorkerRuntime:
                 },
             )
         await self.on_outputs(outputs)  # raising here is a bug: the worker ends (supervised)
+        await self.publish_kv_events()
 
     async def _fail_batch(self, batch: ScheduledBatch) -> None:
         for seq in self.engine.fail(batch):
@@ -563,6 +631,7 @@ class WorkerRuntime:
                     await self.cancel(rid, "deadline exceeded")
             self.cancels.forget(now)
             await self.on_tick()
+            await self.publish_kv_events()
             if now >= next_peer_check:
                 next_peer_check = now + PEER_CHECK_SECONDS
                 await self._check_peers()

@@ -13,6 +13,8 @@ from pdserve.workers.runtime import WorkerRuntime
 class UnifiedWorker(WorkerRuntime):
     async def setup(self) -> None:
         self.intake = await self.request_intake(prefill_only=False)
+        if self.config.prefix_placement:
+            self.side_intakes.append(await self.placed_intake(prefill_only=False))
 
     async def on_outputs(self, outputs: list[RequestOutput]) -> None:
         await self.stream_outputs(outputs)

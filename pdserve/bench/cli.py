@@ -166,6 +166,19 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="random: lengths uniform in [len*(1-r), len*(1+r)], 0 <= r < 1 (default: %(default)s)",
     )
     g.add_argument(
+        "--short-fraction",
+        type=float,
+        default=D.short_fraction,
+        help="random: this share of the prompts is drawn around --short-len instead (a mixed workload; "
+        "default: %(default)s)",
+    )
+    g.add_argument(
+        "--short-len",
+        type=int,
+        default=D.short_len,
+        help="random with --short-fraction: the short prompts' tokens (default: %(default)s)",
+    )
+    g.add_argument(
         "--prompt-format",
         default=D.prompt_format,
         choices=["auto", "ids", "text"],

@@ -38,6 +38,8 @@ class BenchConfig:
     input_len: int = 1024
     output_len: int = 128
     range_ratio: float = 0.0
+    short_fraction: float = 0.0
+    short_len: int = 96
     prompt_format: str = "auto"
     dataset_path: str | None = None
     sharegpt_output_len: int | None = None

@@ -149,13 +149,28 @@ def length_bounds(mean: int, ratio: float) -> tuple[int, int]:
 
 # ---- random --------------------------------------------------------------------------
 def random_requests(
-    n: int, input_len: int, output_len: int, range_ratio: float, seed: int, tokenizer: Tokenizer | None, form: str
+    n: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    seed: int,
+    tokenizer: Tokenizer | None,
+    form: str,
+    short_fraction: float = 0.0,
+    short_len: int = 96,
 ) -> list[BenchRequest]:
-    """Prompts and output lengths drawn uniformly from ``[len*(1-r), len*(1+r)]``."""
+    """Prompts and output lengths drawn uniformly from ``[len*(1-r), len*(1+r)]``; with
+    ``short_fraction``, that share of the prompts (chosen at random) is drawn around
+    ``short_len`` instead of ``input_len`` (a mixed workload of short and long prompts)."""
+    if not 0.0 <= short_fraction <= 1.0:
+        raise ValueError(f"--short-fraction must be in [0, 1]; got {short_fraction}")
     rng = random.Random(seed)
     make = _Maker(rng, tokenizer, form)
     ins = _lengths(rng, n, input_len, range_ratio)
     outs = _lengths(rng, n, output_len, range_ratio)
+    if short_fraction:
+        shorts = _lengths(rng, n, short_len, range_ratio)
+        ins = [s if rng.random() < short_fraction else i for i, s in zip(ins, shorts, strict=True)]
     out: list[BenchRequest] = []
     for i_len, o_len in zip(ins, outs, strict=True):
         if form == "ids":

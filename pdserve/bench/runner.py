@@ -40,7 +40,9 @@ CLIENT_BEHIND_MS = 10.0  # median lag between scheduled and actual send above wh
 def build_requests(cfg: BenchConfig, n: int, seed: int, tokenizer: Tokenizer | None) -> list[BenchRequest]:
     form = cfg.prompt_form()
     if cfg.dataset == "random":
-        return random_requests(n, cfg.input_len, cfg.output_len, cfg.range_ratio, seed, tokenizer, form)
+        return random_requests(
+            n, cfg.input_len, cfg.output_len, cfg.range_ratio, seed, tokenizer, form, cfg.short_fraction, cfg.short_len
+        )
     if cfg.dataset == "sharegpt":
         assert cfg.dataset_path
         return sharegpt_requests(cfg.dataset_path, n, seed, tokenizer, form, cfg.sharegpt_output_len)

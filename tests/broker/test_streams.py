@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Any
 
@@ -15,7 +16,14 @@ from pdserve.broker import subjects
 from pdserve.broker.connection import QueueFullError, publish_work
 from pdserve.broker.consumer import PullConsumer
 from pdserve.broker.registry import WorkerRegistry
-from pdserve.broker.streams import BrokerConfig, QueueDepth, ensure_model, queue_depth, worker_bucket
+from pdserve.broker.streams import (
+    BrokerConfig,
+    QueueDepth,
+    ensure_model,
+    queue_depth,
+    request_stream,
+    worker_bucket,
+)
 from pdserve.schemas import KVHandle, KVLayout, KVReady, SamplingParams, WorkerInfo
 
 CONFIG = BrokerConfig(
@@ -74,11 +82,21 @@ async def _messages(js: JetStreamContext, stream: str) -> int:
 # --------------------------------------------------------------------------- ensure_model
 
 
+async def test_a_request_stream_of_an_older_release_gains_the_local_and_placed_subjects(
+    js: JetStreamContext, model: str
+) -> None:
+    older = dataclasses.replace(request_stream(CONFIG), subjects=[subjects.REQUEST_SUBJECTS])
+    await js.add_stream(older)
+    await ensure_model(js, model, CONFIG)
+    info = await js.stream_info(subjects.REQUEST_STREAM)
+    assert info.config.subjects == [subjects.REQUEST_SUBJECTS, subjects.LOCAL_SUBJECTS, subjects.PLACED_SUBJECTS]
+
+
 async def test_ensure_model_creates_streams_and_consumers(js: JetStreamContext, model: str) -> None:
     await ensure_model(js, model, CONFIG)
 
     req = (await js.stream_info(subjects.REQUEST_STREAM)).config
-    assert req.subjects == [subjects.REQUEST_SUBJECTS]
+    assert req.subjects == [subjects.REQUEST_SUBJECTS, subjects.LOCAL_SUBJECTS, subjects.PLACED_SUBJECTS]
     assert req.retention == js_api.RetentionPolicy.WORK_QUEUE
     assert req.storage == js_api.StorageType.FILE
     assert req.discard == js_api.DiscardPolicy.NEW
@@ -98,6 +116,7 @@ async def test_ensure_model_creates_streams_and_consumers(js: JetStreamContext, 
 
     for stream, name, subject, max_ack_pending in (
         (subjects.REQUEST_STREAM, subjects.prefill_consumer(model), subjects.requests(model), 11),
+        (subjects.REQUEST_STREAM, subjects.local_consumer(model), subjects.local_requests(model), 13),
         (subjects.KV_STREAM, subjects.decode_consumer(model), subjects.kv_ready(model), 13),
     ):
         info = await js.consumer_info(stream, name)
@@ -128,7 +147,10 @@ async def test_ensure_model_is_idempotent(nc: Client, js: JetStreamContext, mode
 
     streams = sorted(s.config.name for s in await js.streams_info())
     assert streams == sorted([subjects.REQUEST_STREAM, subjects.KV_STREAM, subjects.DEAD_STREAM])
-    assert [c.name for c in await js.consumers_info(subjects.REQUEST_STREAM)] == [subjects.prefill_consumer(model)]
+    assert sorted(c.name for c in await js.consumers_info(subjects.REQUEST_STREAM)) == [
+        subjects.local_consumer(model),
+        subjects.prefill_consumer(model),
+    ]
     assert [c.name for c in await js.consumers_info(subjects.KV_STREAM)] == [subjects.decode_consumer(model)]
     # Nothing lost, nothing delivered by re-running it.
     assert await _messages(js, subjects.REQUEST_STREAM) == 1
@@ -140,14 +162,16 @@ async def test_ensure_model_concurrent_callers(js: JetStreamContext, model: str)
     """Several processes start at once: whoever is first creates, the others must not fail."""
     await asyncio.gather(*(ensure_model(js, model, CONFIG) for _ in range(4)))
     assert len(await js.streams_info()) == 3
-    assert len(await js.consumers_info(subjects.REQUEST_STREAM)) == 1
+    assert len(await js.consumers_info(subjects.REQUEST_STREAM)) == 2  # prefill, local
 
 
 async def test_two_models_share_the_streams(nc: Client, js: JetStreamContext, make_request: Any) -> None:
     await ensure_model(js, "model-a", CONFIG)
     await ensure_model(js, "model.b", CONFIG)
     names = sorted(c.name for c in await js.consumers_info(subjects.REQUEST_STREAM))
-    assert names == sorted([subjects.prefill_consumer("model-a"), subjects.prefill_consumer("model.b")])
+    assert names == sorted(
+        f(m) for m in ("model-a", "model.b") for f in (subjects.prefill_consumer, subjects.local_consumer)
+    )
     for m in ("model-a", "model.b"):
         req = make_request(f"for-{m}", model=m)
         assert await publish_work(nc, subjects.requests(m), req, req.rid)

@@ -33,6 +33,18 @@ def test_random_ids_exact_lengths_within_range(tokenizer_dir: Path) -> None:
     assert [r.prompt for r in same] == [r.prompt for r in reqs]
 
 
+def test_random_mixes_short_prompts_in_when_asked(tokenizer_dir: Path) -> None:
+    tok = Tokenizer(tokenizer_dir)
+    reqs = random_requests(400, 1000, 20, 0.1, seed=3, tokenizer=tok, form="ids", short_fraction=0.25, short_len=80)
+    short = [r for r in reqs if r.prompt_len <= 88]
+    assert all(72 <= r.prompt_len for r in short) and all(900 <= r.prompt_len <= 1100 for r in reqs if r not in short)
+    assert 70 <= len(short) <= 130  # about a quarter
+    plain = random_requests(50, 1000, 20, 0.1, seed=3, tokenizer=tok, form="ids")
+    assert [r.prompt for r in plain] == [r.prompt for r in random_requests(50, 1000, 20, 0.1, 3, tok, "ids", 0.0)]
+    with pytest.raises(ValueError):
+        random_requests(1, 8, 8, 0.0, seed=0, tokenizer=None, form="text", short_fraction=1.5)
+
+
 def test_random_zero_ratio_is_fixed_and_text_forms(tokenizer_dir: Path) -> None:
     reqs = random_requests(10, 32, 8, 0.0, seed=0, tokenizer=None, form="text")
     assert all(r.output_len == 8 and isinstance(r.prompt, str) and not r.exact for r in reqs)
