@@ -23,6 +23,7 @@ import logging
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from pdserve.broker import contract, tracing
 from pdserve.broker.consumer import Delivery
@@ -40,11 +41,20 @@ from pdserve.workers.transfer import LinkRefused, TransferError, plan_reads
 from pdserve.workers.transfer.shards import shard_mismatch
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 KV_READY_BATCH = 32
 LOCAL_BATCH = 8  # local-prefill requests taken at once
 LEASE_TIMEOUT = 2.0
 TRANSFER_THREADS = 4  # pulls from several prefill workers at once
+# A read still running this many leases after it began is stuck in the transfer engine (a
+# frozen peer, a transport that never times out): the worker cannot know when, or whether,
+# the bytes will land in the pages it reserved, so it may neither use nor reuse them.
+STUCK_READ_LEASES = 2.0
+
+
+class ReadStuck(TransferError):
+    """A KV read that outlived :data:`STUCK_READ_LEASES` leases (the worker stops)."""
 
 
 class DecodeWorker(WorkerRuntime):
@@ -54,6 +64,7 @@ class DecodeWorker(WorkerRuntime):
         self.importing: set[str] = set()
         self._peers_seen: set[str] = set()
         self._transfer_threads = ThreadPoolExecutor(max_workers=TRANSFER_THREADS, thread_name_prefix="kv-pull")
+        self.reads_stuck = 0
 
     async def setup(self) -> None:
         assert self.nc is not None
@@ -265,6 +276,8 @@ class DecodeWorker(WorkerRuntime):
             nbytes = await self._read(ready, seq)
         except LinkRefused as exc:
             refused = str(exc)
+        except ReadStuck:  # the worker is stopping; the request goes back unacked, its pages untouched
+            return
         ok = nbytes is not None
         self.importing.discard(ready.rid)
         ended = t.decode_from = time.time()
@@ -316,14 +329,22 @@ class DecodeWorker(WorkerRuntime):
         loop = asyncio.get_running_loop()
         try:
             if self.transfer.name == "mooncake":
-                ops, nbytes = await loop.run_in_executor(
-                    self._transfer_threads, self._transfer_shards, ready, pages, seq.num_cached // page
+                ops, nbytes = await self._bounded(
+                    ready,
+                    loop.run_in_executor(
+                        self._transfer_threads, self._transfer_shards, ready, pages, seq.num_cached // page
+                    ),
+                    lease.seconds,
                 )
             else:
                 reads = plan_reads(h.segments, pool.page_bytes, pages, pool.data_ptr, skip_pages=seq.num_cached // page)
-                ops = await loop.run_in_executor(self._transfer_threads, self._transfer_pages, ready, reads)
+                ops = await self._bounded(
+                    ready,
+                    loop.run_in_executor(self._transfer_threads, self._transfer_pages, ready, reads),
+                    lease.seconds,
+                )
                 nbytes = sum(n for _, _, n in reads)
-        except LinkRefused:
+        except (LinkRefused, ReadStuck):
             raise
         except TransferError as exc:
             self.count("kv_pull_failures")
@@ -337,6 +358,25 @@ class DecodeWorker(WorkerRuntime):
         self.count("kv_pull_bytes", nbytes)
         self.count("kv_pull_ops", ops)
         return nbytes
+
+    async def _bounded(self, ready: KVReady, read: asyncio.Future[T], lease_seconds: float) -> T:
+        """``read``'s result, or, if it is still running :data:`STUCK_READ_LEASES` leases on,
+        the worker crashes (loudly: it stops heartbeating, hands its requests back and exits
+        even with the read's thread still in the transfer engine) and :class:`ReadStuck` is
+        raised: the pages the read may still write into are never used again (the worker hands
+        everything back at once and exits)."""
+        limit = STUCK_READ_LEASES * lease_seconds
+        done, _ = await asyncio.wait({read}, timeout=limit)
+        if done:
+            return read.result()
+        self.reads_stuck += 1
+        read.add_done_callback(lambda f: f.cancelled() or f.exception())  # if it ever ends: nobody waits for it
+        exc = ReadStuck(
+            f"the KV read of {ready.rid} from {ready.prefill_id} ({ready.handle.endpoint}) is still running "
+            f"{limit:g} s after it began ({STUCK_READ_LEASES:g} leases): the transfer engine is stuck"
+        )
+        self.lifecycle.crash("kv pull", exc)
+        raise exc
 
     async def _release(self, ready: KVReady, ok: bool) -> None:
         assert self.nc is not None
@@ -402,6 +442,9 @@ class DecodeWorker(WorkerRuntime):
 
     async def teardown(self) -> None:
         await super().teardown()
+        if self.reads_stuck:  # its thread may never come back: neither wait for it nor pull the memory from under it
+            self._transfer_threads.shutdown(wait=False, cancel_futures=True)
+            return
         self._transfer_threads.shutdown(wait=True)
         if self.transfer is not None:
             self.transfer.close()
