@@ -299,6 +299,7 @@ class DecodeWorker(WorkerRuntime):
             return
         if ok:
             self.engine.commit_import(seq)
+            t.prompt_cached = ready.cached_tokens
         else:
             self.count("recomputes")
             self.engine.fail_import(seq)

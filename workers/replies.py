@@ -47,6 +47,10 @@ class Tracked:
     trace: Context | None = None
     received_at: float = 0.0
     decode_from: float = 0.0
+    # The prompt tokens the prefill worker found in its prefix cache, once its KV was pulled:
+    # what the request's usage reports as cached (the decode worker's own reuse of pages it
+    # holds saves a transfer, not a computation). ``None``: the engine's own count.
+    prompt_cached: int | None = None
     # A request of n > 1 samples: the samples still open (``rid#i``), and the next index of
     # each (its chunks number its own tokens). Empty for a request of one sample.
     samples: list[str] = field(default_factory=list)
@@ -172,7 +176,8 @@ class Replies:
         usage = None
         timings = None
         if out.finish_reason is not None or out.held:
-            usage = Usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
+            cached = tracked.prompt_cached if tracked and tracked.prompt_cached is not None else out.cached_tokens
+            usage = Usage(out.prompt_tokens, out.completion_tokens, cached)
             timings = tracked.timings if tracked else None
         return TokenChunk(
             rid=out.rid,

@@ -379,3 +379,34 @@ async def test_both_sides_name_a_peer_whose_kv_heads_do_not_map(workers, caplog:
     assert ("prefill-wide", "KV heads: prefill 4 (2 on each of 2 ranks), decode 2 (2 on each of 1 ranks)") in said
     assert ("decode-wide", "KV heads: prefill 2 (2 on each of 1 ranks), decode 4 (2 on each of 2 ranks)") in said
     assert not any(who == "prefill-fits" for who, _ in said)
+
+
+@pytest.mark.parametrize("prefill_cache", [False, True])
+async def test_pd_usage_reports_the_prefill_workers_cached_tokens(workers, nats_server, prefill_cache: bool) -> None:
+    """In PD the prompt is computed by the prefill worker: ``usage.cached_tokens`` is what
+    its prefix cache saved, not the decode worker's reuse of pages it already holds (which
+    saves only a transfer). A repeated prompt with the prefill worker's cache off reports 0
+    while the decode worker reused pages; with it on, the prefill worker's hit."""
+    prefill = await workers(
+        "prefill", engine=EngineConfig(max_total_tokens=16 * 512, enable_prefix_cache=prefill_cache)
+    )
+    await workers("decode")
+    gateway = Gateway(nats_server.url, prefill.config.model_name, streams.BrokerConfig())
+    await gateway.start()
+    prompt = list(range(300, 364))  # 64 tokens: four pages
+    params = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+    usages = []
+    try:
+        for i in range(2):
+            before = prefill.engine.stats.cached_tokens
+            async for chunk in gateway.generate(prompt, params, rid=f"usage-{prefill_cache}-{i}"):
+                if chunk.finish_reason:
+                    assert chunk.usage is not None
+                    usages.append((chunk.usage.cached_tokens, prefill.engine.stats.cached_tokens - before))
+                    break
+    finally:
+        await gateway.stop()
+    assert usages[0] == (0, 0)
+    reported, prefill_hit = usages[1]
+    assert reported == prefill_hit
+    assert (prefill_hit > 0) == prefill_cache
