@@ -37,7 +37,7 @@ from pdserve.workers.intake import Intake
 from pdserve.workers.replies import Tracked
 from pdserve.workers.runtime import WorkerRuntime
 from pdserve.workers.tensor_parallel import ShardedPull
-from pdserve.workers.transfer import LinkRefused, TransferError, plan_reads
+from pdserve.workers.transfer import LinkRefused, ReadStuck, TransferError, plan_reads
 from pdserve.workers.transfer.shards import shard_mismatch
 
 log = logging.getLogger(__name__)
@@ -51,10 +51,6 @@ TRANSFER_THREADS = 4  # pulls from several prefill workers at once
 # frozen peer, a transport that never times out): the worker cannot know when, or whether,
 # the bytes will land in the pages it reserved, so it may neither use nor reuse them.
 STUCK_READ_LEASES = 2.0
-
-
-class ReadStuck(TransferError):
-    """A KV read that outlived :data:`STUCK_READ_LEASES` leases (the worker stops)."""
 
 
 class DecodeWorker(WorkerRuntime):
@@ -361,23 +357,31 @@ class DecodeWorker(WorkerRuntime):
         return nbytes
 
     async def _bounded(self, ready: KVReady, read: asyncio.Future[T], lease_seconds: float) -> T:
-        """``read``'s result, or, if it is still running :data:`STUCK_READ_LEASES` leases on,
-        the worker crashes (loudly: it stops heartbeating, hands its requests back and exits
+        """``read``'s result, or, if it is still running :data:`STUCK_READ_LEASES` leases on
+        (or a tensor-parallel rank's part of it was, :class:`ReadStuck` from the read), the
+        worker crashes (loudly: it stops heartbeating, hands its requests back and exits
         even with the read's thread still in the transfer engine) and :class:`ReadStuck` is
         raised: the pages the read may still write into are never used again (the worker hands
         everything back at once and exits)."""
         limit = STUCK_READ_LEASES * lease_seconds
         done, _ = await asyncio.wait({read}, timeout=limit)
         if done:
-            return read.result()
-        self.reads_stuck += 1
+            try:
+                return read.result()
+            except ReadStuck as exc:  # a tensor-parallel rank's part still running
+                self._stuck(exc)
+                raise
         read.add_done_callback(lambda f: f.cancelled() or f.exception())  # if it ever ends: nobody waits for it
-        exc = ReadStuck(
+        stuck = ReadStuck(
             f"the KV read of {ready.rid} from {ready.prefill_id} ({ready.handle.endpoint}) is still running "
             f"{limit:g} s after it began ({STUCK_READ_LEASES:g} leases): the transfer engine is stuck"
         )
+        self._stuck(stuck)
+        raise stuck
+
+    def _stuck(self, exc: ReadStuck) -> None:
+        self.reads_stuck += 1
         self.lifecycle.crash("kv pull", exc)
-        raise exc
 
     async def _release(self, ready: KVReady, ok: bool) -> None:
         assert self.nc is not None

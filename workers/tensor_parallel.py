@@ -25,7 +25,7 @@ import torch
 
 from pdserve.schemas import KVHandle
 from pdserve.workers.config import WorkerConfig
-from pdserve.workers.transfer import TransferBackend, TransferError, create_transfer
+from pdserve.workers.transfer import ReadStuck, TransferBackend, TransferError, create_transfer
 from pdserve.workers.transfer.shards import plan_shard_reads
 
 if TYPE_CHECKING:
@@ -146,7 +146,8 @@ class ShardedPull:
 
     def run(self, handle: KVHandle, pages: list[int], skip: int) -> tuple[int, int]:
         """Pull (blocking, in a transfer thread); the operations and bytes of all ranks.
-        Raises :class:`TransferError` if any rank's part failed or did not end in time."""
+        Raises :class:`TransferError` if any rank's part failed, :class:`ReadStuck` if one
+        did not end in time (it may still write into the pages)."""
         tp = self.runner.tp
         key = f"pull/{uuid.uuid4().hex}"
         if tp is not None:
@@ -158,7 +159,7 @@ class ShardedPull:
         deadline = time.monotonic() + self.timeout
         while not tp.store.check(keys):
             if time.monotonic() > deadline:
-                raise TransferError(f"a follower rank did not finish its part of the pull in {self.timeout:g}s")
+                raise ReadStuck(f"a follower rank did not finish its part of the pull in {self.timeout:g}s")
             time.sleep(POLL_SECONDS)
         failures = []
         for rank, k in enumerate(keys, start=1):

@@ -5,7 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from pdserve.workers.transfer.base import LinkRefused, TransferBackend, TransferError, advertised_host, plan_reads
+from pdserve.workers.transfer.base import (
+    LinkRefused,
+    ReadStuck,
+    TransferBackend,
+    TransferError,
+    advertised_host,
+    plan_reads,
+)
 
 if TYPE_CHECKING:
     from pdserve.engine.kv_pool import KVPool
@@ -52,6 +59,7 @@ def create_transfer(name: str, **kwargs: object) -> TransferBackend:
 
 __all__ = [
     "LinkRefused",
+    "ReadStuck",
     "TransferBackend",
     "TransferError",
     "advertised_host",

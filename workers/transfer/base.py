@@ -18,6 +18,12 @@ class TransferError(RuntimeError):
     """A pull failed; the caller falls back to recomputing the prefill."""
 
 
+class ReadStuck(TransferError):
+    """A read that may still be writing into the destination pages after its caller stopped
+    waiting (stuck in the transfer engine, or a tensor-parallel rank's part past its time):
+    those pages must never be used or reused, so the worker stops."""
+
+
 class LinkRefused(TransferError):
     """The peer will not pair with this worker: its KV layout, backend or device differs.
     A deployment mistake, not a passing failure: the request gets an error saying what
