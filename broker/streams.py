@@ -179,44 +179,35 @@ async def ensure_placed_consumer(js: JetStreamContext, model: str, worker_id: st
     )
 
 
+async def _memory_bucket(js: JetStreamContext, name: str, ttl: float, replicas: int) -> tuple[KeyValue, bool]:
+    """The key-value bucket ``name`` in memory, made with ``ttl`` and ``replicas`` if missing
+    (another process may make it at the same moment); whether this call made it."""
+    try:
+        return await js.key_value(name), False
+    except (BucketNotFoundError, NotFoundError):
+        pass
+    try:
+        config = js_api.KeyValueConfig(
+            bucket=name, history=1, ttl=ttl, storage=js_api.StorageType.MEMORY, replicas=replicas
+        )
+        return await js.create_key_value(config), True
+    except BadRequestError:  # created by someone else meanwhile
+        return await js.key_value(name), False
+
+
 async def claim_bucket(js: JetStreamContext, config: BrokerConfig) -> KeyValue:
     """Claims of placed requests (:mod:`pdserve.broker.claims`), kept ``claim_ttl`` seconds."""
-    try:
-        return await js.key_value(subjects.CLAIM_BUCKET)
-    except (BucketNotFoundError, NotFoundError):
-        try:
-            return await js.create_key_value(
-                js_api.KeyValueConfig(
-                    bucket=subjects.CLAIM_BUCKET,
-                    history=1,
-                    ttl=config.claim_ttl,
-                    storage=js_api.StorageType.MEMORY,
-                    replicas=config.replicas,
-                )
-            )
-        except BadRequestError:  # created by someone else meanwhile
-            return await js.key_value(subjects.CLAIM_BUCKET)
+    bucket, _ = await _memory_bucket(js, subjects.CLAIM_BUCKET, config.claim_ttl, config.replicas)
+    return bucket
 
 
 async def worker_bucket(js: JetStreamContext, config: BrokerConfig) -> KeyValue:
     """The registry bucket; entries vanish ``worker_ttl`` seconds after their last heartbeat.
 
     An existing bucket with another TTL or replica count is brought to this one."""
-    try:
-        bucket = await js.key_value(subjects.WORKER_BUCKET)
-    except (BucketNotFoundError, NotFoundError):
-        try:
-            return await js.create_key_value(
-                js_api.KeyValueConfig(
-                    bucket=subjects.WORKER_BUCKET,
-                    history=1,
-                    ttl=config.worker_ttl,
-                    storage=js_api.StorageType.MEMORY,
-                    replicas=config.replicas,
-                )
-            )
-        except BadRequestError:  # created by someone else meanwhile
-            bucket = await js.key_value(subjects.WORKER_BUCKET)
+    bucket, made = await _memory_bucket(js, subjects.WORKER_BUCKET, config.worker_ttl, config.replicas)
+    if made:
+        return bucket
     info = await js.stream_info(subjects.bucket_stream(subjects.WORKER_BUCKET))
     if info.config.max_age != config.worker_ttl or (info.config.num_replicas or 1) != config.replicas:
         window = min(info.config.duplicate_window or config.worker_ttl, config.worker_ttl)
