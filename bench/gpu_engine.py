@@ -141,13 +141,20 @@ def measure_engine(engine: Engine, vocab: int, timer: Timer, rng: random.Random,
     say("pdserve: prefill 4096")
     fast = engine.runner.fast
     device_ms: list[float] = []
+    host_ms: list[float] = []
+    ahead: list[torch.Tensor] = []  # when set: work queued before the forward (see below)
     if fast is not None and timer.device.type == "cuda":  # the forward pass's device time too
         forward = fast.forward
 
         def timed_forward(step):
+            if ahead:
+                for _ in range(8):
+                    ahead[0] @ ahead[0]
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            launched = time.perf_counter()
             out = forward(step)
+            host_ms.append((time.perf_counter() - launched) * 1e3)
             end.record()
             end.synchronize()
             device_ms.append(start.elapsed_time(end))
@@ -156,11 +163,22 @@ def measure_engine(engine: Engine, vocab: int, timer: Timer, rng: random.Random,
         fast.forward = timed_forward  # type: ignore[method-assign]
     engine_run(engine, prompts(rng, 1, 4096, vocab), 1, timer)
     device_ms.clear()
+    host_ms.clear()
     runs = [engine_run(engine, prompts(rng, 1, 4096, vocab), 1, timer) for _ in range(5)]
     row["prefill4096_ms"] = statistics.median(r["seconds"] * 1e3 for r in runs)
     row["prefill4096_ms_runs"] = [r["seconds"] * 1e3 for r in runs]
     if device_ms:
         row["prefill4096_forward_device_ms"] = statistics.median(device_ms)
+        # the host's time to launch the forward pass: at or above the device time, the GPU waits on it
+        row["prefill4096_forward_host_ms"] = statistics.median(host_ms)
+        # the same forward pass with ~10 ms of matrix products queued before it: the GPU at full clock
+        # and the host ahead of it from the first kernel (what it costs inside a busy server)
+        ahead.append(torch.randn(8192, 8192, device=timer.device, dtype=torch.bfloat16))
+        device_ms.clear()
+        for _ in range(5):
+            engine_run(engine, prompts(rng, 1, 4096, vocab), 1, timer)
+        row["prefill4096_forward_device_queued_ms"] = statistics.median(device_ms)
+        ahead.clear()
     if fast is not None and timer.device.type == "cuda":  # each attention backend the library offers
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -343,7 +361,7 @@ def measure_e2e(args: argparse.Namespace, dims: dict, device: str) -> dict:
         proc, url = start_pdserve("unified", Path(tempfile.mkdtemp(prefix="pdserve-up-")), up, timeout=600)
         pairs = []
         try:
-            asyncio.run(through_http(url, fresh(), args.requests))  # warm-up at full size
+            asyncio.run(through_http(url, fresh(), args.requests, client=args.e2e_client))  # warm-up at full size
             for _ in range(args.e2e_repeat):
                 reqs = fresh()
                 offline.pages.reset_prefix_cache()
@@ -355,7 +373,9 @@ def measure_e2e(args: argparse.Namespace, dims: dict, device: str) -> dict:
                 profile_to = args.e2e_profile.with_suffix(f".api{n}.txt") if args.e2e_profile else None
                 spy = py_spy(proc.pid, profile_to) if profile_to and last else None
                 cpu_before = process_cpu_seconds(proc.pid)
-                seconds, ttfts, cached, client_cpu, span = drive(url, reqs, args.requests, args.e2e_client_processes)
+                seconds, ttfts, cached, client_cpu, span, timeline = drive(
+                    url, reqs, args.requests, args.e2e_client_processes, args.e2e_client
+                )
                 served = sum(r.output_len for r in reqs) / seconds
                 cpu = cpu_per_token(proc.pid, cpu_before, client_cpu, sum(r.output_len for r in reqs))
                 if spy is not None:
@@ -365,10 +385,12 @@ def measure_e2e(args: argparse.Namespace, dims: dict, device: str) -> dict:
                         "offline_out_tok_s": base,
                         "offline_steps": offline_steps,
                         "client_processes": args.e2e_client_processes,
+                        "client": args.e2e_client,
                         "requests": len(reqs),
                         "in_flight": args.requests,
                         "client_connections": "warm (opened before the clock starts)",
                         "client_span": span,  # perf_counter: against the workers' step timeline
+                        "client_timeline": [[round(t, 4) for t in row] for row in timeline],  # sent, first, end
                         "output_tokens": sum(r.output_len for r in reqs),
                         "pipeline_out_tok_s": served,
                         "ttft_p50_s": sorted(ttfts)[len(ttfts) // 2],
@@ -422,6 +444,13 @@ def main() -> int:
         type=int,
         default=1,
         help="processes that send the requests and read the streams (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--e2e-client",
+        choices=("raw", "httpx"),
+        default="raw",
+        help="how the client reads the streams: raw (bench/sse_client.py, a few us a token) or httpx "
+        "(110-210 us a token) (default: %(default)s)",
     )
     parser.add_argument(
         "--e2e-step-log", action="store_true", help="the pipeline at --log-level DEBUG: each worker step on stderr"

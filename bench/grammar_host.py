@@ -5,7 +5,9 @@ Walks 64 matchers through the schema together, each step choosing a random allow
 row (what a random-weights model at temperature 1 does), and times the two grammar
 operations a constrained decode step makes on the host: the masks (as the engine fills them,
 row by row, and with xgrammar's threaded batch fill at several thread counts) and the
-accepts (one by one, batched, and spread over a pool of Python threads). Writes JSON to ``--out`` if given.
+accepts (one by one, batched, and spread over a pool of Python threads), and the engine's
+own path (``Grammars.masks`` advancing and filling each row, the rows dealt out over 1-8
+threads). Writes JSON to ``--out`` if given.
 
     python bench/grammar_host.py [--rows 64] [--threads 1,2,4,8] [--out grammar_host.json]
 """
@@ -49,7 +51,9 @@ def walk(grammars: Grammars, sampling: SamplingParams, rows: int, fill: str, thr
     rng = random.Random(seed)
     mask_s: list[float] = []
     accept_s: list[float] = []
-    while not all(m.is_terminated for m in matchers):
+    while not all(m.is_terminated() for m in raw):
+        for m in matchers:  # the paths below that accept through xgrammar's own objects
+            m._terminated = bool(m._matcher.is_terminated())
         t0 = time.perf_counter()
         if batch is None:
             bitmask = grammars.masks(matchers, torch.device("cpu"))
@@ -85,6 +89,34 @@ def walk(grammars: Grammars, sampling: SamplingParams, rows: int, fill: str, thr
     }
 
 
+def walk_engine(grammars: Grammars, sampling: SamplingParams, rows: int, seed: int) -> dict[str, Any]:
+    """What an overlapped constrained step does on the host (``Engine._catch_up`` then
+    ``Grammars.masks``): each row's matcher takes the previous step's token and fills its
+    mask, the rows dealt out over ``grammars.threads`` threads."""
+    matchers = [grammars.matcher(sampling) for _ in range(rows)]
+    rng = random.Random(seed)
+    spent: list[float] = []
+    advance = None
+    while not all(m.is_terminated for m in matchers):
+        t0 = time.perf_counter()
+        bitmask = grammars.masks(matchers, torch.device("cpu"), advance)
+        spent.append(time.perf_counter() - t0)
+        words = bitmask.numpy().view(np.uint8)
+        advance = [
+            None
+            if m.is_terminated
+            else (m.seen, int(rng.choice(np.flatnonzero(np.unpackbits(words[r], bitorder="little")))))
+            for r, m in enumerate(matchers)
+        ]
+    return {
+        "fill": "engine",
+        "accept": "engine",
+        "threads": grammars.threads,
+        "steps": len(spent),
+        "accepts_and_masks_ms_per_step": round(statistics.median(spent) * 1e3, 3),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=64)
@@ -98,11 +130,14 @@ def main() -> int:
 
     model = ensure_default_model(Path(tempfile.mkdtemp(prefix="pd-grammar-")))
     tokenizer = AutoTokenizer.from_pretrained(model)
-    grammars = Grammars(tokenizer, VOCAB, [tokenizer.eos_token_id])
+    grammars = Grammars(tokenizer, VOCAB, [tokenizer.eos_token_id], threads=1)
     sampling = SamplingParams(json_schema=json.dumps(SCHEMA), temperature=1.0)
     runs = [walk(grammars, sampling, args.rows, "rows", 1, 0)]
     runs += [walk(grammars, sampling, args.rows, "batch", int(t), 0) for t in args.threads.split(",")]
     runs += [walk(grammars, sampling, args.rows, "rows", int(t), 0) for t in args.threads.split(",") if int(t) > 1]
+    for t in args.threads.split(","):  # the engine's own path, at each thread count
+        engine_grammars = Grammars(tokenizer, VOCAB, [tokenizer.eos_token_id], threads=int(t))
+        runs.append(walk_engine(engine_grammars, sampling, args.rows, 0))
     runs.append(walk(grammars, sampling, args.rows, "rows", 1, 0))  # again: the machine's drift
     for r in runs:
         print(json.dumps(r))

@@ -32,14 +32,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import process_cpu_seconds, start_pdserve, stop_pdserve
 from engine_bench import Request, run_pdserve, workload
+from sse_client import Connection, split_url
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.loader import build_engine
 from pdserve.engine.tiny_model import ensure_default_model
 
+CLIENTS = ("raw", "httpx")
+
 
 async def through_http(
-    url: str, reqs: list[Request], concurrency: int, warm: bool = True
+    url: str,
+    reqs: list[Request],
+    concurrency: int,
+    warm: bool = True,
+    client: str = "raw",
+    timeline: list[tuple[float, float, float]] | None = None,
 ) -> tuple[float, list[float], int, float]:
     """Seconds for all of ``reqs``, each one's time to first token, the prompt tokens the
     server reported as cached, and when the clock started (``time.perf_counter``).
@@ -47,23 +55,25 @@ async def through_http(
     ``warm``: the client's ``concurrency`` connections are opened (one ``GET /health`` on
     each, at once) before the clock starts, as a long-lived client's keep-alive pool would
     have them; without it every run also pays for 64 TCP connections and their first
-    requests."""
+    requests. ``client``: ``raw`` reads the streams with :mod:`sse_client` (a few us a
+    token), ``httpx`` with ``httpx`` (110-210 us a token: one process of it cannot keep up
+    with a GPU at 64 in flight). ``timeline`` gets each request's (sent, first event,
+    end) on ``time.perf_counter``'s clock."""
+    if client == "raw":
+        return await _through_raw(url, reqs, concurrency, warm, timeline)
+    if client != "httpx":
+        raise ValueError(f"client must be one of {CLIENTS}")
     pending = list(reqs)
     ttfts: list[float] = []
     cached = [0]
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
 
         async def one(r: Request) -> None:
-            body = {
-                "input_ids": r.prompt,
-                "stream": True,
-                "sampling_params": {"max_new_tokens": r.output_len, "temperature": 0, "ignore_eos": True},
-            }
             started = time.perf_counter()
             first = None
             last = ""
-            async with client.stream("POST", "/generate", json=body) as resp:
+            async with http.stream("POST", "/generate", json=_generate_body(r)) as resp:
                 assert resp.status_code == 200, await resp.aread()
                 async for line in resp.aiter_lines():
                     if line.startswith("data: {"):
@@ -71,6 +81,8 @@ async def through_http(
                         if first is None:
                             first = time.perf_counter() - started
             ttfts.append(first or 0.0)
+            if timeline is not None:
+                timeline.append((started, started + (first or 0.0), time.perf_counter()))
             cached[0] += json.loads(last[len("data: ") :])["meta_info"].get("cached_tokens", 0) if last else 0
 
         async def lane() -> None:
@@ -78,37 +90,84 @@ async def through_http(
                 await one(pending.pop(0))
 
         if warm:
-            await asyncio.gather(*(client.get("/health") for _ in range(concurrency)))
+            await asyncio.gather(*(http.get("/health") for _ in range(concurrency)))
         started = time.perf_counter()
         await asyncio.gather(*(lane() for _ in range(concurrency)))
         return time.perf_counter() - started, ttfts, cached[0], started
 
 
-def _client_share(url: str, reqs: list[Request], lanes: int, barrier: Any, results: Any) -> None:
+def _generate_body(r: Request) -> dict[str, Any]:
+    return {
+        "input_ids": r.prompt,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": r.output_len, "temperature": 0, "ignore_eos": True},
+    }
+
+
+async def _through_raw(
+    url: str,
+    reqs: list[Request],
+    concurrency: int,
+    warm: bool,
+    timeline: list[tuple[float, float, float]] | None,
+) -> tuple[float, list[float], int, float]:
+    pending = list(reqs)
+    ttfts: list[float] = []
+    cached = [0]
+    host, port = split_url(url)
+    conns = [Connection(host, port) for _ in range(concurrency)]
+
+    async def lane(conn: Connection) -> None:
+        while pending:
+            r = pending.pop(0)
+            got = await conn.stream("/generate", _generate_body(r))
+            first = (got.first or got.ended) - got.sent
+            ttfts.append(first)
+            if timeline is not None:
+                timeline.append((got.sent, got.sent + first, got.ended))
+            cached[0] += (got.last or {}).get("meta_info", {}).get("cached_tokens", 0)
+
+    try:
+        if warm:
+            await asyncio.gather(*(c.get("/health") for c in conns))
+        started = time.perf_counter()
+        await asyncio.gather(*(lane(c) for c in conns))
+        return time.perf_counter() - started, ttfts, cached[0], started
+    finally:
+        await asyncio.gather(*(c.close() for c in conns))
+
+
+def _client_share(url: str, reqs: list[Request], lanes: int, client: str, barrier: Any, results: Any) -> None:
     """One client process of :func:`drive`: its share of the requests, from the barrier on."""
     barrier.wait()
     cpu = time.process_time()
-    _, ttfts, cached, began = asyncio.run(through_http(url, reqs, lanes))  # perf_counter: CLOCK_MONOTONIC,
-    results.put((began, time.perf_counter(), ttfts, cached, time.process_time() - cpu))  # one clock for all
+    timeline: list[tuple[float, float, float]] = []
+    _, ttfts, cached, began = asyncio.run(through_http(url, reqs, lanes, client=client, timeline=timeline))
+    # perf_counter is CLOCK_MONOTONIC: one clock for all the processes
+    results.put((began, time.perf_counter(), ttfts, cached, time.process_time() - cpu, timeline))
 
 
 def drive(
-    url: str, reqs: list[Request], concurrency: int, processes: int = 1
-) -> tuple[float, list[float], int, float, tuple[float, float]]:
+    url: str, reqs: list[Request], concurrency: int, processes: int = 1, client: str = "raw"
+) -> tuple[float, list[float], int, float, tuple[float, float], list[tuple[float, float, float]]]:
     """:func:`through_http` from ``processes`` client processes at once (the requests and
-    lanes dealt out among them): one Python client reads about 10,000 streamed tokens a
-    second, less than one GPU serves. Returns seconds from the first start to the last
-    finish, times to first token, cached prompt tokens, the clients' CPU seconds, and the
+    lanes dealt out among them). Returns seconds from the first start to the last
+    finish, times to first token, cached prompt tokens, the clients' CPU seconds, the
     first start and last finish on ``time.perf_counter``'s clock (the workers' step
-    timeline is on it too)."""
+    timeline is on it too), and each request's (sent, first event, end) on that clock."""
     if processes <= 1:
         cpu = time.process_time()
-        seconds, ttfts, cached, began = asyncio.run(through_http(url, reqs, concurrency))
-        return seconds, ttfts, cached, time.process_time() - cpu, (began, time.perf_counter())
+        timeline: list[tuple[float, float, float]] = []
+        seconds, ttfts, cached, began = asyncio.run(
+            through_http(url, reqs, concurrency, client=client, timeline=timeline)
+        )
+        return seconds, ttfts, cached, time.process_time() - cpu, (began, time.perf_counter()), timeline
     ctx = multiprocessing.get_context("spawn")  # the parent may hold a CUDA context
     barrier, results = ctx.Barrier(processes + 1), ctx.Queue()
     shares = [(reqs[i::processes], concurrency // processes + (i < concurrency % processes)) for i in range(processes)]
-    procs = [ctx.Process(target=_client_share, args=(url, r, n, barrier, results), daemon=True) for r, n in shares]
+    procs = [
+        ctx.Process(target=_client_share, args=(url, r, n, client, barrier, results), daemon=True) for r, n in shares
+    ]
     for proc in procs:
         proc.start()
     barrier.wait(timeout=120)
@@ -117,7 +176,8 @@ def drive(
         proc.join(timeout=30)
     span = (min(o[0] for o in outs), max(o[1] for o in outs))
     ttfts = [t for o in outs for t in o[2]]
-    return span[1] - span[0], ttfts, sum(o[3] for o in outs), sum(o[4] for o in outs), span
+    timeline = sorted(t for o in outs for t in o[5])
+    return span[1] - span[0], ttfts, sum(o[3] for o in outs), sum(o[4] for o in outs), span, timeline
 
 
 def cpu_per_token(root: int, before: dict[str, float], client_seconds: float, tokens: int) -> dict[str, float]:
@@ -138,6 +198,9 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1000, help="first workload seed; each run takes the next")
     parser.add_argument("--json", type=Path, default=Path("docs/data/pipeline_vs_offline.json"))
     parser.add_argument("--up-args", default="", help='extra `pdserve up` flags, e.g. "--num-threads 2"')
+    parser.add_argument(
+        "--client", choices=CLIENTS, default="raw", help="how the streams are read (default: %(default)s)"
+    )
     args = parser.parse_args()
     data_dir = Path(tempfile.mkdtemp(prefix="pdserve-pipe-"))
     model = ensure_default_model(data_dir)
@@ -167,6 +230,7 @@ def main() -> int:
         "concurrency": args.concurrency,
         "repeat": args.repeat,
         "workload": "prompts 16-1024 tokens, outputs 16-256, greedy, fresh seed per run",
+        "client": args.client,
     }
     for mode in args.modes.split(","):
         proc, url = start_pdserve(
@@ -180,7 +244,7 @@ def main() -> int:
                 reqs = fresh()
                 cpu_before = process_cpu_seconds(proc.pid)
                 client_before = time.process_time()
-                seconds, ttfts, cached, _ = asyncio.run(through_http(url, reqs, args.concurrency))
+                seconds, ttfts, cached, _ = asyncio.run(through_http(url, reqs, args.concurrency, client=args.client))
                 ttfts.sort()
                 pipe = {
                     "cpu_us_per_out_token": cpu_per_token(

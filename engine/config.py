@@ -55,6 +55,8 @@ class EngineConfig:
     captured CUDA graph (0: never). ``overlap_schedule``: on a GPU with the fast path,
     schedule and launch the next decode step while the current one runs. ``kv_tiers``:
     host memory, disk and Mooncake Store below the device's prefix cache.
+    ``grammar_threads``: threads that advance constrained rows' grammars and fill their
+    masks each step (xgrammar works without the GIL; ``None``: half the cores, at most 8).
     """
 
     page_size: int = 16
@@ -73,6 +75,7 @@ class EngineConfig:
     cuda_graph_max_batch: int = 128
     overlap_schedule: bool = True
     kv_tiers: KVTierConfig = KVTierConfig()
+    grammar_threads: int | None = None  # structured output's host threads; None: half the cores, at most 8
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

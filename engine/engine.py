@@ -409,8 +409,8 @@ class Engine:
         masks = None
         if self.grammars is not None and any(s.matcher is not None for s in seqs):
             # Filled on the host while the device runs the forward pass just queued.
-            self._catch_up(seqs)
-            masks = self.grammars.masks([s.matcher for s in seqs], logits.device)
+            advance = self._catch_up(seqs)
+            masks = self.grammars.masks([s.matcher for s in seqs], logits.device, advance)
         on_device = self.overlap and len(seqs) <= (len(self._pinned[0]) if self._pinned else len(seqs))
         tokens = self.sampler.sample_on_device(logits, rows, masks) if on_device else None
         if tokens is not None and self.runner.tp is not None:
@@ -431,20 +431,24 @@ class Engine:
             seq.num_pending += 1
         return launched
 
-    def _catch_up(self, seqs: list[Sequence]) -> None:
-        """Hand the step left queued before this one its tokens' place in the grammars of
-        the rows it feeds: their masks follow from those tokens. Waits for that step (the
-        device meanwhile runs the forward pass just queued behind it)."""
+    def _catch_up(self, seqs: list[Sequence]) -> list[tuple[int, int] | None] | None:
+        """The token each row's grammar must take before its mask is filled: the one the
+        step left queued before this one sampled for it, ``(output index, token)`` (see
+        ``Matcher.accept_at``). Waits for that step (the device meanwhile runs the forward
+        pass just queued behind it)."""
         previous = self._pending
         if previous is None:
-            return
+            return None
         behind = {id(s) for s in seqs if s.matcher is not None and s.num_pending}
         if not any(id(s) in behind for s in previous.seqs):
-            return
+            return None
         result = self.collect(previous)
-        for seq, token in zip(result.seqs, result.token_ids, strict=True):
-            if id(seq) in behind and seq.matcher is not None:
-                seq.matcher.accept_at(len(seq.output_ids), token)
+        took = {
+            id(seq): (len(seq.output_ids), token)
+            for seq, token in zip(result.seqs, result.token_ids, strict=True)
+            if id(seq) in behind
+        }
+        return [took.get(id(s)) for s in seqs]
 
     def _feed(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]] | None:
         """The previous step's device tokens and, per decode, its row there (-1: known)."""

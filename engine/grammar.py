@@ -5,14 +5,18 @@ and keeps one matcher per sequence; before each step the host fills the masks of
 constrained rows (a few tens of microseconds each, while the device runs the forward pass
 it has just been given), and the sampler applies them to the logits. The matcher
 advances with every token the sequence keeps; when it completes, the sequence may end
-only as the grammar allows (it then stops at end of sequence).
+only as the grammar allows (it then stops at end of sequence). xgrammar releases the GIL
+inside its calls, so a step's rows are dealt out to a few threads, each advancing its
+rows' matchers by the previous step's token and filling their masks.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -21,6 +25,12 @@ import torch
 from pdserve.schemas import SamplingParams
 
 MAX_COMPILED = 256  # constraints kept compiled (LRU)
+ROWS_PER_THREAD = 8  # fewer constrained rows than this a thread are not worth handing out
+
+
+def default_grammar_threads() -> int:
+    """Threads that advance matchers and fill masks: half the cores, at most 8 (1 on two cores)."""
+    return max(1, min(8, (os.cpu_count() or 1) // 2))
 
 
 class GrammarError(ValueError):
@@ -52,13 +62,20 @@ class Matcher:
         self._matcher = matcher
         self.json = json
         self.seen = 0  # output tokens taken so far
+        # A matcher terminates only on accepting a stop token: asked only then (each call
+        # into xgrammar costs 1-2 us, and a step asked every row two or three times).
+        self._stops = frozenset(matcher.stop_token_ids)
+        self._terminated = bool(matcher.is_terminated())
 
     def accept(self, token: int) -> bool:
         """Advance by ``token``; False if the grammar refuses it (the mask should prevent that)."""
         self.seen += 1
-        if self._matcher.is_terminated():
+        if self._terminated:
             return False
-        return bool(self._matcher.accept_token(token))
+        ok = bool(self._matcher.accept_token(token))
+        if ok and token in self._stops:
+            self._terminated = bool(self._matcher.is_terminated())
+        return ok
 
     def accept_at(self, index: int, token: int) -> None:
         """Advance by output token ``index`` unless it was taken already: an overlapped step
@@ -71,7 +88,7 @@ class Matcher:
 
     @property
     def is_terminated(self) -> bool:
-        return bool(self._matcher.is_terminated())
+        return self._terminated
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
@@ -81,7 +98,9 @@ class Grammars:
     """Compiles constraints for one tokenizer and vocabulary; thread-safe (a worker compiles
     in a thread at admission, the engine makes matchers on its loop)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int] = (), threads: int | None = None
+    ) -> None:
         import xgrammar as xgr
 
         self._xgr = xgr
@@ -96,6 +115,10 @@ class Grammars:
         # its way over: its copy's event is waited for first).
         self._staged: list[tuple[torch.Tensor, torch.cuda.Event]] = []
         self._next_stage = 0
+        self._plain_on: dict[torch.device, torch.Tensor] = {}
+        # xgrammar lets go of the GIL inside accept and fill: rows spread over threads run at once.
+        self.threads = default_grammar_threads() if threads is None else max(1, threads)
+        self._pool = ThreadPoolExecutor(self.threads, "grammar") if self.threads > 1 else None
 
     def compile(self, sampling: SamplingParams) -> Any:
         """The compiled constraint of ``sampling`` (cached); :class:`GrammarError` if it does not compile."""
@@ -131,40 +154,73 @@ class Grammars:
                 raise GrammarError("the tokens already generated do not follow the constraint")
         return m
 
-    def masks(self, matchers: Sequence[Matcher | None], device: torch.device) -> torch.Tensor:
+    def masks(
+        self,
+        matchers: Sequence[Matcher | None],
+        device: torch.device,
+        advance: Sequence[tuple[int, int] | None] | None = None,
+    ) -> torch.Tensor:
         """The rows' token bitmasks (``int32 [rows, ceil(vocab / 32)]``, on ``device``); a row
-        without a matcher allows every token."""
+        without a matcher allows every token. ``advance``: per row, an output token
+        ``(index, token)`` its matcher takes first (``Matcher.accept_at``), or ``None``."""
         rows = len(matchers)
         if device.type == "cpu":
             bitmask = self._xgr.allocate_token_bitmask(rows, self.vocab_size)
-            self._fill(matchers, bitmask)
+            self._and_plain(bitmask, self._fill(matchers, bitmask, advance), self._plain)
             return bitmask
         # A pageable source would make the copy wait, with the host, for the forward pass
         # queued before it: the masks are filled while that pass runs, into pinned memory.
         host, copied = self._stage(rows)
         bitmask = host[:rows]
         bitmask.fill_(-1)
-        self._fill(matchers, bitmask)
+        json_rows = self._fill(matchers, bitmask, advance)
         on_device = bitmask.to(device, non_blocking=True)
         copied.record()
+        plain = self._plain_on.get(device)
+        if plain is None:
+            plain = self._plain_on[device] = self._plain.to(device)
+        self._and_plain(on_device, json_rows, plain)  # on the device: no CPU threads woken for it
         return on_device
 
-    def _fill(self, matchers: Sequence[Matcher | None], bitmask: torch.Tensor) -> None:
-        json_rows = []
-        for row, m in enumerate(matchers):
-            if m is not None and not m.is_terminated:  # a finished row's token is discarded
-                m.fill(bitmask, row)
-                if m.json:
-                    json_rows.append(row)
-        # xgrammar's JSON strings admit raw control characters; strict parsers do not. Not
-        # through an index list: an indexed in-place update gathers, computes and scatters
-        # (64 rows of a 152k vocabulary: 0.6 ms on one quiet core, tens of ms when its
-        # threads compete for busy cores), against 0.03 ms for the whole tensor at once.
+    def _fill(
+        self,
+        matchers: Sequence[Matcher | None],
+        bitmask: torch.Tensor,
+        advance: Sequence[tuple[int, int] | None] | None,
+    ) -> list[int]:
+        """Advance and fill each row's matcher, the rows spread over the pool's threads;
+        returns the JSON rows."""
+        live = [row for row, m in enumerate(matchers) if m is not None]
+
+        def work(rows: Sequence[int]) -> None:
+            for row in rows:
+                m = matchers[row]
+                assert m is not None
+                if advance is not None and (step := advance[row]) is not None:
+                    m.accept_at(*step)
+                if not m.is_terminated:  # a finished row's token is discarded
+                    m.fill(bitmask, row)
+
+        parts = min(self.threads, len(live) // ROWS_PER_THREAD)
+        if self._pool is None or parts < 2:
+            work(live)
+        else:
+            list(self._pool.map(work, [live[i::parts] for i in range(parts)]))
+        return [row for row in live if matchers[row].json]  # type: ignore[union-attr]
+
+    @staticmethod
+    def _and_plain(bitmask: torch.Tensor, json_rows: list[int], plain: torch.Tensor) -> None:
+        """xgrammar's JSON strings admit raw control characters; strict parsers do not. Not
+        through an index list when every row is JSON: an indexed in-place update gathers,
+        computes and scatters (64 rows of a 152k vocabulary: 0.6 ms on one quiet core, tens
+        of ms when its threads compete for busy cores), against 0.03 ms for the whole tensor."""
+        if not json_rows:
+            return
         if len(json_rows) == bitmask.shape[0]:
-            bitmask &= self._plain
+            bitmask &= plain
         else:
             for row in json_rows:  # views: ~6 us a row
-                bitmask[row] &= self._plain
+                bitmask[row] &= plain
 
     def _stage(self, rows: int) -> tuple[torch.Tensor, torch.cuda.Event]:
         if not self._staged or self._staged[0][0].shape[0] < rows:

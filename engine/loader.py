@@ -62,14 +62,20 @@ def build_engine(
         return text
 
     eos = eos_ids(model_path, trust_remote_code)
-    return Engine(runner, config, eos, detokenize, grammars=make_grammars(tokenizer, runner.vocab_size, eos))
+    return Engine(
+        runner,
+        config,
+        eos,
+        detokenize,
+        grammars=make_grammars(tokenizer, runner.vocab_size, eos, config.grammar_threads),
+    )
 
 
-def make_grammars(tokenizer: object, vocab_size: int, eos: set[int]) -> Grammars | None:
+def make_grammars(tokenizer: object, vocab_size: int, eos: set[int], threads: int | None = None) -> Grammars | None:
     """Structured output for this tokenizer, or ``None`` (logged) where xgrammar is missing
     or cannot read the tokenizer: constrained requests are then refused with an error."""
     try:
-        return Grammars(tokenizer, vocab_size, sorted(eos))
+        return Grammars(tokenizer, vocab_size, sorted(eos), threads)
     except Exception as exc:  # ImportError, or a tokenizer xgrammar does not know
         log.warning("structured output unavailable", extra={"error": str(exc)})
         return None

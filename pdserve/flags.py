@@ -148,6 +148,12 @@ ENGINE = (
     ),
     Flag("--disable-cuda-graph", switch=True),
     Flag("--disable-overlap-schedule", switch=True, help="wait for each step before scheduling the next"),
+    Flag(
+        "--grammar-threads",
+        type=int,
+        help="threads that advance structured-output grammars and fill their masks each step "
+        "(default: half the cores, at most 8)",
+    ),
     Flag("--num-threads", type=int, help="torch CPU threads (default: cores / workers under `up`)"),
     Flag("--kv-hold-seconds", WorkerConfig.kv_hold_seconds, float, "how long prefill keeps unclaimed KV"),
     Flag(

@@ -164,6 +164,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cuda_graph_max_batch=0 if args.disable_cuda_graph else args.cuda_graph_max_bs,
         overlap_schedule=not args.disable_overlap_schedule,
         kv_tiers=tier_config(args),
+        grammar_threads=args.grammar_threads,
     )
 
 

@@ -203,8 +203,7 @@ class LlamaFamily:
                 with torch.cuda.stream(self._side):
                     gemv.l2_prefetch(layer.o_weight, self._sink)
             paged.rope_store(qkv, nq, nkv, self.cos, self.sin, step.positions, step.slots, self.pool, index)
-            out = torch.empty((tokens, nq, dim), dtype=h.dtype, device=h.device)
-            self._attend(index, layer, qkv, out, step, pdl)
+            out = self._attend(index, layer, qkv, step, pdl)
             if prefetch:
                 main.wait_stream(self._side)
             h = self._linear(out.view(tokens, nq * dim), layer.o_weight, layer.o_bias, GEMV_O, pdl)
@@ -231,12 +230,17 @@ class LlamaFamily:
             return gemv.gemv(x, w, b, False, pdl=pdl, **tiles)  # type: ignore[arg-type]
         return F.linear(x, w, b)
 
-    def _attend(
-        self, index: int, layer: Layer, qkv: torch.Tensor, out: torch.Tensor, step: StepBatch, pdl: bool = False
-    ) -> None:
+    def _attend(self, index: int, layer: Layer, qkv: torch.Tensor, step: StepBatch, pdl: bool = False) -> torch.Tensor:
+        """Attention output ``[tokens, heads, head_dim]`` (contiguous) of the step's rows."""
         nq, nkv, dim = self.num_q, self.num_kv, self.head_dim
         q = qkv[:, : nq * dim].view(-1, nq, dim)
         nd = step.num_decodes
+        chunks = step.prefill
+        sdpa = self.sdpa_prefill and chunks is not None and chunks.is_fresh and layer.window is None and q.is_cuda
+        if sdpa and nd == 0 and len(chunks.spans) == 1:  # type: ignore[union-attr]
+            # the library writes [tokens, heads, dim] memory: no copy (was 28 of 29 MB at 4,096 tokens)
+            return self._sdpa(q, qkv)[0].transpose(0, 1).contiguous()
+        out = torch.empty((q.shape[0], nq, dim), dtype=qkv.dtype, device=qkv.device)
         if nd:
             counters = None
             if self.fused_merge:
@@ -256,25 +260,13 @@ class LlamaFamily:
                 counters=counters,
                 pdl=pdl,
             )
-        chunks = step.prefill
         if chunks is None:
-            return
-        if self.sdpa_prefill and chunks.is_fresh and layer.window is None and q.is_cuda:
-            # Each chunk is a whole prompt: the library's flash attention on its own q, k, v.
-            k = qkv[:, nq * dim : (nq + nkv) * dim].view(-1, nkv, dim)
-            v = qkv[:, (nq + nkv) * dim :].view(-1, nkv, dim)
+            return out
+        if sdpa:  # each chunk is a whole prompt: the library's flash attention on its own q, k, v
             for start, n in chunks.spans:
                 sl = slice(start, start + n)
-                o = F.scaled_dot_product_attention(
-                    q[sl].transpose(0, 1)[None],
-                    k[sl].transpose(0, 1)[None],
-                    v[sl].transpose(0, 1)[None],
-                    is_causal=True,
-                    scale=self.scale,
-                    enable_gqa=True,
-                )
-                out[sl] = o[0].transpose(0, 1)
-            return
+                out[sl] = self._sdpa(q, qkv, sl)[0].transpose(0, 1)
+            return out
         paged.prefill_attention(
             q,
             self.pool,
@@ -287,4 +279,19 @@ class LlamaFamily:
             self.scale,
             out,
             layer.window,
+        )
+        return out
+
+    def _sdpa(self, q: torch.Tensor, qkv: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
+        """Causal attention of ``rows`` (one whole prompt) over themselves: ``[1, heads, rows, dim]``."""
+        nq, nkv, dim = self.num_q, self.num_kv, self.head_dim
+        k = qkv[rows, nq * dim : (nq + nkv) * dim].view(-1, nkv, dim)
+        v = qkv[rows, (nq + nkv) * dim :].view(-1, nkv, dim)
+        return F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            is_causal=True,
+            scale=self.scale,
+            enable_gqa=True,
         )

@@ -286,3 +286,40 @@ def test_masks_keep_control_characters_out_of_json_rows_only(tiny_model_dir: Pat
     alone = grammars.masks([grammars.matcher(schema, quote)], torch.device("cpu"))
     both = grammars.masks([grammars.matcher(schema, quote)] * 2, torch.device("cpu"))
     assert allowed(alone, 0) == json_row == allowed(both, 0) == allowed(both, 1)
+
+
+def test_masks_filled_over_threads_equal_one_thread(tiny_model_dir: Path) -> None:
+    """32 constrained rows (JSON and regex) walked to their ends by random allowed tokens,
+    each step's token handed over through ``advance``: the masks filled by four threads
+    (rows dealt out among them) are the one thread's, step for step, and a matcher reads
+    terminated exactly when xgrammar says so."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from pdserve.engine.grammar import Grammars
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    params = [SamplingParams(json_schema=json.dumps(SCHEMA)), SamplingParams(regex=r"[a-c]{2,5}-[0-9]{1,3}")]
+    one, four = (Grammars(tokenizer, 4096, [tokenizer.eos_token_id], threads=n) for n in (1, 4))
+    assert four.threads == 4
+    rows = [[g.matcher(params[i % 2]) for i in range(32)] for g in (one, four)]
+    rng = random.Random(5)
+    advance: list[tuple[int, int] | None] | None = None
+    for step in range(200):
+        masks = [g.masks(ms, torch.device("cpu"), advance) for g, ms in zip((one, four), rows, strict=True)]
+        assert torch.equal(masks[0], masks[1]), f"step {step}"
+        for ms in rows:
+            for m in ms:
+                assert m.is_terminated == bool(m._matcher.is_terminated())
+        if all(m.is_terminated for m in rows[0]):
+            break
+        bits = masks[0].numpy().view("uint32")
+        tokens = []
+        for r, m in enumerate(rows[0]):
+            allowed = [w * 32 + b for w in range(bits.shape[1]) for b in range(32) if (int(bits[r, w]) >> b) & 1]
+            tokens.append(None if m.is_terminated else (step, rng.choice(allowed)))
+        advance = tokens
+    else:
+        raise AssertionError("the rows did not all end")
+    assert all(m.seen > 0 for m in rows[1])

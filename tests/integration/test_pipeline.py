@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,32 @@ async def test_generate_streams_sse(pd_system) -> None:
     assert last["output_ids"] == plain["output_ids"]
     assert last["text"] == plain["text"]
     assert last["meta_info"]["finish_reason"] == plain["meta_info"]["finish_reason"]
+
+
+async def test_the_benchmarks_lean_client_reads_the_api_like_httpx(pd_system) -> None:
+    """bench/sse_client.py (what the e2e benchmarks drive the pipeline with) against the
+    real API's chunked SSE: every event seen, the last one whole, keep-alive reused."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from sse_client import Connection, split_url
+
+    body = {"text": "hello there", "stream": True, "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+    async with httpx.AsyncClient(base_url=pd_system.url, timeout=60) as client:
+        events = await stream_post(client, "/generate", body)
+    conn = Connection(*split_url(pd_system.url))
+    try:
+        first = await conn.stream("/generate", body)
+        writer = conn.writer
+        second = await conn.stream("/generate", body)
+        assert conn.writer is writer
+    finally:
+        await conn.close()
+    for got in (first, second):
+        assert got.events == len(events) - 1  # all but [DONE]
+        assert got.last is not None
+        for key in ("text", "output_ids"):
+            assert got.last[key] == events[-2][key]
+        assert got.last["meta_info"]["completion_tokens"] == 12
+        assert got.sent < got.first <= got.ended
 
 
 async def test_completions_stream_matches_non_stream_and_reports_usage(pd_system) -> None:
