@@ -56,7 +56,7 @@ class EngineConfig:
     schedule and launch the next decode step while the current one runs. ``kv_tiers``:
     host memory, disk and Mooncake Store below the device's prefix cache.
     ``grammar_threads``: threads that advance constrained rows' grammars and fill their
-    masks each step (xgrammar works without the GIL; ``None``: half the cores, at most 8).
+    masks each step (xgrammar works without the GIL; ``None``: 1, see ``grammar.default_grammar_threads``).
     """
 
     page_size: int = 16
@@ -75,7 +75,7 @@ class EngineConfig:
     cuda_graph_max_batch: int = 128
     overlap_schedule: bool = True
     kv_tiers: KVTierConfig = KVTierConfig()
-    grammar_threads: int | None = None  # structured output's host threads; None: half the cores, at most 8
+    grammar_threads: int | None = None  # structured output's host threads; None: 1
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

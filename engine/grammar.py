@@ -12,7 +12,6 @@ rows' matchers by the previous step's token and filling their masks.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -29,8 +28,10 @@ ROWS_PER_THREAD = 8  # fewer constrained rows than this a thread are not worth h
 
 
 def default_grammar_threads() -> int:
-    """Threads that advance matchers and fill masks: half the cores, at most 8 (1 on two cores)."""
-    return max(1, min(8, (os.cpu_count() or 1) // 2))
+    """Threads that advance matchers and fill masks by default: one. Spreading 64 rows over
+    2-8 threads measured no better on the H200 machines' 16 cores (bench/grammar_host.py:
+    9.3 ms a step on one thread, 7.8 on two, 9.6 on four, 11.5 on eight)."""
+    return 1
 
 
 class GrammarError(ValueError):
@@ -166,20 +167,29 @@ class Grammars:
         rows = len(matchers)
         if device.type == "cpu":
             bitmask = self._xgr.allocate_token_bitmask(rows, self.vocab_size)
-            self._and_plain(bitmask, self._fill(matchers, bitmask, advance), self._plain)
+            json_rows = self._fill(matchers, bitmask, advance)
+            if json_rows:  # numpy's AND: torch's would wake its intra-op threads for 1 MB
+                view, plain_row = bitmask.numpy(), self._plain.numpy()
+                if len(json_rows) == rows:
+                    np.bitwise_and(view, plain_row, out=view)
+                else:
+                    view[json_rows] &= plain_row
             return bitmask
         # A pageable source would make the copy wait, with the host, for the forward pass
         # queued before it: the masks are filled while that pass runs, into pinned memory.
         host, copied = self._stage(rows)
         bitmask = host[:rows]
-        bitmask.fill_(-1)
         json_rows = self._fill(matchers, bitmask, advance)
         on_device = bitmask.to(device, non_blocking=True)
         copied.record()
-        plain = self._plain_on.get(device)
-        if plain is None:
-            plain = self._plain_on[device] = self._plain.to(device)
-        self._and_plain(on_device, json_rows, plain)  # on the device: no CPU threads woken for it
+        if json_rows:  # xgrammar's JSON strings admit raw control characters; strict parsers do not
+            plain = self._plain_on.get(device)
+            if plain is None:
+                plain = self._plain_on[device] = self._plain.to(device)
+            if len(json_rows) == rows:
+                on_device &= plain  # on the device: no CPU threads woken for it
+            else:
+                on_device[torch.tensor(json_rows, device=device)] &= plain
         return on_device
 
     def _fill(
@@ -188,9 +198,16 @@ class Grammars:
         bitmask: torch.Tensor,
         advance: Sequence[tuple[int, int] | None] | None,
     ) -> list[int]:
-        """Advance and fill each row's matcher, the rows spread over the pool's threads;
-        returns the JSON rows."""
+        """Advance each row's matcher and write its whole mask row (xgrammar writes every
+        word of the row; a row without a live matcher allows everything), the rows dealt
+        out over the pool's threads; returns the JSON rows. No torch CPU operation on the
+        whole tensor: it would wake torch's intra-op threads, which then spin on the cores
+        the grammar threads want."""
+        view = bitmask.numpy()
         live = [row for row, m in enumerate(matchers) if m is not None]
+        for row, m in enumerate(matchers):
+            if m is None:
+                view[row] = -1
 
         def work(rows: Sequence[int]) -> None:
             for row in rows:
@@ -198,7 +215,9 @@ class Grammars:
                 assert m is not None
                 if advance is not None and (step := advance[row]) is not None:
                     m.accept_at(*step)
-                if not m.is_terminated:  # a finished row's token is discarded
+                if m.is_terminated:  # a finished row's token is discarded
+                    view[row] = -1
+                else:
                     m.fill(bitmask, row)
 
         parts = min(self.threads, len(live) // ROWS_PER_THREAD)
@@ -207,20 +226,6 @@ class Grammars:
         else:
             list(self._pool.map(work, [live[i::parts] for i in range(parts)]))
         return [row for row in live if matchers[row].json]  # type: ignore[union-attr]
-
-    @staticmethod
-    def _and_plain(bitmask: torch.Tensor, json_rows: list[int], plain: torch.Tensor) -> None:
-        """xgrammar's JSON strings admit raw control characters; strict parsers do not. Not
-        through an index list when every row is JSON: an indexed in-place update gathers,
-        computes and scatters (64 rows of a 152k vocabulary: 0.6 ms on one quiet core, tens
-        of ms when its threads compete for busy cores), against 0.03 ms for the whole tensor."""
-        if not json_rows:
-            return
-        if len(json_rows) == bitmask.shape[0]:
-            bitmask &= plain
-        else:
-            for row in json_rows:  # views: ~6 us a row
-                bitmask[row] &= plain
 
     def _stage(self, rows: int) -> tuple[torch.Tensor, torch.cuda.Event]:
         if not self._staged or self._staged[0][0].shape[0] < rows:

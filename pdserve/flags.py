@@ -151,8 +151,7 @@ ENGINE = (
     Flag(
         "--grammar-threads",
         type=int,
-        help="threads that advance structured-output grammars and fill their masks each step "
-        "(default: half the cores, at most 8)",
+        help="threads that advance structured-output grammars and fill their masks each step (default: 1)",
     ),
     Flag("--num-threads", type=int, help="torch CPU threads (default: cores / workers under `up`)"),
     Flag("--kv-hold-seconds", WorkerConfig.kv_hold_seconds, float, "how long prefill keeps unclaimed KV"),
