@@ -90,6 +90,7 @@ def engine_run(engine: Engine, batch: list[list[int]], new: int, timer: Timer) -
                 tokens_after += len(out.token_ids)
     total = timer.now() - start
     return {
+        "started_at": start,  # perf_counter, after the device was idle
         "seconds": total,
         "all_first_s": all_first,
         "tokens_after_first": tokens_after,
@@ -142,6 +143,7 @@ def measure_engine(engine: Engine, vocab: int, timer: Timer, rng: random.Random,
     fast = engine.runner.fast
     device_ms: list[float] = []
     host_ms: list[float] = []
+    host_starts: list[float] = []  # perf_counter when each forward pass was called
     ahead: list[torch.Tensor] = []  # when set: work queued before the forward (see below)
     if fast is not None and timer.device.type == "cuda":  # the forward pass's device time too
         forward = fast.forward
@@ -153,6 +155,7 @@ def measure_engine(engine: Engine, vocab: int, timer: Timer, rng: random.Random,
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             launched = time.perf_counter()
+            host_starts.append(launched)
             out = forward(step)
             host_ms.append((time.perf_counter() - launched) * 1e3)
             end.record()
@@ -164,6 +167,7 @@ def measure_engine(engine: Engine, vocab: int, timer: Timer, rng: random.Random,
     engine_run(engine, prompts(rng, 1, 4096, vocab), 1, timer)
     device_ms.clear()
     host_ms.clear()
+    host_starts.clear()
     runs = [engine_run(engine, prompts(rng, 1, 4096, vocab), 1, timer) for _ in range(5)]
     row["prefill4096_ms"] = statistics.median(r["seconds"] * 1e3 for r in runs)
     row["prefill4096_ms_runs"] = [r["seconds"] * 1e3 for r in runs]
@@ -171,6 +175,12 @@ def measure_engine(engine: Engine, vocab: int, timer: Timer, rng: random.Random,
         row["prefill4096_forward_device_ms"] = statistics.median(device_ms)
         # the host's time to launch the forward pass: at or above the device time, the GPU waits on it
         row["prefill4096_forward_host_ms"] = statistics.median(host_ms)
+        if len(host_starts) == len(runs):  # one forward pass a run: the host's work around it
+            before = [(t - r["started_at"]) * 1e3 for t, r in zip(host_starts, runs, strict=True)]
+            row["prefill4096_before_forward_ms"] = statistics.median(before)
+            row["prefill4096_after_forward_ms"] = statistics.median(
+                r["seconds"] * 1e3 - b - d for r, b, d in zip(runs, before, device_ms, strict=True)
+            )
         # the same forward pass with ~10 ms of matrix products queued before it: the GPU at full clock
         # and the host ahead of it from the first kernel (what it costs inside a busy server)
         ahead.append(torch.randn(8192, 8192, device=timer.device, dtype=torch.bfloat16))

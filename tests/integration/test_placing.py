@@ -228,6 +228,14 @@ def test_pdserve_up_places_with_its_own_broker_s_permissions(
         tmp_path, tiny_model_dir, None, "--prefix-aware-placement", "--conditional-disagg", "--prefix-min-tokens", "64"
     )
     try:
+        # The API learns which workers can take placed requests from its load reading (every
+        # refresh_seconds), which may come after /health answers: until then a first prefix
+        # goes to the shared queue. Wait for the workers' listing, then for one reading.
+        deadline = time.monotonic() + 30
+        while not any(w["role"] == "prefill" for w in httpx.get(system.url + "/workers", timeout=10).json()):
+            assert time.monotonic() < deadline, "the prefill worker never registered"
+            time.sleep(0.2)
+        time.sleep(2 * PlacementConfig().refresh_seconds)
         body = {"sampling_params": {"max_new_tokens": 4, "temperature": 0}}
         for i in range(3):
             r = httpx.post(system.url + "/generate", json={"input_ids": [*PREFIX, i + 1], **body}, timeout=60)
