@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import process_cpu_seconds, start_pdserve, stop_pdserve
 from engine_bench import workload
-from pipeline_vs_offline import cpu_per_token, through_http
+from pipeline_vs_offline import CLIENTS, cpu_per_token, through_http
 
 from pdserve.engine.tiny_model import ensure_default_model
 
@@ -44,14 +44,14 @@ def measure(args: argparse.Namespace, mode: str, model: Path) -> dict:
     proc, url = start_pdserve(mode, data_dir, extra, checkout=args.checkout)
     runs = []
     try:
-        asyncio.run(through_http(url, workload(4, 1, 4000, 16, 64, 4, 8), 4))  # warm-up
+        asyncio.run(through_http(url, workload(4, 1, 4000, 16, 64, 4, 8), 4, client=args.client))  # warm-up
         for i in range(args.repeat):
             reqs = workload(
                 args.requests, args.seed + i, 4000, args.input_len, args.input_len, args.output_len, args.output_len
             )
             tokens = sum(r.output_len for r in reqs)
             before, client = process_cpu_seconds(proc.pid), time.process_time()
-            seconds, _, cached, _ = asyncio.run(through_http(url, reqs, args.requests))
+            seconds, _, cached, _ = asyncio.run(through_http(url, reqs, args.requests, client=args.client))
             spent = cpu_per_token(proc.pid, before, time.process_time() - client, tokens)
             runs.append({"out_tok_s": tokens / seconds, "cached_tokens": cached, "us_per_token": spent})
             print(
@@ -80,6 +80,13 @@ def main() -> int:
         "--seed", type=int, default=int(time.time()) % 100_000, help="first run's seed (default: fresh)"
     )
     parser.add_argument("--up-args", default="")
+    parser.add_argument(
+        "--client",
+        choices=CLIENTS,
+        default="httpx",
+        help="how the streams are read; httpx (the default here) keeps the client column comparable with "
+        "docs/performance.md's table, measured with it (default: %(default)s)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     model = ensure_default_model(Path(tempfile.mkdtemp(prefix="pdserve-cpu-model-")))
