@@ -205,9 +205,7 @@ class Grammars:
         the grammar threads want."""
         view = bitmask.numpy()
         live = [row for row, m in enumerate(matchers) if m is not None]
-        for row, m in enumerate(matchers):
-            if m is None:
-                view[row] = -1
+        view[[row for row, m in enumerate(matchers) if m is None]] = -1
 
         def work(rows: Sequence[int]) -> None:
             for row in rows:

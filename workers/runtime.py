@@ -49,8 +49,8 @@ from pdserve.workers.intake import Intake
 from pdserve.workers.lifecycle import Lifecycle
 from pdserve.workers.metrics import WorkerMetrics
 from pdserve.workers.replies import Replies, Tracked
-from pdserve.workers.tensor_parallel import Followers, follower_endpoints
-from pdserve.workers.transfer import TransferBackend, create_transfer
+from pdserve.workers.tensor_parallel import Followers, follower_endpoints, start_transfer
+from pdserve.workers.transfer import TransferBackend
 
 log = logging.getLogger(__name__)
 
@@ -196,23 +196,13 @@ class WorkerRuntime:
         """The configured KV transfer backend, with this worker's whole page pool registered
         and its control plane on NATS (``serve``: answer the peers that read from this worker)."""
         cfg = self.config
-        pool = self.engine.runner.pool
         if cfg.transport_fallback:
             log.warning(
                 "RDMA cannot work here: KV moves over tcp (--allow-tcp-fallback)",
                 extra={"ib_device": cfg.transport_fallback_device, "why": cfg.transport_fallback},
             )
             self.count("kv_transport_fallbacks")
-        transfer = create_transfer(
-            cfg.transfer_backend,
-            host=cfg.transfer_host or cfg.host,
-            protocol=cfg.transfer_protocol,
-            device_name=cfg.ib_device,
-            pool=pool,
-            worker_id=self.worker_id,
-            timeout=cfg.kv_lease_seconds,  # a read that ends later is not trusted anyway
-        )
-        transfer.register(pool.data_ptr, pool.nbytes)
+        transfer = start_transfer(cfg, self.engine.runner, self.worker_id)
         assert self.nc is not None
         await transfer.attach(self.nc, serve, self.lifecycle.crash)
         tp = self.engine.runner.tp

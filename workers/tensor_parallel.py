@@ -53,8 +53,9 @@ def follower_endpoints(tp: TPGroup) -> list[tuple[str, int]]:
 
 
 def start_transfer(config: WorkerConfig, runner: ModelRunner, worker_id: str) -> TransferBackend:
-    """A follower's transfer backend over its own pool (Mooncake: one-sided reads need
-    nothing else of it)."""
+    """The configured KV transfer backend over ``runner``'s whole page pool, registered: a
+    worker's (which then attaches it to NATS) or a follower rank's (Mooncake: one-sided
+    reads need nothing else of it)."""
     pool = runner.pool
     transfer = create_transfer(
         config.transfer_backend,
@@ -63,7 +64,7 @@ def start_transfer(config: WorkerConfig, runner: ModelRunner, worker_id: str) ->
         device_name=config.ib_device,
         pool=pool,
         worker_id=worker_id,
-        timeout=config.kv_lease_seconds,
+        timeout=config.kv_lease_seconds,  # a read that ends later is not trusted anyway
     )
     transfer.register(pool.data_ptr, pool.nbytes)
     return transfer
