@@ -2,27 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
 from pdserve.bench.metrics import SLO, RequestRecord
-
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "serving_sweep.py"
-
-
-@pytest.fixture(scope="module")
-def sweep() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("serving_sweep", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["serving_sweep"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_crossover_interpolates_sign_changes(sweep: ModuleType) -> None:

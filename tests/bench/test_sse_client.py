@@ -6,12 +6,8 @@ import asyncio
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
 from sse_client import Connection, HttpError, split_url
 
 

@@ -5,26 +5,10 @@ dry run, ``--small --device cpu``, is in the docs)."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-@pytest.fixture(scope="module")
-def xpyd() -> ModuleType:
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("xpyd", BENCH / "xpyd.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["xpyd"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_configuration_names(xpyd: ModuleType) -> None:
