@@ -56,7 +56,7 @@ class EngineConfig:
     schedule and launch the next decode step while the current one runs. ``kv_tiers``:
     host memory, disk and Mooncake Store below the device's prefix cache.
     ``grammar_threads``: threads that advance constrained rows' grammars and fill their
-    masks each step (xgrammar works without the GIL; ``None``: 1, see ``grammar.default_grammar_threads``).
+    masks each step (xgrammar works without the GIL; ``None``: ``grammar.DEFAULT_GRAMMAR_THREADS``).
     """
 
     page_size: int = 16

@@ -6,8 +6,8 @@ constrained rows (a few tens of microseconds each, while the device runs the for
 it has just been given), and the sampler applies them to the logits. The matcher
 advances with every token the sequence keeps; when it completes, the sequence may end
 only as the grammar allows (it then stops at end of sequence). xgrammar releases the GIL
-inside its calls, so a step's rows are dealt out to a few threads, each advancing its
-rows' matchers by the previous step's token and filling their masks.
+inside its calls, so a step's rows can be dealt out to threads (``--grammar-threads``),
+each advancing its rows' matchers by the previous step's token and filling their masks.
 """
 
 from __future__ import annotations
@@ -27,11 +27,10 @@ MAX_COMPILED = 256  # constraints kept compiled (LRU)
 ROWS_PER_THREAD = 8  # fewer constrained rows than this a thread are not worth handing out
 
 
-def default_grammar_threads() -> int:
-    """Threads that advance matchers and fill masks by default: one. Spreading 64 rows over
-    2-8 threads measured no better on the H200 machines' 16 cores (bench/grammar_host.py:
-    9.3 ms a step on one thread, 7.8 on two, 9.6 on four, 11.5 on eight)."""
-    return 1
+# Threads that advance matchers and fill masks by default. Spreading 64 rows over 2-8 threads
+# measured no better on the H200 machines' 16 cores (bench/grammar_host.py: 9.3 ms a step on
+# one thread, 7.8 on two, 9.6 on four, 11.5 on eight).
+DEFAULT_GRAMMAR_THREADS = 1
 
 
 class GrammarError(ValueError):
@@ -118,7 +117,7 @@ class Grammars:
         self._next_stage = 0
         self._plain_on: dict[torch.device, torch.Tensor] = {}
         # xgrammar lets go of the GIL inside accept and fill: rows spread over threads run at once.
-        self.threads = default_grammar_threads() if threads is None else max(1, threads)
+        self.threads = DEFAULT_GRAMMAR_THREADS if threads is None else max(1, threads)
         self._pool = ThreadPoolExecutor(self.threads, "grammar") if self.threads > 1 else None
 
     def compile(self, sampling: SamplingParams) -> Any:
@@ -189,7 +188,8 @@ class Grammars:
             if len(json_rows) == rows:
                 on_device &= plain  # on the device: no CPU threads woken for it
             else:
-                on_device[torch.tensor(json_rows, device=device)] &= plain
+                for row in json_rows:  # views: no index list to copy over, no host wait
+                    on_device[row] &= plain
         return on_device
 
     def _fill(
