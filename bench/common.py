@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -23,6 +24,20 @@ def git_commit() -> str:
         ).stdout.strip()
     except OSError:
         return ""
+
+
+def py_spy(pid: int, path: Path, seconds: int = 4, rate: int = 250) -> subprocess.Popen[bytes] | None:
+    """Sample ``pid`` and its children for ``seconds`` (py-spy's raw, collapsed stacks in
+    ``path``); None, with a line on stderr, where py-spy is not installed."""
+    exe = shutil.which("py-spy")
+    if exe is None:
+        print("no py-spy here: no profile", file=sys.stderr)
+        return None
+    cmd = [exe, "record", "--pid", str(pid), "--subprocesses", "--format", "raw", "--rate", str(rate)]
+    cmd += ["--nonblocking", "--duration", str(seconds), "-o", str(path)]
+    spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.5)  # attached before the measured work starts
+    return spy
 
 
 def free_port() -> int:

@@ -23,9 +23,7 @@ import asyncio
 import datetime
 import json
 import random
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -168,7 +166,7 @@ def measure_engine(engine: Engine, vocab: int, timer: Timer, rng: random.Random,
     device_ms.clear()
     host_ms.clear()
     host_starts.clear()
-    runs = [engine_run(engine, prompts(rng, 1, 4096, vocab), 1, timer) for _ in range(5)]
+    runs = [engine_run(engine, prompts(rng, 1, 4096, vocab), 1, timer) for _ in range(9)]
     row["prefill4096_ms"] = statistics.median(r["seconds"] * 1e3 for r in runs)
     row["prefill4096_ms_runs"] = [r["seconds"] * 1e3 for r in runs]
     if device_ms:
@@ -330,22 +328,9 @@ def profile(engine: Engine, vocab: int, rng: random.Random, path: Path) -> None:
 
 
 # ---- end to end ------------------------------------------------------------------------
-def py_spy(pid: int, path: Path) -> subprocess.Popen[bytes] | None:
-    """Sample ``pid`` and its children for a few seconds (py-spy's raw, collapsed stacks)."""
-    exe = shutil.which("py-spy")
-    if exe is None:
-        say("e2e: no py-spy here; no profile of the pipeline")
-        return None
-    cmd = [exe, "record", "--pid", str(pid), "--subprocesses", "--format", "raw", "--rate", "250"]
-    cmd += ["--nonblocking", "--duration", "4", "-o", str(path)]
-    spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(0.5)  # attached before the run starts
-    return spy
-
-
 def measure_e2e(args: argparse.Namespace, dims: dict, device: str) -> dict:
     """``pdserve up --mode unified`` against the offline engine, 64 concurrent, cold each run."""
-    from common import process_cpu_seconds, start_pdserve, stop_pdserve
+    from common import process_cpu_seconds, py_spy, start_pdserve, stop_pdserve
     from engine_bench import run_pdserve, workload
     from make_dummy_model import write_model_dir
     from pipeline_vs_offline import cpu_per_token, drive, through_http

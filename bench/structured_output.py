@@ -15,6 +15,9 @@ The figure is the median over pairs of schema/none output tokens per second (goa
 
     python bench/structured_output.py                 # writes docs/data/structured_output_cpu.json
     python bench/structured_output.py --mode pd --out docs/data/structured_output_pd_cpu.json
+
+``--profile PATH``: py-spy's stacks of the server's processes (raw format) over the first
+measured constrained round's first seconds.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import jsonschema
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import start_pdserve, stop_pdserve
+from common import py_spy, start_pdserve, stop_pdserve
 
 from pdserve.engine.tiny_model import ensure_default_model
 
@@ -98,7 +101,7 @@ async def one_round(
     }
 
 
-async def run(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+async def run(url: str, args: argparse.Namespace, server_pid: int) -> list[dict[str, Any]]:
     await one_round(url, True, 999, args)  # warm both paths once (grammar compiled, pages touched)
     await one_round(url, False, 998, args)
     rounds = []
@@ -106,7 +109,10 @@ async def run(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         # The constrained round first: its requests' lengths are the unconstrained ones'
         # (same work; without it, the constrained side's spread of lengths and fixed
         # per-round costs over fewer tokens weigh on it, not the constraint).
+        spy = py_spy(server_pid, args.profile, args.profile_seconds, rate=1000) if args.profile and pair == 0 else None
         constrained = await one_round(url, True, 2 * pair + 1, args)
+        if spy is not None:
+            spy.wait(timeout=60)
         lengths = constrained["lengths"] if args.same_lengths else None
         plain = await one_round(url, False, 2 * pair, args, lengths)
         for r in (plain, constrained):
@@ -131,13 +137,15 @@ def main() -> None:
     )
     parser.add_argument("--extra", default="", help="more `pdserve up` flags, space-separated")
     parser.add_argument("--out", type=Path, default=Path("docs/data/structured_output_cpu.json"))
+    parser.add_argument("--profile", type=Path, help="py-spy stacks of the first constrained round (raw format)")
+    parser.add_argument("--profile-seconds", type=int, default=3)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="pdserve-so-") as tmp:
         model = args.model_path or ensure_default_model(Path(tmp) / "data")
         flags = ["--model-path", str(model), "--enable-flush-cache", *args.extra.split()]
         proc, url = start_pdserve(args.mode, Path(tmp) / "up", flags)
         try:
-            rounds = asyncio.run(run(url, args))
+            rounds = asyncio.run(run(url, args, proc.pid))
         finally:
             stop_pdserve(proc)
     pairs = [(rounds[i], rounds[i + 1]) for i in range(0, len(rounds), 2)]

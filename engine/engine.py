@@ -400,6 +400,8 @@ class Engine:
         started = time.perf_counter()
         feed = self._feed(batch)
         seqs, logits = self.runner.execute(batch, feed)
+        for seq, n in batch.prefills:  # the prefix index's keys of the chunks, while the device computes them
+            self.pages.hash_pages(seq, seq.num_computed + n)
         if logits is not None and any(s.forks for s in seqs):
             seqs, logits = _with_forks(seqs, logits)
         launched = Launched(batch, seqs, started)

@@ -90,8 +90,9 @@ class Matcher:
     def is_terminated(self) -> bool:
         return self._terminated
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        self._matcher.fill_next_token_bitmask(bitmask, row)
+    def fill(self, row: torch.Tensor) -> None:
+        """Write the next token's mask into ``row`` (one contiguous row of words)."""
+        self._matcher.fill_next_token_bitmask(row)
 
 
 class Grammars:
@@ -105,15 +106,20 @@ class Grammars:
 
         self._xgr = xgr
         stop = list(stop_token_ids) or None
-        self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop)
+        # xgrammar is told the tokenizer's ids only: the logits' padding ids past them (a model's
+        # vocabulary rounded up) would be its "special tokens", which every accept scans (41 us
+        # an accept with 147,712 of them, 7 with none). A constrained row never allows them.
+        self.text_vocab = min(vocab_size, max(len(tokenizer), max(stop_token_ids, default=-1) + 1))
+        self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.text_vocab, stop_token_ids=stop)
         self._compiler = xgr.GrammarCompiler(self._info, max_threads=2)
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()
         self.vocab_size = vocab_size
-        self._plain = _printable_mask(self._info.decoded_vocab, vocab_size)
-        # Pinned host masks for a device, in turn (the one written is never one still on
-        # its way over: its copy's event is waited for first).
-        self._staged: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+        self._words = -(-self.text_vocab // 32)  # the words xgrammar writes of a row
+        self._plain = _printable_mask(self._info.decoded_vocab, self.text_vocab, vocab_size)
+        # Host masks in turn, pinned for a device (the one written is never one still on its
+        # way over: its copy's event is waited for first), with a view of each row's words.
+        self._staged: list[_Stage] = []
         self._next_stage = 0
         self._plain_on: dict[torch.device, torch.Tensor] = {}
         # xgrammar lets go of the GIL inside accept and fill: rows spread over threads run at once.
@@ -162,61 +168,74 @@ class Grammars:
     ) -> torch.Tensor:
         """The rows' token bitmasks (``int32 [rows, ceil(vocab / 32)]``, on ``device``); a row
         without a matcher allows every token. ``advance``: per row, an output token
-        ``(index, token)`` its matcher takes first (``Matcher.accept_at``), or ``None``."""
+        ``(index, token)`` its matcher takes first (``Matcher.accept_at``), or ``None``.
+        On the CPU the masks are a host buffer used in turn with one other: valid until the
+        call after next (the sampler applies them at once)."""
         rows = len(matchers)
+        stage = self._stage(rows, pinned=device.type != "cpu")
+        bitmask = stage.host[:rows]
+        json_rows = self._fill(matchers, stage, rows, advance)
+        words = self._words
         if device.type == "cpu":
-            bitmask = self._xgr.allocate_token_bitmask(rows, self.vocab_size)
-            json_rows = self._fill(matchers, bitmask, advance)
             if json_rows:  # numpy's AND: torch's would wake its intra-op threads for 1 MB
-                view, plain_row = bitmask.numpy(), self._plain.numpy()
+                view, plain_row = bitmask.numpy(), self._plain.numpy()[:words]
                 if len(json_rows) == rows:
-                    np.bitwise_and(view, plain_row, out=view)
+                    np.bitwise_and(view[:, :words], plain_row, out=view[:, :words])
                 else:
-                    view[json_rows] &= plain_row
+                    view[json_rows, :words] &= plain_row
             return bitmask
         # A pageable source would make the copy wait, with the host, for the forward pass
         # queued before it: the masks are filled while that pass runs, into pinned memory.
-        host, copied = self._stage(rows)
-        bitmask = host[:rows]
-        json_rows = self._fill(matchers, bitmask, advance)
         on_device = bitmask.to(device, non_blocking=True)
-        copied.record()
+        assert stage.copied is not None
+        stage.copied.record()
         if json_rows:  # xgrammar's JSON strings admit raw control characters; strict parsers do not
             plain = self._plain_on.get(device)
             if plain is None:
-                plain = self._plain_on[device] = self._plain.to(device)
+                plain = self._plain_on[device] = self._plain[:words].to(device)
             if len(json_rows) == rows:
-                on_device &= plain  # on the device: no CPU threads woken for it
+                on_device[:, :words] &= plain  # on the device: no CPU threads woken for it
             else:
                 for row in json_rows:  # views: no index list to copy over, no host wait
-                    on_device[row] &= plain
+                    on_device[row, :words] &= plain
         return on_device
 
     def _fill(
         self,
         matchers: Sequence[Matcher | None],
-        bitmask: torch.Tensor,
+        stage: _Stage,
+        rows: int,
         advance: Sequence[tuple[int, int] | None] | None,
     ) -> list[int]:
-        """Advance each row's matcher and write its whole mask row (xgrammar writes every
-        word of the row; a row without a live matcher allows everything), the rows dealt
-        out over the pool's threads; returns the JSON rows. No torch CPU operation on the
-        whole tensor: it would wake torch's intra-op threads, which then spin on the cores
-        the grammar threads want."""
-        view = bitmask.numpy()
+        """Advance each row's matcher and write its mask row, the rows dealt out over the
+        pool's threads; returns the JSON rows. xgrammar writes the words of the tokenizer's
+        ids (``stage.row_views``); a constrained row refuses the padding ids after them; a
+        row without a live matcher allows everything. No torch CPU operation on the whole
+        tensor: it would wake torch's intra-op threads, which then spin on the cores the
+        grammar threads want."""
+        view = stage.host[:rows].numpy()
         live = [row for row, m in enumerate(matchers) if m is not None]
-        view[[row for row, m in enumerate(matchers) if m is None]] = -1
+        idle = [row for row, m in enumerate(matchers) if m is None]
+        view[idle] = -1
+        dirty = stage.tail_dirty  # rows whose padding words are not all zero
+        if dirty is not None:
+            clean = [row for row in live if dirty[row]]
+            view[clean, self._words :] = 0
+            dirty[clean] = False
+            dirty[idle] = True
 
-        def work(rows: Sequence[int]) -> None:
-            for row in rows:
+        def work(part: Sequence[int]) -> None:
+            for row in part:
                 m = matchers[row]
                 assert m is not None
                 if advance is not None and (step := advance[row]) is not None:
                     m.accept_at(*step)
                 if m.is_terminated:  # a finished row's token is discarded
                     view[row] = -1
+                    if dirty is not None:
+                        dirty[row] = True
                 else:
-                    m.fill(bitmask, row)
+                    m.fill(stage.row_views[row])
 
         parts = min(self.threads, len(live) // ROWS_PER_THREAD)
         if self._pool is None or parts < 2:
@@ -225,18 +244,29 @@ class Grammars:
             list(self._pool.map(work, [live[i::parts] for i in range(parts)]))
         return [row for row in live if matchers[row].json]  # type: ignore[union-attr]
 
-    def _stage(self, rows: int) -> tuple[torch.Tensor, torch.cuda.Event]:
-        if not self._staged or self._staged[0][0].shape[0] < rows:
-            words = -(-self.vocab_size // 32)
-            capacity = max(rows, 64)
-            self._staged = [
-                (torch.empty((capacity, words), dtype=torch.int32, pin_memory=True), torch.cuda.Event())
-                for _ in range(2)
-            ]
-        host, copied = self._staged[self._next_stage]
+    def _stage(self, rows: int, pinned: bool) -> _Stage:
+        """The next host buffer of at least ``rows`` rows (two in turn; pinned: its last
+        copy to the device waited for)."""
+        if not self._staged or self._staged[0].host.shape[0] < rows or (self._staged[0].copied is not None) != pinned:
+            self._staged = [_Stage(max(rows, 64), self._words, -(-self.vocab_size // 32), pinned) for _ in range(2)]
+        stage = self._staged[self._next_stage]
         self._next_stage ^= 1
-        copied.synchronize()  # its last copy has left
-        return host, copied
+        if stage.copied is not None:
+            stage.copied.synchronize()  # its last copy has left
+        return stage
+
+
+class _Stage:
+    """A host buffer of masks (``capacity`` rows of ``width`` words), the views of its rows'
+    first ``words`` words (made once: xgrammar fills a 1-D view from its start and ignores
+    the strides of a 2-D one), and, where ``words < width``, which rows' padding words may
+    be nonzero."""
+
+    def __init__(self, capacity: int, words: int, width: int, pinned: bool) -> None:
+        self.host = torch.zeros((capacity, width), dtype=torch.int32, pin_memory=pinned)
+        self.copied = torch.cuda.Event() if pinned else None
+        self.row_views = [self.host[r, :words] for r in range(capacity)]
+        self.tail_dirty = np.zeros(capacity, dtype=bool) if words < width else None
 
 
 def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
@@ -246,11 +276,12 @@ def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     xgr.apply_token_bitmask_inplace(logits, bitmask)
 
 
-def _printable_mask(decoded_vocab: Sequence[bytes], vocab_size: int) -> torch.Tensor:
-    """A bitmask row allowing every token whose text holds no control character (bytes
-    below 0x20): what JSON allows unescaped, and all that compact JSON needs."""
+def _printable_mask(decoded_vocab: Sequence[bytes], text_vocab: int, vocab_size: int) -> torch.Tensor:
+    """A bitmask row (``vocab_size`` wide) allowing every token among the first
+    ``text_vocab`` whose text holds no control character (bytes below 0x20): what JSON
+    allows unescaped, and all that compact JSON needs."""
     allowed = np.zeros(-(-vocab_size // 32) * 32, dtype=np.uint64)
-    for i, text in enumerate(decoded_vocab[:vocab_size]):
+    for i, text in enumerate(decoded_vocab[:text_vocab]):
         allowed[i] = not any(b < 0x20 for b in text)
     words = (allowed.reshape(-1, 32) << np.arange(32, dtype=np.uint64)).sum(axis=1)
     return torch.from_numpy(words.astype(np.uint32).view(np.int32).copy())

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from pdserve.engine.sequence import Sequence as Seq
-from pdserve.schemas.kv_events import page_hash, page_hashes
+from pdserve.schemas.kv_events import page_hashes
 
 
 class PrefixTiers(Protocol):
@@ -188,8 +188,11 @@ class PageManager:
         """Give ``seq`` the cached pages of its longest known prefix, up to ``max_tokens``
         tokens; they count as computed (and cached)."""
         assert not seq.page_table, f"{seq.rid} already has pages"
-        seq.page_hashes = self.match_prefix(seq.tokens)
         limit = max_tokens // self.page_size
+        if self.tiers is None:  # hashed as far as the index knows the prefix; the rest later (hash_pages)
+            seq.page_hashes = self._known_prefix(seq.tokens, limit)
+        else:  # the tiers below may know more of it
+            seq.page_hashes = self.match_prefix(seq.tokens)
         cached = self.lookup(seq.page_hashes)[:limit]
         self.share(cached)
         if self.tiers is not None and self.enable_prefix_cache and len(cached) < limit:
@@ -197,6 +200,31 @@ class PageManager:
         seq.page_table = list(cached)
         seq.num_computed = seq.num_cached = len(cached) * self.page_size
         seq.num_registered_pages = len(cached)
+
+    def _known_prefix(self, tokens: Sequence[int], limit: int) -> list[bytes]:
+        """Hashes of the leading full pages of ``tokens``, computed a block of pages at a time
+        while the index holds them all (at most ``limit`` pages; the block of the first miss
+        is kept whole): a cold prompt costs one block, not every page."""
+        size = self.page_size
+        hashes: list[bytes] = []
+        block = 16
+        while len(hashes) < limit and self.enable_prefix_cache:
+            start = len(hashes)
+            new = page_hashes(tokens[start * size : (start + block) * size], size, hashes[-1] if hashes else None)
+            hashes += new
+            if len(new) < block or any(h not in self._page_of for h in new):
+                break
+            block *= 2
+        return hashes
+
+    def hash_pages(self, seq: Seq, num_tokens: int) -> None:
+        """Extend ``seq.page_hashes`` over the full pages of its first ``num_tokens`` tokens
+        (the engine calls it while the device computes them; :meth:`register_full_pages`
+        then finds them done)."""
+        have = len(seq.page_hashes)
+        if num_tokens // self.page_size > have:
+            tokens = seq.tokens[have * self.page_size : num_tokens]
+            seq.page_hashes += page_hashes(tokens, self.page_size, seq.page_hashes[-1] if have else None)
 
     def _promote(self, hashes: list[bytes], start: int, limit: int) -> list[int]:
         """Pages for ``hashes[start:]`` loaded from the tiers below (at most ``limit``, and
@@ -246,12 +274,8 @@ class PageManager:
     def register_full_pages(self, seq: Seq) -> None:
         """Index ``seq``'s pages that became full since the last call."""
         full = seq.num_computed // self.page_size
-        tokens = None
+        self.hash_pages(seq, full * self.page_size)
         for i in range(seq.num_registered_pages, full):
-            if i >= len(seq.page_hashes):
-                tokens = tokens or seq.tokens
-                parent = seq.page_hashes[-1] if seq.page_hashes else None
-                seq.page_hashes.append(page_hash(parent, tokens[i * self.page_size : (i + 1) * self.page_size]))
             self.register(seq.page_table[i], seq.page_hashes[i])
         if self.tiers is not None and self.enable_prefix_cache and full > seq.num_registered_pages:
             self.tiers.offer(seq.page_hashes, seq.page_table, seq.num_registered_pages, full)

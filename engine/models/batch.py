@@ -103,8 +103,9 @@ def build_step(
         if end == seq.num_tokens:
             sample_rows.append(q_start + n - 1)
             sample_seqs.append(seq)
-    prefill_ids = [t for seq, n in batch.prefills for t in seq.tokens[seq.num_computed : seq.num_computed + n]]
-    ids_t = torch.tensor(ids + prefill_ids, dtype=torch.long)
+    for seq, n in batch.prefills:
+        ids += seq.tokens[seq.num_computed : seq.num_computed + n]
+    ids_t = torch.tensor(ids, dtype=torch.long)
     pos_t = torch.tensor(pos, dtype=torch.long)
     slots_t = torch.tensor(slots, dtype=torch.long)
     if spans:

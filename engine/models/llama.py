@@ -186,7 +186,8 @@ class LlamaFamily:
         h = F.embedding(step.input_ids, self.embed)
         residual: torch.Tensor | None = None
         nq, nkv, dim = self.num_q, self.num_kv, self.head_dim
-        tokens = h.shape[0]
+        tokens = rows = h.shape[0]  # rows: of the MLP (the last layer's: the sampled ones)
+        last = len(self.layers) - 1
         pdl = self.pdl and tokens == 1 and self.use_gemv and h.is_cuda and not self.l2_prefetch
         for index, layer in enumerate(self.layers):
             x, residual = elementwise.add_rms_norm(h, residual, layer.input_norm, self.eps)
@@ -203,23 +204,26 @@ class LlamaFamily:
                 with torch.cuda.stream(self._side):
                     gemv.l2_prefetch(layer.o_weight, self._sink)
             paged.rope_store(qkv, nq, nkv, self.cos, self.sin, step.positions, step.slots, self.pool, index)
-            out = self._attend(index, layer, qkv, step, pdl)
+            out = self._attend(index, layer, qkv, step, pdl).view(tokens, nq * dim)
             if prefetch:
                 main.wait_stream(self._side)
-            h = self._linear(out.view(tokens, nq * dim), layer.o_weight, layer.o_bias, GEMV_O, pdl)
+            if index == last and step.sample_index is not None:
+                # Past the last attention only the sampled rows matter (every row's K/V is
+                # written): the o projection and the MLP run on them alone.
+                out, residual = out[step.sample_index], residual[step.sample_index]  # type: ignore[index]
+                rows = out.shape[0]
+            h = self._linear(out, layer.o_weight, layer.o_bias, GEMV_O, pdl)
             if self.tp is not None:
                 self.tp.all_reduce(h)
             x, residual = elementwise.add_rms_norm(h, residual, layer.post_norm, self.eps, pdl)
             gate_up = self._linear(x, layer.gate_up_weight, layer.gate_up_bias, GEMV_GATE_UP, pdl)
-            if tokens == 1 and self.use_gemv:
+            if rows == 1 and self.use_gemv:
                 down = layer.down_weight
                 h = gemv.gemv(gate_up, down, layer.down_bias, silu_mul_input=True, pdl=pdl, **GEMV_DOWN)
             else:
                 h = F.linear(elementwise.silu_mul(gate_up), layer.down_weight, layer.down_bias)
             if self.tp is not None:
                 self.tp.all_reduce(h)
-        if step.sample_index is not None:
-            h, residual = h[step.sample_index], residual[step.sample_index]  # type: ignore[index]
         h, _ = elementwise.add_rms_norm(h, residual, self.norm, self.eps, pdl)
         return self._linear(h, self.lm_head, None, GEMV_LM_HEAD, pdl)
 

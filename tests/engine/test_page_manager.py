@@ -6,9 +6,10 @@ import random
 
 import pytest
 
-from pdserve.engine.page_manager import OutOfPages, PageManager, page_hash
+from pdserve.engine.page_manager import OutOfPages, PageManager
 from pdserve.engine.sequence import Sequence as Seq
 from pdserve.schemas import SamplingParams
+from pdserve.schemas.kv_events import page_hash
 
 PS = 4
 
@@ -427,4 +428,30 @@ def test_reserve_prompt_counts_cached_pages_it_takes_off_the_free_list() -> None
     third = _seq("third", list(range(8)) + [7, 7, 7])  # 2 cached pages + 1 new
     assert pm.reserve_prompt(third)
     assert third.num_cached == 8 and len(third.page_table) == 3
+    pm.check_invariants()
+
+
+def test_a_cold_prompt_is_hashed_past_its_first_pages_only_once_computed() -> None:
+    """Attaching a cold prompt hashes one block of pages (the index misses at the first);
+    ``hash_pages`` (the engine calls it while the device computes the prompt) and
+    ``register_full_pages`` give every full page the hash ``match_prefix`` gives, and a warm
+    prompt with a prefix many blocks long finds all of it."""
+    pm = PageManager(256, 4)
+    rng = random.Random(5)
+    tokens = [rng.randrange(1000) for _ in range(4 * 150 + 2)]
+    cold = _seq("cold", tokens)
+    pm.attach_prefix(cold, len(tokens) - 1)
+    assert cold.num_cached == 0 and len(cold.page_hashes) == 16  # one block, not 150 pages
+    assert pm.grow(cold, len(tokens))
+    pm.hash_pages(cold, len(tokens))
+    assert cold.page_hashes == pm.match_prefix(tokens)
+    cold.num_computed = len(tokens)
+    pm.register_full_pages(cold)
+    pages = list(cold.page_table)
+    pm.release(cold)
+    assert pm.num_cached_pages == 150
+    warm = _seq("warm", [*tokens[: 4 * 120], 1, 2, 3, 4, 5])  # 120 cached pages: blocks 16, 32, 64, then 8 of 128
+    pm.attach_prefix(warm, warm.num_tokens - 1)
+    assert warm.num_cached == 4 * 120 and warm.page_table == pages[:120]
+    assert warm.page_hashes == pm.match_prefix(warm.tokens)[: len(warm.page_hashes)]
     pm.check_invariants()

@@ -323,3 +323,30 @@ def test_masks_filled_over_threads_equal_one_thread(tiny_model_dir: Path) -> Non
     else:
         raise AssertionError("the rows did not all end")
     assert all(m.seen > 0 for m in rows[1])
+
+
+def test_a_vocabulary_wider_than_the_tokenizer_keeps_its_padding_out_of_xgrammar(tiny_model_dir: Path) -> None:
+    """Logits wider than the tokenizer (a model's vocabulary rounded up): xgrammar knows the
+    tokenizer's ids only (its padding ids would be "special tokens" that every accept scans);
+    a constrained row refuses every padding id, a free row allows them, and the tokenizer's
+    part of each mask is what a vocabulary of the tokenizer's size gives."""
+    from transformers import AutoTokenizer
+
+    from pdserve.engine.grammar import Grammars
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    n = len(tokenizer)
+    wide, exact = (
+        Grammars(tokenizer, n + 3000, [tokenizer.eos_token_id]),
+        Grammars(tokenizer, n, [tokenizer.eos_token_id]),
+    )
+    assert wide.text_vocab == n and len(wide._info.special_token_ids) == len(exact._info.special_token_ids)
+    schema = SamplingParams(json_schema=json.dumps(SCHEMA))
+    regex = SamplingParams(regex=r"[a-c]{2,5}")
+    for step in range(3):  # the buffers in turn, each reused
+        masks = wide.masks([wide.matcher(schema), None, wide.matcher(regex)], torch.device("cpu"))
+        same = exact.masks([exact.matcher(schema), None, exact.matcher(regex)], torch.device("cpu"))
+        assert masks.shape == (3, -(-(n + 3000) // 32)), step
+        words = n // 32  # the tiny tokenizer's size is a multiple of 32
+        assert torch.equal(masks[:, :words], same[:, :words])
+        assert not masks[[0, 2], words:].any() and bool((masks[1] == -1).all())

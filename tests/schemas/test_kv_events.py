@@ -20,3 +20,5 @@ def test_page_hashes_chain_page_hash_over_full_pages_only() -> None:
     assert page_hashes(tokens, 16) == expected
     assert page_hashes(tokens[:15], 16) == [] and page_hashes([], 16) == []
     assert page_hashes(tuple(tokens[:32]), 16) == expected[:2]
+    # a chain continued from a page's hash: what hashing the whole prefix at once gives
+    assert expected[:3] + page_hashes(tokens[48:], 16, parent=expected[2]) == expected
