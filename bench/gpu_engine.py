@@ -117,6 +117,7 @@ def measure_engine(engine: Engine, vocab: int, timer: Timer, rng: random.Random,
         "fused_merge": args.try_fused_merge,  # the attention splits merged in one kernel
         "pdl": args.try_pdl,  # each GEMV a programmatic dependent launch
         "l2_prefetch": args.try_l2_prefetch,  # the o projection read into L2 during attention
+        "separate_rope": args.try_separate_rope,  # rotary + KV store in a kernel of its own, as before
     }
     for option in [name for name, wanted in options.items() if wanted and fast is not None]:
         setattr(fast, option, True)
@@ -423,6 +424,11 @@ def main() -> int:
     parser.add_argument("--try-pdl", action="store_true", help="also batch 1 with programmatic dependent launches")
     parser.add_argument(
         "--try-l2-prefetch", action="store_true", help="also batch 1 with the o projection prefetched into L2"
+    )
+    parser.add_argument(
+        "--try-separate-rope",
+        action="store_true",
+        help="also batch 1 with the rotary + KV store in a kernel of its own (not inside decode attention)",
     )
     parser.add_argument("--e2e", action="store_true", help="also pdserve up --mode unified against the offline engine")
     parser.add_argument("--e2e-repeat", type=int, default=3)

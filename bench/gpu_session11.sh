@@ -16,8 +16,14 @@ out=${OUT:-/tmp/pdserve-gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 MC_LOG_LEVEL=ERROR
 case "${1:-engine}" in
-engine)
-  timeout 420 python3 bench/gpu_engine.py --json "$out/gpu_engine.json" --profile "$out/profile.txt" --e2e \
+engine)  # WITH_TESTS=1: the GPU tests first (stops if one fails)
+  if [ -n "${WITH_TESTS:-}" ]; then
+    timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/engine/test_gpu.py tests/engine/test_kernels.py \
+      "tests/engine/test_fast_model.py::test_fast_path_greedy_equals_transformers" > "$out/test_gpu.log" 2>&1 ||
+      { tail -30 "$out/test_gpu.log"; exit 1; }
+    tail -1 "$out/test_gpu.log"
+  fi
+  timeout 420 python3 bench/gpu_engine.py --json "$out/gpu_engine.json" --profile "$out/profile.txt" --e2e --try-separate-rope \
     --e2e-api-processes ${E2E_API_PROCESSES:-2} --e2e-step-log > "$out/gpu_engine_steps.log" 2>&1
   grep -v " step \|Warning\|DEBUG" "$out/gpu_engine_steps.log" | tail -16
   gzip -f "$out"/trace_prefill.json; rm -f "$out"/trace_decode64.json

@@ -10,6 +10,8 @@ elements further. A token's *slot* is ``page * page_size + offset``.
 * :func:`decode_attention`: one query token per sequence over its pages; every query
   head of a GQA group in one program (one pass over the group's K/V), the context
   split ``num_splits`` ways so that a small batch still fills the GPU, then merged.
+  With ``rope``, it does :func:`rope_store`'s work for its tokens too (one launch fewer
+  a layer: at batch 1 a launch costs more than the work).
 * :func:`prefill_attention`: chunks of query tokens whose keys are a cached or earlier
   prefix in the pool plus the chunk itself (causal).
 """
@@ -178,6 +180,9 @@ def _decode_kernel(
     window,
     stride_qt,
     stride_table,
+    cos_ptr,
+    sin_ptr,
+    slot_ptr,
     NUM_KV: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -190,6 +195,7 @@ def _decode_kernel(
     IEEE: tl.constexpr,
     FUSED_MERGE: tl.constexpr,
     PDL: tl.constexpr,
+    ROPE: tl.constexpr,
 ):
     if PDL:  # the o projection after this may be scheduled now (it waits for the output)
         tl.extra.cuda.gdc_launch_dependents()
@@ -206,9 +212,28 @@ def _decode_kernel(
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, DIM)
     heads = kv_head * GROUP + g
-    q = tl.load(
-        q_ptr + b.to(tl.int64) * stride_qt + heads[:, None] * DIM + d[None, :], mask=g[:, None] < GROUP, other=0.0
-    )
+    q_row = q_ptr + b.to(tl.int64) * stride_qt
+    q = tl.load(q_row + heads[:, None] * DIM + d[None, :], mask=g[:, None] < GROUP, other=0.0)
+    if ROPE:
+        # The row is the qkv projection's, not yet rotated (as rope_store would): q rotated
+        # here, and the new token's k rotated and stored, with v, by the split that reads it.
+        half: tl.constexpr = DIM // 2
+        pos = (ctx - 1).to(tl.int64)
+        cos = tl.load(cos_ptr + pos * DIM + d).to(tl.float32)  # the table repeats its halves
+        sin = tl.load(sin_ptr + pos * DIM + d).to(tl.float32)
+        swap = (d + half) % DIM
+        sign = tl.where(d < half, -1.0, 1.0)
+        q_swap = tl.load(q_row + heads[:, None] * DIM + swap[None, :], mask=g[:, None] < GROUP, other=0.0)
+        q = (q.to(tl.float32) * cos[None, :] + sign[None, :] * q_swap.to(tl.float32) * sin[None, :]).to(q.dtype)
+        if (start <= ctx - 1) & (ctx - 1 < end):
+            k_src = q_row + (NUM_KV * GROUP + kv_head) * DIM
+            k_new = tl.load(k_src + d).to(tl.float32) * cos + sign * tl.load(k_src + swap).to(tl.float32) * sin
+            v_new = tl.load(q_row + (NUM_KV * GROUP + NUM_KV + kv_head) * DIM + d)
+            slot = tl.load(slot_ptr + b).to(tl.int64)
+            k_dst = pool_ptr + ((((slot // PAGE) * LAYERS + layer) * 2 * NUM_KV + kv_head) * PAGE + slot % PAGE) * DIM
+            tl.store(k_dst + d, k_new.to(pool_ptr.dtype.element_ty))
+            tl.store(k_dst + NUM_KV * PAGE * DIM + d, v_new.to(pool_ptr.dtype.element_ty))
+        tl.debug_barrier()  # the stores are seen by this program's loads below
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM], tl.float32)
@@ -290,9 +315,15 @@ def decode_attention(
     num_warps: int = 4,
     num_stages: int | None = None,
     pdl: bool = False,
+    rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``q [B, Hq, D]`` (rows may be strided) attends each sequence's ``ctx_lens[b]`` tokens
     in pages ``page_tables[b]``; writes ``out [B, Hq, D]``. Graph-safe: no host sync.
+
+    ``rope = (cos, sin, slots)``: ``q`` is the q part of rows of the fused qkv projection,
+    not yet rotated, and the last of each sequence's tokens is the row's own: the kernel
+    does :func:`rope_store`'s work for it (q rotated as it is read, the token's k rotated
+    and stored with its v in ``slots[b]`` of ``layer``, position ``ctx_lens[b] - 1``).
 
     ``counters`` (int32, at least ``B * num_kv``, zero, left zero): the splits are merged
     inside the attention kernel by whichever finishes last, instead of by a second kernel.
@@ -316,6 +347,10 @@ def decode_attention(
     shape = (batch, num_q, splits) if splits > 1 else (1, 1, 1)
     part = torch.empty((*shape, dim), dtype=torch.float32, device=q.device)
     lse = torch.empty(shape, dtype=torch.float32, device=q.device)
+    if rope is not None:
+        rows_ok = batch == 1 or q.stride(0) >= (num_q + 2 * num_kv) * dim  # (one row: any stride)
+        assert rows_ok, "q must be rows of the fused qkv projection"
+    cos, sin, slots = rope if rope is not None else (lse, lse, lse)
     _decode_kernel[(batch, num_kv, splits)](
         q,
         pool,
@@ -330,6 +365,9 @@ def decode_attention(
         window or 0,
         q.stride(0),
         page_tables.stride(0),
+        cos,
+        sin,
+        slots,
         NUM_KV=num_kv,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
@@ -342,6 +380,7 @@ def decode_attention(
         IEEE=q.dtype == torch.float32,
         FUSED_MERGE=counters is not None and splits > 1,
         PDL=pdl and (splits == 1 or counters is not None),
+        ROPE=rope is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -4,7 +4,8 @@ Built from a loaded ``transformers`` model, whose weights it shares: q/k/v becom
 fused projection and gate/up another (the stock modules keep working on views of the
 fused tensors, so nothing is held twice). A layer is eight launches: add+RMSNorm, qkv,
 rotary+KV store, attention (in place on the page pool), o, add+RMSNorm, gate_up,
-SiLU·up, down — few enough that a decode step replays as one CUDA graph.
+SiLU·up, down — few enough that a decode step replays as one CUDA graph; in a decode-only
+step the attention kernel does the rotary and the KV store itself.
 """
 
 from __future__ import annotations
@@ -98,7 +99,10 @@ class LlamaFamily:
     Measured slower on an H200 (4.11 against 4.01 ms a step at batch 1, 2026-12-01): off.
     ``pdl``: in a one-token step on a GPU, each GEMV is a programmatic dependent launch of the
     kernel before it (which lets it start early), so that its programs are resident and
-    reading their first weights while that kernel finishes (not yet measured: off).
+    reading their first weights while that kernel finishes (measured slower: off).
+    ``separate_rope``: a decode-only step rotates q, k and stores k, v in a kernel of its own
+    before the attention, as steps with a prefill do (off: the attention kernel does it,
+    one launch a layer fewer).
 
     ``tp``: the model's weights are this rank's shard (:mod:`pdserve.engine.parallel`): the
     layer has ``1 / tp.size`` of the heads and of the MLP, and the outputs of o and down are
@@ -110,6 +114,7 @@ class LlamaFamily:
     fused_merge = False  # decode attention merges its context splits in the same kernel
     l2_prefetch = False
     pdl = False
+    separate_rope = False  # decode-only steps rotate and store k, v in a kernel of their own
 
     def __init__(self, model: Any, pool: torch.Tensor, max_positions: int, tp: TPGroup | None = None) -> None:
         reason = unsupported_reason(model)
@@ -149,16 +154,24 @@ class LlamaFamily:
     def warm_up_decode(self, splits: Iterable[int]) -> None:
         """Compile decode attention as eager steps (a decode beside a prefill chunk) call it,
         once per split count: met first while serving, a compile stalls every stream for a
-        second or more. Reads one page, writes only a scratch output."""
+        second or more; and as eager decode-only steps call it (rotating and storing k, v
+        itself). Reads one page, writes a scratch output and zeros into the first slot of
+        the pool's last page (the runner's scratch page, which padded graph rows write)."""
         dtype, device = self.embed.dtype, self.embed.device
-        q = torch.zeros((1, self.num_q, self.head_dim), dtype=dtype, device=device)
-        out = torch.empty_like(q)
+        nq, nkv, dim = self.num_q, self.num_kv, self.head_dim
+        qkv = torch.zeros((1, (nq + 2 * nkv) * dim), dtype=dtype, device=device)
+        q = qkv[:, : nq * dim].view(1, nq, dim)
+        out = torch.empty((1, nq, dim), dtype=dtype, device=device)
         tables = torch.zeros((1, 1), dtype=torch.int32, device=device)
         ctx = torch.ones(1, dtype=torch.int32, device=device)
+        scratch = torch.full((1,), (self.pool.shape[0] - 1) * self.pool.shape[4], dtype=torch.long, device=device)
         windows = sorted({layer.window or 0 for layer in self.layers})
         for count in sorted(set(splits)):
             for window in windows:
-                paged.decode_attention(q, self.pool, 0, tables, ctx, self.scale, count, out, window or None)
+                for rope in (None, (self.cos, self.sin, scratch)):
+                    paged.decode_attention(
+                        q, self.pool, 0, tables, ctx, self.scale, count, out, window or None, rope=rope
+                    )
 
     def _layer(self, layer: Any) -> Layer:
         attn, mlp = layer.self_attn, layer.mlp
@@ -189,6 +202,8 @@ class LlamaFamily:
         tokens = rows = h.shape[0]  # rows: of the MLP (the last layer's: the sampled ones)
         last = len(self.layers) - 1
         pdl = self.pdl and tokens == 1 and self.use_gemv and h.is_cuda and not self.l2_prefetch
+        # a decode-only step: decode attention rotates and stores its tokens' k, v itself
+        fused_rope = step.prefill is None and not self.separate_rope
         for index, layer in enumerate(self.layers):
             x, residual = elementwise.add_rms_norm(h, residual, layer.input_norm, self.eps)
             qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
@@ -203,8 +218,9 @@ class LlamaFamily:
                 self._side.wait_stream(main)
                 with torch.cuda.stream(self._side):
                     gemv.l2_prefetch(layer.o_weight, self._sink)
-            paged.rope_store(qkv, nq, nkv, self.cos, self.sin, step.positions, step.slots, self.pool, index)
-            out = self._attend(index, layer, qkv, step, pdl).view(tokens, nq * dim)
+            if not fused_rope:
+                paged.rope_store(qkv, nq, nkv, self.cos, self.sin, step.positions, step.slots, self.pool, index)
+            out = self._attend(index, layer, qkv, step, pdl, fused_rope).view(tokens, nq * dim)
             if prefetch:
                 main.wait_stream(self._side)
             if index == last and step.sample_index is not None:
@@ -234,7 +250,9 @@ class LlamaFamily:
             return gemv.gemv(x, w, b, False, pdl=pdl, **tiles)  # type: ignore[arg-type]
         return F.linear(x, w, b)
 
-    def _attend(self, index: int, layer: Layer, qkv: torch.Tensor, step: StepBatch, pdl: bool = False) -> torch.Tensor:
+    def _attend(
+        self, index: int, layer: Layer, qkv: torch.Tensor, step: StepBatch, pdl: bool = False, rope: bool = False
+    ) -> torch.Tensor:
         """Attention output ``[tokens, heads, head_dim]`` (contiguous) of the step's rows."""
         nq, nkv, dim = self.num_q, self.num_kv, self.head_dim
         q = qkv[:, : nq * dim].view(-1, nq, dim)
@@ -263,6 +281,7 @@ class LlamaFamily:
                 layer.window,
                 counters=counters,
                 pdl=pdl,
+                rope=(self.cos, self.sin, step.slots) if rope else None,
             )
         if chunks is None:
             return out

@@ -280,3 +280,55 @@ def test_feed_takes_device_tokens_where_asked() -> None:
     elementwise.feed(ids, src, tokens)
     assert ids.tolist() == [5, 102, 7, 100, 101]
     elementwise.feed(ids[:0], src[:0], tokens)  # an empty batch launches nothing
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES)
+def test_decode_attention_with_rope_is_rope_store_then_decode_attention(dtype: torch.dtype, case: tuple) -> None:
+    """``rope=``: the attention kernel rotates q and the new token's k and stores k, v
+    itself. Against :func:`rope_store` then the plain kernel on the same inputs: the pools
+    end equal (only the new tokens' slots of the layer written) and the outputs agree, at
+    one split and several, merged apart or inside."""
+    page, num_q, num_kv, dim, lens, window = case
+    rng = random.Random(f"rope {case}")
+    layers, layer = 3, 2
+    pool = make_pool(64, layers, num_kv, page, dim, dtype)
+    ids = list(range(64))
+    rng.shuffle(ids)
+    tables, start = [], 0
+    for n in lens:
+        need = -(-n // page)
+        tables.append(ids[start : start + need])
+        start += need
+    table_t = torch.zeros((len(lens), max(map(len, tables)) + 1), dtype=torch.int32, device=DEVICE)
+    for i, t in enumerate(tables):
+        table_t[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    positions = torch.tensor([n - 1 for n in lens], device=DEVICE)
+    slots = torch.tensor([t[(n - 1) // page] * page + (n - 1) % page for t, n in zip(tables, lens)], device=DEVICE)
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, device=DEVICE).float() / dim))
+    emb = torch.arange(600, device=DEVICE).float()[:, None] * inv[None, :]
+    cos, sin = torch.cat((emb, emb), -1).cos().to(dtype), torch.cat((emb, emb), -1).sin().to(dtype)
+    qkv = torch.randn((len(lens), (num_q + 2 * num_kv) * dim), dtype=dtype, device=DEVICE)
+    counters = torch.zeros(len(lens) * num_kv, dtype=torch.int32, device=DEVICE)
+    ctx = torch.tensor(lens, dtype=torch.int64, device=DEVICE)
+    for splits, fused in ((1, False), (4, False), (4, True), (32, False)):
+        separate_pool, separate_qkv = pool.clone(), qkv.clone()
+        paged.rope_store(separate_qkv, num_q, num_kv, cos, sin, positions, slots, separate_pool, layer)
+        expected = torch.empty((len(lens), num_q, dim), dtype=dtype, device=DEVICE)
+        paged.decode_attention(
+            separate_qkv[:, : num_q * dim].view(len(lens), num_q, dim),
+            separate_pool, layer, table_t, ctx, dim**-0.5, splits, expected, window, block_n=16,
+        )  # fmt: skip
+        fused_pool, fused_qkv = pool.clone(), qkv.clone()
+        out = torch.full((len(lens), num_q, dim), float("nan"), dtype=dtype, device=DEVICE)
+        paged.decode_attention(
+            fused_qkv[:, : num_q * dim].view(len(lens), num_q, dim),
+            fused_pool, layer, table_t, ctx, dim**-0.5, splits, out, window, block_n=16,
+            counters=counters if fused else None, rope=(cos, sin, slots),
+        )  # fmt: skip
+        assert torch.equal(fused_qkv, qkv), "the qkv rows are read, not rotated in place"
+        assert rel_err(fused_pool, separate_pool) < TOL[dtype] / 10, splits
+        assert torch.equal(fused_pool[:, :layer], pool[:, :layer]) and torch.equal(
+            fused_pool[:, layer + 1 :], pool[:, layer + 1 :]
+        )
+        assert rel_err(out, expected) < TOL[dtype], splits
