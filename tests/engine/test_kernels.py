@@ -304,7 +304,9 @@ def test_decode_attention_with_rope_is_rope_store_then_decode_attention(dtype: t
     for i, t in enumerate(tables):
         table_t[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
     positions = torch.tensor([n - 1 for n in lens], device=DEVICE)
-    slots = torch.tensor([t[(n - 1) // page] * page + (n - 1) % page for t, n in zip(tables, lens)], device=DEVICE)
+    slots = torch.tensor(
+        [t[(n - 1) // page] * page + (n - 1) % page for t, n in zip(tables, lens, strict=True)], device=DEVICE
+    )
     inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, device=DEVICE).float() / dim))
     emb = torch.arange(600, device=DEVICE).float()[:, None] * inv[None, :]
     cos, sin = torch.cat((emb, emb), -1).cos().to(dtype), torch.cat((emb, emb), -1).sin().to(dtype)
