@@ -218,7 +218,7 @@ def _decode_kernel(
         # The row is the qkv projection's, not yet rotated (as rope_store would): q rotated
         # here, and the new token's k rotated and stored, with v, by the split that reads it.
         half: tl.constexpr = DIM // 2
-        pos = (ctx - 1).to(tl.int64)
+        pos = tl.maximum(ctx - 1, 0).to(tl.int64)  # (a row with no context, ctx 0, reads position 0)
         cos = tl.load(cos_ptr + pos * DIM + d).to(tl.float32)  # the table repeats its halves
         sin = tl.load(sin_ptr + pos * DIM + d).to(tl.float32)
         swap = (d + half) % DIM

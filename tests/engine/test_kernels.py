@@ -334,3 +334,23 @@ def test_decode_attention_with_rope_is_rope_store_then_decode_attention(dtype: t
             fused_pool[:, layer + 1 :], pool[:, layer + 1 :]
         )
         assert rel_err(out, expected) < TOL[dtype], splits
+
+
+def test_decode_attention_with_rope_leaves_a_row_without_context_alone() -> None:
+    """A row with no context (``ctx_lens`` 0: a graph row that a smaller bucket's upload
+    left zeroed) reads no table position before the start and stores nothing."""
+    num_q, num_kv, dim, page = 4, 2, 32, 8
+    pool = make_pool(4, 2, num_kv, page, dim, torch.float32)
+    before = pool.clone()
+    qkv = torch.randn((2, (num_q + 2 * num_kv) * dim), device=DEVICE)
+    cos, sin = torch.ones((16, dim), device=DEVICE), torch.zeros((16, dim), device=DEVICE)
+    out = torch.zeros((2, num_q, dim), device=DEVICE)
+    tables = torch.tensor([[1], [2]], dtype=torch.int32, device=DEVICE)
+    ctx = torch.tensor([0, 3], device=DEVICE)
+    slots = torch.tensor([1 * page + 5, 2 * page + 2], device=DEVICE)
+    paged.decode_attention(
+        qkv[:, : num_q * dim].view(2, num_q, dim), pool, 1, tables, ctx, dim**-0.5, 1, out, rope=(cos, sin, slots)
+    )
+    changed = (pool != before).nonzero()[:, 0].unique().tolist()
+    assert changed == [2], "only the row with context stored its token"
+    assert torch.equal(pool[2, 1, 0, :, 2], qkv[1, num_q * dim : (num_q + num_kv) * dim].view(num_kv, dim))
