@@ -18,6 +18,7 @@ from pdserve.engine.engine import Engine, RequestError
 from pdserve.engine.loader import build_engine, quiet_transformers
 from pdserve.engine.model_runner import ModelRunner, ModelSpec
 from pdserve.schemas import SamplingParams
+from tests.engine.handoff import mooncake_pair, pull
 
 GREEDY = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
 
@@ -215,89 +216,41 @@ def iter_outputs(engine: Engine):
 
 def test_pd_handoff_over_mooncake_equals_unified(tiny_model_dir: Path, reference) -> None:
     """Prefill engine holds KV, decode engine pulls it with one batched Mooncake read."""
-    from pdserve.workers.transfer import create_transfer, plan_reads
-
     prompts, expected = reference
     prefill = make_engine(tiny_model_dir)
     decode = make_engine(tiny_model_dir)
-    src = create_transfer("mooncake", host="127.0.0.1", protocol="tcp")
-    dst = create_transfer("mooncake", host="127.0.0.1", protocol="tcp")
-    for engine, backend in ((prefill, src), (decode, dst)):
-        pool = engine.runner.pool
-        backend.register(pool.data_ptr, pool.nbytes)
-    try:
+    with mooncake_pair(prefill, decode) as ends:
         for i, p in enumerate(prompts):
             prefill.add_request(f"r{i}", p, GREEDY, prefill_only=True)
         firsts = {o.rid: o for o in iter_outputs(prefill)}
         assert all(o.held for o in firsts.values())
-        page = prefill.runner.pool.layout.page_size
         for i, p in enumerate(prompts):
-            rid = f"r{i}"
-            pages, num_tokens = prefill.held_pages(rid)
-            segments = prefill.runner.pool.segments(pages[: -(-num_tokens // page)])
-            seq = decode.reserve_import(rid, p, firsts[rid].token_ids, GREEDY)
-            assert seq is not None
-            reads = plan_reads(
-                segments,
-                decode.runner.pool.page_bytes,
-                seq.page_table[: -(-num_tokens // page)],
-                decode.runner.pool.data_ptr,
-                seq.num_cached // page,
-            )
-            dst.read(src.endpoint, reads)
-            decode.commit_import(seq)
-            assert prefill.release(rid)
+            pull(ends, prefill, decode, f"r{i}", p, firsts[f"r{i}"].token_ids, GREEDY)
         assert prefill.pages.num_used_pages == 0
         outs = run_all(decode)
         assert [firsts[f"r{i}"].token_ids + outs[f"r{i}"] for i in range(len(prompts))] == expected
         assert decode.pages.num_used_pages == 0
-    finally:
-        src.close()
-        dst.close()
 
 
 def test_resumed_request_hands_off_prompt_and_streamed_output(tiny_model_dir: Path, reference) -> None:
     """A request resumed with output already streamed: the prefill engine computes prompt +
     that output and holds its KV; the decode engine imports all of it and goes on exactly
     where an undisturbed run would (migration of a stream to another decode worker)."""
-    from pdserve.workers.transfer import create_transfer, plan_reads
-
     prompts, expected = reference
     prefill = make_engine(tiny_model_dir)
     decode = make_engine(tiny_model_dir)
-    src = create_transfer("mooncake", host="127.0.0.1", protocol="tcp")
-    dst = create_transfer("mooncake", host="127.0.0.1", protocol="tcp")
-    for engine, backend in ((prefill, src), (decode, dst)):
-        pool = engine.runner.pool
-        backend.register(pool.data_ptr, pool.nbytes)
-    page = prefill.runner.pool.layout.page_size
-    try:
+    with mooncake_pair(prefill, decode) as ends:
         for i, streamed in ((0, 7), (1, 16), (2, 1)):
             rid, prompt = f"m{i}", prompts[i]
             prefill.add_request(rid, prompt, GREEDY, expected[i][:streamed], prefill_only=True)
             (first,) = list(iter_outputs(prefill))
             assert first.held and first.index == streamed and first.token_ids == [expected[i][streamed]]
-            pages, num_tokens = prefill.held_pages(rid)
-            assert num_tokens == len(prompt) + streamed
-            seq = decode.reserve_import(rid, prompt, expected[i][: streamed + 1], GREEDY)
-            assert seq is not None
-            reads = plan_reads(
-                prefill.runner.pool.segments(pages[: -(-num_tokens // page)]),
-                decode.runner.pool.page_bytes,
-                seq.page_table[: -(-num_tokens // page)],
-                decode.runner.pool.data_ptr,
-                seq.num_cached // page,
-            )
-            dst.read(src.endpoint, reads)
-            decode.commit_import(seq)
-            assert prefill.release(rid)
+            moved = pull(ends, prefill, decode, rid, prompt, expected[i][: streamed + 1], GREEDY)
+            assert moved == len(prompt) + streamed
             rest = [o for o in iter_outputs(decode)]
             assert rest[0].index == streamed + 1
             assert expected[i][: streamed + 1] + [t for o in rest for t in o.token_ids] == expected[i]
         assert prefill.pages.num_used_pages == 0 and decode.pages.num_used_pages == 0
-    finally:
-        src.close()
-        dst.close()
 
 
 def test_sharded_safetensors_load_and_decode_as_transformers(tiny_model_dir: Path, tmp_path: Path) -> None:

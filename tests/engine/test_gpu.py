@@ -15,6 +15,7 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.loader import quiet_transformers
 from pdserve.engine.model_runner import ModelRunner, ModelSpec
 from pdserve.schemas import SamplingParams
+from tests.engine.handoff import mooncake_pair, pull
 from tests.engine.reference import assert_greedy_equal
 
 pytestmark = [
@@ -135,46 +136,22 @@ def test_pd_handoff_between_gpu_pools_over_mooncake_equals_one_engine() -> None:
     prefill engine holds each prompt's KV, the decode engine pulls it with one batched read
     into its own pages and decodes what one engine decodes alone, token for token."""
     pytest.importorskip("mooncake.engine", reason="needs Mooncake's CUDA build (mooncake-transfer-engine)")
-    from pdserve.workers.transfer import create_transfer, plan_reads
-
     prefill, decode, alone = (engine_for(build(SMALL, torch.bfloat16), graphs=8) for _ in range(3))
+    assert prefill.runner.pool.tensor.is_cuda and decode.runner.pool.tensor.is_cuda
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 5000) for _ in range(n)] for n in (5, 40, 300)]
     expected = run(alone, prompts, 12)
-    src = create_transfer("mooncake", host="127.0.0.1", protocol="tcp")
-    dst = create_transfer("mooncake", host="127.0.0.1", protocol="tcp")
-    try:
-        for engine, backend in ((prefill, src), (decode, dst)):
-            pool = engine.runner.pool
-            assert pool.tensor.is_cuda
-            backend.register(pool.data_ptr, pool.nbytes)
-        params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    with mooncake_pair(prefill, decode) as ends:
         for i, p in enumerate(prompts):
             prefill.add_request(f"r{i}", p, params, prefill_only=True)
         firsts = {}
         while prefill.has_work():
             firsts.update({o.rid: o for o in prefill.step()})
-        page = prefill.runner.pool.layout.page_size
         for i, p in enumerate(prompts):
-            pages, num_tokens = prefill.held_pages(f"r{i}")
-            segments = prefill.runner.pool.segments(pages[: -(-num_tokens // page)])
-            seq = decode.reserve_import(f"r{i}", p, firsts[f"r{i}"].token_ids, params)
-            assert seq is not None
-            reads = plan_reads(
-                segments,
-                decode.runner.pool.page_bytes,
-                seq.page_table[: -(-num_tokens // page)],
-                decode.runner.pool.data_ptr,
-                seq.num_cached // page,
-            )
-            dst.read(src.endpoint, reads)
-            decode.commit_import(seq)
-            assert prefill.release(f"r{i}")
+            pull(ends, prefill, decode, f"r{i}", p, firsts[f"r{i}"].token_ids, params)
         outs: dict[str, list[int]] = {}
         while decode.has_work():
             for o in decode.step():
                 outs.setdefault(o.rid, []).extend(o.token_ids)
         assert [firsts[f"r{i}"].token_ids + outs[f"r{i}"] for i in range(len(prompts))] == expected
-    finally:
-        src.close()
-        dst.close()

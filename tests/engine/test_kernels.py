@@ -28,6 +28,24 @@ def make_pool(pages: int, layers: int, kv: int, page: int, dim: int, dtype: torc
     return torch.randn((pages, layers, 2, kv, page, dim), dtype=dtype, device=DEVICE)
 
 
+def scattered_tables(
+    lens: list[int], page: int, pages: int, rng: random.Random, spare: int = 0
+) -> tuple[list[list[int]], torch.Tensor]:
+    """Page tables for sequences of ``lens`` tokens, their pages drawn at random from
+    ``pages``: as lists, and as an int32 tensor with ``spare`` zero columns past the widest."""
+    ids = list(range(pages))
+    rng.shuffle(ids)
+    tables, start = [], 0
+    for n in lens:
+        need = -(-n // page)
+        tables.append(ids[start : start + need])
+        start += need
+    table_t = torch.zeros((len(lens), max(map(len, tables)) + spare), dtype=torch.int32, device=DEVICE)
+    for i, t in enumerate(tables):
+        table_t[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    return tables, table_t
+
+
 def gather(pool: torch.Tensor, layer: int, table: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K, V ``[kv, n, dim]`` of the first ``n`` tokens in pages ``table``."""
     pages = pool[torch.tensor(table, device=DEVICE), layer]  # [P, 2, kv, page, dim]
@@ -66,17 +84,7 @@ def test_decode_attention_matches_reference(dtype: torch.dtype, case: tuple) -> 
     rng = random.Random(str(case))
     layers, layer = 3, 1
     pool = make_pool(64, layers, num_kv, page, dim, dtype)
-    ids = list(range(64))
-    rng.shuffle(ids)
-    tables, start = [], 0
-    for n in lens:
-        need = -(-n // page)
-        tables.append(ids[start : start + need])
-        start += need
-    width = max(len(t) for t in tables) + 2
-    table_t = torch.zeros((len(lens), width), dtype=torch.int32, device=DEVICE)
-    for i, t in enumerate(tables):
-        table_t[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    tables, table_t = scattered_tables(lens, page, 64, rng, spare=2)
     qkv = torch.randn((len(lens), (num_q + 2 * num_kv) * dim), dtype=dtype, device=DEVICE)
     q = qkv[:, : num_q * dim].view(len(lens), num_q, dim)  # strided rows, as in the model
     counters = torch.zeros(len(lens) * num_kv, dtype=torch.int32, device=DEVICE)
@@ -293,16 +301,7 @@ def test_decode_attention_with_rope_is_rope_store_then_decode_attention(dtype: t
     rng = random.Random(f"rope {case}")
     layers, layer = 3, 2
     pool = make_pool(64, layers, num_kv, page, dim, dtype)
-    ids = list(range(64))
-    rng.shuffle(ids)
-    tables, start = [], 0
-    for n in lens:
-        need = -(-n // page)
-        tables.append(ids[start : start + need])
-        start += need
-    table_t = torch.zeros((len(lens), max(map(len, tables)) + 1), dtype=torch.int32, device=DEVICE)
-    for i, t in enumerate(tables):
-        table_t[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    tables, table_t = scattered_tables(lens, page, 64, rng, spare=1)
     positions = torch.tensor([n - 1 for n in lens], device=DEVICE)
     slots = torch.tensor(
         [t[(n - 1) // page] * page + (n - 1) % page for t, n in zip(tables, lens, strict=True)], device=DEVICE
