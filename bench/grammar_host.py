@@ -61,7 +61,7 @@ def walk(grammars: Grammars, sampling: SamplingParams, rows: int, fill: str, thr
             bitmask = grammars._xgr.allocate_token_bitmask(rows, grammars.text_vocab)  # the tokenizer's ids
             live = [r for r, m in enumerate(raw) if not m.is_terminated()]
             batch.batch_fill_next_token_bitmask([raw[r] for r in live], bitmask, live)
-            bitmask &= grammars._plain[: bitmask.shape[1]]
+            bitmask &= grammars._plain
         mask_s.append(time.perf_counter() - t0)
         words = bitmask.numpy().view(np.uint8)
         tokens = [int(rng.choice(np.flatnonzero(np.unpackbits(words[r], bitorder="little")))) for r in range(rows)]

@@ -392,7 +392,8 @@ class Engine:
     def launch(self, batch: ScheduledBatch) -> Launched:
         """Queue the forward pass and sampling. A decoding sequence whose last token is still
         pending (sampled by the step in flight before this one) is fed it on the device.
-        Touches only tensors; safe to run in a worker thread."""
+        Touches only tensors and the prefills' page hashes (``PageManager.hash_pages``,
+        computed while the device runs them); safe to run in a worker thread."""
         with self._launch_lock:
             return self._launch(batch)
 

@@ -116,7 +116,7 @@ class Grammars:
         self._lock = threading.Lock()
         self.vocab_size = vocab_size
         self._words = -(-self.text_vocab // 32)  # the words xgrammar writes of a row
-        self._plain = _printable_mask(self._info.decoded_vocab, self.text_vocab, vocab_size)
+        self._plain = _printable_mask(self._info.decoded_vocab, self.text_vocab)  # the words xgrammar writes
         # Host masks in turn, pinned for a device (the one written is never one still on its
         # way over: its copy's event is waited for first), with a view of each row's words.
         self._staged: list[_Stage] = []
@@ -178,7 +178,7 @@ class Grammars:
         words = self._words
         if device.type == "cpu":
             if json_rows:  # numpy's AND: torch's would wake its intra-op threads for 1 MB
-                view, plain_row = bitmask.numpy(), self._plain.numpy()[:words]
+                view, plain_row = bitmask.numpy(), self._plain.numpy()
                 if len(json_rows) == rows:
                     np.bitwise_and(view[:, :words], plain_row, out=view[:, :words])
                 else:
@@ -192,7 +192,7 @@ class Grammars:
         if json_rows:  # xgrammar's JSON strings admit raw control characters; strict parsers do not
             plain = self._plain_on.get(device)
             if plain is None:
-                plain = self._plain_on[device] = self._plain[:words].to(device)
+                plain = self._plain_on[device] = self._plain.to(device)
             if len(json_rows) == rows:
                 on_device[:, :words] &= plain  # on the device: no CPU threads woken for it
             else:
@@ -276,11 +276,11 @@ def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     xgr.apply_token_bitmask_inplace(logits, bitmask)
 
 
-def _printable_mask(decoded_vocab: Sequence[bytes], text_vocab: int, vocab_size: int) -> torch.Tensor:
-    """A bitmask row (``vocab_size`` wide) allowing every token among the first
-    ``text_vocab`` whose text holds no control character (bytes below 0x20): what JSON
-    allows unescaped, and all that compact JSON needs."""
-    allowed = np.zeros(-(-vocab_size // 32) * 32, dtype=np.uint64)
+def _printable_mask(decoded_vocab: Sequence[bytes], text_vocab: int) -> torch.Tensor:
+    """A bitmask row over the first ``text_vocab`` ids allowing every token whose text holds
+    no control character (bytes below 0x20): what JSON allows unescaped, and all that
+    compact JSON needs."""
+    allowed = np.zeros(-(-text_vocab // 32) * 32, dtype=np.uint64)
     for i, text in enumerate(decoded_vocab[:text_vocab]):
         allowed[i] = not any(b < 0x20 for b in text)
     words = (allowed.reshape(-1, 32) << np.arange(32, dtype=np.uint64)).sum(axis=1)
