@@ -412,9 +412,8 @@ def parse_generate(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Par
         params = {}
     if not isinstance(params, dict):
         raise bad_request("'sampling_params' must be an object", "sampling_params")
-    merged = {k: body[k] for k in _SGLANG_SAMPLING if k in body}
-    merged.update(params)
-    n = _n(merged)
+    top = {k: body[k] for k in _SGLANG_SAMPLING if k in body}
+    merged = {**top, **params}
     if ("text" in body) == ("input_ids" in body):
         raise bad_request("give exactly one of 'text' and 'input_ids'", "text")
     key = "text" if "text" in body else "input_ids"
@@ -423,13 +422,17 @@ def parse_generate(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Par
     if batch and stream:
         raise bad_request("streaming takes a single prompt", "stream")
     want_logprobs = _bool(body, "return_logprob", False)
-    top = _int(body, "top_logprobs_num", 0, 0, 20) or 0
-    jobs = []
-    for ids, text in prompts:
-        max_new = _int(merged, "max_new_tokens", None, 1)
+    top_num = _int(body, "top_logprobs_num", 0, 0, 20) or 0
+
+    def job(src: dict[str, Any], ids: list[int], text: str | None) -> Job:
+        max_new = _int(src, "max_new_tokens", None, 1)
         if max_new is None:
             max_new = _default_max(info, len(ids), limits.default_for(min(limits.default_max_tokens, 128)))
-        jobs.append(Job(ids, _sampling(merged, max_new, info, limits, len(ids), want_logprobs, top, n, body), text))
+        return Job(ids, _sampling(src, max_new, info, limits, len(ids), want_logprobs, top_num, _n(src), body), text)
+
+    if top.keys() & params.keys():  # a top-level value that sampling_params overrides is still checked
+        job({**merged, **top}, *prompts[0])
+    jobs = [job(merged, ids, text) for ids, text in prompts]
     rid = body.get("rid")
     if batch and rid is not None:
         if not (isinstance(rid, list) and len(rid) == len(jobs) and all(isinstance(r, str) and r for r in rid)):

@@ -464,6 +464,17 @@ def test_generate_sampling_params(info: ModelInfo, name: str) -> None:
     )
 
 
+def test_generate_checks_a_top_level_value_that_sampling_params_overrides(info: ModelInfo) -> None:
+    """sampling_params wins over the top level, but an out-of-range top-level value is still
+    refused (found by the OpenAPI fuzz run: a frequency_penalty of 9.5e307 beside a valid one
+    in sampling_params was served)."""
+    body = {"text": "Hi", "frequency_penalty": 9.5e307, "sampling_params": {"frequency_penalty": 0.1}}
+    _bad(parse_generate, body, info, param="frequency_penalty")
+    _bad(parse_generate, {**body, "frequency_penalty": "high"}, info, param="frequency_penalty")
+    valid = parse_generate({**body, "frequency_penalty": 1.5}, info, Limits(DEFAULT_MAX))
+    assert valid.jobs[0].sampling.frequency_penalty == 0.1
+
+
 def test_generate_input_ids_and_batches(info: ModelInfo) -> None:
     parsed = parse_generate(
         {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 2}}, info, Limits(DEFAULT_MAX)
