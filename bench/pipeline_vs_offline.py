@@ -19,6 +19,7 @@ import asyncio
 import datetime
 import json
 import multiprocessing
+import os
 import sys
 import tempfile
 import time
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -189,6 +191,19 @@ def cpu_per_token(root: int, before: dict[str, float], client_seconds: float, to
     return {role: round(seconds / tokens * 1e6, 1) for role, seconds in sorted(spent.items())}
 
 
+def forward_totals(url: str, settle: float = 2.5) -> dict[str, list[float]]:
+    """Each worker role's [seconds in forward passes, forward passes] so far, from the API's
+    ``/metrics`` after ``settle`` seconds (workers report at each heartbeat, every 2 s)."""
+    time.sleep(settle)
+    totals: dict[str, list[float]] = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        for i, name in enumerate(("pdserve_engine_busy_seconds_total{", "pdserve_engine_steps_total{")):
+            if line.startswith(name):
+                role = line.split('role="', 1)[1].split('"', 1)[0]
+                totals.setdefault(role, [0.0, 0.0])[i] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, default=64)
@@ -215,12 +230,14 @@ def main() -> int:
     def offline() -> dict[str, float]:
         reqs = fresh()
         engine.pages.reset_prefix_cache()
-        cached = engine.stats.cached_tokens
+        cached, busy, steps = engine.stats.cached_tokens, engine.stats.busy_seconds, engine.stats.steps
         seconds = run_pdserve(engine, reqs, args.concurrency)
         return {
             "out_tok_s": sum(r.output_len for r in reqs) / seconds,
             "cached_tokens": engine.stats.cached_tokens - cached,
             "prompt_tokens": sum(len(r.prompt) for r in reqs),
+            "forward_seconds": round(engine.stats.busy_seconds - busy, 3),
+            "steps": engine.stats.steps - steps,
         }
 
     result: dict[str, object] = {
@@ -231,6 +248,9 @@ def main() -> int:
         "repeat": args.repeat,
         "workload": "prompts 16-1024 tokens, outputs 16-256, greedy, fresh seed per run",
         "client": args.client,
+        "cores": os.cpu_count(),
+        "offline_threads": torch.get_num_threads(),
+        "up_args": args.up_args,
     }
     for mode in args.modes.split(","):
         proc, url = start_pdserve(
@@ -242,11 +262,20 @@ def main() -> int:
             for _ in range(args.repeat):  # offline and pipeline back to back: pairs share the machine's mood
                 base = offline()
                 reqs = fresh()
+                forward_before = forward_totals(url, settle=0.0 if pairs else 2.5)
                 cpu_before = process_cpu_seconds(proc.pid)
                 client_before = time.process_time()
                 seconds, ttfts, cached, _ = asyncio.run(through_http(url, reqs, args.concurrency, client=args.client))
                 ttfts.sort()
+                forward = forward_totals(url)
                 pipe = {
+                    # each role's time in forward passes and their count: against the offline
+                    # engine's, whether the steps ran slower or there were more of them
+                    "forward": {
+                        role: {"seconds": round(now[0] - forward_before.get(role, [0.0, 0.0])[0], 3),
+                               "steps": int(now[1] - forward_before.get(role, [0.0, 0.0])[1])}
+                        for role, now in forward.items()
+                    },
                     "cpu_us_per_out_token": cpu_per_token(
                         proc.pid, cpu_before, time.process_time() - client_before, sum(r.output_len for r in reqs)
                     ),
@@ -258,7 +287,9 @@ def main() -> int:
                 pairs.append({"offline": base, "pipeline": pipe, "ratio": pipe["out_tok_s"] / base["out_tok_s"]})
                 print(
                     f"{mode}: offline {base['out_tok_s']:,.0f}, pipeline {pipe['out_tok_s']:,.0f} output tok/s "
-                    f"(cached prompt tokens {base['cached_tokens']:.0f} / {cached})",
+                    f"(cached prompt tokens {base['cached_tokens']:.0f} / {cached}); forward passes "
+                    f"{base['forward_seconds']:.2f} s / "
+                    + " + ".join(f"{r} {f['seconds']:.2f} s" for r, f in pipe["forward"].items()),
                     file=sys.stderr,
                 )
         finally:

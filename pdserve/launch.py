@@ -457,13 +457,22 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
     from pdserve.workers.decode import DecodeWorker
     from pdserve.workers.lifecycle import WorkerCrashed
     from pdserve.workers.prefill import PrefillWorker
+    from pdserve.workers.runtime import engine_thread_pool
     from pdserve.workers.unified import UnifiedWorker
 
-    engine = build_engine(
-        config.model_path, config.engine, config.dtype, config.trust_remote_code, config.load_format, tp=tp
-    )
+    # Loaded in the thread that will run its steps: one OpenMP pool in the process (runtime.py).
+    engine_thread = engine_thread_pool()
+    engine = engine_thread.submit(
+        build_engine,
+        config.model_path,
+        config.engine,
+        config.dtype,
+        config.trust_remote_code,
+        config.load_format,
+        tp=tp,
+    ).result()
     cls = {"prefill": PrefillWorker, "decode": DecodeWorker, "unified": UnifiedWorker}[role]
-    worker = cls(config, engine)
+    worker = cls(config, engine, engine_thread)
     worker.followers = followers
 
     async def main() -> None:

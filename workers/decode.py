@@ -54,8 +54,8 @@ STUCK_READ_LEASES = 2.0
 
 
 class DecodeWorker(WorkerRuntime):
-    def __init__(self, config: WorkerConfig, engine: Engine) -> None:
-        super().__init__(config, engine)
+    def __init__(self, config: WorkerConfig, engine: Engine, engine_thread: ThreadPoolExecutor | None = None) -> None:
+        super().__init__(config, engine, engine_thread)
         self.backlog: deque[tuple[Tracked, KVReady]] = deque()  # claimed, waiting for pages
         self.importing: set[str] = set()
         self._peers_seen: set[str] = set()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from pdserve.broker import contract
 from pdserve.engine.engine import Engine, RequestOutput
@@ -34,8 +35,8 @@ QUEUED_PREFILL_STEPS = 2
 
 
 class PrefillWorker(WorkerRuntime):
-    def __init__(self, config: WorkerConfig, engine: Engine) -> None:
-        super().__init__(config, engine)
+    def __init__(self, config: WorkerConfig, engine: Engine, engine_thread: ThreadPoolExecutor | None = None) -> None:
+        super().__init__(config, engine, engine_thread)
         self.holds = Holds()
         self._peers_seen: set[str] = set()
 

@@ -5,8 +5,13 @@ The jobs around it live beside it: :mod:`.intake` receives work, :mod:`.replies`
 results, :mod:`.lifecycle` starts, serves and stops.
 
 Threading: the asyncio loop owns the engine's state (adds, aborts, releases,
-scheduling, postprocessing); only :meth:`Engine.execute` runs in the engine thread,
-so no lock is needed. Transfers run in their own threads on reserved pages.
+scheduling, postprocessing); only a step's forward pass (:meth:`Engine.launch` and
+:meth:`Engine.collect`) runs in the engine thread, so no lock is needed. Build the engine
+in that thread too (:func:`engine_thread`, as ``pdserve prefill|decode|unified`` do): on a
+CPU each thread that runs a parallel torch operation gets its own OpenMP thread pool, and
+with two of them libgomp counts more threads than cores and stops letting idle ones spin,
+which cost the forward passes a quarter of their speed on two cores (docs/performance.md).
+Transfers run in their own threads on reserved pages.
 """
 
 from __future__ import annotations
@@ -59,11 +64,16 @@ TICK_SECONDS = 0.25
 PEER_CHECK_SECONDS = 10.0
 
 
+def engine_thread_pool() -> ThreadPoolExecutor:
+    """The one thread a worker's engine computes in (see the module's note on threading)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+
+
 class WorkerRuntime:
     """Base of the prefill, decode and unified workers. Subclasses set :attr:`intake` in
     :meth:`setup` and implement :meth:`on_outputs`."""
 
-    def __init__(self, config: WorkerConfig, engine: Engine) -> None:
+    def __init__(self, config: WorkerConfig, engine: Engine, engine_thread: ThreadPoolExecutor | None = None) -> None:
         self.config = config
         self.engine = engine
         self.worker_id = config.worker_id
@@ -87,7 +97,7 @@ class WorkerRuntime:
         self.rank_transfers: list[tuple[str, int]] = []
         self.claims: Claims | None = None
         self._wake = asyncio.Event()
-        self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._engine_thread = engine_thread or engine_thread_pool()
         self._background: set[asyncio.Task[None]] = set()
         self._started_at = time.time()
 

@@ -247,6 +247,47 @@ async def test_unified_worker_overlaps_steps_on_the_fast_path(workers, nats_serv
         await gateway.stop()
 
 
+async def test_a_worker_steps_its_engine_in_the_thread_that_built_it(nats_server, tiny_model_dir: Path) -> None:
+    """As ``pdserve unified`` runs it: the engine is built in the worker's engine thread and
+    every forward pass runs there (one OpenMP pool in the process, see workers/runtime.py)."""
+    import threading
+
+    from pdserve.engine.loader import build_engine
+    from pdserve.workers.config import WorkerConfig
+    from pdserve.workers.runtime import engine_thread_pool
+    from pdserve.workers.unified import UnifiedWorker
+
+    config = WorkerConfig(
+        role="unified",
+        model_path=tiny_model_dir,
+        model_name=tiny_model_dir.name,
+        nats_url=nats_server.url,
+        engine=EngineConfig(max_total_tokens=16 * 512),
+    )
+    pool = engine_thread_pool()
+    built_in = pool.submit(threading.get_ident).result()
+    engine = pool.submit(build_engine, tiny_model_dir, config.engine).result()
+    ran_in: set[int] = set()
+    launch = engine.launch
+    engine.launch = lambda batch: (ran_in.add(threading.get_ident()), launch(batch))[1]  # type: ignore[method-assign]
+    worker = UnifiedWorker(config, engine, pool)
+    await worker.start()
+    gateway = Gateway(nats_server.url, tiny_model_dir.name, streams.BrokerConfig())
+    await gateway.start()
+    prompt, n = list(range(9, 30)), 6
+    try:
+        tokens: list[int] = []
+        async for chunk in gateway.generate(prompt, SamplingParams(max_new_tokens=n, temperature=0.0), rid="thread"):
+            tokens.extend(chunk.token_ids)
+            if chunk.finish_reason:
+                break
+        assert tokens == reference(tiny_model_dir, prompt, n)
+        assert ran_in == {built_in}
+    finally:
+        await gateway.stop()
+        await worker.shutdown()
+
+
 async def test_a_lease_keeps_cancelled_kv_until_the_read_ends(workers, nats_server, tiny_model_dir: Path) -> None:
     from pdserve.broker import contract
     from pdserve.schemas import KVLease

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Issue 10's CPU-bound figures on a host with cores to spare (a GPU host's CPUs, the GPU unused),
+# to separate what pdserve costs from what sharing two cores costs:
+#   bash bench/spare_cores.sh broker     # bench/broker_latency.py on every core, then the same pinned
+#                                        # to two cores (taskset; nats-server and the consumer inherit it)
+#   bash bench/spare_cores.sh pipeline   # bench/pipeline_vs_offline.py on every core (CUDA hidden);
+#                                        # PIPELINE_ARGS adds flags (e.g. --modes pd --repeat 5)
+#   bash bench/spare_cores.sh threads    # the same per mode with fewer torch threads per worker than
+#                                        # `pdserve up` gives by default (cores / workers), leaving
+#                                        # cores to the API, nats-server and the client
+#   bash bench/spare_cores.sh probe      # bench/thread_probe.py on every core
+set -u
+out=${OUT:-/tmp/pdserve-cores}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 MC_LOG_LEVEL=ERROR CUDA_VISIBLE_DEVICES=
+{ echo "date $(date -Is)"; echo "nproc $(nproc)"; grep -m1 "model name" /proc/cpuinfo; cat /proc/loadavg; } | tee "$out/host.txt"
+case "${1:-broker}" in
+broker)
+  timeout 240 python3 bench/broker_latency.py --rounds ${ROUNDS:-200} --json "$out/broker_latency_all_cores.json" 2>&1 |
+    tee "$out/broker_all_cores.log" | grep "p50"
+  timeout 240 taskset -c 0,1 python3 bench/broker_latency.py --rounds ${ROUNDS:-200} \
+    --json "$out/broker_latency_two_cores.json" 2>&1 | tee "$out/broker_two_cores.log" | grep "p50"
+  ;;
+pipeline)
+  timeout 560 python3 bench/pipeline_vs_offline.py --json "$out/pipeline_vs_offline_all_cores.json" ${PIPELINE_ARGS:-} \
+    > "$out/pipeline.log" 2>&1
+  grep -v "^ \|^{\|^}" "$out/pipeline.log" | tail -12
+  ;;
+threads)
+  for cfg in ${THREAD_CONFIGS:-unified:0 unified:12 unified:8 pd:0 pd:6 pd:4}; do
+    mode=${cfg%%:*} n=${cfg##*:}
+    up=""; [ "$n" = 0 ] || up="--num-threads $n"
+    timeout 170 python3 bench/pipeline_vs_offline.py --modes $mode --up-args "$up" \
+      --json "$out/pipeline_vs_offline_${mode}_threads$n.json" > "$out/pipeline_${mode}_threads$n.log" 2>&1
+    echo "== $mode, worker threads ${n/#0/default}"; grep "offline .* pipeline\|cold" "$out/pipeline_${mode}_threads$n.log"
+  done
+  ;;
+probe)   # bench/thread_probe.py: where the engine is built and stepped, each way in its own process
+  timeout 500 python3 bench/thread_probe.py --repeat ${REPEAT:-3} --json "$out/thread_probe.json" 2>&1 | tee "$out/thread_probe.log"
+  ;;
+esac
+# one archive: the device tool brings back a limited number of files
+tar czf "/tmp/spare_cores_$1.tgz" -C "$out" . && rm -rf "${out:?}"/* && mv "/tmp/spare_cores_$1.tgz" "$out/"
+cat /proc/loadavg
