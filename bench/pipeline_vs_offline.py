@@ -272,8 +272,10 @@ def main() -> int:
                     # each role's time in forward passes and their count: against the offline
                     # engine's, whether the steps ran slower or there were more of them
                     "forward": {
-                        role: {"seconds": round(now[0] - forward_before.get(role, [0.0, 0.0])[0], 3),
-                               "steps": int(now[1] - forward_before.get(role, [0.0, 0.0])[1])}
+                        role: {
+                            "seconds": round(now[0] - forward_before.get(role, [0.0, 0.0])[0], 3),
+                            "steps": int(now[1] - forward_before.get(role, [0.0, 0.0])[1]),
+                        }
                         for role, now in forward.items()
                     },
                     "cpu_us_per_out_token": cpu_per_token(
