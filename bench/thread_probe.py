@@ -99,13 +99,13 @@ async def on_loop(engine: Engine, reqs: list[Request], steps_in: concurrent.futu
 
 
 def one_way(way: str, seed: int, requests: int) -> dict[str, Any]:
-    model = ensure_default_model(Path(tempfile.mkdtemp(prefix="pdserve-probe-")))
     reqs = workload(requests, seed, 4000, 16, 1024, 16, 256)
-    if way == "engine_thread":
+    directory = Path(tempfile.mkdtemp(prefix="pdserve-probe-"))
+    if way == "engine_thread":  # the model is made there too: no torch work on the main thread
         pool = concurrent.futures.ThreadPoolExecutor(1)
-        engine = pool.submit(build, model).result()
+        engine = pool.submit(lambda: build(ensure_default_model(directory))).result()
     else:
-        engine = build(model)
+        engine = build(ensure_default_model(directory))
     busy = engine.stats.busy_seconds
     if way == "main":
         seconds = run_pdserve(engine, reqs, len(reqs))
