@@ -133,6 +133,34 @@ def process_cpu_seconds(root: int) -> dict[str, float]:
     return totals
 
 
+def process_threads(root: int) -> dict[str, int]:
+    """Threads of ``root`` and every process below it, summed by role (as
+    :func:`process_cpu_seconds` names them). A CPU worker whose model was loaded on one thread
+    and stepped on another carries a second OpenMP pool: ``torch threads - 1`` more."""
+    parents: dict[int, int] = {}
+    info: dict[int, tuple[str, int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        parents[int(entry)] = int(fields[1])
+        info[int(entry)] = (_role(argv), int(fields[17]))  # num_threads
+    totals: dict[str, int] = {}
+    for pid, (role, threads) in info.items():
+        p = pid
+        while p not in (root, 0, 1) and p in parents:
+            p = parents[p]
+        if p == root:
+            totals[role] = totals.get(role, 0) + threads
+    return totals
+
+
 def _role(argv: list[str]) -> str:
     if any("nats-server" in a for a in argv):
         return "nats"

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import process_cpu_seconds, start_pdserve, stop_pdserve
+from common import process_cpu_seconds, process_threads, start_pdserve, stop_pdserve
 from engine_bench import Request, run_pdserve, workload
 from sse_client import Connection, split_url
 
@@ -249,7 +249,7 @@ def main() -> int:
         "workload": "prompts 16-1024 tokens, outputs 16-256, greedy, fresh seed per run",
         "client": args.client,
         "cores": os.cpu_count(),
-        "offline_threads": torch.get_num_threads(),
+        "offline_threads": torch.get_num_threads(),  # torch's, not the process's
         "up_args": args.up_args,
     }
     for mode in args.modes.split(","):
@@ -269,6 +269,7 @@ def main() -> int:
                 ttfts.sort()
                 forward = forward_totals(url)
                 pipe = {
+                    "threads": process_threads(proc.pid),  # per role: a second OpenMP pool shows here
                     # each role's time in forward passes and their count: against the offline
                     # engine's, whether the steps ran slower or there were more of them
                     "forward": {
