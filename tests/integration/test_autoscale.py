@@ -43,6 +43,12 @@ def desired(metrics: str, role: str) -> float | None:
     return float(found.group(1)) if found else None
 
 
+def both_computed(metrics: str) -> bool:
+    """Two prefill workers report prompt tokens, each some (counts come with heartbeats)."""
+    computed = re.findall(r'^pdserve_prompt_tokens_total{role="prefill",worker="[^"]+"} (\S+)$', metrics, re.M)
+    return len(computed) == 2 and all(float(n) > 0 for n in computed)
+
+
 async def prefill_workers(client: httpx.AsyncClient) -> int:
     r = await client.get("/workers")
     return sum(1 for w in r.json() if w["role"] == "prefill")
@@ -74,7 +80,8 @@ async def test_a_backlog_scales_prefill_out_and_idle_scales_it_in_with_a_drain(
             # A burst: 80 prompts of 1,000 tokens at once (20 prefill replicas' worth of lag,
             # 10-20 s of one prefill worker's time here). The backlog is kept at least 24
             # prompts deep until the new worker registers (its start takes as long as the
-            # burst on a slow machine), so there is work left for it to take.
+            # burst on a slow machine) and has computed some of it (the first worker may take
+            # every prompt waiting when the second registers, and finish them first).
             burst = [asyncio.create_task(generate(client, rng, 1000, 8)) for _ in range(80)]
             scaled_out_at = None
             began = time.monotonic()
@@ -83,8 +90,8 @@ async def test_a_backlog_scales_prefill_out_and_idle_scales_it_in_with_a_drain(
                     scaled_out_at = time.monotonic() - began
                 await asyncio.sleep(0.25)
             assert scaled_out_at is not None, system.log()
-            while await prefill_workers(client) < 2:  # the new worker registers
-                assert time.monotonic() - began < 120, system.log()
+            while not both_computed((await client.get("/metrics")).text):  # registered, then took work
+                assert time.monotonic() - began < 150, system.log()
                 pending = sum(1 for t in burst if not t.done())
                 burst += [asyncio.create_task(generate(client, rng, 1000, 8)) for _ in range(24 - pending)]
                 await asyncio.sleep(0.5)
