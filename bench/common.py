@@ -107,29 +107,10 @@ def process_cpu_seconds(root: int) -> dict[str, float]:
     """CPU seconds (user + system) so far of ``root`` and every process below it, summed by
     role: ``api`` (the `pdserve up` process, which serves HTTP), ``nats``, and each worker
     command's name (``unified``, ``prefill``, ``decode``). Linux only (reads ``/proc``)."""
-    parents: dict[int, int] = {}
-    info: dict[int, tuple[str, float]] = {}
     tick = os.sysconf("SC_CLK_TCK")
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        pid = int(entry)
-        parents[pid] = int(fields[1])
-        info[pid] = (_role(argv), (int(fields[11]) + int(fields[12])) / tick)
     totals: dict[str, float] = {}
-    for pid, (role, seconds) in info.items():
-        p = pid
-        while p not in (root, 0, 1) and p in parents:
-            p = parents[p]
-        if p == root:
-            totals[role] = totals.get(role, 0.0) + seconds
+    for role, fields in _tree(root):
+        totals[role] = totals.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return totals
 
 
@@ -137,8 +118,16 @@ def process_threads(root: int) -> dict[str, int]:
     """Threads of ``root`` and every process below it, summed by role (as
     :func:`process_cpu_seconds` names them). A CPU worker whose model was loaded on one thread
     and stepped on another carries a second OpenMP pool: ``torch threads - 1`` more."""
+    totals: dict[str, int] = {}
+    for role, fields in _tree(root):
+        totals[role] = totals.get(role, 0) + int(fields[17])  # num_threads
+    return totals
+
+
+def _tree(root: int) -> list[tuple[str, list[str]]]:
+    """``(role, /proc/PID/stat fields from the state on)`` of ``root`` and every process below it."""
     parents: dict[int, int] = {}
-    info: dict[int, tuple[str, int]] = {}
+    info: dict[int, tuple[str, list[str]]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -150,15 +139,15 @@ def process_threads(root: int) -> dict[str, int]:
         except OSError:
             continue
         parents[int(entry)] = int(fields[1])
-        info[int(entry)] = (_role(argv), int(fields[17]))  # num_threads
-    totals: dict[str, int] = {}
-    for pid, (role, threads) in info.items():
+        info[int(entry)] = (_role(argv), fields)
+    mine = []
+    for pid, found in info.items():
         p = pid
         while p not in (root, 0, 1) and p in parents:
             p = parents[p]
         if p == root:
-            totals[role] = totals.get(role, 0) + threads
-    return totals
+            mine.append(found)
+    return mine
 
 
 def _role(argv: list[str]) -> str:
