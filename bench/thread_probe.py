@@ -54,14 +54,12 @@ class CallerThread(concurrent.futures.Executor):
     """Runs what is submitted on the thread that calls :meth:`serve`, until :meth:`stop`."""
 
     def __init__(self) -> None:
-        self._calls: queue.SimpleQueue[
-            tuple[concurrent.futures.Future[Any], Callable[..., Any], tuple[Any, ...]] | None
-        ]
+        self._calls: queue.SimpleQueue[tuple[concurrent.futures.Future[Any], Callable[[], Any]] | None]
         self._calls = queue.SimpleQueue()
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._calls.put((future, lambda: fn(*args, **kwargs), ()))
+        self._calls.put((future, lambda: fn(*args, **kwargs)))
         return future
 
     def stop(self) -> None:
@@ -69,7 +67,7 @@ class CallerThread(concurrent.futures.Executor):
 
     def serve(self) -> None:
         while (call := self._calls.get()) is not None:
-            future, fn, _ = call
+            future, fn = call
             try:
                 future.set_result(fn())
             except BaseException as exc:

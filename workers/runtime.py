@@ -7,7 +7,7 @@ results, :mod:`.lifecycle` starts, serves and stops.
 Threading: the asyncio loop owns the engine's state (adds, aborts, releases,
 scheduling, postprocessing); only a step's forward pass (:meth:`Engine.launch` and
 :meth:`Engine.collect`) runs in the engine thread, so no lock is needed. Build the engine
-in that thread too (:func:`engine_thread`, as ``pdserve prefill|decode|unified`` do): on a
+in that thread too (:func:`engine_thread_pool`, as ``pdserve prefill|decode|unified`` do): on a
 CPU each thread that runs a parallel torch operation gets its own OpenMP thread pool, and
 with two of them libgomp counts more threads than cores and stops letting idle ones spin,
 which cost the forward passes a quarter of their speed on two cores (docs/performance.md).
