@@ -124,8 +124,50 @@ def process_threads(root: int) -> dict[str, int]:
     return totals
 
 
+def thread_seconds(root: int) -> dict[str, dict[int, float]]:
+    """CPU seconds so far of each thread of ``root`` and every process below it, by role (as
+    :func:`process_cpu_seconds` names them) and thread id. Two snapshots show which threads
+    worked in between: a second *working* OpenMP pool doubles the busy ones, an idle pool
+    (torch's pthreadpool, BLAS threads made at import) does not count."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, dict[int, float]] = {}
+    for role, pid in _tree_pids(root):
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            out.setdefault(role, {})[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def busy_threads(
+    before: dict[str, dict[int, float]], after: dict[str, dict[int, float]], floor: float = 0.05
+) -> dict[str, object]:
+    """Per role, how many threads used at least ``floor`` CPU seconds between two
+    :func:`thread_seconds` snapshots, and the ten largest of those seconds."""
+    out: dict[str, object] = {}
+    for role, now in after.items():
+        used = sorted((s - before.get(role, {}).get(tid, 0.0) for tid, s in now.items()), reverse=True)
+        out[role] = {"busy": sum(u >= floor for u in used), "top_seconds": [round(u, 2) for u in used[:10]]}
+    return out
+
+
+def _tree_pids(root: int) -> list[tuple[str, int]]:
+    return [(role, pid) for role, pid, _ in _tree_entries(root)]
+
+
 def _tree(root: int) -> list[tuple[str, list[str]]]:
-    """``(role, /proc/PID/stat fields from the state on)`` of ``root`` and every process below it."""
+    return [(role, fields) for role, _, fields in _tree_entries(root)]
+
+
+def _tree_entries(root: int) -> list[tuple[str, int, list[str]]]:
+    """``(role, pid, /proc/PID/stat fields from the state on)`` of ``root`` and every process below it."""
     parents: dict[int, int] = {}
     info: dict[int, tuple[str, list[str]]] = {}
     for entry in os.listdir("/proc"):
@@ -141,12 +183,12 @@ def _tree(root: int) -> list[tuple[str, list[str]]]:
         parents[int(entry)] = int(fields[1])
         info[int(entry)] = (_role(argv), fields)
     mine = []
-    for pid, found in info.items():
+    for pid, (role, fields) in info.items():
         p = pid
         while p not in (root, 0, 1) and p in parents:
             p = parents[p]
         if p == root:
-            mine.append(found)
+            mine.append((role, pid, fields))
     return mine
 
 

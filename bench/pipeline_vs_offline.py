@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import process_cpu_seconds, process_threads, start_pdserve, stop_pdserve
+from common import busy_threads, process_cpu_seconds, process_threads, start_pdserve, stop_pdserve, thread_seconds
 from engine_bench import Request, run_pdserve, workload
 from sse_client import Connection, split_url
 
@@ -264,12 +264,15 @@ def main() -> int:
                 reqs = fresh()
                 forward_before = forward_totals(url, settle=0.0 if pairs else 2.5)
                 cpu_before = process_cpu_seconds(proc.pid)
+                threads_before = thread_seconds(proc.pid)
                 client_before = time.process_time()
                 seconds, ttfts, cached, _ = asyncio.run(through_http(url, reqs, args.concurrency, client=args.client))
                 ttfts.sort()
                 forward = forward_totals(url)
                 pipe = {
-                    "threads": process_threads(proc.pid),  # per role: a second OpenMP pool shows here
+                    "threads": process_threads(proc.pid),  # per role, idle ones included
+                    # per role, the threads that worked during the run: a second working pool shows here
+                    "busy_threads": busy_threads(threads_before, thread_seconds(proc.pid)),
                     # each role's time in forward passes and their count: against the offline
                     # engine's, whether the steps ran slower or there were more of them
                     "forward": {
