@@ -17,7 +17,6 @@ import contextlib
 import dataclasses
 import logging
 import math
-import os
 import signal
 import socket
 import subprocess
@@ -38,7 +37,7 @@ from pdserve.broker.connection import connect
 from pdserve.broker.contract import KV_READY, REQUESTS, WorkChannel
 from pdserve.broker.registry import WorkerRegistry
 from pdserve.broker.streams import BrokerConfig, worker_bucket
-from pdserve.children import Child, tend, worker_argv
+from pdserve.children import Child, tend, threads_per_worker, worker_argv
 from pdserve.launch import broker_config, choose_transport, model_name, nats_auth, resolve_model, scaling_config
 from pdserve.scaling import (
     ROLES,
@@ -247,14 +246,14 @@ class Autoscale:
 def size_for_autoscale(args: argparse.Namespace, config: ScalingConfig) -> int:
     """Size the consumers for the largest pools (a worker fetches only what it has room for,
     so a limit above what runs now costs nothing; one below would starve new replicas) and
-    return the torch threads per worker: the cores over the smallest pools."""
+    return the torch threads per worker: the cores over the smallest pools (:func:`threads_per_worker`)."""
     per_worker = args.max_running_requests
     if args.prefill_max_ack_pending is None:
         args.prefill_max_ack_pending = per_worker * config.prefill.max_replicas
     if args.decode_max_ack_pending is None:
         args.decode_max_ack_pending = per_worker * config.decode.max_replicas
     smallest = max(config.prefill.min_replicas + config.decode.min_replicas, 1)
-    return int(args.num_threads or max(1, (os.cpu_count() or 1) // smallest))
+    return int(args.num_threads or threads_per_worker(smallest))
 
 
 def run_autoscale(args: argparse.Namespace) -> int:

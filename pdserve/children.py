@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -102,6 +103,17 @@ def tend(children: list[Child], now: float | None = None) -> None:
         child.process = None
         child.restarts += 1
         child.restart_at = now + delay
+
+
+def threads_per_worker(workers: int, cores: int | None = None) -> int:
+    """Torch CPU threads for each of ``workers`` workers sharing this machine's ``cores``
+    with the API, the broker and their clients: one core in eight is left to those (none
+    on fewer than eight), the rest shared out. A CPU worker's OpenMP threads wait for
+    each other at every operation, so one of them preempted by the API holds up the
+    step: on a 16-core host the unified pipeline made 2,583-2,660 output tok/s with 14
+    threads against 1,892-1,995 with 16 (docs/performance.md)."""
+    cores = cores or os.cpu_count() or 1
+    return max(1, (cores - cores // 8) // max(workers, 1))
 
 
 def worker_argv(

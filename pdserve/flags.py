@@ -153,7 +153,11 @@ ENGINE = (
         type=int,
         help="threads that advance structured-output grammars and fill their masks each step (default: 1)",
     ),
-    Flag("--num-threads", type=int, help="torch CPU threads (default: cores / workers under `up`)"),
+    Flag(
+        "--num-threads",
+        type=int,
+        help="torch CPU threads (default under `up`: the cores less one in eight, shared by the workers)",
+    ),
     Flag("--kv-hold-seconds", WorkerConfig.kv_hold_seconds, float, "how long prefill keeps unclaimed KV"),
     Flag(
         "--kv-host-bytes",

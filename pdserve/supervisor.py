@@ -31,7 +31,7 @@ from pdserve.autoscale import EXIT_FAILED, Autoscale, Pool, size_for_autoscale, 
 from pdserve.broker.auth import NatsAuth
 from pdserve.broker.credentials import ADMIN, EmbeddedCredentials
 from pdserve.broker.server import NatsServer, NatsServerError, start_nats_server, write_private
-from pdserve.children import Child, nats_user, tend, worker_argv
+from pdserve.children import Child, nats_user, tend, threads_per_worker, worker_argv
 from pdserve.launch import (
     UsageError,
     api_config,
@@ -217,7 +217,7 @@ def run_up(args: argparse.Namespace) -> int:
     else:
         roles = plan_roles(args)
         size_consumers(args, roles)
-        threads = args.num_threads or max(1, (os.cpu_count() or 1) // len(roles))
+        threads = args.num_threads or threads_per_worker(len(roles))
     devices = plan_devices(args, roles)
     if args.api_processes < 1 or (args.api_processes > 1 and args.port == 0):
         raise SystemExit("pdserve up: error: --api-processes must be at least 1 (and more than 1 needs a fixed --port)")

@@ -73,3 +73,14 @@ def test_a_retired_child_that_will_not_stop_is_killed(tmp_path: Path) -> None:
     wait_exit(child)
     tend(children)
     assert children == []
+
+
+def test_workers_leave_a_core_in_eight_to_the_api_and_the_broker() -> None:
+    from pdserve.children import threads_per_worker
+
+    assert threads_per_worker(1, cores=2) == 2, "on fewer than eight cores nothing is held back"
+    assert threads_per_worker(2, cores=2) == 1
+    assert threads_per_worker(1, cores=16) == 14
+    assert threads_per_worker(2, cores=16) == 7
+    assert threads_per_worker(3, cores=8) == 2
+    assert threads_per_worker(4, cores=2) == 1, "never fewer than one thread"
