@@ -5,7 +5,9 @@ consumers pdserve creates), a publisher (this process, like the API) sends ``Gen
 and ``KVReady``s (with a 512-token prompt and a 4-page handle, the size decode sees) to
 ``pd.kv.<model>``, ``N`` at a time (1 = one in flight; 64 = a burst of 64 published
 concurrently), and a consumer in another process (like a worker) fetches and acks them. Latency is from the timestamp the
-message carries (taken just before ``js.publish``) to the moment the fetch returns it.
+message carries (taken when its coroutine builds it, just before publishing it; until
+2026-12-02 every message of a burst was built and stamped before the first was published,
+which charged each with the building of all 64) to the moment the fetch returns it.
 
 Two consumers are measured in the same run:
 
@@ -122,8 +124,15 @@ async def measure(
     subject = subjects.requests(MODEL) if kind == "request" else subjects.kv_ready(MODEL)
     for r in range(rounds):
         ids = [f"{kind}-{consumer_kind}-{r}-{i}-{time.time_ns()}" for i in range(burst)]
+
+        async def one(rid: str) -> None:
+            # built, stamped and published by its own coroutine, as each API request handler
+            # does: message k's clock starts when the k before it have been handed to the
+            # client, not before any of them
+            await publish_work(pub, subject, message(kind, rid), msg_id=rid)
+
         started = time.perf_counter()
-        await asyncio.gather(*(publish_work(pub, subject, message(kind, rid), msg_id=rid) for rid in ids))
+        await asyncio.gather(*(one(rid) for rid in ids))
         publish_ms.append((time.perf_counter() - started) * 1e3)
         await asyncio.sleep(0.02 if burst == 1 else 0.2)  # let the round drain: in-flight stays at `burst`
     await pub.close()
