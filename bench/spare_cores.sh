@@ -5,9 +5,9 @@
 #                                        # to two cores (taskset; nats-server and the consumer inherit it)
 #   bash bench/spare_cores.sh pipeline   # bench/pipeline_vs_offline.py on every core (CUDA hidden);
 #                                        # PIPELINE_ARGS adds flags (e.g. --modes pd --repeat 5)
-#   bash bench/spare_cores.sh threads    # the same per mode with fewer torch threads per worker than
-#                                        # `pdserve up` gives by default (cores / workers), leaving
-#                                        # cores to the API, nats-server and the client
+#   bash bench/spare_cores.sh threads    # the same per mode and torch threads per worker
+#                                        # (THREAD_CONFIGS="mode:n ...", 0 = `pdserve up`'s default:
+#                                        # the cores less one in eight, shared by the workers)
 #   bash bench/spare_cores.sh probe      # bench/thread_probe.py on every core
 set -u
 out=${OUT:-/tmp/pdserve-cores}
