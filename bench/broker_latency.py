@@ -122,15 +122,15 @@ async def measure(
     await asyncio.get_running_loop().run_in_executor(None, ready.wait, 60)
     pub = await nats.connect(url)
     subject = subjects.requests(MODEL) if kind == "request" else subjects.kv_ready(MODEL)
+
+    async def one(rid: str) -> None:
+        # built, stamped and published by its own coroutine, as each API request handler
+        # does: message k's clock starts when the k before it have been handed to the
+        # client, not before any of them
+        await publish_work(pub, subject, message(kind, rid), msg_id=rid)
+
     for r in range(rounds):
         ids = [f"{kind}-{consumer_kind}-{r}-{i}-{time.time_ns()}" for i in range(burst)]
-
-        async def one(rid: str) -> None:
-            # built, stamped and published by its own coroutine, as each API request handler
-            # does: message k's clock starts when the k before it have been handed to the
-            # client, not before any of them
-            await publish_work(pub, subject, message(kind, rid), msg_id=rid)
-
         started = time.perf_counter()
         await asyncio.gather(*(one(rid) for rid in ids))
         publish_ms.append((time.perf_counter() - started) * 1e3)

@@ -131,7 +131,7 @@ def thread_seconds(root: int) -> dict[str, dict[int, float]]:
     (torch's pthreadpool, BLAS threads made at import) does not count."""
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, dict[int, float]] = {}
-    for role, pid in _tree_pids(root):
+    for role, pid, _ in _tree_entries(root):
         try:
             tids = os.listdir(f"/proc/{pid}/task")
         except OSError:
@@ -156,10 +156,6 @@ def busy_threads(
         used = sorted((s - before.get(role, {}).get(tid, 0.0) for tid, s in now.items()), reverse=True)
         out[role] = {"busy": sum(u >= floor for u in used), "top_seconds": [round(u, 2) for u in used[:10]]}
     return out
-
-
-def _tree_pids(root: int) -> list[tuple[str, int]]:
-    return [(role, pid) for role, pid, _ in _tree_entries(root)]
 
 
 def _tree(root: int) -> list[tuple[str, list[str]]]:
