@@ -147,7 +147,8 @@ class AckedPublisher:
         try:
             headers = {**(headers or {}), "Nats-Msg-Id": msg_id}
             await self._nc.publish(subject, data, reply=self._prefix + token, headers=headers)
-            return await asyncio.wait_for(waiting, timeout)
+            async with asyncio.timeout(timeout):  # wait_for (3.11) can drop a cancel
+                return await waiting
         except TimeoutError:
             raise NatsTimeoutError from None
         finally:

@@ -37,7 +37,8 @@ async def survey(
     pdserve's streams and consumers against ``config``. ``model``: also check that its two
     consumers exist (else every consumer found is reported)."""
     try:
-        nc = await asyncio.wait_for(connect(url, "pdserve-doctor", auth, reconnect=False), timeout)
+        async with asyncio.timeout(timeout):
+            nc = await connect(url, "pdserve-doctor", auth, reconnect=False)
     except Exception as exc:  # any failure to connect is the finding
         return [Finding("nats", FAIL, f"cannot connect to {url}: {type(exc).__name__}: {exc}")]
     try:
@@ -62,7 +63,8 @@ def _server(nc: Client) -> Finding:
 
 async def _jetstream(js: JetStreamContext, config: BrokerConfig, model: str | None, timeout: float) -> list[Finding]:
     try:
-        account = await asyncio.wait_for(js.account_info(), timeout)
+        async with asyncio.timeout(timeout):
+            account = await js.account_info()
     except Exception as exc:
         return [Finding("jetstream", FAIL, f"not available on this server/account: {type(exc).__name__}: {exc}")]
     found = [

@@ -320,7 +320,8 @@ class Client:
             if remaining <= 0:
                 raise RequestTimeout(f"request {live.request.rid} timed out")
             try:
-                first = await asyncio.wait_for(stream.queue.get(), min(remaining, WATCH_SECONDS))
+                async with asyncio.timeout(min(remaining, WATCH_SECONDS)):  # wait_for (3.11) can drop a cancel
+                    first = await stream.queue.get()
             except TimeoutError:
                 reason = stream.expired(time.monotonic(), self.stall_timeout, self.gap_timeout)
                 if reason is not None:

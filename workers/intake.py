@@ -55,8 +55,9 @@ class Intake(Generic[M]):
             room = await self._room()
             if room == 0:
                 self.room_freed.clear()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self.room_freed.wait(), self._idle_wait)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self._idle_wait):  # not wait_for: see runtime
+                        await self.room_freed.wait()
                 continue
             try:
                 deliveries = await self.queue.fetch(min(room, self._max_batch), self._fetch_timeout)

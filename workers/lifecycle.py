@@ -122,7 +122,8 @@ class Lifecycle:
             await stop()
             return
         try:
-            await asyncio.wait_for(stop(), CRASH_EXIT_SECONDS)
+            async with asyncio.timeout(CRASH_EXIT_SECONDS):
+                await stop()
         except Exception as exc:  # ending anyway: the supervisor restarts us
             log.error("shutdown after a crash did not complete", extra={"error": repr(exc)})
         raise WorkerCrashed(self.crashed)
@@ -152,7 +153,8 @@ class Lifecycle:
 
     async def _bounded(self, step: str, work: Awaitable[object], seconds: float = 10.0) -> None:
         try:
-            await asyncio.wait_for(work, seconds)
+            async with asyncio.timeout(seconds):
+                await work
         except TimeoutError:
             log.warning("shutdown step timed out", extra={"step": step, "seconds": seconds})
         except Exception as exc:

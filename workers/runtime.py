@@ -475,8 +475,12 @@ class WorkerRuntime:
                     await self._complete(engine.pending)
                     continue
                 self._wake.clear()  # work waits for pages or imports: poll gently
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), 0.05)
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the result
+                # and drops a cancel that lands as the wait completes, and this loop would
+                # then outlive the worker's stop.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(0.05):
+                        await self._wake.wait()
                 continue
             try:
                 launched = await loop.run_in_executor(self._engine_thread, engine.launch, batch)

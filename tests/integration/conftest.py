@@ -178,12 +178,27 @@ async def vanish(worker: Any) -> None:
     tasks = [*worker.lifecycle._tasks, *worker._background]
     for task in tasks:
         task.cancel()
-    # Bounded: a test must fail, not hang, if something of the worker will not stop.
-    await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+    # Bounded: a test must fail, not hang, if something of the worker will not stop; the
+    # failure names what would not stop and where it waits.
+    _, pending = await asyncio.wait(tasks, timeout=10)
+    if pending:
+        where = [_awaiting(t) for t in pending]
+        raise AssertionError("worker tasks did not end 10 s after cancel:\n" + "\n".join(where))
     await asyncio.wait_for(worker.nc.close(), 10)
     worker.stopped.set()
     if worker.transfer is not None:
         worker.transfer.close()
+
+
+def _awaiting(task: asyncio.Task[Any]) -> str:
+    """Where a suspended task waits: each coroutine of its await chain, outermost first."""
+    where, coro = [], task.get_coro()
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None)
+        if frame is not None:
+            where.append(f"{frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None)
+    return " -> ".join(where) or repr(task)
 
 
 @pytest.fixture

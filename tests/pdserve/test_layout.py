@@ -121,3 +121,19 @@ def test_each_floor_imports_only_the_floors_below() -> None:
 def test_the_cycle_finder_finds_cycles() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c", "a"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_uses_asyncio_wait_for() -> None:
+    """Python 3.11's ``asyncio.wait_for`` returns the result, and drops the cancel, when a
+    cancel lands as the awaited thing completes: a worker loop polling with it could outlive
+    the worker's stop. ``asyncio.timeout`` keeps the cancel; the packages use only that."""
+    found = []
+    for name, path in _source_files().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr == "wait_for"
+                and getattr(node.value, "id", "") == "asyncio"
+            ):
+                found.append(f"{name}:{node.lineno}")
+    assert found == []
