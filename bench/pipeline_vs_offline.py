@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import multiprocessing
@@ -23,6 +24,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,7 @@ from common import busy_threads, process_cpu_seconds, process_threads, start_pds
 from engine_bench import Request, run_pdserve, workload
 from sse_client import Connection, split_url
 
+from pdserve.cores import available, format_cpus, spare
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.loader import build_engine
 from pdserve.engine.tiny_model import ensure_default_model
@@ -182,6 +185,21 @@ def drive(
     return span[1] - span[0], ttfts, sum(o[3] for o in outs), sum(o[4] for o in outs), span, timeline
 
 
+@contextlib.contextmanager
+def client_cores(cores: list[int] | None) -> Iterator[None]:
+    """This thread on ``cores`` (None: as it is) for the block. Affinity is a thread's: the
+    offline engine's OpenMP threads keep theirs, and this one gets its own back after."""
+    if cores is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 def cpu_per_token(root: int, before: dict[str, float], client_seconds: float, tokens: int) -> dict[str, float]:
     """CPU microseconds per output token of each part of the pipeline since ``before``
     (``client``: this process, which sends the requests and reads the streams)."""
@@ -252,6 +270,10 @@ def main() -> int:
         "offline_threads": torch.get_num_threads(),  # torch's, not the process's
         "up_args": args.up_args,
     }
+    # `up --pin-cores` leaves the first cores to the API and the broker: the client takes them
+    # too (as a remote client would take none of the workers'), only while it drives the pipeline
+    client_set = spare(available()) if "--pin-cores" in args.up_args.split() else None
+    result["client_cores"] = format_cpus(client_set) if client_set else "any"
     for mode in args.modes.split(","):
         proc, url = start_pdserve(
             mode, data_dir, ["--unified-workers", "1", "--max-running-requests", "256", *args.up_args.split()]
@@ -266,7 +288,10 @@ def main() -> int:
                 cpu_before = process_cpu_seconds(proc.pid)
                 threads_before = thread_seconds(proc.pid)
                 client_before = time.process_time()
-                seconds, ttfts, cached, _ = asyncio.run(through_http(url, reqs, args.concurrency, client=args.client))
+                with client_cores(client_set):
+                    seconds, ttfts, cached, _ = asyncio.run(
+                        through_http(url, reqs, args.concurrency, client=args.client)
+                    )
                 ttfts.sort()
                 forward = forward_totals(url)
                 pipe = {

@@ -6,8 +6,10 @@
 #   bash bench/spare_cores.sh pipeline   # bench/pipeline_vs_offline.py on every core (CUDA hidden);
 #                                        # PIPELINE_ARGS adds flags (e.g. --modes pd --repeat 5)
 #   bash bench/spare_cores.sh threads    # the same per mode and torch threads per worker
-#                                        # (THREAD_CONFIGS="mode:n ...", 0 = `pdserve up`'s default:
-#                                        # the cores less one in eight, shared by the workers)
+#                                        # (THREAD_CONFIGS="mode:n[:pin] ...", 0 = `pdserve up`'s default,
+#                                        # pd:P+D = P prefill and D decode threads;
+#                                        # the cores less one in eight, shared by the workers; pin:
+#                                        # `up --pin-cores`, the client on the cores it leaves)
 #   bash bench/spare_cores.sh probe      # bench/thread_probe.py on every core
 set -u
 out=${OUT:-/tmp/pdserve-cores}
@@ -27,12 +29,16 @@ pipeline)
   grep -v "^ \|^{\|^}" "$out/pipeline.log" | tail -12
   ;;
 threads)
+  i=0
   for cfg in ${THREAD_CONFIGS:-unified:0 unified:12 unified:8 pd:0 pd:6 pd:4}; do
-    mode=${cfg%%:*} n=${cfg##*:}
+    IFS=: read -r mode n pin <<< "$cfg"
     up=""; [ "$n" = 0 ] || up="--num-threads $n"
+    case $n in *+*) up="--prefill-num-threads ${n%+*} --decode-num-threads ${n#*+}" ;; esac
+    [ "${pin:-}" = pin ] && up="$up --pin-cores"
+    name="$((i += 1))_${mode}_threads${n/+/_}${pin:+_$pin}"
     timeout 170 python3 bench/pipeline_vs_offline.py --modes $mode --up-args "$up" \
-      --json "$out/pipeline_vs_offline_${mode}_threads$n.json" > "$out/pipeline_${mode}_threads$n.log" 2>&1
-    echo "== $mode, worker threads ${n/#0/default}"; grep "offline .* pipeline\|cold" "$out/pipeline_${mode}_threads$n.log"
+      --json "$out/pipeline_vs_offline_$name.json" > "$out/pipeline_$name.log" 2>&1
+    echo "== $mode, worker threads ${n/#0/default}${pin:+, pinned}"; grep "offline .* pipeline\|cold\|rror" "$out/pipeline_$name.log" | tail -5
   done
   ;;
 probe)   # bench/thread_probe.py: where the engine is built and stepped, each way in its own process

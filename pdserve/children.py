@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from typing import Any
 
 from pdserve import flags
 from pdserve.broker.credentials import EmbeddedCredentials
+from pdserve.cores import available, format_cpus
 
 log = logging.getLogger("pdserve.up")
 
@@ -112,7 +112,7 @@ def threads_per_worker(workers: int, cores: int | None = None) -> int:
     each other at every operation, so one of them preempted by the API holds up the
     step: on a 16-core host the unified pipeline made 2,583-2,660 output tok/s with 14
     threads against 1,892-1,995 with 16 (docs/performance.md)."""
-    cores = cores or os.cpu_count() or 1
+    cores = cores or len(available())  # not os.cpu_count(): a container's cpuset may allow fewer
     return max(1, (cores - cores // 8) // max(workers, 1))
 
 
@@ -124,12 +124,14 @@ def worker_argv(
     threads: int,
     device: str | None = None,
     credentials: EmbeddedCredentials | None = None,
+    cores: list[int] | None = None,
 ) -> list[str]:
     """``python -m pdserve <role>`` with every flag ``up`` shares with workers, from the flag
     table, plus what ``up`` decides: the model (the directory ``--model-path`` resolved to),
     the broker (and the role's user of the embedded one, by password file), threads, the
     transfer host and the worker's device (default ``--device``), and the role's
-    tensor-parallel size (its ranks share the worker's threads)."""
+    tensor-parallel size (its ranks share the worker's threads), and its own ``cores``
+    (``up --pin-cores``)."""
     tp = role_tp_size(args, role)
     values = {
         **vars(args),
@@ -140,6 +142,7 @@ def worker_argv(
         "num_threads": max(1, threads // tp),
         "host": args.transfer_host,
         "exit_with_parent": True,
+        **({"cpus": format_cpus(cores)} if cores else {}),
         **nats_user(credentials, role),
     }
     argv = [sys.executable, "-m", "pdserve", role, *flags.render(flags.forwarded(), values)]

@@ -158,6 +158,10 @@ ENGINE = (
         type=int,
         help="torch CPU threads (default under `up`: the cores less one in eight, shared by the workers)",
     ),
+    Flag(
+        "--cpus",
+        help="CPU cores the worker runs on, e.g. 2-8,12 (Linux; default: any; `up --pin-cores` gives each its own)",
+    ),
     Flag("--kv-hold-seconds", WorkerConfig.kv_hold_seconds, float, "how long prefill keeps unclaimed KV"),
     Flag(
         "--kv-host-bytes",
@@ -433,6 +437,14 @@ UP = (
         "(e.g. cuda:0,cuda:1: prefill on GPU 0, decode on GPU 1; default: every worker on --device)",
     ),
     Flag("--transfer-host", WorkerConfig.host, help="address workers' transfer engines listen on"),
+    Flag("--prefill-num-threads", type=int, help="torch CPU threads of each prefill worker (default: --num-threads)"),
+    Flag("--decode-num-threads", type=int, help="torch CPU threads of each decode worker (default: --num-threads)"),
+    Flag(
+        "--pin-cores",
+        switch=True,
+        help="give each worker cores of its own (--cpus) and the API, the broker and their clients the first "
+        "one in eight, so that none preempts a CPU worker mid-step (Linux, 8 cores or more)",
+    ),
     Flag(
         "--kv-store",
         switch=True,

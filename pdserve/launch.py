@@ -99,6 +99,29 @@ def check_worker_flags(args: argparse.Namespace, role: str) -> None:
         raise UsageError(f"--disaggregation-transfer-backend {backend} with --device {args.device}: {wrong_device}")
     if args.page_size < 1 or args.page_size & (args.page_size - 1):
         raise UsageError("--page-size must be a power of two")
+    if args.cpus is not None:
+        from pdserve.cores import parse_cpus
+
+        try:
+            parse_cpus(args.cpus)
+        except ValueError as exc:
+            raise UsageError(f"--cpus: {exc}") from None
+
+
+def pin_worker(text: str) -> None:
+    """``--cpus``: every thread of this process onto those cores, all of them or an error
+    (not the part of them a cpuset allows). The process may start on fewer: under ``up
+    --pin-cores`` it inherits the API's."""
+    from pdserve.cores import available, parse_cpus, pin
+
+    cores = parse_cpus(text)
+    try:
+        pin(cores)
+    except OSError as exc:
+        raise UsageError(f"--cpus {text}: cannot run there: {exc.strerror}") from None
+    missing = sorted(set(cores) - set(available()))
+    if missing:
+        raise UsageError(f"--cpus {text}: cores {missing} are not this process's to run on (a cpuset?)")
 
 
 @dataclass(frozen=True)
@@ -433,6 +456,9 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
     if args.exit_with_parent:
         exit_with_parent()
     check_worker_flags(args, role)
+    if args.cpus is not None:  # before the ranks and the engine's threads start: they inherit it
+        pin_worker(args.cpus)
+        log.info("worker pinned", extra={"role": role, "cpus": args.cpus})
     if args.disaggregation_bootstrap_port is not None:
         log.info(
             "--disaggregation-bootstrap-port is not needed by pdserve (handles travel over NATS); ignoring its value"

@@ -32,6 +32,7 @@ from pdserve.broker.auth import NatsAuth
 from pdserve.broker.credentials import ADMIN, EmbeddedCredentials
 from pdserve.broker.server import NatsServer, NatsServerError, start_nats_server, write_private
 from pdserve.children import Child, nats_user, tend, threads_per_worker, worker_argv
+from pdserve.cores import available, core_plan, format_cpus, pin
 from pdserve.launch import (
     UsageError,
     api_config,
@@ -209,6 +210,28 @@ def _store(args: argparse.Namespace, children: list[Child]) -> None:
     )
 
 
+def role_threads(args: argparse.Namespace, roles: list[str], threads: int) -> list[int]:
+    """Each worker's torch threads: ``--prefill-/--decode-num-threads``, else ``threads``."""
+    return [getattr(args, f"{role}_num_threads", None) or threads for role in roles]
+
+
+def plan_cores(args: argparse.Namespace, threads: list[int]) -> list[list[int]] | None:
+    """``--pin-cores``: pin this process (the API, and what it starts but the workers: the
+    broker, extra API processes) to the spare cores; returns each worker's own cores, as
+    many as its ``threads``."""
+    if not args.pin_cores:
+        return None
+    if args.autoscale:
+        raise UsageError("--pin-cores: for fixed pools; --autoscale's pools change size")
+    try:
+        spare, own = core_plan(threads, available())
+    except ValueError as exc:
+        raise UsageError(f"--pin-cores: {exc}") from None
+    pin(spare)
+    log.info("cores pinned", extra={"api_and_broker": format_cpus(spare), "workers": [format_cpus(c) for c in own]})
+    return own
+
+
 def run_up(args: argparse.Namespace) -> int:
     scaling = None
     if args.autoscale:
@@ -219,6 +242,8 @@ def run_up(args: argparse.Namespace) -> int:
         size_consumers(args, roles)
         threads = args.num_threads or threads_per_worker(len(roles))
     devices = plan_devices(args, roles)
+    worker_threads = role_threads(args, roles, threads)
+    own_cores = plan_cores(args, worker_threads)
     if args.api_processes < 1 or (args.api_processes > 1 and args.port == 0):
         raise SystemExit("pdserve up: error: --api-processes must be at least 1 (and more than 1 needs a fixed --port)")
     own_credentials = [f.name for f in flags.NATS_AUTH if getattr(args, f.dest) is not None]
@@ -257,8 +282,10 @@ def run_up(args: argparse.Namespace) -> int:
         scaling_run = (scaler, credentials.auth(ADMIN) if credentials is not None else nats_auth(args))
     else:
         children += [
-            Child(role, i, worker_argv(args, role, model_path, nats_url, threads, device, credentials))
-            for i, (role, device) in enumerate(zip(roles, devices, strict=True))
+            Child(role, i, worker_argv(args, role, model_path, nats_url, n, device, credentials, cores))
+            for i, (role, n, device, cores) in enumerate(
+                zip(roles, worker_threads, devices, own_cores or [None] * len(roles), strict=True)
+            )
         ]
     children += [
         Child("api", i, api_argv(args, model_path, nats_url, api_ids[i], credentials, key_file))

@@ -3,6 +3,7 @@ at start with a clear message, and `up` hands workers the right arguments."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ from pdserve.launch import (
     engine_config,
     resolve_model,
 )
-from pdserve.supervisor import plan_roles, size_consumers, worker_argv
+from pdserve.supervisor import plan_cores, plan_roles, size_consumers, worker_argv
 
 SGLANG_PREFILL = (
     "prefill --model-path /data/model --port 7000 --host 0.0.0.0 --tensor-parallel-size 1 "
@@ -49,6 +50,7 @@ def test_an_sglang_prefill_command_parses_and_passes_the_checks() -> None:
         (["--disaggregation-transfer-backend", "nccl"], "moves cuda pools, not cpu ones .a cpu pool moves over gloo"),
         (["--disaggregation-transfer-backend", "gloo", "--device", "cuda:1"], "moves cpu pools, not cuda ones"),
         (["--page-size", "12"], "power of two"),
+        (["--cpus", "3-1"], "--cpus: not a list of CPU cores"),
     ],
 )
 def test_values_pdserve_cannot_honour_are_errors(flags: list[str], message: str) -> None:
@@ -116,7 +118,9 @@ def test_up_plans_roles_and_forwards_engine_flags() -> None:
     assert argv[3] == "decode" and "--exit-with-parent" in argv
     assert argv[argv.index("--max-total-tokens") + 1] == "8192"
     assert argv[argv.index("--nats-url") + 1] == "nats://127.0.0.1:1"
-    assert "--tensor-parallel-size" not in argv
+    assert "--tensor-parallel-size" not in argv and "--cpus" not in argv
+    argv = worker_argv(args, "decode", Path("/m"), "nats://127.0.0.1:1", 7, cores=[9, 10, 11, 12, 13, 14, 15])
+    assert argv[argv.index("--cpus") + 1] == "9-15", "up --pin-cores: the worker's own cores"
     tp = build_parser().parse_args(["up", "--tp-size", "2", "--decode-tensor-parallel-size", "4"])
     for role, size in (("prefill", "2"), ("decode", "4")):
         argv = worker_argv(tp, role, Path("/m"), "nats://127.0.0.1:1", 8)
@@ -126,6 +130,15 @@ def test_up_plans_roles_and_forwards_engine_flags() -> None:
     assert plan_roles(unified) == ["unified", "unified"]
     with pytest.raises(SystemExit):
         plan_roles(build_parser().parse_args(["up", "--prefill-workers", "0"]))
+
+
+def test_up_pin_cores_refuses_what_it_cannot_do() -> None:
+    with pytest.raises(UsageError, match="--pin-cores: for fixed pools"):
+        plan_cores(build_parser().parse_args(["up", "--pin-cores", "--autoscale"]), [1, 1])
+    if len(os.sched_getaffinity(0)) < 8:
+        with pytest.raises(UsageError, match=r"--pin-cores: .* cores cannot give workers of 1[+]1 threads"):
+            plan_cores(build_parser().parse_args(["up", "--pin-cores"]), [1, 1])
+    assert plan_cores(build_parser().parse_args(["up"]), [1, 1]) is None
 
 
 def test_up_autoscale_starts_each_pool_at_its_minimum_and_sizes_the_consumers_for_the_maximum() -> None:
