@@ -243,7 +243,7 @@ def run_up(args: argparse.Namespace) -> int:
         threads = args.num_threads or threads_per_worker(len(roles))
     devices = plan_devices(args, roles)
     worker_threads = role_threads(args, roles, threads)
-    own_cores = plan_cores(args, worker_threads)
+    own_cores: list[list[int] | None] = [*(plan_cores(args, worker_threads) or [None] * len(roles))]
     if args.api_processes < 1 or (args.api_processes > 1 and args.port == 0):
         raise SystemExit("pdserve up: error: --api-processes must be at least 1 (and more than 1 needs a fixed --port)")
     own_credentials = [f.name for f in flags.NATS_AUTH if getattr(args, f.dest) is not None]
@@ -283,9 +283,7 @@ def run_up(args: argparse.Namespace) -> int:
     else:
         children += [
             Child(role, i, worker_argv(args, role, model_path, nats_url, n, device, credentials, cores))
-            for i, (role, n, device, cores) in enumerate(
-                zip(roles, worker_threads, devices, own_cores or [None] * len(roles), strict=True)
-            )
+            for i, (role, n, device, cores) in enumerate(zip(roles, worker_threads, devices, own_cores, strict=True))
         ]
     children += [
         Child("api", i, api_argv(args, model_path, nats_url, api_ids[i], credentials, key_file))
