@@ -243,7 +243,8 @@ def run_up(args: argparse.Namespace) -> int:
         threads = args.num_threads or threads_per_worker(len(roles))
     devices = plan_devices(args, roles)
     worker_threads = role_threads(args, roles, threads)
-    own_cores: list[list[int] | None] = [*(plan_cores(args, worker_threads) or [None] * len(roles))]
+    planned = plan_cores(args, worker_threads)
+    own_cores: list[list[int] | None] = [*planned] if planned is not None else [None for _ in roles]
     if args.api_processes < 1 or (args.api_processes > 1 and args.port == 0):
         raise SystemExit("pdserve up: error: --api-processes must be at least 1 (and more than 1 needs a fixed --port)")
     own_credentials = [f.name for f in flags.NATS_AUTH if getattr(args, f.dest) is not None]
