@@ -277,7 +277,10 @@ def run_up(args: argparse.Namespace) -> int:
         _store(args, children)
     scaling_run: tuple[Autoscale, NatsAuth | None] | None = None
     if scaling is not None:
-        argv = {r: worker_argv(args, r, model_path, nats_url, threads, None, credentials) for r in ROLES}
+        argv = {
+            r: worker_argv(args, r, model_path, nats_url, *role_threads(args, [r], threads), None, credentials)
+            for r in ROLES
+        }
         pools = {r: Pool(r, argv[r], children) for r in ROLES}
         scaler = Autoscale(scaling, pools, model_name(args, model_path), args.scale_interval)
         scaling_run = (scaler, credentials.auth(ADMIN) if credentials is not None else nats_auth(args))

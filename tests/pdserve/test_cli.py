@@ -20,7 +20,7 @@ from pdserve.launch import (
     engine_config,
     resolve_model,
 )
-from pdserve.supervisor import plan_cores, plan_roles, size_consumers, worker_argv
+from pdserve.supervisor import plan_cores, plan_roles, role_threads, size_consumers, worker_argv
 
 SGLANG_PREFILL = (
     "prefill --model-path /data/model --port 7000 --host 0.0.0.0 --tensor-parallel-size 1 "
@@ -121,6 +121,9 @@ def test_up_plans_roles_and_forwards_engine_flags() -> None:
     assert "--tensor-parallel-size" not in argv and "--cpus" not in argv
     argv = worker_argv(args, "decode", Path("/m"), "nats://127.0.0.1:1", 7, cores=[9, 10, 11, 12, 13, 14, 15])
     assert argv[argv.index("--cpus") + 1] == "9-15", "up --pin-cores: the worker's own cores"
+    split = build_parser().parse_args(["up", "--prefill-num-threads", "4", "--decode-num-threads", "10"])
+    assert role_threads(split, plan_roles(split), 7) == [4, 10]
+    assert role_threads(args, ["prefill", "decode"], 7) == [7, 7], "else the threads up shares out"
     tp = build_parser().parse_args(["up", "--tp-size", "2", "--decode-tensor-parallel-size", "4"])
     for role, size in (("prefill", "2"), ("decode", "4")):
         argv = worker_argv(tp, role, Path("/m"), "nats://127.0.0.1:1", 8)
