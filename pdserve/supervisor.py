@@ -278,7 +278,7 @@ def run_up(args: argparse.Namespace) -> int:
     scaling_run: tuple[Autoscale, NatsAuth | None] | None = None
     if scaling is not None:
         argv = {
-            r: worker_argv(args, r, model_path, nats_url, *role_threads(args, [r], threads), None, credentials)
+            r: worker_argv(args, r, model_path, nats_url, role_threads(args, [r], threads)[0], None, credentials)
             for r in ROLES
         }
         pools = {r: Pool(r, argv[r], children) for r in ROLES}
