@@ -6,10 +6,11 @@
 #   bash bench/spare_cores.sh pipeline   # bench/pipeline_vs_offline.py on every core (CUDA hidden);
 #                                        # PIPELINE_ARGS adds flags (e.g. --modes pd --repeat 5)
 #   bash bench/spare_cores.sh threads    # the same per mode and torch threads per worker
-#                                        # (THREAD_CONFIGS="mode:n[:pin] ...", 0 = `pdserve up`'s default,
+#                                        # (THREAD_CONFIGS="mode:n[:opts] ...", 0 = `pdserve up`'s default,
 #                                        # pd:P+D = P prefill and D decode threads;
-#                                        # the cores less one in eight, shared by the workers; pin:
-#                                        # `up --pin-cores`, the client on the cores it leaves)
+#                                        # the cores less one in eight, shared by the workers; opts,
+#                                        # joined by +: pin = `up --pin-cores`, the client on the cores
+#                                        # it leaves; share = `up --share-cores`, threads follow load)
 #   bash bench/spare_cores.sh probe      # bench/thread_probe.py on every core
 set -u
 out=${OUT:-/tmp/pdserve-cores}
@@ -31,14 +32,14 @@ pipeline)
 threads)
   i=0
   for cfg in ${THREAD_CONFIGS:-unified:0 unified:12 unified:8 pd:0 pd:6 pd:4}; do
-    IFS=: read -r mode n pin <<< "$cfg"
+    IFS=: read -r mode n opts <<< "$cfg"
     up=""; [ "$n" = 0 ] || up="--num-threads $n"
     case $n in *+*) up="--prefill-num-threads ${n%+*} --decode-num-threads ${n#*+}" ;; esac
-    [ "${pin:-}" = pin ] && up="$up --pin-cores"
-    name="$((i += 1))_${mode}_threads${n/+/_}${pin:+_$pin}"
+    for o in ${opts//+/ }; do up="$up --$o-cores"; done
+    name="$((i += 1))_${mode}_threads${n/+/_}${opts:+_${opts//+/_}}"
     timeout 170 python3 bench/pipeline_vs_offline.py --modes $mode --up-args "$up" \
       --json "$out/pipeline_vs_offline_$name.json" > "$out/pipeline_$name.log" 2>&1
-    echo "== $mode, worker threads ${n/#0/default}${pin:+, pinned}"; grep "offline .* pipeline\|cold\|rror" "$out/pipeline_$name.log" | tail -5
+    echo "== $mode, worker threads ${n/#0/default}${opts:+, $opts}"; grep "offline .* pipeline\|cold\|rror" "$out/pipeline_$name.log" | tail -5
   done
   ;;
 probe)   # bench/thread_probe.py: where the engine is built and stepped, each way in its own process

@@ -5,7 +5,11 @@ every operation: one thread taken away holds up the step)."""
 
 from __future__ import annotations
 
+import fcntl
+import mmap
 import os
+import struct
+import time
 from collections.abc import Iterable, Sequence
 
 
@@ -70,3 +74,111 @@ def pin(cores: Iterable[int], pid: int | None = None) -> None:
             os.sched_setaffinity(int(tid), mask)
         except ProcessLookupError:  # the thread ended meanwhile
             continue
+
+
+class CoreShare:
+    """CPU workers of one host sharing its cores by load (``pdserve up --share-cores``).
+
+    A file holds the cores to share and one slot per worker: its pid, its weight while it
+    has work (its ``--num-threads``: the static split ``up`` would give it) and when it last
+    said so. Before each step a worker marks itself busy and takes its weight's share of
+    the cores among the workers busy now, as its torch threads (all of them when it is the
+    only one); idle, it marks itself so. A one-wave PD run thus gives decode every core once
+    the prompts are computed, where a fixed split leaves prefill's half idle. A slot not
+    refreshed for :attr:`STALE` seconds (a worker killed mid-step) counts as idle."""
+
+    SLOTS = 64
+    STALE = 30.0
+    _HEADER = struct.Struct("<q")
+    _SLOT = struct.Struct("<qdd")  # pid, weight while busy (0: idle), monotonic time
+
+    def __init__(self, path: str | os.PathLike[str], weight: int) -> None:
+        if weight < 1:
+            raise ValueError(f"a worker's weight in a core share is its threads, at least 1: {weight}")
+        self.path = os.fspath(path)
+        self.weight = float(weight)
+        try:
+            self._file = open(self.path, "r+b")  # held for the process's life
+        except FileNotFoundError:
+            raise ValueError(f"no core share at {self.path} (`CoreShare.create` makes one)") from None
+        size = self._HEADER.size + self.SLOTS * self._SLOT.size
+        if os.fstat(self._file.fileno()).st_size != size:
+            self._file.close()
+            raise ValueError(f"{self.path} is not a core share ({size} bytes)")
+        self._map = mmap.mmap(self._file.fileno(), size)
+        (self.cores,) = self._HEADER.unpack_from(self._map, 0)
+        self.slot = self._take_slot()
+        self.threads = 0  # what this worker last took (0: not yet)
+
+    @classmethod
+    def create(cls, path: str | os.PathLike[str], cores: int) -> None:
+        """A share of ``cores`` cores at ``path``, no worker in it (replacing any there)."""
+        if cores < 1:
+            raise ValueError(f"a core share needs at least one core: {cores}")
+        with open(path, "wb") as f:
+            f.write(cls._HEADER.pack(cores) + bytes(cls.SLOTS * cls._SLOT.size))
+
+    def _offset(self, slot: int) -> int:
+        return self._HEADER.size + slot * self._SLOT.size
+
+    def _take_slot(self) -> int:
+        """The first slot free or left by a process that is gone, under the file's lock."""
+        fcntl.flock(self._file, fcntl.LOCK_EX)
+        try:
+            for slot in range(self.SLOTS):
+                pid, _, _ = self._SLOT.unpack_from(self._map, self._offset(slot))
+                if pid == 0 or not _alive(pid):
+                    self._SLOT.pack_into(self._map, self._offset(slot), os.getpid(), 0.0, time.monotonic())
+                    return slot
+        finally:
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+        raise ValueError(f"{self.path}: all {self.SLOTS} slots of the core share are taken")
+
+    def _mark(self, weight: float) -> float:
+        now = time.monotonic()
+        self._SLOT.pack_into(self._map, self._offset(self.slot), os.getpid(), weight, now)
+        return now
+
+    def share(self) -> int:
+        """Mark this worker busy; its threads now: its weight's share of the cores among
+        the busy workers (at least one)."""
+        now = self._mark(self.weight)
+        busy = 0.0
+        for slot in range(self.SLOTS):
+            pid, weight, stamp = self._SLOT.unpack_from(self._map, self._offset(slot))
+            if pid and weight and now - stamp < self.STALE:
+                busy += weight
+        return max(1, int(self.cores * self.weight / busy))
+
+    def take(self) -> int:
+        """:meth:`share`, and set torch's threads to it when it changed (call from the
+        thread that runs the steps: OpenMP's thread count is per calling thread)."""
+        threads = self.share()
+        if threads != self.threads:
+            import torch
+
+            torch.set_num_threads(threads)
+            self.threads = threads
+        return threads
+
+    def idle(self) -> None:
+        """This worker has no step to run: its share goes to the busy ones."""
+        self._mark(0.0)
+
+    def close(self) -> None:
+        """Leave the share (the slot is free for the next worker)."""
+        if self._map.closed:
+            return
+        self._SLOT.pack_into(self._map, self._offset(self.slot), 0, 0.0, 0.0)
+        self._map.close()
+        self._file.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
