@@ -149,6 +149,11 @@ def test_up_share_cores_makes_a_share_of_the_workers_threads_and_names_it_to_eac
     plan_share(args, roles, [2, 3], pinned)
     assert pinned == [[2, 3, 4, 5, 6]] * 2, "with --pin-cores: all the workers' cores, for each of them"
     assert plan_share(build_parser().parse_args(["up"]), roles, [1, 1], own) is None
+    scaling = build_parser().parse_args(["up", "--share-cores", "--autoscale", "--data-dir", str(tmp_path)])
+    cores = len(os.sched_getaffinity(0))
+    assert CoreShare(plan_share(scaling, roles, [1, 1], own) or "", 1).cores == cores - cores // 8, (
+        "pools that change size share the cores less one in eight"
+    )
     for gpu in (["--device", "cuda"], ["--worker-devices", "cpu,cuda:1"], ["--tp-size", "2"]):
         with pytest.raises(UsageError, match="--share-cores: for CPU workers of one rank"):
             plan_share(build_parser().parse_args(["up", "--share-cores", *gpu]), roles, [1, 1], own)
