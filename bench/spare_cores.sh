@@ -10,7 +10,8 @@
 #                                        # pd:P+D = P prefill and D decode threads;
 #                                        # the cores less one in eight, shared by the workers; opts,
 #                                        # joined by +: pin = `up --pin-cores`, the client on the cores
-#                                        # it leaves; share = `up --share-cores`, threads follow load)
+#                                        # it leaves; share = `up --share-cores`, threads follow load:
+#                                        # tried, not in main: `git apply docs/data/tried/share_cores.patch`)
 #   bash bench/spare_cores.sh probe      # bench/thread_probe.py on every core
 set -u
 out=${OUT:-/tmp/pdserve-cores}

@@ -26,7 +26,6 @@ _GAUGES = {
     "pdserve_worker_waiting": "sequences waiting in the worker's scheduler",
     "pdserve_worker_running": "sequences in the worker's running batch",
     "pdserve_worker_prefill_tokens_waiting": "prompt tokens admitted by the worker but not computed yet",
-    "pdserve_worker_cpu_threads": "torch threads of a CPU worker's last step (they follow the load with --share-cores)",
 }
 
 # WorkerCounters and WorkerStats totals: field → (metric name without _total, help).
@@ -77,7 +76,7 @@ _COUNTERS = {
     "busy_seconds": ("pdserve_engine_busy_seconds", "seconds spent in forward passes"),
     "kv_pull_seconds": ("pdserve_kv_transfer_seconds", "seconds spent pulling KV"),
 }
-_STATS_GAUGES = {"waiting", "running", "prefill_tokens_waiting", "cpu_threads"}
+_STATS_GAUGES = {"waiting", "running", "prefill_tokens_waiting"}
 # TierCounts fields → (metric name, help); labels worker, role and tier.
 _TIER_COUNTERS = {
     "hit_pages": (
@@ -118,7 +117,6 @@ def worker_families(workers: Iterable[WorkerInfo]) -> Iterator[Metric]:
             "pdserve_worker_waiting": s.waiting,
             "pdserve_worker_running": s.running,
             "pdserve_worker_prefill_tokens_waiting": s.prefill_tokens_waiting,
-            "pdserve_worker_cpu_threads": s.cpu_threads,
         }
         for name, value in values.items():
             gauges[name].add_metric(labels, value)

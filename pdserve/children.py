@@ -125,14 +125,13 @@ def worker_argv(
     device: str | None = None,
     credentials: EmbeddedCredentials | None = None,
     cores: list[int] | None = None,
-    share: str | None = None,
 ) -> list[str]:
     """``python -m pdserve <role>`` with every flag ``up`` shares with workers, from the flag
     table, plus what ``up`` decides: the model (the directory ``--model-path`` resolved to),
     the broker (and the role's user of the embedded one, by password file), threads, the
     transfer host and the worker's device (default ``--device``), and the role's
-    tensor-parallel size (its ranks share the worker's threads), its own ``cores``
-    (``up --pin-cores``) and the core ``share`` its threads follow (``up --share-cores``)."""
+    tensor-parallel size (its ranks share the worker's threads), and its own ``cores``
+    (``up --pin-cores``)."""
     tp = role_tp_size(args, role)
     values = {
         **vars(args),
@@ -147,7 +146,6 @@ def worker_argv(
         **nats_user(credentials, role),
     }
     argv = [sys.executable, "-m", "pdserve", role, *flags.render(flags.forwarded(), values)]
-    argv += ["--share-cores", share] if share else []
     return argv + (["--tensor-parallel-size", str(tp)] if tp > 1 else [])
 
 

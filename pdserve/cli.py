@@ -95,9 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         flags.add_flags(worker, flags.ENGINE, "engine")
         flags.add_flags(worker, flags.SGLANG, "SGLang-compatible flags")
         flags.add_flags(worker, flags.BROKER, "broker")
-        flags.add_flags(
-            worker, (flags.nats_url(), flags.WORKER_ID, flags.EXIT_WITH_PARENT, *flags.TP_RANK, flags.SHARE_CORES)
-        )
+        flags.add_flags(worker, (flags.nats_url(), flags.WORKER_ID, flags.EXIT_WITH_PARENT, *flags.TP_RANK))
         flags.add_flags(worker, (flags.PREFIX_PLACEMENT,), "placement")
         flags.add_flags(worker, flags.NATS_AUTH, "NATS credentials")
 

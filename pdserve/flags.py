@@ -269,12 +269,6 @@ SGLANG = (
     ADVERTISED_HOST,
 )
 
-SHARE_CORES = Flag(
-    "--share-cores",
-    help="FILE: a core share (`up --share-cores` makes one and names it) whose cores this CPU worker's torch "
-    "threads follow: its --num-threads' share of them among the workers busy now, all of them when it is alone "
-    "(default: fixed threads)",
-)
 WORKER_ID = Flag("--worker-id", WorkerConfig.worker_id, help="default: <role>-<host>-<pid>-<random>")
 EXIT_WITH_PARENT = Flag("--exit-with-parent", switch=True, help=argparse.SUPPRESS)
 # A follower rank of a tensor-parallel worker, started by rank 0 with its group's store address.
@@ -450,13 +444,6 @@ UP = (
         switch=True,
         help="give each worker cores of its own (--cpus) and the API, the broker and their clients the first "
         "one in eight, so that none preempts a CPU worker mid-step (Linux, 8 cores or more)",
-    ),
-    Flag(
-        "--share-cores",
-        switch=True,
-        help="CPU workers share the cores by load instead of a fixed split: each takes its threads' share among "
-        "the workers busy now, all of them when it is the only one (a prefill worker with no prompts leaves its "
-        "cores to decode)",
     ),
     Flag(
         "--kv-store",

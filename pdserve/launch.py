@@ -8,7 +8,6 @@ import argparse
 import logging
 import os
 import socket
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,6 @@ from pdserve.api.model_info import sampling_defaults
 from pdserve.api.placement import PlacementConfig
 from pdserve.broker.auth import NatsAuth, read_password
 from pdserve.broker.streams import BrokerConfig
-from pdserve.cores import CoreShare
 from pdserve.engine.config import EngineConfig, KVTierConfig
 from pdserve.scaling import RolePolicy, ScalingConfig
 from pdserve.telemetry import setup_tracing
@@ -101,11 +99,6 @@ def check_worker_flags(args: argparse.Namespace, role: str) -> None:
         raise UsageError(f"--disaggregation-transfer-backend {backend} with --device {args.device}: {wrong_device}")
     if args.page_size < 1 or args.page_size & (args.page_size - 1):
         raise UsageError("--page-size must be a power of two")
-    if args.share_cores is not None and (size > 1 or not args.device.startswith("cpu")):
-        raise UsageError(
-            f"--share-cores: for a CPU worker of one rank (this one: --device {args.device}, "
-            f"--tensor-parallel-size {size}); a GPU's threads are not what its steps wait on"
-        )
     if args.cpus is not None:
         from pdserve.cores import parse_cpus
 
@@ -507,8 +500,6 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
     cls = {"prefill": PrefillWorker, "decode": DecodeWorker, "unified": UnifiedWorker}[role]
     worker = cls(config, engine, engine_thread)
     worker.followers = followers
-    if args.share_cores is not None:
-        worker.cores = join_core_share(args.share_cores, engine_thread)
 
     async def main() -> None:
         health = None
@@ -529,20 +520,6 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
         _exit_soon(EXIT_CRASHED)
         return EXIT_CRASHED
     return 0
-
-
-def join_core_share(path: str, engine_thread: ThreadPoolExecutor) -> CoreShare:
-    """``--share-cores``: this worker's slot in the share, weighted by the torch threads
-    its engine was built with (read in the engine thread: they are that thread's)."""
-    import torch
-
-    weight = engine_thread.submit(torch.get_num_threads).result()
-    try:
-        share = CoreShare(path, weight)
-    except ValueError as exc:
-        raise UsageError(f"--share-cores: {exc}") from None
-    log.info("cores shared", extra={"share": path, "cores": share.cores, "weight": weight})
-    return share
 
 
 def run_follower(config: WorkerConfig, tp: Any) -> int:

@@ -31,8 +31,8 @@ from pdserve.autoscale import EXIT_FAILED, Autoscale, Pool, size_for_autoscale, 
 from pdserve.broker.auth import NatsAuth
 from pdserve.broker.credentials import ADMIN, EmbeddedCredentials
 from pdserve.broker.server import NatsServer, NatsServerError, start_nats_server, write_private
-from pdserve.children import Child, nats_user, role_tp_size, tend, threads_per_worker, worker_argv
-from pdserve.cores import CoreShare, available, core_plan, format_cpus, pin
+from pdserve.children import Child, nats_user, tend, threads_per_worker, worker_argv
+from pdserve.cores import available, core_plan, format_cpus, pin
 from pdserve.launch import (
     UsageError,
     api_config,
@@ -232,33 +232,6 @@ def plan_cores(args: argparse.Namespace, threads: list[int]) -> list[list[int]] 
     return own
 
 
-def plan_share(
-    args: argparse.Namespace, roles: list[str], threads: list[int], own_cores: list[list[int] | None]
-) -> str | None:
-    """``--share-cores``: a core share in ``--data-dir`` holding the workers' cores (the sum
-    of their threads; under ``--autoscale`` the cores less one in eight), its path for the
-    workers' ``--share-cores``. With ``--pin-cores`` every worker runs on all the workers'
-    cores (``own_cores`` is changed in place)."""
-    if not args.share_cores:
-        return None
-    devices = {args.device, *(args.worker_devices.split(",") if args.worker_devices else ())}
-    if any(not d.startswith("cpu") for d in devices) or any(role_tp_size(args, r) > 1 for r in roles):
-        raise UsageError("--share-cores: for CPU workers of one rank each (a GPU's steps do not wait on threads)")
-    if args.autoscale:
-        cores = len(available()) - len(available()) // 8
-    else:
-        cores = sum(threads)
-    if all(c is not None for c in own_cores) and own_cores:
-        union = sorted({core for c in own_cores if c is not None for core in c})
-        own_cores[:] = [union] * len(own_cores)
-        cores = len(union)
-    path = Path(args.data_dir) / "cores.share"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    CoreShare.create(path, cores)
-    log.info("cores shared by load", extra={"share": str(path), "cores": cores})
-    return str(path)
-
-
 def run_up(args: argparse.Namespace) -> int:
     scaling = None
     if args.autoscale:
@@ -272,7 +245,6 @@ def run_up(args: argparse.Namespace) -> int:
     worker_threads = role_threads(args, roles, threads)
     planned = plan_cores(args, worker_threads)
     own_cores: list[list[int] | None] = [*planned] if planned is not None else [None for _ in roles]
-    share = plan_share(args, roles, worker_threads, own_cores)
     if args.api_processes < 1 or (args.api_processes > 1 and args.port == 0):
         raise SystemExit("pdserve up: error: --api-processes must be at least 1 (and more than 1 needs a fixed --port)")
     own_credentials = [f.name for f in flags.NATS_AUTH if getattr(args, f.dest) is not None]
@@ -306,9 +278,7 @@ def run_up(args: argparse.Namespace) -> int:
     scaling_run: tuple[Autoscale, NatsAuth | None] | None = None
     if scaling is not None:
         argv = {
-            r: worker_argv(
-                args, r, model_path, nats_url, role_threads(args, [r], threads)[0], None, credentials, share=share
-            )
+            r: worker_argv(args, r, model_path, nats_url, role_threads(args, [r], threads)[0], None, credentials)
             for r in ROLES
         }
         pools = {r: Pool(r, argv[r], children) for r in ROLES}
@@ -316,7 +286,7 @@ def run_up(args: argparse.Namespace) -> int:
         scaling_run = (scaler, credentials.auth(ADMIN) if credentials is not None else nats_auth(args))
     else:
         children += [
-            Child(role, i, worker_argv(args, role, model_path, nats_url, n, device, credentials, cores, share))
+            Child(role, i, worker_argv(args, role, model_path, nats_url, n, device, credentials, cores))
             for i, (role, n, device, cores) in enumerate(zip(roles, worker_threads, devices, own_cores, strict=True))
         ]
     children += [

@@ -91,9 +91,7 @@ class WorkerStats:
     prompt tokens admitted and those found in the prefix cache; ``generated_tokens``:
     tokens sampled; ``busy_seconds``: time in forward passes; ``kv_pull_seconds``: time in
     KV pulls (decode); ``waiting``/``running``: sequences the scheduler holds now;
-    ``prefill_tokens_waiting``: prompt tokens admitted but not computed yet;
-    ``cpu_threads``: the torch threads a CPU worker's last step ran with (they follow the
-    host's load under ``--share-cores``; 0 on a GPU or before the first step).
+    ``prefill_tokens_waiting``: prompt tokens admitted but not computed yet.
     """
 
     steps: int = 0
@@ -106,7 +104,6 @@ class WorkerStats:
     waiting: int = 0
     running: int = 0
     prefill_tokens_waiting: int = 0
-    cpu_threads: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

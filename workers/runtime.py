@@ -27,7 +27,6 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import torch
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
@@ -35,7 +34,6 @@ from pdserve.broker import contract, streams, tracing
 from pdserve.broker.claims import Claims
 from pdserve.broker.consumer import Delivery
 from pdserve.broker.deadletter import watch_dead_letters
-from pdserve.cores import CoreShare
 from pdserve.engine.engine import Engine, Launched, RequestError, RequestOutput
 from pdserve.engine.sequence import ScheduledBatch
 from pdserve.schemas import (
@@ -100,8 +98,6 @@ class WorkerRuntime:
         self.claims: Claims | None = None
         self._wake = asyncio.Event()
         self._engine_thread = engine_thread or engine_thread_pool()
-        self.cores: CoreShare | None = None  # ``--share-cores``: torch threads follow the host's load
-        self._cpu_threads = 0  # torch threads of the last step on a CPU (WorkerStats.cpu_threads)
         self._background: set[asyncio.Task[None]] = set()
         self._started_at = time.time()
 
@@ -196,8 +192,6 @@ class WorkerRuntime:
 
     async def _stop_engine(self) -> None:
         self._engine_thread.shutdown(wait=True)
-        if self.cores is not None:
-            self.cores.close()
 
     async def _stop_followers(self) -> None:
         tp = self.engine.runner.tp
@@ -252,7 +246,6 @@ class WorkerRuntime:
             waiting=engine.num_waiting,
             running=engine.num_running,
             prefill_tokens_waiting=engine.num_prefill_tokens_waiting,
-            cpu_threads=self._cpu_threads,
         )
         return WorkerInfo(
             worker_id=self.worker_id,
@@ -473,7 +466,6 @@ class WorkerRuntime:
         engine = self.engine
         while True:
             if not engine.has_work():
-                self._idle()
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -482,7 +474,6 @@ class WorkerRuntime:
                 if engine.pending is not None:
                     await self._complete(engine.pending)
                     continue
-                self._idle()
                 self._wake.clear()  # work waits for pages or imports: poll gently
                 # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the result
                 # and drops a cancel that lands as the wait completes, and this loop would
@@ -492,7 +483,7 @@ class WorkerRuntime:
                         await self._wake.wait()
                 continue
             try:
-                launched = await loop.run_in_executor(self._engine_thread, self._launch, batch)
+                launched = await loop.run_in_executor(self._engine_thread, engine.launch, batch)
             except Exception:
                 log.exception("engine step failed; failing the batch's requests")
                 if engine.pending is not None:
@@ -504,18 +495,6 @@ class WorkerRuntime:
             if not engine.hold(launched):
                 await self._complete(launched)
             await asyncio.sleep(0)  # let fetches, cancels and releases in between steps
-
-    def _launch(self, batch: ScheduledBatch) -> Launched:
-        """In the engine thread: take this step's share of the cores (``--share-cores``), launch."""
-        if self.cores is not None:
-            self._cpu_threads = self.cores.take()
-        elif self.engine.runner.device.type == "cpu":
-            self._cpu_threads = torch.get_num_threads()
-        return self.engine.launch(batch)
-
-    def _idle(self) -> None:
-        if self.cores is not None:
-            self.cores.idle()
 
     async def _complete(self, launched: Launched) -> None:
         """Wait for a launched step's tokens (in the engine thread) and publish them."""

@@ -247,61 +247,6 @@ async def test_unified_worker_overlaps_steps_on_the_fast_path(workers, nats_serv
         await gateway.stop()
 
 
-async def test_a_worker_sharing_cores_steps_on_all_alone_and_on_its_share_beside_a_busy_one(
-    nats_server, tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    """``--share-cores``: each step takes the worker's share of the cores among the workers
-    busy now (``WorkerStats.cpu_threads``, the engine thread's torch threads), and the tokens
-    are the same whatever the threads."""
-    from pdserve.cores import CoreShare
-    from pdserve.engine.loader import build_engine
-    from pdserve.workers.config import WorkerConfig
-    from pdserve.workers.runtime import engine_thread_pool
-    from pdserve.workers.unified import UnifiedWorker
-
-    config = WorkerConfig(
-        role="unified",
-        model_path=tiny_model_dir,
-        model_name=tiny_model_dir.name,
-        nats_url=nats_server.url,
-        engine=EngineConfig(max_total_tokens=16 * 512),
-    )
-    share_path = tmp_path / "cores.share"
-    CoreShare.create(share_path, 4)
-    pool = engine_thread_pool()
-    engine = pool.submit(build_engine, tiny_model_dir, config.engine).result()
-    worker = UnifiedWorker(config, engine, pool)
-    worker.cores = CoreShare(share_path, 2)
-    other = CoreShare(share_path, 6)  # another worker of the host, busy or not
-    await worker.start()
-    gateway = Gateway(nats_server.url, tiny_model_dir.name, streams.BrokerConfig())
-    await gateway.start()
-    prompt, n = list(range(9, 30)), 6
-    want = reference(tiny_model_dir, prompt, n)
-
-    async def serve(rid: str) -> int:
-        tokens: list[int] = []
-        async for chunk in gateway.generate(prompt, SamplingParams(max_new_tokens=n, temperature=0.0), rid=rid):
-            tokens.extend(chunk.token_ids)
-            if chunk.finish_reason:
-                break
-        assert tokens == want
-        assert pool.submit(torch.get_num_threads).result() == worker.worker_info().stats.cpu_threads
-        return worker.worker_info().stats.cpu_threads
-
-    try:
-        assert await serve("alone") == 4
-        other.share()
-        assert await serve("beside-a-busy-one") == 1, "4 cores x 2 / (2 + 6)"
-        other.idle()
-        assert await serve("alone-again") == 4
-    finally:
-        await gateway.stop()
-        await worker.shutdown()
-        other.close()
-    assert CoreShare(share_path, 1).slot == 0, "the worker left its slot when it stopped"
-
-
 async def test_a_worker_steps_its_engine_in_the_thread_that_built_it(nats_server, tiny_model_dir: Path) -> None:
     """As ``pdserve unified`` runs it: the engine is built in the worker's engine thread and
     every forward pass runs there (one OpenMP pool in the process, see workers/runtime.py)."""

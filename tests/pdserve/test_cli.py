@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from pdserve.cli import build_parser
-from pdserve.cores import CoreShare
 from pdserve.launch import (
     UsageError,
     api_config,
@@ -21,7 +20,7 @@ from pdserve.launch import (
     engine_config,
     resolve_model,
 )
-from pdserve.supervisor import plan_cores, plan_roles, plan_share, role_threads, size_consumers, worker_argv
+from pdserve.supervisor import plan_cores, plan_roles, role_threads, size_consumers, worker_argv
 
 SGLANG_PREFILL = (
     "prefill --model-path /data/model --port 7000 --host 0.0.0.0 --tensor-parallel-size 1 "
@@ -134,29 +133,6 @@ def test_up_plans_roles_and_forwards_engine_flags() -> None:
     assert plan_roles(unified) == ["unified", "unified"]
     with pytest.raises(SystemExit):
         plan_roles(build_parser().parse_args(["up", "--prefill-workers", "0"]))
-
-
-def test_up_share_cores_makes_a_share_of_the_workers_threads_and_names_it_to_each(tmp_path: Path) -> None:
-    args = build_parser().parse_args(["up", "--share-cores", "--data-dir", str(tmp_path)])
-    roles = plan_roles(args)
-    own: list[list[int] | None] = [None, None]
-    path = plan_share(args, roles, [3, 5], own)
-    assert path == str(tmp_path / "cores.share") and CoreShare(path, 1).cores == 8, "the sum of the workers' threads"
-    argv = worker_argv(args, "decode", Path("/m"), "nats://127.0.0.1:1", 5, share=path)
-    assert argv[argv.index("--share-cores") + 1] == path
-    assert "--share-cores" not in worker_argv(args, "decode", Path("/m"), "nats://127.0.0.1:1", 5)
-    pinned: list[list[int] | None] = [[2, 3], [4, 5, 6]]
-    plan_share(args, roles, [2, 3], pinned)
-    assert pinned == [[2, 3, 4, 5, 6]] * 2, "with --pin-cores: all the workers' cores, for each of them"
-    assert plan_share(build_parser().parse_args(["up"]), roles, [1, 1], own) is None
-    scaling = build_parser().parse_args(["up", "--share-cores", "--autoscale", "--data-dir", str(tmp_path)])
-    cores = len(os.sched_getaffinity(0))
-    assert CoreShare(plan_share(scaling, roles, [1, 1], own) or "", 1).cores == cores - cores // 8, (
-        "pools that change size share the cores less one in eight"
-    )
-    for gpu in (["--device", "cuda"], ["--worker-devices", "cpu,cuda:1"], ["--tp-size", "2"]):
-        with pytest.raises(UsageError, match="--share-cores: for CPU workers of one rank"):
-            plan_share(build_parser().parse_args(["up", "--share-cores", *gpu]), roles, [1, 1], own)
 
 
 def test_up_pin_cores_refuses_what_it_cannot_do() -> None:

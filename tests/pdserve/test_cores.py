@@ -1,6 +1,5 @@
 """pdserve.cores: the cpu lists, the plan `up --pin-cores` follows, and pinning real
-processes (every thread of them), down to a worker pinned by ``--cpus``; the core share of
-`up --share-cores` (a worker stepping under it: tests/integration/test_workers.py)."""
+processes (every thread of them), down to a worker pinned by ``--cpus``."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdserve.cores import CoreShare, core_plan, format_cpus, parse_cpus, pin
+from pdserve.cores import core_plan, format_cpus, parse_cpus, pin
 
 
 def allowed(pid: int) -> dict[int, str]:
@@ -108,71 +107,3 @@ def test_a_worker_refuses_cores_it_cannot_run_on(tiny_model_dir: Path) -> None:
     run = subprocess.run([sys.executable, "-m", "pdserve", *argv], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
     assert "--cpus 0,100000: " in run.stderr and "Traceback" not in run.stderr
-
-
-def test_a_core_share_gives_each_busy_worker_its_weights_share_and_all_to_one_alone(tmp_path: Path) -> None:
-    path = tmp_path / "cores.share"
-    CoreShare.create(path, 8)
-    prefill, decode = CoreShare(path, 2), CoreShare(path, 6)
-    try:
-        assert (prefill.slot, decode.slot, decode.cores) == (0, 1, 8)
-        assert decode.share() == 8, "alone: every core"
-        assert prefill.share() == 2 and decode.share() == 6, "both busy: by weight"
-        prefill.idle()
-        assert decode.share() == 8, "prefill out of prompts: decode takes its cores"
-        third = CoreShare(path, 8)
-        assert third.share() == 4 and decode.share() == 3, "never more threads than cores in all"
-        third.close()
-        assert decode.share() == 8 and CoreShare(path, 1).slot == 2, "a closed slot is free again"
-        decode.STALE = 0.05
-        prefill.share()
-        time.sleep(0.1)
-        assert decode.share() == 8, "a worker that stopped saying it is busy (killed mid-step) counts as idle"
-    finally:
-        prefill.close()
-        decode.close()
-
-
-def test_a_core_share_frees_a_dead_processs_slot_and_refuses_what_is_not_one(tmp_path: Path) -> None:
-    path = tmp_path / "cores.share"
-    CoreShare.create(path, 2)
-    join = f"from pdserve.cores import CoreShare; s = CoreShare({str(path)!r}, 1); s.share(); print(s.slot)"
-    assert subprocess.run([sys.executable, "-c", join], capture_output=True, text=True, check=True).stdout == "0\n"
-    mine = CoreShare(path, 1)
-    try:
-        assert mine.slot == 0, "the process that held slot 0 is gone (it never closed it)"
-        assert mine.share() == 2, "and its busy mark does not count"
-    finally:
-        mine.close()
-    with pytest.raises(ValueError, match="no core share at"):
-        CoreShare(tmp_path / "missing", 1)
-    (tmp_path / "other").write_bytes(b"x" * 10)
-    with pytest.raises(ValueError, match="is not a core share"):
-        CoreShare(tmp_path / "other", 1)
-    with pytest.raises(ValueError, match="at least 1"):
-        CoreShare(path, 0)
-
-
-def test_taking_a_share_sets_the_calling_threads_torch_threads(tmp_path: Path) -> None:
-    import threading
-
-    import torch
-
-    path = tmp_path / "cores.share"
-    CoreShare.create(path, 3)
-    share, other = CoreShare(path, 1), CoreShare(path, 2)
-    seen: list[tuple[int, int]] = []
-
-    def step() -> None:  # in a thread of its own, as a worker's engine thread
-        seen.append((share.take(), torch.get_num_threads()))
-        other.share()
-        seen.append((share.take(), torch.get_num_threads()))
-
-    try:
-        thread = threading.Thread(target=step)
-        thread.start()
-        thread.join()
-        assert seen == [(3, 3), (1, 1)]
-    finally:
-        share.close()
-        other.close()
