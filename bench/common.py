@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -198,3 +199,32 @@ def _role(argv: list[str]) -> str:
         if after:
             return after[0]
     return "other"
+
+
+def plot_goodput(runs: dict[str, Any], workloads: dict[str, Any], title: str, out: Path) -> None:
+    """Goodput against offered rate, one panel per workload (``workloads[w]``: its
+    ``input_len`` and ``output_len``), one line per system (``runs[label]["workloads"][w]["points"]``,
+    each point's ``rate`` and ``goodput_rps``), written to ``out`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4.2), squeeze=False)
+    for ax, workload in zip(axes[0], workloads, strict=True):
+        for name, run in runs.items():
+            points = (run.get("workloads") or {}).get(workload, {}).get("points") or []
+            if points:
+                ax.plot([p["rate"] for p in points], [p["goodput_rps"] for p in points], marker="o", label=name)
+        lens = workloads[workload]
+        ax.set_title(f"{workload}: {lens['input_len']} in / {lens['output_len']} out")
+        ax.set_xlabel("offered requests/s")
+        ax.set_ylabel("goodput (req/s within the SLO)")
+        ax.grid(alpha=0.3)
+        if ax.get_lines():
+            ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)

@@ -4,7 +4,8 @@
 # 4,096-token prompt over NCCL and Mooncake, PD (prefill GPU 0, decode GPU 1) against two
 # unified replicas, greedy equality. Expects the wheels from ../shared/tools/device-bundle
 # installed (PYTHONPATH, PATH, LD_LIBRARY_PATH set) and $OUT to collect logs; the JSON lands
-# in $OUT/two_gpu_pd.json (copy it to docs/data/). Every step has its own timeout;
+# in $OUT/two_gpu_pd.json (copy it to docs/data/), the plot in $OUT/two_gpu_pd.png (to docs/img/;
+# without matplotlib there: python bench/two_gpu_pd.py --plot-from docs/data/two_gpu_pd.json). Every step has its own timeout;
 # TWO_GPU_ARGS passes options to the bench (e.g. "--rates 4,12" for a shorter sweep).
 set -u
 out=${OUT:-/tmp/pdserve-gpu}
@@ -21,7 +22,7 @@ timeout -k 10 80 python3 -m pytest -q -p no:cacheprovider tests/workers/test_p2p
   | tee "$out/test_p2p.log" | grep -E "passed|failed|skipped|^FAILED|^E  " | head
 
 # 2. the measurement (writes its JSON after each phase, so a cut-short run still leaves data)
-timeout -k 15 430 python3 bench/two_gpu_pd.py --out "$out/two_gpu_pd.json" ${TWO_GPU_ARGS:-} 2>&1 \
+timeout -k 15 430 python3 bench/two_gpu_pd.py --out "$out/two_gpu_pd.json" --img "$out/two_gpu_pd.png" ${TWO_GPU_ARGS:-} 2>&1 \
   | tee "$out/two_gpu_pd.log" | grep -v -E "^WARNING: Logging|Local segment descriptor" | tail -40
 
 # What the systems logged, for a failure's post-mortem (the bench prints their paths).

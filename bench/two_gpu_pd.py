@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import git_commit
+from common import git_commit, plot_goodput
 from make_dummy_model import write_model_dir
 from serving_sweep import System, goodput
 
@@ -399,6 +399,21 @@ def best_goodput(run: dict[str, Any], workload: str) -> float | None:
     return max((p["goodput_rps"] for p in points), default=None)
 
 
+def plot(result: dict[str, Any], out: Path) -> None:
+    """Goodput against offered rate, PD against two unified replicas, one panel per workload."""
+    runs = {result[mode]["label"]: result[mode] for mode in ("pd", "unified") if result.get(mode)}
+    workloads: dict[str, Any] = {}
+    for run in runs.values():
+        for name, w in (run.get("workloads") or {}).items():
+            workloads.setdefault(name, {"input_len": w["input_len"], "output_len": w["output_len"]})
+    slo = result["slo"]
+    where = f"2 x {result['gpus'][0]}" if result["gpus"] else "CPU (dry run)"
+    title = (
+        f"PD against two unified replicas on {where}: TTFT <= {slo['ttft_ms']:g} ms, p99 ITL <= {slo['itl_ms']:g} ms"
+    )
+    plot_goodput(runs, workloads, title, out)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -436,7 +451,21 @@ def main() -> int:
     parser.add_argument(
         "--out", type=Path, default=None, help="default docs/data/two_gpu_pd.json (--small: a temp file)"
     )
+    parser.add_argument(
+        "--img",
+        type=Path,
+        default=None,
+        help="the goodput plot (default docs/img/two_gpu_pd.png; --small: a temp file)",
+    )
+    parser.add_argument("--plot-from", type=Path, help="only draw --img from this run's JSON (e.g. on another machine)")
     args = parser.parse_args()
+    img = args.img or (
+        Path(tempfile.gettempdir()) / "two_gpu_pd_small.png" if args.small else ROOT / "docs/img/two_gpu_pd.png"
+    )
+    if args.plot_from:
+        plot(json.loads(args.plot_from.read_text()), img)
+        log(f"wrote {img}")
+        return 0
     args.rates = [float(r) for r in (args.rates or ("1,3" if args.small else "3,8,16")).split(",")]
     args.duration = args.duration or (4.0 if args.small else 6.0)
     args.tokens = args.tokens or (1024 if args.small else 4096)
@@ -525,6 +554,12 @@ def main() -> int:
         "greedy_identical",
     )
     log(f"wrote {out}: " + json.dumps({k: result.get(k) for k in keys}))
+    if "serve" in phases:
+        try:
+            plot(result, img)
+            log(f"wrote {img}")
+        except ImportError:  # the GPU image may lack matplotlib: the JSON has every point
+            log(f"no matplotlib here: draw the plot with --plot-from {out}")
     return 0
 
 

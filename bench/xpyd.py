@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import git_commit
+from common import git_commit, plot_goodput
 from make_dummy_model import write_model_dir
 from serving_sweep import System
 from two_gpu_pd import bench_point, best_goodput, greedy_probe, summary
@@ -264,33 +264,12 @@ def conclude(result: dict[str, Any], gpus: int) -> None:
 
 def plot(result: dict[str, Any], out: Path) -> None:
     """Goodput against offered rate, one panel per workload, one line per configuration."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    workloads = list(result["workloads"])
-    fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4.2), squeeze=False)
-    for ax, workload in zip(axes[0], workloads, strict=True):
-        for name, run in sorted(result["systems"].items()):
-            points = (run.get("workloads") or {}).get(workload, {}).get("points") or []
-            if points:
-                ax.plot([p["rate"] for p in points], [p["goodput_rps"] for p in points], marker="o", label=name)
-        lens = result["workloads"][workload]
-        ax.set_title(f"{workload}: {lens['input_len']} in / {lens['output_len']} out")
-        ax.set_xlabel("offered requests/s")
-        ax.set_ylabel("goodput (req/s within the SLO)")
-        ax.grid(alpha=0.3)
-        if ax.get_lines():
-            ax.legend()
     slo = result["slo"]
-    fig.suptitle(
-        f"xPyD on {result['num_gpus']} x {(result['gpus'] or ['CPU'])[0]}: TTFT <= {slo['ttft_ms']:g} ms, p99 ITL <= {slo['itl_ms']:g} ms"
+    title = (
+        f"xPyD on {result['num_gpus']} x {(result['gpus'] or ['CPU'])[0]}: "
+        f"TTFT <= {slo['ttft_ms']:g} ms, p99 ITL <= {slo['itl_ms']:g} ms"
     )
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    plot_goodput(dict(sorted(result["systems"].items())), result["workloads"], title, out)
 
 
 def main() -> int:
