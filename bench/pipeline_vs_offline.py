@@ -232,9 +232,20 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=Path("docs/data/pipeline_vs_offline.json"))
     parser.add_argument("--up-args", default="", help='extra `pdserve up` flags, e.g. "--num-threads 2"')
     parser.add_argument(
+        "--up-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an environment variable for `pdserve up` and its workers only, not the offline engine "
+        "(e.g. GOMP_SPINCOUNT=10000); may be given several times",
+    )
+    parser.add_argument(
         "--client", choices=CLIENTS, default="raw", help="how the streams are read (default: %(default)s)"
     )
     args = parser.parse_args()
+    for pair in args.up_env:
+        if "=" not in pair or pair.startswith("="):
+            parser.error(f"--up-env {pair!r}: NAME=VALUE")
     data_dir = Path(tempfile.mkdtemp(prefix="pdserve-pipe-"))
     model = ensure_default_model(data_dir)
     seeds = iter(range(args.seed, args.seed + 10_000))
@@ -269,6 +280,7 @@ def main() -> int:
         "cores": os.cpu_count(),
         "offline_threads": torch.get_num_threads(),  # torch's, not the process's
         "up_args": args.up_args,
+        "up_env": args.up_env,
     }
     # `up --pin-cores` leaves the first cores to the API and the broker: the client takes them
     # too (as a remote client would take none of the workers'), only while it drives the pipeline
@@ -276,7 +288,10 @@ def main() -> int:
     result["client_cores"] = format_cpus(client_set) if client_set else "any"
     for mode in args.modes.split(","):
         proc, url = start_pdserve(
-            mode, data_dir, ["--unified-workers", "1", "--max-running-requests", "256", *args.up_args.split()]
+            mode,
+            data_dir,
+            ["--unified-workers", "1", "--max-running-requests", "256", *args.up_args.split()],
+            env=dict(pair.split("=", 1) for pair in args.up_env),
         )
         pairs = []
         try:
