@@ -201,10 +201,13 @@ def _role(argv: list[str]) -> str:
     return "other"
 
 
-def plot_goodput(runs: dict[str, Any], workloads: dict[str, Any], title: str, out: Path) -> None:
+def plot_goodput(
+    runs: dict[str, Any], workloads: dict[str, Any], slo: dict[str, float], heading: str, out: Path
+) -> None:
     """Goodput against offered rate, one panel per workload (``workloads[w]``: its
     ``input_len`` and ``output_len``), one line per system (``runs[label]["workloads"][w]["points"]``,
-    each point's ``rate`` and ``goodput_rps``), written to ``out`` (PNG)."""
+    each point's ``rate`` and ``goodput_rps``), titled ``heading`` and the ``slo`` (its
+    ``ttft_ms`` and ``itl_ms``), written to ``out`` (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -223,7 +226,7 @@ def plot_goodput(runs: dict[str, Any], workloads: dict[str, Any], title: str, ou
         ax.grid(alpha=0.3)
         if ax.get_lines():
             ax.legend()
-    fig.suptitle(title)
+    fig.suptitle(f"{heading}: TTFT <= {slo['ttft_ms']:g} ms, p99 ITL <= {slo['itl_ms']:g} ms")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)

@@ -406,12 +406,8 @@ def plot(result: dict[str, Any], out: Path) -> None:
     for run in runs.values():
         for name, w in (run.get("workloads") or {}).items():
             workloads.setdefault(name, {"input_len": w["input_len"], "output_len": w["output_len"]})
-    slo = result["slo"]
     where = f"2 x {result['gpus'][0]}" if result["gpus"] else "CPU (dry run)"
-    title = (
-        f"PD against two unified replicas on {where}: TTFT <= {slo['ttft_ms']:g} ms, p99 ITL <= {slo['itl_ms']:g} ms"
-    )
-    plot_goodput(runs, workloads, title, out)
+    plot_goodput(runs, workloads, result["slo"], f"PD against two unified replicas on {where}", out)
 
 
 def main() -> int:

@@ -264,12 +264,8 @@ def conclude(result: dict[str, Any], gpus: int) -> None:
 
 def plot(result: dict[str, Any], out: Path) -> None:
     """Goodput against offered rate, one panel per workload, one line per configuration."""
-    slo = result["slo"]
-    title = (
-        f"xPyD on {result['num_gpus']} x {(result['gpus'] or ['CPU'])[0]}: "
-        f"TTFT <= {slo['ttft_ms']:g} ms, p99 ITL <= {slo['itl_ms']:g} ms"
-    )
-    plot_goodput(dict(sorted(result["systems"].items())), result["workloads"], title, out)
+    heading = f"xPyD on {result['num_gpus']} x {(result['gpus'] or ['CPU'])[0]}"
+    plot_goodput(dict(sorted(result["systems"].items())), result["workloads"], result["slo"], heading, out)
 
 
 def main() -> int:
