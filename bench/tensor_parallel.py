@@ -19,6 +19,11 @@ all-reduce of a hidden-size vector after attention and one after the MLP, per la
     python bench/tensor_parallel.py --json docs/data/tensor_parallel.json      # 2 GPUs
     python bench/tensor_parallel.py --small --device cpu --json /tmp/tp.json    # a check of the script
 
+``--one-gpu`` is a check of the GPU code path on a host with one GPU: every rank on GPU 0,
+the all-reduces over gloo (NCCL refuses two ranks on one device; gloo cannot be captured, so
+eager steps), the greedy tokens of TP 1 and TP 2 compared; its times are not TP's (the
+ranks take turns on one GPU).
+
 ``--no-graphs`` measures eager steps on both sides (should capturing the all-reduces in CUDA
 graphs fail on some torch/NCCL pair: this code has not met a GPU yet).
 """
@@ -59,12 +64,14 @@ def rank_main(args: argparse.Namespace) -> int:
     from pdserve.engine.parallel import connect_store, join_group
 
     quiet_transformers()
-    device = torch.device(f"cuda:{args.rank}" if args.device == "cuda" else args.device)
+    gpu = 0 if args.one_gpu else args.rank
+    device = torch.device(f"cuda:{gpu}" if args.device == "cuda" else args.device)
     if device.type == "cpu":
         torch.set_num_threads(max(1, args.threads // args.tp))
-    tp = join_group(args.rank, args.tp, connect_store(args.store), device) if args.tp > 1 else None
+    backend = "gloo" if args.one_gpu else None
+    tp = join_group(args.rank, args.tp, connect_store(args.store), device, backend) if args.tp > 1 else None
     dims = SMALL if args.small else QWEN2_5_7B
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
     with device:
         model = AutoModelForCausalLM.from_config(Qwen2Config(**dims), dtype=dtype, attn_implementation="sdpa").eval()
@@ -89,7 +96,9 @@ def rank_main(args: argparse.Namespace) -> int:
     engine_run(engine, prompts(rng, 1, 64, vocab), 8, timer)  # warm-up (kernels compile)
     runs = [engine_run(engine, prompts(rng, 1, args.prompt, vocab), args.new, timer) for _ in range(3)]
     per_token = [(r["seconds"] - r["all_first_s"]) / (args.new - 1) * 1e3 for r in runs]
+    probe = prompts(random.Random(7), 1, args.prompt, vocab)[0]  # the same on every TP size
     row: dict[str, object] = {
+        "greedy": greedy(engine, probe, 32),
         "step_ms": statistics.median(per_token),
         "step_ms_runs": per_token,
         "cached_tokens": sum(int(r["cached_tokens"]) for r in runs),
@@ -108,6 +117,19 @@ def rank_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def greedy(engine: Engine, prompt: list[int], new: int) -> list[int]:
+    """The greedy tokens of one prompt (the prefix cache reset first: cold)."""
+    from pdserve.schemas import SamplingParams
+
+    engine.pages.reset_prefix_cache()
+    engine.add_request("greedy-probe", prompt, SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True))
+    tokens: list[int] = []
+    while engine.has_work():
+        for out in engine.step():
+            tokens += out.token_ids
+    return tokens
+
+
 def run_group(args: argparse.Namespace, size: int, out: Path, *extra: str) -> dict:
     """Start ``size`` rank processes, wait for them; rank 0's readings."""
     from pdserve.engine.parallel import start_store
@@ -117,6 +139,8 @@ def run_group(args: argparse.Namespace, size: int, out: Path, *extra: str) -> di
     base += ["--out", str(out), "--prompt", str(args.prompt), "--new", str(args.new), "--threads", str(args.threads)]
     base += ["--small"] if args.small else []
     base += ["--no-graphs"] if args.no_graphs else []
+    base += ["--one-gpu"] if args.one_gpu else []
+    base += ["--dtype", args.dtype]
     procs = [subprocess.Popen([*base, "--rank", str(r), *extra]) for r in range(size)]
     codes = [p.wait() for p in procs]
     del store
@@ -140,10 +164,23 @@ def main() -> int:
     parser.add_argument("--store", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--no-overlap", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--one-gpu",
+        action="store_true",
+        help="every rank on GPU 0, gloo, eager: a check of the code path, not TP's times",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        help="default bfloat16 on GPUs, float32 on the CPU; float32 on a GPU separates a wrong split from bf16 "
+        "rounding when TP 2's greedy tokens part from TP 1's",
+    )
     args = parser.parse_args()
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    args.no_graphs = args.no_graphs or args.one_gpu
     if args.rank is not None:
         return rank_main(args)
-    if args.device == "cuda" and torch.cuda.device_count() < 2:
+    if args.device == "cuda" and torch.cuda.device_count() < (1 if args.one_gpu else 2):
         raise SystemExit(f"TP 2 needs 2 GPUs; this machine has {torch.cuda.device_count()}")
     tmp = Path(f"/tmp/pdserve-tp-bench-{time.time_ns()}")
     tmp.mkdir()
@@ -153,12 +190,21 @@ def main() -> int:
     tp1_plain = run_group(args, 1, tmp / "tp1_plain.json", "--no-overlap")
     say("TP 2")
     tp2 = run_group(args, 2, tmp / "tp2.json")
-    names = [torch.cuda.get_device_name(i) for i in range(2)] if args.device == "cuda" else ["cpu"]
+    gpus = 1 if args.one_gpu else 2
+    names = [torch.cuda.get_device_name(i) for i in range(gpus)] if args.device == "cuda" else ["cpu"]
+    agree = 0
+    for a, b in zip(tp1["greedy"], tp2["greedy"], strict=True):
+        if a != b:
+            break
+        agree += 1
     result: dict[str, object] = {
         "date": datetime.date.today().isoformat(),
         "gpus": names,
+        "one_gpu_check": args.one_gpu,
+        "greedy_tp2_equals_tp1": tp1["greedy"] == tp2["greedy"],
+        "greedy_tokens_agreeing": agree,
         "model": "small stand-in" if args.small else "Qwen2.5-7B dimensions, random weights",
-        "dtype": "bfloat16" if args.device == "cuda" else "float32",
+        "dtype": args.dtype,
         "workload": f"batch 1: {args.prompt}-token prompt, {args.new} new tokens, 3 cold runs (median)",
         "tp1_step_ms": tp1["step_ms"],
         "tp2_step_ms": tp2["step_ms"],

@@ -118,12 +118,13 @@ def connect_store(address: str) -> Any:
     return TCPStore(host, int(port), is_master=False, timeout=SETUP_TIMEOUT)
 
 
-def join_group(rank: int, size: int, store: Any, device: torch.device) -> TPGroup:
-    """Every rank at start, together: the default process group over ``store`` (NCCL on a
-    GPU, gloo on the CPU) and the gloo group of rank 0's commands."""
+def join_group(rank: int, size: int, store: Any, device: torch.device, backend: str | None = None) -> TPGroup:
+    """Every rank at start, together: the default process group over ``store`` (``backend``:
+    by default NCCL on a GPU, gloo on the CPU; gloo on GPUs only for a check with every rank
+    on one device, which NCCL refuses) and the gloo group of rank 0's commands."""
     import torch.distributed as dist
 
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(

@@ -23,7 +23,7 @@ EPILOG = """\
 metrics: TTFT = first token-bearing event; ITL = gaps between token-bearing events as
 observed (one per event); TPOT = (latency - TTFT) / (output tokens - 1), so events carrying
 several tokens spread their gap over them; goodput = requests/s meeting every SLO given
-(TTFT and the request's TPOT, or its mean or p99 ITL with --slo-itl-metric).
+(TTFT and the request's TPOT, or its mean, p99 or longest ITL with --slo-itl-metric).
 examples:
   pdserve bench --backend generate --num-prompts 200 --request-rate 8 --input-len 512 --output-len 64
   pdserve bench --sweep 1,2,4,8 --slo-ttft 500 --slo-itl 50 --output-json pd.json --plot pd.png
@@ -229,7 +229,7 @@ def configure(p: argparse.ArgumentParser) -> None:
         "--slo-itl",
         type=float,
         default=None,
-        help="per-token SLO in ms, on each request's TPOT, mean ITL or p99 ITL (default: none)",
+        help="per-token SLO in ms, on each request's TPOT, mean, p99 or longest ITL (default: none)",
     )
     g.add_argument(
         "--slo-itl-metric",

@@ -79,7 +79,7 @@ class BenchConfig:
         if self.prompt_format == "ids" and self.backend == "openai-chat":
             raise ValueError("openai-chat sends messages; token-id prompts are not possible")
         if self.slo_itl_metric not in SLO_ITL_METRICS:
-            raise ValueError("--slo-itl-metric must be tpot, mean-itl or p99-itl")
+            raise ValueError("--slo-itl-metric must be one of " + ", ".join(SLO_ITL_METRICS))
         self.base_url = self.base_url.rstrip("/")
 
     @property

@@ -177,6 +177,23 @@ def test_goodput_itl_metric_choice() -> None:
     assert SLO(itl_ms=30, itl_metric="p99-itl").describe() == "p99 ITL <= 30 ms"
 
 
+def test_a_request_own_p99_forgives_one_stall_and_max_itl_does_not() -> None:
+    # 127 gaps of 5 ms after a 2 s wait for the second token (a PD hand-off that queued):
+    # the request's own p99 interpolates below its longest gap and passes, TPOT spreads the
+    # stall over 127 tokens (20.7 ms) and passes; max ITL fails it.
+    stalled = _rec(0, 0.1, 0.1 + 2.0 + 126 * 0.005, 128, [2.0] + [0.005] * 126)
+    assert stalled.p99_itl == pytest.approx(0.005)
+    assert stalled.max_itl == pytest.approx(2.0)
+    assert SLO(itl_ms=30, itl_metric="p99-itl").met(stalled)
+    assert not SLO(itl_ms=30, itl_metric="max-itl").met(stalled)
+    assert stalled.tpot == pytest.approx((2.0 + 126 * 0.005) / 127)
+    assert SLO(itl_ms=30, itl_metric="tpot").met(stalled)
+    assert SLO(itl_ms=30, itl_metric="max-itl").describe() == "max ITL <= 30 ms"
+    steady = _rec(1, 0.1, 0.1 + 127 * 0.005, 128, [0.005] * 127)
+    assert SLO(itl_ms=30, itl_metric="max-itl").met(steady)
+    assert stalled.row()["max_itl"] == pytest.approx(2.0)
+
+
 def test_summarize_server_timings_and_cache() -> None:
     records = [_rec(i, 0.1, 0.2, 2, [0.1]) for i in range(3)]
     for i, r in enumerate(records):
