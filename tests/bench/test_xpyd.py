@@ -54,6 +54,15 @@ def test_the_conclusion_names_the_best_split_and_whether_the_rule_chose_it(xpyd:
     assert c["rule_prefill_gpus_at_each_best_point"] == {"1P3D": 3, "2P2D": 3, "3P1D": 3}
     assert c["rule_choice"] == "3P1D" and c["rule_chose_best_disaggregated"] is True
     assert result["systems"]["2P2D"]["goodput_rps"] == {"prefill_heavy": 3.1}
+    assert c["goodput_rps_max_itl"] == dict.fromkeys(("1P3D", "2P2D", "3P1D", "4U")) and c["best_max_itl"] is None
+
+    # by each request's longest gap the order can turn: PD's hand-off is a gap its p99 forgives
+    for name, strict in (("1P3D", 0.4), ("2P2D", 0.9), ("3P1D", 1.1), ("4U", 2.0)):
+        result["systems"][name]["workloads"]["prefill_heavy"]["points"][-1]["goodput_rps_max_itl"] = strict
+    xpyd.conclude(result, 4)
+    c = result["conclusion"]["prefill_heavy"]
+    assert c["best"] == "3P1D" and c["best_max_itl"] == "4U"
+    assert c["goodput_rps_max_itl"]["2P2D"] == 0.9
 
     result["systems"]["3P1D"] = {"error": "RuntimeError: did not start"}  # a failed system is no candidate
     xpyd.conclude(result, 4)
