@@ -25,7 +25,8 @@ eager steps), the greedy tokens of TP 1 and TP 2 compared; its times are not TP'
 ranks take turns on one GPU).
 
 ``--no-graphs`` measures eager steps on both sides (should capturing the all-reduces in CUDA
-graphs fail on some torch/NCCL pair: this code has not met a GPU yet).
+graphs fail on some torch/NCCL pair: NCCL and the captured all-reduces have not met two GPUs
+yet; the rest of the path ran on one H200 with ``--one-gpu`` on 2026-12-03).
 """
 
 from __future__ import annotations
