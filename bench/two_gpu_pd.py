@@ -351,6 +351,7 @@ def summary(point: dict[str, Any]) -> dict[str, Any]:
         "itl_p99_ms": stat(m, "itl_ms", "p99"),
         "tpot_p50_ms": stat(m, "tpot_ms", "p50"),
         "kv_transfer_p50_ms": (timings.get("kv_transfer") or {}).get("p50"),
+        "kv_queue_p50_ms": (timings.get("kv_queue") or {}).get("p50"),  # KVReady published -> a decode worker took it
         "cached_tokens": m.get("total_cached_tokens", 0),
         "errors": m.get("errors"),
     }
