@@ -2,7 +2,8 @@
 # Two GPUs of one host (nvidia-h200-x2), one call of about 5 minutes: tensor parallelism on
 # the GPUs: the TP tests that can run there, then bench/tensor_parallel.py (decode step at
 # batch 1, TP 1 against TP 2, Qwen2.5-7B dimensions, random bf16), with CUDA graphs and, if
-# that run fails, without (--no-graphs). Needs no Mooncake wheel. The JSON lands in
+# that run fails, without (--no-graphs). Needs the base wheels of ../shared/tools/device-bundle
+# installed first (orjson and the rest; Mooncake unused). The JSON lands in
 # $OUT/tensor_parallel.json (copy it to docs/data/).
 set -u
 out=${OUT:-/tmp/pdserve-gpu}
