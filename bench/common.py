@@ -203,11 +203,13 @@ def _role(argv: list[str]) -> str:
 
 def plot_goodput(
     runs: dict[str, Any], workloads: dict[str, Any], slo: dict[str, float], heading: str, out: Path
-) -> None:
+) -> list[str]:
     """Goodput against offered rate, one panel per workload (``workloads[w]``: its
     ``input_len`` and ``output_len``), one line per system (``runs[label]["workloads"][w]["points"]``,
-    each point's ``rate`` and ``goodput_rps``), titled ``heading`` and the ``slo`` (its
-    ``ttft_ms`` and ``itl_ms``), written to ``out`` (PNG)."""
+    each point's ``rate`` and ``goodput_rps``) and, dashed in the same colour, the same with
+    each request's longest gap where the points have it (``goodput_rps_max_itl``: the
+    reading a request's own p99 cannot flatter), titled ``heading`` and the ``slo`` (its
+    ``ttft_ms`` and ``itl_ms``), written to ``out`` (PNG). Returns the lines' labels."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -217,8 +219,13 @@ def plot_goodput(
     for ax, workload in zip(axes[0], workloads, strict=True):
         for name, run in runs.items():
             points = (run.get("workloads") or {}).get(workload, {}).get("points") or []
-            if points:
-                ax.plot([p["rate"] for p in points], [p["goodput_rps"] for p in points], marker="o", label=name)
+            if not points:
+                continue
+            rates = [p["rate"] for p in points]
+            (line,) = ax.plot(rates, [p["goodput_rps"] for p in points], marker="o", label=name)
+            if all(p.get("goodput_rps_max_itl") is not None for p in points):
+                strict = [p["goodput_rps_max_itl"] for p in points]
+                ax.plot(rates, strict, marker="x", linestyle="--", color=line.get_color(), label=f"{name}, longest gap")
         lens = workloads[workload]
         ax.set_title(f"{workload}: {lens['input_len']} in / {lens['output_len']} out")
         ax.set_xlabel("offered requests/s")
@@ -226,8 +233,12 @@ def plot_goodput(
         ax.grid(alpha=0.3)
         if ax.get_lines():
             ax.legend()
-    fig.suptitle(f"{heading}: TTFT <= {slo['ttft_ms']:g} ms, p99 ITL <= {slo['itl_ms']:g} ms")
+    fig.suptitle(
+        f"{heading}: TTFT <= {slo['ttft_ms']:g} ms, each request's p99 ITL (dashed: longest gap) <= {slo['itl_ms']:g} ms"
+    )
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
+    labels = [str(line.get_label()) for ax in axes[0] for line in ax.get_lines()]
     plt.close(fig)
+    return labels

@@ -421,8 +421,9 @@ def best_goodput(run: dict[str, Any], workload: str, key: str = "goodput_rps") -
     return max((p[key] for p in points if p.get(key) is not None), default=None)
 
 
-def plot(result: dict[str, Any], out: Path) -> None:
-    """Goodput against offered rate, PD against two unified replicas, one panel per workload."""
+def plot(result: dict[str, Any], out: Path) -> list[str]:
+    """Goodput against offered rate, PD against two unified replicas, one panel per workload;
+    the lines' labels."""
     runs = {result[mode]["label"]: result[mode] for mode in ("pd", "unified") if result.get(mode)}
     workloads: dict[str, Any] = {}
     for run in runs.values():
@@ -430,7 +431,7 @@ def plot(result: dict[str, Any], out: Path) -> None:
             workloads.setdefault(name, {"input_len": w["input_len"], "output_len": w["output_len"]})
     gpus = len(set(result.get("worker_devices") or ["cuda:0", "cuda:1"]))
     where = f"{gpus} x {result['gpus'][0]}" if result["gpus"] else "CPU (dry run)"
-    plot_goodput(runs, workloads, result["slo"], f"PD against two unified replicas on {where}", out)
+    return plot_goodput(runs, workloads, result["slo"], f"PD against two unified replicas on {where}", out)
 
 
 def pick_devices(args: argparse.Namespace) -> tuple[list[str], str, list[str]]:

@@ -267,10 +267,11 @@ def conclude(result: dict[str, Any], gpus: int) -> None:
             result["systems"][name].setdefault("goodput_rps", {})[workload] = g
 
 
-def plot(result: dict[str, Any], out: Path) -> None:
-    """Goodput against offered rate, one panel per workload, one line per configuration."""
+def plot(result: dict[str, Any], out: Path) -> list[str]:
+    """Goodput against offered rate, one panel per workload, one line per configuration;
+    the lines' labels."""
     heading = f"xPyD on {result['num_gpus']} x {(result['gpus'] or ['CPU'])[0]}"
-    plot_goodput(dict(sorted(result["systems"].items())), result["workloads"], result["slo"], heading, out)
+    return plot_goodput(dict(sorted(result["systems"].items())), result["workloads"], result["slo"], heading, out)
 
 
 def main() -> int:

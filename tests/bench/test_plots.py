@@ -56,3 +56,18 @@ def test_xpyd_draws_through_the_same_plot(tmp_path: Path) -> None:
     out = tmp_path / "xpyd.png"
     xpyd.plot(result, out)
     assert png_size(out)[1] > 0
+
+
+def test_the_longest_gap_reading_is_drawn_dashed_beside_each_system_that_has_it(tmp_path: Path) -> None:
+    two = importlib.import_module("two_gpu_pd")
+    strict = [{**point(3, 1.6), "goodput_rps_max_itl": 0.0}, {**point(8, 2.4), "goodput_rps_max_itl": 0.0}]
+    pd = {"workloads": {"prefill_heavy": {"input_len": 2048, "output_len": 128, "points": strict}}}
+    old = {"workloads": {"prefill_heavy": {"input_len": 2048, "output_len": 128, "points": [point(3, 1.1)]}}}
+    result = {
+        "gpus": ["NVIDIA H200"],
+        "worker_devices": ["cuda:0", "cuda:0"],
+        "slo": {"ttft_ms": 1000.0, "itl_ms": 30.0},
+        "pd": {"label": "PD", **pd},
+        "unified": {"label": "unified", **old},  # a run from before the stricter reading: one line
+    }
+    assert two.plot(result, tmp_path / "p.png") == ["PD", "PD, longest gap", "unified"]
