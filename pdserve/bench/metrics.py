@@ -38,7 +38,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 PERCENTILES = (50, 90, 99)
-SLO_ITL_METRICS = ("tpot", "mean-itl", "p99-itl", "max-itl")
+# --slo-itl-metric: what each bounds (a RequestRecord property) and how it is printed
+SLO_ITL_METRICS = {
+    "tpot": ("tpot", "TPOT"),
+    "mean-itl": ("mean_itl", "mean ITL"),
+    "p99-itl": ("p99_itl", "p99 ITL"),
+    "max-itl": ("max_itl", "max ITL"),
+}
 
 
 @dataclass(slots=True)
@@ -139,9 +145,7 @@ class SLO:
         if self.ttft_ms is not None and (r.ttft is None or r.ttft * 1000.0 > self.ttft_ms):
             return False
         if self.itl_ms is not None:
-            value = {"tpot": r.tpot, "mean-itl": r.mean_itl, "p99-itl": r.p99_itl, "max-itl": r.max_itl}[
-                self.itl_metric
-            ]
+            value = getattr(r, SLO_ITL_METRICS[self.itl_metric][0])
             if value is not None and value * 1000.0 > self.itl_ms:
                 return False
         return True
@@ -151,9 +155,7 @@ class SLO:
         if self.ttft_ms is not None:
             parts.append(f"TTFT <= {self.ttft_ms:g} ms")
         if self.itl_ms is not None:
-            label = {"tpot": "TPOT", "mean-itl": "mean ITL", "p99-itl": "p99 ITL", "max-itl": "max ITL"}[
-                self.itl_metric
-            ]
+            label = SLO_ITL_METRICS[self.itl_metric][1]
             parts.append(f"{label} <= {self.itl_ms:g} ms")
         return " and ".join(parts) or "none"
 
