@@ -57,7 +57,13 @@ def start_pdserve(
 ) -> tuple[subprocess.Popen[bytes], str]:
     """`pdserve up --mode MODE` on a free port in its own process group, with ``env`` added
     to this process's environment; returns once healthy. ``checkout``: run that source tree's
-    pdserve instead (e.g. a worktree of another commit)."""
+    pdserve instead (e.g. a worktree of another commit). Without ``--model-path`` in ``extra``
+    it serves the random-weight tiny model built in ``data_dir`` (the model these benchmarks'
+    figures were measured on), not pdserve's default."""
+    if "--model-path" not in (extra or []):
+        from pdserve.engine.tiny_model import ensure_default_model
+
+        extra = ["--model-path", str(ensure_default_model(data_dir)), *(extra or [])]
     port = free_port()
     cmd = [
         sys.executable,

@@ -138,6 +138,7 @@ def worker_argv(
         "device": device or args.device,
         "model_path": model_path,
         "revision": None,  # model_path is the resolved directory
+        "gguf_file": None,
         "nats_url": nats_url,
         "num_threads": max(1, threads // tp),
         "host": args.transfer_host,

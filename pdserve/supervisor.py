@@ -94,7 +94,9 @@ def api_argv(
     table = flags.api_forwarded()
     values = {flag.dest: flag.default for flag in table}
     values.update({k: v for k, v in vars(args).items() if k in values})
-    values.update(model_path=model_path, revision=None, nats_url=nats_url, reuse_port=True, exit_with_parent=True)
+    values.update(
+        model_path=model_path, revision=None, gguf_file=None, nats_url=nats_url, reuse_port=True, exit_with_parent=True
+    )
     values.update(api_id=api_id)
     values.update(api_key_file=key_file or values["api_key_file"], **nats_user(credentials, api_id))
     return [sys.executable, "-m", "pdserve", "api", *flags.render(table, values)]
