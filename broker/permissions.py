@@ -33,7 +33,8 @@ from typing import Any
 
 from pdserve.broker import contract, subjects
 
-WORKER_ROLES = ("prefill", "decode", "unified")
+COLOCATED = "colocated"  # `pdserve colocated`: a prefill and a decode worker in one process
+WORKER_ROLES = ("prefill", "decode", "unified", COLOCATED)
 CLIENT = "client"
 ROLES = ("api", CLIENT, *WORKER_ROLES)
 
@@ -75,6 +76,15 @@ def for_role(role: str, identity: str | None = None) -> Rights:
         raise ValueError(f"unknown role {role!r}; one of {ROLES}")
     if role == CLIENT and not identity:
         raise ValueError("a client's rights need its id (its replies are pd.tokens.<id>.*)")
+    if role == COLOCATED:  # what its prefill worker and its decode worker may each do
+        halves = [for_role("prefill"), for_role("decode")]
+        inbox = [f"{subjects.inbox_prefix(COLOCATED)}.>"]
+        theirs = {f"{subjects.inbox_prefix(half)}.>" for half in ("prefill", "decode")}
+        return Rights(
+            tuple(dict.fromkeys(s for r in halves for s in r.publish)),
+            tuple(dict.fromkeys([*inbox, *(s for r in halves for s in r.subscribe if s not in theirs)])),
+            any(r.allow_responses for r in halves),
+        )
     scope = (identity,) if identity else ()
     pub: list[str] = []
     sub: list[str] = [f"{subjects.inbox_prefix(identity or role)}.>"]

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.grammar import Grammars
 from pdserve.engine.model_runner import ModelRunner, ModelSpec
 from pdserve.engine.parallel import TPGroup
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -45,16 +49,18 @@ def build_engine(
     trust_remote_code: bool = False,
     load_format: str = "auto",
     tp: TPGroup | None = None,
+    model: torch.nn.Module | None = None,
 ) -> Engine:
     """The engine for the model in the local directory ``model_path`` (safetensors weights,
     sharded or not, or ``pytorch_model*.bin``; a hub id is resolved before, by
     :func:`pdserve.checkpoint.resolve`); ``tp``: this is rank 0 of a tensor-parallel group
-    (:mod:`.parallel`)."""
+    (:mod:`.parallel`). ``model``: another engine's model, whose weights this one shares
+    (the two engines of a co-located process)."""
     from transformers import AutoTokenizer
 
     quiet_transformers()
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    runner = ModelRunner(ModelSpec(Path(model_path), dtype, trust_remote_code, load_format), config, tp=tp)
+    runner = ModelRunner(ModelSpec(Path(model_path), dtype, trust_remote_code, load_format), config, model, tp=tp)
 
     def detokenize(ids: list[int]) -> str:
         text = tokenizer.decode(ids, skip_special_tokens=True)

@@ -1,4 +1,4 @@
-"""The ``pdserve`` command: ``up``, ``api``, ``prefill``, ``decode``, ``unified``, ``autoscale``,
+"""The ``pdserve`` command: ``up``, ``api``, ``prefill``, ``decode``, ``unified``, ``colocated``, ``autoscale``,
 ``bench``, ``schemas``, ``doctor``.
 
 Flags come from :mod:`pdserve.flags`; :mod:`pdserve.launch` turns them into configs and
@@ -16,7 +16,10 @@ from pdserve import doctor, flags, schema_files
 from pdserve.bench.cli import add_parser as add_bench_parser
 from pdserve.launch import UsageError
 
-ROLES = ("prefill", "decode", "unified")
+ROLES = ("prefill", "decode", "unified", "colocated")
+ROLE_HELP = {
+    "colocated": "run a prefill worker and a decode worker in one process on one device (KV handed over in place)"
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add_flags(api, flags.BROKER, "broker")
 
     for role in ROLES:
-        worker = sub.add_parser(role, help=f"run one {role} worker")
+        worker = sub.add_parser(role, help=ROLE_HELP.get(role, f"run one {role} worker"))
         flags.add_flags(worker, flags.common())
         flags.add_flags(worker, flags.MODEL, "model")
         flags.add_flags(worker, flags.ENGINE, "engine")
@@ -127,8 +130,10 @@ def main(argv: list[str] | None = None) -> int:
             from pdserve.bench.cli import run as run_bench
 
             return run_bench(args)
-        from pdserve.launch import run_api, run_worker
+        from pdserve.launch import run_api, run_colocated, run_worker
 
+        if args.command == "colocated":
+            return run_colocated(args)
         if args.command == "api":
             run_api(args)
         else:

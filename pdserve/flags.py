@@ -426,6 +426,13 @@ REUSE_PORT = Flag("--reuse-port", switch=True, help="share --port with other API
 UP = (
     Flag("--mode", "pd", choices=("pd", "unified")),
     Flag(
+        "--colocate",
+        switch=True,
+        help="with --mode pd: each prefill worker shares a process and a device with a decode worker (`pdserve "
+        "colocated`): one copy of the weights, each engine on its own CUDA stream, KV handed over in place by the "
+        "local backend (no host memory, no port). One GPU's PD deployment; SGLang calls its cousin --enable-pdmux",
+    ),
+    Flag(
         "--api-processes",
         1,
         int,

@@ -121,6 +121,18 @@ def check_worker_flags(args: argparse.Namespace, role: str) -> None:
     from pdserve.workers.transfer.base import backend_device_error
 
     backend = args.disaggregation_transfer_backend
+    if role == "colocated" and backend not in ("local", "mooncake"):  # mooncake: the flag's default
+        raise UsageError(
+            f"--disaggregation-transfer-backend {backend}: `pdserve colocated` hands KV over inside the process "
+            "(the local backend)"
+        )
+    if role != "colocated" and backend == "local":
+        raise UsageError(
+            "--disaggregation-transfer-backend local: for the two workers of one `pdserve colocated` process; "
+            "separate prefill and decode processes move KV over mooncake, nccl or gloo"
+        )
+    if role == "colocated":
+        backend = "local"
     if backend not in available_backends():
         raise UsageError(f"--disaggregation-transfer-backend {backend}: available: {', '.join(available_backends())}")
     wrong_device = backend_device_error(backend, args.device.split(":")[0])
@@ -546,6 +558,52 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
         asyncio.run(main())
     except WorkerCrashed as exc:
         log.error("worker exits after a failure", extra={"role": role, "failure": str(exc)})
+        _exit_soon(EXIT_CRASHED)
+        return EXIT_CRASHED
+    return 0
+
+
+def run_colocated(args: argparse.Namespace) -> int:
+    """``pdserve colocated``: a prefill worker and a decode worker in this process, on one
+    device, sharing the model's weights, KV handed over in place (:mod:`pdserve.workers.colocated`)."""
+    import asyncio
+
+    if args.exit_with_parent:
+        exit_with_parent()
+    check_worker_flags(args, "colocated")
+    if args.tensor_parallel_size > 1:
+        raise UsageError("`pdserve colocated` runs one rank: --tensor-parallel-size must be 1")
+    if args.cpus is not None:
+        pin_worker(args.cpus)
+    base = worker_config(args, "prefill", resolve_model(args, weights=args.load_format != "dummy"))
+    from pdserve.workers.colocated import build_engines, role_configs, serve_together
+    from pdserve.workers.decode import DecodeWorker
+    from pdserve.workers.lifecycle import WorkerCrashed
+    from pdserve.workers.prefill import PrefillWorker
+
+    prefill_cfg, decode_cfg = role_configs(base, args.worker_id or "")
+    setup_tracing("colocated", prefill_cfg.worker_id)
+    log.info("loading model", extra={"role": "colocated", "path": str(base.model_path)})
+    prefill_engine, prefill_thread, decode_engine, decode_thread = build_engines(prefill_cfg, decode_cfg)
+    prefill = PrefillWorker(prefill_cfg, prefill_engine, prefill_thread)
+    decode = DecodeWorker(decode_cfg, decode_engine, decode_thread)
+
+    async def main() -> None:
+        health = None
+        if args.port is not None:
+            from pdserve.health import serve_health
+
+            health = await serve_health(decode, args.host, args.port)
+        try:
+            await serve_together([prefill, decode])
+        finally:
+            if health is not None:
+                health.close()
+
+    try:
+        asyncio.run(main())
+    except WorkerCrashed as exc:
+        log.error("worker exits after a failure", extra={"role": "colocated", "failure": str(exc)})
         _exit_soon(EXIT_CRASHED)
         return EXIT_CRASHED
     return 0

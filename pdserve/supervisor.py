@@ -129,8 +129,17 @@ def _key_file(args: argparse.Namespace) -> Path | None:
 
 
 def plan_roles(args: argparse.Namespace) -> list[str]:
+    if args.colocate and args.mode != "pd":
+        raise UsageError("--colocate pairs prefill and decode workers: use --mode pd")
     if args.mode == "unified":
         counts = {"unified": args.unified_workers}
+    elif args.colocate:
+        if args.prefill_workers != args.decode_workers:
+            raise UsageError(
+                f"--colocate pairs each prefill worker with a decode worker: --prefill-workers {args.prefill_workers} "
+                f"and --decode-workers {args.decode_workers} must be equal"
+            )
+        counts = {"colocated": args.prefill_workers}
     else:
         counts = {"prefill": args.prefill_workers, "decode": args.decode_workers}
     for role, n in counts.items():
@@ -150,7 +159,7 @@ def plan_devices(args: argparse.Namespace, roles: list[str]) -> list[str]:
         devices = [args.device] * len(roles)
     backend = args.disaggregation_transfer_backend
     for role, device in zip(roles, devices, strict=True):
-        wrong = backend_device_error(backend, device.split(":")[0]) if role != "unified" else None
+        wrong = backend_device_error(backend, device.split(":")[0]) if role in ("prefill", "decode") else None
         if wrong is not None:
             raise SystemExit(f"pdserve up: error: {role} worker on {device}: {wrong}")
     if backend == "nccl":
@@ -169,9 +178,9 @@ def size_consumers(args: argparse.Namespace, roles: list[str]) -> None:
     """``max_ack_pending`` of each consumer = what its pool can hold in hand at once."""
     per_worker = args.max_running_requests
     if args.prefill_max_ack_pending is None:
-        args.prefill_max_ack_pending = per_worker * sum(1 for r in roles if r in ("prefill", "unified"))
+        args.prefill_max_ack_pending = per_worker * sum(1 for r in roles if r in ("prefill", "unified", "colocated"))
     if args.decode_max_ack_pending is None:
-        args.decode_max_ack_pending = per_worker * max(sum(1 for r in roles if r == "decode"), 1)
+        args.decode_max_ack_pending = per_worker * max(sum(1 for r in roles if r in ("decode", "colocated")), 1)
 
 
 def plan_autoscale(args: argparse.Namespace) -> tuple[ScalingConfig, list[str]]:
@@ -179,6 +188,8 @@ def plan_autoscale(args: argparse.Namespace) -> tuple[ScalingConfig, list[str]]:
     minimum); the consumers are sized for the largest pools."""
     if args.mode != "pd":
         raise UsageError("--autoscale grows and shrinks the prefill and decode pools: use --mode pd")
+    if args.colocate:
+        raise UsageError("--autoscale grows each pool on its own; --colocate pairs them in fixed processes")
     if args.worker_devices:
         raise UsageError("--autoscale puts every worker on --device; --worker-devices is for fixed pools")
     config = scaling_config(args)
@@ -404,8 +415,10 @@ async def _restart_broker(broker: Broker) -> None:
 
 async def _announce(app: object, args: argparse.Namespace, children: list[Child]) -> None:
     """Log one line when every worker has registered."""
-    workers = [c for c in children if c.role != "api"]
-    want = {role: sum(1 for c in workers if c.role == role) for role in {c.role for c in workers}}
+    workers = [c for c in children if c.role not in ("api", KV_STORE)]
+    # A co-located process registers a prefill and a decode worker.
+    roles = [r for c in workers for r in (("prefill", "decode") if c.role == "colocated" else (c.role,))]
+    want = {role: roles.count(role) for role in set(roles)}
     started = time.monotonic()
     while True:
         await asyncio.sleep(0.5)

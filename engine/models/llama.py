@@ -67,11 +67,32 @@ class Layer:
     window: int | None
 
 
+def _already_fused(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The fused tensor ``parts`` are consecutive row slices of (a second forward pass built
+    over the same model, as the two engines of a co-located process are), else ``None``."""
+    first = parts[0]
+    if any(p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() for p in parts):
+        return None
+    offset = first.storage_offset()
+    for p in parts:
+        if not p.is_contiguous() or p.storage_offset() != offset or p.shape[1:] != first.shape[1:]:
+            return None
+        offset += p.numel()
+    rows = sum(p.shape[0] for p in parts)
+    fused = first.new_empty(0)
+    fused.set_(first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:]), first.stride())
+    return fused
+
+
 def _fuse(modules: list[Any], name: str) -> torch.Tensor | None:
-    """Concatenate the modules' ``name`` tensors and point each module at its slice."""
+    """Concatenate the modules' ``name`` tensors and point each module at its slice (or the
+    fused tensor they already are slices of: weights are never held twice)."""
     parts = [getattr(m, name) for m in modules]
     if parts[0] is None:
         return None
+    shared = _already_fused([p.data for p in parts])
+    if shared is not None:
+        return shared
     fused = torch.cat([p.data for p in parts])
     start = 0
     for part in parts:
