@@ -113,6 +113,7 @@ def ensure_converted(
     served name. ``dtype`` is ``--dtype``: ``auto`` stores float32 (the values exactly as
     dequantized), a half type stores that half type. Raises :class:`GGUFError`."""
     gguf = gguf.resolve()
+    inspect(gguf)  # refuse what cannot be converted before making anything
     stat = gguf.stat()
     storage = STORAGE_DTYPES.get(dtype, dtype)
     key = hashlib.sha256(f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}|{storage}".encode()).hexdigest()[:16]

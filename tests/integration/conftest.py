@@ -38,10 +38,11 @@ class System:
 
 
 def start_system(
-    tmp: Path, model_dir: Path, nats_url: str | None, *extra: str, env: dict[str, str] | None = None
+    tmp: Path, model_dir: Path | None, nats_url: str | None, *extra: str, env: dict[str, str] | None = None
 ) -> System:
     """`pdserve up` on ``nats_url``, or with its own embedded broker (users and permissions
-    on) when ``nats_url`` is ``None``; returns once ``/health`` says it can serve."""
+    on) when ``nats_url`` is ``None``; returns once ``/health`` says it can serve. Without
+    ``model_dir``, no ``--model-path``: the default model of ``tmp / "data"``."""
     port = free_port()
     log_path = tmp / "pdserve.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -52,8 +53,7 @@ def start_system(
         "up",
         "--data-dir",
         str(tmp / "data"),
-        "--model-path",
-        str(model_dir),
+        *(["--model-path", str(model_dir)] if model_dir is not None else []),
         *(["--nats-url", nats_url] if nats_url else []),
         "--host",
         "127.0.0.1",
@@ -65,7 +65,8 @@ def start_system(
     ]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-    system = System(f"http://127.0.0.1:{port}", nats_url or "", model_dir, model_dir.name, process, log_path)
+    name = model_dir.name if model_dir is not None else ""
+    system = System(f"http://127.0.0.1:{port}", nats_url or "", model_dir or tmp / "data", name, process, log_path)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if process.poll() is not None:
