@@ -54,6 +54,7 @@ def start_pdserve(
     timeout: float = 180.0,
     env: dict[str, str] | None = None,
     checkout: Path | None = None,
+    log_path: Path | None = None,
 ) -> tuple[subprocess.Popen[bytes], str]:
     """`pdserve up --mode MODE` on a free port in its own process group, with ``env`` added
     to this process's environment; returns once healthy. ``checkout``: run that source tree's
@@ -83,7 +84,8 @@ def start_pdserve(
         *(extra or []),
     ]
     env = {**os.environ, **(env or {}), **({"PYTHONPATH": str(checkout)} if checkout else {})}
-    proc = subprocess.Popen(cmd, start_new_session=True, env=env, cwd=checkout)
+    sink = open(log_path, "wb") if log_path is not None else None
+    proc = subprocess.Popen(cmd, start_new_session=True, env=env, cwd=checkout, stdout=sink, stderr=sink)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while True:

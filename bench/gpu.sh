@@ -11,7 +11,7 @@ export PYTHONUNBUFFERED=1 MC_LOG_LEVEL=ERROR TOKENIZERS_PARALLELISM=false
 timeout 20 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1
 case "${1:-}" in
 one_gpu_pd)
-  timeout -k 15 ${LIMIT:-540} python3 bench/one_gpu_pd.py --out "$out/one_gpu_pd.json" ${ARGS:-} 2>&1 \
+  timeout -k 15 ${LIMIT:-540} python3 bench/one_gpu_pd.py --out "$out/one_gpu_pd.json" --log-dir "$out" ${ARGS:-} 2>&1 \
     | tee "$out/one_gpu_pd.log" | grep -v -E "^WARNING: Logging|Local segment descriptor" | tail -40
   ;;
 *)

@@ -123,6 +123,9 @@ def summary(p: dict[str, Any], slo_ttft: float, slo_gap: float) -> dict[str, Any
     m = p["metrics"]
     rows = [r for r in p["requests"] if r.get("ok")]
     gaps = sorted(max(r["itl"]) for r in rows if r.get("itl"))
+    firsts = sorted(r["itl"][0] for r in rows if r.get("itl"))
+    later = sorted(max(r["itl"][1:]) for r in rows if len(r.get("itl") or ()) > 1)
+    timings = m.get("server_timings_ms") or {}
     good = sum(1 for r in rows if r.get("itl") and r["ttft"] <= slo_ttft and max(r["itl"]) <= slo_gap)
     return {
         "completed": m["completed"],
@@ -135,6 +138,11 @@ def summary(p: dict[str, Any], slo_ttft: float, slo_gap: float) -> dict[str, Any
         "itl_p99_ms": stat(m, "itl_ms", "p99"),
         "max_gap_p50_ms": percentile(gaps, 50) * 1e3 if gaps else None,
         "max_gap_p90_ms": percentile(gaps, 90) * 1e3 if gaps else None,
+        "first_gap_p50_ms": percentile(firsts, 50) * 1e3 if firsts else None,
+        "first_gap_p90_ms": percentile(firsts, 90) * 1e3 if firsts else None,
+        "later_max_gap_p90_ms": percentile(later, 90) * 1e3 if later else None,
+        "kv_queue_p50_ms": (timings.get("kv_queue") or {}).get("p50"),
+        "kv_transfer_p50_ms": (timings.get("kv_transfer") or {}).get("p50"),
         "goodput_rps": good / m["duration_s"],
         "cached_tokens": m.get("total_cached_tokens", 0),
         "seed": p["seed"],
@@ -145,9 +153,12 @@ def run_system(args: argparse.Namespace, name: str, flags: list[str], model: Pat
     root = Path(tempfile.mkdtemp(prefix=f"one-gpu-{name}-"))
     log(f"starting {name}: {' '.join(flags)}")
     t0 = time.monotonic()
-    proc, url = start_pdserve(
-        flags[1], root, [*flags[2:], "--model-path", str(model), *args.up_arg], timeout=args.start_timeout
-    )
+    extra = [*flags[2:], "--model-path", str(model), *args.up_arg]
+    if args.step_log and "--colocate" in flags:
+        extra += ["--log-level", "DEBUG"]
+    log_path = args.log_dir / f"{name}.log" if args.log_dir else None
+    proc, url = start_pdserve(flags[1], root, extra, timeout=args.start_timeout, log_path=log_path)
+
     out: dict[str, Any] = {"flags": flags, "start_s": time.monotonic() - t0, "bare": {}, "load": {}, "sweep": []}
     slo = (args.slo_ttft, args.slo_gap / 1e3)
     try:
@@ -165,7 +176,9 @@ def run_system(args: argparse.Namespace, name: str, flags: list[str], model: Pat
             log(
                 f"  {name} x{n}: bare step {bare['itl_p50_ms']:.2f} ms; ITL p50 {p['itl_p50_ms']:.2f} p99 "
                 f"{p['itl_p99_ms']:.1f} ms, longest gap p50 {p['max_gap_p50_ms']:.0f} p90 {p['max_gap_p90_ms']:.0f} ms, "
-                f"{p['out_tok_s']:.0f} tok/s, TTFT p50 {p['ttft_p50_ms']:.0f} ms, cached {p['cached_tokens']}"
+                f"{p['out_tok_s']:.0f} tok/s, TTFT p50 {p['ttft_p50_ms']:.0f} ms, cached {p['cached_tokens']}; first gap "
+                f"p50 {p['first_gap_p50_ms']:.0f} p90 {p['first_gap_p90_ms']:.0f} ms, longest later gap p90 "
+                f"{p['later_max_gap_p90_ms']:.0f} ms"
             )
         for j, rate in enumerate(args.rates):
             num = max(8, round(rate * args.duration))
@@ -262,6 +275,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=None, help="default: fresh from the clock")
     parser.add_argument("--out", type=Path, default=Path("docs/data/one_gpu_pd.json"))
     parser.add_argument("--img", type=Path, default=None)
+    parser.add_argument("--log-dir", type=Path, default=None, help="each system's output in DIR/<system>.log")
+    parser.add_argument("--step-log", action="store_true", help="co-located systems log each step (DEBUG)")
     args = parser.parse_args()
     args.loads = [int(x) for x in args.loads.split(",") if x]
     args.rates = [float(x) for x in args.rates.split(",") if x]
@@ -299,8 +314,10 @@ def main() -> int:
         model = write_model_dir(Path(tempfile.mkdtemp()) / "model", dims)
         common = ["--device", args.device, "--load-format", "dummy"]
         for k, name in enumerate(s for s in args.systems.split(",") if s):
-            if name == "colocated":
-                key, flags = "colocated_pd", ["--mode", "pd", "--colocate", *common]
+            if name.startswith("colocated"):
+                size = name.removeprefix("colocated").removeprefix("-")
+                key = f"colocated_pd_{size}" if size else "colocated_pd"
+                flags = ["--mode", "pd", "--colocate", *common, *(["--chunked-prefill-size", size] if size else [])]
             else:
                 size = name.removeprefix("unified-")
                 key, flags = f"unified_{size}", ["--mode", "unified", "--chunked-prefill-size", size, *common]

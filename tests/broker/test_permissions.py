@@ -208,3 +208,15 @@ async def test_a_direct_publisher_requests_cancels_and_reads_its_own_replies_onl
 def test_a_server_without_users_stays_open(nats_server: NatsServer) -> None:
     conf = Path(nats_server.store_dir).parent / "nats.conf"
     assert "authorization" not in conf.read_text()
+
+
+def test_a_colocated_process_may_do_what_its_prefill_and_decode_workers_do() -> None:
+    both = permissions.for_role(permissions.COLOCATED)
+    for half in ("prefill", "decode"):
+        rights = permissions.for_role(half)
+        mine = f"{subjects.inbox_prefix(half)}.>"
+        assert set(rights.publish) <= set(both.publish)
+        assert set(rights.subscribe) - {mine} <= set(both.subscribe)
+        assert mine not in both.subscribe  # its inboxes are its own: _INBOX.colocated
+    assert f"{subjects.inbox_prefix('colocated')}.>" in both.subscribe
+    assert both.allow_responses

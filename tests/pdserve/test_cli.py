@@ -196,3 +196,33 @@ def test_autoscale_takes_the_worker_flags_up_hands_on() -> None:
     assert argv[3] == "prefill" and "--nats-url" in argv and "nats://b:4222" in argv
     assert {f.dest for f in flags.forwarded()} <= set(vars(args)) | {"host", "exit_with_parent"}
     assert args.metrics_port == 9464
+
+
+def test_up_colocate_pairs_the_roles_in_processes_of_their_own() -> None:
+    args = build_parser().parse_args(["up", "--colocate", "--prefill-workers", "2", "--decode-workers", "2"])
+    roles = plan_roles(args)
+    assert roles == ["colocated", "colocated"]
+    size_consumers(args, roles)
+    assert args.prefill_max_ack_pending == args.decode_max_ack_pending == 2 * args.max_running_requests
+    argv = worker_argv(args, "colocated", Path("/m"), "nats://127.0.0.1:1", 2)
+    assert argv[3] == "colocated"
+    for bad, why in (
+        (["--prefill-workers", "1", "--decode-workers", "2"], "must be equal"),
+        (["--mode", "unified"], "use --mode pd"),
+    ):
+        with pytest.raises(UsageError, match=why):
+            plan_roles(build_parser().parse_args(["up", "--colocate", *bad]))
+
+
+def test_the_local_backend_belongs_to_colocated_processes_only() -> None:
+    from pdserve.launch import check_worker_flags
+
+    with pytest.raises(UsageError, match="for the two workers of one `pdserve colocated` process"):
+        check_worker_flags(
+            build_parser().parse_args(["decode", "--disaggregation-transfer-backend", "local"]), "decode"
+        )
+    with pytest.raises(UsageError, match="hands KV over inside the process"):
+        check_worker_flags(
+            build_parser().parse_args(["colocated", "--disaggregation-transfer-backend", "nccl"]), "colocated"
+        )
+    check_worker_flags(build_parser().parse_args(["colocated"]), "colocated")  # the default: local
