@@ -13,6 +13,7 @@ column is pdserve against the best transformers mode of the same row.
 
     python bench/engine_bench.py                       # tiny model, concurrency 1, 8, 64
     python bench/engine_bench.py --model 100m          # ~100M-parameter random Qwen2
+    python bench/engine_bench.py --model smollm2       # SmolLM2-135M-Instruct, the default model (real weights)
     python bench/engine_bench.py --json out.json
 """
 
@@ -33,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pdserve.default_model import ensure_default_model as ensure_smollm2
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.loader import build_engine, quiet_transformers
@@ -156,7 +158,9 @@ def make_100m(base: Path, out: Path) -> Path:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny", help="tiny, 100m, or a model directory (default: %(default)s)")
+    parser.add_argument(
+        "--model", default="tiny", help="tiny, 100m, smollm2, or a model directory (default: %(default)s)"
+    )
     parser.add_argument("--concurrency", default="1,8,64", help="comma-separated (default: %(default)s)")
     parser.add_argument(
         "--requests",
@@ -183,6 +187,8 @@ def main() -> int:
         path = tiny
     elif args.model == "100m":
         path = make_100m(tiny, args.data_dir / "models" / "random-qwen2-100m")
+    elif args.model == "smollm2":
+        path = ensure_smollm2(args.data_dir, progress=progress)
     else:
         path = Path(args.model)
     modes = args.modes.split(",")

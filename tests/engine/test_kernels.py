@@ -74,6 +74,7 @@ CASES = [
     (4, 8, 8, 16, [3, 33, 64, 9], None),
     (8, 6, 2, 32, [50, 7], 12),
     (32, 28, 4, 128, [512], None),
+    (16, 9, 3, 64, [1, 17, 70], None),  # SmolLM2-135M, the default model: 9 heads over 3 KV heads
 ]
 
 
@@ -175,7 +176,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads", [(4, 2, 32), (7, 1, 64), (28, 4, 128)])
+@pytest.mark.parametrize("heads", [(4, 2, 32), (7, 1, 64), (28, 4, 128), (9, 3, 64)])
 def test_rope_store_rotates_in_place_and_writes_slots(dtype: torch.dtype, heads: tuple[int, int, int]) -> None:
     num_q, num_kv, dim = heads
     page, layers, layer, tokens = 4, 3, 2, 9
@@ -210,7 +211,7 @@ def test_rope_store_rotates_in_place_and_writes_slots(dtype: torch.dtype, heads:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", [64, 3584 // 8, 1000])
+@pytest.mark.parametrize("n", [64, 3584 // 8, 576, 1000])
 def test_add_rms_norm_and_silu_mul_match_transformers_rounding(dtype: torch.dtype, n: int) -> None:
     rows = 5
     x = torch.randn((rows, n), dtype=dtype, device=DEVICE)
@@ -231,7 +232,7 @@ def test_add_rms_norm_and_silu_mul_match_transformers_rounding(dtype: torch.dtyp
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 96), (3, 17, 1000), (4, 64, 512)])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 96), (3, 17, 1000), (4, 64, 512), (2, 48, 576)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_matches_linear(dtype: torch.dtype, m: int, n: int, k: int, bias: bool) -> None:
     x = torch.randn((m, k), dtype=dtype, device=DEVICE)
@@ -265,7 +266,7 @@ def test_l2_prefetch_reads_every_element() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float16] if DEVICE.type == "cuda" else DTYPES)
-@pytest.mark.parametrize("rows,n,block", [(1, 5000, 1024), (3, 152064, 4096), (2, 700, 4096)])
+@pytest.mark.parametrize("rows,n,block", [(1, 5000, 1024), (3, 152064, 4096), (2, 700, 4096), (2, 49152, 4096)])
 def test_argmax_rows_equals_torch_first_of_ties(dtype: torch.dtype, rows: int, n: int, block: int) -> None:
     x = torch.randn((rows, n), device=DEVICE).to(dtype)
     top = x.max()
