@@ -199,7 +199,11 @@ def main() -> int:
     params = sum(p.numel() for p in hf.parameters())
     vocab = hf.config.vocab_size
     pad_id = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
-    engine = build_engine(path, EngineConfig(max_total_tokens=300_000, max_num_seqs=256))
+    # Room for every request in flight at its longest (300,000 tokens at most): a real model's
+    # KV is large (SmolLM2: 46 KB a token in float32, 14 GB for 300,000 tokens).
+    most = max(int(c) for c in args.concurrency.split(","))
+    pool = min(300_000, most * (max_in + max_out) + 4096)
+    engine = build_engine(path, EngineConfig(max_total_tokens=pool, max_num_seqs=256))
     rows = []
     for concurrency in (int(c) for c in args.concurrency.split(",")):
         n = args.requests or (4 if concurrency == 1 else max(concurrency, 16))
