@@ -201,7 +201,7 @@ def run_system(args: argparse.Namespace, name: str, flags: list[str], model: Pat
 
 def verdict(result: dict[str, Any]) -> dict[str, Any]:
     """Each goal of the issue against the best unified (by output tok/s at each load)."""
-    co = result["systems"].get("colocated_pd") or {}
+    co = result["systems"].get(result.get("colocated_key", "colocated_pd")) or {}
     unified = {k: v for k, v in result["systems"].items() if k.startswith("unified")}
     out: dict[str, Any] = {}
     for n in map(str, result["loads"]):
@@ -275,6 +275,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=None, help="default: fresh from the clock")
     parser.add_argument("--out", type=Path, default=Path("docs/data/one_gpu_pd.json"))
     parser.add_argument("--img", type=Path, default=None)
+    parser.add_argument("--verdict-of", default="colocated_pd", help="the co-located system the goals are read on")
     parser.add_argument("--log-dir", type=Path, default=None, help="each system's output in DIR/<system>.log")
     parser.add_argument("--step-log", action="store_true", help="co-located systems log each step (DEBUG)")
     args = parser.parse_args()
@@ -298,6 +299,7 @@ def main() -> int:
         "slo_gap_ms": args.slo_gap,
         "seed": seed,
         "systems": {},
+        "colocated_key": args.verdict_of,
     }
 
     def save() -> None:
@@ -314,10 +316,14 @@ def main() -> int:
         model = write_model_dir(Path(tempfile.mkdtemp()) / "model", dims)
         common = ["--device", args.device, "--load-format", "dummy"]
         for k, name in enumerate(s for s in args.systems.split(",") if s):
-            if name.startswith("colocated"):
-                size = name.removeprefix("colocated").removeprefix("-")
-                key = f"colocated_pd_{size}" if size else "colocated_pd"
-                flags = ["--mode", "pd", "--colocate", *common, *(["--chunked-prefill-size", size] if size else [])]
+            if name.startswith("colocated"):  # colocated[-<chunk>][-sms<N>]
+                parts = name.split("-")[1:]
+                size = next((p for p in parts if p.isdigit()), "")
+                sms = next((p.removeprefix("sms") for p in parts if p.startswith("sms")), "")
+                key = "_".join(["colocated_pd", *parts])
+                flags = ["--mode", "pd", "--colocate", *common]
+                flags += ["--chunked-prefill-size", size] if size else []
+                flags += ["--prefill-sms", sms] if sms else []
             else:
                 size = name.removeprefix("unified-")
                 key, flags = f"unified_{size}", ["--mode", "unified", "--chunked-prefill-size", size, *common]

@@ -113,6 +113,9 @@ class Engine:
         grammars: Grammars | None = None,
     ) -> None:
         self.runner = runner
+        # The stream this engine's steps run on: the current one of the thread that builds it
+        # (its engine thread; a co-located process gives each engine a stream of its own).
+        self.stream = torch.cuda.current_stream(runner.device) if runner.device.type == "cuda" else None
         self.grammars = grammars
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -282,7 +285,7 @@ class Engine:
             # sequence that finished meanwhile): the transfer waits for everything queued.
             with self._launch_lock:
                 fence = torch.cuda.Event()
-                fence.record()
+                fence.record(self.stream)
             self._fences[rid] = fence
         return seq
 

@@ -584,7 +584,9 @@ def run_colocated(args: argparse.Namespace) -> int:
     prefill_cfg, decode_cfg = role_configs(base, args.worker_id or "")
     setup_tracing("colocated", prefill_cfg.worker_id)
     log.info("loading model", extra={"role": "colocated", "path": str(base.model_path)})
-    prefill_engine, prefill_thread, decode_engine, decode_thread = build_engines(prefill_cfg, decode_cfg)
+    prefill_engine, prefill_thread, decode_engine, decode_thread = build_engines(
+        prefill_cfg, decode_cfg, args.prefill_sms if args.device.startswith("cuda") else 0
+    )
     prefill = PrefillWorker(prefill_cfg, prefill_engine, prefill_thread)
     decode = DecodeWorker(decode_cfg, decode_engine, decode_thread)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import dataclasses
 import logging
 import os
@@ -31,7 +32,7 @@ import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.engine import Engine
 from pdserve.workers.config import WorkerConfig
@@ -84,26 +85,78 @@ def role_configs(base: WorkerConfig, stem: str = "") -> tuple[WorkerConfig, Work
     return prefill, decode
 
 
-def _stream_for(device: str, priority: int) -> torch.cuda.Stream | None:
+def _stream_for(device: str, priority: int, sms: int = 0) -> torch.cuda.Stream | None:
+    """Make this thread's current stream one of its own (every step it runs goes there):
+    in a green context of ``sms`` SMs when given (the other SMs stay free for the rest)."""
     import torch
 
     if not device.startswith("cuda"):
         return None
-    stream = torch.cuda.Stream(torch.device(device), priority=priority)
-    torch.cuda.set_stream(stream)  # this thread's current stream: every step it runs goes there
+    index = torch.device(device).index or 0
+    total = torch.cuda.get_device_properties(index).multi_processor_count
+    if sms < 0:  # the default: half the SMs
+        sms = total // 2
+    if sms:
+        if not 0 < sms < total:
+            raise ValueError(f"--prefill-sms {sms}: this GPU has {total} SMs")
+        from torch.cuda.green_contexts import GreenContext
+
+        context = GreenContext.create(num_sms=sms, device_id=index)
+        # Never destroyed: at interpreter exit its tensors' blocks would outlive it ("context
+        # is destroyed" in a destructor); the process's end frees it.
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(context))
+        stream = context.Stream()
+        log.info("prefill stream in a green context", extra={"sms": sms, "of": total})
+    else:
+        stream = torch.cuda.Stream(torch.device(device), priority=priority)
+    torch.cuda.set_stream(stream)
     return stream
 
 
+class PrefillStreams:
+    """Where each prefill step runs: in the capped stream (a green context) while decode has
+    requests running, on a stream over the whole GPU while decode is idle (nothing to
+    protect: a burst's first prompts get every SM). Called in the prefill engine thread;
+    switching, the new stream first waits for the old one's work (chunks of one prompt run
+    in order)."""
+
+    def __init__(self, capped: torch.cuda.Stream, whole: torch.cuda.Stream, decode: Engine) -> None:
+        self.capped, self.whole, self.decode = capped, whole, decode
+        self.current = capped
+        self.switches = 0
+
+    def choose(self) -> None:
+        import torch
+
+        want = self.capped if self.decode.num_running else self.whole
+        if want is not self.current:
+            want.wait_stream(self.current)
+            torch.cuda.set_stream(want)
+            self.current = want
+            self.switches += 1
+
+
+def cap_prefill(prefill: Engine, streams: PrefillStreams) -> None:
+    """Run each of ``prefill``'s steps on the stream :class:`PrefillStreams` chooses."""
+    launch = prefill.launch
+
+    def capped_launch(batch: Any) -> Any:
+        streams.choose()
+        return launch(batch)
+
+    prefill.launch = capped_launch  # type: ignore[method-assign]
+
+
 def build_engines(
-    prefill: WorkerConfig, decode: WorkerConfig
+    prefill: WorkerConfig, decode: WorkerConfig, prefill_sms: int = 0
 ) -> tuple[Engine, ThreadPoolExecutor, Engine, ThreadPoolExecutor]:
     """Both engines, each built in the thread that will run its steps (on its own stream on a
     GPU), decode's first (its CUDA graphs are captured with nothing else on the device),
     then prefill's over the same model."""
     from pdserve.engine.loader import build_engine
 
-    def make(config: WorkerConfig, priority: int, model: torch.nn.Module | None) -> Engine:
-        _stream_for(config.engine.device, priority)
+    def make(config: WorkerConfig, priority: int, model: torch.nn.Module | None, sms: int = 0) -> Engine:
+        _stream_for(config.engine.device, priority, sms)
         return build_engine(
             Path(config.model_path),
             config.engine,
@@ -116,7 +169,14 @@ def build_engines(
     decode_thread = engine_thread_pool()
     decode_engine = decode_thread.submit(make, decode, DECODE_STREAM_PRIORITY, None).result()
     prefill_thread = engine_thread_pool()
-    prefill_engine = prefill_thread.submit(make, prefill, 0, decode_engine.runner.model).result()
+    prefill_engine = prefill_thread.submit(make, prefill, 0, decode_engine.runner.model, prefill_sms).result()
+    if prefill_sms and prefill_engine.stream is not None:
+        import torch
+
+        whole = torch.cuda.Stream(decode_engine.runner.device)
+        capped = prefill_engine.stream
+        assert capped is not None
+        cap_prefill(prefill_engine, PrefillStreams(capped, whole, decode_engine))
     return prefill_engine, prefill_thread, decode_engine, decode_thread
 
 

@@ -46,7 +46,7 @@ def test_an_sglang_prefill_command_parses_and_passes_the_checks() -> None:
         (["--tensor-parallel-size", "2", "--tp-rank", "2"], "outside --tensor-parallel-size 2"),
         (["--tensor-parallel-size", "2", "--kv-host-bytes", "1000000"], "tiers copy a whole page pool"),
         (["--disaggregation-mode", "decode"], "does not match"),
-        (["--disaggregation-transfer-backend", "nixl"], "available: gloo, mooncake, nccl"),
+        (["--disaggregation-transfer-backend", "nixl"], "available: gloo, local, mooncake, nccl"),
         (["--disaggregation-transfer-backend", "nccl"], "moves cuda pools, not cpu ones .a cpu pool moves over gloo"),
         (["--disaggregation-transfer-backend", "gloo", "--device", "cuda:1"], "moves cpu pools, not cuda ones"),
         (["--page-size", "12"], "power of two"),
