@@ -156,9 +156,9 @@ ENGINE = (
         "--prefill-sms",
         -1,
         int,
-        "co-located PD on a GPU (`up --colocate`): while decode has requests running, prefill's forward passes run "
-        "in a green context of this many SMs, so decode's kernels always find SMs free beside them (with decode "
-        "idle, prefill takes the whole GPU); -1: half the GPU's SMs; 0: no cap (default: %(default)s)",
+        "co-located PD on a GPU (`up --colocate`): prefill's forward passes run in a green context of this many "
+        "SMs, so decode's kernels always find SMs free beside them; -1: half the GPU's SMs; 0: no cap "
+        "(default: %(default)s)",
     ),
     Flag("--disable-overlap-schedule", switch=True, help="wait for each step before scheduling the next"),
     Flag(

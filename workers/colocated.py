@@ -32,7 +32,7 @@ import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pdserve.engine.engine import Engine
 from pdserve.workers.config import WorkerConfig
@@ -113,40 +113,6 @@ def _stream_for(device: str, priority: int, sms: int = 0) -> torch.cuda.Stream |
     return stream
 
 
-class PrefillStreams:
-    """Where each prefill step runs: in the capped stream (a green context) while decode has
-    requests running, on a stream over the whole GPU while decode is idle (nothing to
-    protect: a burst's first prompts get every SM). Called in the prefill engine thread;
-    switching, the new stream first waits for the old one's work (chunks of one prompt run
-    in order)."""
-
-    def __init__(self, capped: torch.cuda.Stream, whole: torch.cuda.Stream, decode: Engine) -> None:
-        self.capped, self.whole, self.decode = capped, whole, decode
-        self.current = capped
-        self.switches = 0
-
-    def choose(self) -> None:
-        import torch
-
-        want = self.capped if self.decode.num_running else self.whole
-        if want is not self.current:
-            want.wait_stream(self.current)
-            torch.cuda.set_stream(want)
-            self.current = want
-            self.switches += 1
-
-
-def cap_prefill(prefill: Engine, streams: PrefillStreams) -> None:
-    """Run each of ``prefill``'s steps on the stream :class:`PrefillStreams` chooses."""
-    launch = prefill.launch
-
-    def capped_launch(batch: Any) -> Any:
-        streams.choose()
-        return launch(batch)
-
-    prefill.launch = capped_launch  # type: ignore[method-assign]
-
-
 def build_engines(
     prefill: WorkerConfig, decode: WorkerConfig, prefill_sms: int = 0
 ) -> tuple[Engine, ThreadPoolExecutor, Engine, ThreadPoolExecutor]:
@@ -170,13 +136,6 @@ def build_engines(
     decode_engine = decode_thread.submit(make, decode, DECODE_STREAM_PRIORITY, None).result()
     prefill_thread = engine_thread_pool()
     prefill_engine = prefill_thread.submit(make, prefill, 0, decode_engine.runner.model, prefill_sms).result()
-    if prefill_sms and prefill_engine.stream is not None:
-        import torch
-
-        whole = torch.cuda.Stream(decode_engine.runner.device)
-        capped = prefill_engine.stream
-        assert capped is not None
-        cap_prefill(prefill_engine, PrefillStreams(capped, whole, decode_engine))
     return prefill_engine, prefill_thread, decode_engine, decode_thread
 
 
