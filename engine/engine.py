@@ -133,6 +133,10 @@ class Engine:
         self.held: dict[str, Sequence] = {}
         self.stats = EngineStats()
         self._in_flight: list[ScheduledBatch] = []  # scheduled, not yet postprocessed
+        # On a GPU a step runs after it is launched: pages freed meanwhile wait for it
+        # (PageManager.park_tag), so an import may write into its pages at once.
+        self.park_freed = runner.device.type == "cuda"
+        self._serial = 0
         self._aborted: set[str] = set()  # aborted while in flight: dropped when their steps end
         self._pending: Launched | None = None  # a step left queued on the device by step()
         # Overlap needs tokens that can stay on the device: the fast path's (under tensor
@@ -280,9 +284,10 @@ class Engine:
             return None
         seq.status = Status.HELD
         self.seqs[rid] = seq
-        if self.runner.device.type == "cuda":
+        if self.runner.device.type == "cuda" and not self.park_freed:
             # A step still queued may write into pages freed since it was scheduled (a
             # sequence that finished meanwhile): the transfer waits for everything queued.
+            # (With park_freed such pages are not handed out until that step is done.)
             with self._launch_lock:
                 fence = torch.cuda.Event()
                 fence.record(self.stream)
@@ -384,8 +389,21 @@ class Engine:
         """The next step's work; its requests count as in flight until :meth:`postprocess`."""
         batch = self.scheduler.schedule()
         if not batch.is_empty:
+            self._serial += 1
+            batch.serial = self._serial
             self._in_flight.append(batch)
+            if self.park_freed:
+                self.pages.park_tag = batch.serial
         return batch
+
+    def _retire(self, batch: ScheduledBatch) -> None:
+        """``batch`` is done on the device (or never ran): the pages parked under it and
+        before are free; pages freed from now wait for the steps still in flight, if any."""
+        self._in_flight = [b for b in self._in_flight if b is not batch]
+        if not self.park_freed:
+            return
+        self.pages.unpark(batch.serial)
+        self.pages.park_tag = max((b.serial for b in self._in_flight), default=None)
 
     @property
     def pending(self) -> Launched | None:
@@ -482,6 +500,7 @@ class Engine:
         return self.collect(self.launch(batch))
 
     def postprocess(self, batch: ScheduledBatch, result: ExecResult) -> list[RequestOutput]:
+        self._retire(batch)
         self.stats.steps += 1
         self.stats.batch_rows += len(batch.decodes) + len(batch.prefills)
         self.stats.busy_seconds += result.seconds
@@ -500,7 +519,6 @@ class Engine:
             if id(seq) in unforked:
                 continue  # no page to fork into (or its request is gone): it computes its prompt itself
             outputs.append(self._append(seq, token, logprob, id(seq) in decoded))
-        self._in_flight = [b for b in self._in_flight if b is not batch]
         self._drop_aborted()
         return outputs
 
@@ -528,7 +546,7 @@ class Engine:
     def fail(self, batch: ScheduledBatch) -> list[Sequence]:
         """The batch's forward pass raised: drop its requests (pages freed); returns them."""
         seqs = list(batch.decodes) + [s for s, _ in batch.prefills]
-        self._in_flight = [b for b in self._in_flight if b is not batch]
+        self._retire(batch)
         if self._pending is not None and self._pending.batch is batch:
             self._pending = None
         for seq in seqs:

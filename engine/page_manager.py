@@ -52,12 +52,23 @@ class PageManager:
         self.record_events = False  # keep what the index gains and loses, for take_events
         self._stored: list[bytes] = []
         self._evicted: list[bytes] = []
+        # While a step that may still write into pages is queued on the device, an
+        # unreferenced, uncached page is parked under that step's serial (``park_tag``) and
+        # handed out again only once that step is done (:meth:`unpark`): a page given to a
+        # transfer or a new request is then never written by a step queued before.
+        self.park_tag: int | None = None
+        self._parked: list[tuple[int, int]] = []  # (serial, page)
 
     # ---- queries -----------------------------------------------------------
     @property
     def num_free_pages(self) -> int:
         """Pages that can be handed out now (free plus evictable cached)."""
         return len(self._free) + len(self._evictable)
+
+    @property
+    def num_parked_pages(self) -> int:
+        """Freed pages waiting for the step queued when they were freed."""
+        return len(self._parked)
 
     @property
     def num_used_pages(self) -> int:
@@ -125,8 +136,17 @@ class PageManager:
             if self._refs[page] == 0:
                 if page in self._hash_of:
                     self._evictable[page] = None
+                elif self.park_tag is not None:
+                    self._parked.append((self.park_tag, page))
                 else:
                     self._free.append(page)
+
+    def unpark(self, serial: int | None = None) -> int:
+        """Pages parked under steps up to ``serial`` (every one: ``None``) become free; how many."""
+        done = [page for tag, page in self._parked if serial is None or tag <= serial]
+        self._parked = [(tag, page) for tag, page in self._parked if not (serial is None or tag <= serial)]
+        self._free.extend(reversed(done))
+        return len(done)
 
     def register(self, page: int, h: bytes) -> None:
         """Record that ``page`` holds the full page with chained hash ``h``."""
@@ -282,11 +302,13 @@ class PageManager:
         seq.num_registered_pages = max(seq.num_registered_pages, full)
 
     def check_invariants(self) -> None:
-        """For tests: every page is exactly one of free, evictable, referenced."""
+        """For tests: every page is exactly one of free, evictable, referenced, parked."""
         free = set(self._free)
+        parked = {page for _, page in self._parked}
         assert len(free) == len(self._free), "duplicate page in free list"
+        assert len(parked) == len(self._parked), "duplicate parked page"
         for page in range(self.num_pages):
-            states = (page in free) + (page in self._evictable) + (self._refs[page] > 0)
+            states = (page in free) + (page in self._evictable) + (self._refs[page] > 0) + (page in parked)
             assert states == 1, f"page {page} is in {states} states"
         for page in self._evictable:
             assert page in self._hash_of

@@ -91,6 +91,7 @@ class ScheduledBatch:
 
     decodes: list[Sequence]
     prefills: list[tuple[Sequence, int]]
+    serial: int = 0  # the engine's count of scheduled steps (orders what a step may still write)
 
     @property
     def num_tokens(self) -> int:

@@ -32,7 +32,7 @@ import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.engine import Engine
 from pdserve.workers.config import WorkerConfig
@@ -101,7 +101,7 @@ def _stream_for(device: str, priority: int, sms: int = 0) -> torch.cuda.Stream |
             raise ValueError(f"--prefill-sms {sms}: this GPU has {total} SMs")
         from torch.cuda.green_contexts import GreenContext
 
-        context = GreenContext.create(num_sms=sms, device_id=index)
+        context: Any = GreenContext.create(num_sms=sms, device_id=index)  # torch's stubs lack Stream()
         # Never destroyed: at interpreter exit its tensors' blocks would outlive it ("context
         # is destroyed" in a destructor); the process's end frees it.
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(context))

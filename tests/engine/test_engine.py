@@ -269,3 +269,40 @@ def test_sharded_safetensors_load_and_decode_as_transformers(tiny_model_dir: Pat
         engine.add_request(f"r{i}", p, GREEDY)
     outs = run_all(engine)
     assert [outs[f"r{i}"] for i in range(len(prompts))] == hf_greedy(tiny_model_dir, prompts, GREEDY.max_new_tokens)
+
+
+def test_parked_pages_come_back_as_steps_finish(tiny_model_dir: Path, reference) -> None:
+    """With ``park_freed`` (on by default on a GPU) a page freed while a step is in flight
+    waits for that step, so a transfer may write into any page it is given at once; the
+    other requests' greedy output is unchanged and nothing stays parked."""
+    prompts, expected = reference
+    engine = make_engine(tiny_model_dir, chunked_prefill_size=2048, max_num_seqs=8)
+    engine.park_freed = True
+    for i, p in enumerate(prompts[:4]):
+        engine.add_request(f"r{i}", p, GREEDY)
+    outs: dict[str, list[int]] = {}
+    parked: list[int] = []
+    step = 0
+    while engine.has_work():
+        step += 1
+        if step in (2, 5):  # an import holds pages outside the steps, as on a decode worker
+            held = engine.reserve_import(f"imp{step}", prompts[5], [], GREEDY)
+            assert held is not None
+        batch = engine.schedule()
+        if step in (2, 5):  # its transfer fails while the step is in flight: its pages wait for the step
+            engine.fail_import(held) if step == 2 else engine.abort(f"imp{step}")
+            parked.append(engine.pages.num_parked_pages)
+            assert engine.pages.num_free_pages + engine.pages.num_used_pages == engine.pages.num_pages
+        if batch.is_empty:
+            continue
+        launched = engine.launch(batch)
+        for o in engine.complete(launched, engine.collect(launched)):
+            outs.setdefault(o.rid, []).extend(o.token_ids)
+    # imp2's pages all wait; imp5 shares the full pages imp2 cached (never parked) but its last.
+    assert parked[0] == -(-len(prompts[5]) // engine.pages.page_size) and parked[1] >= 1, parked
+    assert [outs[f"r{i}"] for i in range(4)] == expected[:4]
+    assert outs["imp2"] == expected[5]  # its failed import was computed here instead
+    assert "imp5" not in outs
+    assert engine.pages.num_parked_pages == 0 and engine.pages.park_tag is None
+    assert engine.pages.num_used_pages == 0
+    engine.pages.check_invariants()

@@ -455,3 +455,32 @@ def test_a_cold_prompt_is_hashed_past_its_first_pages_only_once_computed() -> No
     assert warm.num_cached == 4 * 120 and warm.page_table == pages[:120]
     assert warm.page_hashes == pm.match_prefix(warm.tokens)[: len(warm.page_hashes)]
     pm.check_invariants()
+
+
+def test_pages_freed_while_a_step_is_queued_wait_for_it() -> None:
+    bm = _bm(8)
+    a, b = bm.allocate(2), bm.allocate(2)
+    bm.park_tag = 5  # step 5 is queued on the device and may still write a's and b's pages
+    bm.free(a)
+    assert bm.num_parked_pages == 2 and bm.num_free_pages == 4
+    bm.check_invariants()
+    bm.park_tag = 6
+    bm.free(b)
+    with pytest.raises(OutOfPages):
+        bm.allocate(5)  # parked pages are not handed out
+    assert bm.unpark(5) == 2  # step 5 is done: a's pages, not b's
+    assert bm.num_parked_pages == 2 and bm.num_free_pages == 6
+    assert set(bm.allocate(6)) >= set(a)
+    assert bm.unpark() == 2  # all
+    bm.check_invariants()
+
+
+def test_a_cached_page_is_never_parked() -> None:
+    bm = _bm(8)
+    pages, _ = _cache_prompt(bm, list(range(10)))  # two full pages cached, one partial
+    bm.park_tag = 1
+    bm.free(pages)
+    assert bm.num_parked_pages == 1  # only the partial page: full cached pages are never written again
+    assert bm.num_free_pages == 7
+    bm.unpark(1)
+    bm.check_invariants()
