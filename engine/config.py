@@ -76,6 +76,7 @@ class EngineConfig:
     overlap_schedule: bool = True
     kv_tiers: KVTierConfig = KVTierConfig()
     grammar_threads: int | None = None  # structured output's host threads; None: 1
+    kv_shared_dir: str = ""  # a CPU pool in a file there (e.g. /dev/shm) that peers of this host map
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

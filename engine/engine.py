@@ -362,9 +362,10 @@ class Engine:
         return self.pages.reset_prefix_cache(in_use=True)
 
     def close(self) -> None:
-        """Finish the KV tiers' queued writes and close them."""
+        """Finish the KV tiers' queued writes and close them; remove a shared pool's file."""
         if self.tiers is not None:
             self.tiers.close()
+        self.runner.pool.close()
 
     def release(self, rid: str) -> bool:
         """Free a held prefill's pages (decode has pulled them, or they expired)."""

@@ -134,7 +134,7 @@ class ModelRunner:
             self.num_pages = _smallest(tp, self.num_pages)
         # One page past the allocator's: padded rows of a replayed decode graph write there.
         self.scratch_page = self.num_pages
-        self.pool = KVPool(self.layout, self.num_pages + 1, self.device)
+        self.pool = KVPool(self.layout, self.num_pages + 1, self.device, config.kv_shared_dir)
         self.workspace = Workspace()
         self.fast = self._fast_model()
         self.model_impl = "transformers" if self.fast is None else "pdserve"

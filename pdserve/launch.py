@@ -214,6 +214,9 @@ def tier_config(args: argparse.Namespace) -> KVTierConfig:
         raise UsageError(f"--kv-*: {exc}") from None
 
 
+SHM_DIR = "/dev/shm"  # the shm backend's pools
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         page_size=args.page_size,
@@ -229,6 +232,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         overlap_schedule=not args.disable_overlap_schedule,
         kv_tiers=tier_config(args),
         grammar_threads=args.grammar_threads,
+        kv_shared_dir=SHM_DIR if getattr(args, "disaggregation_transfer_backend", "") == "shm" else "",
     )
 
 

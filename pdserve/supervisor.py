@@ -33,7 +33,9 @@ from pdserve.broker.credentials import ADMIN, EmbeddedCredentials
 from pdserve.broker.server import NatsServer, NatsServerError, start_nats_server, write_private
 from pdserve.children import Child, nats_user, tend, threads_per_worker, worker_argv
 from pdserve.cores import available, core_plan, format_cpus, pin
+from pdserve.engine.config import EngineConfig
 from pdserve.launch import (
+    SHM_DIR,
     UsageError,
     api_config,
     api_keys,
@@ -148,6 +150,42 @@ def plan_roles(args: argparse.Namespace) -> list[str]:
     return [role for role, n in counts.items() for _ in range(n)]
 
 
+def choose_backend(args: argparse.Namespace, shm_dir: str = SHM_DIR) -> tuple[str, str]:
+    """``up``'s KV transfer backend and why, when ``--disaggregation-transfer-backend`` is not
+    given: ``shm`` (no port: nothing but loopback listens) when every worker is on this
+    host's CPU (the embedded broker: no worker of another host can join), each has one rank
+    and no RDMA device is named, and ``shm_dir`` has room for the pools; else ``mooncake``."""
+    if args.disaggregation_transfer_backend:
+        return args.disaggregation_transfer_backend, "given"
+    devices = [d.strip() for d in (args.worker_devices or args.device).split(",") if d.strip()]
+    reasons = [
+        (bool(args.nats_url), "--nats-url: workers of other hosts may join"),
+        (any(not d.startswith("cpu") for d in devices), "GPU pools (up --colocate hands KV over in place)"),
+        (
+            max(
+                args.tensor_parallel_size, args.prefill_tensor_parallel_size or 1, args.decode_tensor_parallel_size or 1
+            )
+            > 1,
+            "tensor-parallel workers read their shards over mooncake",
+        ),
+        (bool(args.disaggregation_ib_device), "--disaggregation-ib-device names RDMA"),
+    ]
+    for applies, why in reasons:
+        if applies:
+            return "mooncake", why
+    workers = args.prefill_workers + args.decode_workers if args.mode == "pd" else 0
+    if args.autoscale:
+        workers = args.max_prefill + args.max_decode
+    need = workers * EngineConfig.cpu_kv_bytes if args.max_total_tokens is None else 0
+    try:
+        free = os.statvfs(shm_dir)
+    except OSError:
+        return "mooncake", f"{shm_dir} is missing"
+    if free.f_bavail * free.f_frsize < need:
+        return "mooncake", f"{shm_dir} has {free.f_bavail * free.f_frsize >> 20} MiB free, the pools need {need >> 20}"
+    return "shm", "one CPU host"
+
+
 def plan_devices(args: argparse.Namespace, roles: list[str]) -> list[str]:
     """Each worker's device: ``--worker-devices`` in turn (again from the first when there
     are more workers than devices), else ``--device`` for all. Refuses a placement the
@@ -246,6 +284,9 @@ def plan_cores(args: argparse.Namespace, threads: list[int]) -> list[list[int]] 
 
 
 def run_up(args: argparse.Namespace) -> int:
+    args.disaggregation_transfer_backend, why = choose_backend(args)
+    if args.mode == "pd" and not args.colocate:
+        log.info("KV transfer backend", extra={"backend": args.disaggregation_transfer_backend, "why": why})
     scaling = None
     if args.autoscale:
         scaling, roles = plan_autoscale(args)

@@ -64,8 +64,12 @@ async def test_one_process_holds_both_roles_and_greedy_equals_transformers(coloc
     for p, n, r in zip(prompts, new, replies, strict=True):
         assert r.status_code == 200, r.text
         assert r.json()["output_ids"] == reference(colocated.model_dir, p, n)
-    seen = await workers(colocated.url)
-    roles = {w["role"]: w for w in seen}
+    for _ in range(40):  # the registry entries' counters follow at the next heartbeat
+        seen = await workers(colocated.url)
+        roles = {w["role"]: w for w in seen}
+        if roles.get("decode", {}).get("counters", {}).get("kv_pulls", 0) >= len(prompts):
+            break
+        await asyncio.sleep(0.25)
     assert set(roles) == {"prefill", "decode"}
     assert roles["prefill"]["pid"] == roles["decode"]["pid"]  # one process
     assert {w["transfer_backend"] for w in seen} == {"local"}

@@ -226,3 +226,20 @@ def test_the_local_backend_belongs_to_colocated_processes_only() -> None:
             build_parser().parse_args(["colocated", "--disaggregation-transfer-backend", "nccl"]), "colocated"
         )
     check_worker_flags(build_parser().parse_args(["colocated"]), "colocated")  # the default: local
+
+
+def test_up_moves_kv_through_shared_memory_on_one_cpu_host_unless_told_otherwise(tmp_path: Path) -> None:
+    from pdserve.supervisor import choose_backend
+
+    parser = build_parser()
+    assert choose_backend(parser.parse_args(["up"]), str(tmp_path)) == ("shm", "one CPU host")
+    for argv, why in (
+        (["--nats-url", "nats://n:1"], "other hosts"),
+        (["--device", "cuda"], "GPU pools"),
+        (["--tp-size", "2"], "tensor-parallel"),
+        (["--disaggregation-ib-device", "mlx5_0"], "RDMA"),
+    ):
+        backend, reason = choose_backend(parser.parse_args(["up", *argv]), str(tmp_path))
+        assert backend == "mooncake" and why in reason
+    assert choose_backend(parser.parse_args(["up", "--disaggregation-transfer-backend", "gloo"])) == ("gloo", "given")
+    assert choose_backend(parser.parse_args(["up"]), str(tmp_path / "missing"))[0] == "mooncake"

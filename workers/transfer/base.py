@@ -10,8 +10,8 @@ if TYPE_CHECKING:
     from nats.aio.client import Client
 
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "*")
-# The point-to-point backends and the device type of the pools each moves.
-P2P_DEVICES = {"nccl": "cuda", "gloo": "cpu"}
+# The backends bound to one device type, and that type (the point-to-point ones, shm).
+P2P_DEVICES = {"nccl": "cuda", "gloo": "cpu", "shm": "cpu"}
 
 
 class TransferError(RuntimeError):

@@ -1,0 +1,85 @@
+"""`pdserve up` on one CPU host, with its embedded broker: KV moves through /dev/shm (the
+``shm`` backend), so no process of it listens beyond loopback; greedy equals transformers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def one_host(tmp_path_factory: pytest.TempPathFactory, mixing_model_dir: Path, system_control: Any) -> Iterator[Any]:
+    start, stop = system_control
+    system = start(tmp_path_factory.mktemp("one-host"), mixing_model_dir, None)
+    yield system
+    stop(system)
+
+
+def listening(pids: set[int]) -> list[str]:
+    """``address:port`` of every TCP socket in LISTEN state that one of ``pids`` holds."""
+    inodes: set[str] = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    out = []
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:
+                address, port = fields[1].split(":")
+                out.append(f"{address[:width]}:{int(port, 16)}")
+    return out
+
+
+LOOPBACK = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1 as /proc/net shows them
+
+
+async def test_kv_moves_through_shared_memory_and_nothing_listens_beyond_loopback(one_host: Any) -> None:
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 4000) for _ in range(n)] for n in (9, 70, 200, 333)]
+    async with httpx.AsyncClient(base_url=one_host.url, timeout=120) as client:
+        replies = await asyncio.gather(
+            *(
+                client.post(
+                    "/generate",
+                    json={
+                        "input_ids": p,
+                        "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True},
+                    },
+                )
+                for p in prompts
+            )
+        )
+        for _ in range(40):  # the registry entries' counters follow at the next heartbeat
+            seen = (await client.get("/workers")).json()
+            decode = next(w for w in seen if w["role"] == "decode")["counters"]
+            if decode["kv_pulls"] >= len(prompts):
+                break
+            await asyncio.sleep(0.25)
+    model = AutoModelForCausalLM.from_pretrained(one_host.model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        for p, r in zip(prompts, replies, strict=True):
+            ref = model.generate(torch.tensor([p]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+            assert r.json()["output_ids"] == ref[0, len(p) :].tolist()
+    assert {w["transfer_backend"] for w in seen} == {"shm"}
+    assert decode["kv_pulls"] >= len(prompts) and decode["recomputes"] == 0 and decode["kv_pull_failures"] == 0
+    pids = {w["pid"] for w in seen} | {one_host.process.pid}
+    sockets = listening(pids)
+    assert sockets, "the API and the broker listen"
+    assert all(s.split(":")[0] in LOOPBACK for s in sockets), sockets
