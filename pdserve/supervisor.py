@@ -157,6 +157,10 @@ def choose_backend(args: argparse.Namespace, shm_dir: str = SHM_DIR) -> tuple[st
     and no RDMA device is named, and ``shm_dir`` has room for the pools; else ``mooncake``."""
     if args.disaggregation_transfer_backend:
         return args.disaggregation_transfer_backend, "given"
+    if args.colocate:
+        return "local", "--colocate: inside each process"
+    if args.mode != "pd":
+        return "mooncake", "unified workers move no KV"
     devices = [d.strip() for d in (args.worker_devices or args.device).split(",") if d.strip()]
     reasons = [
         (bool(args.nats_url), "--nats-url: workers of other hosts may join"),

@@ -80,6 +80,35 @@ async def test_one_process_holds_both_roles_and_greedy_equals_transformers(coloc
     assert counters["recomputes"] == 0 and counters["kv_pull_failures"] == 0 and counters["kv_leases_refused"] == 0
 
 
+async def test_samples_share_the_prompt_and_a_cancel_frees_both_pools(colocated: Any) -> None:
+    prompt = [11, 22, 33, 44, 55, 66, 77, 88, 99]
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {"max_new_tokens": 12, "temperature": 0, "n": 2, "ignore_eos": True},
+    }
+    async with httpx.AsyncClient(base_url=colocated.url, timeout=60) as client:
+        r = await client.post("/generate", json=body)
+        assert r.status_code == 200, r.text
+        samples = r.json()
+        assert len(samples) == 2 and samples[0]["output_ids"] == samples[1]["output_ids"]
+        assert samples[0]["output_ids"] == reference(colocated.model_dir, prompt, 12)
+        long = {"input_ids": prompt, "stream": True, "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+        seen = 0
+        async with client.stream("POST", "/generate", json=long) as stream:
+            async for line in stream.aiter_lines():
+                seen += line.startswith("data: ")
+                if seen == 5:
+                    break  # the client goes: the API cancels
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            now = await workers(colocated.url)
+            if all(w["pages_used"] == 0 and w["requests_in_flight"] == 0 for w in now):
+                break
+            await asyncio.sleep(0.2)
+        assert all(w["pages_used"] == 0 and w["requests_in_flight"] == 0 for w in now), now
+    assert "request cancelled" in colocated.log()
+
+
 async def test_kill_9_of_the_process_mid_stream_loses_no_token(colocated: Any) -> None:
     prompt = [5, 17, 260, 3001, 42, 99, 7]
     n = 600

@@ -243,3 +243,5 @@ def test_up_moves_kv_through_shared_memory_on_one_cpu_host_unless_told_otherwise
         assert backend == "mooncake" and why in reason
     assert choose_backend(parser.parse_args(["up", "--disaggregation-transfer-backend", "gloo"])) == ("gloo", "given")
     assert choose_backend(parser.parse_args(["up"]), str(tmp_path / "missing"))[0] == "mooncake"
+    assert choose_backend(parser.parse_args(["up", "--colocate"]))[0] == "local"
+    assert choose_backend(parser.parse_args(["up", "--mode", "unified"]))[0] == "mooncake"
