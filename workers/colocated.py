@@ -147,12 +147,17 @@ async def serve_together(workers: Sequence[WorkerRuntime]) -> None:
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
     sys.setswitchinterval(SWITCH_INTERVAL)
-    for worker in workers:
-        await worker.start()
-    waits = [asyncio.create_task(stop.wait())] + [asyncio.create_task(w.stopping.wait()) for w in workers]
-    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-    for task in waits:
-        task.cancel()
+    try:
+        for worker in workers:
+            await worker.start()
+        waits = [asyncio.create_task(stop.wait())] + [asyncio.create_task(w.stopping.wait()) for w in workers]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for task in waits:
+            task.cancel()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError):
+                loop.remove_signal_handler(sig)
     crashed = [w.lifecycle.crashed for w in workers if w.lifecycle.crashed is not None]
     if crashed:  # the pair goes down together: every request in hand goes back at once
         for w in workers:
