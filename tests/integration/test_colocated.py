@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -107,6 +108,21 @@ async def test_samples_share_the_prompt_and_a_cancel_frees_both_pools(colocated:
             await asyncio.sleep(0.2)
         assert all(w["pages_used"] == 0 and w["requests_in_flight"] == 0 for w in now), now
     assert "request cancelled" in colocated.log()
+
+
+async def test_structured_output_and_the_prefix_cache_work_through_the_pair(colocated: Any) -> None:
+    regex = r"(red|green|blue)-[0-9]{3}"
+    body = {"text": "Pick:", "sampling_params": {"max_new_tokens": 30, "temperature": 1.0, "regex": regex, "n": 3}}
+    prompt = [(13 * i) % 3000 + 5 for i in range(96)]  # six full pages
+    again = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+    async with httpx.AsyncClient(base_url=colocated.url, timeout=60) as client:
+        r = await client.post("/generate", json=body)
+        assert r.status_code == 200, r.text
+        assert all(re.fullmatch(regex, o["text"]) for o in r.json())
+        first = (await client.post("/generate", json=again)).json()
+        second = (await client.post("/generate", json=again)).json()
+    assert first["output_ids"] == second["output_ids"] == reference(colocated.model_dir, prompt, 4)
+    assert first["meta_info"]["cached_tokens"] == 0 and second["meta_info"]["cached_tokens"] >= 80
 
 
 async def test_kill_9_of_the_process_mid_stream_loses_no_token(colocated: Any) -> None:
