@@ -150,7 +150,24 @@ def plan_roles(args: argparse.Namespace) -> list[str]:
     return [role for role, n in counts.items() for _ in range(n)]
 
 
-def choose_backend(args: argparse.Namespace, shm_dir: str = SHM_DIR) -> tuple[str, str]:
+def kv_bytes_per_token(model_path: Path | None, dtype: str) -> int | None:
+    """What one token's KV takes in a worker's pool, from the model's config; ``None`` when
+    the config cannot be read."""
+    import json
+
+    try:
+        config = json.loads((Path(model_path or "") / "config.json").read_text())
+        config = config.get("text_config", config)
+        heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        kv_heads = config.get("num_key_value_heads") or heads
+        size = {"float32": 4}.get(dtype if dtype != "auto" else str(config.get("torch_dtype") or "float32"), 2)
+        return int(config["num_hidden_layers"]) * 2 * int(kv_heads) * int(head_dim) * size
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def choose_backend(args: argparse.Namespace, shm_dir: str = SHM_DIR, model_path: Path | None = None) -> tuple[str, str]:
     """``up``'s KV transfer backend and why, when ``--disaggregation-transfer-backend`` is not
     given: ``shm`` (no port: nothing but loopback listens) when every worker is on this
     host's CPU (the embedded broker: no worker of another host can join), each has one rank
@@ -180,7 +197,11 @@ def choose_backend(args: argparse.Namespace, shm_dir: str = SHM_DIR) -> tuple[st
     workers = args.prefill_workers + args.decode_workers if args.mode == "pd" else 0
     if args.autoscale:
         workers = args.max_prefill + args.max_decode
-    need = workers * EngineConfig.cpu_kv_bytes if args.max_total_tokens is None else 0
+    per_pool = EngineConfig.cpu_kv_bytes
+    per_token = kv_bytes_per_token(model_path, args.dtype)
+    if args.max_total_tokens is not None and per_token is not None:
+        per_pool = (args.max_total_tokens + args.page_size) * per_token
+    need = workers * per_pool
     try:
         free = os.statvfs(shm_dir)
     except OSError:
@@ -288,9 +309,6 @@ def plan_cores(args: argparse.Namespace, threads: list[int]) -> list[list[int]] 
 
 
 def run_up(args: argparse.Namespace) -> int:
-    args.disaggregation_transfer_backend, why = choose_backend(args)
-    if args.mode == "pd" and not args.colocate:
-        log.info("KV transfer backend", extra={"backend": args.disaggregation_transfer_backend, "why": why})
     scaling = None
     if args.autoscale:
         scaling, roles = plan_autoscale(args)
@@ -320,6 +338,9 @@ def run_up(args: argparse.Namespace) -> int:
     if transport.fallback:
         log.warning("RDMA cannot work here: workers will move KV over tcp", extra={"why": transport.fallback})
     model_path = resolve_model(args, weights=args.load_format != "dummy")
+    args.disaggregation_transfer_backend, why = choose_backend(args, model_path=model_path)
+    if args.mode == "pd" and not args.colocate:
+        log.info("KV transfer backend", extra={"backend": args.disaggregation_transfer_backend, "why": why})
     check_generation_config(args, model_path)
     key_file = _key_file(args)
     prefix = f"api-{uuid.uuid4().hex[:8]}"

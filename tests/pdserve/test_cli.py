@@ -244,4 +244,13 @@ def test_up_moves_kv_through_shared_memory_on_one_cpu_host_unless_told_otherwise
     assert choose_backend(parser.parse_args(["up", "--disaggregation-transfer-backend", "gloo"])) == ("gloo", "given")
     assert choose_backend(parser.parse_args(["up"]), str(tmp_path / "missing"))[0] == "mooncake"
     assert choose_backend(parser.parse_args(["up", "--colocate"]))[0] == "local"
+    # Pools that /dev/shm cannot hold: mooncake, saying why (a worker would fail to start).
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(
+        '{"num_attention_heads": 8, "hidden_size": 512, "num_hidden_layers": 4, "num_key_value_heads": 2}'
+    )
+    huge = parser.parse_args(["up", "--max-total-tokens", str(1 << 40)])
+    backend, why = choose_backend(huge, str(tmp_path), model_path=model)
+    assert backend == "mooncake" and "the pools need" in why
     assert choose_backend(parser.parse_args(["up", "--mode", "unified"]))[0] == "mooncake"
