@@ -250,3 +250,15 @@ def plot_goodput(
     labels = [str(line.get_label()) for ax in axes[0] for line in ax.get_lines()]
     plt.close(fig)
     return labels
+
+
+async def greedy_probe(url: str, model: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Greedy tokens of each prompt, one request at a time (batch 1: systems compared agree)."""
+    out = []
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        for prompt in prompts:
+            body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+            r = await client.post("/generate", json=body)
+            r.raise_for_status()
+            out.append(list(r.json()["output_ids"]))
+    return out

@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import git_commit, start_pdserve, stop_pdserve
+from common import git_commit, greedy_probe, start_pdserve, stop_pdserve
 from make_dummy_model import write_model_dir
 
 from pdserve.bench.config import BenchConfig
@@ -105,20 +105,6 @@ async def point(
     return (await run_benchmark(cfg))["points"][0]
 
 
-async def greedy(url: str, prompts: list[list[int]], n: int = 32) -> list[list[int]]:
-    """Greedy tokens of each prompt, one request at a time: the systems must agree."""
-    import httpx
-
-    out = []
-    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
-        for prompt in prompts:
-            body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
-            r = await client.post("/generate", json=body)
-            r.raise_for_status()
-            out.append(list(r.json()["output_ids"]))
-    return out
-
-
 def summary(p: dict[str, Any], slo_ttft: float, slo_gap: float) -> dict[str, Any]:
     m = p["metrics"]
     rows = [r for r in p["requests"] if r.get("ok")]
@@ -163,7 +149,8 @@ def run_system(args: argparse.Namespace, name: str, flags: list[str], model: Pat
     slo = (args.slo_ttft, args.slo_gap / 1e3)
     try:
         asyncio.run(point(url, model, (64, 8), 4, float("inf"), 8, seed))  # warm-up (compiles, first graphs)
-        out["greedy"] = asyncio.run(greedy(url, [[(7 * i + 3) % 4000 + 3 for i in range(n)] for n in (17, 300, 1000)]))
+        probes = [[(7 * i + 3) % 4000 + 3 for i in range(n)] for n in (17, 300, 1000)]
+        out["greedy"] = asyncio.run(greedy_probe(url, model, probes, 32))
         for i, n in enumerate(args.loads):
             bare = summary(
                 asyncio.run(point(url, model, (16, args.output_len), n, float("inf"), n, seed + 10 + i)), *slo

@@ -51,7 +51,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import git_commit, plot_goodput
+from common import git_commit, greedy_probe, plot_goodput
 from make_dummy_model import write_model_dir
 from serving_sweep import System, goodput
 
@@ -355,20 +355,6 @@ def summary(point: dict[str, Any]) -> dict[str, Any]:
         "cached_tokens": m.get("total_cached_tokens", 0),
         "errors": m.get("errors"),
     }
-
-
-async def greedy_probe(url: str, model: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """Greedy tokens of each prompt, one request at a time (batch 1 on both systems)."""
-    import httpx
-
-    out = []
-    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
-        for prompt in prompts:
-            body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
-            r = await client.post("/generate", json=body)
-            r.raise_for_status()
-            out.append(list(r.json()["output_ids"]))
-    return out
 
 
 def serve(args: argparse.Namespace, mode: str, model: Path, extra: list[str], seed: int) -> dict[str, Any]:

@@ -27,7 +27,6 @@ it runs), and such a step is never left queued (the next mask needs this token).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -113,9 +112,6 @@ class Engine:
         grammars: Grammars | None = None,
     ) -> None:
         self.runner = runner
-        # The stream this engine's steps run on: the current one of the thread that builds it
-        # (its engine thread; a co-located process gives each engine a stream of its own).
-        self.stream = torch.cuda.current_stream(runner.device) if runner.device.type == "cuda" else None
         self.grammars = grammars
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -146,8 +142,6 @@ class Engine:
         on_gpu = self.overlap and runner.device.type == "cuda"
         self._pinned = [torch.empty(capacity, dtype=torch.long, pin_memory=True) for _ in range(3)] if on_gpu else []
         self._next_pinned = 0
-        self._launch_lock = threading.Lock()  # a launch's kernels and a fence never interleave
-        self._fences: dict[str, torch.cuda.Event] = {}
 
     # ---- requests ----------------------------------------------------------
     def check_request(self, num_prompt: int, sampling: SamplingParams, num_output: int = 0) -> None:
@@ -284,26 +278,10 @@ class Engine:
             return None
         seq.status = Status.HELD
         self.seqs[rid] = seq
-        if self.runner.device.type == "cuda" and not self.park_freed:
-            # A step still queued may write into pages freed since it was scheduled (a
-            # sequence that finished meanwhile): the transfer waits for everything queued.
-            # (With park_freed such pages are not handed out until that step is done.)
-            with self._launch_lock:
-                fence = torch.cuda.Event()
-                fence.record(self.stream)
-            self._fences[rid] = fence
         return seq
-
-    def wait_for_pages(self, rid: str) -> None:
-        """Block until no queued step can still write the pages reserved for ``rid``'s import
-        (call from the thread that runs the transfer, before it writes)."""
-        fence = self._fences.pop(rid, None)
-        if fence is not None:
-            fence.synchronize()
 
     def commit_import(self, seq: Sequence) -> None:
         """The KV is in place: decode from the last known token on."""
-        self._fences.pop(seq.rid, None)
         seq.num_computed = 0
         self.scheduler.on_computed(seq, seq.num_tokens - 1)
         forks, seq.forks = seq.forks, []
@@ -332,7 +310,6 @@ class Engine:
 
     def fail_import(self, seq: Sequence) -> None:
         """Transfer failed: free the pages and compute the prompt here instead."""
-        self._fences.pop(seq.rid, None)
         self.pages.release(seq)
         seq.status = Status.WAITING
         self.scheduler.add(seq)
@@ -416,10 +393,6 @@ class Engine:
         pending (sampled by the step in flight before this one) is fed it on the device.
         Touches only tensors and the prefills' page hashes (``PageManager.hash_pages``,
         computed while the device runs them); safe to run in a worker thread."""
-        with self._launch_lock:
-            return self._launch(batch)
-
-    def _launch(self, batch: ScheduledBatch) -> Launched:
         started = time.perf_counter()
         feed = self._feed(batch)
         seqs, logits = self.runner.execute(batch, feed)

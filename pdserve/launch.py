@@ -8,6 +8,7 @@ import argparse
 import logging
 import os
 import socket
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -496,8 +497,6 @@ def start_tensor_parallel(args: argparse.Namespace, role: str) -> tuple[Any, Any
 def run_worker(args: argparse.Namespace, role: str) -> int:
     """``pdserve prefill|decode|unified``: load the model, serve until SIGTERM. Returns the
     exit status: 0 after a graceful stop, :data:`EXIT_CRASHED` after a failed loop."""
-    import asyncio
-
     if args.exit_with_parent:
         exit_with_parent()
     check_worker_flags(args, role)
@@ -526,7 +525,6 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
     log.info("loading model", extra={"role": role, "path": str(config.model_path)})
     from pdserve.engine.loader import build_engine
     from pdserve.workers.decode import DecodeWorker
-    from pdserve.workers.lifecycle import WorkerCrashed
     from pdserve.workers.prefill import PrefillWorker
     from pdserve.workers.runtime import engine_thread_pool
     from pdserve.workers.unified import UnifiedWorker
@@ -546,32 +544,12 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
     worker = cls(config, engine, engine_thread)
     worker.followers = followers
 
-    async def main() -> None:
-        health = None
-        if args.port is not None:
-            from pdserve.health import serve_health
-
-            health = await serve_health(worker, args.host, args.port)
-        try:
-            await worker.serve()
-        finally:
-            if health is not None:
-                health.close()
-
-    try:
-        asyncio.run(main())
-    except WorkerCrashed as exc:
-        log.error("worker exits after a failure", extra={"role": role, "failure": str(exc)})
-        _exit_soon(EXIT_CRASHED)
-        return EXIT_CRASHED
-    return 0
+    return _serve_process(args, role, worker, worker.serve)
 
 
 def run_colocated(args: argparse.Namespace) -> int:
     """``pdserve colocated``: a prefill worker and a decode worker in this process, on one
     device, sharing the model's weights, KV handed over in place (:mod:`pdserve.workers.colocated`)."""
-    import asyncio
-
     if args.exit_with_parent:
         exit_with_parent()
     check_worker_flags(args, "colocated")
@@ -582,26 +560,38 @@ def run_colocated(args: argparse.Namespace) -> int:
     base = worker_config(args, "prefill", resolve_model(args, weights=args.load_format != "dummy"))
     from pdserve.workers.colocated import build_engines, role_configs, serve_together
     from pdserve.workers.decode import DecodeWorker
-    from pdserve.workers.lifecycle import WorkerCrashed
     from pdserve.workers.prefill import PrefillWorker
 
     prefill_cfg, decode_cfg = role_configs(base, args.worker_id or "")
     setup_tracing("colocated", prefill_cfg.worker_id)
     log.info("loading model", extra={"role": "colocated", "path": str(base.model_path)})
-    prefill_engine, prefill_thread, decode_engine, decode_thread = build_engines(
-        prefill_cfg, decode_cfg, args.prefill_sms if args.device.startswith("cuda") else 0
-    )
+    try:
+        prefill_engine, prefill_thread, decode_engine, decode_thread = build_engines(
+            prefill_cfg, decode_cfg, args.prefill_sms if args.device.startswith("cuda") else 0
+        )
+    except ValueError as exc:  # --prefill-sms beyond this GPU's SMs, a setting the engine refuses
+        raise UsageError(str(exc)) from None
     prefill = PrefillWorker(prefill_cfg, prefill_engine, prefill_thread)
     decode = DecodeWorker(decode_cfg, decode_engine, decode_thread)
+
+    return _serve_process(args, "colocated", decode, lambda: serve_together([prefill, decode]))
+
+
+def _serve_process(args: argparse.Namespace, role: str, health_of: Any, serve: Callable[[], Awaitable[None]]) -> int:
+    """Run ``serve`` (with ``--port``: ``health_of``'s health and metrics beside it) until it
+    returns; the exit status: 0, or :data:`EXIT_CRASHED` after a failed loop."""
+    import asyncio
+
+    from pdserve.workers.lifecycle import WorkerCrashed
 
     async def main() -> None:
         health = None
         if args.port is not None:
             from pdserve.health import serve_health
 
-            health = await serve_health(decode, args.host, args.port)
+            health = await serve_health(health_of, args.host, args.port)
         try:
-            await serve_together([prefill, decode])
+            await serve()
         finally:
             if health is not None:
                 health.close()
@@ -609,7 +599,7 @@ def run_colocated(args: argparse.Namespace) -> int:
     try:
         asyncio.run(main())
     except WorkerCrashed as exc:
-        log.error("worker exits after a failure", extra={"role": "colocated", "failure": str(exc)})
+        log.error("worker exits after a failure", extra={"role": role, "failure": str(exc)})
         _exit_soon(EXIT_CRASHED)
         return EXIT_CRASHED
     return 0

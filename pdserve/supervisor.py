@@ -162,6 +162,7 @@ def kv_bytes_per_token(model_path: Path | None, dtype: str) -> int | None:
         head_dim = config.get("head_dim") or config["hidden_size"] // heads
         kv_heads = config.get("num_key_value_heads") or heads
         size = {"float32": 4}.get(dtype if dtype != "auto" else str(config.get("torch_dtype") or "float32"), 2)
+        # engine.kv_pool.bytes_per_token's sum, without importing torch into `up`'s process
         return int(config["num_hidden_layers"]) * 2 * int(kv_heads) * int(head_dim) * size
     except (OSError, ValueError, KeyError, TypeError):
         return None

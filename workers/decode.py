@@ -251,17 +251,15 @@ class DecodeWorker(WorkerRuntime):
         await self._release(ready, ok=False)
 
     def _transfer_pages(self, ready: KVReady, reads: list[tuple[int, int, int]]) -> int:
-        """In a transfer thread: once no queued step can write the reserved pages, pull.
-        Returns the transport operations it took."""
+        """In a transfer thread: pull into the reserved pages (no step still queued writes them:
+        ``Engine.park_freed``). Returns the transport operations it took."""
         assert self.transfer is not None
-        self.engine.wait_for_pages(ready.rid)
         return self.transfer.read(ready.handle.endpoint, reads)
 
     def _transfer_shards(self, ready: KVReady, pages: list[int], skip: int) -> tuple[int, int]:
         """In a transfer thread: like :meth:`_transfer_pages`, every rank reading its own
         KV heads from the prefill rank(s) holding them (Mooncake). Operations and bytes."""
         assert self.transfer is not None
-        self.engine.wait_for_pages(ready.rid)
         pull = ShardedPull(self.engine.runner, self.transfer, self.config.kv_lease_seconds)
         return pull.run(ready.handle, pages, skip)
 

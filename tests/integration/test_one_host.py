@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +14,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.workers.listening import listening_ports
+
 pytestmark = pytest.mark.slow
 
 
@@ -24,27 +25,6 @@ def one_host(tmp_path_factory: pytest.TempPathFactory, mixing_model_dir: Path, s
     system = start(tmp_path_factory.mktemp("one-host"), mixing_model_dir, None)
     yield system
     stop(system)
-
-
-def listening(pids: set[int]) -> list[str]:
-    """``address:port`` of every TCP socket in LISTEN state that one of ``pids`` holds."""
-    inodes: set[str] = set()
-    for pid in pids:
-        for fd in Path(f"/proc/{pid}/fd").iterdir():
-            try:
-                target = os.readlink(fd)
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                inodes.add(target[len("socket:[") : -1])
-    out = []
-    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A" and fields[9] in inodes:
-                address, port = fields[1].split(":")
-                out.append(f"{address[:width]}:{int(port, 16)}")
-    return out
 
 
 LOOPBACK = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1 as /proc/net shows them
@@ -80,6 +60,6 @@ async def test_kv_moves_through_shared_memory_and_nothing_listens_beyond_loopbac
     assert {w["transfer_backend"] for w in seen} == {"shm"}
     assert decode["kv_pulls"] >= len(prompts) and decode["recomputes"] == 0 and decode["kv_pull_failures"] == 0
     pids = {w["pid"] for w in seen} | {one_host.process.pid}
-    sockets = listening(pids)
+    sockets = [address for pid in pids for address in listening_ports(pid).values()]
     assert sockets, "the API and the broker listen"
-    assert all(s.split(":")[0] in LOOPBACK for s in sockets), sockets
+    assert all(address in LOOPBACK for address in sockets), sockets

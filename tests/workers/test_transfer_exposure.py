@@ -13,40 +13,19 @@ import socket
 import struct
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from pdserve.workers.transfer import create_transfer
 from pdserve.workers.transfer.base import advertised_host
 from pdserve.workers.transfer.mooncake import MooncakeTransfer
+from tests.workers.listening import listening_ports
 
 READ, WRITE = 0, 1  # the opcode of the tcp transport's 24-byte request header
 
 
 def _header(nbytes: int, address: int, opcode: int) -> bytes:
     return struct.pack("<QQB7x", nbytes, address, opcode)
-
-
-def _listening(pid: int) -> dict[int, str]:
-    """Port → bound address of this process's listening TCP sockets (from /proc)."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    ports: dict[int, str] = {}
-    for table, width in (("tcp", 8), ("tcp6", 32)):
-        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
-            fields = line.split()
-            local, state, inode = fields[1], fields[3], fields[9]
-            if state == "0A" and inode in inodes:  # LISTEN
-                address, port = local.split(":")
-                ports[int(port, 16)] = "any" if set(address) == {"0"} and len(address) == width else address
-    return ports
 
 
 def _talk(port: int, request: bytes, want: int, host: str = "127.0.0.1") -> bytes:
@@ -68,13 +47,13 @@ def _talk(port: int, request: bytes, want: int, host: str = "127.0.0.1") -> byte
 @pytest.fixture
 def engine() -> Iterator[tuple[MooncakeTransfer, int, ctypes.Array[ctypes.c_char]]]:
     """A Mooncake engine told to use 127.0.0.1, its tcp data port, and a registered 4 KiB page."""
-    before = _listening(os.getpid())
+    before = listening_ports(os.getpid())
     transfer = create_transfer("mooncake", host="127.0.0.1", protocol="tcp")
     assert isinstance(transfer, MooncakeTransfer)
     page = ctypes.create_string_buffer(b"KV-PAGE-" * 512, 4096)
     transfer.register(ctypes.addressof(page), len(page))
     rpc_port = int(transfer.endpoint.rsplit(":", 1)[1])
-    new = {p: a for p, a in _listening(os.getpid()).items() if p not in before}
+    new = {p: a for p, a in listening_ports(os.getpid()).items() if p not in before}
     (data_port,) = [p for p in new if p != rpc_port]
     yield transfer, data_port, page
     transfer.close()
@@ -83,7 +62,7 @@ def engine() -> Iterator[tuple[MooncakeTransfer, int, ctypes.Array[ctypes.c_char
 def test_mooncake_listens_on_every_interface_whatever_host_it_is_given(engine) -> None:  # type: ignore[no-untyped-def]
     transfer, data_port, _ = engine
     rpc_port = int(transfer.endpoint.rsplit(":", 1)[1])
-    listening = _listening(os.getpid())
+    listening = listening_ports(os.getpid())
     assert transfer.endpoint.startswith("127.0.0.1:")
     assert listening[data_port] == "any" and listening[rpc_port] == "any"
     outward = advertised_host("0.0.0.0")

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    import torch
     from nats.aio.client import Client
 
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "*")
@@ -140,3 +141,18 @@ def advertised_host(host: str) -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
+
+
+def copy_runs(
+    dst: torch.Tensor, dst_base: int, src: torch.Tensor, src_base: int, reads: Sequence[tuple[int, int, int]]
+) -> int:
+    """Copy ``(local_address, remote_address, nbytes)`` runs between two pools this process
+    can address, given as flat byte tensors based at ``dst_base`` and ``src_base`` (queued on
+    the current stream); every run is checked to lie inside both first. Returns the copies."""
+    spans = [(local - dst_base, address - src_base, nbytes) for local, address, nbytes in reads]
+    for (lo, ro, nbytes), (_, address, _) in zip(spans, reads, strict=True):
+        if lo < 0 or ro < 0 or lo + nbytes > dst.numel() or ro + nbytes > src.numel():
+            raise TransferError(f"read of {nbytes} bytes at {address:#x} lies outside the pools")
+    for lo, ro, nbytes in spans:
+        dst[lo : lo + nbytes].copy_(src[ro : ro + nbytes], non_blocking=True)
+    return len(spans)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve.engine.kv_pool import KVPool
-from pdserve.workers.transfer.base import LinkRefused, TransferError
+from pdserve.workers.transfer.base import LinkRefused, TransferError, copy_runs
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -42,8 +42,11 @@ def local_endpoint(worker_id: str) -> str:
 def _differences(mine: KVPool, theirs: KVPool) -> list[str]:
     here, there = mine.layout, theirs.layout
     fields = ("page_size", "dtype", "num_layers", "num_kv_heads", "head_dim", "order")
-    out = [f"{name}: prefill {getattr(there, name)}, decode {getattr(here, name)}" for name in fields]
-    out = [line for line, name in zip(out, fields, strict=True) if getattr(here, name) != getattr(there, name)]
+    out = [
+        f"{name}: prefill {getattr(there, name)}, decode {getattr(here, name)}"
+        for name in fields
+        if getattr(here, name) != getattr(there, name)
+    ]
     if mine.device != theirs.device:
         out.append(f"device: prefill {theirs.device}, decode {mine.device}")
     return out
@@ -60,7 +63,6 @@ class LocalTransfer:
         self.endpoint = local_endpoint(worker_id)
         self._bytes = pool.tensor.view(-1).view(torch.uint8)
         self._stream = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
-        self._copies = 0
         self._registered = False
 
     def register(self, address: int, nbytes: int) -> None:
@@ -86,26 +88,14 @@ class LocalTransfer:
         differences = _differences(self.pool, remote)
         if differences:
             raise LinkRefused("KV layouts differ: " + "; ".join(differences))
-        if not reads:
-            return 0
         src = remote.tensor.view(-1).view(torch.uint8)
-        dst, dst_base, src_base = self._bytes, self.pool.data_ptr, remote.data_ptr
-        for local, address, nbytes in reads:
-            lo, ro = local - dst_base, address - src_base
-            if lo < 0 or ro < 0 or lo + nbytes > dst.numel() or ro + nbytes > src.numel():
-                raise TransferError(f"read of {nbytes} bytes at {address:#x} lies outside the pools")
         if self._stream is None:
-            for local, address, nbytes in reads:
-                lo, ro = local - dst_base, address - src_base
-                dst[lo : lo + nbytes].copy_(src[ro : ro + nbytes])
+            copies = copy_runs(self._bytes, self.pool.data_ptr, src, remote.data_ptr, reads)
         else:
             with torch.cuda.stream(self._stream):
-                for local, address, nbytes in reads:
-                    lo, ro = local - dst_base, address - src_base
-                    dst[lo : lo + nbytes].copy_(src[ro : ro + nbytes], non_blocking=True)
+                copies = copy_runs(self._bytes, self.pool.data_ptr, src, remote.data_ptr, reads)
             self._stream.synchronize()
-        self._copies += len(reads)
-        return len(reads)
+        return copies
 
     def retain(self, live: set[str]) -> None:
         """Nothing is kept per peer."""

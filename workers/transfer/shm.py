@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve.engine.kv_pool import KVPool
-from pdserve.workers.transfer.base import LinkRefused, TransferError
+from pdserve.workers.transfer.base import LinkRefused, TransferError, copy_runs
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -93,16 +93,7 @@ class ShmTransfer:
 
     def read(self, endpoint: str, reads: Sequence[tuple[int, int, int]]) -> int:
         src = self._mapped(endpoint)
-        base = parse_endpoint(endpoint)[3]
-        dst, dst_base = self._bytes, self.pool.data_ptr
-        for local, address, nbytes in reads:
-            lo, ro = local - dst_base, address - base
-            if lo < 0 or ro < 0 or lo + nbytes > dst.numel() or ro + nbytes > src.numel():
-                raise TransferError(f"read of {nbytes} bytes at {address:#x} lies outside the pools")
-        for local, address, nbytes in reads:
-            lo, ro = local - dst_base, address - base
-            dst[lo : lo + nbytes].copy_(src[ro : ro + nbytes])
-        return len(reads)
+        return copy_runs(self._bytes, self.pool.data_ptr, src, parse_endpoint(endpoint)[3], reads)
 
     def retain(self, live: set[str]) -> None:
         """Unmap the pools of peers that left the registry."""
