@@ -10,7 +10,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$out/gpu.txt"
 
 # 1. engine vs transformers: tiny model and Qwen2.5-7B dimensions (random bf16)
-timeout 420 python3 bench/gpu_reading.py --device cuda --json "$out/gpu_reading.json" 2>&1 | tee "$out/gpu_reading.log"
+timeout 420 python3 bench/probes/gpu_reading.py --device cuda --json "$out/gpu_reading.json" 2>&1 | tee "$out/gpu_reading.log"
 
 # 2. the whole pipeline on the GPU: pdserve up (prefill + decode on cuda:0, KV over Mooncake tcp)
 port=8040

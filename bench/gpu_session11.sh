@@ -27,9 +27,9 @@ engine)  # WITH_TESTS=1: the GPU tests first (stops if one fails)
     --e2e-api-processes ${E2E_API_PROCESSES:-2} --e2e-step-log > "$out/gpu_engine_steps.log" 2>&1
   grep -v " step \|Warning\|DEBUG" "$out/gpu_engine_steps.log" | tail -16
   gzip -f "$out"/trace_prefill.json; rm -f "$out"/trace_decode64.json
-  python3 bench/step_timeline.py "$out/gpu_engine_steps.log" "$out/gpu_engine.json" --out "$out/gpu_engine_timeline.json" | tail -3
+  python3 bench/probes/step_timeline.py "$out/gpu_engine_steps.log" "$out/gpu_engine.json" --out "$out/gpu_engine_timeline.json" | tail -3
   ;;
-so)  # SKIP_TESTS=1: without the GPU tests; SKIP_GRAMMAR_HOST=1: without bench/grammar_host.py
+so)  # SKIP_TESTS=1: without the GPU tests; SKIP_GRAMMAR_HOST=1: without bench/probes/grammar_host.py
   [ -n "${SKIP_TESTS:-}" ] || timeout 200 python3 -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py tests/engine/test_kernels.py \
     "tests/engine/test_fast_model.py::test_fast_path_greedy_equals_transformers" 2>&1 | tee "$out/test_gpu.log" |
     grep -E "passed|failed|^FAILED|^E  " | head
@@ -37,7 +37,7 @@ so)  # SKIP_TESTS=1: without the GPU tests; SKIP_GRAMMAR_HOST=1: without bench/g
   timeout 400 python3 bench/structured_output.py --model-path /tmp/m7b --extra "--device cuda --load-format dummy --log-level DEBUG" \
     --out "$out/structured_output_gpu.json" --profile "$out/so_profile.txt" > "$out/structured_output.log" 2>&1
   grep "^{\|median" "$out/structured_output.log" | cut -c1-150
-  [ -n "${SKIP_GRAMMAR_HOST:-}" ] || timeout 90 python3 bench/grammar_host.py --out "$out/grammar_host.json" 2>&1 | tail -12
+  [ -n "${SKIP_GRAMMAR_HOST:-}" ] || timeout 90 python3 bench/probes/grammar_host.py --out "$out/grammar_host.json" 2>&1 | tail -12
   ;;
 trace)  # the engine figures without transformers or e2e, and the prefill's Chrome trace (gzipped)
   timeout 200 python3 bench/gpu_engine.py --skip-transformers --json "$out/gpu_engine_trace_run.json" \

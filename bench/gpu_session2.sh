@@ -7,7 +7,7 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 MC_LOG_LEVEL=ERROR
 
 python3 bench/make_dummy_model.py --dims qwen2.5-7b --out /tmp/qwen7b > /dev/null
-timeout 240 python3 bench/gpu_fp32_check.py 2>&1 | tee "$out/fp32_check.log"
+timeout 240 python3 bench/probes/gpu_fp32_check.py 2>&1 | tee "$out/fp32_check.log"
 
 for mode in pd unified; do
   port=8050

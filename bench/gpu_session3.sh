@@ -16,8 +16,8 @@ if [ "${TESTS:-1}" = 1 ]; then
   timeout 420 python3 -m pytest -q -p no:cacheprovider tests/engine/test_kernels.py tests/engine/test_fast_model.py \
     tests/engine/test_gpu.py 2>&1 | tee "$out/test_gpu.log" | grep -E "passed|failed|^FAILED|^E  " | head -30
 fi
-[ "${DIAG:-1}" = 1 ] && timeout 150 python3 bench/gpu_diag.py 2>&1 | tee -a "$log" | tail -14
-[ "${PROBE:-1}" = 1 ] && timeout 300 python3 bench/gemv_probe.py --json "$out/gemv_probe.json" 2>&1 | tee -a "$log" | grep -v "^  "
+[ "${DIAG:-1}" = 1 ] && timeout 150 python3 bench/probes/gpu_diag.py 2>&1 | tee -a "$log" | tail -14
+[ "${PROBE:-1}" = 1 ] && timeout 300 python3 bench/probes/gemv_probe.py --json "$out/gemv_probe.json" 2>&1 | tee -a "$log" | grep -v "^  "
 extra=()
 [ "${E2E:-0}" = 1 ] && extra+=(--e2e)
 timeout "${BENCH_TIMEOUT:-480}" python3 bench/gpu_engine.py --json "$out/gpu_engine.json" --profile "$out/profile.txt" \

@@ -1,5 +1,5 @@
 """Model shapes the benchmarks build with random weights (Qwen2 configuration keywords), and
-the small Llama-family models the fast-path tests and ``bench/gpu_diag.py`` share."""
+the small Llama-family models the fast-path tests and ``bench/probes/gpu_diag.py`` share."""
 
 from __future__ import annotations
 

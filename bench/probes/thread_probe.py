@@ -14,7 +14,7 @@ CPU a thread that runs a parallel torch operation gets its own OpenMP pool; with
 libgomp counts more threads than cores and no longer lets idle ones spin between
 operations, which ``split`` shows.
 
-    python bench/thread_probe.py --repeat 2 --json out.json
+    python bench/probes/thread_probe.py --repeat 2 --json out.json
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engine_bench import Request, run_pdserve, workload
 
@@ -156,7 +156,7 @@ def main() -> int:
             print(json.dumps(runs[-1]), file=sys.stderr)
     env = {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS") if k in os.environ}
     result = {
-        "command": "python bench/thread_probe.py " + " ".join(sys.argv[1:]),
+        "command": "python bench/probes/thread_probe.py " + " ".join(sys.argv[1:]),
         "threads": torch.get_num_threads(),
         "cores": os.cpu_count(),
         "env": env,

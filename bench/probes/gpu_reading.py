@@ -9,8 +9,8 @@ with random bf16 weights, in one run:
   * output tokens/s for 64 requests of 512 in / 128 out (pdserve continuous batching
     against ``generate`` on one static batch of 64).
 
-    python bench/gpu_reading.py --device cuda --json gpu.json
-    python bench/gpu_reading.py --device cpu --small          # a quick check of the script
+    python bench/probes/gpu_reading.py --device cuda --json gpu.json
+    python bench/probes/gpu_reading.py --device cpu --small          # a quick check of the script
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pdserve.engine import attention
 from pdserve.engine.config import EngineConfig

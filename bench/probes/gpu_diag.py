@@ -4,7 +4,7 @@ For small float32 models of each supported kind: the rotary tables, then logits 
 prefill and of teacher-forced decode steps through ``ModelRunner`` against the stock
 model's full forward pass. Prints the largest absolute logit difference per stage.
 
-    python bench/gpu_diag.py [--device cuda]
+    python bench/probes/gpu_diag.py [--device cuda]
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ every sequence at ``--context`` tokens in shuffled pages. Each shape is timed in
 graph of one call per layer (every layer's KV is its own memory, so the calls read device
 memory, not L2) and reported as microseconds per layer and KV read bandwidth.
 
-    python bench/attention_probe.py [--json out.json] [--context 640]
+    python bench/probes/attention_probe.py [--json out.json] [--context 640]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 ``--log-level DEBUG`` lines, see ``gpu_engine.py --e2e-step-log``) laid over the clients'
 start and finish (``client_span`` in the JSON, the same ``perf_counter`` clock).
 
-    python bench/step_timeline.py e2e.log gpu_engine_e2e.json [--out summary.json]
+    python bench/probes/step_timeline.py e2e.log gpu_engine_e2e.json [--out summary.json]
 
 Per pair: time from the clients' start to the worker's first step, the steps (prefill
 phase, decode phase), and from the last step to the clients' finish, beside the offline

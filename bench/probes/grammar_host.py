@@ -9,7 +9,7 @@ accepts (one by one, batched, and spread over a pool of Python threads), and the
 own path (``Grammars.masks`` advancing and filling each row, the rows dealt out over 1-8
 threads). Writes JSON to ``--out`` if given.
 
-    python bench/grammar_host.py [--rows 64] [--threads 1,2,4,8] [--out grammar_host.json]
+    python bench/probes/grammar_host.py [--rows 64] [--threads 1,2,4,8] [--out grammar_host.json]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from structured_output import SCHEMA
 
@@ -144,7 +144,7 @@ def main() -> int:
     if args.out:
         result = {
             "date": datetime.date.today().isoformat(),
-            "command": "python bench/grammar_host.py " + " ".join(sys.argv[1:]),
+            "command": "python bench/probes/grammar_host.py " + " ".join(sys.argv[1:]),
             "cpus": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
             "load_average": os.getloadavg(),

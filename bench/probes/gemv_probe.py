@@ -5,7 +5,7 @@ Each product is timed in a CUDA graph of many calls that cycle through enough we
 copies (several times the L2) that every call reads its weights from device memory.
 Prints achieved read bandwidth (weight bytes / time) per shape and variant.
 
-    python bench/gemv_probe.py [--json out.json]
+    python bench/probes/gemv_probe.py [--json out.json]
 """
 
 from __future__ import annotations

@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # Issue 10's CPU-bound figures on a host with cores to spare (a GPU host's CPUs, the GPU unused),
 # to separate what pdserve costs from what sharing two cores costs:
-#   bash bench/spare_cores.sh broker     # bench/broker_latency.py on every core, then the same pinned
+#   bash bench/probes/spare_cores.sh broker     # bench/broker_latency.py on every core, then the same pinned
 #                                        # to two cores (taskset; nats-server and the consumer inherit it)
-#   bash bench/spare_cores.sh pipeline   # bench/pipeline_vs_offline.py on every core (CUDA hidden);
+#   bash bench/probes/spare_cores.sh pipeline   # bench/pipeline_vs_offline.py on every core (CUDA hidden);
 #                                        # PIPELINE_ARGS adds flags (e.g. --modes pd --repeat 5)
-#   bash bench/spare_cores.sh threads    # the same per mode and torch threads per worker
+#   bash bench/probes/spare_cores.sh threads    # the same per mode and torch threads per worker
 #                                        # (THREAD_CONFIGS="mode:n[:opts] ...", 0 = `pdserve up`'s default,
 #                                        # pd:P+D = P prefill and D decode threads;
 #                                        # the cores less one in eight, shared by the workers; opts,
 #                                        # joined by +: pin = `up --pin-cores`, the client on the cores
 #                                        # it leaves; share = `up --share-cores`, threads follow load:
 #                                        # tried, not in main: `git apply docs/data/tried/share_cores.patch`)
-#   bash bench/spare_cores.sh probe      # bench/thread_probe.py on every core
+#   bash bench/probes/spare_cores.sh probe      # bench/probes/thread_probe.py on every core
 set -u
 out=${OUT:-/tmp/pdserve-cores}
 mkdir -p "$out"
@@ -43,8 +43,8 @@ threads)
     echo "== $mode, worker threads ${n/#0/default}${opts:+, $opts}"; grep "offline .* pipeline\|cold\|rror" "$out/pipeline_$name.log" | tail -5
   done
   ;;
-probe)   # bench/thread_probe.py: where the engine is built and stepped, each way in its own process
-  timeout 500 python3 bench/thread_probe.py --repeat ${REPEAT:-3} --json "$out/thread_probe.json" 2>&1 | tee "$out/thread_probe.log"
+probe)   # bench/probes/thread_probe.py: where the engine is built and stepped, each way in its own process
+  timeout 500 python3 bench/probes/thread_probe.py --repeat ${REPEAT:-3} --json "$out/thread_probe.json" 2>&1 | tee "$out/thread_probe.log"
   ;;
 esac
 # one archive: the device tool brings back a limited number of files

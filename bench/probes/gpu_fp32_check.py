@@ -2,10 +2,13 @@
 
 bf16 runs of pdserve and transformers part ways after a few tokens on random weights
 (near-tied logits, different kernels); this checks the same code in float32.
+
+    python bench/probes/gpu_fp32_check.py     # one GPU
 """
 
 from __future__ import annotations
 
+import argparse
 import random
 import sys
 from pathlib import Path
@@ -14,6 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from gpu_reading import agree, engine_run, hf_generate
 from make_dummy_model import DIMS
@@ -25,6 +29,7 @@ from pdserve.engine.model_runner import ModelRunner, ModelSpec
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     device = torch.device("cuda")
