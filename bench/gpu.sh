@@ -1,19 +1,154 @@
 #!/usr/bin/env bash
 # The GPU measurements, one mode a call (each under the device's ten-minute limit):
 #   bash bench/gpu.sh one_gpu_pd     # bench/one_gpu_pd.py: co-located PD against unified on one GPU
+#   bash bench/gpu.sh tests          # the GPU tests: kernels, graphs, sampler, the fast path against transformers
+#   bash bench/gpu.sh engine         # bench/gpu_engine.py: the engine against transformers, a profile, the e2e
+#                                    # pairs (API processes: E2E_API_PROCESSES, default 2) and the worker's step timeline
+#   bash bench/gpu.sh e2e            # the e2e pairs alone with the step timeline (e.g. ARGS="--e2e-waves 1")
+#   bash bench/gpu.sh trace          # the engine figures alone and the prefill's Chrome trace (gzipped)
+#   bash bench/gpu.sh so             # bench/structured_output.py on the 7B stand-in with py-spy, then the
+#                                    # host's grammar work per step (bench/probes/grammar_host.py)
+#   bash bench/gpu.sh kv_tiers       # the tier tests on the GPU, then bench/kv_tiers.py at 7B dimensions
+#   bash bench/gpu.sh serve          # pdserve up (PD, then unified) on one GPU at 7B dimensions, pdserve bench at 1 and 64
+#   bash bench/gpu.sh probes         # the probes in PROBES (default "diag gemv attention"; also fp32, reading)
+#   bash bench/gpu.sh two_gpu_pd     # 2 GPUs: the p2p tests, then bench/two_gpu_pd.py (NCCL KV, PD against 2 unified)
+#   bash bench/gpu.sh two_tp         # 2 GPUs: the TP tests, then bench/tensor_parallel.py (TP 1 against TP 2)
+#   bash bench/gpu.sh xpyd           # 4 GPUs: bench/xpyd.py, some systems a call (ARGS="--configs 2P2D,4U"; XPYD_JSON:
+#                                    # a copy of the JSON so far, which the run merges its systems into)
 # Expects the wheels of ../shared/tools/device-bundle installed (PYTHONPATH, PATH,
-# LD_LIBRARY_PATH set); every step has a timeout and its log under $OUT.
+# LD_LIBRARY_PATH set; that script prints the lines); every step has a timeout and its log under $OUT.
 # ARGS passes options to the mode's script (e.g. ARGS="--systems colocated,unified-2048").
 set -u
+modes=$(sed -n 's/^#   bash bench\/gpu.sh \([a-z_0-9]*\) .*/\1/p' "$0")
+if [ -z "${1:-}" ] || ! grep -qxF -- "$1" <<< "$modes"; then
+  [ -z "${1:-}" ] || echo "unknown mode: $1" >&2
+  echo "usage: bash bench/gpu.sh MODE, one of:"
+  sed -n 's/^#   bash bench\/gpu.sh /  /p; s/^#  \{20,\}/                 /p' "$0"
+  [ -z "${1:-}" ] && exit 0 || exit 2
+fi
 out=${OUT:-/tmp/pdserve-gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 MC_LOG_LEVEL=ERROR TOKENIZERS_PARALLELISM=false
 timeout 20 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1
-case "${1:-}" in
+gpu_tests=(tests/engine/test_gpu.py tests/engine/test_kernels.py tests/engine/test_sampler.py
+  "tests/engine/test_fast_model.py::test_fast_path_greedy_equals_transformers")
+quiet() { grep -v -E "^WARNING: Logging|Local segment descriptor| step |Warning|DEBUG|^[IWE][0-9]{4} "; }
+dummy_7b() { timeout 60 python3 bench/make_dummy_model.py --out /tmp/m7b > "$out/make_dummy_model.log" 2>&1; }
+case "$1" in
 one_gpu_pd)
   timeout -k 15 ${LIMIT:-540} python3 bench/one_gpu_pd.py --out "$out/one_gpu_pd.json" --log-dir "$out" ${ARGS:-} 2>&1 \
     | tee "$out/one_gpu_pd.log" | grep -v -E "^WARNING: Logging|Local segment descriptor" | tail -40
   ;;
-*)
-  echo "usage: bash bench/gpu.sh one_gpu_pd" >&2; exit 2 ;;
+tests)
+  timeout -k 10 300 python3 -m pytest -q -p no:cacheprovider "${gpu_tests[@]}" ${ARGS:-} > "$out/test_gpu.log" 2>&1
+  grep -E "passed|failed|^FAILED|^E  " "$out/test_gpu.log" | head -30
+  ;;
+engine)
+  timeout -k 15 ${LIMIT:-420} python3 bench/gpu_engine.py --json "$out/gpu_engine.json" --profile "$out/profile.txt" --e2e \
+    --e2e-api-processes ${E2E_API_PROCESSES:-2} --e2e-step-log ${ARGS:-} > "$out/gpu_engine_steps.log" 2>&1
+  quiet < "$out/gpu_engine_steps.log" | tail -16
+  [ -f "$out/trace_prefill.json" ] && gzip -f "$out/trace_prefill.json"; rm -f "$out/trace_decode64.json"
+  timeout 60 python3 bench/probes/step_timeline.py "$out/gpu_engine_steps.log" "$out/gpu_engine.json" \
+    --out "$out/gpu_engine_timeline.json" 2>&1 | tee "$out/step_timeline.log" | tail -3
+  ;;
+e2e)
+  timeout -k 15 ${LIMIT:-300} python3 bench/gpu_engine.py --json "$out/gpu_engine_e2e.json" --only-e2e \
+    --e2e-api-processes ${E2E_API_PROCESSES:-2} --e2e-step-log ${ARGS:-} > "$out/gpu_engine_e2e_steps.log" 2>&1
+  quiet < "$out/gpu_engine_e2e_steps.log" | tail -6
+  timeout 60 python3 bench/probes/step_timeline.py "$out/gpu_engine_e2e_steps.log" "$out/gpu_engine_e2e.json" \
+    --out "$out/gpu_engine_e2e_timeline.json" 2>&1 | tee "$out/step_timeline.log" | tail -3
+  ;;
+trace)
+  timeout -k 15 ${LIMIT:-200} python3 bench/gpu_engine.py --skip-transformers --json "$out/gpu_engine_trace_run.json" \
+    --profile "$out/profile_trace_run.txt" ${ARGS:-} > "$out/gpu_engine_trace_run.log" 2>&1
+  quiet < "$out/gpu_engine_trace_run.log" | tail -12
+  [ -f "$out/trace_prefill.json" ] && gzip -f "$out/trace_prefill.json"; rm -f "$out/trace_decode64.json"
+  ;;
+so)  # needs the wheels of jsonschema, xgrammar, pydantic and py-spy (EXTRA_WHEELS of device-bundle, with their dependencies)
+  dummy_7b
+  timeout -k 15 ${LIMIT:-400} python3 bench/structured_output.py --model-path /tmp/m7b \
+    --extra "--device cuda --load-format dummy --log-level DEBUG" --out "$out/structured_output_gpu.json" \
+    --profile "$out/so_profile.txt" ${ARGS:-} > "$out/structured_output.log" 2>&1
+  grep "^{\|median" "$out/structured_output.log" | cut -c1-150
+  timeout -k 10 90 python3 bench/probes/grammar_host.py --out "$out/grammar_host.json" 2>&1 \
+    | tee "$out/grammar_host.log" | tail -12
+  ;;
+kv_tiers)  # Mooncake Store included: the CUDA 13 Mooncake wheel and Debian's libibverbs (device-bundle)
+  export GLOG_minloglevel=2
+  timeout -k 10 240 python3 -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py -k kv_tiers \
+    > "$out/test_gpu_kv_tiers.log" 2>&1; tail -3 "$out/test_gpu_kv_tiers.log"
+  timeout -k 10 200 python3 -m pytest -q -p no:cacheprovider tests/engine/test_kv_tiers.py \
+    > "$out/test_kv_tiers.log" 2>&1; tail -3 "$out/test_kv_tiers.log"
+  dummy_7b
+  timeout -k 15 ${LIMIT:-330} python3 bench/kv_tiers.py --device cuda --model /tmp/m7b --load-format dummy --users 4 \
+    --turns 4 --answer 4 --host-bytes $((2 << 30)) --json "$out/kv_tiers_h200.json" ${ARGS:-} > "$out/kv_tiers_h200.log" 2>&1
+  quiet < "$out/kv_tiers_h200.log" | grep "^none\|^host\|^disk\|^store\|Error" | cut -c1-220
+  ;;
+serve)  # MODES (default "pd unified"), each a fresh pdserve up on port 8050 for at most SERVE_LIMIT seconds
+  timeout 60 python3 bench/make_dummy_model.py --dims qwen2.5-7b --out /tmp/qwen7b > "$out/make_dummy_model.log" 2>&1
+  for mode in ${MODES:-pd unified}; do
+    port=8050
+    timeout -k 10 ${SERVE_LIMIT:-270} python3 -m pdserve up --mode $mode --unified-workers 1 --device cuda \
+      --model-path /tmp/qwen7b --load-format dummy --max-total-tokens 200000 --port $port --host 127.0.0.1 \
+      --data-dir /tmp/pd-$mode > "$out/up_$mode.log" 2>&1 &
+    up=$!
+    for _ in $(seq 1 240); do curl -sf localhost:$port/health > /dev/null && break; sleep 1; done
+    timeout 60 python3 -m pdserve bench --base-url http://127.0.0.1:$port --backend generate --tokenizer /tmp/qwen7b \
+      --num-prompts 8 --max-concurrency 8 --input-len 512 --output-len 16 --quiet > "$out/warmup_$mode.log" 2>&1
+    for c in 1 64; do
+      n=$([ $c = 1 ] && echo 8 || echo 128)
+      timeout 150 python3 -m pdserve bench --base-url http://127.0.0.1:$port --backend generate --tokenizer /tmp/qwen7b \
+        --num-prompts $n --max-concurrency $c --input-len 512 --output-len 128 --output-json "$out/bench_${mode}_c$c.json" \
+        > "$out/bench_${mode}_c$c.log" 2>&1
+      echo "== $mode, $c in flight"; grep -E "throughput|TTFT|TPOT|queue|transfer" "$out/bench_${mode}_c$c.log"
+    done
+    kill -TERM $up; wait $up
+  done
+  ;;
+probes)
+  for probe in ${PROBES:-diag gemv attention}; do
+    case $probe in
+    diag) timeout -k 10 150 python3 bench/probes/gpu_diag.py ;;
+    gemv) timeout -k 10 300 python3 bench/probes/gemv_probe.py --json "$out/gemv_probe.json" ;;
+    attention) timeout -k 10 150 python3 bench/probes/attention_probe.py --json "$out/attention_probe.json" ;;
+    fp32) timeout -k 10 240 python3 bench/probes/gpu_fp32_check.py ;;
+    reading) timeout -k 10 420 python3 bench/probes/gpu_reading.py --device cuda --json "$out/gpu_reading.json" ;;
+    *) echo "unknown probe: $probe (diag, gemv, attention, fp32, reading)" ;;
+    esac > "$out/probe_$probe.log" 2>&1
+    echo "== $probe"; grep -v "^  " "$out/probe_$probe.log" | tail -14
+  done
+  ;;
+two_gpu_pd)  # the JSON to docs/data/, the plot to docs/img/ (without matplotlib there: --plot-from the JSON here)
+  {
+    timeout 20 nvidia-smi topo -m
+    timeout 60 python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())"
+  } >> "$out/gpu.txt" 2>&1
+  timeout -k 10 80 python3 -m pytest -q -p no:cacheprovider tests/workers/test_p2p_transfer.py > "$out/test_p2p.log" 2>&1
+  grep -E "passed|failed|skipped|^FAILED|^E  " "$out/test_p2p.log" | head
+  # writes its JSON after each phase, so a cut-short run still leaves data
+  timeout -k 15 ${LIMIT:-430} python3 bench/two_gpu_pd.py --out "$out/two_gpu_pd.json" --img "$out/two_gpu_pd.png" ${ARGS:-} 2>&1 \
+    | tee "$out/two_gpu_pd.log" | grep -v -E "^WARNING: Logging|Local segment descriptor" | tail -40
+  for f in /tmp/pd-two-pd-*/pd.log /tmp/pd-two-unified-*/unified.log; do  # the systems' logs, for a post-mortem
+    [ -f "$f" ] && tail -60 "$f" > "$out/$(basename "$(dirname "$f")").log"
+  done
+  ;;
+two_tp)  # with CUDA graphs and, if that run fails, without (--no-graphs)
+  timeout 20 nvidia-smi topo -m >> "$out/gpu.txt" 2>&1
+  timeout -k 10 200 python3 -m pytest -q -p no:cacheprovider tests/engine/test_parallel.py > "$out/test_parallel.log" 2>&1
+  grep -E "passed|failed|skipped|^FAILED|^E  " "$out/test_parallel.log" | head
+  if timeout -k 10 240 python3 bench/tensor_parallel.py --json "$out/tensor_parallel.json" ${ARGS:-} \
+    > "$out/tensor_parallel.log" 2>&1; then
+    tail -8 "$out/tensor_parallel.log"
+  else
+    tail -30 "$out/tensor_parallel.log"
+    timeout -k 10 200 python3 bench/tensor_parallel.py --no-graphs --json "$out/tensor_parallel_no_graphs.json" ${ARGS:-} \
+      > "$out/tensor_parallel_no_graphs.log" 2>&1
+    tail -5 "$out/tensor_parallel_no_graphs.log"
+  fi
+  ;;
+xpyd)
+  [ -n "${XPYD_JSON:-}" ] && cp "$XPYD_JSON" "$out/xpyd.json"
+  timeout -k 15 ${LIMIT:-540} python3 bench/xpyd.py --out "$out/xpyd.json" --img "$out/xpyd.png" ${ARGS:-} 2>&1 \
+    | tee "$out/xpyd.log" | grep -v -E "^WARNING: Logging|Local segment descriptor" | tail -40
+  ;;
 esac
