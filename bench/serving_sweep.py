@@ -32,7 +32,6 @@ import random
 import resource
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from common import free_port
 
 from pdserve.bench.config import BenchConfig
 from pdserve.bench.metrics import SLO, RequestRecord, stat
@@ -73,12 +73,6 @@ def _workload(text: str) -> Workload:
 
 
 # ---- the system under test ------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _group_alive(pgid: int) -> bool:
     """Whether any non-zombie process of process group ``pgid`` is left (Linux /proc)."""
     proc = Path("/proc")

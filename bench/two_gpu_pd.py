@@ -22,7 +22,7 @@ same two GPUs, in one run. Writes ``docs/data/two_gpu_pd.json``.
 Every run is cold: each system starts fresh, every (system, workload) gets its own seed,
 and the cached tokens each point saw are reported.
 
-    python bench/two_gpu_pd.py                          # a 2-GPU host (bench/gpu_two_session.sh)
+    python bench/two_gpu_pd.py                          # a 2-GPU host (bash bench/gpu.sh two_gpu_pd)
     python bench/two_gpu_pd.py --small --device cpu     # dry run: small shapes, gloo, one CPU
 
 A rehearsal on one GPU (both roles and both replicas share GPU 0; the KV between processes on
@@ -51,7 +51,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import git_commit, greedy_probe, plot_goodput
+from common import free_port, git_commit, greedy_probe, plot_goodput
 from make_dummy_model import write_model_dir
 from serving_sweep import System, goodput
 
@@ -181,14 +181,6 @@ def _wire(role: str, backend: str, kv: Any, n: int, reps: int, address: str) -> 
     return times
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def measure_p2p(args: argparse.Namespace, layout: KVLayout, devices: list[str], backend: str) -> dict[str, Any]:
     """Median times of the pull and of the bare send/recv, in ms; the bytes checked."""
     from pdserve.broker.server import start_nats_server
@@ -196,7 +188,7 @@ def measure_p2p(args: argparse.Namespace, layout: KVLayout, devices: list[str], 
     server = start_nats_server(Path(tempfile.mkdtemp(prefix="pd-two-nats-")))
     ctx = multiprocessing.get_context("spawn")
     q, go = ctx.Queue(), ctx.Event()
-    wire = f"127.0.0.1:{_free_port()}"
+    wire = f"127.0.0.1:{free_port()}"
     ends = []
     remote = 0
     try:
