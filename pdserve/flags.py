@@ -245,8 +245,8 @@ TRANSFER_BACKEND = Flag(
     "--disaggregation-transfer-backend",
     WorkerConfig.transfer_backend,
     help="how decode pulls KV: mooncake (any hosts, tcp or rdma), nccl (between GPUs: CUDA pools), "
-    "gloo (the nccl protocol between CPU pools), shm (CPU pools of one host, through /dev/shm: no port) "
-    "(default: %(default)s)",
+    "gloo (the nccl protocol between CPU pools), shm (CPU pools of one host, through /dev/shm: no port), "
+    "ipc (CUDA pools of one host, one GPU or peer GPUs, through CUDA IPC: no port) (default: %(default)s)",
 )
 IB_DEVICE = Flag(
     "--disaggregation-ib-device",

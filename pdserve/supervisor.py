@@ -170,9 +170,10 @@ def kv_bytes_per_token(model_path: Path | None, dtype: str) -> int | None:
 
 def choose_backend(args: argparse.Namespace, shm_dir: str = SHM_DIR, model_path: Path | None = None) -> tuple[str, str]:
     """``up``'s KV transfer backend and why, when ``--disaggregation-transfer-backend`` is not
-    given: ``shm`` (no port: nothing but loopback listens) when every worker is on this
-    host's CPU (the embedded broker: no worker of another host can join), each has one rank
-    and no RDMA device is named, and ``shm_dir`` has room for the pools; else ``mooncake``."""
+    given. With the embedded broker (no worker of another host can join), one rank per worker
+    and no RDMA device named, KV moves without a port (nothing but loopback listens): ``ipc``
+    (CUDA IPC) when every worker is on a GPU of this host, ``shm`` when every worker is on its
+    CPU and ``shm_dir`` has room for the pools. Else ``mooncake``."""
     if args.disaggregation_transfer_backend:
         return args.disaggregation_transfer_backend, "given"
     if args.colocate:
@@ -180,9 +181,10 @@ def choose_backend(args: argparse.Namespace, shm_dir: str = SHM_DIR, model_path:
     if args.mode != "pd":
         return "mooncake", "unified workers move no KV"
     devices = [d.strip() for d in (args.worker_devices or args.device).split(",") if d.strip()]
+    gpus = sum(1 for d in devices if not d.startswith("cpu"))
     reasons = [
         (bool(args.nats_url), "--nats-url: workers of other hosts may join"),
-        (any(not d.startswith("cpu") for d in devices), "GPU pools (up --colocate hands KV over in place)"),
+        (0 < gpus < len(devices), "CPU and GPU pools side by side"),
         (
             max(
                 args.tensor_parallel_size, args.prefill_tensor_parallel_size or 1, args.decode_tensor_parallel_size or 1
@@ -195,6 +197,8 @@ def choose_backend(args: argparse.Namespace, shm_dir: str = SHM_DIR, model_path:
     for applies, why in reasons:
         if applies:
             return "mooncake", why
+    if gpus:
+        return "ipc", "GPUs of one host (CUDA IPC)"
     workers = args.prefill_workers + args.decode_workers if args.mode == "pd" else 0
     if args.autoscale:
         workers = args.max_prefill + args.max_decode

@@ -46,7 +46,7 @@ def test_an_sglang_prefill_command_parses_and_passes_the_checks() -> None:
         (["--tensor-parallel-size", "2", "--tp-rank", "2"], "outside --tensor-parallel-size 2"),
         (["--tensor-parallel-size", "2", "--kv-host-bytes", "1000000"], "tiers copy a whole page pool"),
         (["--disaggregation-mode", "decode"], "does not match"),
-        (["--disaggregation-transfer-backend", "nixl"], "available: gloo, local, mooncake, nccl"),
+        (["--disaggregation-transfer-backend", "nixl"], "available: gloo, ipc, local, mooncake, nccl, shm"),
         (["--disaggregation-transfer-backend", "nccl"], "moves cuda pools, not cpu ones .a cpu pool moves over gloo"),
         (["--disaggregation-transfer-backend", "gloo", "--device", "cuda:1"], "moves cpu pools, not cuda ones"),
         (["--page-size", "12"], "power of two"),
@@ -228,19 +228,27 @@ def test_the_local_backend_belongs_to_colocated_processes_only() -> None:
     check_worker_flags(build_parser().parse_args(["colocated"]), "colocated")  # the default: local
 
 
-def test_up_moves_kv_through_shared_memory_on_one_cpu_host_unless_told_otherwise(tmp_path: Path) -> None:
+def test_up_moves_kv_without_a_port_on_one_host_unless_told_otherwise(tmp_path: Path) -> None:
     from pdserve.supervisor import choose_backend
 
     parser = build_parser()
     assert choose_backend(parser.parse_args(["up"]), str(tmp_path)) == ("shm", "one CPU host")
     for argv, why in (
         (["--nats-url", "nats://n:1"], "other hosts"),
-        (["--device", "cuda"], "GPU pools"),
+        (["--device", "cuda", "--nats-url", "nats://n:1"], "other hosts"),
+        (["--worker-devices", "cuda:0,cpu"], "CPU and GPU pools side by side"),
         (["--tp-size", "2"], "tensor-parallel"),
+        (["--device", "cuda", "--tp-size", "2"], "tensor-parallel"),
         (["--disaggregation-ib-device", "mlx5_0"], "RDMA"),
+        (["--device", "cuda", "--disaggregation-ib-device", "mlx5_0"], "RDMA"),
     ):
         backend, reason = choose_backend(parser.parse_args(["up", *argv]), str(tmp_path))
         assert backend == "mooncake" and why in reason
+    # GPUs of one host, the embedded broker, one rank each: CUDA IPC (one GPU or several).
+    for argv in (["--device", "cuda"], ["--device", "cuda:1"], ["--worker-devices", "cuda:0,cuda:1"]):
+        assert choose_backend(parser.parse_args(["up", *argv])) == ("ipc", "GPUs of one host (CUDA IPC)")
+    assert choose_backend(parser.parse_args(["up", "--device", "cuda", "--colocate"]))[0] == "local"
+    assert choose_backend(parser.parse_args(["up", "--device", "cuda", "--mode", "unified"]))[0] == "mooncake"
     assert choose_backend(parser.parse_args(["up", "--disaggregation-transfer-backend", "gloo"])) == ("gloo", "given")
     assert choose_backend(parser.parse_args(["up"]), str(tmp_path / "missing"))[0] == "mooncake"
     assert choose_backend(parser.parse_args(["up", "--colocate"]))[0] == "local"

@@ -161,6 +161,9 @@ def test_up_places_workers_on_the_devices_given_in_turn() -> None:
     )
     assert plan_devices(unified, plan_roles(unified)) == ["cuda:0", "cuda:1", "cuda:0"]
     assert plan_devices(parser.parse_args(["up"]), ["prefill", "decode"]) == ["cpu", "cpu"]
+    # ipc pairs workers on one GPU as well as on two.
+    same = parser.parse_args(["up", "--device", "cuda:0", "--disaggregation-transfer-backend", "ipc"])
+    assert plan_devices(same, plan_roles(same)) == ["cuda:0", "cuda:0"]
 
 
 @pytest.mark.parametrize(
@@ -169,6 +172,7 @@ def test_up_places_workers_on_the_devices_given_in_turn() -> None:
         (["--worker-devices", "cuda:0,cuda:0", "--disaggregation-transfer-backend", "nccl"], "share cuda:0"),
         (["--disaggregation-transfer-backend", "nccl"], "moves cuda pools"),
         (["--worker-devices", "cuda:0,cuda:1", "--disaggregation-transfer-backend", "gloo"], "moves cpu pools"),
+        (["--worker-devices", "cuda:0,cpu", "--disaggregation-transfer-backend", "ipc"], "moves cuda pools"),
     ],
 )
 def test_up_refuses_a_placement_the_transfer_backend_cannot_serve(argv: list[str], message: str) -> None:

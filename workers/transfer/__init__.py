@@ -50,8 +50,15 @@ def _shm(pool: KVPool, worker_id: str, **_: object) -> TransferBackend:
     return ShmTransfer(pool, worker_id)
 
 
+def _ipc(pool: KVPool, worker_id: str, **_: object) -> TransferBackend:
+    from pdserve.workers.transfer.ipc import IpcTransfer
+
+    return IpcTransfer(pool, worker_id)
+
+
 _BACKENDS["mooncake"] = _mooncake
 _BACKENDS["shm"] = _shm  # CPU pools of one host, through /dev/shm
+_BACKENDS["ipc"] = _ipc  # CUDA pools of one host (one GPU or peers), through CUDA IPC
 _BACKENDS["local"] = _local  # the two workers of one `pdserve colocated` process
 _BACKENDS["nccl"] = _p2p("nccl")  # CUDA pools, GPU to GPU
 _BACKENDS["gloo"] = _p2p("gloo")  # CPU pools, over TCP: the same protocol as nccl
@@ -62,7 +69,7 @@ def available_backends() -> list[str]:
 
 
 def create_transfer(name: str, **kwargs: object) -> TransferBackend:
-    """A started backend by name (``mooncake``, ``nccl``, ``gloo``, ``local``, ``shm``); raises ``ValueError``
+    """A started backend by name (``mooncake``, ``nccl``, ``gloo``, ``local``, ``shm``, ``ipc``); raises ``ValueError``
     for unknown names, :class:`TransferError` when it cannot start here."""
     try:
         factory = _BACKENDS[name]

@@ -11,8 +11,8 @@ if TYPE_CHECKING:
     from nats.aio.client import Client
 
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "*")
-# The backends bound to one device type, and that type (the point-to-point ones, shm).
-P2P_DEVICES = {"nccl": "cuda", "gloo": "cpu", "shm": "cpu"}
+# The backends bound to one device type, and that type (the point-to-point ones, shm, ipc).
+P2P_DEVICES = {"nccl": "cuda", "gloo": "cpu", "shm": "cpu", "ipc": "cuda"}
 
 
 class TransferError(RuntimeError):
