@@ -81,6 +81,7 @@ class Launched:
     copy: torch.Tensor | None = None  # pinned host copy, filled when ``done`` fires
     done: torch.cuda.Event | None = None
     host: SamplerOutput | None = None  # sampled on the host (log-probabilities asked)
+    gpu_start: torch.cuda.Event | None = None  # when the device began it (``Engine.time_steps``)
 
 
 @dataclass
@@ -89,6 +90,8 @@ class ExecResult:
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
     seconds: float
+    gpu_seconds: float | None = None  # the device's own time for the step (``Engine.time_steps``)
+    gpu_period: float | None = None  # from the step before's end to this one's, on the device
 
 
 @dataclass
@@ -138,6 +141,10 @@ class Engine:
         # Overlap needs tokens that can stay on the device: the fast path's (under tensor
         # parallelism they are shared with the other ranks, whose next step they feed too).
         self.overlap = config.overlap_schedule and runner.fast is not None
+        # Time each step on the device (CUDA events; a step timeline at DEBUG): costs two
+        # event records a step, so off unless asked.
+        self.time_steps = False
+        self._last_done: torch.cuda.Event | None = None
         capacity = config.max_num_seqs + config.max_prefill_seqs
         on_gpu = self.overlap and runner.device.type == "cuda"
         self._pinned = [torch.empty(capacity, dtype=torch.long, pin_memory=True) for _ in range(3)] if on_gpu else []
@@ -394,13 +401,17 @@ class Engine:
         Touches only tensors and the prefills' page hashes (``PageManager.hash_pages``,
         computed while the device runs them); safe to run in a worker thread."""
         started = time.perf_counter()
+        gpu_start = None
+        if self.time_steps and self.runner.device.type == "cuda":
+            gpu_start = torch.cuda.Event(enable_timing=True)
+            gpu_start.record()
         feed = self._feed(batch)
         seqs, logits = self.runner.execute(batch, feed)
         for seq, n in batch.prefills:  # the prefix index's keys of the chunks, while the device computes them
             self.pages.hash_pages(seq, seq.num_computed + n)
         if logits is not None and any(s.forks for s in seqs):
             seqs, logits = _with_forks(seqs, logits)
-        launched = Launched(batch, seqs, started)
+        launched = Launched(batch, seqs, started, gpu_start=gpu_start)
         if logits is None:
             return launched
         rows = [SampleRequest(s.sampling, s.prompt_ids, s.output_ids, index=s.num_outputs) for s in seqs]
@@ -421,7 +432,7 @@ class Engine:
             self._next_pinned = (self._next_pinned + 1) % len(self._pinned)
             copy.copy_(tokens, non_blocking=True)
             launched.copy = copy
-            launched.done = torch.cuda.Event()
+            launched.done = torch.cuda.Event(enable_timing=gpu_start is not None)
             launched.done.record()
         else:
             launched.tokens = launched.copy = tokens
@@ -467,7 +478,13 @@ class Engine:
             tokens, logprobs = launched.copy.tolist(), [None] * len(launched.seqs)
         else:
             tokens, logprobs = [], []
-        return ExecResult(launched.seqs, tokens, logprobs, time.perf_counter() - launched.started)
+        gpu = period = None
+        if launched.gpu_start is not None and launched.done is not None:
+            gpu = launched.gpu_start.elapsed_time(launched.done) / 1e3
+            if self._last_done is not None:
+                period = self._last_done.elapsed_time(launched.done) / 1e3
+            self._last_done = launched.done
+        return ExecResult(launched.seqs, tokens, logprobs, time.perf_counter() - launched.started, gpu, period)
 
     def execute(self, batch: ScheduledBatch) -> ExecResult:
         """Forward pass and sampling, waited for. Safe to run in a worker thread."""
