@@ -10,7 +10,7 @@
 #                                    # host's grammar work per step (bench/probes/grammar_host.py)
 #   bash bench/gpu.sh kv_tiers       # the tier tests on the GPU, then bench/kv_tiers.py at 7B dimensions
 #   bash bench/gpu.sh serve          # pdserve up (PD, then unified) on one GPU at 7B dimensions, pdserve bench at 1 and 64
-#   bash bench/gpu.sh probes         # the probes in PROBES (default "diag gemv attention"; also fp32, reading)
+#   bash bench/gpu.sh probes         # the probes in PROBES (default "diag gemv attention"; also fp32, reading, ipc)
 #   bash bench/gpu.sh two_gpu_pd     # 2 GPUs: the p2p tests, then bench/two_gpu_pd.py (NCCL KV, PD against 2 unified)
 #   bash bench/gpu.sh two_tp         # 2 GPUs: the TP tests, then bench/tensor_parallel.py (TP 1 against TP 2)
 #   bash bench/gpu.sh xpyd           # 4 GPUs: bench/xpyd.py, some systems a call (ARGS="--configs 2P2D,4U"; XPYD_JSON:
@@ -31,6 +31,7 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 MC_LOG_LEVEL=ERROR TOKENIZERS_PARALLELISM=false
 timeout 20 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1
 gpu_tests=(tests/engine/test_gpu.py tests/engine/test_kernels.py tests/engine/test_sampler.py
+  tests/workers/test_ipc_transfer.py
   "tests/engine/test_fast_model.py::test_fast_path_greedy_equals_transformers")
 quiet() { grep -v -E "^WARNING: Logging|Local segment descriptor| step |Warning|DEBUG|^[IWE][0-9]{4} "; }
 dummy_7b() { timeout 60 python3 bench/make_dummy_model.py --out /tmp/m7b > "$out/make_dummy_model.log" 2>&1; }
@@ -113,7 +114,8 @@ probes)
     attention) timeout -k 10 150 python3 bench/probes/attention_probe.py --json "$out/attention_probe.json" ;;
     fp32) timeout -k 10 240 python3 bench/probes/gpu_fp32_check.py ;;
     reading) timeout -k 10 420 python3 bench/probes/gpu_reading.py --device cuda --json "$out/gpu_reading.json" ;;
-    *) echo "unknown probe: $probe (diag, gemv, attention, fp32, reading)" ;;
+    ipc) timeout -k 10 360 python3 bench/probes/ipc_probe.py --out "$out/ipc_probe.json" ;;
+    *) echo "unknown probe: $probe (diag, gemv, attention, fp32, reading, ipc)" ;;
     esac > "$out/probe_$probe.log" 2>&1
     echo "== $probe"; grep -v "^  " "$out/probe_$probe.log" | tail -14
   done
