@@ -17,6 +17,9 @@
 #                                    # a copy of the JSON so far, which the run merges its systems into)
 # Expects the wheels of ../shared/tools/device-bundle installed (PYTHONPATH, PATH,
 # LD_LIBRARY_PATH set; that script prints the lines); every step has a timeout and its log under $OUT.
+# The modes that run pytest also need its plugins, which the bundle lacks (without them pytest
+# stops at pyproject's asyncio and timeout options): first, here,
+#   pip download --no-deps -d .whl pytest-asyncio pytest-timeout
 # ARGS passes options to the mode's script (e.g. ARGS="--systems colocated,unified-2048").
 set -u
 modes=$(sed -n 's/^#   bash bench\/gpu.sh \([a-z_0-9]*\) .*/\1/p' "$0")

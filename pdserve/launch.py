@@ -573,8 +573,7 @@ def run_colocated(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     prefill = PrefillWorker(prefill_cfg, prefill_engine, prefill_thread)
     decode = DecodeWorker(decode_cfg, decode_engine, decode_thread)
-    if args.device.startswith("cuda"):  # decode steps overlap there: one may wait for a hand-off
-        decode.expect_handoff = lambda: prefill.first_tokens_at
+
     return _serve_process(args, "colocated", decode, lambda: serve_together([prefill, decode]))
 
 

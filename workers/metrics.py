@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
@@ -52,12 +52,6 @@ class WorkerMetrics:
             "pdserve_kv_transfer_duration_seconds",
             "one request's KV pull, lease included",
             buckets=TRANSFER_BUCKETS,
-            registry=self.registry,
-        )
-
-        self.handoff_waits = Counter(
-            "pdserve_handoff_waits",
-            "decode steps scheduled late to take a request the co-located prefill was about to hand over",
             registry=self.registry,
         )
 

@@ -59,34 +59,6 @@ from pdserve.workers.transfer import TransferBackend
 
 log = logging.getLogger(__name__)
 
-# A hand-off's path from the prefill step's end to the import landing (the prefill's
-# postprocess, KV-ready over NATS, the claim, a device copy): about 2-3 ms on an H200.
-HANDOFF_SLACK = 0.004
-# The next step is scheduled at least this long before the step on the device should end
-# (the host's schedule and launch, and timer lateness: 2 ms cost ITL at p99, 2026-12-03).
-HANDOFF_MARGIN = 0.003
-HANDOFF_MIN_TOKENS = 64  # shorter prefill steps say little about the rate
-
-
-def handoff_deadline(expected: float | None, step_started: float, step_seconds: float, now: float) -> float | None:
-    """Until when the next decode step may wait for a hand-off expected at ``expected`` (the
-    prefill step's first tokens), the step on the device having started at ``step_started``
-    and taking ``step_seconds``: the hand-off's landing, but no later than ``HANDOFF_MARGIN``
-    before that step ends. None: do not wait (none expected, no step time known yet, or it
-    would land after the step anyway)."""
-    if expected is None or not step_seconds:
-        return None
-    latest = step_started + step_seconds - HANDOFF_MARGIN
-    if expected > latest:
-        return None
-    deadline = min(expected + HANDOFF_SLACK, latest)
-    return deadline if deadline - now >= 5e-4 else None
-
-
-def _ema(old: float, new: float) -> float:
-    return 0.8 * old + 0.2 * new if old else new
-
-
 REQUEST_BATCH = 64
 TICK_SECONDS = 0.25
 PEER_CHECK_SECONDS = 10.0
@@ -125,17 +97,6 @@ class WorkerRuntime:
         self.rank_transfers: list[tuple[str, int]] = []
         self.claims: Claims | None = None
         self._wake = asyncio.Event()
-        # Co-located decode (see ``workers/colocated.py``): when the prefill worker beside it
-        # will hand a request over before the decode step on the device ends, the next
-        # step waits for it (up to ``HANDOFF_MARGIN`` before that end) instead of being
-        # scheduled at once, so the request joins the next step rather than the one after.
-        # ``expect_handoff`` says when the prefill step in flight should give its first
-        # tokens (None: none that finishes a prompt is in flight).
-        self.expect_handoff: Callable[[], float | None] | None = None
-        self._step_period = 0.0  # running estimate of the device's time for a step, seconds
-        self._step_ended_at = 0.0  # when the last step completed (the queued one started then)
-        self._prefill_rate = 0.0  # running estimate of seconds per prefill token
-        self.first_tokens_at: float | None = None  # see ``expect_handoff``
         self._engine_thread = engine_thread or engine_thread_pool()
         self._background: set[asyncio.Task[None]] = set()
         self._started_at = time.time()
@@ -149,7 +110,7 @@ class WorkerRuntime:
         await watch_dead_letters(self.nc, self.js, self.config.model_name, self._on_dead_letter)
         self.engine.pages.record_events = self.config.prefix_placement
         await self.setup()
-        self.engine.time_steps = log.isEnabledFor(logging.DEBUG) or self.expect_handoff is not None
+        self.engine.time_steps = log.isEnabledFor(logging.DEBUG)  # the step timeline's device times
         work = [self._engine_loop(), self._tick_loop()]
         if self.followers is not None:
             work.append(self._watch_followers())
@@ -509,8 +470,6 @@ class WorkerRuntime:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            if self.expect_handoff is not None and engine.pending is not None and not engine.scheduler.waiting:
-                await self._wait_for_handoff(self.expect_handoff())
             batch = engine.schedule()
             if batch.is_empty:
                 if engine.pending is not None:
@@ -524,9 +483,6 @@ class WorkerRuntime:
                     async with asyncio.timeout(0.05):
                         await self._wake.wait()
                 continue
-            if self._prefill_rate and any(s.num_computed + n >= s.num_tokens for s, n in batch.prefills):
-                tokens = sum(n for _, n in batch.prefills)
-                self.first_tokens_at = time.perf_counter() + tokens * self._prefill_rate
             try:
                 launched = await loop.run_in_executor(self._engine_thread, engine.launch, batch)
             except Exception:
@@ -541,19 +497,6 @@ class WorkerRuntime:
                 await self._complete(launched)
             await asyncio.sleep(0)  # let fetches, cancels and releases in between steps
 
-    async def _wait_for_handoff(self, expected: float | None) -> None:
-        """Hold the next schedule for a request the co-located prefill is about to hand over:
-        until work arrives, or :func:`handoff_deadline`."""
-        now = time.perf_counter()
-        deadline = handoff_deadline(expected, self._step_ended_at, self._step_period, now)
-        if deadline is None:
-            return
-        self.metrics.handoff_waits.inc()
-        self._wake.clear()
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(deadline - now):
-                await self._wake.wait()
-
     async def _complete(self, launched: Launched) -> None:
         """Wait for a launched step's tokens (in the engine thread) and publish them."""
         try:
@@ -564,14 +507,6 @@ class WorkerRuntime:
             log.exception("engine step failed; failing the batch's requests")
             await self._fail_batch(launched.batch)
             return
-        self._step_ended_at = time.perf_counter()
-        if result.gpu_seconds is not None and not launched.batch.prefills:
-            # the device's own time (a late launch does not lengthen it)
-            self._step_period = _ema(self._step_period, result.gpu_seconds)
-        tokens = sum(n for _, n in launched.batch.prefills)
-        if tokens >= HANDOFF_MIN_TOKENS:
-            self._prefill_rate = _ema(self._prefill_rate, result.seconds / tokens)
-        self.first_tokens_at = None
         outputs = self.engine.complete(launched, result)
         self.metrics.batch_size.observe(len(launched.seqs))
         if log.isEnabledFor(logging.DEBUG):  # a step timeline (``--log-level DEBUG``)
