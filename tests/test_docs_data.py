@@ -17,10 +17,8 @@ DATA = ROOT / "docs" / "data"
 CITATION = re.compile(r"docs/(?:data|img)/(?:[\w.*/-]|<[^<>\s]*>|\{[^{}\s]*\})+")
 
 # Cited before they exist: each is written by a run still to come, and leaves this list when
-# it lands. engine_bench_smollm2.json: the 64-request row on a quiet machine (this session);
-# the rest: the first machine with 2 or 4 GPUs lent (bench/gpu.sh two_gpu_pd, two_tp, xpyd).
+# it lands: the first machine with 2 or 4 GPUs lent (bench/gpu.sh two_gpu_pd, two_tp, xpyd).
 PENDING = {
-    "docs/data/engine_bench_smollm2.json",
     "docs/data/two_gpu_pd.json",
     "docs/img/two_gpu_pd.png",
     "docs/data/tensor_parallel.json",
