@@ -574,12 +574,13 @@ def run_colocated(args: argparse.Namespace) -> int:
     prefill = PrefillWorker(prefill_cfg, prefill_engine, prefill_thread)
     decode = DecodeWorker(decode_cfg, decode_engine, decode_thread)
 
-    return _serve_process(args, "colocated", decode, lambda: serve_together([prefill, decode]))
+    return _serve_process(args, "colocated", [prefill, decode], lambda: serve_together([prefill, decode]))
 
 
 def _serve_process(args: argparse.Namespace, role: str, health_of: Any, serve: Callable[[], Awaitable[None]]) -> int:
-    """Run ``serve`` (with ``--port``: ``health_of``'s health and metrics beside it) until it
-    returns; the exit status: 0, or :data:`EXIT_CRASHED` after a failed loop."""
+    """Run ``serve`` (with ``--port``: the health and metrics of ``health_of``, one worker or a
+    co-located process's two, beside it) until it returns; the exit status: 0, or
+    :data:`EXIT_CRASHED` after a failed loop."""
     import asyncio
 
     from pdserve.workers.lifecycle import WorkerCrashed

@@ -255,3 +255,29 @@ async def test_a_worker_serves_its_own_metrics_on_its_port(workers) -> None:
     assert pages.value == worker.engine.pages.num_pages
     assert "pdserve_batch_size" in families and "pdserve_kv_transfer_duration_seconds" in families
     assert health.json()["worker_id"] == worker.worker_id
+
+
+async def test_a_colocated_process_serves_both_workers_health_and_metrics_on_one_port(workers) -> None:
+    from pdserve.health import serve_health
+
+    prefill, decode = await workers("prefill"), await workers("decode")
+    server = await serve_health([prefill, decode], "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+            r = await client.get("/metrics")
+            health = await client.get("/health")
+            decode.stopping.set()  # one of the pair stopping: the process is not healthy
+            stopping = await client.get("/health")
+    finally:
+        server.close()
+    families = {f.name: f.samples for f in text_string_to_metric_families(r.text)}  # parses: one family a name
+    info = {s.labels["role"]: s.labels["worker"] for s in families["pdserve_worker_info"]}
+    assert info == {"prefill": prefill.worker_id, "decode": decode.worker_id}
+    pages = {s.labels["role"]: s.value for s in families["pdserve_kv_pages_total"]}
+    assert pages == {"prefill": prefill.engine.pages.num_pages, "decode": decode.engine.pages.num_pages}
+    counts = {s.labels["role"] for s in families["pdserve_batch_size"] if s.name == "pdserve_batch_size_count"}
+    assert counts == {"prefill", "decode"}
+    assert health.status_code == 200
+    assert [w["role"] for w in health.json()["workers"]] == ["prefill", "decode"]
+    assert stopping.status_code == 503 and stopping.json()["status"] == "stopping"
