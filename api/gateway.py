@@ -8,12 +8,8 @@ routed by request id into per-request :class:`TokenStream`\\ s that put them bac
 migration cancels the earlier attempts and publishes attempt ``n + 1`` with the tokens
 the client already has; after ``max_migrations`` the client gets an error instead.
 While the connection to NATS is down nothing is judged silent, and every stream gets a
-fresh ``stall_timeout`` once it is back.
-
-With conditional disaggregation on, a request's first attempt goes where
-:func:`.placement.choose` says (the request stream, or a decode worker's local-prefill
-queue), from the load read every ``refresh_seconds``; migrations always take the request
-stream.
+fresh ``stall_timeout`` once it is back. Placement (a request's first attempt; migrations
+always take the request stream) is :mod:`.placing`'s part, registry and queue reads :mod:`.cluster`'s.
 """
 
 from __future__ import annotations
@@ -30,40 +26,34 @@ from typing import Any
 from nats.aio.client import Client
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from pdserve.api.metrics import ApiMetrics
-from pdserve.api.placement import LOCAL, PLACED, Load, PlacementConfig, choose
-from pdserve.api.prefix_index import PrefixIndex, Target, best_worker, coldest_worker
+from pdserve.api.placement import Load, PlacementConfig
+from pdserve.api.placing import RESUBMIT_RETRY_SECONDS, Placing
+from pdserve.api.prefix_index import PrefixIndex
 from pdserve.api.token_stream import TokenStream
 from pdserve.broker import contract, streams, tracing
 from pdserve.broker.auth import NatsAuth
 from pdserve.broker.claims import Claims
 from pdserve.broker.connection import QueueFullError, connect
 from pdserve.broker.deadletter import watch_dead_letters
-from pdserve.broker.metrics import QueueReading
 from pdserve.broker.registry import WorkerRegistry
 from pdserve.schemas import (
     Cancel,
     ErrorInfo,
-    FlushCache,
-    FlushCacheReply,
     GenerateRequest,
-    KVEvents,
     SamplingParams,
     TokenBatch,
     TokenChunk,
     Usage,
-    WorkerInfo,
 )
 from pdserve.schemas.sampling import sample_rid
 
 log = logging.getLogger(__name__)
 
 WATCH_SECONDS = 0.2
-RESUBMIT_RETRY_SECONDS = 0.5
 RECANCEL_SECONDS = 1.0
 
 
@@ -114,7 +104,7 @@ class _Live:
     placed_seq: int = 0  # its placed copy in the request stream (prefix-aware placement)
 
 
-class Gateway:
+class Gateway(Placing):
     def __init__(
         self,
         nats_url: str,
@@ -257,118 +247,6 @@ class Gateway:
             reason = live.stream.expired(now, self.stall_timeout, self.gap_timeout)
             if reason is not None:
                 self.migrate(live, reason)
-
-    # ---- placement -------------------------------------------------------------------
-    async def _read_load(self) -> None:
-        """The load placement decides on, every ``refresh_seconds``; a failed reading is
-        logged and the last one kept (the broker may be away for a while)."""
-        assert self.js is not None
-        while True:
-            try:
-                workers = await self.workers()
-                prefill = await streams.queue_depth(
-                    self.js, contract.REQUESTS.stream, contract.REQUESTS.consumer(self.model)
-                )
-                local = await streams.queue_depth(
-                    self.js, contract.LOCAL_REQUESTS.stream, contract.LOCAL_REQUESTS.consumer(self.model)
-                )
-                self.load = Load.read(workers, self.model, prefill.pending, local.pending)
-                mine = [w for w in workers if w.model == self.model]
-                self.placeable = {w.worker_id for w in mine if w.role in ("prefill", "unified")}
-                self.decoders = {w.worker_id for w in mine if w.role == "decode"}
-                self.busy = {w.worker_id: w.requests_in_flight for w in mine}
-                self.index.forget(self.index.workers() - self.placeable - self.decoders)
-            except Exception as exc:
-                log.warning("load reading failed; placement keeps the last one", extra={"error": str(exc)})
-            await asyncio.sleep(self.placement.refresh_seconds)
-
-    async def _on_kv_events(self, events: KVEvents) -> None:
-        self.index.apply(events)
-        pending = self.cold_pages.get(events.worker_id, 0)
-        if pending:
-            self.cold_pages[events.worker_id] = max(pending - len(events.stored), 0)
-
-    def cached_estimate(self, prompt_ids: tuple[int, ...]) -> int:
-        """Prompt tokens a decode worker is believed to cache (0: unknown, or prefix-aware
-        placement off: no index)."""
-        if not self.placement.prefix_aware or not self.decoders:
-            return 0
-        matches = self.index.matches(prompt_ids)
-        return max((matches.get(w, 0) for w in self.decoders), default=0)
-
-    def _prefix_target(self, request: GenerateRequest) -> Target | None:
-        """The prefill or unified worker believed to cache most of ``request``'s prompt."""
-        if not self.placement.prefix_aware or request.sampling.n > 1 or not self.placeable:
-            return None
-        matches = self.index.matches(request.prompt_ids)
-        target = best_worker(matches, self.placeable, self.placement.prefix_min_tokens, self.busy)
-        if target is not None or len(request.prompt_ids) < self.placement.prefix_min_tokens:
-            return target
-        if self.load.prefill_queued > 0:  # a backlog: the shared queue serves it soonest
-            return None
-        # A long prefix nobody caches: to the worker caching least, so tenants spread.
-        pages = {w: self.index.pages.get(w, 0) + self.cold_pages.get(w, 0) for w in self.placeable}
-        worker = coldest_worker(self.placeable, pages)
-        if worker is None:
-            return None
-        page_size = self.index.page_sizes.get(worker, 16)
-        self.cold_pages[worker] = self.cold_pages.get(worker, 0) + len(request.prompt_ids) // page_size
-        return Target(worker, 0)
-
-    async def _place(self, live: _Live, target: Target) -> bool:
-        """Store ``live``'s request on ``target``'s own subject and watch that it is taken
-        in time; False for a duplicate."""
-        assert self.nc is not None
-        request = live.request
-        seq = await contract.place(self.nc, request, self.model, target.worker_id, trace=live.trace)
-        if seq is None:
-            return False
-        live.placed_seq = seq
-        self.metrics.placed(PLACED)
-        self._spawn(self._fall_back(live, target.worker_id))
-        return True
-
-    async def _fall_back(self, live: _Live, worker_id: str) -> None:
-        """After ``placed_deadline``: unless its worker took it, claim the request for the
-        shared queue (the worker, finding the claim taken, drops its copy), withdraw the
-        placed copy and submit it to the request stream. If the worker claimed it first,
-        it runs there (and moves on like any request if that worker dies)."""
-        assert self.claims is not None and self.js is not None
-        await asyncio.sleep(self.placement.placed_deadline)
-        rid = live.request.rid
-        while self.live.get(rid) is live and not live.taken:
-            try:
-                owner = await self.claims.claim(rid, 0, self.api_id)
-            except Exception as exc:  # the broker is away: try again (the worker cannot claim either)
-                log.warning("placement claim failed; retrying", extra={"rid": rid, "error": str(exc)})
-                await asyncio.sleep(RESUBMIT_RETRY_SECONDS)
-                continue
-            if owner != self.api_id:
-                return
-            self.stats.placement_fallbacks += 1
-            log.info("placed request not taken in time; to the shared queue", extra={"rid": rid, "worker": worker_id})
-            await self._withdraw(live)
-            await self._resubmit(live, live.request)
-            return
-
-    async def _withdraw(self, live: _Live) -> None:
-        """Delete ``live``'s placed copy from the request stream (gone already is fine)."""
-        if not live.placed_seq or self.js is None:
-            return
-        seq, live.placed_seq = live.placed_seq, 0
-        try:
-            await self.js.delete_msg(contract.PLACED.stream, seq)
-        except Exception as exc:
-            log.debug("placed copy not deleted", extra={"rid": live.request.rid, "error": str(exc)})
-
-    def _channel(self, request: GenerateRequest) -> contract.WorkChannel[GenerateRequest]:
-        """The work channel of ``request``'s first attempt, counted by path."""
-        prompt = request.prompt_ids
-        decision = choose(len(prompt), self.cached_estimate(prompt), self.load, self.placement)
-        self.metrics.placed(decision.path)
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("placed", extra={"rid": request.rid, "path": decision.path, "reason": decision.reason})
-        return contract.LOCAL_REQUESTS if decision.path == LOCAL else contract.REQUESTS
 
     # ---- migration -------------------------------------------------------------------
     def migrate(self, live: _Live, reason: str) -> None:
@@ -596,60 +474,6 @@ class Gateway:
             await contract.publish(self.nc, contract.CANCEL, cancel)
         except Exception as exc:
             log.warning("could not publish cancel", extra={"rid": cancel.rid, "error": str(exc)})
-
-    async def flush_cache(self, timeout: float = 5.0) -> list[FlushCacheReply | str]:
-        """Ask every registered worker of this model to forget its cached prefixes; each
-        answer, or what went wrong with that worker (a string)."""
-        nc = self.nc
-        assert nc is not None
-        workers = [w for w in await self.workers() if w.model == self.model]
-
-        async def ask(worker: WorkerInfo) -> FlushCacheReply | str:
-            try:
-                return await contract.ask(nc, contract.FLUSH_CACHE, FlushCache(), worker.worker_id, timeout=timeout)
-            except contract.Unanswered as exc:
-                return f"{worker.worker_id}: {exc}"
-
-        return list(await asyncio.gather(*(ask(w) for w in workers)))
-
-    async def workers(self) -> list[WorkerInfo]:
-        """The live workers; none while the registry bucket is missing (a restarted
-        broker lost it: it is made again, and the workers' next heartbeats fill it)."""
-        assert self.registry is not None and self.js is not None
-        try:
-            return await self.registry.list()
-        except NotFoundError:
-            await streams.worker_bucket(self.js, self.broker)
-            return []
-
-    async def queue_depths(self) -> dict[str, streams.QueueDepth]:
-        assert self.js is not None
-        depths: dict[str, streams.QueueDepth] = {}
-        for role, channel in (("prefill", contract.REQUESTS), ("decode", contract.KV_READY)):
-            depths[role] = await streams.queue_depth(self.js, channel.stream, channel.consumer(self.model))
-        return depths
-
-    async def queues(self) -> list[QueueReading]:
-        """Each work queue of the model: waiting, in hand, and the age of its oldest message."""
-        assert self.js is not None
-        readings = []
-        channels: list[tuple[str, contract.WorkChannel[Any]]] = [
-            ("prefill", contract.REQUESTS),
-            ("decode", contract.KV_READY),
-        ]
-        if self.placement.conditional_disagg:
-            channels.append(("local", contract.LOCAL_REQUESTS))
-        for stage, channel in channels:
-            consumer = channel.consumer(self.model)
-            depth = await streams.queue_depth(self.js, channel.stream, consumer)
-            age = await streams.queue_age(self.js, channel.stream, channel.subject(self.model))
-            readings.append(QueueReading(stage, consumer, depth.pending, depth.ack_pending, age))
-        return readings
-
-    async def refresh_view(self) -> None:
-        """Read the workers and queues into ``metrics.view`` (for ``/metrics`` and the dashboard)."""
-        self.metrics.view.workers = await self.workers()
-        self.metrics.view.queues = await self.queues()
 
     def in_flight(self) -> tuple[int, int]:
         """Requests streaming now, and the prompt tokens of those with no token back yet."""
