@@ -20,7 +20,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Coroutine
-from dataclasses import dataclass, field
 from typing import Any
 
 from nats.aio.client import Client
@@ -29,6 +28,7 @@ from nats.js import JetStreamContext
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
+from pdserve.api.live import GatewayStats, Live
 from pdserve.api.metrics import ApiMetrics
 from pdserve.api.placement import Load, PlacementConfig
 from pdserve.api.placing import RESUBMIT_RETRY_SECONDS, Placing
@@ -72,38 +72,6 @@ class DuplicateRequestError(StreamError):
         super().__init__(message, "conflict")
 
 
-@dataclass
-class GatewayStats:
-    """Totals since the API started (``/health`` shows them)."""
-
-    requests: int = 0
-    migrations: int = 0
-    migration_failures: int = 0
-    duplicate_chunks: int = 0
-    stale_chunks: int = 0
-    dead_letters: int = 0
-    placement_fallbacks: int = 0
-    chunk_messages: int = 0  # token chunks that came one per message (reply_to)
-    batches: int = 0  # TokenBatch messages (batch_to), and the chunks they carried
-    batched_chunks: int = 0
-
-
-@dataclass
-class _Live:
-    """A request in flight: what to resubmit it with, and its stream of chunks."""
-
-    request: GenerateRequest
-    stream: TokenStream
-    trace: otel_context.Context | None = None  # the request's span, for its resubmissions
-    migrating: bool = False
-    recancelled_at: float = 0.0
-    deadline: float = float("inf")  # monotonic; the watch ends the stream past it
-    timed_out: bool = False
-    reasons: list[str] = field(default_factory=list)
-    taken: bool = False  # a worker sent a chunk of it
-    placed_seq: int = 0  # its placed copy in the request stream (prefix-aware placement)
-
-
 class Gateway(Placing):
     def __init__(
         self,
@@ -136,7 +104,7 @@ class Gateway(Placing):
         self.nc: Client | None = None
         self.js: JetStreamContext | None = None
         self.registry: WorkerRegistry | None = None
-        self.live: dict[str, _Live] = {}
+        self.live: dict[str, Live] = {}
         self.stats = GatewayStats()
         self.metrics = ApiMetrics(lambda: dataclasses.asdict(self.stats), self.in_flight)
         self._background: set[asyncio.Task[None]] = set()
@@ -201,7 +169,7 @@ class Gateway(Placing):
         for chunk in batch.chunks:
             await self._on_chunk(chunk)
 
-    async def _recancel(self, live: _Live) -> None:
+    async def _recancel(self, live: Live) -> None:
         """A worker still runs an earlier attempt (it missed the cancel): tell it again."""
         now = time.monotonic()
         if now - live.recancelled_at < RECANCEL_SECONDS:
@@ -249,7 +217,7 @@ class Gateway(Placing):
                 self.migrate(live, reason)
 
     # ---- migration -------------------------------------------------------------------
-    def migrate(self, live: _Live, reason: str) -> None:
+    def migrate(self, live: Live, reason: str) -> None:
         """Start the next attempt of ``live`` from the tokens its client has (in the
         background), or fail it once it has migrated ``max_migrations`` times."""
         if live.migrating or self.live.get(live.request.rid) is not live:
@@ -265,7 +233,7 @@ class Gateway(Placing):
             return
         self._spawn(self._migrate(live, reason))
 
-    async def _migrate(self, live: _Live, reason: str) -> None:
+    async def _migrate(self, live: Live, reason: str) -> None:
         stream = live.stream
         rid = live.request.rid
         attempt = stream.attempt + 1
@@ -294,7 +262,7 @@ class Gateway(Placing):
         finally:
             live.migrating = False
 
-    async def _resubmit(self, live: _Live, request: GenerateRequest) -> None:
+    async def _resubmit(self, live: Live, request: GenerateRequest) -> None:
         """Publish ``request`` until the broker takes it (it may be away or full for a
         while), or the request's deadline passes, or its client leaves."""
         assert self.nc is not None
@@ -311,7 +279,7 @@ class Gateway(Placing):
                 log.warning("resubmission failed; retrying", extra={"rid": request.rid, "error": str(exc)})
                 await asyncio.sleep(RESUBMIT_RETRY_SECONDS)
 
-    def _error(self, live: _Live, message: str, kind: str = "server_error") -> TokenChunk:
+    def _error(self, live: Live, message: str, kind: str = "server_error") -> TokenChunk:
         stream = live.stream
         return TokenChunk(
             rid=live.request.rid,
@@ -321,7 +289,7 @@ class Gateway(Placing):
             attempt=stream.attempt,
         )
 
-    def _finished(self, live: _Live, output: tuple[int, ...]) -> TokenChunk:
+    def _finished(self, live: Live, output: tuple[int, ...]) -> TokenChunk:
         usage = Usage(len(live.request.prompt_ids), len(output))
         return TokenChunk(
             rid=live.request.rid,
@@ -383,12 +351,12 @@ class Gateway(Placing):
             published_at=now,
         )
 
-    def _register(self, requests: list[GenerateRequest]) -> list[_Live]:
+    def _register(self, requests: list[GenerateRequest]) -> list[Live]:
         """A stream per request id, or :class:`DuplicateRequestError` if one is in use."""
         for request in requests:
             if request.rid in self.live:
                 raise DuplicateRequestError(f"request id {request.rid!r} is in use")
-        lives = [_Live(request, TokenStream(request.rid, heard_at=time.monotonic())) for request in requests]
+        lives = [Live(request, TokenStream(request.rid, heard_at=time.monotonic())) for request in requests]
         for live in lives:
             if tracing.is_on():
                 live.trace = otel_context.get_current()
@@ -396,7 +364,7 @@ class Gateway(Placing):
         self.stats.requests += 1
         return lives
 
-    async def _submit(self, request: GenerateRequest, lives: list[_Live]) -> float:
+    async def _submit(self, request: GenerateRequest, lives: list[Live]) -> float:
         """Publish ``request`` for the streams ``lives``; when it fails nothing of it runs:
         the streams are dropped and the error raised."""
         assert self.nc is not None
@@ -417,13 +385,13 @@ class Gateway(Placing):
             )
         return time.monotonic()
 
-    def _unregister(self, lives: list[_Live], outcome: str) -> None:
+    def _unregister(self, lives: list[Live], outcome: str) -> None:
         for live in lives:
             if self.live.get(live.request.rid) is live:
                 del self.live[live.request.rid]
             self.metrics.finished(outcome, None)
 
-    async def _follow(self, live: _Live, published: float, timeout: float) -> AsyncGenerator[TokenChunk, None]:
+    async def _follow(self, live: Live, published: float, timeout: float) -> AsyncGenerator[TokenChunk, None]:
         """The chunks of a submitted request, in order, until its last."""
         rid = live.request.rid
         finished = False
@@ -485,7 +453,7 @@ class Gateway(Placing):
         return len(self.live), waiting
 
 
-def _annotate(live: _Live, last: TokenChunk) -> None:
+def _annotate(live: Live, last: TokenChunk) -> None:
     """Tokens in and out on the request's ``http request`` span."""
     span = trace.get_current_span(live.trace)
     span.set_attribute("pdserve.rid", live.request.rid)

@@ -11,13 +11,13 @@ from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 from pdserve.api.cluster import ClusterQueries
+from pdserve.api.live import GatewayStats, Live
 from pdserve.api.placement import LOCAL, PLACED, Load, choose
 from pdserve.api.prefix_index import PrefixIndex, Target, best_worker, coldest_worker
 from pdserve.broker import contract, streams
 from pdserve.schemas import GenerateRequest, KVEvents
 
 if TYPE_CHECKING:
-    from pdserve.api.gateway import GatewayStats, _Live
     from pdserve.broker.claims import Claims
 
 log = logging.getLogger("pdserve.api.gateway")
@@ -36,13 +36,13 @@ class Placing(ClusterQueries):
     decoders: set[str]
     busy: dict[str, int]
     cold_pages: dict[str, int]
-    live: dict[str, _Live]
+    live: dict[str, Live]
     stats: GatewayStats
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         raise NotImplementedError
 
-    async def _resubmit(self, live: _Live, request: GenerateRequest) -> None:
+    async def _resubmit(self, live: Live, request: GenerateRequest) -> None:
         raise NotImplementedError
 
     async def _read_load(self) -> None:
@@ -101,7 +101,7 @@ class Placing(ClusterQueries):
         self.cold_pages[worker] = self.cold_pages.get(worker, 0) + len(request.prompt_ids) // page_size
         return Target(worker, 0)
 
-    async def _place(self, live: _Live, target: Target) -> bool:
+    async def _place(self, live: Live, target: Target) -> bool:
         """Store ``live``'s request on ``target``'s own subject and watch that it is taken
         in time; False for a duplicate."""
         assert self.nc is not None
@@ -114,7 +114,7 @@ class Placing(ClusterQueries):
         self._spawn(self._fall_back(live, target.worker_id))
         return True
 
-    async def _fall_back(self, live: _Live, worker_id: str) -> None:
+    async def _fall_back(self, live: Live, worker_id: str) -> None:
         """After ``placed_deadline``: unless its worker took it, claim the request for the
         shared queue (the worker, finding the claim taken, drops its copy), withdraw the
         placed copy and submit it to the request stream. If the worker claimed it first,
@@ -137,7 +137,7 @@ class Placing(ClusterQueries):
             await self._resubmit(live, live.request)
             return
 
-    async def _withdraw(self, live: _Live) -> None:
+    async def _withdraw(self, live: Live) -> None:
         """Delete ``live``'s placed copy from the request stream (gone already is fine)."""
         if not live.placed_seq or self.js is None:
             return

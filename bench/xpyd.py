@@ -114,7 +114,7 @@ class RuleObserver:
     def __init__(self, nats_url: str, model: str, counts: dict[str, int], gpus: int, extra: list[str]) -> None:
         from pdserve.autoscale import size_for_autoscale
         from pdserve.cli import build_parser
-        from pdserve.launch import broker_config, scaling_config
+        from pdserve.configs import broker_config, scaling_config
 
         argv = ["up", "--autoscale", "--max-prefill", str(gpus), "--max-decode", str(gpus), *extra]
         args, _ = build_parser().parse_known_args(argv)

@@ -3,7 +3,7 @@
 A client proves itself with a user and password, or with a credentials file (JWT and
 nkey seed, as ``nsc`` writes them for an operator-managed server), and may talk TLS.
 Secrets never travel on a command line: a password is read from a file or from the
-environment (:mod:`pdserve.launch`). The users of ``pdserve up``'s own broker are
+environment (:mod:`pdserve.configs`). The users of ``pdserve up``'s own broker are
 :mod:`pdserve.broker.credentials`.
 """
 

@@ -38,7 +38,7 @@ from pdserve.broker.contract import KV_READY, REQUESTS, WorkChannel
 from pdserve.broker.registry import WorkerRegistry
 from pdserve.broker.streams import BrokerConfig, worker_bucket
 from pdserve.children import Child, tend, threads_per_worker, worker_argv
-from pdserve.launch import broker_config, choose_transport, model_name, nats_auth, resolve_model, scaling_config
+from pdserve.configs import broker_config, choose_transport, model_name, nats_auth, resolve_model, scaling_config
 from pdserve.scaling import (
     ROLES,
     Autoscaler,

@@ -3,7 +3,7 @@
 downloaded first when it is missing and the hub is reachable.
 
 Every command resolves ``--model-path`` through :func:`resolve` (in
-:func:`pdserve.launch.resolve_model`); ``pdserve up`` and ``pdserve autoscale`` resolve it
+:func:`pdserve.configs.resolve_model`); ``pdserve up`` and ``pdserve autoscale`` resolve it
 once and hand their workers and API processes the local directory, so every process reads
 the same commit even if the hub moves meanwhile. Below this floor (the engine, the API)
 a model is always a local directory.

@@ -1,7 +1,7 @@
 """The ``pdserve`` command: ``up``, ``api``, ``prefill``, ``decode``, ``unified``, ``colocated``, ``autoscale``,
 ``bench``, ``schemas``, ``doctor``.
 
-Flags come from :mod:`pdserve.flags`; :mod:`pdserve.launch` turns them into configs and
+Flags come from :mod:`pdserve.flags`; :mod:`pdserve.configs` turns them into configs, :mod:`pdserve.launch`
 runs the process. Worker commands take the SGLang flags users already type
 (``--model-path``, ``--disaggregation-mode`` ...); a value pdserve cannot honour stops
 the worker at start with a clear message instead of being ignored.
@@ -14,7 +14,7 @@ import sys
 
 from pdserve import doctor, flags, schema_files
 from pdserve.bench.cli import add_parser as add_bench_parser
-from pdserve.launch import UsageError
+from pdserve.configs import UsageError
 
 ROLES = ("prefill", "decode", "unified", "colocated")
 ROLE_HELP = {

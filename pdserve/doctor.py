@@ -24,7 +24,7 @@ import orjson
 
 from pdserve import flags, settings
 from pdserve.broker.survey import FAIL, INFO, OK, WARN, Finding, survey
-from pdserve.launch import UsageError, broker_config, nats_auth
+from pdserve.configs import UsageError, broker_config, nats_auth
 
 MARK = {OK: "ok  ", WARN: "warn", FAIL: "FAIL", INFO: "    "}
 
@@ -49,7 +49,7 @@ def transport_findings(
     backend: str, ib_device: str, allow_tcp_fallback: bool, host: str, root: Path = Path("/")
 ) -> list[Finding]:
     """The transport a worker started here would really use, and what it advertises."""
-    from pdserve.launch import choose_transport
+    from pdserve.configs import choose_transport
     from pdserve.workers.transfer import available_backends
     from pdserve.workers.transfer.base import advertised_host
     from pdserve.workers.transfer.rdma import rdma_devices

@@ -32,21 +32,21 @@ from pdserve.broker.auth import NatsAuth
 from pdserve.broker.credentials import ADMIN, EmbeddedCredentials
 from pdserve.broker.server import NatsServer, NatsServerError, start_nats_server, write_private
 from pdserve.children import Child, nats_user, tend, threads_per_worker, worker_argv
-from pdserve.cores import available, core_plan, format_cpus, pin
-from pdserve.engine.config import EngineConfig
-from pdserve.launch import (
+from pdserve.configs import (
     SHM_DIR,
     UsageError,
     api_config,
     api_keys,
     check_generation_config,
     choose_transport,
-    listen_socket,
     model_name,
     nats_auth,
     resolve_model,
     scaling_config,
 )
+from pdserve.cores import available, core_plan, format_cpus, pin
+from pdserve.engine.config import EngineConfig
+from pdserve.launch import listen_socket
 from pdserve.scaling import ROLES, ScalingConfig
 from pdserve.telemetry import setup_tracing
 from pdserve.workers.transfer.base import backend_device_error

@@ -23,7 +23,7 @@ import yaml
 from pdserve.broker import permissions, subjects
 from pdserve.children import RETIRE_KILL_SECONDS
 from pdserve.cli import build_parser
-from pdserve.launch import broker_config
+from pdserve.configs import broker_config
 from pdserve.workers.config import WorkerConfig
 
 KUBE = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"

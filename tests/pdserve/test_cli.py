@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pdserve.cli import build_parser
-from pdserve.launch import (
+from pdserve.configs import (
     UsageError,
     api_config,
     check_generation_config,
@@ -215,7 +215,7 @@ def test_up_colocate_pairs_the_roles_in_processes_of_their_own() -> None:
 
 
 def test_the_local_backend_belongs_to_colocated_processes_only() -> None:
-    from pdserve.launch import check_worker_flags
+    from pdserve.configs import check_worker_flags
 
     with pytest.raises(UsageError, match="for the two workers of one `pdserve colocated` process"):
         check_worker_flags(

@@ -13,8 +13,8 @@ from pdserve import flags
 from pdserve.api.config import ApiConfig
 from pdserve.broker.streams import BrokerConfig
 from pdserve.cli import build_parser
+from pdserve.configs import api_config, engine_config, worker_config
 from pdserve.engine.config import EngineConfig
-from pdserve.launch import api_config, engine_config, worker_config
 from pdserve.supervisor import api_argv, plan_devices, plan_roles, size_consumers, worker_argv
 from pdserve.workers.config import WorkerConfig
 
@@ -213,8 +213,8 @@ def test_the_api_listens_on_loopback_unless_told_otherwise() -> None:
 
 
 def test_kv_tier_flags_reach_the_engine_and_a_store_needs_its_metadata_server() -> None:
+    from pdserve.configs import UsageError
     from pdserve.engine.config import KVTierConfig
-    from pdserve.launch import UsageError
 
     base = ["prefill", "--model-path", str(MODEL), "--nats-url", "nats://n:1"]
     tiers = ["--kv-host-bytes", "1024", "--kv-disk-dir", "/kv", "--kv-group-pages", "4"]

@@ -14,8 +14,8 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
 
 from pdserve.cli import build_parser
+from pdserve.configs import UsageError, resolve_model
 from pdserve.gguf import GGUFError, gguf_path, inspect
-from pdserve.launch import UsageError, resolve_model
 
 
 def write_gguf(path: Path, arch: str, qtype: GGMLQuantizationType = GGMLQuantizationType.F32) -> Path:

@@ -10,8 +10,8 @@ import pytest
 from pdserve.autoscale import stop_children
 from pdserve.children import Child
 from pdserve.cli import build_parser
+from pdserve.configs import UsageError
 from pdserve.engine.kv_store import StoreTier
-from pdserve.launch import UsageError
 from pdserve.supervisor import KV_STORE, _store, worker_argv
 
 

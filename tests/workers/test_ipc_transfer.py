@@ -99,7 +99,7 @@ def test_a_cpu_pool_or_expandable_segments_are_refused_at_start() -> None:
 
 def test_the_launcher_refuses_ipc_on_a_cpu_worker() -> None:
     from pdserve.cli import build_parser
-    from pdserve.launch import UsageError, check_worker_flags
+    from pdserve.configs import UsageError, check_worker_flags
 
     args = build_parser().parse_args(["decode", "--disaggregation-transfer-backend", "ipc"])
     with pytest.raises(UsageError, match="the ipc backend moves cuda pools"):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.launch import Transport, UsageError, choose_transport
+from pdserve.configs import Transport, UsageError, choose_transport
 from pdserve.workers.transfer.rdma import rdma_devices, rdma_problem, requested_devices
 
 
