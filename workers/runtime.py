@@ -1,5 +1,6 @@
-"""What every worker role shares: the table of requests in hand, the engine loop,
-admission of ``GenerateRequest``s, cancel fan-out and deadlines.
+"""What every worker role shares: the table of requests in hand and admission of
+``GenerateRequest``s here; the engine loop (:mod:`.stepping`) and cancels and timers
+(:mod:`.housekeeping`) are parts of the same class.
 
 The jobs around it live beside it: :mod:`.intake` receives work, :mod:`.replies` sends
 results, :mod:`.lifecycle` starts, serves and stops.
@@ -17,7 +18,6 @@ Transfers run in their own threads on reserved pages.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import os
@@ -34,10 +34,8 @@ from pdserve.broker import contract, streams, tracing
 from pdserve.broker.claims import Claims
 from pdserve.broker.consumer import Delivery
 from pdserve.broker.deadletter import watch_dead_letters
-from pdserve.engine.engine import Engine, Launched, RequestError, RequestOutput
-from pdserve.engine.sequence import ScheduledBatch
+from pdserve.engine.engine import Engine, RequestError
 from pdserve.schemas import (
-    Cancel,
     FlushCache,
     FlushCacheReply,
     GenerateRequest,
@@ -47,9 +45,10 @@ from pdserve.schemas import (
     WorkerStats,
 )
 from pdserve.schemas.sampling import sample_rid
-from pdserve.schemas.tokens import ALIVE, HANDED_BACK, RETRYABLE
+from pdserve.schemas.tokens import ALIVE, HANDED_BACK
 from pdserve.workers.cancels import Cancels
 from pdserve.workers.config import WorkerConfig
+from pdserve.workers.housekeeping import Housekeeping
 from pdserve.workers.intake import Intake
 from pdserve.workers.lifecycle import Lifecycle
 from pdserve.workers.metrics import WorkerMetrics
@@ -60,8 +59,6 @@ from pdserve.workers.transfer import TransferBackend
 log = logging.getLogger(__name__)
 
 REQUEST_BATCH = 64
-TICK_SECONDS = 0.25
-PEER_CHECK_SECONDS = 10.0
 
 
 def engine_thread_pool() -> ThreadPoolExecutor:
@@ -69,7 +66,7 @@ def engine_thread_pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 
 
-class WorkerRuntime:
+class WorkerRuntime(Housekeeping):
     """Base of the prefill, decode and unified workers. Subclasses set :attr:`intake` in
     :meth:`setup` and implement :meth:`on_outputs`."""
 
@@ -458,209 +455,3 @@ class WorkerRuntime:
 
     def is_cancelled(self, rid: str, attempt: int = 0, published_at: float = 0.0) -> bool:
         return self.cancels.applies(rid, attempt, published_at)
-
-    # ---- the engine loop ---------------------------------------------------
-    async def _engine_loop(self) -> None:
-        """Schedule, launch, and publish the step before while this one runs on the device
-        (when the engine overlaps; otherwise each step is waited for at once)."""
-        loop = asyncio.get_running_loop()
-        engine = self.engine
-        while True:
-            if not engine.has_work():
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            batch = engine.schedule()
-            if batch.is_empty:
-                if engine.pending is not None:
-                    await self._complete(engine.pending)
-                    continue
-                self._wake.clear()  # work waits for pages or imports: poll gently
-                # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the result
-                # and drops a cancel that lands as the wait completes, and this loop would
-                # then outlive the worker's stop.
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(0.05):
-                        await self._wake.wait()
-                continue
-            try:
-                launched = await loop.run_in_executor(self._engine_thread, engine.launch, batch)
-            except Exception:
-                log.exception("engine step failed; failing the batch's requests")
-                if engine.pending is not None:
-                    await self._complete(engine.pending)
-                await self._fail_batch(batch)
-                continue
-            if engine.pending is not None:
-                await self._complete(engine.pending)
-            if not engine.hold(launched):
-                await self._complete(launched)
-            await asyncio.sleep(0)  # let fetches, cancels and releases in between steps
-
-    async def _complete(self, launched: Launched) -> None:
-        """Wait for a launched step's tokens (in the engine thread) and publish them."""
-        try:
-            result = await asyncio.get_running_loop().run_in_executor(
-                self._engine_thread, self.engine.collect, launched
-            )
-        except Exception:
-            log.exception("engine step failed; failing the batch's requests")
-            await self._fail_batch(launched.batch)
-            return
-        outputs = self.engine.complete(launched, result)
-        self.metrics.batch_size.observe(len(launched.seqs))
-        if log.isEnabledFor(logging.DEBUG):  # a step timeline (``--log-level DEBUG``)
-            batch = launched.batch
-            log.debug(
-                "step",
-                extra={
-                    "decodes": len(batch.decodes),
-                    "prefill_tokens": sum(n for _, n in batch.prefills),
-                    "launched_at": round(launched.started, 4),
-                    "seconds": round(result.seconds, 4),
-                    "gpu_ms": None if result.gpu_seconds is None else round(result.gpu_seconds * 1e3, 3),
-                    "period_ms": None if result.gpu_period is None else round(result.gpu_period * 1e3, 3),
-                    "done_at": round(time.perf_counter(), 4),
-                },
-            )
-        await self.on_outputs(outputs)  # raising here is a bug: the worker ends (supervised)
-        await self.publish_kv_events()
-
-    async def _fail_batch(self, batch: ScheduledBatch) -> None:
-        for seq in self.engine.fail(batch):
-            self.engine.abort(seq.group or seq.rid)  # the other samples of its request go with it
-            t = self.tracked.pop(seq.group or seq.rid, None)
-            self.requests.pop(seq.group or seq.rid, None)
-            if t is not None:
-                t.next_seq = len(seq.output_ids)
-                await self.fail(t, "engine step failed", code=RETRYABLE)
-
-    async def on_outputs(self, outputs: list[RequestOutput]) -> None:
-        """Publish one step's outputs (in order for each request)."""
-        raise NotImplementedError
-
-    def prefill_done(self, t: Tracked, out: RequestOutput) -> None:
-        """``out`` holds ``t``'s first token: time its prefill (``timings``, span); decoding starts now."""
-        now = time.time()
-        t.decode_from = now
-        if not t.received_at:
-            return
-        t.timings["prefill"] = now - t.received_at
-        self.span(
-            tracing.PREFILL,
-            t,
-            t.received_at,
-            now,
-            tokens_in=out.prompt_tokens,
-            cached_tokens=out.cached_tokens,
-        )
-
-    async def stream_outputs(self, outputs: list[RequestOutput]) -> None:
-        """Publish decoding requests' new tokens (one message per receiver that takes
-        batches, see ``GenerateRequest.batch_to``); then settle those that finished."""
-        sent = []
-        for out in outputs:
-            t = self.tracked.get(out.group or out.rid)
-            if t is None:
-                continue
-            if not t.decode_from:  # a unified worker's first token: its prefill is done
-                self.prefill_done(t, out)
-            if out.finish_reason is not None:
-                self.span(tracing.DECODE, t, t.decode_from, time.time(), tokens_out=out.completion_tokens)
-            sent.append((t, self.replies.chunk(out, t)))
-        await self.replies.send_step(sent)
-        for t, chunk in sent:
-            if chunk.finish_reason is not None:
-                await self.sample_done(t, chunk.rid)
-
-    async def sample_done(self, t: Tracked, rid: str) -> None:
-        """``rid`` of ``t`` (``t`` itself, or one of its samples) ended; once all have, ``t``
-        is settled."""
-        if rid in t.samples:
-            t.samples.remove(rid)
-            if t.samples:
-                return
-        if self.tracked.get(t.rid) is t:
-            self.tracked.pop(t.rid, None)
-            self.requests.pop(t.rid, None)
-        await t.settle()
-
-    # ---- cancel and deadlines -------------------------------------------------
-    async def _on_cancel(self, cancel: Cancel) -> None:
-        self.cancels.note(cancel, time.monotonic())
-        await self.apply_cancel(cancel.rid, cancel.reason)
-
-    async def apply_cancel(self, rid: str, reason: str) -> None:
-        """Drop what this worker holds of ``rid`` that the cancels noted cover (a cancel of
-        superseded attempts leaves a newer attempt alone)."""
-        t = self.tracked.get(rid)
-        if t is not None and self.is_cancelled(rid, t.attempt, t.published_at):
-            await self.cancel(rid, reason)
-            return
-        for group in [g for g in self.tracked.values() if rid in g.samples]:  # one sample of a request
-            if self.is_cancelled(rid, group.attempt, group.published_at):
-                self.engine.abort(rid)
-                log.info("sample cancelled", extra={"rid": rid, "reason": reason})
-                await self.sample_done(group, rid)
-                self.wake()
-
-    async def cancel(self, rid: str, reason: str) -> None:
-        """Drop ``rid`` everywhere in this worker and free its pages."""
-        found = self.engine.abort(rid)
-        self.engine.release(rid)
-        t = self.tracked.pop(rid, None)
-        self.requests.pop(rid, None)
-        if t is not None:
-            await t.settle(ok=True)  # done with it: do not redeliver a cancelled request
-        if found or t is not None:
-            log.info("request cancelled", extra={"rid": rid, "reason": reason})
-        self.wake()
-
-    async def _tick_loop(self) -> None:
-        """Deadlines, keep-alives (a chunk to each client that heard nothing for a
-        second; ``in_progress`` to the stream), the role's own timers."""
-        next_second = 0.0
-        next_peer_check = 0.0
-        while True:
-            await asyncio.sleep(TICK_SECONDS)
-            now = time.monotonic()
-            for t in self.in_hand():
-                if now - t.sent_at >= self.config.keepalive_seconds:
-                    await self.replies.state(t, ALIVE)
-                await t.keep_alive(now, self.config.broker.ack_wait / 3)
-            if now < next_second:
-                continue
-            next_second = now + 1.0
-            now_wall = time.time()
-            for rid, t in list(self.tracked.items()):
-                if t.deadline and now_wall > t.deadline:
-                    await self.replies.fail(t, "deadline exceeded", "timeout")
-                    await self.cancel(rid, "deadline exceeded")
-            self.cancels.forget(now)
-            await self.on_tick()
-            await self.publish_kv_events()
-            if now >= next_peer_check:
-                next_peer_check = now + PEER_CHECK_SECONDS
-                await self._check_peers()
-
-    def in_hand(self) -> list[Tracked]:
-        """Every request this worker holds a delivery of (roles add what waits aside)."""
-        return list(self.tracked.values())
-
-    async def on_tick(self) -> None:
-        """Called about once a second (expiry of held KV and the like)."""
-
-    async def _check_peers(self) -> None:
-        try:
-            peers = await self.lifecycle.workers()
-        except Exception as exc:  # the broker is away: next time
-            log.debug("peer check skipped", extra={"error": str(exc)})
-            return
-        await self.on_peers(peers)
-
-    async def on_peers(self, peers: list[WorkerInfo]) -> None:
-        """Every ``PEER_CHECK_SECONDS``, the live workers of the registry: the transfer
-        backend drops what it keeps for peers that left (their communicators)."""
-        if self.transfer is not None:
-            live = {w.worker_id for w in peers}
-            await asyncio.get_running_loop().run_in_executor(None, self.transfer.retain, live)
