@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add_flags(up, flags.RECOVERY, "recovery")
     flags.add_flags(up, flags.PLACEMENT, "placement")
     flags.add_flags(up, flags.UP)
-    # Not given: `up` chooses (supervisor.choose_backend: shm on one CPU host, ipc on GPUs of one host, else mooncake).
+    # Not given: `up` chooses (plan.choose_backend: shm on one CPU host, ipc on GPUs of one host, else mooncake).
     up.set_defaults(disaggregation_transfer_backend=None)
     flags.nats_url().add_to(up, default=None, help="use this NATS server instead of starting one")
     flags.add_flags(up, flags.NATS_AUTH, "an external NATS server's credentials (the embedded one makes its own)")

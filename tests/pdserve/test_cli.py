@@ -20,7 +20,8 @@ from pdserve.configs import (
     engine_config,
     resolve_model,
 )
-from pdserve.supervisor import plan_cores, plan_roles, role_threads, size_consumers, worker_argv
+from pdserve.plan import plan_cores, plan_roles, role_threads, size_consumers
+from pdserve.supervisor import worker_argv
 
 SGLANG_PREFILL = (
     "prefill --model-path /data/model --port 7000 --host 0.0.0.0 --tensor-parallel-size 1 "
@@ -146,7 +147,7 @@ def test_up_pin_cores_refuses_what_it_cannot_do() -> None:
 
 def test_up_autoscale_starts_each_pool_at_its_minimum_and_sizes_the_consumers_for_the_maximum() -> None:
     from pdserve.autoscale import size_for_autoscale
-    from pdserve.supervisor import plan_autoscale
+    from pdserve.plan import plan_autoscale
 
     args = build_parser().parse_args(
         [
@@ -181,7 +182,7 @@ def test_up_autoscale_starts_each_pool_at_its_minimum_and_sizes_the_consumers_fo
     ],
 )
 def test_up_autoscale_refuses_what_it_cannot_do(flags: list[str], message: str) -> None:
-    from pdserve.supervisor import plan_autoscale
+    from pdserve.plan import plan_autoscale
 
     args = build_parser().parse_args(["up", "--autoscale", *flags])
     with pytest.raises(UsageError, match=message):
@@ -229,7 +230,7 @@ def test_the_local_backend_belongs_to_colocated_processes_only() -> None:
 
 
 def test_up_moves_kv_without_a_port_on_one_host_unless_told_otherwise(tmp_path: Path) -> None:
-    from pdserve.supervisor import choose_backend
+    from pdserve.plan import choose_backend
 
     parser = build_parser()
     assert choose_backend(parser.parse_args(["up"]), str(tmp_path)) == ("shm", "one CPU host")

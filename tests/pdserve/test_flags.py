@@ -15,7 +15,8 @@ from pdserve.broker.streams import BrokerConfig
 from pdserve.cli import build_parser
 from pdserve.configs import api_config, engine_config, worker_config
 from pdserve.engine.config import EngineConfig
-from pdserve.supervisor import api_argv, plan_devices, plan_roles, size_consumers, worker_argv
+from pdserve.plan import plan_devices, plan_roles, size_consumers
+from pdserve.supervisor import api_argv, worker_argv
 from pdserve.workers.config import WorkerConfig
 
 MODEL = Path("/models/m")
