@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import signal
@@ -39,6 +40,11 @@ def py_spy(pid: int, path: Path, seconds: int = 4, rate: int = 250) -> subproces
     spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(0.5)  # attached before the measured work starts
     return spy
+
+
+def fmt(v: float | None, digits: int = 1) -> str:
+    """``v`` to ``digits`` places for a table; ``-`` for none or NaN."""
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{digits}f}"
 
 
 def free_port() -> int:

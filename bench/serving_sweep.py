@@ -24,15 +24,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import math
 import os
 import platform
 import random
-import resource
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,8 +36,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-import httpx
-from common import free_port
+from client_overhead import client_overhead
+from common import fmt
+from system import MODES, System
 
 from pdserve.bench.config import BenchConfig
 from pdserve.bench.metrics import SLO, RequestRecord, stat
@@ -49,14 +46,6 @@ from pdserve.bench.report import markdown_table, write_json
 from pdserve.bench.runner import run_benchmark
 
 ROOT = Path(__file__).resolve().parent.parent
-MODES = {
-    "pd": (
-        "PD (1 prefill + 1 decode)",
-        ["--mode", "pd", "--prefill-workers", "1", "--decode-workers", "1"],
-        {"prefill": 1, "decode": 1},
-    ),
-    "unified": ("unified (2 workers)", ["--mode", "unified", "--unified-workers", "2"], {"unified": 2}),
-}
 
 
 @dataclass(frozen=True)
@@ -70,121 +59,6 @@ def _workload(text: str) -> Workload:
     name, _, lens = text.partition("=")
     i, _, o = lens.partition(":")
     return Workload(name, int(i), int(o))
-
-
-# ---- the system under test ------------------------------------------------------------------
-def _group_alive(pgid: int) -> bool:
-    """Whether any non-zombie process of process group ``pgid`` is left (Linux /proc)."""
-    proc = Path("/proc")
-    if not proc.exists():
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-    for d in proc.iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat_line = (d / "stat").read_text()
-        except OSError:
-            continue
-        rest = stat_line.rsplit(")", 1)[-1].split()
-        if len(rest) > 2 and rest[0] != "Z" and int(rest[2]) == pgid:
-            return True
-    return False
-
-
-class System:
-    """One ``pdserve up`` in its own session (process group), so that everything it starts
-    can be found and stopped at the end."""
-
-    def __init__(self, mode: str, model_path: Path, root: Path, extra: list[str]) -> None:
-        self.mode = mode
-        self.label, self.flags, self.roles = MODES[mode]
-        self.model_path = model_path
-        self.data_dir = root / mode
-        self.log_path = root / f"{mode}.log"
-        self.extra = extra
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout: float = 240.0) -> None:
-        argv = [
-            sys.executable,
-            "-m",
-            "pdserve",
-            "up",
-            *self.flags,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--data-dir",
-            str(self.data_dir),
-            "--model-path",
-            str(self.model_path),
-            "--log-level",
-            "WARNING",
-            *self.extra,
-        ]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "MC_LOG_LEVEL": "ERROR", "TOKENIZERS_PARALLELISM": "false"}
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"pdserve up ({self.mode}) exited early:\n{self.log_tail()}")
-            if self._ready():
-                return
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"pdserve up ({self.mode}) not ready after {timeout:.0f}s:\n{self.log_tail()}")
-
-    def _ready(self) -> bool:
-        """/health is 200 and every worker has registered (/health turns 200 with one)."""
-        try:
-            if httpx.get(self.url + "/health", timeout=2).status_code != 200:
-                return False
-            workers = httpx.get(self.url + "/workers", timeout=2).json()
-        except (httpx.HTTPError, ValueError):
-            return False
-        have = {role: sum(1 for w in workers if w.get("role") == role) for role in self.roles}
-        return all(have[r] >= n for r, n in self.roles.items())
-
-    def stop(self, timeout: float = 60.0) -> None:
-        """SIGTERM to ``pdserve up``; then SIGTERM to anything of its process group still
-        running (``pdserve up`` may exit before its workers and broker do),
-        SIGKILL after ``timeout``."""
-        if self.proc is None:
-            return
-        pgid = self.proc.pid
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        if _group_alive(pgid):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, signal.SIGTERM)
-            deadline = time.monotonic() + timeout / 2
-            while _group_alive(pgid) and time.monotonic() < deadline:
-                time.sleep(0.2)
-        if _group_alive(pgid):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, signal.SIGKILL)
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        self.proc = None
-
-    def log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
 
 
 # ---- goodput at an SLO chosen after the runs ------------------------------------------------
@@ -261,10 +135,6 @@ def crossover(rates: list[float], a: list[float], b: list[float], name_a: str, n
 
 
 # ---- the sweep ------------------------------------------------------------------------------------
-def _fmt(v: float | None, digits: int = 1) -> str:
-    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{digits}f}"
-
-
 def workload_table(wl: Workload, runs: dict[str, list[dict[str, Any]]], slo: SLO) -> str:
     header = [
         "mode",
@@ -297,18 +167,18 @@ def workload_table(wl: Workload, runs: dict[str, list[dict[str, Any]]], slo: SLO
                     mode,
                     f"{p['request_rate']:g}",
                     f"{m['completed']}/{m['failed']}",
-                    _fmt(m["request_throughput"], 2),
-                    _fmt(m["output_throughput"]),
-                    _fmt(stat(m, "ttft_ms", "p50")),
-                    _fmt(stat(m, "ttft_ms", "p99")),
-                    _fmt(stat(m, "tpot_ms", "p50"), 2),
-                    _fmt(stat(m, "tpot_ms", "p99"), 2),
-                    _fmt(stat(m, "itl_ms", "p99"), 2),
-                    _fmt(stat(m, "e2e_latency_ms", "p50")),
-                    _fmt(gp, 2),
-                    _fmt(100 * frac, 0),
-                    _fmt(rq, 2),
-                    _fmt(kq, 2),
+                    fmt(m["request_throughput"], 2),
+                    fmt(m["output_throughput"]),
+                    fmt(stat(m, "ttft_ms", "p50")),
+                    fmt(stat(m, "ttft_ms", "p99")),
+                    fmt(stat(m, "tpot_ms", "p50"), 2),
+                    fmt(stat(m, "tpot_ms", "p99"), 2),
+                    fmt(stat(m, "itl_ms", "p99"), 2),
+                    fmt(stat(m, "e2e_latency_ms", "p50")),
+                    fmt(gp, 2),
+                    fmt(100 * frac, 0),
+                    fmt(rq, 2),
+                    fmt(kq, 2),
                     f"{m.get('total_cached_tokens', '?')} / {m.get('total_input_tokens', '?')}",
                 ]
             )
@@ -456,113 +326,6 @@ def report(args: argparse.Namespace, sweep: dict[str, Any]) -> dict[str, Any]:
     result["markdown"] = "\n".join(lines)
     write_json(out_data / "serving_sweep.json", result)
     return result
-
-
-# ---- the client against the stub --------------------------------------------------------------------
-def client_overhead(args: argparse.Namespace) -> dict[str, Any]:
-    """The benchmark client against ``pdserve bench stub`` (another process): achieved vs.
-    offered rate, latency added, client CPU per request."""
-    port = free_port()
-    stub = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.bench", "stub", "--port", str(port), "--tokens", str(args.stub_tokens)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    rows = []
-    points = []
-    try:
-        assert stub.stdout is not None
-        stub.stdout.readline()
-        url = f"http://127.0.0.1:{port}"
-        plan: list[tuple[float, int | None]] = [(r, None) for r in args.stub_rates]
-        plan += [(math.inf, c) for c in args.stub_concurrency]
-        for rate, conc in plan:
-            n = args.stub_prompts if math.isinf(rate) else max(args.stub_prompts, int(rate * args.stub_seconds))
-            cfg = BenchConfig(
-                base_url=url,
-                num_prompts=n,
-                request_rate=rate,
-                max_concurrency=conc,
-                input_len=32,
-                output_len=args.stub_tokens,
-                warmup=min(32, conc or 32),
-                quiet=True,
-                seed=args.seed,
-            )
-            ru0 = resource.getrusage(resource.RUSAGE_SELF)
-            result = asyncio.run(run_benchmark(cfg))
-            ru1 = resource.getrusage(resource.RUSAGE_SELF)
-            cpu = (ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime) / n
-            [p] = result["points"]
-            m = p["metrics"]
-            p["client_cpu_us_per_request"] = cpu * 1e6
-            points.append(p)
-            lag = m.get("send_lag_ms") or {}
-            rows.append(
-                [
-                    "inf" if math.isinf(rate) else f"{rate:g}",
-                    str(conc or "-"),
-                    str(n),
-                    _fmt(m.get("offered_request_rate")),
-                    _fmt(m["request_throughput"]),
-                    _fmt(stat(m, "ttft_ms", "p50"), 2),
-                    _fmt(stat(m, "ttft_ms", "p99"), 2),
-                    _fmt(stat(m, "e2e_latency_ms", "p50"), 2),
-                    _fmt(stat(m, "e2e_latency_ms", "p99"), 2),
-                    _fmt(lag.get("p50"), 2),
-                    _fmt(lag.get("p99"), 2),
-                    _fmt(cpu * 1e6, 0),
-                    str(m["failed"]),
-                ]
-            )
-            print(
-                f"  stub rate {rows[-1][0]} conc {rows[-1][1]}: achieved {rows[-1][4]} req/s",
-                file=sys.stderr,
-                flush=True,
-            )
-    finally:
-        stub.terminate()
-        try:
-            stub.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            stub.kill()
-            stub.wait()
-    try:
-        load = os.getloadavg()
-    except OSError:
-        load = (math.nan,) * 3
-    header = [
-        "target req/s",
-        "max conc",
-        "requests",
-        "offered req/s",
-        "achieved req/s",
-        "TTFT p50",
-        "TTFT p99",
-        "E2E p50",
-        "E2E p99",
-        "send lag p50",
-        "send lag p99",
-        "client CPU us/req",
-        "failed",
-    ]
-    md = "\n".join(
-        [
-            "## Client overhead against the stub server",
-            "",
-            f"`pdserve bench stub --tokens {args.stub_tokens} --itl-ms 0` in its own process on loopback (it answers at once, one "
-            f"SSE event per token plus a usage event), the client in this one; {os.cpu_count()} CPU cores, load average "
-            f"{load[0]:.1f} at the end. Latencies in ms: against an instant server they are the client's own overhead plus "
-            "loopback and the stub's. Send lag = actual send time - scheduled arrival time (open loop only).",
-            "",
-            markdown_table(header, rows),
-            "",
-        ]
-    )
-    out = {"markdown": md, "points": points, "loadavg": load}
-    write_json(Path(args.out_data) / "client_overhead.json", out)
-    return out
 
 
 # ---- command line ---------------------------------------------------------------------------------

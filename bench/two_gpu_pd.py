@@ -52,7 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import git_commit, greedy_probe, plot_goodput
 from kv_transfer import measure_mooncake, measure_p2p
 from make_dummy_model import write_model_dir
-from serving_sweep import System, goodput
+from serving_sweep import goodput
+from system import System
 
 from pdserve.bench.config import BenchConfig
 from pdserve.bench.metrics import SLO, percentile, stat

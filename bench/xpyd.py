@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import git_commit, plot_goodput
 from make_dummy_model import write_model_dir
-from serving_sweep import System
+from system import System
 from two_gpu_pd import bench_point, best_goodput, greedy_probe, summary
 
 from pdserve.bench.shapes import QWEN2_5_7B
