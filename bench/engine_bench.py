@@ -173,6 +173,12 @@ def main() -> int:
     parser.add_argument("--modes", default="pdserve,hf-static,hf-cb", help="(default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--model-impl",
+        default=EngineConfig.model_impl,
+        choices=("auto", "pdserve", "transformers"),
+        help="pdserve's forward pass: its own (pdserve), the stock code (transformers) (default: %(default)s)",
+    )
+    parser.add_argument(
         "--repeat", type=int, default=3, help="runs per mode; the table shows the median (default: %(default)s)"
     )
     parser.add_argument("--data-dir", type=Path, default=Path(tempfile.gettempdir()) / "pdserve-bench")
@@ -203,7 +209,7 @@ def main() -> int:
     # KV is large (SmolLM2: 46 KB a token in float32, 14 GB for 300,000 tokens).
     most = max(int(c) for c in args.concurrency.split(","))
     pool = min(300_000, most * (max_in + max_out) + 4096)
-    engine = build_engine(path, EngineConfig(max_total_tokens=pool, max_num_seqs=256))
+    engine = build_engine(path, EngineConfig(max_total_tokens=pool, max_num_seqs=256, model_impl=args.model_impl))
     rows = []
     for concurrency in (int(c) for c in args.concurrency.split(",")):
         n = args.requests or (4 if concurrency == 1 else max(concurrency, 16))
@@ -248,7 +254,8 @@ def main() -> int:
             row["ratio"] = row["pdserve"] / hf_best
         rows.append(row)
 
-    print(f"\nmodel {path.name}: {params / 1e6:.1f}M parameters, fp32, {torch.get_num_threads()} threads")
+    impl = engine.runner.model_impl
+    print(f"\nmodel {path.name}: {params / 1e6:.1f}M parameters, fp32, {torch.get_num_threads()} threads, {impl}")
     head = (
         "| concurrency | requests | "
         + " | ".join(f"{m} out tok/s" for m in modes)
@@ -263,7 +270,7 @@ def main() -> int:
         print(f"| {row['concurrency']} | {row['requests']} | {cells} | {ratio} | {cached} |")
     if args.json:
         data = {"date": datetime.date.today().isoformat(), "command": "python " + " ".join(sys.argv)}
-        data.update({"model": str(path), "parameters": params, "rows": rows})
+        data.update({"model": str(path), "parameters": params, "model_impl": impl, "rows": rows})
         args.json.write_text(json.dumps(data, indent=2) + "\n")
     return 0
 

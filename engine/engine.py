@@ -140,7 +140,7 @@ class Engine:
         self._pending: Launched | None = None  # a step left queued on the device by step()
         # Overlap needs tokens that can stay on the device: the fast path's (under tensor
         # parallelism they are shared with the other ranks, whose next step they feed too).
-        self.overlap = config.overlap_schedule and runner.fast is not None
+        self.overlap = config.overlap_schedule and runner.fast is not None and runner.fast.overlaps
         # Time each step on the device (CUDA events; a step timeline at DEBUG): costs two
         # event records a step, so off unless asked.
         self.time_steps = False

@@ -24,6 +24,7 @@ from pdserve.engine.kernels import decode_splits
 from pdserve.engine.kv_pool import KVPool, bytes_per_token, dtype_name
 from pdserve.engine.models import create_fast_model, fast_path_reason
 from pdserve.engine.models.batch import build_step
+from pdserve.engine.models.llama_cpu import LlamaFamilyCPU
 from pdserve.engine.sequence import ScheduledBatch, Sequence
 from pdserve.schemas import KVLayout
 
@@ -32,6 +33,14 @@ if TYPE_CHECKING:
     from pdserve.engine.parallel import TPGroup
 
 log = logging.getLogger(__name__)
+
+# Why ``model_impl='auto'`` keeps the stock code on a CPU (None: it takes pdserve's CPU pass).
+# bench/engine_bench.py --model smollm2 (2026-12-03, 2 busy cores): the CPU pass 9 against 5
+# out tok/s at 1 in flight, but 15 against 20 at 8 (its decodes gather every sequence padded
+# to the longest; the stock path groups them by length).
+CPU_AUTO_REASON: str | None = (
+    "pdserve's CPU forward pass is opt-in (model_impl 'pdserve'): slower than the stock code at 8 in flight"
+)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -104,7 +113,10 @@ class ModelRunner:
     ``tp``: this process's place in a tensor-parallel group (see :mod:`.parallel`): the
     model is split by its plan, the pool holds this rank's KV heads, and rank 0 sends each
     step (and each page copy) to the followers before running it; a follower runs
-    :meth:`follow`. The page count is rank 0's, sent to the followers, so pools match."""
+    :meth:`follow`. The page count is rank 0's, sent to the followers, so pools match.
+
+    ``allow_interpreter``: with ``model_impl='pdserve'`` on a CPU under Triton's interpreter
+    (the tests), run the Triton pass interpreted; ``False``: pdserve's CPU pass (torch ops)."""
 
     def __init__(
         self,
@@ -112,8 +124,10 @@ class ModelRunner:
         config: EngineConfig,
         model: torch.nn.Module | None = None,
         tp: TPGroup | None = None,
+        allow_interpreter: bool = True,
     ) -> None:
         self.config = config
+        self.allow_interpreter = allow_interpreter
         self.device = torch.device(config.device)
         self.tp = tp
         if config.num_threads:
@@ -151,6 +165,7 @@ class ModelRunner:
             )
             self.graphs.capture()
         if self.fast is not None and self.device.type == "cuda":
+            assert not isinstance(self.fast, LlamaFamilyCPU)
             self.fast.warm_up_decode(self._splits(n) for n in range(1, config.max_num_seqs + 1))
         log.info(
             "model loaded",
@@ -164,18 +179,25 @@ class ModelRunner:
             },
         )
 
-    def _fast_model(self) -> LlamaFamily | None:
-        """pdserve's own forward pass where the architecture and device allow it."""
+    def _fast_model(self) -> LlamaFamily | LlamaFamilyCPU | None:
+        """pdserve's own forward pass where the architecture and device allow it (logged
+        once, with the reason, whichever pass is chosen)."""
         impl = self.config.model_impl
         if impl == "transformers":
+            log.info("stock transformers forward pass", extra={"reason": "model_impl 'transformers'"})
             return None
-        reason = fast_path_reason(self.model, self.device, allow_interpreter=impl == "pdserve")
+        interpret = impl == "pdserve" and self.allow_interpreter
+        reason = fast_path_reason(self.model, self.device, allow_interpreter=interpret)
+        if reason is None and impl == "auto" and self.device.type == "cpu":
+            reason = CPU_AUTO_REASON
         if reason is not None:
             if impl == "pdserve":
                 raise ValueError(f"model_impl 'pdserve' cannot serve this model: {reason}")
             log.info("stock transformers forward pass", extra={"reason": reason})
             return None
-        return create_fast_model(self.model, self.pool.tensor, self.max_model_len, self.tp)
+        fast = create_fast_model(self.model, self.pool.tensor, self.max_model_len, self.tp, interpret)
+        log.info("pdserve forward pass", extra={"reason": f"model_impl {impl!r}", "pass": type(fast).__name__})
+        return fast
 
     def _splits(self, batch: int) -> int:
         if self.device.type != "cuda":

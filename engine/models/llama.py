@@ -11,7 +11,6 @@ step the attention kernel does the rotary and the KV store itself.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,11 +18,20 @@ import torch.nn.functional as F
 
 from pdserve.engine.kernels import elementwise, gemv, paged
 from pdserve.engine.models.batch import StepBatch
+from pdserve.engine.models.llama_weights import (  # noqa: F401 (re-exported)
+    ARCHITECTURES,
+    STATIC_ROPE,
+    Layer,
+    _fuse,
+    _fused_weight,
+    fused_layer,
+    rope_tables,
+    unsupported_reason,
+)
 
 if TYPE_CHECKING:
     from pdserve.engine.parallel import TPGroup
 
-ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"})
 # GEMV tiles for a single token, the fastest of a sweep on an H200 at 7B dimensions
 # (bench/gemv_probe.py): they read the weights at 4.3 (gate/up, LM head), 3.75 (down, with
 # SiLU·up fused, cut in two along K; 3.55 uncut) and 2.8 TB/s (o) against the library's 3.8,
@@ -32,80 +40,6 @@ GEMV_O = {"block_n": 8, "block_k": 1024, "num_warps": 8}
 GEMV_GATE_UP = {"block_n": 8, "block_k": 512, "num_warps": 4}
 GEMV_DOWN = {"block_n": 8, "block_k": 512, "num_warps": 4, "split_k": 2}  # 36.2 us, split 1: 38.2 (2026-12-01)
 GEMV_LM_HEAD = {"block_n": 8, "block_k": 512, "num_warps": 4}
-# Rotary variants whose tables depend only on the position (not on the running sequence length).
-STATIC_ROPE = frozenset({"default", "linear", "llama3", "yarn"})
-
-
-def unsupported_reason(model: Any) -> str | None:
-    """Why this model (a ``transformers`` causal LM) cannot take the fast path, or ``None``."""
-    arch = type(model).__name__
-    if arch not in ARCHITECTURES:
-        return f"architecture {arch} has no fast path"
-    rope = getattr(model.model.rotary_emb, "rope_type", "default")
-    if rope not in STATIC_ROPE:
-        return f"rotary type {rope!r} has no fast path"
-    config = model.config.get_text_config()
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"activation {config.hidden_act!r} has no fast path"
-    return None
-
-
-@dataclass
-class Layer:
-    input_norm: torch.Tensor
-    qkv_weight: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    q_norm: torch.nn.Module | None  # Qwen3: RMSNorm of each head before rotary
-    k_norm: torch.nn.Module | None
-    o_weight: torch.Tensor
-    o_bias: torch.Tensor | None
-    post_norm: torch.Tensor
-    gate_up_weight: torch.Tensor
-    gate_up_bias: torch.Tensor | None
-    down_weight: torch.Tensor
-    down_bias: torch.Tensor | None
-    window: int | None
-
-
-def _already_fused(parts: list[torch.Tensor]) -> torch.Tensor | None:
-    """The fused tensor ``parts`` are consecutive row slices of (a second forward pass built
-    over the same model, as the two engines of a co-located process are), else ``None``."""
-    first = parts[0]
-    if any(p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() for p in parts):
-        return None
-    offset = first.storage_offset()
-    for p in parts:
-        if not p.is_contiguous() or p.storage_offset() != offset or p.shape[1:] != first.shape[1:]:
-            return None
-        offset += p.numel()
-    rows = sum(p.shape[0] for p in parts)
-    fused = first.new_empty(0)
-    fused.set_(first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:]), first.stride())
-    return fused
-
-
-def _fuse(modules: list[Any], name: str) -> torch.Tensor | None:
-    """Concatenate the modules' ``name`` tensors and point each module at its slice (or the
-    fused tensor they already are slices of: weights are never held twice)."""
-    parts = [getattr(m, name) for m in modules]
-    if parts[0] is None:
-        return None
-    shared = _already_fused([p.data for p in parts])
-    if shared is not None:
-        return shared
-    fused = torch.cat([p.data for p in parts])
-    start = 0
-    for part in parts:
-        n = part.shape[0]
-        part.data = fused[start : start + n]
-        start += n
-    return fused
-
-
-def _fused_weight(modules: list[Any]) -> torch.Tensor:
-    fused = _fuse(modules, "weight")
-    assert fused is not None
-    return fused
 
 
 class LlamaFamily:
@@ -130,6 +64,7 @@ class LlamaFamily:
     all-reduced across the group (inside the CUDA graph, on a GPU).
     """
 
+    overlaps = True  # the engine may queue a step whose input tokens are still on the device
     sdpa_prefill = True
     use_gemv = True  # single-token steps through :mod:`pdserve.engine.kernels.gemv`
     fused_merge = False  # decode attention merges its context splits in the same kernel
@@ -155,15 +90,9 @@ class LlamaFamily:
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
         self.lm_head = model.lm_head.weight
-        self.layers = [self._layer(layer) for layer in inner.layers]
+        self.layers = [fused_layer(layer) for layer in inner.layers]
         device = self.embed.device
-        with torch.no_grad():
-            positions = torch.arange(max_positions, device=device)[None, :]
-            probe = torch.empty((), dtype=self.embed.dtype, device=device)
-            cos, sin = inner.rotary_emb(probe, positions)
-        assert cos.shape[-1] == self.head_dim, "partial rotary has no fast path"
-        self.cos = cos[0].contiguous()
-        self.sin = sin[0].contiguous()
+        self.cos, self.sin = rope_tables(model, max_positions)
         self._counters: torch.Tensor | None = None  # fused_merge's per-(sequence, kv head) counters
         if device.type == "cuda":
             gemv.reserve_counters(device)  # split-K counters, before any graph is captured
@@ -193,26 +122,6 @@ class LlamaFamily:
                     paged.decode_attention(
                         q, self.pool, 0, tables, ctx, self.scale, count, out, window or None, rope=rope
                     )
-
-    def _layer(self, layer: Any) -> Layer:
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
-        gate_up = [mlp.gate_proj, mlp.up_proj]
-        return Layer(
-            input_norm=layer.input_layernorm.weight,
-            qkv_weight=_fused_weight(qkv),
-            qkv_bias=_fuse(qkv, "bias"),
-            q_norm=getattr(attn, "q_norm", None),
-            k_norm=getattr(attn, "k_norm", None),
-            o_weight=attn.o_proj.weight,
-            o_bias=attn.o_proj.bias,
-            post_norm=layer.post_attention_layernorm.weight,
-            gate_up_weight=_fused_weight(gate_up),
-            gate_up_bias=_fuse(gate_up, "bias"),
-            down_weight=mlp.down_proj.weight,
-            down_bias=mlp.down_proj.bias,
-            window=getattr(attn, "sliding_window", None),
-        )
 
     @torch.inference_mode()
     def forward(self, step: StepBatch) -> torch.Tensor:

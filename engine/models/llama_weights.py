@@ -1,0 +1,124 @@
+"""The weights of a Llama-family decoder as pdserve's forward passes hold them: Llama,
+Qwen2, Qwen3, Mistral; q/k/v fused into one projection and gate/up into another.
+
+Imports no kernels: the GPU pass (:mod:`.llama`, Triton) and the CPU pass
+(:mod:`.llama_cpu`, torch ops) share it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"})
+# Rotary variants whose tables depend only on the position (not on the running sequence length).
+STATIC_ROPE = frozenset({"default", "linear", "llama3", "yarn"})
+
+
+def unsupported_reason(model: Any) -> str | None:
+    """Why this model (a ``transformers`` causal LM) cannot take the fast path, or ``None``."""
+    arch = type(model).__name__
+    if arch not in ARCHITECTURES:
+        return f"architecture {arch} has no fast path"
+    rope = getattr(model.model.rotary_emb, "rope_type", "default")
+    if rope not in STATIC_ROPE:
+        return f"rotary type {rope!r} has no fast path"
+    config = model.config.get_text_config()
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} has no fast path"
+    return None
+
+
+@dataclass
+class Layer:
+    input_norm: torch.Tensor
+    qkv_weight: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.nn.Module | None  # Qwen3: RMSNorm of each head before rotary
+    k_norm: torch.nn.Module | None
+    o_weight: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up_weight: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down_weight: torch.Tensor
+    down_bias: torch.Tensor | None
+    window: int | None
+
+
+def _already_fused(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The fused tensor ``parts`` are consecutive row slices of (a second forward pass built
+    over the same model, as the two engines of a co-located process are), else ``None``."""
+    first = parts[0]
+    if any(p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() for p in parts):
+        return None
+    offset = first.storage_offset()
+    for p in parts:
+        if not p.is_contiguous() or p.storage_offset() != offset or p.shape[1:] != first.shape[1:]:
+            return None
+        offset += p.numel()
+    rows = sum(p.shape[0] for p in parts)
+    fused = first.new_empty(0)
+    fused.set_(first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:]), first.stride())
+    return fused
+
+
+def _fuse(modules: list[Any], name: str) -> torch.Tensor | None:
+    """Concatenate the modules' ``name`` tensors and point each module at its slice (or the
+    fused tensor they already are slices of: weights are never held twice)."""
+    parts = [getattr(m, name) for m in modules]
+    if parts[0] is None:
+        return None
+    shared = _already_fused([p.data for p in parts])
+    if shared is not None:
+        return shared
+    fused = torch.cat([p.data for p in parts])
+    start = 0
+    for part in parts:
+        n = part.shape[0]
+        part.data = fused[start : start + n]
+        start += n
+    return fused
+
+
+def _fused_weight(modules: list[Any]) -> torch.Tensor:
+    fused = _fuse(modules, "weight")
+    assert fused is not None
+    return fused
+
+
+def fused_layer(layer: Any) -> Layer:
+    """The tensors of one decoder layer (q/k/v and gate/up fused in place, see :func:`_fuse`)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+    gate_up = [mlp.gate_proj, mlp.up_proj]
+    return Layer(
+        input_norm=layer.input_layernorm.weight,
+        qkv_weight=_fused_weight(qkv),
+        qkv_bias=_fuse(qkv, "bias"),
+        q_norm=getattr(attn, "q_norm", None),
+        k_norm=getattr(attn, "k_norm", None),
+        o_weight=attn.o_proj.weight,
+        o_bias=attn.o_proj.bias,
+        post_norm=layer.post_attention_layernorm.weight,
+        gate_up_weight=_fused_weight(gate_up),
+        gate_up_bias=_fuse(gate_up, "bias"),
+        down_weight=mlp.down_proj.weight,
+        down_bias=mlp.down_proj.bias,
+        window=getattr(attn, "sliding_window", None),
+    )
+
+
+def rope_tables(model: Any, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin [max_positions, head_dim]`` (halves repeated) of the model's own rotary
+    embedding, in its dtype: each position's row equals what the stock code computes for it."""
+    inner = model.model
+    embed = inner.embed_tokens.weight
+    with torch.no_grad():
+        positions = torch.arange(max_positions, device=embed.device)[None, :]
+        probe = torch.empty((), dtype=embed.dtype, device=embed.device)
+        cos, sin = inner.rotary_emb(probe, positions)
+    assert cos.shape[-1] == inner.layers[0].self_attn.head_dim, "partial rotary has no fast path"
+    return cos[0].contiguous(), sin[0].contiguous()
