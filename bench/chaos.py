@@ -18,8 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from pdserve.bench.chaos import ChaosSystem, write_json
-from pdserve.bench.chaos_cases import CASES, CaseResult
+from pdserve.bench.chaos import CaseResult, ChaosSystem, write_json
+from pdserve.bench.chaos_cases import CASES
 
 
 def main() -> int:

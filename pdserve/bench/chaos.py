@@ -43,6 +43,16 @@ def prompts(n: int, length: int, seed: int = 0, vocab: int = 4000) -> list[list[
 
 
 @dataclass
+class CaseResult:
+    """One chaos case's outcome: whether it passed, its figure, the details behind it."""
+
+    case: str
+    passed: bool
+    figure: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class ChaosSystem:
     """``pdserve up`` in a process of its own, with its own broker under ``data_dir``."""
 
@@ -276,6 +286,22 @@ class Observer:
         if base != client[:start]:
             return False
         return all(toks.get(j) == client[j] for j in range(start, p))
+
+
+def client_for(n: int = 64) -> httpx.AsyncClient:
+    """An HTTP client for ``n`` streams at once."""
+    limits = httpx.Limits(max_connections=n + 16, max_keepalive_connections=n + 16)
+    return httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0), limits=limits)
+
+
+async def run_streams(system: ChaosSystem, ps: list[list[int]], max_new: int, tag: str, **kw: Any) -> list[Streamed]:
+    """Stream each prompt of ``ps`` at once, ``tag``-numbered."""
+    async with client_for(len(ps)) as client:
+        return list(
+            await asyncio.gather(
+                *(stream(client, system.url, p, max_new, f"{tag}-{i}", **kw) for i, p in enumerate(ps))
+            )
+        )
 
 
 def write_json(path: Path, data: Any) -> None:

@@ -1,4 +1,4 @@
-"""The chaos cases of issue 8, each against a running :class:`ChaosSystem` (2 prefill and
+"""The chaos cases, each against a running :class:`ChaosSystem` (2 prefill and
 2 decode workers): the failure it injects, what it measures, and whether it passes.
 ``bench/chaos.py`` runs them at full size and prints the table; the tests in
 ``tests/integration/test_chaos.py`` run them small."""
@@ -8,39 +8,23 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import signal
-import socket
-import sys
-import threading
 import time
-from asyncio.subprocess import PIPE
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-from pdserve.bench.chaos import ChaosSystem, Observer, Streamed, percentile, prompts, stream
-
-
-@dataclass
-class CaseResult:
-    case: str
-    passed: bool
-    figure: str
-    details: dict[str, Any] = field(default_factory=dict)
-
-
-def _client(n: int = 64) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=n + 16, max_keepalive_connections=n + 16)
-    return httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0), limits=limits)
-
-
-async def _run_streams(system: ChaosSystem, ps: list[list[int]], max_new: int, tag: str, **kw: Any) -> list[Streamed]:
-    async with _client(len(ps)) as client:
-        return list(
-            await asyncio.gather(
-                *(stream(client, system.url, p, max_new, f"{tag}-{i}", **kw) for i, p in enumerate(ps))
-            )
-        )
+from pdserve.bench.chaos import (
+    CaseResult,
+    ChaosSystem,
+    Observer,
+    Streamed,
+    client_for,
+    percentile,
+    prompts,
+    run_streams,
+    stream,
+)
+from pdserve.bench.chaos_huge_body import huge_body
 
 
 async def _until(predicate: Any, timeout: float, interval: float = 0.05) -> bool:
@@ -60,13 +44,13 @@ async def _busiest(system: ChaosSystem, client: httpx.AsyncClient, role: str) ->
 # ---- kill -9 of a decode worker ---------------------------------------------------------------
 async def decode_kill(system: ChaosSystem, n: int = 64, max_new: int = 384, min_held: int = 10) -> CaseResult:
     ps = prompts(n, 48, seed=1)
-    calm = await _run_streams(system, ps, max_new, "calm-decode")
+    calm = await run_streams(system, ps, max_new, "calm-decode")
     system.wait_ready()
     held = {"count": 0}
     done = asyncio.Event()
 
     async def killer() -> None:
-        async with _client() as client:
+        async with client_for() as client:
 
             async def spread() -> bool:
                 busiest = await _busiest(system, client, "decode")
@@ -79,7 +63,7 @@ async def decode_kill(system: ChaosSystem, n: int = 64, max_new: int = 384, min_
             done.set()
 
     kill_task = asyncio.create_task(killer())
-    runs = await _run_streams(system, ps, max_new, "killed-decode")
+    runs = await run_streams(system, ps, max_new, "killed-decode")
     await kill_task
     complete = sum(r.complete and len(r.tokens) == max_new for r in runs)
     identical = sum(r.tokens == c.tokens for r, c in zip(runs, calm, strict=True))
@@ -95,7 +79,7 @@ async def prefill_kill(system: ChaosSystem, n: int = 32, prompt_len: int = 1500,
     victim: dict[str, Any] = {}
 
     async def killer() -> None:
-        async with _client() as client:
+        async with client_for() as client:
 
             async def busy() -> bool:  # the requests have spread over both prefill workers
                 victim.update(await _busiest(system, client, "prefill"))
@@ -106,7 +90,7 @@ async def prefill_kill(system: ChaosSystem, n: int = 32, prompt_len: int = 1500,
 
     kill_task = asyncio.create_task(killer())
     started = time.monotonic()
-    runs = await _run_streams(system, ps, max_new, "killed-prefill")
+    runs = await run_streams(system, ps, max_new, "killed-prefill")
     await kill_task
     complete = sum(r.complete and len(r.tokens) == max_new for r in runs)
     seconds = time.monotonic() - started
@@ -120,20 +104,20 @@ async def drain(system: ChaosSystem, n: int = 32, max_new: int = 256) -> CaseRes
     while ``n`` greedy streams run: each stops taking work, finishes or hands back what it
     holds with the tokens so far, frees its KV; every stream ends complete and identical."""
     ps = prompts(n, 40, seed=8)
-    calm = await _run_streams(system, ps, max_new, "calm-drain")
+    calm = await run_streams(system, ps, max_new, "calm-drain")
     system.wait_ready()
     stopped: list[str] = []
 
     async def on_event(s: Streamed) -> None:
         if len(s.tokens) >= max_new // 4 and not stopped:
             stopped.append("decode")
-            async with _client() as client:
+            async with client_for() as client:
                 system.kill((await _busiest(system, client, "decode"))["pid"], signal.SIGTERM)
                 prefill = next(w for w in await system.aworkers(client) if w["role"] == "prefill")
                 system.kill(prefill["pid"], signal.SIGTERM)
                 stopped.append("prefill")
 
-    runs = await _run_streams(system, ps, max_new, "drained", on_event=on_event)
+    runs = await run_streams(system, ps, max_new, "drained", on_event=on_event)
     complete = sum(r.complete and len(r.tokens) == max_new for r in runs)
     identical = sum(r.tokens == c.tokens for r, c in zip(runs, calm, strict=True))
     ok = len(stopped) == 2 and complete == n and identical == n
@@ -144,7 +128,7 @@ async def drain(system: ChaosSystem, n: int = 32, max_new: int = 256) -> CaseRes
 # ---- kill -9 and restart of nats-server -------------------------------------------------------
 async def broker_restart(system: ChaosSystem, n: int = 32, max_new: int = 256) -> CaseResult:
     ps = prompts(n, 40, seed=3)
-    calm = await _run_streams(system, ps, max_new, "calm-broker")
+    calm = await run_streams(system, ps, max_new, "calm-broker")
     system.wait_ready()
     killed = asyncio.Event()
 
@@ -153,7 +137,7 @@ async def broker_restart(system: ChaosSystem, n: int = 32, max_new: int = 256) -
             killed.set()
             system.kill(system.broker_pid())
 
-    runs = await _run_streams(system, ps, max_new, "broker-restart", on_event=on_event)
+    runs = await run_streams(system, ps, max_new, "broker-restart", on_event=on_event)
     complete = sum(r.complete and len(r.tokens) == max_new for r in runs)
     identical = sum(r.tokens == c.tokens for r, c in zip(runs, calm, strict=True))
     lost = n - complete
@@ -167,7 +151,7 @@ async def disconnects(system: ChaosSystem, n: int = 100, limit: float = 0.5) -> 
     pages are back where they were (the registry, refreshed every 0.1 s, tells)."""
     ps = prompts(n, 64, seed=4)
     waits: list[float] = []
-    async with _client() as client:
+    async with client_for() as client:
         baseline = {w["id"]: w["pages_used"] for w in await system.aworkers(client)}
         for i, p in enumerate(ps):
             await stream(client, system.url, p, 3000, f"leave-{i}", stop_after=4)
@@ -200,7 +184,7 @@ async def transfer_faults(system: ChaosSystem, n: int = 100, limit: float = 5.0,
     from pdserve.schemas import KVHandle, KVLayout, KVLease, KVLeaseReply, KVReady, SamplingParams, TokenChunk
     from pdserve.workers.transfer import create_transfer
 
-    async with _client() as client:
+    async with client_for() as client:
         workers = await system.aworkers(client)
     decode = next(w for w in workers if w["role"] == "decode")
     layout = KVLayout(**decode["kv_layout"])
@@ -275,7 +259,7 @@ async def transfer_faults(system: ChaosSystem, n: int = 100, limit: float = 5.0,
         if rid in ended:
             by_kind[kind] = max(by_kind.get(kind, 0.0), ended[rid] - published[rid])
     unfinished = len(published) - len(waits)
-    async with _client() as client:
+    async with client_for() as client:
 
         async def idle() -> bool:
             return all(w["pages_used"] == 0 for w in await system.aworkers(client))
@@ -317,7 +301,7 @@ async def redelivery(system: ChaosSystem, n: int = 32, max_new: int = 96) -> Cas
 
     from pdserve.broker import subjects
 
-    async with _client() as client:
+    async with client_for() as client:
         model = (await system.aworkers(client))[0]["model"]
     observer = Observer(await _nats_url(system), model, _nats_options(system))
     copier = await nats.connect(await _nats_url(system), **_nats_options(system))
@@ -336,12 +320,12 @@ async def redelivery(system: ChaosSystem, n: int = 32, max_new: int = 96) -> Cas
     async def on_event(s: Streamed) -> None:
         if len(s.tokens) >= max_new // 3 and not drained.is_set():
             drained.set()
-            async with _client() as client:
+            async with client_for() as client:
                 victim = await _busiest(system, client, "decode")
             system.kill(victim["pid"], signal.SIGTERM)
 
     try:
-        runs = await _run_streams(system, prompts(n, 32, seed=5), max_new, "twice", temperature=1.0, on_event=on_event)
+        runs = await run_streams(system, prompts(n, 32, seed=5), max_new, "twice", temperature=1.0, on_event=on_event)
         await asyncio.sleep(0.5)
         spliced = sum(bool(observer.splices(r.rid, r.tokens)) for r in runs)
     finally:
@@ -359,172 +343,13 @@ async def redelivery(system: ChaosSystem, n: int = 32, max_new: int = 96) -> Cas
 # ---- many streams -------------------------------------------------------------------------------
 async def many_streams(system: ChaosSystem, n: int = 1000, max_new: int = 16) -> CaseResult:
     started = time.monotonic()
-    async with _client(n) as client:
+    async with client_for(n) as client:
         ps = prompts(n, 16, seed=6)
         runs = await asyncio.gather(*(stream(client, system.url, p, max_new, f"many-{i}") for i, p in enumerate(ps)))
     complete = sum(r.complete and len(r.tokens) == max_new for r in runs)
     seconds = time.monotonic() - started
     return CaseResult(f"{n} concurrent SSE streams", complete == n, f"{complete}/{n} complete in {seconds:.0f}s")
 
-
-# ---- a huge body while streams run --------------------------------------------------------------
-class _Sink:
-    """A bare socket server that reads each request whole (as the API does, so that the
-    client can read its answer), answers 413 and hangs up: the same bodies sent here load
-    the machine as much as they do when sent to the API, without the API."""
-
-    def __init__(self) -> None:
-        self._server = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._server.getsockname()[1]}"
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self._server.accept()
-            except OSError:
-                return
-            with conn:
-                head = b""
-                while b"\r\n\r\n" not in head:
-                    head += conn.recv(1 << 16)
-                headers, _, body = head.partition(b"\r\n\r\n")
-                length = next(
-                    (
-                        int(line.split(b":")[1])
-                        for line in headers.split(b"\r\n")
-                        if line.lower().startswith(b"content-length")
-                    ),
-                    0,
-                )
-                conn.sendall(b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 0\r\n\r\n")
-                left = length - len(body)
-                while left > 0:
-                    got = conn.recv(min(left, 1 << 20))
-                    if not got:
-                        break
-                    left -= len(got)
-
-    def close(self) -> None:
-        self._server.close()
-
-
-class _Poster:
-    """A process of its own that posts a ``mb`` MB body to a URL when asked (the body built
-    beforehand): sending 50 MB from the measuring process would stall the event loop that
-    records the arrival times."""
-
-    def __init__(self, mb: int) -> None:
-        self.mb = mb
-        self.proc: asyncio.subprocess.Process | None = None
-
-    async def start(self) -> None:
-        self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", _POST_BODY, str(self.mb), stdin=PIPE, stdout=PIPE
-        )
-        assert self.proc.stdout is not None
-        await self.proc.stdout.readline()
-
-    async def post(self, url: str) -> tuple[int, float]:
-        assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(url.encode() + b"\n")
-        await self.proc.stdin.drain()
-        code, seconds = (await self.proc.stdout.readline()).decode().split()
-        return int(code), float(seconds)
-
-    async def stop(self) -> None:
-        if self.proc is not None and self.proc.stdin is not None:
-            self.proc.stdin.close()
-            await self.proc.wait()
-
-
-async def huge_body(
-    system: ChaosSystem,
-    streams: int = 16,
-    max_new: int = 300,
-    body_mb: int = 50,
-    tolerance: float = 0.2,
-    rounds: int = 3,
-    check_itl: bool = True,
-) -> CaseResult:
-    """Inter-token latency of ``streams`` streams while five ``body_mb`` MB bodies are
-    posted one after another to the API, and while the same bodies go to a bare socket that
-    refuses them (what sending them costs this machine, the API left out), ``rounds`` times
-    each, alternating; and undisturbed, for reference. Each body must be a 413 at once, and
-    the median p99 ITL with the bodies sent to the API within ``tolerance`` of the median
-    with them sent to the bare socket."""
-    ps = prompts(streams, 32, seed=7)
-    sink = _Sink()
-    poster = _Poster(body_mb)
-    await poster.start()
-    answers: list[tuple[int, float]] = []
-    p99: dict[str, list[float]] = {"undisturbed": [], "api": [], "bare socket": []}
-    complete = True
-    try:
-        await poster.post(system.url)  # the first refusal warms the path up; it is not measured
-        for i in range(rounds):
-            for kind, target in (("undisturbed", None), ("api", system.url), ("bare socket", sink.url)):
-                system.wait_ready()
-                running = asyncio.Event()
-
-                async def on_event(s: Streamed, running: asyncio.Event = running) -> None:
-                    if len(s.tokens) >= 20:
-                        running.set()
-
-                async def send(running: asyncio.Event = running, target: str | None = target, kind: str = kind) -> None:
-                    await running.wait()
-                    for _ in range(5 if target else 0):
-                        answer = await poster.post(target or "")
-                        if kind == "api":
-                            answers.append(answer)
-                        await asyncio.sleep(0.2)
-
-                task = asyncio.create_task(send())
-                runs = await _run_streams(system, ps, max_new, f"body-{kind}-{i}".replace(" ", "-"), on_event=on_event)
-                await task
-                complete = complete and all(r.complete for r in runs)
-                p99[kind].append(percentile([x for r in runs for x in r.itls()], 0.99))
-    finally:
-        await poster.stop()
-        sink.close()
-    median = {kind: sorted(values)[rounds // 2] for kind, values in p99.items()}
-    slowest = max((s for _, s in answers), default=float("inf"))
-    all_413 = len(answers) == 5 * rounds and all(code == 413 for code, _ in answers)
-    itl_ok = median["api"] <= median["bare socket"] * (1 + tolerance) or not check_itl
-    ok = all_413 and slowest < 0.5 and complete and itl_ok
-    figure = (
-        f"{sum(c == 413 for c, _ in answers)}/{len(answers)} answered 413 (slowest {slowest * 1e3:.1f} ms); "
-        f"ITL p99, median of {rounds} rounds: {median['api'] * 1e3:.1f} ms with the bodies sent to the API, "
-        f"{median['bare socket'] * 1e3:.1f} ms sent to a bare socket, {median['undisturbed'] * 1e3:.1f} ms without"
-    )
-    return CaseResult(f"a {body_mb} MB body while {streams} streams run", ok, figure, {"p99_itl_s": p99})
-
-
-# Builds a body of argv[1] MB once, then for each URL read from stdin posts it to URL/generate
-# and prints the status and the seconds to it.
-_POST_BODY = """
-import http.client, sys, time, urllib.parse
-size = int(sys.argv[1]) << 20
-body = b'{"text": "' + b"x" * size + b'"}'
-print("ready", flush=True)
-for line in sys.stdin:
-    url = urllib.parse.urlsplit(line.strip())
-    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
-    started = time.monotonic()
-    conn.putrequest("POST", "/generate")
-    conn.putheader("Content-Type", "application/json"); conn.putheader("Content-Length", str(len(body)))
-    conn.endheaders()
-    try:
-        conn.send(body)
-    except OSError:
-        pass  # the server answered and closed before taking it all
-    try:
-        status = conn.getresponse().status
-    except OSError:
-        status = 0
-    print(status, time.monotonic() - started, flush=True)
-    conn.close()
-"""
 
 CASES = {
     "decode-kill": decode_kill,
