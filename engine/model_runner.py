@@ -36,8 +36,10 @@ log = logging.getLogger(__name__)
 
 # Why ``model_impl='auto'`` keeps the stock code on a CPU (None: it takes pdserve's CPU pass).
 # bench/engine_bench.py --model smollm2 (2026-12-03, 2 busy cores): the CPU pass 9 against 5
-# out tok/s at 1 in flight, but 15 against 20 at 8 (its decodes gather every sequence padded
-# to the longest; the stock path groups them by length).
+# out tok/s at 1 in flight, but 15 against 20 at 8. A decode step alone on a quiet machine
+# (SmolLM2's shapes, random weights): batch 1 65 against 85 ms, batch 8 of 16-1024 tokens 187
+# against 193 ms; its decodes gather every sequence padded to the longest (the stock path
+# groups them by length). Re-measure the engine at 8 and 64 in flight before switching.
 CPU_AUTO_REASON: str | None = (
     "pdserve's CPU forward pass is opt-in (model_impl 'pdserve'): slower than the stock code at 8 in flight"
 )
