@@ -27,7 +27,8 @@ from typing import TypeVar
 
 from pdserve.broker import contract, tracing
 from pdserve.broker.consumer import Delivery
-from pdserve.engine.engine import Engine, RequestError, RequestOutput
+from pdserve.engine.engine import Engine
+from pdserve.engine.outputs import RequestError, RequestOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.schemas import GenerateRequest, KVLease, KVReady, KVRelease, WorkerInfo
 from pdserve.schemas.sampling import sample_rid

@@ -17,7 +17,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from pdserve.broker import contract
-from pdserve.engine.engine import Engine, RequestOutput
+from pdserve.engine.engine import Engine
+from pdserve.engine.outputs import RequestOutput
 from pdserve.schemas import GenerateRequest, KVHandle, KVLease, KVLeaseReply, KVReady, KVRelease, WorkerInfo
 from pdserve.schemas.sampling import sample_rid
 from pdserve.workers.config import WorkerConfig

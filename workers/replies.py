@@ -13,7 +13,7 @@ from opentelemetry.context import Context
 
 from pdserve.broker import contract
 from pdserve.broker.consumer import Delivery
-from pdserve.engine.engine import RequestOutput
+from pdserve.engine.outputs import RequestOutput
 from pdserve.schemas import ErrorInfo, TokenBatch, TokenChunk, Usage
 from pdserve.schemas.tokens import QUEUED
 

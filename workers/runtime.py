@@ -34,7 +34,8 @@ from pdserve.broker import contract, streams, tracing
 from pdserve.broker.claims import Claims
 from pdserve.broker.consumer import Delivery
 from pdserve.broker.deadletter import watch_dead_letters
-from pdserve.engine.engine import Engine, RequestError
+from pdserve.engine.engine import Engine
+from pdserve.engine.outputs import RequestError
 from pdserve.schemas import (
     FlushCache,
     FlushCacheReply,

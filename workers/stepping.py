@@ -11,7 +11,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from pdserve.broker import tracing
-from pdserve.engine.engine import Engine, Launched, RequestOutput
+from pdserve.engine.engine import Engine
+from pdserve.engine.outputs import Launched, RequestOutput
 from pdserve.engine.sequence import ScheduledBatch
 from pdserve.schemas import (
     GenerateRequest,

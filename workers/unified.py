@@ -6,7 +6,7 @@ either kind, or both, against the same API.
 
 from __future__ import annotations
 
-from pdserve.engine.engine import RequestOutput
+from pdserve.engine.outputs import RequestOutput
 from pdserve.workers.runtime import WorkerRuntime
 
 

@@ -14,9 +14,10 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.engine import Engine, RequestError
+from pdserve.engine.engine import Engine
 from pdserve.engine.loader import build_engine, quiet_transformers
 from pdserve.engine.model_runner import ModelRunner, ModelSpec
+from pdserve.engine.outputs import RequestError
 from pdserve.schemas import SamplingParams
 from tests.engine.handoff import mooncake_pair, pull
 

@@ -14,8 +14,9 @@ import torch
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
 
-from pdserve.engine.engine import Engine, RequestError
+from pdserve.engine.engine import Engine
 from pdserve.engine.loader import quiet_transformers
+from pdserve.engine.outputs import RequestError
 from pdserve.schemas import SamplingParams
 from pdserve.schemas.sampling import sample_rid
 from tests.engine.test_engine import hf_greedy, iter_outputs, make_engine, random_prompts, run_all

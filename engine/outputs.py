@@ -1,0 +1,71 @@
+"""What the engine hands out: a step's outputs per request (:class:`RequestOutput`), a step
+queued on the device (:class:`Launched`) and its result (:class:`ExecResult`), the engine's
+totals, and the error for a request it cannot serve."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.sampler import SamplerOutput
+from pdserve.engine.sequence import ScheduledBatch, Sequence
+from pdserve.schemas import TokenLogprob
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve (too long for the model or the pool)."""
+
+
+@dataclass
+class RequestOutput:
+    """New tokens of one request from one step. ``index`` is the output position of
+    ``token_ids[0]``. ``finish_reason`` is set on the last output; ``held`` marks a
+    prefill-only request whose KV now waits for a decode worker."""
+
+    rid: str
+    index: int
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    held: bool = False
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    group: str = ""  # a sample of an n > 1 request: the request's id (``rid`` is the sample's)
+
+
+@dataclass
+class Launched:
+    """A step whose forward pass and sampling are queued on the device."""
+
+    batch: ScheduledBatch
+    seqs: list[Sequence]  # the rows that get a token
+    started: float
+    tokens: torch.Tensor | None = None  # on the device
+    copy: torch.Tensor | None = None  # pinned host copy, filled when ``done`` fires
+    done: torch.cuda.Event | None = None
+    host: SamplerOutput | None = None  # sampled on the host (log-probabilities asked)
+    gpu_start: torch.cuda.Event | None = None  # when the device began it (``Engine.time_steps``)
+
+
+@dataclass
+class ExecResult:
+    seqs: list[Sequence]
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+    seconds: float
+    gpu_seconds: float | None = None  # the device's own time for the step (``Engine.time_steps``)
+    gpu_period: float | None = None  # from the step before's end to this one's, on the device
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    batch_rows: int = 0  # sequences computed, summed over steps
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    busy_seconds: float = 0.0
+    overlapped_steps: int = 0  # steps left queued on the device while the next was launched
