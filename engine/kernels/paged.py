@@ -1,17 +1,15 @@
-"""Paged attention over the KV pool, read in place, and the rotary-embed + KV-store kernel.
+"""Paged attention over the KV pool, read in place (the rotary-embed + KV-store kernel: :mod:`.rope`).
 
 Pool layout ``[num_pages, num_layers, 2, num_kv_heads, page_size, head_dim]`` (see
 :mod:`pdserve.engine.kv_pool`): the K of (page, layer, head) is one contiguous
 ``[page_size, head_dim]`` block and its V lies ``num_kv_heads * page_size * head_dim``
 elements further. A token's *slot* is ``page * page_size + offset``.
 
-* :func:`rope_store`: rotates q and k in place inside the fused qkv projection output
-  and writes k, v into their slots of one layer.
 * :func:`decode_attention`: one query token per sequence over its pages; every query
   head of a GQA group in one program (one pass over the group's K/V), the context
   split ``num_splits`` ways so that a small batch still fills the GPU, then merged.
-  With ``rope``, it does :func:`rope_store`'s work for its tokens too (one launch fewer
-  a layer: at batch 1 a launch costs more than the work).
+  With ``rope``, it does :func:`.rope.rope_store`'s work for its tokens too (one launch
+  fewer a layer: at batch 1 a launch costs more than the work).
 * :func:`prefill_attention`: chunks of query tokens whose keys are a cached or earlier
   prefix in the pool plus the chunk itself (causal).
 """
@@ -26,98 +24,6 @@ import triton.language as tl
 # Integer arguments that change between calls (the layer, a table's width) are not
 # specialised on: Triton compiles a variant per value class (1, a multiple of 16, other),
 # and a variant first met while serving compiles then, for a second or more.
-@triton.jit(do_not_specialize=["layer", "stride_qkv"])
-def _rope_store_kernel(
-    qkv_ptr,
-    cos_ptr,
-    sin_ptr,
-    pos_ptr,
-    slot_ptr,
-    pool_ptr,
-    layer,
-    stride_qkv,
-    NUM_Q: tl.constexpr,
-    NUM_KV: tl.constexpr,
-    HEADS_PAD: tl.constexpr,
-    KV_PAD: tl.constexpr,
-    DIM: tl.constexpr,
-    PAGE: tl.constexpr,
-    LAYERS: tl.constexpr,
-):
-    t = tl.program_id(0)
-    half: tl.constexpr = DIM // 2
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    d = tl.arange(0, half)
-    cos = tl.load(cos_ptr + pos * DIM + d).to(tl.float32)
-    sin = tl.load(sin_ptr + pos * DIM + d).to(tl.float32)
-    h = tl.arange(0, HEADS_PAD)
-    row = qkv_ptr + t.to(tl.int64) * stride_qkv
-    # q and k heads sit side by side in the row: rotate them together, in place
-    rot = h < NUM_Q + NUM_KV
-    lo_ptr = row + h[:, None] * DIM + d[None, :]
-    lo = tl.load(lo_ptr, mask=rot[:, None], other=0.0).to(tl.float32)
-    hi = tl.load(lo_ptr + half, mask=rot[:, None], other=0.0).to(tl.float32)
-    new_lo = lo * cos[None, :] - hi * sin[None, :]
-    new_hi = hi * cos[None, :] + lo * sin[None, :]
-    tl.store(lo_ptr, new_lo.to(qkv_ptr.dtype.element_ty), mask=rot[:, None])
-    tl.store(lo_ptr + half, new_hi.to(qkv_ptr.dtype.element_ty), mask=rot[:, None])
-    # rotated k, and v, into the pool
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    page_base = (slot // PAGE) * LAYERS + layer
-    offset = slot % PAGE
-    is_k = (h >= NUM_Q) & rot
-    k_dst = pool_ptr + (((page_base * 2) * NUM_KV + (h - NUM_Q)) * PAGE + offset) * DIM
-    k_dst = k_dst[:, None] + d[None, :]
-    tl.store(k_dst, new_lo.to(pool_ptr.dtype.element_ty), mask=is_k[:, None])
-    tl.store(k_dst + half, new_hi.to(pool_ptr.dtype.element_ty), mask=is_k[:, None])
-    j = tl.arange(0, KV_PAD)
-    is_v = j < NUM_KV
-    full = tl.arange(0, DIM)
-    v = tl.load(row + (NUM_Q + NUM_KV + j)[:, None] * DIM + full[None, :], mask=is_v[:, None], other=0.0)
-    v_dst = pool_ptr + (((page_base * 2 + 1) * NUM_KV + j) * PAGE + offset) * DIM
-    tl.store(v_dst[:, None] + full[None, :], v.to(pool_ptr.dtype.element_ty), mask=is_v[:, None])
-
-
-def rope_store(
-    qkv: torch.Tensor,
-    num_q: int,
-    num_kv: int,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    positions: torch.Tensor,
-    slots: torch.Tensor,
-    pool: torch.Tensor,
-    layer: int,
-) -> None:
-    """Rotate q and k of ``qkv [T, (num_q + 2 * num_kv) * D]`` in place; store k, v in ``slots``.
-
-    ``cos``/``sin`` ``[max_positions, D]`` hold each position's table (halves repeated).
-    """
-    num_tokens = qkv.shape[0]
-    if num_tokens == 0:
-        return
-    _, layers, _, heads, page, dim = pool.shape
-    assert heads == num_kv and qkv.stride(1) == 1
-    _rope_store_kernel[(num_tokens,)](
-        qkv,
-        cos,
-        sin,
-        positions,
-        slots,
-        pool,
-        layer,
-        qkv.stride(0),
-        NUM_Q=num_q,
-        NUM_KV=num_kv,
-        HEADS_PAD=triton.next_power_of_2(num_q + num_kv),
-        KV_PAD=triton.next_power_of_2(num_kv),
-        DIM=dim,
-        PAGE=page,
-        LAYERS=layers,
-        num_warps=4,
-    )
-
-
 @triton.jit
 def _load_kv(
     pool_ptr,
@@ -322,7 +228,7 @@ def decode_attention(
 
     ``rope = (cos, sin, slots)``: ``q`` is the q part of rows of the fused qkv projection,
     not yet rotated, and the last of each sequence's tokens is the row's own: the kernel
-    does :func:`rope_store`'s work for it (q rotated as it is read, the token's k rotated
+    does :func:`.rope.rope_store`'s work for it (q rotated as it is read, the token's k rotated
     and stored with its v in ``slots[b]`` of ``layer``, position ``ctx_lens[b] - 1``).
 
     ``counters`` (int32, at least ``B * num_kv``, zero, left zero): the splits are merged

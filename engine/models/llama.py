@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.kernels import elementwise, gemv, paged
+from pdserve.engine.kernels import elementwise, gemv, paged, rope
 from pdserve.engine.models.batch import StepBatch
 from pdserve.engine.models.llama_weights import (  # noqa: F401 (re-exported)
     ARCHITECTURES,
@@ -118,9 +118,9 @@ class LlamaFamily:
         windows = sorted({layer.window or 0 for layer in self.layers})
         for count in sorted(set(splits)):
             for window in windows:
-                for rope in (None, (self.cos, self.sin, scratch)):
+                for rotary in (None, (self.cos, self.sin, scratch)):
                     paged.decode_attention(
-                        q, self.pool, 0, tables, ctx, self.scale, count, out, window or None, rope=rope
+                        q, self.pool, 0, tables, ctx, self.scale, count, out, window or None, rope=rotary
                     )
 
     @torch.inference_mode()
@@ -149,7 +149,7 @@ class LlamaFamily:
                 with torch.cuda.stream(self._side):
                     gemv.l2_prefetch(layer.o_weight, self._sink)
             if not fused_rope:
-                paged.rope_store(qkv, nq, nkv, self.cos, self.sin, step.positions, step.slots, self.pool, index)
+                rope.rope_store(qkv, nq, nkv, self.cos, self.sin, step.positions, step.slots, self.pool, index)
             out = self._attend(index, layer, qkv, step, pdl, fused_rope).view(tokens, nq * dim)
             if prefetch:
                 main.wait_stream(self._side)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.engine.kernel_env import DEVICE, elementwise, gemv, paged
+from tests.engine.kernel_env import DEVICE, elementwise, gemv, paged, rope
 
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
@@ -190,7 +190,7 @@ def test_rope_store_rotates_in_place_and_writes_slots(dtype: torch.dtype, heads:
     freqs = torch.arange(100, device=DEVICE).float()[:, None] * inv[None, :]
     emb = torch.cat((freqs, freqs), -1)
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
-    paged.rope_store(qkv, num_q, num_kv, cos, sin, positions, slots, pool, layer)
+    rope.rope_store(qkv, num_q, num_kv, cos, sin, positions, slots, pool, layer)
     qk = original[:, : (num_q + num_kv) * dim].view(tokens, -1, dim).float()
     c, s = cos[positions].float()[:, None], sin[positions].float()[:, None]
     ref = (qk * c + rotate_half(qk) * s).view(tokens, -1)
@@ -315,7 +315,7 @@ def test_decode_attention_with_rope_is_rope_store_then_decode_attention(dtype: t
     ctx = torch.tensor(lens, dtype=torch.int64, device=DEVICE)
     for splits, fused in ((1, False), (4, False), (4, True), (32, False)):
         separate_pool, separate_qkv = pool.clone(), qkv.clone()
-        paged.rope_store(separate_qkv, num_q, num_kv, cos, sin, positions, slots, separate_pool, layer)
+        rope.rope_store(separate_qkv, num_q, num_kv, cos, sin, positions, slots, separate_pool, layer)
         expected = torch.empty((len(lens), num_q, dim), dtype=dtype, device=DEVICE)
         paged.decode_attention(
             separate_qkv[:, : num_q * dim].view(len(lens), num_q, dim),
