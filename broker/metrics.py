@@ -90,6 +90,18 @@ _TIER_COUNTERS = {
         "pdserve_kv_tier_corrupt",
         "entries that failed their checksum, identity or key check (used as misses)",
     ),
+    "declined_pages": (
+        "pdserve_kv_tier_declined_pages",
+        "KV pages found in the tier and computed instead (loading them measured slower)",
+    ),
+}
+# TierCounts fields shown as gauges: the load-or-recompute rule's inputs.
+_TIER_GAUGES = {
+    "load_s_per_page": ("pdserve_kv_tier_load_seconds_per_page", "measured time to load one KV page from the tier"),
+    "recompute_s_per_page": (
+        "pdserve_kv_tier_recompute_seconds_per_page",
+        "measured time for the worker to compute one page of prompt tokens instead",
+    ),
 }
 _TOTALS = [f.name for cls in (WorkerCounters, WorkerStats) for f in dataclasses.fields(cls)]
 assert set(_TOTALS) == set(_COUNTERS) | _STATS_GAUGES, "every worker total has a metric"
@@ -135,13 +147,17 @@ def _tier_families(workers: list[WorkerInfo]) -> Iterator[Metric]:
     labels = [*WORKER_LABELS, "tier"]
     counters = {f: CounterMetricFamily(name, help, labels=labels) for f, (name, help) in _TIER_COUNTERS.items()}
     held = GaugeMetricFamily("pdserve_kv_tier_bytes", "bytes the KV tier holds now (host, disk)", labels=labels)
+    gauges = {f: GaugeMetricFamily(name, help, labels=labels) for f, (name, help) in _TIER_GAUGES.items()}
     for w in workers:
         for t in w.kv_tiers:
             values = [w.worker_id, w.role, t.tier]
             for field, family in counters.items():
                 family.add_metric(values, getattr(t, field))
+            for field, gauge in gauges.items():
+                gauge.add_metric(values, getattr(t, field))
             held.add_metric(values, t.held_bytes)
     yield from counters.values()
+    yield from gauges.values()
     yield held
 
 

@@ -15,7 +15,9 @@ class KVTierConfig:
     HTTP metadata server at ``store_metadata``); this worker lends the store ``store_bytes``
     of its memory (0: none, objects live in a store server's) and reaches it from ``store_host``. ``group_pages``: pages per
     file or store object. ``max_pending_writes``: page groups queued for the writer
-    thread; more are dropped (counted), never waited for.
+    thread; more are dropped (counted), never waited for. ``load``: ``cost`` loads a found
+    prefix only as far as loading measures faster than computing it (``engine/kv_cost.py``),
+    ``always`` loads all of it (saves compute whatever it costs in time).
     """
 
     host_bytes: int = 0
@@ -27,8 +29,11 @@ class KVTierConfig:
     store_bytes: int = 0
     group_pages: int = 8
     max_pending_writes: int = 256
+    load: str = "cost"
 
     def __post_init__(self) -> None:
+        if self.load not in ("cost", "always"):
+            raise ValueError(f"load is 'cost' or 'always', not {self.load!r}")
         if self.host_bytes < 0 or self.disk_bytes < 1 or self.store_bytes < 0:
             raise ValueError("kv tier sizes must be positive (host_bytes 0: no host tier; store_bytes 0: lend none)")
         if self.group_pages < 1 or self.max_pending_writes < 1:

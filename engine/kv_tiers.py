@@ -37,6 +37,7 @@ import torch
 
 from pdserve.engine import kv_blob
 from pdserve.engine.config import KVTierConfig
+from pdserve.engine.kv_cost import CostEstimates, pages_worth_loading
 from pdserve.engine.kv_host import HostTier
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.kv_store import StoreError
@@ -68,6 +69,7 @@ class TierCounters:
     stored_pages: int = 0  # pages written into this tier
     store_bytes: int = 0
     corrupt: int = 0  # blobs that failed their checks (treated as misses)
+    declined_pages: int = 0  # found here, computed instead (kv_cost: loading was the slower)
 
 
 @dataclass
@@ -122,6 +124,7 @@ class KVTiers:
         self.ident = ident
         self.group_pages = config.group_pages
         self.stats = TierStats()
+        self.estimates = CostEstimates()  # the load-or-recompute rule's running inputs
         self.observe: Callable[[str, float], None] | None = None
         self.host = HostTier(pool, config.host_bytes) if config.host_bytes else None
         self.groups: list[GroupTier] = []
@@ -152,8 +155,16 @@ class KVTiers:
     def counts(self) -> tuple[TierCounts, ...]:
         """Each configured tier's totals, for the worker's heartbeat (and metrics)."""
         present = {"host": self.host, **{t.name: t for t in self.groups}}
+        page = self.pool.page_bytes
+        recompute = self.estimates.recompute_seconds(self.pool.layout.page_size) or 0.0
         return tuple(
-            TierCounts(name, **dataclasses.asdict(self.stats.tiers[name]), held_bytes=getattr(tier, "num_bytes", 0))
+            TierCounts(
+                name,
+                **dataclasses.asdict(self.stats.tiers[name]),
+                held_bytes=getattr(tier, "num_bytes", 0),
+                load_s_per_page=self.estimates.load_seconds(name, page) or 0.0,
+                recompute_s_per_page=recompute,
+            )
             for name, tier in present.items()
             if tier is not None
         )
@@ -206,6 +217,29 @@ class KVTiers:
         self._timed("lookup", began)
         return Plan(hashes, start, steps)
 
+    def worth_loading(self, plan: Plan) -> Plan:
+        """``plan`` cut to the leading pages whose loading beats computing them
+        (:func:`~pdserve.engine.kv_cost.pages_worth_loading`); the pages cut are counted as
+        declined, per tier."""
+        if self.config.load == "always":
+            return plan
+        runs = [(s.tier, s.count) for s in plan.steps]
+        keep = pages_worth_loading(runs, self.pool.page_bytes, self.pool.layout.page_size, self.estimates).pages
+        steps: list[_Step] = []
+        left = keep
+        for step in plan.steps:
+            take = min(step.count, left)
+            if take:
+                steps.append(_Step(step.tier, step.key, step.skip, take))
+            if step.count > take:
+                self.stats.tiers[step.tier].declined_pages += step.count - take
+            left -= take
+        return Plan(plan.hashes, plan.start, steps)
+
+    def note_prefill(self, tokens: int, seconds: float) -> None:
+        """A step computed ``tokens`` prompt tokens in ``seconds``: the recompute side's rate."""
+        self.estimates.note_prefill(tokens, seconds)
+
     def load(self, plan: Plan, pages: Sequence[int]) -> int:
         """Fill ``pages`` with ``plan``'s pages in order; returns how many were loaded (a
         page lost since :meth:`find`, or a corrupt blob, ends the run there)."""
@@ -216,8 +250,10 @@ class KVTiers:
             if done >= len(pages):
                 break
             n = min(step.count, len(pages) - done)
+            step_began = time.perf_counter()
             if not self._load_step(step, pages[done : done + n]):
                 break
+            self.estimates.note_load(step.tier, n * self.pool.page_bytes, time.perf_counter() - step_began)
             counters = self.stats.tiers[step.tier]
             counters.hit_pages += n
             counters.load_bytes += n * self.pool.page_bytes

@@ -27,6 +27,7 @@ class PrefixTiers(Protocol):
 
     def demote(self, page: int, h: bytes) -> None: ...
     def find(self, hashes: Sequence[bytes], start: int, limit: int) -> Any: ...  # a plan with ``num_pages``
+    def worth_loading(self, plan: Any) -> Any: ...  # the plan cut to what loads faster than computing
     def load(self, plan: Any, pages: Sequence[int]) -> int: ...
     def offer(self, hashes: Sequence[bytes], page_table: Sequence[int], old_full: int, new_full: int) -> None: ...
 
@@ -250,7 +251,7 @@ class PageManager:
         """Pages for ``hashes[start:]`` loaded from the tiers below (at most ``limit``, and
         no more than are free), indexed like computed ones, referenced once."""
         assert self.tiers is not None
-        plan = self.tiers.find(hashes, start, limit)
+        plan = self.tiers.worth_loading(self.tiers.find(hashes, start, limit))
         n = min(plan.num_pages, self.num_free_pages)
         if n <= 0:
             return []

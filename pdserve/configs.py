@@ -205,6 +205,7 @@ def tier_config(args: argparse.Namespace) -> KVTierConfig:
             store_host=args.transfer_host or args.host,
             store_bytes=args.kv_store_bytes,
             group_pages=args.kv_group_pages,
+            load=args.kv_tier_load,
         )
     except ValueError as exc:
         raise UsageError(f"--kv-*: {exc}") from None

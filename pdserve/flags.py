@@ -210,6 +210,13 @@ ENGINE = (
         int,
         "KV pages per disk file or store object (default: %(default)s)",
     ),
+    Flag(
+        "--kv-tier-load",
+        KVTierConfig.load,
+        choices=("cost", "always"),
+        help="cost: load a prefix found below the device only as far as loading measures faster than "
+        "computing it; always: load all of it (default: %(default)s)",
+    ),
     Flag("--heartbeat-seconds", WorkerConfig.heartbeat_seconds, float, "worker registry refresh interval"),
 )
 

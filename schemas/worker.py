@@ -71,7 +71,10 @@ class TierCounts:
     """One KV tier's totals: ``tier`` is ``host``, ``disk`` or ``store``; ``hit_pages`` and
     ``load_bytes``: loaded from it into the pool; ``stored_pages`` and ``store_bytes``:
     written into it; ``corrupt``: entries that failed their checks (used as misses);
-    ``held_bytes``: what it holds now (host and disk; 0 where unknown)."""
+    ``held_bytes``: what it holds now (host and disk; 0 where unknown); ``declined_pages``:
+    pages found there and computed instead, loading them being the slower
+    (:mod:`pdserve.engine.kv_cost`); the rule's inputs now: ``load_s_per_page`` (this tier's
+    measured rate) against ``recompute_s_per_page`` (the worker's prefill), 0 until measured."""
 
     tier: str
     hit_pages: int = 0
@@ -80,6 +83,9 @@ class TierCounts:
     store_bytes: int = 0
     corrupt: int = 0
     held_bytes: int = 0
+    declined_pages: int = 0
+    load_s_per_page: float = 0.0
+    recompute_s_per_page: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -120,8 +120,8 @@ def test_kv_tiers_on_the_gpu_serve_evicted_prefixes_with_equal_output(tmp_path: 
     fillers = [[rng.randrange(5000) for _ in range(320)] for _ in range(2)]
     prompts = [base, *fillers, base + [1, 2, 3]]
     reference = [run(engine_for(model, 0), [p], 12)[0] for p in prompts]
-    disk = KVTierConfig(disk_dir=str(tmp_path), group_pages=4)
-    engine = tiered(KVTierConfig(host_bytes=64 << 20, disk_dir=str(tmp_path), group_pages=4))
+    disk = KVTierConfig(disk_dir=str(tmp_path), group_pages=4, load="always")
+    engine = tiered(KVTierConfig(host_bytes=64 << 20, disk_dir=str(tmp_path), group_pages=4, load="always"))
     assert [run(engine, [p], 12)[0] for p in prompts] == reference
     assert engine.tiers is not None and engine.tiers.stats.tiers["host"].hit_pages >= 300 // 16 - 2
     engine.close()

@@ -102,6 +102,9 @@ def prompts_and_expected(tiny_model_dir: Path) -> tuple[list[list[int]], list[li
 
 
 def tiered_engine(model_dir: Path, **tiers: object) -> Engine:
+    """An engine over the tiers ``tiers``; they load whatever they hold (``load='always'``:
+    these tests are about what the tiers hold and give back, the cost rule has its own)."""
+    tiers.setdefault("load", "always")
     config = EngineConfig(max_total_tokens=POOL_TOKENS, kv_tiers=KVTierConfig(**tiers))  # type: ignore[arg-type]
     return build_engine(model_dir, config)
 
@@ -113,6 +116,27 @@ def serve(engine: Engine, prompts: list[list[int]], first: int = 0) -> list[list
         engine.add_request(f"r{i}", p, GREEDY)
         outs.append(run_all(engine)[f"r{i}"])
     return outs
+
+
+def test_a_tier_measured_slower_than_computing_is_declined_and_output_stays_equal(
+    tiny_model_dir: Path, prompts_and_expected
+) -> None:
+    """The default rule (``load='cost'``): host memory that has measured slower than this
+    engine's prefill is not loaded from; the prefix is computed, counted as declined, and
+    what the heartbeat says shows the rule's inputs."""
+    prompts, expected = prompts_and_expected
+    engine = tiered_engine(tiny_model_dir, host_bytes=64 << 20, load="cost")
+    assert engine.tiers is not None
+    engine.tiers.estimates.note_load("host", 1, 1.0)  # a byte a second: slower than any prefill
+    base, again, *fillers, shorter = prompts
+    assert serve(engine, [base, *fillers, again, shorter]) == [expected[0], *expected[2:4], expected[1], expected[4]]
+    host = engine.tiers.stats.tiers["host"]
+    assert host.stored_pages > 0 and host.hit_pages == 0
+    assert host.declined_pages >= 200 // 16 - 2  # the base prompt's pages were found there, and computed
+    (counts,) = engine.tiers.counts()
+    assert counts.declined_pages == host.declined_pages
+    assert counts.load_s_per_page > counts.recompute_s_per_page > 0
+    engine.pages.check_invariants()
 
 
 def test_host_tier_serves_evicted_prefixes_with_equal_output(tiny_model_dir: Path, prompts_and_expected) -> None:

@@ -20,7 +20,9 @@ pytestmark = pytest.mark.slow
 async def test_a_restarted_prefill_worker_serves_a_repeated_prompt_from_disk(
     workers, nats_server, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    engine = EngineConfig(max_total_tokens=16 * 512, kv_tiers=KVTierConfig(disk_dir=str(tmp_path), group_pages=4))
+    engine = EngineConfig(
+        max_total_tokens=16 * 512, kv_tiers=KVTierConfig(disk_dir=str(tmp_path), group_pages=4, load="always")
+    )
     prefill = await workers("prefill", engine=engine)
     await workers("decode")
     gateway = Gateway(nats_server.url, tiny_model_dir.name, streams.BrokerConfig())

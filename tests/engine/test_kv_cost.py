@@ -1,0 +1,77 @@
+"""The load-or-recompute rule of the KV tiers (``engine/kv_cost.py``), with numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.engine.kv_cost import CostEstimates, Decision, pages_worth_loading
+
+PAGE_BYTES = 1 << 20  # 1 MiB a page
+PAGE_TOKENS = 16
+
+
+def estimates(prefill_us_per_token: float, **mib_per_s: float) -> CostEstimates:
+    """Estimates from one prefill reading (microseconds a token) and one load reading a tier
+    (MiB a second)."""
+    e = CostEstimates()
+    e.note_prefill(1000, prefill_us_per_token * 1000 / 1e6)
+    for tier, rate in mib_per_s.items():
+        e.note_load(tier, 1 << 20, 1.0 / rate)
+    return e
+
+
+def test_a_fast_tier_is_loaded_whole() -> None:
+    # host: 1 MiB in 0.1 ms; computing a page: 16 x 1 ms
+    d = pages_worth_loading([("host", 10)], PAGE_BYTES, PAGE_TOKENS, estimates(1000.0, host=10_000))
+    assert d.pages == 10 and d.saved_seconds == pytest.approx(10 * (0.016 - 0.0001))
+
+
+def test_a_tier_slower_than_computing_is_declined() -> None:
+    # a GPU that computes a page in 16 x 23 us, a disk at 1 GB/s (a page in ~1 ms)
+    d = pages_worth_loading([("disk", 8)], PAGE_BYTES, PAGE_TOKENS, estimates(23.0, disk=1000))
+    assert d == Decision(0, 0.0)
+
+
+def test_a_fast_run_before_a_slow_one_is_loaded_and_the_slow_one_computed() -> None:
+    e = estimates(23.0, host=20_000, store=500)
+    d = pages_worth_loading([("host", 4), ("store", 8)], PAGE_BYTES, PAGE_TOKENS, e)
+    assert d.pages == 4 and d.saved_seconds is not None and d.saved_seconds > 0
+
+
+def test_a_slow_run_before_a_fast_one_is_taken_when_the_whole_pays() -> None:
+    # a page of store costs 0.2 ms more than computing it, a page of host saves 0.35 ms:
+    # two store pages and four host pages save more than none
+    e = CostEstimates(
+        bytes_per_s={"store": PAGE_BYTES / 0.0006, "host": PAGE_BYTES / 0.00005},
+        prefill_s_per_token=0.0004 / PAGE_TOKENS,
+    )
+    d = pages_worth_loading([("store", 2), ("host", 4)], PAGE_BYTES, PAGE_TOKENS, e)
+    assert d.pages == 6 and d.saved_seconds == pytest.approx(4 * 0.00035 - 2 * 0.0002)
+
+
+def test_break_even_is_declined() -> None:
+    e = CostEstimates(bytes_per_s={"disk": PAGE_BYTES / 0.001}, prefill_s_per_token=0.001 / PAGE_TOKENS)
+    assert pages_worth_loading([("disk", 3)], PAGE_BYTES, PAGE_TOKENS, e).pages == 0
+
+
+def test_unmeasured_inputs_load_to_measure() -> None:
+    assert pages_worth_loading([("disk", 5)], PAGE_BYTES, PAGE_TOKENS, CostEstimates()) == Decision(5, None)
+    e = estimates(1000.0, host=10_000)  # disk not measured yet, behind a host run that pays
+    assert pages_worth_loading([("host", 2), ("disk", 3)], PAGE_BYTES, PAGE_TOKENS, e) == Decision(5, None)
+    e = estimates(23.0, disk=100)  # a losing disk run, then an unmeasured store: stop before it
+    assert pages_worth_loading([("disk", 2), ("store", 3)], PAGE_BYTES, PAGE_TOKENS, e).pages == 0
+
+
+def test_nothing_found_loads_nothing() -> None:
+    assert pages_worth_loading([], PAGE_BYTES, PAGE_TOKENS, CostEstimates()) == Decision(0, 0.0)
+
+
+def test_the_estimates_follow_readings_and_ignore_empty_ones() -> None:
+    e = CostEstimates()
+    e.note_load("disk", 1000, 0.001)
+    e.note_load("disk", 0, 1.0)  # nothing moved: no reading
+    e.note_load("disk", 1000, 0.0)  # no time: no reading
+    assert e.bytes_per_s["disk"] == pytest.approx(1e6)
+    e.note_load("disk", 1000, 0.002)
+    assert 5e5 < e.bytes_per_s["disk"] < 1e6  # moved toward the new reading, smoothed
+    assert e.load_seconds("store", 10) is None and e.recompute_seconds(10) is None
