@@ -42,6 +42,16 @@ def py_spy(pid: int, path: Path, seconds: int = 4, rate: int = 250) -> subproces
     return spy
 
 
+def log(line: str) -> None:
+    """A progress line on stderr, with the time."""
+    print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
+
+
+def say(msg: str) -> None:
+    """A progress line on stderr."""
+    print(msg, file=sys.stderr, flush=True)
+
+
 def fmt(v: float | None, digits: int = 1) -> str:
     """``v`` to ``digits`` places for a table; ``-`` for none or NaN."""
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{digits}f}"

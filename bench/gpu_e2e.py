@@ -11,11 +11,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import say
+
 from pdserve.engine.config import EngineConfig
-
-
-def say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def measure_e2e(args: argparse.Namespace, dims: dict, device: str) -> dict:

@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import say
 from gpu_e2e import measure_e2e
 
 from pdserve.bench.shapes import QWEN2_5_7B
@@ -42,10 +43,6 @@ from pdserve.schemas import SamplingParams
 
 SMALL = dict(QWEN2_5_7B, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4)
 SMALL.update(num_key_value_heads=2, vocab_size=1000)
-
-
-def say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 class Timer:

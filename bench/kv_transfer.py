@@ -25,10 +25,6 @@ from common import free_port
 from pdserve.schemas import KVLayout
 
 
-def log(line: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
-
-
 def _p2p_end(
     role: str,
     backend: str,

@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import git_commit, greedy_probe, start_pdserve, stop_pdserve
+from common import git_commit, greedy_probe, log, start_pdserve, stop_pdserve
 from make_dummy_model import write_model_dir
 
 from pdserve.bench.config import BenchConfig
@@ -50,10 +50,6 @@ from pdserve.workers.transfer.base import plan_reads
 from pdserve.workers.transfer.local import LocalTransfer
 
 PAGE = 16
-
-
-def log(line: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
 
 
 def measure_handoff(dims: dict[str, Any], tokens: int, device: str, reps: int = 20) -> dict[str, Any]:

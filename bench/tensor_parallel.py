@@ -45,6 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import say
 from gpu_engine import SMALL, Timer, engine_run, prompts, replay_ms
 
 from pdserve.bench.shapes import QWEN2_5_7B
@@ -52,10 +53,6 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.loader import quiet_transformers
 from pdserve.engine.model_runner import ModelRunner, ModelSpec
-
-
-def say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def rank_main(args: argparse.Namespace) -> int:

@@ -49,7 +49,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import git_commit, greedy_probe, plot_goodput
+from common import git_commit, greedy_probe, log, plot_goodput
 from kv_transfer import measure_mooncake, measure_p2p
 from make_dummy_model import write_model_dir
 from serving_sweep import goodput
@@ -68,10 +68,6 @@ PAGE_SIZE = 16
 def layout_of(dims: dict[str, Any]) -> KVLayout:
     head_dim = dims["hidden_size"] // dims["num_attention_heads"]
     return KVLayout(dims["num_hidden_layers"], dims["num_key_value_heads"], head_dim, PAGE_SIZE, "bfloat16")
-
-
-def log(line: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
 
 
 # ---- 2. serving: PD and unified behind the same API ---------------------------------------------

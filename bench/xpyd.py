@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import git_commit, plot_goodput
+from common import git_commit, log, plot_goodput
 from make_dummy_model import write_model_dir
 from system import System
 from two_gpu_pd import bench_point, best_goodput, greedy_probe, summary
@@ -52,10 +52,6 @@ from pdserve.bench.shapes import QWEN2_5_7B
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = {"prefill_heavy": (2048, 128), "decode_heavy": (128, 1024)}
 SMALL_WORKLOADS = {"prefill_heavy": (256, 8), "decode_heavy": (16, 48)}
-
-
-def log(line: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
 
 
 def parse_config(name: str) -> tuple[int, int, int]:

@@ -221,9 +221,10 @@ class Engine(Admission):
         self.stats.steps += 1
         self.stats.batch_rows += len(batch.decodes) + len(batch.prefills)
         self.stats.busy_seconds += result.seconds
-        prompt_tokens = sum(n for _, n in batch.prefills)
-        if self.tiers is not None and prompt_tokens >= self.config.page_size:  # the tiers' recompute rate
-            self.tiers.note_prefill(prompt_tokens, result.gpu_seconds or result.seconds)
+        if self.tiers is not None and batch.prefills:  # the tiers' recompute rate
+            prompt_tokens = sum(n for _, n in batch.prefills)
+            if prompt_tokens >= self.config.page_size:
+                self.tiers.note_prefill(prompt_tokens, result.gpu_seconds or result.seconds)
         for seq in batch.decodes:
             if seq.status is Status.RUNNING:  # not preempted or finished while the step was queued
                 self.scheduler.on_computed(seq, 1)

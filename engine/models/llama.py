@@ -18,16 +18,7 @@ import torch.nn.functional as F
 
 from pdserve.engine.kernels import elementwise, gemv, paged, rope
 from pdserve.engine.models.batch import StepBatch
-from pdserve.engine.models.llama_weights import (  # noqa: F401 (re-exported)
-    ARCHITECTURES,
-    STATIC_ROPE,
-    Layer,
-    _fuse,
-    _fused_weight,
-    fused_layer,
-    rope_tables,
-    unsupported_reason,
-)
+from pdserve.engine.models.llama_weights import FusedDecoder, Layer
 
 if TYPE_CHECKING:
     from pdserve.engine.parallel import TPGroup
@@ -42,7 +33,7 @@ GEMV_DOWN = {"block_n": 8, "block_k": 512, "num_warps": 4, "split_k": 2}  # 36.2
 GEMV_LM_HEAD = {"block_n": 8, "block_k": 512, "num_warps": 4}
 
 
-class LlamaFamily:
+class LlamaFamily(FusedDecoder):
     """Forward pass over a :class:`StepBatch`; the KV pool is written and read in place.
 
     ``sdpa_prefill``: whole prompts (no cached prefix) attend with the library's flash
@@ -73,26 +64,8 @@ class LlamaFamily:
     separate_rope = False  # decode-only steps rotate and store k, v in a kernel of their own
 
     def __init__(self, model: Any, pool: torch.Tensor, max_positions: int, tp: TPGroup | None = None) -> None:
-        reason = unsupported_reason(model)
-        if reason is not None:
-            raise ValueError(reason)
-        config = model.config.get_text_config()
-        inner = model.model
-        self.pool = pool
-        self.tp = tp
-        ranks = 1 if tp is None else tp.size
-        self.num_q = config.num_attention_heads // ranks
-        self.num_kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) // ranks
-        first = inner.layers[0].self_attn
-        self.head_dim = first.head_dim
-        self.scale = first.scaling
-        self.eps = config.rms_norm_eps
-        self.embed = inner.embed_tokens.weight
-        self.norm = inner.norm.weight
-        self.lm_head = model.lm_head.weight
-        self.layers = [fused_layer(layer) for layer in inner.layers]
+        super().__init__(model, pool, max_positions, tp)
         device = self.embed.device
-        self.cos, self.sin = rope_tables(model, max_positions)
         self._counters: torch.Tensor | None = None  # fused_merge's per-(sequence, kv head) counters
         if device.type == "cuda":
             gemv.reserve_counters(device)  # split-K counters, before any graph is captured

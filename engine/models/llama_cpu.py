@@ -18,16 +18,16 @@ of (layer, head) is row ``((page * L + layer) * 2) * H + head``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from pdserve.engine.models.batch import StepBatch
-from pdserve.engine.models.llama_weights import Layer, fused_layer, rope_tables, unsupported_reason
+from pdserve.engine.models.llama_weights import FusedDecoder, Layer
 
 if TYPE_CHECKING:
-    from pdserve.engine.parallel import TPGroup
+    pass
 
 
 @dataclass
@@ -65,7 +65,7 @@ def _page_rows(pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     return layer0 + (torch.arange(layers) * (2 * heads))[:, None]
 
 
-class LlamaFamilyCPU:
+class LlamaFamilyCPU(FusedDecoder):
     """Forward pass over a :class:`StepBatch` on a CPU; the KV pool is written and read in place.
 
     Tokens are packed as the GPU pass packs them: one per decoding sequence first, then
@@ -74,26 +74,6 @@ class LlamaFamilyCPU:
     """
 
     overlaps = False  # the engine gains nothing from queueing a step ahead on a CPU
-
-    def __init__(self, model: Any, pool: torch.Tensor, max_positions: int, tp: TPGroup | None = None) -> None:
-        reason = unsupported_reason(model)
-        if reason is not None:
-            raise ValueError(reason)
-        config = model.config.get_text_config()
-        inner = model.model
-        ranks = 1 if tp is None else tp.size
-        self.pool = pool
-        self.tp = tp
-        self.num_q = config.num_attention_heads // ranks
-        self.num_kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) // ranks
-        self.head_dim = inner.layers[0].self_attn.head_dim
-        self.scale = inner.layers[0].self_attn.scaling
-        self.eps = config.rms_norm_eps
-        self.embed = inner.embed_tokens.weight
-        self.norm = inner.norm.weight
-        self.lm_head = model.lm_head.weight
-        self.layers: list[Layer] = [fused_layer(layer) for layer in inner.layers]
-        self.cos, self.sin = rope_tables(model, max_positions)
 
     def plan(self, step: StepBatch) -> Plan:
         """The step's indices, once for every layer."""

@@ -8,9 +8,12 @@ Imports no kernels: the GPU pass (:mod:`.llama`, Triton) and the CPU pass
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from pdserve.engine.parallel import TPGroup
 
 ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"})
 # Rotary variants whose tables depend only on the position (not on the running sequence length).
@@ -122,3 +125,30 @@ def rope_tables(model: Any, max_positions: int) -> tuple[torch.Tensor, torch.Ten
         cos, sin = inner.rotary_emb(probe, positions)
     assert cos.shape[-1] == inner.layers[0].self_attn.head_dim, "partial rotary has no fast path"
     return cos[0].contiguous(), sin[0].contiguous()
+
+
+class FusedDecoder:
+    """What both forward passes hold of a Llama-family model: its shape (heads of this rank,
+    head size, scale, norm epsilon), embedding, final norm, LM head, fused layers and rotary
+    tables, over the page pool ``pool``. ``tp``: the weights are this rank's shard."""
+
+    def __init__(self, model: Any, pool: torch.Tensor, max_positions: int, tp: TPGroup | None = None) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(reason)
+        config = model.config.get_text_config()
+        inner = model.model
+        ranks = 1 if tp is None else tp.size
+        self.pool = pool
+        self.tp = tp
+        self.num_q = config.num_attention_heads // ranks
+        self.num_kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) // ranks
+        first = inner.layers[0].self_attn
+        self.head_dim = first.head_dim
+        self.scale = first.scaling
+        self.eps = config.rms_norm_eps
+        self.embed = inner.embed_tokens.weight
+        self.norm = inner.norm.weight
+        self.lm_head = model.lm_head.weight
+        self.layers: list[Layer] = [fused_layer(layer) for layer in inner.layers]
+        self.cos, self.sin = rope_tables(model, max_positions)

@@ -10,7 +10,14 @@ on an H200: the forward pass and pdserve agreed, ``generate`` did not).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+from pdserve.schemas import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.engine.engine import Engine
 
 TIE = 1e-3  # logits closer than this are a tie in float32 through dozens of layers
 
@@ -30,3 +37,27 @@ def assert_greedy_equal(
             row = logits[len(prompt) + i - 1]
             gap = (row.max() - row[a[i]]).item()
             assert gap < TIE, f"output {i} is {a[i]}, {gap:.2e} below the reference's best {row.argmax().item()}"
+
+
+def hf_greedy(model: torch.nn.Module, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """``generate``'s ``n`` greedy tokens for each prompt alone (SDPA attention), on the model's device."""
+    model.set_attn_implementation("sdpa")
+    device = next(model.parameters()).device
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p], device=device)
+            outs.append(model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, len(p) :].tolist())
+    return outs
+
+
+def run(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """The engine's ``n`` greedy tokens for each prompt, all added at once and stepped to the end."""
+    params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    outs: dict[str, list[int]] = {}
+    while engine.has_work():
+        for o in engine.step():
+            outs.setdefault(o.rid, []).extend(o.token_ids)
+    return [outs[str(i)] for i in range(len(prompts))]

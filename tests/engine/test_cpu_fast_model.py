@@ -20,32 +20,10 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.loader import quiet_transformers
 from pdserve.engine.model_runner import ModelRunner, ModelSpec
 from pdserve.engine.models.llama_cpu import LlamaFamilyCPU
-from pdserve.schemas import SamplingParams
-from tests.engine.reference import assert_greedy_equal
+from tests.engine.reference import assert_greedy_equal, hf_greedy, run
 
 NEW = 6
 CPU = torch.device("cpu")
-
-
-def hf_greedy(model: torch.nn.Module, prompts: list[list[int]], n: int) -> list[list[int]]:
-    model.set_attn_implementation("sdpa")
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            outs.append(model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, len(p) :].tolist())
-    return outs
-
-
-def run(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
-    params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    outs: dict[str, list[int]] = {}
-    while engine.has_work():
-        for o in engine.step():
-            outs.setdefault(o.rid, []).extend(o.token_ids)
-    return [outs[str(i)] for i in range(len(prompts))]
 
 
 def cpu_engine(model: torch.nn.Module, **knobs: object) -> Engine:

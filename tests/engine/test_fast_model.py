@@ -22,34 +22,13 @@ from pdserve.engine.loader import quiet_transformers
 from pdserve.engine.model_runner import ModelRunner, ModelSpec
 from pdserve.schemas import SamplingParams
 from tests.engine.kernel_env import DEVICE, llama
-from tests.engine.reference import assert_greedy_equal
+from tests.engine.reference import assert_greedy_equal, hf_greedy, run
 
 NEW = 6
 
 
 def small_model(kind: str) -> torch.nn.Module:
     return shapes.small_model(kind, DEVICE)  # type: ignore[no-any-return]
-
-
-def hf_greedy(model: torch.nn.Module, prompts: list[list[int]], n: int) -> list[list[int]]:
-    model.set_attn_implementation("sdpa")
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p], device=DEVICE)
-            outs.append(model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, len(p) :].tolist())
-    return outs
-
-
-def run(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
-    params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    outs: dict[str, list[int]] = {}
-    while engine.has_work():
-        for o in engine.step():
-            outs.setdefault(o.rid, []).extend(o.token_ids)
-    return [outs[str(i)] for i in range(len(prompts))]
 
 
 @pytest.mark.parametrize(
@@ -171,10 +150,10 @@ def test_overlapped_steps_equal_plain_steps() -> None:
         assert (engine.scheduler.num_preemptions > 0) is (tokens == 80)
         assert (engine.stats.overlapped_steps > 0) is overlap
     reference, plain, overlapped = results
-    for run in (plain, overlapped):
-        cut = run["tokens"].pop("4", [])  # aborted part way: what it got is the reference's start
+    for result in (plain, overlapped):
+        cut = result["tokens"].pop("4", [])  # aborted part way: what it got is the reference's start
         assert cut == reference["tokens"]["4"][: len(cut)]
-        assert run["reasons"].pop("4", None) is None
+        assert result["reasons"].pop("4", None) is None
     reference["tokens"].pop("4")
     reference["reasons"].pop("4")
     assert plain == reference

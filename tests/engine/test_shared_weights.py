@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.models.llama import _fuse
+from pdserve.engine.models.llama_weights import _fuse
 
 
 def test_fusing_modules_again_returns_the_fused_tensor_they_already_slice() -> None:
