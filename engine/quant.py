@@ -1,0 +1,212 @@
+"""FP8 (float8_e4m3fn) weights: one scale per output channel, computed from the weights.
+
+A weight ``w [N, K]`` is held as ``q [N, K]`` in float8_e4m3fn and ``scale [N]`` in float32
+with ``w ~= q * scale[:, None]``; each row's largest magnitude maps to e4m3's largest finite
+value, 448. Plain torch: the kernels that read ``q`` in place live in
+:mod:`pdserve.engine.kernels`, and the quality script (``bench/fp8_quality.py``) runs the
+same rounding on the CPU.
+
+Also here: the KV cache's FP8 scheme (:func:`quantize_kv_fp8`, one float32 scale per token per
+KV head) and FP8 checkpoints' weights turned into :class:`Fp8Weight`
+(:func:`fp8_weight_from_checkpoint`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+# A row of zeros keeps a scale of 1 (any scale reproduces it); this floor keeps 1 / scale finite.
+_MIN_AMAX = 1e-12
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """``q`` float8_e4m3fn ``[N, K]`` and ``scale`` float32 ``[N]``: ``w ~= q * scale[:, None]``."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.q.dtype != FP8:
+            raise ValueError(f"an FP8 weight is float8_e4m3fn, not {self.q.dtype}")
+        if self.q.dim() != 2 or self.scale.shape != (self.q.shape[0],) or self.scale.dtype != torch.float32:
+            raise ValueError(
+                f"scale must be float32 [{self.q.shape[0]}], got {self.scale.dtype} {list(self.scale.shape)}"
+            )
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return (self.q.to(torch.float32) * self.scale[:, None]).to(dtype)
+
+
+def quantize_fp8(w: torch.Tensor) -> Fp8Weight:
+    """``w [N, K]`` (any float dtype) as FP8 with per-output-channel scales (round to nearest even,
+    no saturation needed: every value is at most its row's amax)."""
+    if w.dim() != 2:
+        raise ValueError(f"FP8 weights are matrices, got shape {list(w.shape)}")
+    w32 = w.detach().to(torch.float32)
+    amax = w32.abs().amax(dim=1).clamp_min(_MIN_AMAX)
+    scale = amax / FP8_MAX
+    q = (w32 / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return Fp8Weight(q=q.contiguous(), scale=scale.contiguous())
+
+
+# --- The KV cache: one scale per token per KV head ------------------------------------------
+
+# The dtype of the KV scales; the pool holds one beside each stored vector (see quantize_kv_fp8).
+KV_SCALE_DTYPE = torch.float32
+
+
+def quantize_kv_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys (after rotary) or values ``x [..., head_dim]`` as ``(q, scale)``: ``q`` float8_e4m3fn
+    of ``x``'s shape and ``scale`` float32 ``x.shape[:-1]``, one per vector (per token per KV
+    head), ``x ~= q * scale[..., None]`` with each vector's amax mapped to 448.
+
+    Why per token and head, not per (page, head): a token's scale depends on that token alone,
+    so the store kernel writes each new token's ``head_dim`` bytes and its scale once and never
+    touches the page's other tokens. A page filled over many decode steps stays exact without
+    a running max (a scale fixed at a page's first store would clip later, larger tokens;
+    raising it means re-quantizing, and double-rounding, the tokens already there), and a page
+    shared by prefix caching never changes. Reading in place is as simple: beside the pool's
+    ``[pages, layers, 2, kv_heads, page_size, head_dim]`` FP8 bytes lies a float32
+    ``[pages, layers, 2, kv_heads, page_size]`` scale tensor, and a paged attention kernel loads
+    a ``[page_size]`` row of scales with each ``[page_size, head_dim]`` tile, folding the key
+    scales into the score columns (``q . k_i = (q . kq_i) * ks_i``) and the value scales into
+    the probabilities (``sum_i p_i v_i = sum_i (p_i * vs_i) vq_i``): no tile is dequantized.
+    The cost is 4 bytes per ``head_dim`` bytes: 1.88x bf16's tokens per byte at head_dim 64,
+    1.94x at 128, against 2.0x for scales per page (see ``bench/fp8_quality.py``)."""
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"KV vectors need a last (head_dim) dimension, got shape {list(x.shape)}")
+    x32 = x.detach().to(torch.float32)
+    scale = x32.abs().amax(dim=-1).clamp_min(_MIN_AMAX) / FP8_MAX
+    q = (x32 / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.contiguous(), scale.contiguous()
+
+
+def dequantize_kv_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``q * scale[..., None]`` in ``dtype``: the inverse of :func:`quantize_kv_fp8`."""
+    if q.dtype != FP8:
+        raise ValueError(f"FP8 KV is float8_e4m3fn, not {q.dtype}")
+    if scale.dtype != KV_SCALE_DTYPE or scale.shape != q.shape[:-1]:
+        raise ValueError(f"KV scales must be float32 {list(q.shape[:-1])}, got {scale.dtype} {list(scale.shape)}")
+    return (q.to(torch.float32) * scale[..., None]).to(dtype)
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, fp8: bool) -> int:
+    """Bytes of the page pool a token takes, all layers' K and V: bf16 or FP8 with its scales."""
+    per_vector = head_dim + KV_SCALE_DTYPE.itemsize if fp8 else 2 * head_dim
+    return num_layers * 2 * num_kv_heads * per_vector
+
+
+# --- FP8 checkpoints: their scales as per-output-channel ones ---------------------------------
+
+# config.json's quantization_config ``quant_method`` values read by fp8_weight_from_checkpoint.
+CHECKPOINT_FORMATS = ("fp8", "compressed-tensors")
+
+
+def fp8_weight_from_scaled(
+    q: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int] | None = None
+) -> Fp8Weight:
+    """An FP8 checkpoint's weight ``q [N, K]`` with ``w = q * scale`` as an :class:`Fp8Weight`.
+
+    ``scale`` is per tensor (one value: shape ``[]``, ``[1]`` or ``[1, 1]``) or per output
+    channel (``[N]`` or ``[N, 1]``): both exact, ``q`` kept and the scale broadcast to float32
+    ``[N]``. With ``block_size (bn, bk)`` it is per block, ``[ceil(N / bn), ceil(K / bk)]``: each
+    row takes the largest scale of its blocks and every value is rounded again to that grid
+    (``q * block_scale / row_scale``). The blocks holding that largest scale, and so every row
+    whose blocks share one scale, come back unchanged, as do blocks whose scale is the row's
+    over a power of two (subnormals aside); the others lose resolution: at most half an e4m3 step (6.25% relative) more
+    where a value stays in e4m3's normal range at the row's scale, more for values below it.
+    (Quantizing the dequantized row afresh, amax / 448, would round every block again whenever
+    the row's largest ``q`` is not 448.)"""
+    if q.dtype != FP8:
+        hint = " (float8_e5m2 weights are not supported)" if q.dtype == torch.float8_e5m2 else ""
+        raise ValueError(f"an FP8 checkpoint weight is float8_e4m3fn, not {q.dtype}{hint}")
+    if q.dim() != 2:
+        raise ValueError(f"FP8 weights are matrices, got shape {list(q.shape)}")
+    n, k = q.shape
+    scale32 = scale.detach().to(torch.float32)
+    if block_size is not None:
+        bn, bk = block_size
+        blocks = (-(-n // bn), -(-k // bk))
+        if tuple(scale.shape) != blocks:
+            raise ValueError(
+                f"a block-scaled [{n}, {k}] weight with blocks of {list(block_size)} needs scales "
+                f"{list(blocks)}, got {list(scale.shape)}"
+            )
+        full = scale32.repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
+        row_scale = full.amax(dim=1).clamp_min(_MIN_AMAX / FP8_MAX)
+        requantized = (q.to(torch.float32) * (full / row_scale[:, None])).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        return Fp8Weight(q=requantized.contiguous(), scale=row_scale.contiguous())
+    if scale.numel() == 1 and scale.dim() <= 2:
+        return Fp8Weight(q=q.contiguous(), scale=scale32.reshape(1).expand(n).contiguous())
+    if tuple(scale.shape) in ((n,), (n, 1)):
+        return Fp8Weight(q=q.contiguous(), scale=scale32.reshape(n).contiguous())
+    raise ValueError(
+        f"a [{n}, {k}] FP8 weight needs a scale per tensor ([1]) or per channel ([{n}] or [{n}, 1]), "
+        f"or a block_size, got {list(scale.shape)}"
+    )
+
+
+def fp8_weight_from_checkpoint(
+    tensors: Mapping[str, torch.Tensor], prefix: str, quantization_config: Mapping[str, Any]
+) -> Fp8Weight:
+    """The linear layer ``prefix`` (``"model.layers.0.mlp.up_proj"``) of an FP8 checkpoint as an
+    :class:`Fp8Weight`, from its tensors by name and config.json's ``quantization_config``.
+
+    - ``quant_method: "fp8"`` (transformers' fine-grained FP8: DeepSeek-V3, Qwen3-FP8):
+      ``weight_scale_inv`` per block of ``weight_block_size`` (default ``[128, 128]``), the
+      multiplier despite its name; or ``weight_scale`` per tensor or channel (AutoFP8, vLLM's).
+    - ``quant_method: "compressed-tensors"`` with 8-bit float weights: ``weight_scale`` per
+      tensor (``strategy: tensor``), channel (``channel``) or block (``block``,
+      ``block_structure``).
+
+    Activation scales (``input_scale``) are not read: activations are scaled per token at run
+    time. Layers the checkpoint leaves unquantized (its ``ignore`` / ``modules_to_not_convert``
+    list, the LM head) are the caller's to skip; asking for one raises ``ValueError``."""
+    method = quantization_config.get("quant_method")
+    weight = _tensor(tensors, f"{prefix}.weight")
+    if weight.dtype != FP8:
+        raise ValueError(f"{prefix}.weight is {weight.dtype}, not float8_e4m3fn: not an FP8 layer of this checkpoint")
+    if method == "fp8":
+        if f"{prefix}.weight_scale_inv" in tensors:
+            block = quantization_config.get("weight_block_size") or (128, 128)
+            return fp8_weight_from_scaled(weight, tensors[f"{prefix}.weight_scale_inv"], (int(block[0]), int(block[1])))
+        return fp8_weight_from_scaled(weight, _tensor(tensors, f"{prefix}.weight_scale"))
+    if method == "compressed-tensors":
+        scheme = _compressed_tensors_weights(quantization_config)
+        scale = _tensor(tensors, f"{prefix}.weight_scale")
+        if scheme.get("strategy") == "block":
+            block = scheme.get("block_structure") or (128, 128)
+            return fp8_weight_from_scaled(weight, scale, (int(block[0]), int(block[1])))
+        return fp8_weight_from_scaled(weight, scale)
+    raise ValueError(f"quant_method {method!r} is not an FP8 checkpoint format ({', '.join(CHECKPOINT_FORMATS)})")
+
+
+def _tensor(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    try:
+        return tensors[name]
+    except KeyError:
+        raise ValueError(f"the checkpoint has no tensor {name}") from None
+
+
+def _compressed_tensors_weights(quantization_config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The weights scheme of a compressed-tensors config's (single) group; it must be FP8."""
+    groups = list((quantization_config.get("config_groups") or {}).values())
+    if len(groups) != 1 or not isinstance(groups[0].get("weights"), Mapping):
+        raise ValueError(f"a compressed-tensors config with one weights scheme is supported, got {len(groups)} groups")
+    weights: Mapping[str, Any] = groups[0]["weights"]
+    if weights.get("type") != "float" or weights.get("num_bits") != 8:
+        raise ValueError(
+            f"compressed-tensors weights of type {weights.get('type')!r} with {weights.get('num_bits')} bits are not FP8"
+        )
+    return weights

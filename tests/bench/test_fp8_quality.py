@@ -1,0 +1,96 @@
+"""``bench/fp8_quality.py`` on the tiny random-weight model: the FP8 simulations round what
+they should and nothing else, the chunked cache reads as one pass, the JSON has its fields."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from pdserve.engine.quant import dequantize_kv_fp8, quantize_fp8, quantize_kv_fp8
+
+
+@pytest.fixture(scope="module")
+def fq() -> ModuleType:
+    return importlib.import_module("fp8_quality")
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def test_fp8_linear_is_the_kernels_arithmetic_and_keep_matches_whole_name_parts(
+    fq: ModuleType, model: torch.nn.Module
+) -> None:
+    linear = torch.nn.Linear(32, 8, bias=True)
+    x = torch.randn(3, 32).to(torch.bfloat16)
+    w = quantize_fp8(linear.weight)
+    expected = (x.float() @ w.q.float().T * w.scale + linear.bias.detach()).to(torch.bfloat16)
+    assert torch.equal(fq.Fp8Linear(linear)(x), expected)
+
+    layers = len(model.model.layers)
+    every = fq.build_variants(model, ["bf16"])["bf16"][0]
+    assert fq.quantize_weights(every) == 7 * layers, "q k v o gate up down in each layer"
+    some = fq.build_variants(model, ["bf16"])["bf16"][0]
+    assert fq.quantize_weights(some, ["0", "down_proj"]) == 7 * layers - 7 - (layers - 1)
+    first, second = some.model.layers[0].mlp, some.model.layers[1].mlp
+    assert type(first.up_proj) is torch.nn.Linear and type(second.down_proj) is torch.nn.Linear
+    assert isinstance(second.up_proj, fq.Fp8Linear) and type(some.lm_head) is torch.nn.Linear
+    assert next(model.parameters()).dtype == torch.float32, "the model measured is copied, not changed"
+
+
+def test_fp8_kv_cache_stores_the_rounded_keys_and_values_only_where_asked(
+    fq: ModuleType, model: torch.nn.Module
+) -> None:
+    k, v = torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
+    rounded = {name: dequantize_kv_fp8(*quantize_kv_fp8(t), t.dtype) for name, t in (("k", k), ("v", v))}
+    for fp8, want_k, want_v in (("kv", rounded["k"], rounded["v"]), ("k", rounded["k"], v), ("", k, v)):
+        keys, values = fq.Fp8KVCache(model.config, fp8).update(k, v, 0)
+        assert torch.equal(keys, want_k) and torch.equal(values, want_v), fp8
+    assert isinstance(fq.Fp8KVCache(model.config), DynamicCache)
+
+
+def test_evaluate_measures_each_variant_against_bf16_and_chunks_do_not_change_it(
+    fq: ModuleType, model: torch.nn.Module, tiny_model_dir: Path
+) -> None:
+    tokens = fq.load_tokens(tiny_model_dir, 96)
+    names = ["bf16", "float32", "fp8_weights", "fp8_kv", "fp8_both", "fp8_k_only"]
+    result = fq.evaluate(model, tokens, window=64, chunk=16, names=names)
+    assert list(result) == names
+    ref = result["bf16"]
+    assert (
+        ref["ppl_ratio_to_bf16"] == 1.0 and ref["mean_kl_nats_vs_bf16"] == 0.0 and ref["top1_agreement_vs_bf16"] == 1.0
+    )
+    assert ref["mean_kl_nats_vs_float32"] > 0, "bf16's own distance from float32"
+    for name in names[1:]:
+        r = result[name]
+        assert (
+            0 < r["mean_kl_nats_vs_bf16"] < 0.5
+            and 0 < r["mean_abs_logit_err_vs_bf16"] <= r["max_abs_logit_err_vs_bf16"]
+        )
+        assert 0.5 < r["ppl_ratio_to_bf16"] < 2
+    # One pass of each 64-token window against four chunks of 16 through the cache: the same
+    # perplexity up to float rounding.
+    whole = fq.evaluate(model, tokens, window=64, chunk=64, names=["bf16"])
+    assert whole["bf16"]["perplexity"] == pytest.approx(ref["perplexity"], rel=2e-3)
+
+
+def test_main_writes_the_json_with_the_kv_capacity(fq: ModuleType, tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "fp8_quality.json"
+    args = ["--model", str(tiny_model_dir), "--tokens", "40", "--window", "32", "--chunk", "16"]
+    assert fq.main([*args, "--variants", "fp8_both", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["model"] == tiny_model_dir.name and report["tokens"] == 40 and report["scored_positions"] == 31 + 7
+    assert report["text_source"]["path"] == "engine/data/tiny_corpus.txt" and report["commit"] is not None
+    assert list(report["variants"]) == ["bf16", "fp8_both"]
+    # SmolLM2's shapes: 30 layers, 3 KV heads of 64; FP8 with a float32 scale per token per head.
+    smollm2 = fq.kv_capacity(30, 3, 64, 16)
+    assert smollm2["bytes_per_token_per_layer"] == {"bf16": 768, "fp8": 408}
+    assert smollm2["ratio_fp8_to_bf16"] == pytest.approx(128 / 68, abs=1e-4)
+    assert 1.99 < smollm2["ratio_with_one_scale_per_page_head"] < 2
