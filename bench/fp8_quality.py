@@ -22,7 +22,7 @@ distributions in nats (and against float32), the max and mean absolute logit err
 bf16 and how often the top token agrees. Also the KV pages per GiB of FP8 against bf16 at the
 default page size (arithmetic, scales included). Writes ``docs/data/fp8_quality.json``.
 
-    python bench/fp8_quality.py                          # ~6 minutes on 2 cores
+    python bench/fp8_quality.py                          # 1.5 minutes on 2 idle cores
     python bench/fp8_quality.py --tokens 512 --out /tmp/fp8_quality.json
     # which layers hurt: leave some in bf16 (layers by index, kinds by name), K against V
     python bench/fp8_quality.py --variants fp8_weights fp8_both --keep-bf16 0 29 --out docs/data/fp8_quality_0_29.json
@@ -346,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = {
         "date": datetime.date.today().isoformat(),
         "commit": git_commit(),
-        "command": "python bench/fp8_quality.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": " ".join(["python bench/fp8_quality.py", *(sys.argv[1:] if argv is None else argv)]),
         "model": name,
         "device": "cpu (simulated: exact float8_e4m3fn rounding, torch " + torch.__version__ + ")",
         "text_source": {
