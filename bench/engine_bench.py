@@ -3,7 +3,9 @@
 The same seeded mixed workload (prompts 16-1024 tokens, outputs 16-256, greedy,
 fixed output lengths) runs through
 
-  * pdserve's engine (paged KV, continuous batching, chunked prefill),
+  * pdserve's engine (paged KV, continuous batching, chunked prefill) on the forward pass
+    ``--model-impl`` picks (mode ``pdserve``) and on the stock ``transformers`` code with
+    pdserve's paged attention (mode ``stock``),
   * transformers ``generate`` on left-padded static batches of ``concurrency``,
   * transformers continuous batching (``init_continuous_batching`` manager),
 
@@ -15,6 +17,8 @@ column is pdserve against the best transformers mode of the same row.
     python bench/engine_bench.py --model 100m          # ~100M-parameter random Qwen2
     python bench/engine_bench.py --model smollm2       # SmolLM2-135M-Instruct, the default model (real weights)
     python bench/engine_bench.py --json out.json
+    python bench/engine_bench.py --model smollm2 --modes pdserve,stock --input-len 256,256 --output-len 64,64 \
+        --concurrency 1,8,16 --fresh          # the CPU passes A/B, new prompts each repeat
 """
 
 from __future__ import annotations
@@ -173,6 +177,10 @@ def main() -> int:
     parser.add_argument("--modes", default="pdserve,hf-static,hf-cb", help="(default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--fresh", action="store_true", help="new prompts each repeat (every mode of a repeat gets the same ones)"
+    )
+    parser.add_argument("--dtype", default="auto", help="the engines' dtype (default: %(default)s)")
+    parser.add_argument(
         "--model-impl",
         default=EngineConfig.model_impl,
         choices=("auto", "pdserve", "transformers"),
@@ -200,16 +208,26 @@ def main() -> int:
     modes = args.modes.split(",")
     min_in, max_in = (int(x) for x in args.input_len.split(","))
     min_out, max_out = (int(x) for x in args.output_len.split(","))
-    progress(f"loading {path}")
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    params = sum(p.numel() for p in hf.parameters())
-    vocab = hf.config.vocab_size
-    pad_id = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
     # Room for every request in flight at its longest (300,000 tokens at most): a real model's
     # KV is large (SmolLM2: 46 KB a token in float32, 14 GB for 300,000 tokens).
+    progress(f"loading {path}")
     most = max(int(c) for c in args.concurrency.split(","))
     pool = min(300_000, most * (max_in + max_out) + 4096)
-    engine = build_engine(path, EngineConfig(max_total_tokens=pool, max_num_seqs=256, model_impl=args.model_impl))
+    engine = build_engine(
+        path, EngineConfig(max_total_tokens=pool, max_num_seqs=256, model_impl=args.model_impl), dtype=args.dtype
+    )
+    engines = {"pdserve": engine}
+    if "stock" in modes:
+        stock = EngineConfig(max_total_tokens=pool, max_num_seqs=256, model_impl="transformers")
+        engines["stock"] = build_engine(path, stock, dtype=args.dtype)
+    model = engine.runner.model
+    dtype = next(model.parameters()).dtype
+    params = sum(p.numel() for p in model.parameters())
+    vocab = model.config.vocab_size
+    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    if any(m.startswith("hf") for m in modes):
+        progress(f"loading {path} for transformers")
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     rows = []
     for concurrency in (int(c) for c in args.concurrency.split(",")):
         n = args.requests or (4 if concurrency == 1 else max(concurrency, 16))
@@ -224,19 +242,23 @@ def main() -> int:
         warm = workload(2, 99, min(vocab, 4000), 16, 64, 4, 8)
         runs: dict[str, list[float]] = {m: [] for m in modes}
         for rep in range(args.repeat):  # modes interleaved, so each repeat shares the machine's mood
+            if args.fresh:
+                seed = args.seed + concurrency + 1000 * (rep + 1)
+                reqs = workload(n, seed, min(vocab, 4000), min_in, max_in, min_out, max_out)
+                useful = sum(r.output_len for r in reqs)
             for mode in modes:
                 gc.collect()
                 progress(
                     f"concurrency {concurrency}, run {rep + 1}/{args.repeat}: {mode} ({n} requests, {useful} output tokens)"
                 )
-                if mode == "pdserve":
-                    run_pdserve(engine, warm, 2)
-                    engine.pages.reset_prefix_cache()  # every measured run cold (the same prompts repeat)
-                    cached = engine.stats.cached_tokens
-                    seconds = run_pdserve(engine, reqs, concurrency)
-                    row["pdserve_cached_tokens"] = (
-                        row.get("pdserve_cached_tokens", 0) + engine.stats.cached_tokens - cached
-                    )
+                if mode in engines:
+                    eng = engines[mode]
+                    run_pdserve(eng, warm, 2)
+                    eng.pages.reset_prefix_cache()  # every measured run cold (the same prompts repeat)
+                    cached = eng.stats.cached_tokens
+                    seconds = run_pdserve(eng, reqs, concurrency)
+                    key = f"{mode}_cached_tokens"
+                    row[key] = row.get(key, 0) + eng.stats.cached_tokens - cached
                 elif mode == "hf-static":
                     run_hf_static(hf, warm, 2, pad_id)
                     seconds = run_hf_static(hf, reqs, concurrency, pad_id)
@@ -245,32 +267,33 @@ def main() -> int:
                 else:
                     raise SystemExit(f"unknown mode {mode}")
                 runs[mode].append(useful / seconds)
-                progress(f"  {useful / seconds:,.0f} output tok/s ({seconds:.1f}s)")
+                progress(f"  {useful / seconds:,.1f} output tok/s ({seconds:.1f}s)")
         for mode in modes:
             row[mode] = sorted(runs[mode])[len(runs[mode]) // 2]
             row[f"{mode}_runs"] = runs[mode]
-        hf_best = max((row[m] for m in modes if m.startswith("hf")), default=None)
-        if "pdserve" in row and hf_best:
-            row["ratio"] = row["pdserve"] / hf_best
+        best = max((row[m] for m in modes if m != "pdserve"), default=None)
+        if "pdserve" in row and best:
+            row["ratio"] = row["pdserve"] / best
         rows.append(row)
 
     impl = engine.runner.model_impl
-    print(f"\nmodel {path.name}: {params / 1e6:.1f}M parameters, fp32, {torch.get_num_threads()} threads, {impl}")
+    threads = torch.get_num_threads()
+    print(f"\nmodel {path.name}: {params / 1e6:.1f}M parameters, {dtype}, {threads} threads, pdserve mode: {impl}")
     head = (
         "| concurrency | requests | "
-        + " | ".join(f"{m} out tok/s" for m in modes)
-        + " | pdserve / best transformers | pdserve cached prompt tokens |"
+        + " | ".join(f"{m} out tok/s (min-max)" for m in modes)
+        + " | pdserve / best other | pdserve cached prompt tokens |"
     )
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for row in rows:
-        cells = " | ".join(f"{row[m]:,.0f}" for m in modes)
+        cells = " | ".join(f"{row[m]:,.1f} ({min(row[m + '_runs']):,.1f}-{max(row[m + '_runs']):,.1f})" for m in modes)
         ratio = f"{row['ratio']:.2f}x" if "ratio" in row else "-"
         cached = row.get("pdserve_cached_tokens", "-")
         print(f"| {row['concurrency']} | {row['requests']} | {cells} | {ratio} | {cached} |")
     if args.json:
         data = {"date": datetime.date.today().isoformat(), "command": "python " + " ".join(sys.argv)}
-        data.update({"model": str(path), "parameters": params, "model_impl": impl, "rows": rows})
+        data.update({"model": str(path), "parameters": params, "dtype": str(dtype), "model_impl": impl, "rows": rows})
         args.json.write_text(json.dumps(data, indent=2) + "\n")
     return 0
 

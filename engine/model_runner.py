@@ -19,6 +19,7 @@ import torch
 from pdserve.engine import attention
 from pdserve.engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan, Workspace, page_rows, write_rows
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.cpu_dtype import auto_cpu_dtype
 from pdserve.engine.cuda_graph import DecodeGraphs
 from pdserve.engine.kernels import decode_splits
 from pdserve.engine.kv_pool import KVPool, bytes_per_token, dtype_name
@@ -65,8 +66,10 @@ def resolve_dtype(name: str, config_dtype: torch.dtype | None, device: torch.dev
         if name not in _DTYPES:
             raise ValueError(f"unsupported dtype {name!r}; use auto, float32, float16 or bfloat16")
         return _DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32  # CPU half-precision matmuls are slow or missing
+    if device.type == "cpu":  # a 16-bit checkpoint in bfloat16 where the CPU has it natively
+        dtype, why = auto_cpu_dtype(config_dtype)
+        log.info("cpu dtype", extra={"dtype": dtype_name(dtype), "reason": why})
+        return dtype
     return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 

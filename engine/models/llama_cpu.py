@@ -1,12 +1,15 @@
 """pdserve's own forward pass for Llama-family decoders on a CPU, in plain torch ops.
 
 The same weights as the GPU pass (:mod:`.llama`: q/k/v and gate/up fused, shared with the
-stock modules) and the same page pool, with no Triton: the rotary embedding is a few
-element-wise ops on the fused qkv output, k and v go into their slots with one
-``index_copy_``, and attention gathers each sequence's pages with one ``index_select`` a
-layer (the indices of every layer are computed once a step) before
-``scaled_dot_product_attention``. Every op rounds where the stock ``transformers`` code
-rounds, so in float32 greedy output equals ``generate``'s.
+stock modules) and the same page pool, with no Triton. Matmuls run on oneDNN with each
+weight reordered once at start (:func:`pack`: twice the speed of ``F.linear``, which
+reorders on every call); the rotary embedding is a few element-wise ops on the fused qkv
+output; k and v go into their slots with one ``index_copy_``; attention gathers the pages
+of a group of sequences with one ``index_select`` a layer (the indices of every layer are
+computed once a step) and runs ``scaled_dot_product_attention`` in float32, each KV head
+with its group of query heads (bf16 attention on a CPU is several times slower). Other
+ops round where the stock ``transformers`` code rounds, so in float32 greedy output equals
+``generate``'s.
 
 Pool layout ``[num_pages, num_layers, 2, num_kv_heads, page_size, head_dim]`` (see
 :mod:`pdserve.engine.kv_pool`): viewed as rows of ``head_dim`` values, a token's K of
@@ -18,7 +21,7 @@ of (layer, head) is row ``((page * L + layer) * 2) * H + head``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +30,60 @@ from pdserve.engine.models.batch import StepBatch
 from pdserve.engine.models.llama_weights import FusedDecoder, Layer
 
 if TYPE_CHECKING:
-    pass
+    from pdserve.engine.parallel import TPGroup
+
+# Decodes attend in groups of similar length, each padded to its longest: a group takes
+# sequences (longest first) while it has fewer than this many or padding stays under 2x.
+MIN_GROUP = 8
+
+
+def can_pack(dtype: torch.dtype) -> bool:
+    """Whether oneDNN serves matmuls of ``dtype`` from weights reordered once."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+@dataclass
+class Linear:
+    """One projection: the weight as oneDNN wants it (or as it is) and its bias."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    packed: bool
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+    """``weight`` reordered for oneDNN where it can be (a copy: the stock modules keep theirs)."""
+    if can_pack(weight.dtype):
+        return Linear(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None), bias, True)
+    return Linear(weight, bias, False)
+
+
+@dataclass
+class Linears:
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
+
+
+@dataclass
+class DecodeGroup:
+    """Decodes attended together, padded to the longest: their rows in the step (``None``:
+    all of them, in order) and, per layer, the page rows of their K then V blocks."""
+
+    rows: torch.Tensor | None
+    gather: torch.Tensor  # [L, 2 * B * H * W]
+    pages: int
+    length: int  # the longest context
+    mask: torch.Tensor | None  # [B, 1, 1, W * page] additive, float32; None: one sequence, no window
+    ctx_lens: torch.Tensor
 
 
 @dataclass
@@ -47,12 +103,9 @@ class Plan:
     sin: torch.Tensor
     store: torch.Tensor  # [L, T * 2 * H] rows (of head_dim) where each token's k, v go
     num_decodes: int
-    decode_gather: torch.Tensor | None  # [L, 2 * B * H * W] page rows of the decodes' pages
-    decode_pages: int
-    decode_len: int  # the longest decode context
-    decode_ctx_lens: torch.Tensor
+    groups: list[DecodeGroup]
     chunks: list[Chunk]
-    masks: dict[tuple[str, int, int | None], torch.Tensor] = field(default_factory=dict)
+    masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
 
 
 def _page_rows(pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
@@ -65,6 +118,22 @@ def _page_rows(pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     return layer0 + (torch.arange(layers) * (2 * heads))[:, None]
 
 
+def length_groups(lens: list[int], page: int) -> list[list[int]]:
+    """Decode indices grouped by context length (longest first): a group grows while it has
+    fewer than :data:`MIN_GROUP` members or its padding to the longest stays under 2x."""
+    order = sorted(range(len(lens)), key=lambda i: -lens[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups:
+            group = groups[-1]
+            longest = -(-lens[group[0]] // page)
+            if len(group) < MIN_GROUP or -(-lens[i] // page) * 2 > longest:
+                group.append(i)
+                continue
+        groups.append([i])
+    return groups
+
+
 class LlamaFamilyCPU(FusedDecoder):
     """Forward pass over a :class:`StepBatch` on a CPU; the KV pool is written and read in place.
 
@@ -75,6 +144,21 @@ class LlamaFamilyCPU(FusedDecoder):
 
     overlaps = False  # the engine gains nothing from queueing a step ahead on a CPU
 
+    def __init__(self, model: Any, pool: torch.Tensor, max_positions: int, tp: TPGroup | None = None) -> None:
+        super().__init__(model, pool, max_positions, tp)
+        self.linears = [
+            Linears(
+                qkv=pack(layer.qkv_weight, layer.qkv_bias),
+                o=pack(layer.o_weight, layer.o_bias),
+                gate_up=pack(layer.gate_up_weight, layer.gate_up_bias),
+                down=pack(layer.down_weight, layer.down_bias),
+            )
+            for layer in self.layers
+        ]
+        self.head = pack(self.lm_head)
+        self.packed = self.head.packed
+        self._buffers: dict[str, torch.Tensor] = {}
+
     def plan(self, step: StepBatch) -> Plan:
         """The step's indices, once for every layer."""
         pool = self.pool
@@ -84,11 +168,7 @@ class LlamaFamilyCPU(FusedDecoder):
         store = (base * page + (slots % page)[:, None]).view(1, -1)
         store = store + (torch.arange(layers) * (2 * heads * page))[:, None]
         nd = step.num_decodes
-        decode_gather = None
-        pages = 0
-        if nd:
-            pages = step.decode_tables.shape[1]
-            decode_gather = _page_rows(pool, step.decode_tables)
+        groups = self._decode_groups(step) if nd else []
         chunks: list[Chunk] = []
         if step.prefill is not None:
             tables = step.prefill.page_tables
@@ -102,12 +182,23 @@ class LlamaFamilyCPU(FusedDecoder):
             sin=self.sin[step.positions][:, None, :],
             store=store,
             num_decodes=nd,
-            decode_gather=decode_gather,
-            decode_pages=pages,
-            decode_len=int(step.decode_ctx_lens.max()) if nd else 0,
-            decode_ctx_lens=step.decode_ctx_lens,
+            groups=groups,
             chunks=chunks,
         )
+
+    def _decode_groups(self, step: StepBatch) -> list[DecodeGroup]:
+        page = self.pool.shape[4]
+        lens = step.decode_ctx_lens.tolist()
+        members = length_groups(lens, page)
+        groups = []
+        for member in members:
+            rows = None if len(members) == 1 else torch.tensor(member)
+            ctx = step.decode_ctx_lens if rows is None else step.decode_ctx_lens[rows]
+            longest = lens[member[0]]
+            pages = -(-longest // page)
+            tables = step.decode_tables[:, :pages] if rows is None else step.decode_tables[rows, :pages]
+            groups.append(DecodeGroup(rows, _page_rows(self.pool, tables), pages, longest, None, ctx))
+        return groups
 
     @torch.inference_mode()
     def forward(self, step: StepBatch) -> torch.Tensor:
@@ -116,24 +207,24 @@ class LlamaFamilyCPU(FusedDecoder):
         h = F.embedding(step.input_ids, self.embed)
         residual: torch.Tensor | None = None
         last = len(self.layers) - 1
-        for index, layer in enumerate(self.layers):
+        for index, (layer, linear) in enumerate(zip(self.layers, self.linears, strict=True)):
             x, residual = self._add_rms_norm(h, residual, layer.input_norm)
-            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+            qkv = linear.qkv(x)
             out = self._attention(index, layer, qkv, plan)
             if index == last and step.sample_index is not None:  # only the sampled rows go on
                 assert residual is not None
                 out, residual = out[step.sample_index], residual[step.sample_index]
-            h = F.linear(out, layer.o_weight, layer.o_bias)
+            h = linear.o(out)
             if self.tp is not None:
                 self.tp.all_reduce(h)
             x, residual = self._add_rms_norm(h, residual, layer.post_norm)
-            gate_up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias)
+            gate_up = linear.gate_up(x)
             n = gate_up.shape[1] // 2
-            h = F.linear(F.silu(gate_up[:, :n]) * gate_up[:, n:], layer.down_weight, layer.down_bias)
+            h = linear.down(F.silu(gate_up[:, :n]) * gate_up[:, n:])
             if self.tp is not None:
                 self.tp.all_reduce(h)
         h, _ = self._add_rms_norm(h, residual, self.norm)
-        return F.linear(h, self.lm_head)
+        return self.head(h)
 
     def _add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
@@ -161,59 +252,79 @@ class LlamaFamilyCPU(FusedDecoder):
         self.pool.view(-1, dim).index_copy_(0, plan.store[index], kv)
         q = qkv[:, : nq * dim].view(tokens, nq, dim)
         nd = plan.num_decodes
-        if nd == tokens:
-            return self._decode(index, layer, q, plan)
+        if nd == tokens and len(plan.groups) == 1:
+            return self._decode(index, layer, q, plan.groups[0], plan).to(qkv.dtype)
         if nd == 0 and len(plan.chunks) == 1:
             return self._prefill(index, layer, q, qkv, plan.chunks[0]).view(tokens, nq * dim)
         out = qkv.new_empty((tokens, nq * dim))
-        if nd:
-            out[:nd] = self._decode(index, layer, q[:nd], plan)
+        for group in plan.groups:
+            if group.rows is None:
+                out[:nd] = self._decode(index, layer, q[:nd], group, plan)
+            else:
+                out[group.rows] = self._decode(index, layer, q[group.rows], group, plan).to(qkv.dtype)
         for chunk in plan.chunks:
             out[chunk.rows] = self._prefill(index, layer, q, qkv, chunk).view(-1, nq * dim)
         return out
 
     def _gather(self, rows: torch.Tensor, batch: int, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V ``[batch, H, pages * page_size, D]`` of page rows ``[2 * batch * H * pages]``."""
+        """K and V ``[batch, H, pages * page_size, D]`` in float32 of page rows ``[2 * batch * H * pages]``."""
         _, _, _, heads, page, dim = self.pool.shape
-        kv = self.pool.view(-1, page * dim).index_select(0, rows)
-        kv = kv.view(2, batch, heads, pages * page, dim)
+        table = self.pool.view(-1, page * dim)
+        buf = self._buffer("gather", rows.shape[0] * page * dim, self.pool.dtype).view(-1, page * dim)
+        torch.index_select(table, 0, rows, out=buf)
+        if buf.dtype != torch.float32:
+            up = self._buffer("upcast", buf.numel(), torch.float32).view(buf.shape)
+            buf = up.copy_(buf)
+        kv = buf.view(2, batch, heads, pages * page, dim)
         return kv[0], kv[1]
 
-    def _decode(self, index: int, layer: Layer, q: torch.Tensor, plan: Plan) -> torch.Tensor:
-        """One query token per sequence over its pages: ``[B, num_q * head_dim]``."""
-        assert plan.decode_gather is not None
+    def _buffer(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A reused flat buffer (fresh large tensors cost a page fault per 4 KiB)."""
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = self._buffers[name] = torch.empty(numel, dtype=dtype)
+        return buf[:numel]
+
+    def _decode(self, index: int, layer: Layer, q: torch.Tensor, group: DecodeGroup, plan: Plan) -> torch.Tensor:
+        """One query token per sequence over its pages: ``[B, num_q * head_dim]`` in float32,
+        each KV head attended by its group of query heads (no repeated K, V)."""
         batch = q.shape[0]
-        k, v = self._gather(plan.decode_gather[index], batch, plan.decode_pages)
-        qd = q[:, :, None, :]  # [B, Hq, 1, D]
-        if batch == 1 and layer.window is None:  # one sequence: its exact length, no mask
-            n = plan.decode_len
-            o = F.scaled_dot_product_attention(qd, k[:, :, :n], v[:, :, :n], scale=self.scale, enable_gqa=True)
-        else:
-            mask = self._decode_mask(plan, k.shape[2], layer.window)
-            o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        nkv = self.num_kv
+        k, v = self._gather(group.gather[index], batch, group.pages)
+        qg = q.float().view(batch, nkv, -1, self.head_dim)  # [B, H, Hq / H, D]
+        mask = self._decode_mask(group, k.shape[2], layer.window)
+        if mask is None:  # one sequence: its exact length
+            n = group.length
+            k, v = k[:, :, :n], v[:, :, :n]
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=self.scale)
         return o.view(batch, -1)
 
-    def _decode_mask(self, plan: Plan, width: int, window: int | None) -> torch.Tensor:
-        key = ("decode", 0, window)
-        mask = plan.masks.get(key)
-        if mask is None:
-            lens = plan.decode_ctx_lens.to(torch.long)[:, None]
-            positions = torch.arange(width)[None, :]
-            mask = positions < lens
-            if window is not None:
-                mask &= positions >= lens - window
-            mask = plan.masks[key] = mask[:, None, None, :]
+    def _decode_mask(self, group: DecodeGroup, width: int, window: int | None) -> torch.Tensor | None:
+        """Additive float32 mask ``[B, 1, 1, width]`` of each sequence's keys (cached per window)."""
+        if group.ctx_lens.shape[0] == 1 and window is None:
+            return None
+        if window is None and group.mask is not None:
+            return group.mask
+        lens = group.ctx_lens.to(torch.long)[:, None]
+        positions = torch.arange(width)[None, :]
+        keep = positions < lens
+        if window is not None:
+            keep &= positions >= lens - window
+        mask = torch.zeros(keep.shape).masked_fill_(~keep, float("-inf"))[:, None, None, :]
+        if window is None:
+            group.mask = mask
         return mask
 
     def _prefill(self, index: int, layer: Layer, q: torch.Tensor, qkv: torch.Tensor, chunk: Chunk) -> torch.Tensor:
-        """A chunk's rows attend causally to its prefix and themselves: ``[n, Hq, D]``."""
+        """A chunk's rows attend causally to its prefix and themselves: ``[n, Hq, D]``, in
+        the model's dtype (computed in float32)."""
         nq, nkv, dim = self.num_q, self.num_kv, self.head_dim
         rows = chunk.rows
-        qs = q[rows].transpose(0, 1)[None]  # [1, Hq, n, D]
+        qs = q[rows].transpose(0, 1)[None].float()  # [1, Hq, n, D]
         n = qs.shape[2]
         if chunk.gather is None:
-            k = qkv[rows, nq * dim : (nq + nkv) * dim].view(n, nkv, dim).transpose(0, 1)[None]
-            v = qkv[rows, (nq + nkv) * dim :].view(n, nkv, dim).transpose(0, 1)[None]
+            k = qkv[rows, nq * dim : (nq + nkv) * dim].view(n, nkv, dim).transpose(0, 1)[None].float()
+            v = qkv[rows, (nq + nkv) * dim :].view(n, nkv, dim).transpose(0, 1)[None].float()
         else:
             pages = chunk.gather.shape[1] // (2 * nkv)
             k, v = self._gather(chunk.gather[index], 1, pages)
@@ -227,4 +338,4 @@ class LlamaFamilyCPU(FusedDecoder):
             if layer.window is not None:
                 mask &= kpos > qpos - layer.window
             o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
-        return o[0].transpose(0, 1)
+        return o[0].transpose(0, 1).to(q.dtype)

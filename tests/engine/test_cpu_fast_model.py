@@ -1,8 +1,9 @@
 """pdserve's CPU forward pass (torch ops, no Triton) against ``transformers``.
 
-Float32 throughout, so greedy output must equal ``generate`` token for token (near ties
-aside, ``tests/engine/reference.py``): prompts in small chunks over a cached or earlier
-prefix, decodes batched beside prefill chunks.
+In float32 greedy output must equal ``generate``'s token for token (near ties aside,
+``tests/engine/reference.py``), and in bfloat16 ``generate``'s in bfloat16 (ties within a
+few roundings): prompts in small chunks over a cached or earlier prefix, decodes batched
+beside prefill chunks, decodes of very different lengths grouped.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.loader import quiet_transformers
 from pdserve.engine.model_runner import ModelRunner, ModelSpec
-from pdserve.engine.models.llama_cpu import LlamaFamilyCPU
+from pdserve.engine.models.llama_cpu import LlamaFamilyCPU, can_pack, length_groups
 from tests.engine.reference import assert_greedy_equal, hf_greedy, run
 
 NEW = 6
@@ -54,15 +55,40 @@ def test_cpu_pass_greedy_equals_transformers(kind: str, chunk: int) -> None:
     assert hf_greedy(model, prompts[:1], NEW) == expected[:1]
 
 
-def test_cpu_pass_batched_decodes_of_different_lengths() -> None:
-    """Eight sequences of 3 to 90 tokens decode together (one padded, masked gather)."""
+@pytest.mark.skipif(not can_pack(torch.bfloat16), reason="no bfloat16 matmuls in this torch's oneDNN")
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3", "smollm2"])
+@pytest.mark.parametrize("chunk", [16, 2048])
+def test_cpu_pass_in_bfloat16_equals_transformers_in_bfloat16(kind: str, chunk: int) -> None:
+    quiet_transformers()
+    model = shapes.small_model(kind, CPU).to(torch.bfloat16)
+    rng = random.Random(kind)
+    prompts = [[rng.randrange(300) for _ in range(n)] for n in (5, 23, 40, 70)]
+    prompts.append(prompts[2][:32] + [1, 2, 3])
+    expected = hf_greedy(model, prompts, NEW)
+    engine = cpu_engine(model, chunked_prefill_size=chunk)
+    assert engine.runner.pool.tensor.dtype == torch.bfloat16
+    ours = run(engine, prompts[:4], NEW) + run(engine, prompts[4:], NEW)
+    assert_greedy_equal(model, prompts, ours, expected)
+
+
+@pytest.mark.parametrize("lengths", [(3, 90, 17, 33, 8, 64, 16, 49), (3, 90, 17, 33, 8, 64, 16, 49, 200, 5, 180)])
+def test_cpu_pass_batched_decodes_of_different_lengths(lengths: tuple[int, ...]) -> None:
+    """Sequences of 3 to 200 tokens decode together: one padded, masked gather, or (eleven of
+    them) two groups by length."""
     quiet_transformers()
     model = shapes.small_model("llama", CPU)
     rng = random.Random(8)
-    prompts = [[rng.randrange(300) for _ in range(n)] for n in (3, 90, 17, 33, 8, 64, 16, 49)]
+    prompts = [[rng.randrange(300) for _ in range(n)] for n in lengths]
     expected = hf_greedy(model, prompts, 12)
     engine = cpu_engine(model)
     assert_greedy_equal(model, prompts, run(engine, prompts, 12), expected)
+
+
+def test_decodes_group_by_length_at_most_twice_padded_beyond_eight() -> None:
+    assert length_groups([5, 300, 40], 16) == [[1, 2, 0]]  # fewer than eight: one group
+    lens = [1000, 990, 900, 800, 700, 600, 520, 510, 500, 260, 20, 16]
+    assert length_groups(lens, 16) == [[0, 1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11]]
+    assert length_groups([], 16) == []
 
 
 def test_the_cpu_pass_is_chosen_and_logged(caplog: pytest.LogCaptureFixture) -> None:

