@@ -54,7 +54,7 @@ class EngineConfig:
     ``None`` it is ``kv_memory_fraction`` of free device memory (GPU) or
     ``cpu_kv_bytes`` of host memory (CPU). ``chunked_prefill_size`` is the token budget of one forward
     pass; ``max_num_seqs`` caps the running batch. ``model_impl``: ``auto`` runs pdserve's
-    own forward pass where the architecture has one and the device is a GPU, else the stock
+    own forward pass where the architecture has one (on a GPU or a CPU), else the stock
     ``transformers`` code; ``pdserve`` insists on the former, ``transformers`` on the
     latter. ``cuda_graph_max_batch``: decode steps of up to this many sequences replay a
     captured CUDA graph (0: never). ``overlap_schedule``: on a GPU with the fast path,

@@ -35,15 +35,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Why ``model_impl='auto'`` keeps the stock code on a CPU (None: it takes pdserve's CPU pass).
-# bench/engine_bench.py --model smollm2 (2026-12-03, 2 busy cores): the CPU pass 9 against 5
-# out tok/s at 1 in flight, but 15 against 20 at 8. A decode step alone on a quiet machine
-# (SmolLM2's shapes, random weights): batch 1 65 against 85 ms, batch 8 of 16-1024 tokens 187
-# against 193 ms; its decodes gather every sequence padded to the longest (the stock path
-# groups them by length). Re-measure the engine at 8 and 64 in flight before switching.
-CPU_AUTO_REASON: str | None = (
-    "pdserve's CPU forward pass is opt-in (model_impl 'pdserve'): slower than the stock code at 8 in flight"
-)
+# ``model_impl='auto'`` takes pdserve's own pass on a CPU too (a Llama-family model):
+# bench/engine_bench.py --model smollm2 --modes pdserve,stock, 256 in / 64 out, fresh prompts,
+# 3 interleaved runs on 2 shared cores (2026-12-03), medians at 1 / 8 / 16 in flight, out tok/s:
+# bfloat16 31 / 107 / 108 against the stock code's 19 / 59 / 59, float32 20 / 68 / 82 against
+# 12 / 40 / 53 (docs/cpu.md).
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -193,8 +189,6 @@ class ModelRunner:
             return None
         interpret = impl == "pdserve" and self.allow_interpreter
         reason = fast_path_reason(self.model, self.device, allow_interpreter=interpret)
-        if reason is None and impl == "auto" and self.device.type == "cpu":
-            reason = CPU_AUTO_REASON
         if reason is not None:
             if impl == "pdserve":
                 raise ValueError(f"model_impl 'pdserve' cannot serve this model: {reason}")

@@ -91,11 +91,36 @@ def test_decodes_group_by_length_at_most_twice_padded_beyond_eight() -> None:
     assert length_groups([], 16) == []
 
 
-def test_the_cpu_pass_is_chosen_and_logged(caplog: pytest.LogCaptureFixture) -> None:
-    model = shapes.small_model("qwen2", CPU)
-    config = EngineConfig(device="cpu", max_total_tokens=256, model_impl="pdserve")
-    with caplog.at_level(logging.INFO, logger="pdserve.engine.model_runner"):
-        runner = ModelRunner(ModelSpec(Path("m")), config, model=model, allow_interpreter=False)
+@pytest.mark.slow
+def test_the_default_model_as_auto_serves_it_equals_transformers_in_its_dtype(smollm2_dir: Path) -> None:
+    """SmolLM2 under ``--dtype auto`` and ``--model-impl auto`` (bfloat16 on a CPU with native
+    bfloat16, else float32; pdserve's pass) against ``generate`` in the same dtype."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    quiet_transformers()
+    config = EngineConfig(device="cpu", max_total_tokens=4096)
+    runner = ModelRunner(ModelSpec(smollm2_dir), config, allow_interpreter=False)
     assert isinstance(runner.fast, LlamaFamilyCPU)
-    chosen = [r for r in caplog.records if r.getMessage() == "pdserve forward pass"]
-    assert len(chosen) == 1 and chosen[0].__dict__["pass"] == "LlamaFamilyCPU"
+    dtype = runner.pool.tensor.dtype
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    texts = ["The Roman Empire was one of the largest empires in history. It", "def fibonacci(n):\n", "中国的首都是"]
+    prompts = [tokenizer.encode(t) for t in texts]
+    reference = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=dtype).eval()
+    expected = hf_greedy(reference, prompts, 24)
+    assert_greedy_equal(reference, prompts, run(Engine(runner, config), prompts, 24), expected)
+
+
+def test_the_cpu_pass_is_chosen_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """``auto`` takes it on a CPU (a Llama-family model); ``transformers`` still forces the stock code."""
+    model = shapes.small_model("qwen2", CPU)
+    for impl in ("pdserve", "auto"):
+        config = EngineConfig(device="cpu", max_total_tokens=256, model_impl=impl)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="pdserve.engine.model_runner"):
+            runner = ModelRunner(ModelSpec(Path("m")), config, model=model, allow_interpreter=False)
+        assert isinstance(runner.fast, LlamaFamilyCPU)
+        chosen = [r for r in caplog.records if r.getMessage() == "pdserve forward pass"]
+        assert len(chosen) == 1 and chosen[0].__dict__["pass"] == "LlamaFamilyCPU"
+    config = EngineConfig(device="cpu", max_total_tokens=256, model_impl="transformers")
+    runner = ModelRunner(ModelSpec(Path("m")), config, model=shapes.small_model("qwen2", CPU))
+    assert runner.fast is None and runner.model_impl == "transformers"
