@@ -25,6 +25,7 @@ MODES = {
         {"prefill": 1, "decode": 1},
     ),
     "unified": ("unified (2 workers)", ["--mode", "unified", "--unified-workers", "2"], {"unified": 2}),
+    "unified-1": ("unified (1 worker, the default)", ["--mode", "unified"], {"unified": 1}),
 }
 
 
