@@ -21,10 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.engine.kernels import interpreting
+
 
 @triton.jit
 def _accumulate(acc, w, x_ptr, rk, k_ok, rm, M, K, stride_xm, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr):
     """``acc[m] += w @ x[m, rk]`` for each row ``m`` (``x`` read as ``silu(gate) * up``)."""
+    w = w.to(tl.float32)
     for m in tl.static_range(BLOCK_M):
         x_ok = k_ok & ((rk * 0 + m) < M)  # a tensor mask: a scalar one is rejected by newer interpreters
         if SILU_MUL:
@@ -40,10 +43,62 @@ def _accumulate(acc, w, x_ptr, rk, k_ok, rm, M, K, stride_xm, SILU_MUL: tl.const
 
 
 @triton.jit
+def _accumulate_dot(acc, w, x_ptr, rk, k_ok, rm, M, K, stride_xm, SILU_MUL: tl.constexpr, WIDEN: tl.constexpr):
+    """``acc += x[:, rk] @ w.T`` on the tensor cores (``w`` converted to ``x``'s dtype first;
+    ``WIDEN``: both in float32, as Triton's interpreter needs: its bfloat16 products are wrong)."""
+    x_ok = (rm[:, None] < M) & k_ok[None, :]
+    rows = x_ptr + rm[:, None] * stride_xm + rk[None, :]
+    if SILU_MUL:
+        gate = tl.load(rows, mask=x_ok, other=0.0).to(tl.float32)
+        up = tl.load(rows + K, mask=x_ok, other=0.0).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
+        x = (act * up).to(x_ptr.dtype.element_ty)
+    else:
+        x = tl.load(rows, mask=x_ok, other=0.0)
+    if WIDEN:
+        return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc)
+    return tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), acc)
+
+
+@triton.jit
+def _step(
+    acc,
+    w,
+    x_ptr,
+    rk,
+    k_ok,
+    rm,
+    M,
+    K,
+    stride_xm,
+    SILU_MUL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    DOT: tl.constexpr,
+    WIDEN: tl.constexpr,
+):
+    if DOT:
+        acc = _accumulate_dot(acc, w, x_ptr, rk, k_ok, rm, M, K, stride_xm, SILU_MUL, WIDEN)
+    else:
+        acc = _accumulate(acc, w, x_ptr, rk, k_ok, rm, M, K, stride_xm, SILU_MUL, BLOCK_M)
+    return acc
+
+
+@triton.jit
+def _finish(acc, b_ptr, scale_ptr, rn, n_ok, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """Each output channel times its weight scale (FP8 weights), plus the bias."""
+    if HAS_SCALE:
+        acc = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
     b_ptr,
+    scale_ptr,
     out_ptr,
     part_ptr,
     counter_ptr,
@@ -53,6 +108,9 @@ def _gemv_kernel(
     stride_xm,
     stride_om,
     HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    DOT: tl.constexpr,
+    WIDEN: tl.constexpr,
     SILU_MUL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -77,18 +135,18 @@ def _gemv_kernel(
         # kernel writes) is read first, then the wait for that kernel's output, ``x``.
         rk = k_start + tl.arange(0, BLOCK_K)
         k_ok = rk < k_end
-        w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-        acc = _accumulate(acc, w, x_ptr, rk, k_ok, rm, M, K, stride_xm, SILU_MUL, BLOCK_M)
+        acc = _step(acc, w, x_ptr, rk, k_ok, rm, M, K, stride_xm, SILU_MUL, BLOCK_M, DOT, WIDEN)
         k_first = k_start + BLOCK_K
     else:
         k_first = k_start
     for k0 in range(k_first, k_end, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < k_end
-        w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        acc = _accumulate(acc, w, x_ptr, rk, k_ok, rm, M, K, stride_xm, SILU_MUL, BLOCK_M)
+        w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = _step(acc, w, x_ptr, rk, k_ok, rm, M, K, stride_xm, SILU_MUL, BLOCK_M, DOT, WIDEN)
     keep = (rm[:, None] < M) & n_ok[None, :]
     if SPLIT_K > 1:
         # [SPLIT_K, BLOCK_M, N] partial sums; the last program of this row block adds them.
@@ -100,15 +158,15 @@ def _gemv_kernel(
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for j in tl.static_range(SPLIT_K):  # in split order: the sum does not depend on who came last
                 acc += tl.load(part + j * BLOCK_M * N, mask=keep, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            acc = _finish(acc, b_ptr, scale_ptr, rn, n_ok, HAS_BIAS, HAS_SCALE)
             tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=keep)
             tl.atomic_xchg(counter, 0)  # ready for the next launch (and the next graph replay)
     else:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc = _finish(acc, b_ptr, scale_ptr, rn, n_ok, HAS_BIAS, HAS_SCALE)
         tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=keep)
 
+
+DOT_FROM_ROWS = 8  # from this many rows of x a GEMV multiplies on the tensor cores
 
 _COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
 
@@ -143,9 +201,15 @@ def gemv(
     num_stages: int = 3,
     split_k: int = 1,
     pdl: bool = False,
+    scale: torch.Tensor | None = None,
+    dot: bool | None = None,
 ) -> torch.Tensor:
     """``x [M, K] @ w[N, K].T`` for small ``M`` (``x`` is ``[M, 2K]`` with ``silu_mul_input``).
 
+    ``scale``: float32 ``[N]``, each output channel's weight scale (``w`` in float8_e4m3fn,
+    read in place and converted in registers: the product of ``x`` with ``w * scale``).
+    ``dot``: multiply tiles on the tensor cores (``x`` padded to 16 rows) instead of one
+    row of ``x`` at a time; by default from ``M`` (:data:`DOT_FROM_ROWS`).
     ``pdl``: launched as a programmatic dependent of the kernel before it on the stream
     (CUDA only): its programs start, and read their first weight tile, while that kernel
     finishes, then wait for it before reading ``x``."""
@@ -153,8 +217,12 @@ def gemv(
     n, k = w.shape
     assert w.is_contiguous() and x.stride(1) == 1
     assert x.shape[1] == (2 * k if silu_mul_input else k)
+    assert scale is None or (scale.dtype == torch.float32 and scale.shape == (n,))
+    assert scale is not None or w.dtype == x.dtype, "weights other than x's dtype need a scale"
+    if dot is None:
+        dot = m >= DOT_FROM_ROWS
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block_m = triton.next_power_of_2(max(m, 1))
+    block_m = triton.next_power_of_2(max(m, 16 if dot else 1))
     blocks = triton.cdiv(n, block_n)
     if split_k > 1:
         part = torch.empty((split_k, block_m, n), dtype=torch.float32, device=x.device)
@@ -165,6 +233,7 @@ def gemv(
         x,
         w,
         bias if bias is not None else w,
+        scale if scale is not None else out,
         out,
         part,
         counters,
@@ -174,6 +243,9 @@ def gemv(
         x.stride(0),
         out.stride(0),
         HAS_BIAS=bias is not None,
+        HAS_SCALE=scale is not None,
+        DOT=dot,
+        WIDEN=interpreting(),
         SILU_MUL=silu_mul_input,
         BLOCK_M=block_m,
         BLOCK_N=block_n,

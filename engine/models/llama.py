@@ -138,7 +138,7 @@ class LlamaFamily(FusedDecoder):
             gate_up = self._linear(x, layer.gate_up_weight, layer.gate_up_bias, GEMV_GATE_UP, pdl)
             if rows == 1 and self.use_gemv:
                 down = layer.down_weight
-                h = gemv.gemv(gate_up, down, layer.down_bias, silu_mul_input=True, pdl=pdl, **GEMV_DOWN)
+                h = gemv.gemv(gate_up, down, layer.down_bias, silu_mul_input=True, pdl=pdl, **GEMV_DOWN)  # type: ignore[arg-type]
             else:
                 h = F.linear(elementwise.silu_mul(gate_up), layer.down_weight, layer.down_bias)
             if self.tp is not None:

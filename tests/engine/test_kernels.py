@@ -13,6 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pdserve.engine import quant
+from pdserve.engine.kernels import fp8
 from tests.engine.kernel_env import DEVICE, elementwise, gemv, paged, rope
 
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
@@ -252,6 +254,60 @@ def test_gemv_matches_linear(dtype: torch.dtype, m: int, n: int, k: int, bias: b
         got = gemv.gemv(gate_up, w, silu_mul_input=True, block_n=8, block_k=64, split_k=split)
         assert rel_err(got, ref_act) < TOL[dtype], split
         assert not counters.any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("m", "n", "k"), [(3, 40, 96), (9, 17, 1000), (16, 64, 512), (33, 48, 576)])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gemv_on_tensor_cores_and_fp8_weights_match_linear(
+    dtype: torch.dtype, m: int, n: int, k: int, fp8: bool
+) -> None:
+    # The tensor-core path (x padded to 16 rows and up) and FP8 weights with a scale per
+    # output channel, read in place: against the product with the dequantized weights.
+    x = torch.randn((m, k), dtype=dtype, device=DEVICE)
+    w = torch.randn((n, k), dtype=dtype, device=DEVICE) * torch.rand((n, 1), dtype=dtype, device=DEVICE) * 4
+    b = torch.randn(n, dtype=dtype, device=DEVICE)
+    scale = None
+    if fp8:
+        q = quant.quantize_fp8(w)
+        w, scale, dense = q.q, q.scale, q.dequantize(torch.float64)
+    else:
+        dense = w.double()
+    ref = F.linear(x.double(), dense, b.double())
+    # tensor cores take float32 as tf32 on a GPU
+    tol = TOL[torch.bfloat16] if DEVICE.type == "cuda" else TOL[dtype]
+    for dot in (False, True):
+        assert rel_err(gemv.gemv(x, w, b, block_n=16, block_k=128, scale=scale, dot=dot), ref) < tol, dot
+    gate_up = torch.randn((m, 2 * k), dtype=dtype, device=DEVICE)
+    ref_act = F.linear(elementwise.silu_mul(gate_up).double(), dense)
+    got = gemv.gemv(gate_up, w, silu_mul_input=True, block_n=16, block_k=64, split_k=3, scale=scale, dot=True)
+    assert rel_err(got, ref_act) < tol
+    assert not gemv.split_counters(torch.device(DEVICE), 1).any()
+
+
+def test_gemv_refuses_weights_of_another_dtype_without_a_scale() -> None:
+    x = torch.randn((2, 64), device=DEVICE)
+    with pytest.raises(AssertionError, match="need a scale"):
+        gemv.gemv(x, quant.quantize_fp8(torch.randn((16, 64), device=DEVICE)).q)
+
+
+@pytest.mark.parametrize("rows", [1, 9, 70])
+def test_fp8_linear_matches_its_reference_by_rows(rows: int) -> None:
+    # Up to GEMV_MAX_ROWS rows: the GEMV on FP8 weights (activations in bf16); above: the
+    # activations quantized per token too, through the library's scaled GEMM.
+    n, k = 48, 256
+    x = torch.randn((rows, 2 * k), dtype=torch.bfloat16, device=DEVICE)
+    w = quant.quantize_fp8(torch.randn((n, k), device=DEVICE))
+    b = torch.randn(n, dtype=torch.bfloat16, device=DEVICE)
+    for silu in (False, True):
+        inp = x if silu else x[:, :k].contiguous()
+        act = elementwise.silu_mul(inp) if silu else inp
+        if rows > fp8.GEMV_MAX_ROWS:
+            aq, a_scale = fp8.quantize_rows(act)
+            assert aq.dtype == quant.FP8 and a_scale.shape == (rows, 1)
+            act = aq.to(torch.float32) * a_scale
+        ref = F.linear(act.double(), w.dequantize(torch.float64), b.double())
+        assert rel_err(fp8.linear(inp, w, b, silu_mul_input=silu), ref) < TOL[torch.bfloat16], silu
 
 
 def test_l2_prefetch_reads_every_element() -> None:
