@@ -81,16 +81,15 @@ def test_decode_warm_up_leaves_the_pool_and_the_output_alone() -> None:
     assert run(engine, prompts, NEW) == first
 
 
-def test_auto_keeps_transformers_on_the_cpu_and_pdserve_refuses_unknown_architectures() -> None:
+def test_auto_keeps_transformers_for_unknown_architectures_and_pdserve_refuses_them() -> None:
     from transformers import GPT2Config
 
-    model = small_model("qwen2")
-    config = EngineConfig(device="cpu", max_total_tokens=256)
-    if DEVICE.type == "cpu":
-        assert ModelRunner(ModelSpec(Path("m")), config, model=model).model_impl == "transformers"
     gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100))
     with DEVICE:
         gpt2 = gpt2.to(DEVICE)
+    auto = EngineConfig(device=str(DEVICE), max_total_tokens=256, model_impl="auto")
+    runner = ModelRunner(ModelSpec(Path("g")), auto, gpt2)
+    assert runner.model_impl == "transformers" and runner.fast is None
     config = EngineConfig(device=str(DEVICE), max_total_tokens=256, model_impl="pdserve")
     with pytest.raises(ValueError, match="GPT2LMHeadModel has no fast path"):
         ModelRunner(ModelSpec(Path("g")), config, gpt2)
