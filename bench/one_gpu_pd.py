@@ -299,14 +299,16 @@ def main() -> int:
         model = write_model_dir(Path(tempfile.mkdtemp()) / "model", dims)
         common = ["--device", args.device, "--load-format", "dummy"]
         for k, name in enumerate(s for s in args.systems.split(",") if s):
-            if name.startswith("colocated"):  # colocated[-<chunk>][-sms<N>]
+            if name.startswith("colocated"):  # colocated[-<chunk>][-sms<N>][-wait<seconds>]
                 parts = name.split("-")[1:]
                 size = next((p for p in parts if p.isdigit()), "")
                 sms = next((p.removeprefix("sms") for p in parts if p.startswith("sms")), "")
+                wait = next((p.removeprefix("wait") for p in parts if p.startswith("wait")), "")
                 key = "_".join(["colocated_pd", *parts])
                 flags = ["--mode", "pd", "--colocate", *common]
                 flags += ["--chunked-prefill-size", size] if size else []
                 flags += ["--prefill-sms", sms] if sms else []
+                flags += ["--prefill-wait-target", wait] if wait else []
             else:
                 size = name.removeprefix("unified-")
                 key, flags = f"unified_{size}", ["--mode", "unified", "--chunked-prefill-size", size, *common]

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import torch
 
@@ -45,6 +46,16 @@ from pdserve.engine.sequence import ScheduledBatch, Sequence, Status
 from pdserve.schemas import TokenLogprob
 
 log = logging.getLogger(__name__)
+
+
+class StepObserver(Protocol):
+    """Called in the engine's thread around each step (:attr:`Engine.observer`)."""
+
+    def before_launch(self, batch: ScheduledBatch) -> None: ...
+
+    def after_launch(self, launched: Launched) -> None: ...
+
+    def after_collect(self, launched: Launched, result: ExecResult) -> None: ...
 
 
 class Engine(Admission):
@@ -86,6 +97,8 @@ class Engine(Admission):
         # Time each step on the device (CUDA events; a step timeline at DEBUG): costs two
         # event records a step, so off unless asked.
         self.time_steps = False
+        # Told of each step in the engine thread (``StepObserver``): co-located prefill's SM share.
+        self.observer: StepObserver | None = None
         self._last_done: torch.cuda.Event | None = None
         capacity = config.max_num_seqs + config.max_prefill_seqs
         on_gpu = self.overlap and runner.device.type == "cuda"
@@ -126,6 +139,14 @@ class Engine(Admission):
         pending (sampled by the step in flight before this one) is fed it on the device.
         Touches only tensors and the prefills' page hashes (``PageManager.hash_pages``,
         computed while the device runs them); safe to run in a worker thread."""
+        if self.observer is None:
+            return self._launch(batch)
+        self.observer.before_launch(batch)
+        launched = self._launch(batch)
+        self.observer.after_launch(launched)
+        return launched
+
+    def _launch(self, batch: ScheduledBatch) -> Launched:
         started = time.perf_counter()
         gpu_start = None
         if self.time_steps and self.runner.device.type == "cuda":
@@ -210,7 +231,10 @@ class Engine(Admission):
             if self._last_done is not None:
                 period = self._last_done.elapsed_time(launched.done) / 1e3
             self._last_done = launched.done
-        return ExecResult(launched.seqs, tokens, logprobs, time.perf_counter() - launched.started, gpu, period)
+        result = ExecResult(launched.seqs, tokens, logprobs, time.perf_counter() - launched.started, gpu, period)
+        if self.observer is not None:
+            self.observer.after_collect(launched, result)
+        return result
 
     def execute(self, batch: ScheduledBatch) -> ExecResult:
         """Forward pass and sampling, waited for. Safe to run in a worker thread."""

@@ -22,6 +22,7 @@ from pdserve.broker.streams import BrokerConfig
 from pdserve.engine.config import EngineConfig, KVTierConfig
 from pdserve.scaling import RolePolicy, ScalingConfig
 from pdserve.workers.config import WorkerConfig
+from pdserve.workers.sm_share import parse_prefill_sms
 
 
 @dataclass(frozen=True)
@@ -154,11 +155,19 @@ ENGINE = (
     Flag("--disable-cuda-graph", switch=True),
     Flag(
         "--prefill-sms",
-        -1,
-        int,
-        "co-located PD on a GPU (`up --colocate`): prefill's forward passes run in a green context of this many "
-        "SMs, so decode's kernels always find SMs free beside them; -1: half the GPU's SMs; 0: no cap "
-        "(default: %(default)s)",
+        "auto",
+        parse_prefill_sms,
+        "co-located PD on a GPU (`up --colocate`): the SMs prefill's forward passes may use (a green context, so "
+        "decode's kernels always find SMs free beside them); auto: a share that follows the load (the whole "
+        "share while nothing decodes, else the fewest SMs that clear the waiting prompts within "
+        "--prefill-wait-target); a number: that many SMs; -1: half; 0: no cap (default: %(default)s)",
+    ),
+    Flag(
+        "--prefill-wait-target",
+        0.5,
+        float,
+        "with --prefill-sms auto: seconds within which prefill should clear the prompt tokens waiting for it "
+        "(longer: fewer SMs for prefill, decode's steps held closer to their time alone; default: %(default)s)",
     ),
     Flag("--disable-overlap-schedule", switch=True, help="wait for each step before scheduling the next"),
     Flag(

@@ -172,20 +172,35 @@ def run_colocated(args: argparse.Namespace) -> int:
     from pdserve.workers.colocated import build_engines, role_configs, serve_together
     from pdserve.workers.decode import DecodeWorker
     from pdserve.workers.prefill import PrefillWorker
+    from pdserve.workers.sm_share import PrefillShare
 
     prefill_cfg, decode_cfg = role_configs(base, args.worker_id or "")
     setup_tracing("colocated", prefill_cfg.worker_id)
     log.info("loading model", extra={"role": "colocated", "path": str(base.model_path)})
     try:
         prefill_engine, prefill_thread, decode_engine, decode_thread = build_engines(
-            prefill_cfg, decode_cfg, args.prefill_sms if args.device.startswith("cuda") else 0
+            prefill_cfg,
+            decode_cfg,
+            args.prefill_sms if args.device.startswith("cuda") else 0,
+            args.prefill_wait_target,
         )
     except ValueError as exc:  # --prefill-sms beyond this GPU's SMs, a setting the engine refuses
         raise UsageError(str(exc)) from None
     prefill = PrefillWorker(prefill_cfg, prefill_engine, prefill_thread)
     decode = DecodeWorker(decode_cfg, decode_engine, decode_thread)
 
-    return _serve_process(args, "colocated", [prefill, decode], lambda: serve_together([prefill, decode]))
+    share = prefill_engine.observer if isinstance(prefill_engine.observer, PrefillShare) else None
+    if share is not None:  # its steps per level, on prefill's /metrics
+        share.count = prefill.metrics.sm_share_steps()
+
+    async def serve() -> None:
+        try:
+            await serve_together([prefill, decode])
+        finally:
+            if share is not None:
+                log.info("prefill's SM share", extra=share.summary())
+
+    return _serve_process(args, "colocated", [prefill, decode], serve)
 
 
 def _serve_process(args: argparse.Namespace, role: str, health_of: Any, serve: Callable[[], Awaitable[None]]) -> int:

@@ -7,9 +7,10 @@ counters, lease rules and engine thread. What they share:
 - the model's weights (the second engine is built over the first one's model: one copy);
 - the device, each engine stepping on a CUDA stream of its own, so decode's graph replays
   run beside prefill's chunks instead of after them (in one process the GPU runs both
-  streams at once; two processes would take turns). Prefill's stream is in a green context
-  of ``--prefill-sms`` SMs (default half): uncapped, prefill's kernels held every SM and a
-  decode step beside a 2,048-token chunk took 31 ms instead of 5 (docs/performance.md);
+  streams at once; two processes would take turns). Prefill's stream is in a green context:
+  uncapped, prefill's kernels held every SM and a decode step beside a 2,048-token chunk
+  took 31 ms instead of 5 (docs/performance.md). By default (``--prefill-sms auto``) its
+  SMs follow the load (:mod:`.sm_share`); a number fixes them;
 - KV, handed over by the ``local`` backend (:mod:`.transfer.local`): one device copy per
   request run from the prefill pool into the decode pool, no host memory, no socket.
 
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import dataclasses
 import logging
 import os
@@ -31,12 +31,13 @@ import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pdserve.engine.engine import Engine
 from pdserve.workers.config import WorkerConfig
 from pdserve.workers.lifecycle import CRASH_EXIT_SECONDS, WorkerCrashed
 from pdserve.workers.runtime import WorkerRuntime, engine_thread_pool
+from pdserve.workers.sm_share import PrefillShare, green_stream
 
 if TYPE_CHECKING:
     import torch
@@ -93,18 +94,12 @@ def _stream_for(device: str, priority: int, sms: int = 0) -> torch.cuda.Stream |
         return None
     index = torch.device(device).index or 0
     total = torch.cuda.get_device_properties(index).multi_processor_count
-    if sms < 0:  # the default: half the SMs
+    if sms < 0:  # half the SMs
         sms = total // 2
     if sms:
         if not 0 < sms < total:
             raise ValueError(f"--prefill-sms {sms}: this GPU has {total} SMs")
-        from torch.cuda.green_contexts import GreenContext
-
-        context: Any = GreenContext.create(num_sms=sms, device_id=index)  # torch's stubs lack Stream()
-        # Never destroyed: at interpreter exit its tensors' blocks would outlive it ("context
-        # is destroyed" in a destructor); the process's end frees it.
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(context))
-        stream = context.Stream()
+        stream = green_stream(sms, index)
         log.info("prefill stream in a green context", extra={"sms": sms, "of": total})
     else:
         stream = torch.cuda.Stream(torch.device(device), priority=priority)
@@ -113,11 +108,13 @@ def _stream_for(device: str, priority: int, sms: int = 0) -> torch.cuda.Stream |
 
 
 def build_engines(
-    prefill: WorkerConfig, decode: WorkerConfig, prefill_sms: int = 0
+    prefill: WorkerConfig, decode: WorkerConfig, prefill_sms: str | int = 0, share_target: float = 0.5
 ) -> tuple[Engine, ThreadPoolExecutor, Engine, ThreadPoolExecutor]:
     """Both engines, each built in the thread that will run its steps (on its own stream on a
     GPU), decode's first (its CUDA graphs are captured with nothing else on the device),
-    then prefill's over the same model."""
+    then prefill's over the same model. ``prefill_sms``: a fixed green context (a count of
+    SMs; 0: none, -1: half), or ``auto``: prefill's engine gets a :class:`PrefillShare` as
+    its observer, its SMs following decode's load (on a CPU, nothing)."""
     from pdserve.engine.loader import build_engine
 
     def make(config: WorkerConfig, priority: int, model: torch.nn.Module | None, sms: int = 0) -> Engine:
@@ -131,10 +128,27 @@ def build_engines(
             model=model,
         )
 
+    def make_prefill(decode_engine: Engine) -> Engine:
+        device = prefill.engine.device
+        if prefill_sms != "auto" or not device.startswith("cuda"):
+            return make(prefill, 0, decode_engine.runner.model, 0 if prefill_sms == "auto" else int(prefill_sms))
+        import torch
+
+        index = torch.device(device).index or 0
+        total = torch.cuda.get_device_properties(index).multi_processor_count
+        share = PrefillShare.create(index, total, share_target, decode_engine, green_stream)
+        torch.cuda.set_stream(share.streams[share.rule.levels[-1]])
+        share.current = share.rule.levels[-1]
+        engine = make(prefill, 0, decode_engine.runner.model)
+        share.prefill = engine
+        engine.observer = share
+        engine.time_steps = True  # the share learns each level's rate from the steps' device times
+        return engine
+
     decode_thread = engine_thread_pool()
     decode_engine = decode_thread.submit(make, decode, DECODE_STREAM_PRIORITY, None).result()
     prefill_thread = engine_thread_pool()
-    prefill_engine = prefill_thread.submit(make, prefill, 0, decode_engine.runner.model, prefill_sms).result()
+    prefill_engine = prefill_thread.submit(make_prefill, decode_engine).result()
     return prefill_engine, prefill_thread, decode_engine, decode_thread
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
@@ -54,6 +54,17 @@ class WorkerMetrics:
             buckets=TRANSFER_BUCKETS,
             registry=self.registry,
         )
+
+    def sm_share_steps(self) -> Callable[[int], None]:
+        """A counter of co-located prefill's steps by the SMs each ran on (``--prefill-sms auto``);
+        returns what counts one step."""
+        steps = Counter(
+            "pdserve_prefill_sm_steps",
+            "co-located prefill's steps by the SMs of the green context each ran in",
+            ["sms"],
+            registry=self.registry,
+        )
+        return lambda sms: steps.labels(sms=str(sms)).inc()
 
     def exposition(self) -> bytes:
         """The Prometheus text format of everything above."""
