@@ -27,7 +27,10 @@ def measure_e2e(args: argparse.Namespace, dims: dict, device: str) -> dict:
 
     model_dir = write_model_dir(Path(tempfile.mkdtemp(prefix="pdserve-e2e-")) / "model", dims, "bfloat16")
     tokens = 64 * (512 + args.new + 64)
-    config = EngineConfig(device=device, max_total_tokens=tokens, max_num_seqs=128, chunked_prefill_size=8192)
+    quantization = getattr(args, "quantization", None)
+    config = EngineConfig(
+        device=device, max_total_tokens=tokens, max_num_seqs=128, chunked_prefill_size=8192, quantization=quantization
+    )
     offline = build_engine(model_dir, config, load_format="dummy")
     vocab = min(4000, dims["vocab_size"])  # token ids the tokenizer knows: the API checks them
     seed = iter(range(1000, 2000))
@@ -38,6 +41,7 @@ def measure_e2e(args: argparse.Namespace, dims: dict, device: str) -> dict:
     run_pdserve(offline, fresh(), args.requests)  # warm-up at full size (a first run compiles)
     flags = ["--device", device, "--model-path", str(model_dir), "--load-format", "dummy"]
     flags += ["--max-total-tokens", str(tokens), "--max-running-requests", "128", "--chunked-prefill-size", "8192"]
+    flags += ["--quantization", quantization] if quantization else []
     by_processes: dict[int, dict] = {}
     for n in [int(x) for x in args.e2e_api_processes.split(",")]:
         up = [*flags, "--api-processes", str(n), *(["--log-level", "DEBUG"] if args.e2e_step_log else [])]

@@ -14,6 +14,12 @@ cached tokens reported.
 
     python bench/gpu_engine.py --json docs/data/gpu_engine.json [--e2e] [--profile prof.txt]
     python bench/gpu_engine.py --device cpu --small     # a quick check of the script
+
+``--quantization fp8``: the engine's decoder layers in FP8 weights (quantized at load; the
+JSON records ``quantization`` and the weights' bytes before and after). The stock
+``transformers`` run is skipped then (the engine drops the model's 16-bit projections):
+
+    python bench/gpu_engine.py --quantization fp8 --json docs/data/gpu_engine_fp8.json
 """
 
 from __future__ import annotations
@@ -335,6 +341,12 @@ def main() -> int:
     parser.add_argument("--profile", type=Path, help="write a device-time profile of decode and prefill here")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument(
+        "--quantization",
+        choices=("fp8",),
+        help="fp8: the engine's decoder layers in FP8 weights (a GPU of compute capability 8.9 or above; "
+        "implies --skip-transformers)",
+    )
+    parser.add_argument(
         "--try-fused-merge", action="store_true", help="also batch 1 with the attention splits merged in-kernel"
     )
     parser.add_argument("--try-pdl", action="store_true", help="also batch 1 with programmatic dependent launches")
@@ -398,7 +410,10 @@ def main() -> int:
         max_num_seqs=max(args.requests, 8),
         chunked_prefill_size=8192,
         cuda_graph_max_batch=max(args.requests, 8),
+        quantization=args.quantization,
     )
+    parameters = sum(p.numel() for p in model.parameters())  # before FP8 drops the 16-bit projections
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     started = time.monotonic()
     engine = Engine(ModelRunner(ModelSpec(Path("qwen2.5-7b-dims")), config, model=model), config)
     say(f"engine ready in {time.monotonic() - started:.1f} s ({engine.runner.model_impl})")
@@ -408,11 +423,22 @@ def main() -> int:
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "model": "Qwen2.5-7B dimensions, random weights" if not args.small else "small stand-in",
         "dtype": str(dtype).removeprefix("torch."),
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "quantization": args.quantization or "none",
+        "parameters": parameters,
+        "weight_bytes": weight_bytes,
         "command": "python " + " ".join(sys.argv),
         "torch": torch.__version__,
     }
+    if engine.runner.fp8_bytes is not None:  # the decoder layers' linear weights, 16-bit and FP8 (with scales)
+        before, after = engine.runner.fp8_bytes
+        result.update(
+            fp8_linear_bytes_before=before,
+            fp8_linear_bytes_after=after,
+            weight_bytes_served=weight_bytes - before + after,
+        )
+    if args.quantization and not args.skip_transformers:
+        say("--quantization fp8: no transformers run (the model's 16-bit projections are gone)")
+        args.skip_transformers = True
     if not args.only_e2e:
         result.update(measure_engine(engine, vocab, timer, rng, args))
     if args.profile and not args.only_e2e:

@@ -46,6 +46,9 @@ class KVTierConfig:
         return bool(self.host_bytes or self.disk_dir or self.store_master)
 
 
+QUANTIZATIONS = (None, "fp8")  # EngineConfig.quantization's values
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Knobs of the serving engine.
@@ -62,6 +65,10 @@ class EngineConfig:
     host memory, disk and Mooncake Store below the device's prefix cache.
     ``grammar_threads``: threads that advance constrained rows' grammars and fill their
     masks each step (xgrammar works without the GIL; ``None``: ``grammar.DEFAULT_GRAMMAR_THREADS``).
+    ``quantization``: ``"fp8"`` quantizes the decoder layers' linear weights (qkv, o, gate_up,
+    down; not the embeddings or the LM head) to float8_e4m3 with a scale per output channel
+    at load, before the KV pool is sized, on pdserve's Triton pass (a GPU of compute
+    capability 8.9 or above); anywhere else it is refused (``None``: the checkpoint's dtype).
     """
 
     page_size: int = 16
@@ -82,6 +89,7 @@ class EngineConfig:
     kv_tiers: KVTierConfig = KVTierConfig()
     grammar_threads: int | None = None  # structured output's host threads; None: 1
     kv_shared_dir: str = ""  # a CPU pool in a file there (e.g. /dev/shm) that peers of this host map
+    quantization: str | None = None  # "fp8": the decoder layers' linear weights in FP8 (see above)
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -96,5 +104,7 @@ class EngineConfig:
             raise ValueError("model_impl must be auto, pdserve or transformers")
         if self.cuda_graph_max_batch < 0:
             raise ValueError("cuda_graph_max_batch must be at least 0")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization is fp8 or None, not {self.quantization!r}")
         if self.chunked_prefill_size < self.page_size:
             raise ValueError("chunked_prefill_size must be at least one page")

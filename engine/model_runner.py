@@ -23,9 +23,11 @@ from pdserve.engine.cpu_dtype import auto_cpu_dtype
 from pdserve.engine.cuda_graph import DecodeGraphs
 from pdserve.engine.kernels import decode_splits
 from pdserve.engine.kv_pool import KVPool, bytes_per_token, dtype_name
-from pdserve.engine.models import create_fast_model, fast_path_reason
+from pdserve.engine.models import create_fast_model, fast_path_reason, fp8_reason
 from pdserve.engine.models.batch import build_step
 from pdserve.engine.models.llama_cpu import LlamaFamilyCPU
+from pdserve.engine.models.llama_weights import quantize_fp8_
+from pdserve.engine.quant import CHECKPOINT_FORMATS
 from pdserve.engine.sequence import ScheduledBatch, Sequence
 from pdserve.schemas import KVLayout
 
@@ -69,11 +71,13 @@ def resolve_dtype(name: str, config_dtype: torch.dtype | None, device: torch.dev
     return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
-def load_model(spec: ModelSpec, device: torch.device) -> torch.nn.Module:
+def load_model(spec: ModelSpec, device: torch.device, quantization: str | None = None) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     impl = attention.register()
     config = AutoConfig.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code)
+    if quantization == "fp8":
+        refuse_fp8_checkpoint(getattr(config, "quantization_config", None))
     dtype = resolve_dtype(spec.dtype, getattr(config, "dtype", None), device)
     if spec.load_format == "dummy":
         torch.manual_seed(spec.seed)
@@ -92,6 +96,30 @@ def load_model(spec: ModelSpec, device: torch.device) -> torch.nn.Module:
     else:
         raise ValueError(f"unknown load format {spec.load_format!r}")
     return model.to(device).eval()
+
+
+def refuse_fp8_checkpoint(quantization_config: object) -> None:
+    """``--quantization fp8`` quantizes a 16-bit checkpoint at load; a checkpoint already in
+    FP8 (config.json's ``quantization_config``) is refused, not loaded through ``transformers``'
+    own quantizer (whose weights pdserve's pass cannot read)."""
+    if quantization_config is None:
+        return
+    method = (
+        quantization_config.get("quant_method")
+        if isinstance(quantization_config, dict)
+        else getattr(quantization_config, "quant_method", None)
+    )
+    method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
+    if method in CHECKPOINT_FORMATS:
+        raise ValueError(
+            f"--quantization fp8: this checkpoint is quantized already (quantization_config quant_method "
+            f"{method!r}); pdserve does not load pre-quantized FP8 checkpoints yet: serve the 16-bit checkpoint "
+            "with --quantization fp8 (quantized at load, a scale per output channel)"
+        )
+    raise ValueError(
+        f"--quantization fp8: this checkpoint is quantized already (quant_method {method!r}); "
+        "--quantization fp8 needs a 16-bit checkpoint"
+    )
 
 
 def kv_layout_of(model: torch.nn.Module, page_size: int, tp_size: int = 1) -> KVLayout:
@@ -129,17 +157,20 @@ class ModelRunner:
     ) -> None:
         self.config = config
         self.allow_interpreter = allow_interpreter
+        self.fp8_bytes: tuple[int, int] | None = None  # --quantization fp8: the weights' bytes before, after
         self.device = torch.device(config.device)
         self.tp = tp
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         started = time.monotonic()
-        self.model = model if model is not None else load_model(spec, self.device)
+        self.model = model if model is not None else load_model(spec, self.device, config.quantization)
         tp_size = 1 if tp is None else tp.size
         if tp is not None:
             from pdserve.engine.parallel import shard_model
 
             shard_model(self.model, tp.rank, tp.size, tp.all_reduce)
+        if config.quantization == "fp8":  # before the pool is sized: it gets the memory freed
+            self._quantize_fp8()
         text_config = self.model.config.get_text_config()
         self.vocab_size = text_config.vocab_size
         self.max_model_len = config.max_model_len or getattr(text_config, "max_position_embeddings", 4096)
@@ -176,7 +207,30 @@ class ModelRunner:
                 "pages": self.num_pages,
                 "kv_bytes": self.pool.nbytes,
                 "model_impl": self.model_impl,
+                "quantization": config.quantization,
                 "cuda_graphs": self.graphs is not None,
+            },
+        )
+
+    def _quantize_fp8(self) -> None:
+        """The decoder layers' linear weights in FP8 (see :func:`quantize_fp8_`), or a
+        ``ValueError`` saying why this model, pass or device cannot run them."""
+        impl = self.config.model_impl
+        reason = fp8_reason(self.model, self.device, impl, impl == "pdserve" and self.allow_interpreter)
+        if reason is not None:
+            raise ValueError(f"--quantization fp8: {reason}")
+        before, after = self.fp8_bytes = quantize_fp8_(self.model)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the 16-bit weights' memory back to the device, for the pool
+        layers = len(self.model.model.layers)  # type: ignore[union-attr,arg-type]
+        log.info(
+            "fp8 weights",
+            extra={
+                "layers": f"qkv, o, gate_up, down of {layers} decoder layers (embeddings and LM head unchanged)",
+                "bytes_before": before,
+                "bytes_after": after,
+                "bytes_saved": before - after,
+                "already_quantized": before == 0,  # a model shared with an engine that quantized it
             },
         )
 

@@ -136,6 +136,17 @@ def check_worker_flags(args: argparse.Namespace, role: str) -> None:
         raise UsageError(f"--disaggregation-transfer-backend {backend} with --device {args.device}: {wrong_device}")
     if args.page_size < 1 or args.page_size & (args.page_size - 1):
         raise UsageError("--page-size must be a power of two")
+    if getattr(args, "quantization", None) == "fp8":
+        if args.model_impl == "transformers":
+            raise UsageError(
+                "--quantization fp8 with --model-impl transformers: FP8 weights run on pdserve's own forward pass; "
+                "the stock transformers code has no FP8 matmuls"
+            )
+        if args.device.split(":")[0] != "cuda":
+            raise UsageError(
+                f"--quantization fp8 with --device {args.device}: FP8 weights run on pdserve's GPU pass (compute "
+                "capability 8.9 or above); its CPU pass has no FP8 matmuls"
+            )
     if args.cpus is not None:
         from pdserve.cores import parse_cpus
 
@@ -225,6 +236,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.num_threads,
         max_model_len=args.context_length,
         model_impl=args.model_impl,
+        quantization=args.quantization,
         cuda_graph_max_batch=0 if args.disable_cuda_graph else args.cuda_graph_max_bs,
         overlap_schedule=not args.disable_overlap_schedule,
         kv_tiers=tier_config(args),

@@ -150,6 +150,14 @@ ENGINE = (
         "(default: %(default)s)",
     ),
     Flag(
+        "--quantization",
+        EngineConfig.quantization,
+        choices=("fp8",),
+        help="fp8: the decoder layers' linear weights quantized at load to float8_e4m3 with a scale per output "
+        "channel (half the bytes; the KV pool gets the memory freed), on pdserve's forward pass on a GPU of compute "
+        "capability 8.9 or above (refused elsewhere; a 16-bit checkpoint; default: none)",
+    ),
+    Flag(
         "--cuda-graph-max-bs", EngineConfig.cuda_graph_max_batch, int, "largest decode batch replayed as a CUDA graph"
     ),
     Flag("--disable-cuda-graph", switch=True),

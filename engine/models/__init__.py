@@ -39,6 +39,33 @@ def fast_path_reason(model: torch.nn.Module, device: torch.device, allow_interpr
     return unsupported_reason(model)
 
 
+# FP8 weights need Ada or Hopper: Triton's float8_e4m3 conversions and torch._scaled_mm.
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def fp8_reason(
+    model: torch.nn.Module, device: torch.device, model_impl: str, allow_interpreter: bool = False
+) -> str | None:
+    """Why ``--quantization fp8`` cannot serve ``model`` on ``device``, or ``None`` if it can:
+    its matmuls are in pdserve's Triton pass alone (never a silent fallback to 16 bits)."""
+    if model_impl == "transformers":
+        return "it runs on pdserve's own forward pass; model_impl 'transformers' (the stock code) has no FP8 matmuls"
+    reason = fast_path_reason(model, device, allow_interpreter)
+    if reason is not None:
+        return f"it runs on pdserve's own forward pass, which cannot serve this model: {reason}"
+    if not uses_triton(device, allow_interpreter):
+        return "pdserve's CPU pass has no FP8 matmuls (FP8 weights run on a GPU of compute capability 8.9 or above)"
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < FP8_MIN_CAPABILITY:
+            name = torch.cuda.get_device_name(device)
+            return (
+                f"{name} has compute capability {capability[0]}.{capability[1]}; FP8 matmuls need 8.9 or above "
+                "(Ada, Hopper and later)"
+            )
+    return None
+
+
 def create_fast_model(
     model: torch.nn.Module,
     pool: torch.Tensor,

@@ -6,6 +6,11 @@ fused tensors, so nothing is held twice). A layer is eight launches: add+RMSNorm
 rotary+KV store, attention (in place on the page pool), o, add+RMSNorm, gate_up,
 SiLU·up, down — few enough that a decode step replays as one CUDA graph; in a decode-only
 step the attention kernel does the rotary and the KV store itself.
+
+With FP8 weights (``--quantization fp8``, :func:`.llama_weights.quantize_fp8_`) every product
+of qkv, o, gate_up and down goes through :func:`pdserve.engine.kernels.fp8.linear` (the FP8
+GEMV up to its row limit, down reading SiLU·up fused; above it activations quantized per
+token and ``torch._scaled_mm``); the LM head stays in the model's dtype.
 """
 
 from __future__ import annotations
@@ -16,9 +21,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.kernels import elementwise, gemv, paged, rope
+from pdserve.engine.kernels import elementwise, fp8, gemv, paged, rope
 from pdserve.engine.models.batch import StepBatch
-from pdserve.engine.models.llama_weights import FusedDecoder, Layer
+from pdserve.engine.models.llama_weights import FusedDecoder, Layer, Weight
+from pdserve.engine.quant import Fp8Weight
 
 if TYPE_CHECKING:
     from pdserve.engine.parallel import TPGroup
@@ -53,6 +59,9 @@ class LlamaFamily(FusedDecoder):
     ``tp``: the model's weights are this rank's shard (:mod:`pdserve.engine.parallel`): the
     layer has ``1 / tp.size`` of the heads and of the MLP, and the outputs of o and down are
     all-reduced across the group (inside the CUDA graph, on a GPU).
+
+    FP8 weights: with ``use_gemv`` up to :data:`fp8.GEMV_MAX_ROWS` rows through the FP8
+    GEMV, else (and always without ``use_gemv``) the row-quantized scaled GEMM.
     """
 
     overlaps = True  # the engine may queue a step whose input tokens are still on the device
@@ -70,7 +79,7 @@ class LlamaFamily(FusedDecoder):
         if device.type == "cuda":
             gemv.reserve_counters(device)  # split-K counters, before any graph is captured
             self._side = torch.cuda.Stream(device)
-            largest = max(layer.o_weight.numel() for layer in self.layers)
+            largest = max(_tensor(layer.o_weight).numel() for layer in self.layers)
             self._sink = torch.empty(-(-largest // 8192), dtype=torch.float32, device=device)
 
     @torch.inference_mode()
@@ -109,7 +118,8 @@ class LlamaFamily(FusedDecoder):
         fused_rope = step.prefill is None and not self.separate_rope
         for index, layer in enumerate(self.layers):
             x, residual = elementwise.add_rms_norm(h, residual, layer.input_norm, self.eps)
-            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+            w = layer.qkv_weight  # the library's GEMM at every size in 16 bits (as fast at batch 1)
+            qkv = F.linear(x, w, layer.qkv_bias) if isinstance(w, torch.Tensor) else self._fp8(x, w, layer.qkv_bias)
             if layer.q_norm is not None and layer.k_norm is not None:
                 qk = qkv[:, : (nq + nkv) * dim]
                 q = layer.q_norm(qk[:, : nq * dim].reshape(tokens, nq, dim))
@@ -120,7 +130,7 @@ class LlamaFamily(FusedDecoder):
                 main = torch.cuda.current_stream()
                 self._side.wait_stream(main)
                 with torch.cuda.stream(self._side):
-                    gemv.l2_prefetch(layer.o_weight, self._sink)
+                    gemv.l2_prefetch(_tensor(layer.o_weight), self._sink)
             if not fused_rope:
                 rope.rope_store(qkv, nq, nkv, self.cos, self.sin, step.positions, step.slots, self.pool, index)
             out = self._attend(index, layer, qkv, step, pdl, fused_rope).view(tokens, nq * dim)
@@ -136,22 +146,30 @@ class LlamaFamily(FusedDecoder):
                 self.tp.all_reduce(h)
             x, residual = elementwise.add_rms_norm(h, residual, layer.post_norm, self.eps, pdl)
             gate_up = self._linear(x, layer.gate_up_weight, layer.gate_up_bias, GEMV_GATE_UP, pdl)
-            if rows == 1 and self.use_gemv:
-                down = layer.down_weight
+            down = layer.down_weight
+            if isinstance(down, Fp8Weight):
+                h = self._fp8(gate_up, down, layer.down_bias, silu_mul_input=True)
+            elif rows == 1 and self.use_gemv:
                 h = gemv.gemv(gate_up, down, layer.down_bias, silu_mul_input=True, pdl=pdl, **GEMV_DOWN)  # type: ignore[arg-type]
             else:
-                h = F.linear(elementwise.silu_mul(gate_up), layer.down_weight, layer.down_bias)
+                h = F.linear(elementwise.silu_mul(gate_up), down, layer.down_bias)
             if self.tp is not None:
                 self.tp.all_reduce(h)
         h, _ = elementwise.add_rms_norm(h, residual, self.norm, self.eps, pdl)
         return self._linear(h, self.lm_head, None, GEMV_LM_HEAD, pdl)
 
     def _linear(
-        self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tiles: dict[str, int], pdl: bool = False
+        self, x: torch.Tensor, w: Weight, b: torch.Tensor | None, tiles: dict[str, int], pdl: bool = False
     ) -> torch.Tensor:
+        if isinstance(w, Fp8Weight):
+            return self._fp8(x, w, b)
         if x.shape[0] == 1 and self.use_gemv:
             return gemv.gemv(x, w, b, False, pdl=pdl, **tiles)  # type: ignore[arg-type]
         return F.linear(x, w, b)
+
+    def _fp8(self, x: torch.Tensor, w: Fp8Weight, b: torch.Tensor | None, silu_mul_input: bool = False) -> torch.Tensor:
+        rows = fp8.GEMV_MAX_ROWS if self.use_gemv else 0
+        return fp8.linear(x, w, b, silu_mul_input, gemv_max_rows=rows)
 
     def _attend(
         self, index: int, layer: Layer, qkv: torch.Tensor, step: StepBatch, pdl: bool = False, rope: bool = False
@@ -221,3 +239,8 @@ class LlamaFamily(FusedDecoder):
             scale=self.scale,
             enable_gqa=True,
         )
+
+
+def _tensor(w: Weight) -> torch.Tensor:
+    """The tensor a weight's bytes are in (an FP8 weight's ``q``)."""
+    return w.q if isinstance(w, Fp8Weight) else w

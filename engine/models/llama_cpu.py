@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.models.batch import StepBatch
-from pdserve.engine.models.llama_weights import FusedDecoder, Layer
+from pdserve.engine.models.llama_weights import FusedDecoder, Layer, Weight
 
 if TYPE_CHECKING:
     from pdserve.engine.parallel import TPGroup
@@ -58,8 +58,10 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
 
-def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+def pack(weight: Weight, bias: torch.Tensor | None = None) -> Linear:
     """``weight`` reordered for oneDNN where it can be (a copy: the stock modules keep theirs)."""
+    if not isinstance(weight, torch.Tensor):  # the runner refuses --quantization fp8 on this pass
+        raise ValueError("pdserve's CPU pass has no FP8 matmuls")
     if can_pack(weight.dtype):
         return Linear(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None), bias, True)
     return Linear(weight, bias, False)

@@ -3,6 +3,10 @@ Qwen2, Qwen3, Mistral; q/k/v fused into one projection and gate/up into another.
 
 Imports no kernels: the GPU pass (:mod:`.llama`, Triton) and the CPU pass
 (:mod:`.llama_cpu`, torch ops) share it.
+
+With ``--quantization fp8``, :func:`quantize_fp8_` turns the four linear weights of each
+decoder layer into :class:`~pdserve.engine.quant.Fp8Weight` before the KV pool is sized and
+drops their 16-bit copies; :func:`fused_layer` then holds those.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from pdserve.engine.quant import Fp8Weight, quantize_fp8
 
 if TYPE_CHECKING:
     from pdserve.engine.parallel import TPGroup
@@ -34,19 +40,23 @@ def unsupported_reason(model: Any) -> str | None:
     return None
 
 
+# A linear layer's weight: the model's own tensor, or FP8 with per-output-channel scales.
+Weight = torch.Tensor | Fp8Weight
+
+
 @dataclass
 class Layer:
     input_norm: torch.Tensor
-    qkv_weight: torch.Tensor
+    qkv_weight: Weight
     qkv_bias: torch.Tensor | None
     q_norm: torch.nn.Module | None  # Qwen3: RMSNorm of each head before rotary
     k_norm: torch.nn.Module | None
-    o_weight: torch.Tensor
+    o_weight: Weight
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up_weight: torch.Tensor
+    gate_up_weight: Weight
     gate_up_bias: torch.Tensor | None
-    down_weight: torch.Tensor
+    down_weight: Weight
     down_bias: torch.Tensor | None
     window: int | None
 
@@ -92,23 +102,74 @@ def _fused_weight(modules: list[Any]) -> torch.Tensor:
     return fused
 
 
+# The attribute that holds a quantized module's FP8 weight (see :func:`quantize_fp8_`).
+FP8_ATTR = "pdserve_fp8"
+
+
+def _linears(layer: Any) -> list[tuple[Any, list[Any]]]:
+    """A decoder layer's four products: (the module that holds their weight, its modules):
+    self_attn for q/k/v fused, o_proj, mlp for gate/up fused, down_proj."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return [
+        (attn, [attn.q_proj, attn.k_proj, attn.v_proj]),
+        (attn.o_proj, [attn.o_proj]),
+        (mlp, [mlp.gate_proj, mlp.up_proj]),
+        (mlp.down_proj, [mlp.down_proj]),
+    ]
+
+
+def is_fp8(model: Any) -> bool:
+    """Whether :func:`quantize_fp8_` has run on ``model``."""
+    return getattr(model.model.layers[0].self_attn, FP8_ATTR, None) is not None
+
+
+def quantize_fp8_(model: Any) -> tuple[int, int]:
+    """Quantize each decoder layer's linear weights (q/k/v fused, o, gate/up fused, down; not
+    the embeddings or the LM head) to FP8 with a scale per output channel, in place and one
+    layer at a time: each FP8 weight is kept on the module as ``pdserve_fp8`` and the 16-bit
+    weights become meta tensors (their memory is freed; the stock ``transformers`` forward
+    pass cannot run any more, and raises if asked to). Returns the bytes of the weights
+    before and after (scales included); ``(0, 0)`` when the model was quantized already (a
+    second pass over one model: the two engines of a co-located process)."""
+    if is_fp8(model):
+        return 0, 0
+    before = after = 0
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for owner, modules in _linears(layer):
+                parts = [quantize_fp8(m.weight) for m in modules]
+                if len(parts) == 1:
+                    fp8 = parts[0]
+                else:  # per output channel: the fused weight's quantization is its parts'
+                    fp8 = Fp8Weight(q=torch.cat([p.q for p in parts]), scale=torch.cat([p.scale for p in parts]))
+                setattr(owner, FP8_ATTR, fp8)
+                for m in modules:
+                    w = m.weight
+                    before += w.numel() * w.element_size()
+                    m.weight = torch.nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), False)
+                after += fp8.q.numel() * fp8.q.element_size() + fp8.scale.numel() * fp8.scale.element_size()
+    return before, after
+
+
 def fused_layer(layer: Any) -> Layer:
-    """The tensors of one decoder layer (q/k/v and gate/up fused in place, see :func:`_fuse`)."""
+    """The tensors of one decoder layer (q/k/v and gate/up fused in place, see :func:`_fuse`;
+    the FP8 weights of a model :func:`quantize_fp8_` has quantized)."""
     attn, mlp = layer.self_attn, layer.mlp
     qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
     gate_up = [mlp.gate_proj, mlp.up_proj]
+    fp8 = [getattr(owner, FP8_ATTR, None) for owner, _ in _linears(layer)]
     return Layer(
         input_norm=layer.input_layernorm.weight,
-        qkv_weight=_fused_weight(qkv),
+        qkv_weight=fp8[0] if fp8[0] is not None else _fused_weight(qkv),
         qkv_bias=_fuse(qkv, "bias"),
         q_norm=getattr(attn, "q_norm", None),
         k_norm=getattr(attn, "k_norm", None),
-        o_weight=attn.o_proj.weight,
+        o_weight=fp8[1] if fp8[1] is not None else attn.o_proj.weight,
         o_bias=attn.o_proj.bias,
         post_norm=layer.post_attention_layernorm.weight,
-        gate_up_weight=_fused_weight(gate_up),
+        gate_up_weight=fp8[2] if fp8[2] is not None else _fused_weight(gate_up),
         gate_up_bias=_fuse(gate_up, "bias"),
-        down_weight=mlp.down_proj.weight,
+        down_weight=fp8[3] if fp8[3] is not None else mlp.down_proj.weight,
         down_bias=mlp.down_proj.bias,
         window=getattr(attn, "sliding_window", None),
     )

@@ -36,7 +36,10 @@ def test_an_sglang_prefill_command_parses_and_passes_the_checks() -> None:
     assert args.port == 7000 and args.disaggregation_bootstrap_port == 8998
     assert args.disaggregation_ib_device == "mlx5_2" and args.trust_remote_code
     config = engine_config(args)
-    assert config.max_total_tokens == 4096
+    assert config.max_total_tokens == 4096 and config.quantization is None
+    fp8 = build_parser().parse_args([*SGLANG_PREFILL, "--device", "cuda", "--quantization", "fp8"])
+    check_worker_flags(fp8, "prefill")
+    assert engine_config(fp8).quantization == "fp8"
 
 
 @pytest.mark.parametrize(
@@ -52,6 +55,11 @@ def test_an_sglang_prefill_command_parses_and_passes_the_checks() -> None:
         (["--disaggregation-transfer-backend", "gloo", "--device", "cuda:1"], "moves cpu pools, not cuda ones"),
         (["--page-size", "12"], "power of two"),
         (["--cpus", "3-1"], "--cpus: not a list of CPU cores"),
+        (
+            ["--quantization", "fp8", "--device", "cuda", "--model-impl", "transformers"],
+            "stock transformers code has no FP8",
+        ),
+        (["--quantization", "fp8"], "--device cpu: FP8 weights run on pdserve's GPU pass"),
     ],
 )
 def test_values_pdserve_cannot_honour_are_errors(flags: list[str], message: str) -> None:
