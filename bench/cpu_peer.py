@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import datetime
 import json
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -42,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import free_port, git_commit, log
 from sse_client import Connection, split_url
-from system import System
+from system import System, start_session, stop_session, wait_ready
 
 from pdserve.default_model import ensure_default_model
 
@@ -86,30 +84,18 @@ class Vllm:
         argv += ["--served-model-name", self.name, "--dtype", "bfloat16", "--max-model-len", "2048"]
         argv += ["--host", "127.0.0.1", "--port", str(self.port)]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
-        with open(self.log_path, "wb") as out:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited early; see {self.log_path}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            time.sleep(1.0)
-        self.stop()
-        raise RuntimeError(f"vLLM not ready after {timeout:.0f}s; see {self.log_path}")
+        self.proc = start_session(argv, env, self.log_path)
+        wait_ready(self.proc, self._ready, timeout, "vLLM", self.stop, lambda: f"see {self.log_path}", poll=1.0)
+
+    def _ready(self) -> bool:
+        try:
+            return httpx.get(self.url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        if self.proc is not None:
+            stop_session(self.proc)
         self.proc = None
 
 

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -51,6 +52,57 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
+def start_session(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    """``argv`` in a session of its own (its process group: everything it starts can be
+    stopped at the end), output to ``log_path``."""
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def wait_ready(
+    proc: subprocess.Popen[bytes],
+    ready: Callable[[], bool],
+    timeout: float,
+    what: str,
+    stop: Callable[[], None],
+    tail: Callable[[], str],
+    poll: float = 0.5,
+) -> None:
+    """Poll ``ready`` until it holds; raise (with ``tail()``) if ``proc`` exits first, or
+    after ``timeout`` (``stop`` first)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited early:\n{tail()}")
+        if ready():
+            return
+        time.sleep(poll)
+    stop()
+    raise RuntimeError(f"{what} not ready after {timeout:.0f}s:\n{tail()}")
+
+
+def stop_session(proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+    """SIGTERM to ``proc``, then to its process group while any of it runs; SIGKILL after
+    ``timeout``."""
+    pgid = proc.pid
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=timeout)
+    if _group_alive(pgid):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout / 2
+        while _group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    if _group_alive(pgid):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
 class System:
     """One ``pdserve up`` in its own session (process group), so that everything it starts
     can be found and stopped at the end."""
@@ -86,17 +138,8 @@ class System:
             *self.extra,
         ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "MC_LOG_LEVEL": "ERROR", "TOKENIZERS_PARALLELISM": "false"}
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"pdserve up ({self.mode}) exited early:\n{self.log_tail()}")
-            if self._ready():
-                return
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"pdserve up ({self.mode}) not ready after {timeout:.0f}s:\n{self.log_tail()}")
+        self.proc = start_session(argv, env, self.log_path)
+        wait_ready(self.proc, self._ready, timeout, f"pdserve up ({self.mode})", self.stop, self.log_tail)
 
     def _ready(self) -> bool:
         """/health is 200 and every worker has registered (/health turns 200 with one)."""
@@ -110,30 +153,10 @@ class System:
         return all(have[r] >= n for r, n in self.roles.items())
 
     def stop(self, timeout: float = 60.0) -> None:
-        """SIGTERM to ``pdserve up``; then SIGTERM to anything of its process group still
-        running (``pdserve up`` may exit before its workers and broker do),
-        SIGKILL after ``timeout``."""
-        if self.proc is None:
-            return
-        pgid = self.proc.pid
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        if _group_alive(pgid):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, signal.SIGTERM)
-            deadline = time.monotonic() + timeout / 2
-            while _group_alive(pgid) and time.monotonic() < deadline:
-                time.sleep(0.2)
-        if _group_alive(pgid):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, signal.SIGKILL)
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
+        """SIGTERM to ``pdserve up``; then to anything of its process group still running
+        (``pdserve up`` may exit before its workers and broker do), SIGKILL after ``timeout``."""
+        if self.proc is not None:
+            stop_session(self.proc, timeout)
         self.proc = None
 
     def log_tail(self, n: int = 40) -> str:
