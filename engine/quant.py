@@ -60,6 +60,19 @@ def quantize_fp8(w: torch.Tensor) -> Fp8Weight:
     return Fp8Weight(q=q.contiguous(), scale=scale.contiguous())
 
 
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations ``x [M, K]`` as FP8 with one float32 scale per row (per token): ``q [M, K]``
+    float8_e4m3fn and ``scale [M]`` with ``x ~= q * scale[:, None]``, each row's amax mapped to
+    448 (a row of zeros keeps the floor's scale). The scheme of the W8A8 products; the kernel
+    that does it in one pass is :func:`pdserve.engine.kernels.fp8.quantize_rows`, and this is
+    its reference (plain torch: every rounding the same)."""
+    if x.dim() != 2 or x.shape[1] == 0:
+        raise ValueError(f"activations to quantize per row are [rows, K > 0], got shape {list(x.shape)}")
+    scale = x.detach().abs().amax(dim=1).to(torch.float32).clamp_min(_MIN_AMAX) / FP8_MAX
+    q = (x.detach().to(torch.float32) / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.contiguous(), scale.contiguous()
+
+
 # --- The KV cache: one scale per token per KV head ------------------------------------------
 
 # The dtype of the KV scales; the pool holds one beside each stored vector (see quantize_kv_fp8).

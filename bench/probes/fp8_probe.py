@@ -2,15 +2,27 @@
 """Probe: the projections of a 7B decoder in bf16 and FP8, by rows of input, on one GPU.
 
 For Qwen2.5-7B's four projections (qkv, o, gate_up, and down with SiLU·up read on the fly)
-and each row count, times: the library's bf16 GEMM (``F.linear``), pdserve's GEMV kernel
-(:mod:`pdserve.engine.kernels.gemv`) on bf16 and on FP8 weights with per-channel scales over
-a few tile shapes, and ``torch._scaled_mm`` with row-wise scales (activations quantized per
-token, the quantization included). Each figure is a CUDA graph of calls cycling over enough
-copies of the weights that none is read from L2. Reports each variant's time and the weight
-read rate (TB/s), and the fastest per (projection, rows, dtype). GPU only; stops sweeping
-after ``--budget`` seconds and writes what it has.
+and each row count, times (microseconds a call; ``tb_s``: weight bytes over that time):
 
-    python bench/probes/fp8_probe.py --out /tmp/fp8_probe.json
+- ``cublas``: the library's bf16 GEMM (``F.linear``; down: ``silu_mul`` then the GEMM);
+- ``gemv``: pdserve's FP8 GEMV (W8A16, :func:`fp8.gemv_tiles`), up to 64 rows;
+- ``batched``: the fused per-row quantization then the batched W8A8 kernel
+  (:func:`fp8.quantize_rows` + :func:`fp8.matmul` at :func:`fp8.matmul_tiles`), what
+  :func:`fp8.linear` runs between its thresholds; ``batched_mm``: the kernel alone, at the
+  table's tiles and a few others (wider or narrower channel tiles, Hopper's fast FP8
+  accumulation) to correct the table; ``batched_a16``: the same kernel on the bf16
+  activations as they are (W8A16, down reading SiLU·up on the fly; ``batched_a16_sep``:
+  ``silu_mul`` first); up to 256 rows;
+- ``scaled_mm``: the fused quantization then ``torch._scaled_mm`` (row-wise scales), timed
+  together; ``quant``: the fused quantization alone.
+
+Before timing, each (projection, rows) checks the kernels against torch: the quantization bit
+for bit against :func:`quant.quantize_rows_fp8`, the batched kernel against ``_scaled_mm`` on
+the same FP8 inputs (``checks`` in the JSON). Each figure is a CUDA graph of calls cycling
+over enough copies of the weights that none is read from L2. The JSON (``--out``) is written
+after every figure; after ``--budget`` seconds the sweep stops and the table is printed.
+
+    python bench/probes/fp8_probe.py --out /tmp/fp8_probe.json --budget 200
 """
 
 from __future__ import annotations
@@ -28,16 +40,23 @@ from pdserve.engine import quant
 from pdserve.engine.kernels import elementwise, fp8, gemv
 
 SHAPES = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
-# (block_n, block_k, num_warps, num_stages); split_k is added from the program count
-GEMV_TILES = [(8, 512, 4, 3), (8, 1024, 4, 3), (8, 1024, 8, 3), (16, 512, 4, 3)]
-DOT_TILES = [(32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3), (16, 256, 4, 4), (128, 128, 8, 3)]
+ROWS = "1,2,4,8,16,32,64,128,256,2048,4096"
+# the batched kernel's other tiles tried beside the table's: (name, overrides)
+MM_ALTS: list[tuple[str, dict[str, Any]]] = [
+    ("fast_accum", {"precise": False}),
+    ("n64", {"block_n": 64}),
+    ("n256", {"block_n": 256, "block_k": 128, "num_warps": 8, "num_stages": 3}),
+]
+COMPLETE = ("gemv", "batched", "batched_a16", "batched_a16_sep", "scaled_mm")  # whole products, FP8
+VARIANTS = ("cublas", "gemv", "batched", "batched_mm", "batched_a16", "batched_a16_sep", "scaled_mm", "quant")
 
 
 def timed(fn: Any, reps: int = 5) -> float:
-    """Microseconds a call: ``fn`` captured in a graph (it loops over the copies itself)."""
+    """Microseconds a call: ``fn`` captured in a graph (it loops over the copies itself and
+    returns how many calls it made)."""
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        fn()  # compile / autotune outside the capture
+        fn()  # compile outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
@@ -53,104 +72,217 @@ def timed(fn: Any, reps: int = 5) -> float:
     return start.elapsed_time(end) * 1000 / reps / calls
 
 
-def splits_for(n: int, block_n: int, sms: int) -> int:
-    programs = -(-n // block_n)
+def with_split(rows: int, n: int, k: int, tiles: dict[str, Any]) -> dict[str, Any]:
+    """``tiles`` with split-K chosen by the table's rule for its channel and K tiles."""
+    tiles = dict(tiles)
+    programs = -(-rows // tiles["block_m"]) * -(-n // tiles["block_n"])
     split = 1
-    while programs * split < 2 * sms and split < 8:
+    while programs * split < fp8._SMS and split < 8 and k // (split * 2) >= 2 * tiles["block_k"]:
         split *= 2
-    return split
+    tiles["split_k"] = split
+    return tiles
+
+
+def table(results: list[dict]) -> str:
+    """Per projection and rows: each variant's best microseconds (``batched_mm``: the table's
+    tiles / the best of all tried, with its name) and ``x bf16``: cuBLAS bf16's time over the
+    fastest complete FP8 path's (gemv, batched, batched_a16(_sep), scaled_mm), with its name."""
+    best: dict[tuple[str, int, str], dict] = {}
+    for r in results:
+        key = (r["shape"], r["rows"], r["variant"])
+        if key not in best or r["us"] < best[key]["us"]:
+            best[key] = r
+    cells: dict[tuple[str, int], dict[str, str]] = {}
+    for (shape, rows, variant), r in best.items():
+        text = f"{r['us']:.1f}"
+        if variant == "batched_mm":
+            own = [x for x in results if (x["shape"], x["rows"], x.get("tiles")) == (shape, rows, "table")]
+            text = (f"{own[0]['us']:.1f}/" if own else "-/") + f"{r['us']:.1f}:{r.get('tiles')}"
+        cells.setdefault((shape, rows), {})[variant] = text
+    for (shape, rows), row in cells.items():
+        paths = [best[(shape, rows, v)] for v in VARIANTS if v in COMPLETE and (shape, rows, v) in best]
+        bf16 = best.get((shape, rows, "cublas"))
+        if paths and bf16:
+            fastest = min(paths, key=lambda r: r["us"])
+            row["x bf16"] = f"{bf16['us'] / fastest['us']:.2f}:{fastest['variant']}"
+    columns = [*VARIANTS, "x bf16"]
+    widths = {c: 22 if c in ("batched_mm", "x bf16") else max(len(c), 8) for c in columns}
+    lines = [f"{'shape':8} {'rows':>5} " + " ".join(f"{c:>{widths[c]}}" for c in columns)]
+    for (shape, rows), row in cells.items():
+        lines.append(f"{shape:8} {rows:>5} " + " ".join(f"{row.get(c, '-'):>{widths[c]}}" for c in columns))
+    return "\n".join(lines)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--rows", default="1,4,16,32,64,128,256,1024,4096")
-    parser.add_argument("--budget", type=float, default=300.0, help="seconds of sweeping at most")
+    parser.add_argument("--rows", default=ROWS)
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--budget", type=float, default=200.0, help="seconds of sweeping at most")
     args = parser.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
     dev = torch.device("cuda", 0)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    gemv.reserve_counters(dev)
     t0 = time.monotonic()
     results: list[dict] = []
-    best: dict[str, dict] = {}
+    checks: list[dict] = []
+    state = {"stopped": None}
 
-    def record(shape: str, rows: int, dtype: str, variant: str, us: float, nbytes: int, **extra: Any) -> None:
-        row = {"shape": shape, "rows": rows, "dtype": dtype, "variant": variant, "us": round(us, 2)}
-        row["tb_s"] = round(nbytes / us / 1e6, 2)
+    def write() -> None:
+        with open(args.out, "w") as f:
+            json.dump(
+                {
+                    "date": time.strftime("%Y-%m-%d"),
+                    "gpu": torch.cuda.get_device_name(0),
+                    "thresholds": {"gemv_max_rows": fp8.GEMV_MAX_ROWS, "batched_max_rows": fp8.BATCHED_MAX_ROWS},
+                    "elapsed_s": round(time.monotonic() - t0, 1),
+                    "stopped_by_budget_at": state["stopped"],
+                    "checks": checks,
+                    "rows": results,
+                },
+                f,
+                indent=1,
+            )
+
+    def over(where: str) -> bool:
+        if time.monotonic() - t0 > args.budget:
+            state["stopped"] = state["stopped"] or where
+            return True
+        return False
+
+    def record(shape: str, rows: int, variant: str, fn: Any, nbytes: int, **extra: Any) -> None:
+        try:
+            us = timed(fn)
+        except Exception as exc:  # a tile out of shared memory, a shape the library refuses
+            print(f"{variant} {shape} {rows} {extra}: {exc!r}", file=sys.stderr, flush=True)
+            return
+        row = {
+            "shape": shape,
+            "rows": rows,
+            "variant": variant,
+            "us": round(us, 2),
+            "tb_s": round(nbytes / us / 1e6, 2),
+        }
         row.update(extra)
         results.append(row)
-        key = f"{shape}/{rows}/{dtype}"
-        if key not in best or us < best[key]["us"]:
-            best[key] = row
         print(json.dumps(row), flush=True)
+        write()
 
-    for shape, (n, k) in SHAPES.items():
+    for shape in args.shapes.split(","):
+        n, k = SHAPES[shape]
+        if over(shape):
+            break
         silu = shape == "down"
         bf = torch.randn((n, k), device=dev, dtype=torch.bfloat16) * 0.02
-        copies = max(2, -(-(256 << 20) // bf.nbytes))
-        bfs = [bf.clone() for _ in range(copies)]
+        bfs = [bf] + [bf.clone() for _ in range(max(2, -(-(256 << 20) // bf.nbytes)) - 1)]
         q8 = [quant.quantize_fp8(w) for w in bfs[: max(2, -(-(256 << 20) // (n * k)))]]
         for rows in rows_list:
-            if time.monotonic() - t0 > args.budget:
+            if over(f"{shape}/{rows}"):
                 break
             x = torch.randn((rows, 2 * k if silu else k), device=dev, dtype=torch.bfloat16)
+            w0 = q8[0]
+            # correctness on this GPU first
+            check: dict[str, Any] = {"shape": shape, "rows": rows}
+            try:
+                xq, xs = fp8.quantize_rows(x, silu)
+                act = elementwise.silu_mul(x) if silu else x
+                q_ref, s_ref = quant.quantize_rows_fp8(act)
+                check["quant_scale_mismatches"] = int((xs != s_ref).sum())
+                check["quant_byte_mismatches"] = int((xq.view(torch.uint8) != q_ref.view(torch.uint8)).sum())
+                ref = fp8.scaled_mm(xq, xs, w0, None, torch.float32)
+                if rows <= 256:
+                    tiles = fp8.matmul_tiles(rows, n, k)
+                    out = fp8.matmul(xq, w0, None, xs, torch.float32, **tiles)  # type: ignore[arg-type]
+                    check["batched_rel_err_vs_scaled_mm"] = ((out - ref).norm() / ref.norm()).item()
+                    dense = F.linear(act.float(), w0.dequantize(torch.float32))
+                    out = fp8.matmul(x, w0, None, silu_mul_input=silu, **tiles).float()  # type: ignore[arg-type]
+                    check["a16_rel_err_vs_dequantized"] = ((out - dense).norm() / dense.norm()).item()
+            except Exception as exc:  # a kernel that does not compile or run here: the timings say more
+                check["error"] = repr(exc)
+                xq, xs = quant.quantize_rows_fp8(elementwise.silu_mul(x) if silu else x)  # to time the rest
+            checks.append(check)
+            print("check", json.dumps(check), flush=True)
 
             def cublas(x: torch.Tensor = x) -> int:
                 for w in bfs:
                     F.linear(elementwise.silu_mul(x) if silu else x, w)
                 return len(bfs)
 
-            record(shape, rows, "bf16", "cublas", timed(cublas), bf.nbytes)
+            record(shape, rows, "cublas", cublas, bf.nbytes)
 
             def scaled(x: torch.Tensor = x) -> int:
                 for w in q8:
-                    fp8.linear(x, w, silu_mul_input=silu, gemv_max_rows=0)
+                    xq, xs = fp8.quantize_rows(x, silu)
+                    fp8.scaled_mm(xq, xs, w, None, x.dtype)
                 return len(q8)
 
-            try:
-                record(shape, rows, "fp8", "scaled_mm", timed(scaled), n * k)
-            except Exception as exc:  # a shape _scaled_mm refuses
-                print(f"scaled_mm {shape} {rows}: {exc!r}", file=sys.stderr)
+            record(shape, rows, "scaled_mm", scaled, n * k)
+
+            def quantize(x: torch.Tensor = x) -> int:
+                for _ in range(10):
+                    fp8.quantize_rows(x, silu)
+                return 10
+
+            record(shape, rows, "quant", quantize, 0)
+            if rows <= 64:
+                tiles = fp8.gemv_tiles(rows, n, k)
+
+                def ours(x: torch.Tensor = x) -> int:
+                    for w in q8:
+                        gemv.gemv(x, w.q, silu_mul_input=silu, scale=w.scale, **tiles)  # type: ignore[arg-type]
+                    return len(q8)
+
+                record(shape, rows, "gemv", ours, n * k, **tiles)
             if rows > 256:
                 continue
-            tiles = GEMV_TILES if rows < gemv.DOT_FROM_ROWS else DOT_TILES
-            for bn, bk, warps, stages in tiles:
-                split = splits_for(n, bn, sms)
-                for dtype, ws in (("bf16", bfs), ("fp8", q8)):
-                    cfg = {"block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages, "split_k": split}
+            mm = fp8.matmul_tiles(rows, n, k)
 
-                    def ours(x: torch.Tensor = x, ws: list = ws, cfg: dict = cfg) -> int:
-                        for w in ws:
-                            if isinstance(w, quant.Fp8Weight):
-                                gemv.gemv(x, w.q, silu_mul_input=silu, scale=w.scale, **cfg)
-                            else:
-                                gemv.gemv(x, w, silu_mul_input=silu, **cfg)
-                        return len(ws)
+            def batched(x: torch.Tensor = x) -> int:
+                for w in q8:
+                    xq, xs = fp8.quantize_rows(x, silu)
+                    fp8.matmul(xq, w, None, xs, x.dtype, **mm)  # type: ignore[arg-type]
+                return len(q8)
 
-                    try:
-                        record(shape, rows, dtype, "gemv", timed(ours), bf.nbytes if dtype == "bf16" else n * k, **cfg)
-                    except Exception as exc:  # out of shared memory for a tile, say
-                        print(f"gemv {shape} {rows} {cfg}: {exc!r}", file=sys.stderr)
+            record(shape, rows, "batched", batched, n * k, **mm)
+            for name, overrides in [("table", {})] + MM_ALTS:
+                cfg = with_split(rows, n, k, {**mm, **overrides})
+
+                def mm_only(xq: torch.Tensor = xq, xs: torch.Tensor = xs, cfg: dict = cfg) -> int:
+                    for w in q8:
+                        fp8.matmul(xq, w, None, xs, torch.bfloat16, **cfg)
+                    return len(q8)
+
+                record(shape, rows, "batched_mm", mm_only, n * k, tiles=name, **cfg)
+
+            def a16(x: torch.Tensor = x) -> int:
+                for w in q8:
+                    fp8.matmul(x, w, None, silu_mul_input=silu, **mm)  # type: ignore[arg-type]
+                return len(q8)
+
+            record(shape, rows, "batched_a16", a16, n * k, **mm)
+            if silu:
+
+                def a16_sep(x: torch.Tensor = x) -> int:
+                    for w in q8:
+                        fp8.matmul(elementwise.silu_mul(x), w, None, **mm)  # type: ignore[arg-type]
+                    return len(q8)
+
+                record(shape, rows, "batched_a16_sep", a16_sep, n * k, **mm)
         bfs, q8 = [], []
         torch.cuda.empty_cache()
-    summary = {k: {"variant": v["variant"], "us": v["us"], "tb_s": v["tb_s"]} for k, v in best.items()}
-    for key, row in best.items():
-        print(
-            "best",
-            key,
-            row["variant"],
-            row["us"],
-            "us",
-            row["tb_s"],
-            "TB/s",
-            {c: row[c] for c in ("block_n", "block_k", "num_warps", "num_stages", "split_k") if c in row},
-        )
-    with open(args.out, "w") as f:
-        json.dump(
-            {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(0), "best": summary, "rows": results},
-            f,
-            indent=1,
-        )
+    write()
+    print(table(results))
+    if state["stopped"]:
+        print(f"stopped by --budget {args.budget:.0f} s at {state['stopped']}")
+    bad = [
+        c
+        for c in checks
+        if "error" in c
+        or c["quant_byte_mismatches"]
+        or c.get("batched_rel_err_vs_scaled_mm", 0) > 1e-3
+        or c.get("a16_rel_err_vs_dequantized", 0) > 1e-2
+    ]
+    print(f"checks: {len(checks)}, failing: {len(bad)}", *(json.dumps(c) for c in bad), sep="\n")
     return 0
 
 

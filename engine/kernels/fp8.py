@@ -1,22 +1,45 @@
 """Linear layers over FP8 weights (:class:`pdserve.engine.quant.Fp8Weight`).
 
-Up to ``GEMV_MAX_ROWS`` rows of input (decode), the product is bound by reading the
-weights: the GEMV kernel reads the FP8 weights in place, converts them in registers and
-applies each output channel's scale to the sum (activations stay in bf16: W8A16). Above
-that (prefill), the tensor cores' FP8 rate pays: activations are quantized per token and
-``torch._scaled_mm`` multiplies with row-wise scales (W8A8).
+Three products, by rows of input (:func:`linear`):
+
+- up to ``GEMV_MAX_ROWS`` (batch 1): the GEMV kernel (:mod:`.gemv`) reads the FP8 weights in
+  place, converts them in registers and applies each output channel's scale to the sum;
+  activations stay as they are (W8A16).
+- up to ``BATCHED_MAX_ROWS`` (decode batches): activations quantized per row to FP8 by
+  :func:`quantize_rows` (one pass, SiLU·up fused for the down projection), then
+  :func:`matmul`, a Triton kernel with wide tiles of output channels that loads its few rows
+  of ``x`` once per K tile and multiplies FP8 by FP8 on the tensor cores with float32
+  accumulation (W8A8); row scale times column scale in the epilogue. It is written "swapped":
+  a program's tile is ``w_tile [BLOCK_N, BLOCK_K] @ x_tile.T``, so the weights' 128-256
+  channels are the MMA's long side and the 16-64 rows its short one. Cut along K when the
+  output tiles are too few for the SMs (down: 28 tiles of 128 channels at 7B). The same
+  kernel also reads 16-bit activations as they are (W8A16: weights converted in registers,
+  SiLU·up read on the fly), no quantization launch: ``BATCHED_W8A8`` picks.
+- above (prefill): the same quantization, then ``torch._scaled_mm`` with row-wise scales.
+
+The thresholds are guesses until bench/probes/fp8_probe.py times every candidate on a GPU.
+Nothing falls back: where Triton cannot run, these raise.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from pdserve.engine.kernels import elementwise, gemv
-from pdserve.engine.quant import FP8, FP8_MAX, Fp8Weight
+from pdserve.engine.kernels import gemv, interpreting
+from pdserve.engine.quant import FP8, Fp8Weight
 
-# Above this many rows the W8A8 library GEMM beats the GEMV kernel (bench/probes/fp8_probe.py).
-GEMV_MAX_ROWS = 64
-# Output channels per program that leave at least two programs per SM without cutting along K.
+# To be measured (bench/probes/fp8_probe.py). On one H200 (2026-12-03) the FP8 GEMV beat bf16
+# at one row and lost from four; the batched W8A8 kernel is expected to take over from two rows
+# while the product is bound by reading the weights (about 200 rows for FP8 on an H200), and
+# ``_scaled_mm`` (cuBLAS) above, where the tensor cores' rate decides.
+GEMV_MAX_ROWS = 1
+BATCHED_MAX_ROWS = 128
+# The batched kernel's activations: FP8 (W8A8: quantized per row first, one more launch, FP8
+# tensor cores) or as they are (W8A16: each weight converted in registers, SiLU·up recomputed
+# by every channel tile of down). To be measured: the probe times both.
+BATCHED_W8A8 = True
 _SMS = 132
 
 
@@ -34,11 +57,340 @@ def gemv_tiles(rows: int, n: int, k: int) -> dict[str, int]:
     return tiles
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` as FP8 with one float32 scale per row (``[M, 1]``)."""
-    amax = x.abs().amax(dim=1, keepdim=True).to(torch.float32).clamp_min(1e-12)
-    scale = amax / FP8_MAX
-    return (x.to(torch.float32) / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+# --- Per-row (per-token) quantization -------------------------------------------------------
+
+# One pass over a row held in registers up to this many columns; longer rows (down's input at
+# 7B: 18,944) are read twice, the second time from L2: once for the amax, once to quantize.
+QUANT_ONE_PASS_MAX = 8192
+QUANT_BLOCK = 8192
+
+
+@triton.jit
+def _activation(x_row, rk, ok, K, SILU_MUL: tl.constexpr):
+    """Columns ``rk`` of a row in float32 (``silu(gate) * up``, rounded as
+    :func:`.elementwise.silu_mul` rounds it, with ``SILU_MUL``)."""
+    if SILU_MUL:
+        gate = tl.load(x_row + rk, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(x_row + K + rk, mask=ok, other=0.0).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(x_row.dtype.element_ty).to(tl.float32)
+        return (act * up).to(x_row.dtype.element_ty).to(tl.float32)
+    return tl.load(x_row + rk, mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _round_e4m3(v):
+    """``v`` (float32, within +-448) rounded to the nearest float8_e4m3fn value, ties to even,
+    subnormals kept: what the GPU's conversion does, done in float32 arithmetic for Triton's
+    interpreter, whose conversion rounds ties away from zero and loses subnormals."""
+    exponent = tl.maximum((v.to(tl.int32, bitcast=True) >> 23) & 0xFF, 127 - 6)  # e4m3: normal from 2^-6
+    step = ((exponent - 3) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits: 2^(e - 3)
+    r = v / step  # exact: a power of two
+    r = (r + 12582912.0) - 12582912.0  # 1.5 * 2^23: to the nearest integer, ties to even
+    return r * step
+
+
+@triton.jit
+def _to_fp8(v, scale, q_ptr, EXACT: tl.constexpr):
+    q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0)
+    if EXACT:
+        q = _round_e4m3(q)
+    return q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    K,
+    stride_xm,
+    SILU_MUL: tl.constexpr,
+    EXACT: tl.constexpr,
+    ONE_PASS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_xm
+    q_row = q_ptr + row * K
+    if ONE_PASS:
+        rk = tl.arange(0, BLOCK_K)
+        ok = rk < K
+        v = _activation(x_row, rk, ok, K, SILU_MUL)
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), 0), 1e-12), 448.0)
+        tl.store(q_row + rk, _to_fp8(v, scale, q_ptr, EXACT), mask=ok)
+    else:
+        amax = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            amax = tl.maximum(amax, tl.abs(_activation(x_row, rk, rk < K, K, SILU_MUL)))
+        scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), 1e-12), 448.0)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            ok = rk < K
+            v = _activation(x_row, rk, ok, K, SILU_MUL)
+            tl.store(q_row + rk, _to_fp8(v, scale, q_ptr, EXACT), mask=ok)
+    tl.store(scale_ptr + row, scale)
+
+
+def quantize_rows(
+    x: torch.Tensor, silu_mul_input: bool = False, block_k: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` as FP8 per row in one kernel: ``q [M, K]`` float8_e4m3fn and ``scale [M]``
+    float32, ``x ~= q * scale[:, None]`` (each row's amax over 448, at least 1e-12 / 448), the
+    same bits as :func:`pdserve.engine.quant.quantize_rows_fp8`. ``silu_mul_input``: ``x`` is
+    ``[M, 2K]``, gate and up side by side, and the rows quantized are ``silu(gate) * up``
+    (the down projection's input, never written in 16 bits). ``block_k``: columns a step
+    (default: the whole row up to :data:`QUANT_ONE_PASS_MAX`, else :data:`QUANT_BLOCK`)."""
+    rows, cols = x.shape
+    k = cols // 2 if silu_mul_input else cols
+    assert x.stride(1) == 1 and k > 0 and (not silu_mul_input or cols == 2 * k)
+    q = torch.empty((rows, k), dtype=FP8, device=x.device)
+    scale = torch.empty((rows,), dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return q, scale
+    whole = triton.next_power_of_2(k)
+    if block_k is None:
+        block_k = whole if whole <= QUANT_ONE_PASS_MAX else QUANT_BLOCK
+    one_pass = block_k >= k
+    block_k = min(block_k, whole)
+    _quantize_rows_kernel[(rows,)](
+        x,
+        q,
+        scale,
+        k,
+        x.stride(0),
+        SILU_MUL=silu_mul_input,
+        EXACT=interpreting(),
+        ONE_PASS=one_pass,
+        BLOCK_K=block_k,
+        num_warps=8 if block_k >= 4096 else 4,
+    )
+    return q, scale
+
+
+# --- The batched product -----------------------------------------------------------------------
+
+
+@triton.jit
+def _x_tile(x_rows, rk, mask, K, SILU_MUL: tl.constexpr):
+    """A ``[BLOCK_M, BLOCK_K]`` tile of ``x`` (``silu(gate) * up``, rounded as
+    :func:`.elementwise.silu_mul` rounds it, with ``SILU_MUL``)."""
+    if SILU_MUL:
+        gate = tl.load(x_rows + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_rows + K + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(x_rows.dtype.element_ty).to(tl.float32)
+        return (act * up).to(x_rows.dtype.element_ty)
+    return tl.load(x_rows + rk[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _matmul_kernel(
+    x_ptr,
+    xs_ptr,
+    w_ptr,
+    ws_ptr,
+    b_ptr,
+    out_ptr,
+    part_ptr,
+    counter_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    X_FP8: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    WIDEN: tl.constexpr,
+    PRECISE: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
+    # axis 0: row blocks, so that the programs sharing a tile of weights run side by side
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = rm < M
+    n_ok = rn < N
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
+    k_start = 0
+    k_end = K
+    if SPLIT_K > 1:
+        per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+        k_start = tl.program_id(2) * per_split
+        k_end = tl.minimum(k_start + per_split, K)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # out.T: channels by rows
+    for k0 in range(k_start, k_end, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            if EVEN_N:
+                w = tl.load(w_rows + rk[None, :])
+            else:
+                w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None], other=0.0)
+            x = _x_tile(x_rows, rk, m_ok[:, None], K, SILU_MUL)
+        else:
+            k_ok = rk < k_end
+            w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            x = _x_tile(x_rows, rk, m_ok[:, None] & k_ok[None, :], K, SILU_MUL)
+        if WIDEN:  # the interpreter (its bf16 products are wrong); FP8 values are exact in float32
+            acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc)
+        elif not X_FP8:  # W8A16: the weights converted in registers
+            acc = tl.dot(w.to(x_ptr.dtype.element_ty), tl.trans(x), acc)
+        elif PRECISE:  # Hopper's FP8 MMA accumulates in fewer bits: into float32 each tile
+            acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=BLOCK_K)
+        else:
+            acc = tl.dot(w, tl.trans(x), acc)
+    keep = n_ok[:, None] & m_ok[None, :]
+    if SPLIT_K > 1:
+        # [SPLIT_K, M, N] partial sums; the last program of this tile adds them (as gemv.py)
+        part = part_ptr + rm[None, :] * N + rn[:, None]
+        tl.store(part + tl.program_id(2) * M * N, acc, mask=keep)
+        tl.debug_barrier()
+        counter = counter_ptr + pid_n * tl.num_programs(0) + pid_m
+        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            for j in tl.static_range(SPLIT_K):  # in split order: the sum does not depend on who came last
+                acc += tl.load(part + j * M * N, mask=keep, other=0.0, cache_modifier=".cg")
+            _matmul_store(acc, xs_ptr, ws_ptr, b_ptr, out_ptr, rm, rn, m_ok, n_ok, keep, stride_om, X_FP8, HAS_BIAS)
+            tl.atomic_xchg(counter, 0)  # ready for the next launch (and the next graph replay)
+    else:
+        _matmul_store(acc, xs_ptr, ws_ptr, b_ptr, out_ptr, rm, rn, m_ok, n_ok, keep, stride_om, X_FP8, HAS_BIAS)
+
+
+@triton.jit
+def _matmul_store(
+    acc,
+    xs_ptr,
+    ws_ptr,
+    b_ptr,
+    out_ptr,
+    rm,
+    rn,
+    m_ok,
+    n_ok,
+    keep,
+    stride_om,
+    X_FP8: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """``out[rm, rn] = acc.T * channel scale (* row scale) (+ bias)``."""
+    acc = acc * tl.load(ws_ptr + rn, mask=n_ok, other=0.0)[:, None]
+    if X_FP8:
+        acc = acc * tl.load(xs_ptr + rm, mask=m_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], acc.to(out_ptr.dtype.element_ty), mask=keep)
+
+
+def matmul_tiles(rows: int, n: int, k: int) -> dict[str, int]:
+    """Tiles of :func:`matmul` for ``rows`` of input against an ``[n, k]`` weight (to be
+    measured: a first guess, no autotuning). One block of rows up to 64 (16 at least: the
+    MMA's short side), two or more of 64 above; 128 channels a program; K tiles of 256
+    while the row tile is small, 128 above; cut along K until the programs fill the SMs once
+    (qkv at 7B: 36 tiles, 4 splits; o 28, 4; down 28, 8), each split at least two K tiles."""
+    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    block_n = 128
+    block_k = 256 if block_m <= 32 else 128
+    tiles = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": 4}
+    tiles["num_stages"] = 3 if block_k == 256 else 4
+    programs = -(-rows // block_m) * -(-n // block_n)
+    split = 1
+    while programs * split < _SMS and split < 8 and k // (split * 2) >= 2 * block_k:
+        split *= 2
+    tiles["split_k"] = split
+    return tiles
+
+
+def matmul(
+    x: torch.Tensor,
+    w: Fp8Weight,
+    bias: torch.Tensor | None = None,
+    x_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    silu_mul_input: bool = False,
+    block_m: int = 16,
+    block_n: int = 128,
+    block_k: int = 128,
+    num_warps: int = 4,
+    num_stages: int = 3,
+    split_k: int = 1,
+    precise: bool = True,
+) -> torch.Tensor:
+    """``x @ (w.q * w.scale[:, None]).T (+ bias)`` for a few to a few hundred rows, one program
+    per tile of ``block_n`` output channels and ``block_m`` rows (``x``'s tile loaded once per
+    K tile), on the tensor cores with float32 sums. Tiles: :func:`matmul_tiles`.
+
+    W8A8, with ``x_scale``: ``x [M, K]`` float8_e4m3fn and ``x_scale [M]`` float32 from
+    :func:`quantize_rows` (the product of ``x * x_scale[:, None]``), FP8 by FP8; ``precise``:
+    the sums go into a float32 accumulator every K tile (off: Hopper's FP8 MMA accumulates a
+    whole split in its narrower format, faster, as ``_scaled_mm``'s ``use_fast_accum``).
+    W8A16, without: ``x [M, K]`` in 16 bits (``[M, 2K]`` read as ``silu(gate) * up`` with
+    ``silu_mul_input``) and the weights converted to its dtype in registers.
+    ``out_dtype``: by default ``x``'s (bf16 for FP8 ``x``)."""
+    m = x.shape[0]
+    n, k = w.shape
+    fp8_x = x_scale is not None
+    assert x.stride(1) == 1 and x.shape[1] == (2 * k if silu_mul_input else k)
+    if fp8_x:
+        assert x.dtype == FP8 and not silu_mul_input, "W8A8 reads quantized rows (quantize_rows fuses SiLU·up)"
+        assert x_scale.dtype == torch.float32 and x_scale.shape == (m,)  # type: ignore[union-attr]
+    else:
+        assert x.dtype != FP8, "FP8 activations need their row scales"
+    assert block_m >= 16 and block_n >= 16 and block_k >= 32, "tl.dot's smallest FP8 tiles"
+    if out_dtype is None:
+        out_dtype = torch.bfloat16 if fp8_x else x.dtype
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if m == 0:
+        return out
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
+    if split_k > 1:
+        part = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+        counters = gemv.split_counters(x.device, grid[0] * grid[1])
+    else:
+        part, counters = out, out
+    _matmul_kernel[grid](
+        x,
+        x_scale if x_scale is not None else w.scale,
+        w.q,
+        w.scale,
+        bias if bias is not None else w.scale,
+        out,
+        part,
+        counters,
+        m,
+        n,
+        k,
+        x.stride(0),
+        out.stride(0),
+        X_FP8=fp8_x,
+        SILU_MUL=silu_mul_input,
+        HAS_BIAS=bias is not None,
+        WIDEN=interpreting(),
+        PRECISE=precise,
+        EVEN_N=n % block_n == 0,
+        EVEN_K=k % (block_k * split_k) == 0,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        SPLIT_K=split_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out
+
+
+def scaled_mm(
+    xq: torch.Tensor, x_scale: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """The library's W8A8 GEMM (cuBLAS on a GPU) over :func:`quantize_rows`' output."""
+    out = torch._scaled_mm(xq, w.q.t(), scale_a=x_scale[:, None], scale_b=w.scale[None, :], out_dtype=out_dtype)
+    return out if bias is None else out + bias
 
 
 def linear(
@@ -47,15 +399,22 @@ def linear(
     bias: torch.Tensor | None = None,
     silu_mul_input: bool = False,
     gemv_max_rows: int = GEMV_MAX_ROWS,
+    batched_max_rows: int = BATCHED_MAX_ROWS,
 ) -> torch.Tensor:
     """``x @ (w.q * w.scale).T + bias`` in ``x``'s dtype (``x`` read as ``silu(gate) * up``
-    with ``silu_mul_input``: ``[M, 2K]``)."""
+    with ``silu_mul_input``: ``[M, 2K]``). Up to ``gemv_max_rows`` rows the FP8 GEMV
+    (activations as they are); up to ``batched_max_rows`` rows :func:`matmul` (activations
+    quantized per row by :func:`quantize_rows` first, unless ``BATCHED_W8A8`` is off); above,
+    the same quantization and ``torch._scaled_mm``."""
     rows = x.shape[0]
     n, k = w.shape
-    if 0 < rows <= gemv_max_rows:
+    if rows == 0:
+        return torch.empty((0, n), dtype=x.dtype, device=x.device)
+    if rows <= gemv_max_rows:
         return gemv.gemv(x, w.q, bias, silu_mul_input, scale=w.scale, **gemv_tiles(rows, n, k))  # type: ignore[arg-type]
-    if silu_mul_input:
-        x = elementwise.silu_mul(x)
-    xq, x_scale = quantize_rows(x)
-    out = torch._scaled_mm(xq, w.q.t(), scale_a=x_scale, scale_b=w.scale[None, :], out_dtype=x.dtype)
-    return out if bias is None else out + bias
+    if rows <= batched_max_rows and not BATCHED_W8A8:
+        return matmul(x, w, bias, silu_mul_input=silu_mul_input, **matmul_tiles(rows, n, k))  # type: ignore[arg-type]
+    xq, x_scale = quantize_rows(x, silu_mul_input)
+    if rows <= batched_max_rows:
+        return matmul(xq, w, bias, x_scale, x.dtype, **matmul_tiles(rows, n, k))  # type: ignore[arg-type]
+    return scaled_mm(xq, x_scale, w, bias, x.dtype)

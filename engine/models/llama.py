@@ -10,7 +10,8 @@ step the attention kernel does the rotary and the KV store itself.
 With FP8 weights (``--quantization fp8``, :func:`.llama_weights.quantize_fp8_`) every product
 of qkv, o, gate_up and down goes through :func:`pdserve.engine.kernels.fp8.linear` (the FP8
 GEMV up to its row limit, down reading SiLU·up fused; above it activations quantized per
-token and ``torch._scaled_mm``); the LM head stays in the model's dtype.
+token, SiLU·up fused, then the batched W8A8 kernel or, for prefill, ``torch._scaled_mm``);
+the LM head stays in the model's dtype.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ class LlamaFamily(FusedDecoder):
     all-reduced across the group (inside the CUDA graph, on a GPU).
 
     FP8 weights: with ``use_gemv`` up to :data:`fp8.GEMV_MAX_ROWS` rows through the FP8
-    GEMV, else (and always without ``use_gemv``) the row-quantized scaled GEMM.
+    GEMV, else (and always without ``use_gemv``) the row-quantized W8A8 products of
+    :func:`fp8.linear` (its batched kernel, then the library's scaled GEMM).
     """
 
     overlaps = True  # the engine may queue a step whose input tokens are still on the device

@@ -291,10 +291,11 @@ def test_gemv_refuses_weights_of_another_dtype_without_a_scale() -> None:
         gemv.gemv(x, quant.quantize_fp8(torch.randn((16, 64), device=DEVICE)).q)
 
 
-@pytest.mark.parametrize("rows", [1, 9, 70])
+@pytest.mark.parametrize("rows", [1, 9, 70, 130])
 def test_fp8_linear_matches_its_reference_by_rows(rows: int) -> None:
     # Up to GEMV_MAX_ROWS rows: the GEMV on FP8 weights (activations in bf16); above: the
-    # activations quantized per token too, through the library's scaled GEMM.
+    # activations quantized per token too, then the batched W8A8 kernel up to
+    # BATCHED_MAX_ROWS rows and the library's scaled GEMM above (tests/engine/test_fp8_kernels.py).
     n, k = 48, 256
     x = torch.randn((rows, 2 * k), dtype=torch.bfloat16, device=DEVICE)
     w = quant.quantize_fp8(torch.randn((n, k), device=DEVICE))
@@ -303,9 +304,8 @@ def test_fp8_linear_matches_its_reference_by_rows(rows: int) -> None:
         inp = x if silu else x[:, :k].contiguous()
         act = elementwise.silu_mul(inp) if silu else inp
         if rows > fp8.GEMV_MAX_ROWS:
-            aq, a_scale = fp8.quantize_rows(act)
-            assert aq.dtype == quant.FP8 and a_scale.shape == (rows, 1)
-            act = aq.to(torch.float32) * a_scale
+            aq, a_scale = quant.quantize_rows_fp8(act)
+            act = aq.to(torch.float32) * a_scale[:, None]
         ref = F.linear(act.double(), w.dequantize(torch.float64), b.double())
         assert rel_err(fp8.linear(inp, w, b, silu_mul_input=silu), ref) < TOL[torch.bfloat16], silu
 

@@ -1,0 +1,183 @@
+"""The FP8 kernels of :mod:`pdserve.engine.kernels.fp8` against plain torch: the per-row
+quantization bit for bit (:func:`pdserve.engine.quant.quantize_rows_fp8`), the batched W8A8
+product against float64 over the same FP8 values, and :func:`fp8.linear`'s choice by rows.
+
+On the CPU they run in Triton's interpreter (tiny shapes); on a GPU compiled (bf16 too).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.engine import quant
+from pdserve.engine.kernels import fp8
+from tests.engine.kernel_env import DEVICE, elementwise, gemv
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out).all(), "non-finite output"
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "k", "block_k"), [(1, 17, None), (3, 100, None), (5, 300, 64), (2, 64, 64)])
+def test_quantize_rows_is_the_reference_bit_for_bit(dtype: torch.dtype, rows: int, k: int, block_k: int | None) -> None:
+    # rows of very different magnitudes (a row's small values fall into e4m3's subnormals),
+    # one of zeros; in one pass or two (block_k below the row: the amax first, then the values)
+    x = torch.randn((rows, k), device=DEVICE) * torch.logspace(-6, 3, rows, device=DEVICE)[:, None]
+    x = x.to(dtype)
+    x[rows // 2] = 0
+    q, scale = fp8.quantize_rows(x, block_k=block_k)
+    q_ref, scale_ref = quant.quantize_rows_fp8(x)
+    assert q.shape == (rows, k) and scale.shape == (rows,) and scale.dtype == torch.float32
+    assert torch.equal(scale, scale_ref)
+    assert same_bits(q, q_ref)
+    assert (q[rows // 2].float() == 0).all() and scale[rows // 2] > 0
+
+
+def test_quantize_rows_rounds_ties_to_even_and_keeps_subnormals() -> None:
+    # amax 448 gives a scale of exactly 1: the values themselves are rounded to e4m3
+    vals = [448.0, 1.0625, 1.1875, 17.0, 19.0, 0.0009765625 * 1.5, 0.0009765625 * 0.5, 2.0**-9, -1.0625, 447.9, 300.0]
+    x = torch.tensor([vals + [0.0] * (32 - len(vals))], device=DEVICE)
+    q, scale = fp8.quantize_rows(x)
+    assert scale.item() == 1.0
+    assert same_bits(q, x.to(quant.FP8))  # torch's conversion: round to nearest even
+    assert q[0, :8].float().tolist() == [448.0, 1.0, 1.25, 16.0, 20.0, 2.0**-9, 0.0, 2.0**-9]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "k", "block_k"), [(3, 40, None), (2, 200, 64)])
+def test_quantize_rows_reads_silu_times_up(dtype: torch.dtype, rows: int, k: int, block_k: int | None) -> None:
+    # fused: the very bits of quantizing elementwise.silu_mul's output (rounded alike)
+    gate_up = (torch.randn((rows, 2 * k), device=DEVICE) * 3).to(dtype)
+    q, scale = fp8.quantize_rows(gate_up, silu_mul_input=True, block_k=block_k)
+    q_ref, scale_ref = quant.quantize_rows_fp8(elementwise.silu_mul(gate_up))
+    assert torch.equal(scale, scale_ref) and same_bits(q, q_ref)
+    # and close to torch's own SiLU (exp differs in the last bits)
+    act = F.silu(gate_up[:, :k].double()) * gate_up[:, k:].double()
+    assert rel_err(q.double() * scale.double()[:, None], act) < 0.05
+
+
+def test_quantize_rows_of_no_rows() -> None:
+    q, scale = fp8.quantize_rows(torch.empty((0, 64), device=DEVICE))
+    assert q.shape == (0, 64) and q.dtype == quant.FP8 and scale.shape == (0,)
+
+
+def w8a8_reference(xq: torch.Tensor, xs: torch.Tensor, w: quant.Fp8Weight, b: torch.Tensor | None) -> torch.Tensor:
+    ref = (xq.double() * xs.double()[:, None]) @ w.dequantize(torch.float64).T
+    return ref if b is None else ref + b.double()
+
+
+@pytest.mark.parametrize(
+    ("rows", "n", "k", "tiles"),
+    [
+        (1, 40, 96, {"block_m": 16, "block_n": 16, "block_k": 32}),  # N and K not multiples of the tile
+        (5, 48, 128, {"block_m": 16, "block_n": 16, "block_k": 64}),  # even tiles: no masks on w
+        (17, 33, 160, {"block_m": 16, "block_n": 32, "block_k": 32}),  # two row blocks, the second of one row
+        (3, 130, 64, {"block_m": 16, "block_n": 128, "block_k": 32}),
+    ],
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_matmul_matches_float64_on_the_same_fp8_values(rows: int, n: int, k: int, tiles: dict, bias: bool) -> None:
+    x = torch.randn((rows, k), device=DEVICE)
+    w = quant.quantize_fp8(torch.randn((n, k), device=DEVICE) * torch.rand((n, 1), device=DEVICE) * 4)
+    b = torch.randn(n, device=DEVICE) if bias else None
+    xq, xs = fp8.quantize_rows(x)
+    ref = w8a8_reference(xq, xs, w, b)
+    # float32 sums: the interpreter's; a GPU's FP8 MMA rounds products no further
+    tol = 2e-5 if DEVICE.type == "cpu" else 1e-3
+    counters = gemv.split_counters(torch.device(DEVICE), 64)
+    for split in (1, 2, 3):  # k=96, 3 splits of 32: every split full; k=160: the last one short
+        out = fp8.matmul(xq, w, b, xs, torch.float32, split_k=split, **tiles)
+        assert out.shape == (rows, n) and out.dtype == torch.float32
+        assert rel_err(out, ref) < tol, split
+        assert not counters.any(), "split-K counters left at zero"
+    out16 = fp8.matmul(xq, w, b, xs, torch.bfloat16, split_k=2, **tiles)
+    assert out16.dtype == torch.bfloat16 and rel_err(out16, ref) < 1e-2
+
+
+@pytest.mark.parametrize(
+    ("rows", "n", "k", "tiles"),
+    [
+        (2, 40, 96, {"block_m": 16, "block_n": 16, "block_k": 32}),
+        (17, 33, 160, {"block_m": 16, "block_n": 32, "block_k": 64}),
+    ],
+)
+def test_matmul_on_16_bit_activations_matches_the_dequantized_weights(rows: int, n: int, k: int, tiles: dict) -> None:
+    # W8A16: x as it is (SiLU·up read on the fly for down), the weights converted in registers
+    w = quant.quantize_fp8(torch.randn((n, k), device=DEVICE) * torch.rand((n, 1), device=DEVICE) * 4)
+    b = torch.randn(n, device=DEVICE)
+    dense = w.dequantize(torch.float64)
+    x = torch.randn((rows, k), device=DEVICE)
+    gate_up = torch.randn((rows, 2 * k), device=DEVICE)
+    ref = F.linear(x.double(), dense, b.double())
+    ref_act = F.linear(elementwise.silu_mul(gate_up).double(), dense)
+    tol = 2e-5 if DEVICE.type == "cpu" else 2e-2  # tf32 on a GPU
+    for split in (1, 3):
+        assert rel_err(fp8.matmul(x, w, b, split_k=split, **tiles), ref) < tol, split
+        got = fp8.matmul(gate_up, w, silu_mul_input=True, split_k=split, **tiles)
+        assert got.dtype == torch.float32 and rel_err(got, ref_act) < tol, split
+    assert not gemv.split_counters(torch.device(DEVICE), 1).any()
+
+
+def test_matmul_of_no_rows_and_its_tiles() -> None:
+    w = quant.quantize_fp8(torch.randn((32, 64), device=DEVICE))
+    xq, xs = fp8.quantize_rows(torch.empty((0, 64), device=DEVICE))
+    assert fp8.matmul(xq, w, x_scale=xs).shape == (0, 32)
+    assert fp8.matmul(torch.empty((0, 64), device=DEVICE), w).shape == (0, 32)
+    # the table at 7B's shapes: wide channel tiles, one row block up to 64 rows, split-K when the
+    # tiles are few (down: 28 tiles of 128 channels)
+    assert fp8.matmul_tiles(2, 4608, 3584) == {
+        "block_m": 16, "block_n": 128, "block_k": 256, "num_warps": 4, "num_stages": 3, "split_k": 4,
+    }  # fmt: skip
+    assert fp8.matmul_tiles(64, 3584, 18944)["split_k"] == 8
+    assert fp8.matmul_tiles(64, 37888, 3584)["split_k"] == 1
+    assert fp8.matmul_tiles(100, 37888, 3584)["block_m"] == 64
+
+
+@pytest.mark.parametrize("silu", [False, True])
+def test_linear_takes_gemv_then_batched_then_scaled_mm_by_rows(monkeypatch: pytest.MonkeyPatch, silu: bool) -> None:
+    n, k = 48, 64
+    w = quant.quantize_fp8(torch.randn((n, k), device=DEVICE))
+    b = torch.randn(n, dtype=torch.bfloat16, device=DEVICE)
+    taken: list[str] = []
+    for name in ("gemv", "matmul", "scaled_mm"):
+        fn = getattr(fp8.gemv if name == "gemv" else fp8, name)
+
+        def spy(*args: object, _fn: object = fn, _name: str = name, **kwargs: object) -> torch.Tensor:
+            taken.append(_name)
+            return _fn(*args, **kwargs)  # type: ignore[operator]
+
+        monkeypatch.setattr(fp8.gemv if name == "gemv" else fp8, name, spy)
+    for rows, path in ((0, None), (1, "gemv"), (2, "matmul"), (5, "matmul"), (6, "scaled_mm"), (9, "scaled_mm")):
+        taken.clear()
+        x = torch.randn((rows, 2 * k if silu else k), dtype=torch.bfloat16, device=DEVICE)
+        out = fp8.linear(x, w, b, silu_mul_input=silu, gemv_max_rows=1, batched_max_rows=5)
+        assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+        assert taken == ([path] if path else []), rows
+        if rows == 0:
+            continue
+        act = elementwise.silu_mul(x) if silu else x
+        if path == "gemv":  # activations as they are
+            ref = F.linear(act.double(), w.dequantize(torch.float64), b.double())
+        else:  # quantized per row first
+            ref = w8a8_reference(*quant.quantize_rows_fp8(act), w, b)
+        assert rel_err(out, ref) < 1e-2, rows
+    assert fp8.GEMV_MAX_ROWS < fp8.BATCHED_MAX_ROWS
+    # BATCHED_W8A8 off: the batched kernel on the activations as they are, nothing quantized
+    monkeypatch.setattr(fp8, "BATCHED_W8A8", False)
+    monkeypatch.setattr(fp8, "quantize_rows", None)
+    taken.clear()
+    x = torch.randn((4, 2 * k if silu else k), dtype=torch.bfloat16, device=DEVICE)
+    out = fp8.linear(x, w, b, silu_mul_input=silu, gemv_max_rows=1, batched_max_rows=5)
+    assert taken == ["matmul"]
+    act = elementwise.silu_mul(x) if silu else x
+    assert rel_err(out, F.linear(act.double(), w.dequantize(torch.float64), b.double())) < 1e-2
