@@ -172,7 +172,7 @@ ENGINE = (
     ),
     Flag(
         "--prefill-wait-target",
-        0.5,
+        2.0,
         float,
         "with --prefill-sms auto: seconds within which prefill should clear the prompt tokens waiting for it "
         "(longer: fewer SMs for prefill, decode's steps held closer to their time alone; default: %(default)s)",

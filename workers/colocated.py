@@ -108,7 +108,7 @@ def _stream_for(device: str, priority: int, sms: int = 0) -> torch.cuda.Stream |
 
 
 def build_engines(
-    prefill: WorkerConfig, decode: WorkerConfig, prefill_sms: str | int = 0, share_target: float = 0.5
+    prefill: WorkerConfig, decode: WorkerConfig, prefill_sms: str | int = 0, share_target: float = 2.0
 ) -> tuple[Engine, ThreadPoolExecutor, Engine, ThreadPoolExecutor]:
     """Both engines, each built in the thread that will run its steps (on its own stream on a
     GPU), decode's first (its CUDA graphs are captured with nothing else on the device),

@@ -68,7 +68,7 @@ class ShareRule:
     """Which level (an SM count of ``levels``) prefill's next step runs at."""
 
     levels: tuple[int, ...]
-    target: float = 0.5  # seconds: the waiting prompt tokens should drain within this
+    target: float = 2.0  # seconds: the waiting prompt tokens should drain within this
     rates: dict[int, float] = field(default_factory=dict)  # measured prefill tokens per device second
 
     def __post_init__(self) -> None:

@@ -30,7 +30,7 @@ def test_parse_prefill_sms() -> None:
         with pytest.raises(argparse.ArgumentTypeError):
             parse_prefill_sms(bad)
     args = build_parser().parse_args(["colocated"])
-    assert args.prefill_sms == "auto" and args.prefill_wait_target == 0.5
+    assert args.prefill_sms == "auto" and args.prefill_wait_target == 2.0
 
 
 def test_nothing_decoding_takes_the_largest_level() -> None:
