@@ -65,6 +65,12 @@ class EngineConfig:
     host memory, disk and Mooncake Store below the device's prefix cache.
     ``grammar_threads``: threads that advance constrained rows' grammars and fill their
     masks each step (xgrammar works without the GIL; ``None``: ``grammar.DEFAULT_GRAMMAR_THREADS``).
+    ``speculative_algorithm``: ``ngram`` drafts up to ``speculative_num_draft_tokens`` tokens a
+    step from each request's own prompt and output (a suffix of ``speculative_ngram_min`` to
+    ``speculative_ngram_max`` tokens looked up), verified in one forward pass; ``""``: off.
+    ``speculative_cost_ratio``: the cost of one draft token over a step's time per sequence, fixed
+    (``None``: measured from the steps); a request drafts only while its acceptance pays for it
+    (``engine/speculative.py``).
     ``quantization``: ``"fp8"`` quantizes the decoder layers' linear weights (qkv, o, gate_up,
     down; not the embeddings or the LM head) to float8_e4m3 with a scale per output channel
     at load, before the KV pool is sized, on pdserve's Triton pass (a GPU of compute
@@ -89,6 +95,11 @@ class EngineConfig:
     kv_tiers: KVTierConfig = KVTierConfig()
     grammar_threads: int | None = None  # structured output's host threads; None: 1
     kv_shared_dir: str = ""  # a CPU pool in a file there (e.g. /dev/shm) that peers of this host map
+    speculative_algorithm: str = ""  # "ngram", or "" (off)
+    speculative_num_draft_tokens: int = 4
+    speculative_ngram_min: int = 1
+    speculative_ngram_max: int = 4
+    speculative_cost_ratio: float | None = None
     quantization: str | None = None  # "fp8": the decoder layers' linear weights in FP8 (see above)
 
     def __post_init__(self) -> None:
@@ -108,3 +119,11 @@ class EngineConfig:
             raise ValueError(f"quantization is fp8 or None, not {self.quantization!r}")
         if self.chunked_prefill_size < self.page_size:
             raise ValueError("chunked_prefill_size must be at least one page")
+        if self.speculative_algorithm not in ("", "ngram"):
+            raise ValueError(f"speculative_algorithm must be ngram or empty, not {self.speculative_algorithm!r}")
+        if self.speculative_num_draft_tokens < 1:
+            raise ValueError("speculative_num_draft_tokens must be at least 1")
+        if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
+            raise ValueError("speculative n-gram sizes must satisfy 1 <= min <= max")
+        if self.speculative_cost_ratio is not None and self.speculative_cost_ratio < 0:
+            raise ValueError("speculative_cost_ratio must be at least 0")

@@ -38,11 +38,12 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.grammar import Grammars
 from pdserve.engine.kv_tiers import KVTiers, create_tiers
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.outputs import EngineStats, ExecResult, Launched, RequestOutput
+from pdserve.engine.outputs import EngineStats, ExecResult, Launched, RequestOutput, VerifyResult
 from pdserve.engine.page_manager import PageManager
-from pdserve.engine.sampler import Sampler, SampleRequest
+from pdserve.engine.sampler import Sampler, SampleRequest, token_logprobs
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import ScheduledBatch, Sequence, Status
+from pdserve.engine.speculative import Speculator, verify
 from pdserve.schemas import TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,15 @@ class Engine(Admission):
         # Overlap needs tokens that can stay on the device: the fast path's (under tensor
         # parallelism they are shared with the other ranks, whose next step they feed too).
         self.overlap = config.overlap_schedule and runner.fast is not None and runner.fast.overlaps
+        # Speculative decoding (``engine/speculative.py``): a draft needs the sequence's last
+        # token on the host, so it turns the overlap off; not under tensor parallelism yet.
+        self.speculator: Speculator | None = None
+        if config.speculative_algorithm and runner.tp is not None:
+            log.warning("speculative decoding is off: not supported with tensor parallelism yet")
+        elif config.speculative_algorithm:
+            self.speculator = self.scheduler.speculator = Speculator(config)
+            self.stats.spec = self.speculator.stats
+            self.overlap = False
         # Time each step on the device (CUDA events; a step timeline at DEBUG): costs two
         # event records a step, so off unless asked.
         self.time_steps = False
@@ -154,11 +164,18 @@ class Engine(Admission):
             gpu_start.record()
         feed = self._feed(batch)
         seqs, logits = self.runner.execute(batch, feed)
+        verify_logits = None
+        if batch.verifies and logits is not None:  # their rows come last
+            num_rows = logits.shape[0] - sum(len(d) + 1 for _, d in batch.verifies)
+            verify_logits = logits[num_rows:]
+            logits = logits[:num_rows] if seqs else None
         for seq, n in batch.prefills:  # the prefix index's keys of the chunks, while the device computes them
             self.pages.hash_pages(seq, seq.num_computed + n)
         if logits is not None and any(s.forks for s in seqs):
             seqs, logits = _with_forks(seqs, logits)
         launched = Launched(batch, seqs, started, gpu_start=gpu_start)
+        if verify_logits is not None:
+            launched.verified = self._verify(batch.verifies, verify_logits)
         if logits is None:
             return launched
         rows = [SampleRequest(s.sampling, s.prompt_ids, s.output_ids, index=s.num_outputs) for s in seqs]
@@ -186,6 +203,33 @@ class Engine(Admission):
         for seq in seqs:
             seq.num_pending += 1
         return launched
+
+    def _verify(self, verifies: list[tuple[Sequence, list[int]]], logits: torch.Tensor) -> list[VerifyResult]:
+        """Judge the drafts on their logits rows (``speculative.verify``): row ``t`` of a
+        sequence draws its output index ``num_outputs + t`` after ``draft[:t]``."""
+        rows = [
+            [
+                SampleRequest(
+                    seq.sampling,
+                    seq.prompt_ids,
+                    seq.output_ids + draft[:t] if seq.sampling.has_penalties else seq.output_ids,
+                    index=seq.num_outputs + t,
+                )
+                for t in range(len(draft) + 1)
+            ]
+            for seq, draft in verifies
+        ]
+        judged = verify(self.sampler, logits, [d for _, d in verifies], rows)
+        out: list[VerifyResult] = []
+        start = 0
+        for (seq, draft), group, v in zip(verifies, rows, judged, strict=True):
+            logprobs = None
+            if seq.sampling.logprobs:
+                n = len(v.tokens)
+                logprobs = token_logprobs(logits[start : start + n], group[:n], v.tokens)
+            out.append(VerifyResult(seq, len(draft), v.tokens, v.accepted, logprobs))
+            start += len(draft) + 1
+        return out
 
     def _catch_up(self, seqs: list[Sequence]) -> list[tuple[int, int] | None] | None:
         """The token each row's grammar must take before its mask is filled: the one the
@@ -231,7 +275,9 @@ class Engine(Admission):
             if self._last_done is not None:
                 period = self._last_done.elapsed_time(launched.done) / 1e3
             self._last_done = launched.done
-        result = ExecResult(launched.seqs, tokens, logprobs, time.perf_counter() - launched.started, gpu, period)
+        result = ExecResult(
+            launched.seqs, tokens, logprobs, time.perf_counter() - launched.started, gpu, period, launched.verified
+        )
         if self.observer is not None:
             self.observer.after_collect(launched, result)
         return result
@@ -243,7 +289,9 @@ class Engine(Admission):
     def postprocess(self, batch: ScheduledBatch, result: ExecResult) -> list[RequestOutput]:
         self._retire(batch)
         self.stats.steps += 1
-        self.stats.batch_rows += len(batch.decodes) + len(batch.prefills)
+        self.stats.batch_rows += len(batch.decodes) + len(batch.prefills) + len(batch.verifies)
+        if self.speculator is not None and not batch.prefills:  # the step cost that drafts are weighed by
+            self.speculator.observe_step(batch.num_tokens, result.gpu_seconds or result.seconds)
         self.stats.busy_seconds += result.seconds
         if self.tiers is not None and batch.prefills:  # the tiers' recompute rate
             prompt_tokens = sum(n for _, n in batch.prefills)
@@ -264,8 +312,49 @@ class Engine(Admission):
             if id(seq) in unforked:
                 continue  # no page to fork into (or its request is gone): it computes its prompt itself
             outputs.append(self._append(seq, token, logprob, id(seq) in decoded))
+        for v in result.verified:
+            seq = v.seq
+            if seq.rid in self._aborted or seq.group in self._aborted or seq.status is not Status.RUNNING:
+                continue
+            outputs.append(self._append_verified(v))
         self._drop_aborted()
         return outputs
+
+    def _append_verified(self, v: VerifyResult) -> RequestOutput:
+        """A verify's tokens appended one by one up to the first that stops the request; the
+        KV of the sequence's last token and the accepted draft tokens kept, the pages past it
+        given back."""
+        seq = v.seq
+        assert self.speculator is not None
+        self.speculator.record(seq, v.drafted, v.accepted, len(v.tokens))
+        kept: list[int] = []
+        reason: str | None = None
+        stop: str | int | None = None
+        for token in v.tokens:
+            seq.output_ids.append(token)
+            kept.append(token)
+            reason, stop = self._check_stop(seq, token)
+            if reason is not None:
+                break
+        self.stats.generated_tokens += len(kept)
+        # the KV written: the last token and the draft; kept: the last token and each kept
+        # token but the newest (which has none yet); a stop on a draft token keeps that much
+        self.scheduler.on_verified(seq, len(kept))
+        out = RequestOutput(
+            rid=seq.out_rid,
+            index=len(seq.output_ids) - len(kept),
+            token_ids=kept,
+            logprobs=v.logprobs[: len(kept)] if v.logprobs else None,  # type: ignore[arg-type]
+            prompt_tokens=len(seq.prompt_ids),
+            completion_tokens=len(seq.output_ids),
+            cached_tokens=seq.num_cached,
+            group=seq.group,
+        )
+        if reason is not None:
+            out.finish_reason, out.stop_reason = reason, stop
+            seq.finish_reason, seq.stop_reason = reason, stop
+            self._drop(seq, reason)
+        return out
 
     def _branch(self, seqs: list[Sequence]) -> set[int]:
         """At an ``n > 1`` request's first token: its forks join the engine, on the prompt's
@@ -290,7 +379,7 @@ class Engine(Admission):
 
     def fail(self, batch: ScheduledBatch) -> list[Sequence]:
         """The batch's forward pass raised: drop its requests (pages freed); returns them."""
-        seqs = list(batch.decodes) + [s for s, _ in batch.prefills]
+        seqs = list(batch.decodes) + [s for s, _ in batch.prefills] + [s for s, _ in batch.verifies]
         self._retire(batch)
         if self._pending is not None and self._pending.batch is batch:
             self._pending = None
@@ -344,6 +433,7 @@ class Engine(Admission):
             self.overlap
             and launched.tokens is not None
             and not launched.batch.prefills
+            and not launched.batch.verifies
             and not any(s.sampling.has_penalties for s in launched.batch.decodes)
         )
 

@@ -276,7 +276,8 @@ class ModelRunner:
     def execute(
         self, batch: ScheduledBatch, feed: tuple[torch.Tensor, list[int]] | None = None
     ) -> tuple[list[Sequence], torch.Tensor | None]:
-        """Run the batch; returns the sequences that get a next token and their logits rows.
+        """Run the batch; returns the sequences that get a next token and their logits rows,
+        followed by every row of each speculative verify (``batch.verifies``, in order).
 
         ``feed``: device tokens of the step before and, per decode, the row there that is
         its input token (-1: the sequence's own last token); the fast path only.
@@ -289,7 +290,7 @@ class ModelRunner:
             return self._execute_fast(batch, feed)
         assert feed is None, "only the fast path takes its input tokens from the device"
         meta, input_ids, positions, sample_index, sample_seqs = self._prepare(batch)
-        if not sample_seqs:
+        if not sample_seqs and not batch.verifies:
             self.model(input_ids=input_ids, position_ids=positions, pd_attn=meta, use_cache=False, logits_to_keep=1)
             return [], None
         out = self.model(
@@ -306,7 +307,7 @@ class ModelRunner:
     ) -> tuple[list[Sequence], torch.Tensor | None]:
         assert self.fast is not None
         graphs = self.graphs
-        if graphs is not None and not batch.prefills and len(batch.decodes) <= graphs.max_batch:
+        if graphs is not None and not batch.prefills and not batch.verifies and len(batch.decodes) <= graphs.max_batch:
             seqs = batch.decodes
             logits = graphs.run(
                 [s.last_token for s in seqs], [s.num_tokens - 1 for s in seqs], [s.page_table for s in seqs], feed
@@ -319,7 +320,7 @@ class ModelRunner:
             src = torch.tensor(feed[1], dtype=torch.long).to(self.device, non_blocking=True)
             elementwise.feed(step.input_ids[: step.num_decodes], src, feed[0])
         logits = self.fast.forward(step)
-        return (seqs, logits) if seqs else ([], None)
+        return (seqs, logits) if seqs or batch.verifies else ([], None)
 
     def copy_page(self, src: int, dst: int) -> None:
         """Copy page ``src`` into ``dst`` (every rank's share of it)."""
@@ -404,6 +405,18 @@ class ModelRunner:
             if ctx == seq.num_tokens:
                 sample_index.append(len(ids) - 1)
                 sample_seqs.append(seq)
+        for seq, draft in batch.verifies:  # speculative: the last token and the draft, every row sampled
+            start = seq.num_tokens - 1
+            q_start = len(ids)
+            ids += [seq.last_token, *draft]
+            ctx = start + len(draft) + 1
+            for p in range(start, ctx):
+                pos.append(p)
+                pages.append(seq.page_table[p // page])
+                offsets.append(p % page)
+            table = torch.tensor([seq.page_table[: -(-ctx // page)]], dtype=torch.long, device=self.device)
+            spans.append(PrefillSpan(q_start, len(draft) + 1, ctx, page_rows(self.pool.tensor, table)))
+            sample_index.extend(range(q_start, ctx - start + q_start))
         device = self.device
         meta = AttentionMetadata(
             kv_pool=self.pool.tensor,

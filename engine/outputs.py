@@ -4,13 +4,17 @@ totals, and the error for a request it cannot serve."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve.engine.sampler import SamplerOutput
 from pdserve.engine.sequence import ScheduledBatch, Sequence
 from pdserve.schemas import TokenLogprob
+
+if TYPE_CHECKING:
+    from pdserve.engine.speculative import SpecStats
 
 
 class RequestError(ValueError):
@@ -37,6 +41,19 @@ class RequestOutput:
 
 
 @dataclass
+class VerifyResult:
+    """One speculative verify's outcome: the tokens to append (the accepted draft tokens,
+    then the corrected or bonus one), how many of the ``drafted`` were accepted, and the
+    tokens' log-probabilities when the request asks for them."""
+
+    seq: Sequence
+    drafted: int
+    tokens: list[int]
+    accepted: int
+    logprobs: list[TokenLogprob | None] | None = None
+
+
+@dataclass
 class Launched:
     """A step whose forward pass and sampling are queued on the device."""
 
@@ -48,6 +65,7 @@ class Launched:
     done: torch.cuda.Event | None = None
     host: SamplerOutput | None = None  # sampled on the host (log-probabilities asked)
     gpu_start: torch.cuda.Event | None = None  # when the device began it (``Engine.time_steps``)
+    verified: list[VerifyResult] = field(default_factory=list)  # the batch's verifies, judged on the host
 
 
 @dataclass
@@ -58,6 +76,7 @@ class ExecResult:
     seconds: float
     gpu_seconds: float | None = None  # the device's own time for the step (``Engine.time_steps``)
     gpu_period: float | None = None  # from the step before's end to this one's, on the device
+    verified: list[VerifyResult] = field(default_factory=list)  # speculative verifies (``Launched.verified``)
 
 
 @dataclass
@@ -69,3 +88,4 @@ class EngineStats:
     generated_tokens: int = 0
     busy_seconds: float = 0.0
     overlapped_steps: int = 0  # steps left queued on the device while the next was launched
+    spec: SpecStats | None = None  # speculative decoding's counters, when it is on

@@ -273,6 +273,14 @@ class PageManager:
         seq.page_table.extend(self.allocate(need))
         return True
 
+    def shrink(self, seq: Seq, num_tokens: int) -> None:
+        """Give back ``seq``'s pages past those ``num_tokens`` tokens need (a rejected
+        speculative draft's); never a page whose KV is computed."""
+        keep = max(self.pages_for(num_tokens), self.pages_for(seq.num_computed))
+        if len(seq.page_table) > keep:
+            self.free(seq.page_table[keep:])
+            del seq.page_table[keep:]
+
     def reserve_prompt(self, seq: Seq, reserve: int = 0) -> bool:
         """Pages for ``seq``'s known tokens, reusing its cached prefix, leaving ``reserve``
         pages free; the KV of all but the last token (the prompt, and any output it was

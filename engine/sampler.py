@@ -110,12 +110,40 @@ class Sampler:
         tokens[index] = self._sample(logits[index], [rows[i] for i in sampled])
         return tokens, raw_logprobs
 
-    def _sample(self, logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
-        temps = _tensor([r.params.temperature for r in rows], logits.dtype, logits.device)
+    def processed(self, logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
+        """The rows' logits in float32 after penalties and ``logit_bias`` (what greedy rows take
+        the argmax of; speculative verification's rows, whose histories differ per row)."""
+        logits = logits.float()
+        if any(r.params.has_penalties or r.params.has_bias for r in rows):
+            logits = logits.clone().contiguous()
+            for i, r in enumerate(rows):
+                if r.params.has_penalties:
+                    _apply_penalties(logits[i], r)
+                if r.params.has_bias:
+                    _apply_bias(logits[i], r.params)
+        return logits
+
+    def probs(self, logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
+        """The distribution a sampled row draws from: temperature, top-k/top-p/min-p, softmax
+        (greedy rows' temperature taken as 1; they do not draw)."""
+        temps = _tensor([r.params.temperature or 1.0 for r in rows], logits.dtype, logits.device)
         logits = logits / temps[:, None]
         if any(_filters(r.params) for r in rows):
             logits = _filter(logits, rows)
-        probs = torch.softmax(logits, dim=-1)
+        return torch.softmax(logits, dim=-1)
+
+    @property
+    def generator(self) -> torch.Generator:
+        """The generator of unseeded rows."""
+        return self._generator
+
+    def seeded(self, seed: int, index: int, salt: int = 0) -> torch.Generator:
+        """The generator of a seeded row's output ``index``, re-seeded (``salt``: another stream)."""
+        self._seeded.manual_seed((seed_for(seed, index) + salt * 0x9E3779B97F4A7C15) % (2**63))
+        return self._seeded
+
+    def _sample(self, logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
+        probs = self.probs(logits, rows)
         noise = torch.empty_like(probs)
         unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
         if len(unseeded) == len(rows):
@@ -222,3 +250,11 @@ def _logprobs(raw: torch.Tensor | None, rows: list[SampleRequest], tokens: list[
         vals = tuple(top_vals[i, :n].tolist()) if top_vals is not None and n else ()
         out.append(TokenLogprob(chosen[i], ids, vals))
     return out
+
+
+def token_logprobs(logits: torch.Tensor, rows: list[SampleRequest], tokens: list[int]) -> list[TokenLogprob | None]:
+    """What the sampler reports for ``tokens`` chosen from ``logits`` (the raw distribution's
+    log-probabilities; ``None`` for rows that ask none)."""
+    if not any(r.params.logprobs for r in rows):
+        return [None] * len(rows)
+    return _logprobs(torch.log_softmax(logits.float(), dim=-1), rows, tokens)

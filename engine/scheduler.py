@@ -1,8 +1,9 @@
 """Continuous batching with chunked prefill and prefix reuse. Policy only: no tensors, no I/O.
 
 Each step the scheduler takes every running sequence for one decode token (growing
-its pages as needed, preempting the newest sequence when pages run out), then spends
-the rest of the token budget on prefill chunks of waiting sequences, oldest first.
+its pages as needed, preempting the newest sequence when pages run out), with speculative
+decoding on gives those whose draft pays a verify of it instead (``engine/speculative.py``),
+then spends the rest of the token budget on prefill chunks of waiting sequences, oldest first.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections import deque
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.page_manager import PageManager
 from pdserve.engine.sequence import ScheduledBatch, Sequence, Status
+from pdserve.engine.speculative import Speculator
 
 
 class Scheduler:
@@ -22,6 +24,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.speculator: Speculator | None = None  # speculative decoding's drafter (the engine sets it)
 
     @property
     def page_size(self) -> int:
@@ -39,8 +42,30 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         decodes = self._schedule_decodes()
-        prefills = self._schedule_prefills(self.config.chunked_prefill_size - len(decodes))
-        return ScheduledBatch(decodes, prefills)
+        verifies = self._schedule_drafts(decodes) if self.speculator is not None else []
+        if verifies:
+            drafted = {id(s) for s, _ in verifies}
+            decodes = [s for s in decodes if id(s) not in drafted]
+        used = len(decodes) + sum(len(d) + 1 for _, d in verifies)
+        prefills = self._schedule_prefills(self.config.chunked_prefill_size - used)
+        return ScheduledBatch(decodes, prefills, verifies=verifies)
+
+    def _schedule_drafts(self, decodes: list[Sequence]) -> list[tuple[Sequence, list[int]]]:
+        """The decodes that verify a speculative draft this step, with their drafts (pages
+        grown for them; a draft that finds no page is dropped, its sequence decodes plainly)."""
+        speculator = self.speculator
+        assert speculator is not None
+        ratio = speculator.ratio(len(decodes))
+        budget = self.config.chunked_prefill_size - len(decodes)
+        verifies: list[tuple[Sequence, list[int]]] = []
+        for seq in decodes:
+            # no more positions than the context holds, no more tokens than the request may get
+            limit = min(seq.sampling.max_new_tokens - seq.num_outputs - 1, self.max_model_len - seq.num_tokens, budget)
+            draft = speculator.draft(seq, limit, ratio)
+            if draft and self.pages.grow(seq, seq.num_tokens + len(draft)):
+                verifies.append((seq, draft))
+                budget -= len(draft)
+        return verifies
 
     # ---- decode ------------------------------------------------------------
     def _schedule_decodes(self) -> list[Sequence]:
@@ -115,6 +140,12 @@ class Scheduler:
             self.num_preemptions += 1
 
     # ---- after a step ------------------------------------------------------
+    def on_verified(self, seq: Sequence, num_new: int) -> None:
+        """A verify step kept ``num_new`` tokens' KV (its last token and the accepted draft):
+        the pages past what ``seq`` now needs go back (their slots held rejected tokens)."""
+        self.on_computed(seq, num_new)
+        self.pages.shrink(seq, seq.num_tokens)
+
     def on_computed(self, seq: Sequence, num_new: int) -> None:
         """``num_new`` more tokens of ``seq`` now have KV; index newly full pages."""
         seq.num_computed += num_new

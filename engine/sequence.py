@@ -52,6 +52,7 @@ class Sequence:
     forks: list[Sequence] = field(default_factory=list)
     forked: bool = False
     matcher: Any = None  # structured output: the grammar matcher (engine.grammar.Matcher)
+    spec: Any = None  # speculative decoding: its n-gram index and record (engine.speculative.SpecState)
 
     @property
     def out_rid(self) -> str:
@@ -87,20 +88,23 @@ class Sequence:
 
 @dataclass
 class ScheduledBatch:
-    """One step's work: decode sequences (1 token each) and prefill chunks."""
+    """One step's work: decode sequences (1 token each), prefill chunks, and verifies:
+    decoding sequences with a speculative draft, each computed as its last token and the
+    draft (``len(draft) + 1`` tokens, logits at every one)."""
 
     decodes: list[Sequence]
     prefills: list[tuple[Sequence, int]]
     serial: int = 0  # the engine's count of scheduled steps (orders what a step may still write)
+    verifies: list[tuple[Sequence, list[int]]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(n for _, n in self.prefills)
+        return len(self.decodes) + sum(n for _, n in self.prefills) + sum(len(d) + 1 for _, d in self.verifies)
 
     @property
     def is_empty(self) -> bool:
-        return not self.decodes and not self.prefills
+        return not self.decodes and not self.prefills and not self.verifies
 
     @property
     def rids(self) -> set[str]:
-        return {s.rid for s in self.decodes} | {s.rid for s, _ in self.prefills}
+        return {s.rid for s in self.decodes} | {s.rid for s, _ in self.prefills} | {s.rid for s, _ in self.verifies}

@@ -1,7 +1,7 @@
 """The device-side layout of one forward pass of a fast model.
 
 Tokens are packed into one row: one token per decoding sequence first, then each
-prefill chunk's tokens. Every tensor here is on the model's device; building one from
+prefill chunk's tokens, then each speculative verify's (its last token and its draft). Every tensor here is on the model's device; building one from
 a :class:`~pdserve.engine.sequence.ScheduledBatch` is :func:`build_step`'s job.
 """
 
@@ -25,6 +25,7 @@ class PrefillChunks:
     max_q_len: int
     spans: list[tuple[int, int]]  # (q_start, q_len) on the host
     is_fresh: bool  # no chunk has a prefix: each attends only to itself
+    num_verifies: int = 0  # the last chunks are speculative verifies (each row attends as a decode would)
 
 
 @dataclass
@@ -65,7 +66,9 @@ def build_step(
 ) -> tuple[StepBatch, list[Sequence]]:
     """Pack ``batch`` for a fast model; returns it and the sequences that get a token.
 
-    ``splits_for`` is the decode-attention split count to use for this step.
+    ``splits_for`` is the decode-attention split count to use for this step. Verifies are
+    packed as prefill chunks after the prompts' (over their own KV); their rows come last in
+    the sampled rows, every row of each, and are not in the returned sequences.
     """
     ids: list[int] = []
     pos: list[int] = []
@@ -105,6 +108,20 @@ def build_step(
             sample_seqs.append(seq)
     for seq, n in batch.prefills:
         ids += seq.tokens[seq.num_computed : seq.num_computed + n]
+    for seq, draft in batch.verifies:  # a chunk of the last token and the draft, every row sampled
+        start = seq.num_tokens - 1
+        n = len(draft) + 1
+        q_start = len(ids)
+        spans.append((q_start, n))
+        end = start + n
+        fresh = False
+        table = seq.page_table[: -(-end // page_size)]
+        chunk_rows.append(table)
+        chunk_ctx.append(end)
+        chunk_pos.append(torch.arange(start, end))
+        chunk_pages.append(torch.tensor(table, dtype=torch.long))
+        sample_rows.extend(range(q_start, q_start + n))
+        ids += [seq.last_token, *draft]
     ids_t = torch.tensor(ids, dtype=torch.long)
     pos_t = torch.tensor(pos, dtype=torch.long)
     slots_t = torch.tensor(slots, dtype=torch.long)
@@ -124,6 +141,7 @@ def build_step(
             max_q_len=max(n for _, n in spans),
             spans=spans,
             is_fresh=fresh,
+            num_verifies=len(batch.verifies),
         )
     width = max((len(r) for r in decode_rows), default=1)
     step = StepBatch(

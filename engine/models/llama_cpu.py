@@ -95,6 +95,7 @@ class Chunk:
     rows: slice
     ctx_len: int
     gather: torch.Tensor | None  # [L, 1 * H * pages * 2] page rows of every layer; None: fresh
+    verify: bool = False  # a speculative verify: each row attends to its prefix as a decode would
 
 
 @dataclass
@@ -175,10 +176,11 @@ class LlamaFamilyCPU(FusedDecoder):
         if step.prefill is not None:
             tables = step.prefill.page_tables
             ctx_lens = step.prefill.ctx_lens.tolist()
+            first_verify = len(step.prefill.spans) - step.prefill.num_verifies
             for s, (start, n) in enumerate(step.prefill.spans):
                 ctx = ctx_lens[s]
                 gather = None if ctx == n else _page_rows(pool, tables[s : s + 1, : -(-ctx // page)])
-                chunks.append(Chunk(slice(start, start + n), ctx, gather))
+                chunks.append(Chunk(slice(start, start + n), ctx, gather, s >= first_verify))
         return Plan(
             cos=self.cos[step.positions][:, None, :],
             sin=self.sin[step.positions][:, None, :],
@@ -317,11 +319,30 @@ class LlamaFamilyCPU(FusedDecoder):
             group.mask = mask
         return mask
 
+    def _verify(self, index: int, q: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+        """A speculative verify's rows, each over exactly its own prefix as :meth:`_decode`
+        attends one sequence (the same ops, so greedy output is what plain decoding gives):
+        ``[n, Hq, D]`` in the model's dtype."""
+        assert chunk.gather is not None
+        n = q.shape[0]
+        pages = chunk.gather.shape[1] // (2 * self.num_kv)
+        k, v = self._gather(chunk.gather[index], 1, pages)
+        start = chunk.ctx_len - n
+        out = q.new_empty(q.shape)
+        for t in range(n):
+            qg = q[t : t + 1].float().view(1, self.num_kv, -1, self.head_dim)
+            end = start + t + 1
+            o = F.scaled_dot_product_attention(qg, k[:, :, :end], v[:, :, :end], scale=self.scale)
+            out[t] = o.view(-1, self.head_dim).to(q.dtype)
+        return out
+
     def _prefill(self, index: int, layer: Layer, q: torch.Tensor, qkv: torch.Tensor, chunk: Chunk) -> torch.Tensor:
         """A chunk's rows attend causally to its prefix and themselves: ``[n, Hq, D]``, in
         the model's dtype (computed in float32)."""
         nq, nkv, dim = self.num_q, self.num_kv, self.head_dim
         rows = chunk.rows
+        if chunk.verify and chunk.gather is not None and layer.window is None:
+            return self._verify(index, q[rows], chunk)
         qs = q[rows].transpose(0, 1)[None].float()  # [1, Hq, n, D]
         n = qs.shape[2]
         if chunk.gather is None:

@@ -1,0 +1,321 @@
+"""Speculative decoding with n-gram (prompt lookup) drafts: draft, decide, verify.
+
+**Drafts.** Each sequence keeps an :class:`NgramIndex` of its own tokens (prompt and output),
+extended as tokens arrive (never rescanned): for every n in ``[ngram_min, ngram_max]`` the
+last position each n-gram was seen at. A draft is what followed the latest earlier occurrence
+of the longest suffix of the sequence that occurred before, up to K tokens; when that
+continuation runs into the suffix itself the text is periodic and the draft repeats it.
+
+**Verify.** A drafted sequence is computed in one forward pass as a chunk of K+1 tokens (its
+last token and the draft) over its own KV, with logits at every position (the model runner
+packs it like a prefill chunk). :func:`verify` keeps the longest prefix of the draft the
+target accepts and one more token: greedy rows accept a draft token equal to the argmax
+(so greedy output is the same as without speculation); sampled rows take the standard rule
+for a point-mass draft: accept draft token ``d`` with probability ``p(d)``, else draw from
+``p`` with ``d`` removed (renormalised), which leaves every emitted token distributed as
+``p``. When the whole draft is accepted, the last row gives a bonus token drawn from ``p``.
+The engine rolls the sequence's computed length back to the accepted tokens and gives back
+the pages past them (the KV written at rejected positions is never read: the next step
+overwrites those slots).
+
+**Backoff.** A draft token costs the step its marginal time (``b`` below) whether accepted
+or not; an accepted one saves the sequence a step, worth the plain step's time per
+sequence. :class:`StepCost` fits ``seconds = a + b * tokens`` to the steps the engine
+measures (decodes and verifies only, decayed), so at ``N`` sequences a step's time per
+sequence is ``(a + b N) / N`` and the cost ratio of one draft token is
+``r = b N / (a + b N)`` (``speculative_cost_ratio`` fixes it instead). A request whose
+measured per-token acceptance ``alpha`` makes the i-th draft token pay (``alpha ** i >= r``)
+drafts up to that many; one that pays for none stops drafting and probes again after a
+cooldown that doubles (up to :data:`MAX_COOLDOWN` steps) while probes keep failing.
+
+Off for rows with a grammar (structured output: drafts are not checked against it) and,
+on a GPU, speculation turns the overlap of steps off (a draft needs the last token on the
+host); CUDA graphs do not cover verify steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.sampler import Sampler, SampleRequest
+    from pdserve.engine.sequence import Sequence
+
+ALGORITHMS = ("ngram",)
+PRIOR_TRIALS = 2.0  # a new request's acceptance starts at PRIOR_ACCEPTED / PRIOR_TRIALS
+PRIOR_ACCEPTED = 1.0
+DECAY = 0.9  # weight of a request's older verifies against its newest
+MAX_COOLDOWN = 64  # steps a backed-off request waits, at most, before it probes again
+
+
+class NgramIndex:
+    """The positions of a sequence's n-grams, ``ngram_min <= n <= ngram_max``, kept as the
+    sequence grows: ``tables[n][gram]`` is the index of the token that followed ``gram``'s
+    latest occurrence."""
+
+    def __init__(self, ngram_min: int, ngram_max: int) -> None:
+        self.ngram_min = ngram_min
+        self.ngram_max = ngram_max
+        self.tokens: list[int] = []
+        self.tables: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(ngram_min, ngram_max + 1)}
+
+    def extend(self, prompt: list[int], output: list[int]) -> None:
+        """Take in the tokens of ``prompt + output`` not seen yet (they only grow)."""
+        start = len(self.tokens)
+        if start < len(prompt):
+            self.tokens += prompt[start:]
+        self.tokens += output[len(self.tokens) - len(prompt) :]
+        self._index(start)
+
+    def _index(self, start: int) -> None:
+        tokens = self.tokens
+        # an n-gram ending before position e is indexed once token e (what follows it) is known
+        for e in range(max(start, 1), len(tokens)):
+            for n, table in self.tables.items():
+                if e >= n:
+                    table[tuple(tokens[e - n : e])] = e
+
+    def propose(self, k: int) -> tuple[list[int], int]:
+        """Up to ``k`` tokens that followed the longest earlier occurrence of the current
+        suffix, and that suffix's length (0: no match, no draft)."""
+        tokens = self.tokens
+        end = len(tokens)
+        for n in range(min(self.ngram_max, end), self.ngram_min - 1, -1):
+            e = self.tables[n].get(tuple(tokens[end - n :]))
+            if e is None:
+                continue
+            if e + k <= end:
+                return tokens[e : e + k], n
+            period = end - e  # the occurrence's continuation reaches the suffix: periodic text
+            return [tokens[e + i % period] for i in range(k)], n
+        return [], 0
+
+
+@dataclass
+class SpecState:
+    """One sequence's drafts and their record."""
+
+    index: NgramIndex
+    trials: float = PRIOR_TRIALS  # decayed draft tokens judged (accepted, plus the rejected one)
+    accepted: float = PRIOR_ACCEPTED
+    cooldown: int = 0  # steps left before it may draft again
+    backoff: int = 1  # the next cooldown's length
+    disabled: bool = False  # never drafts (a grammar, or a request that may not)
+
+    @property
+    def alpha(self) -> float:
+        """Estimated chance that a draft token is accepted given the ones before it were."""
+        return self.accepted / self.trials
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.trials = self.trials * DECAY + accepted + (1 if accepted < drafted else 0)
+        self.accepted = self.accepted * DECAY + accepted
+
+
+class StepCost:
+    """``seconds = a + b * tokens`` fitted to measured steps by least squares with
+    exponential forgetting, from a prior worth a few steps."""
+
+    def __init__(self, decay: float = 0.98, prior_a: float = 0.03, prior_b: float = 0.0015, weight: float = 4.0):
+        self.decay = decay
+        # sums of w, w t, w t^2, w y, w t y, seeded with two pseudo-steps at 1 and 9 tokens
+        self.s = [0.0] * 5
+        for t in (1.0, 9.0):
+            self._add(t, prior_a + prior_b * t, weight / 2)
+
+    def _add(self, t: float, y: float, w: float) -> None:
+        s = self.s
+        s[0] += w
+        s[1] += w * t
+        s[2] += w * t * t
+        s[3] += w * y
+        s[4] += w * t * y
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        self.s = [x * self.decay for x in self.s]
+        self._add(float(tokens), seconds, 1.0)
+
+    @property
+    def params(self) -> tuple[float, float]:
+        w, st, stt, sy, sty = self.s
+        det = w * stt - st * st
+        if det <= 1e-12:
+            return sy / w, 0.0
+        b = (w * sty - st * sy) / det
+        b = max(b, 0.0)
+        a = max((sy - b * st) / w, 1e-6)
+        return a, b
+
+    def ratio(self, rows: int) -> float:
+        """The time of one more token in a step of ``rows`` sequences over the step's time per sequence."""
+        a, b = self.params
+        return b * rows / (a + b * rows)
+
+
+@dataclass
+class SpecStats:
+    """Totals over the engine's life: ``verifies`` rows verified, ``drafted`` draft tokens,
+    ``accepted`` of them (each saves its sequence one step), ``lengths[i]``: verifies that
+    accepted ``i``; ``backoffs``: times a request stopped drafting; ``probes``: drafts made
+    after a cooldown."""
+
+    verifies: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0  # tokens the verifies appended (accepted, corrected and bonus)
+    backoffs: int = 0
+    probes: int = 0
+    lengths: list[int] = field(default_factory=list)
+
+    @property
+    def steps_saved(self) -> int:
+        return self.accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+class Speculator:
+    """Drafts for the scheduler, decides who drafts, and keeps the record."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.k = config.speculative_num_draft_tokens
+        self.ngram_min = config.speculative_ngram_min
+        self.ngram_max = config.speculative_ngram_max
+        self.fixed_ratio = config.speculative_cost_ratio
+        self.cost = StepCost()
+        self.stats = SpecStats(lengths=[0] * (self.k + 1))
+
+    def state(self, seq: Sequence) -> SpecState:
+        state = seq.spec
+        if state is None:
+            state = seq.spec = SpecState(NgramIndex(self.ngram_min, self.ngram_max))
+            state.disabled = seq.matcher is not None
+        return state
+
+    def ratio(self, rows: int) -> float:
+        return self.fixed_ratio if self.fixed_ratio is not None else self.cost.ratio(rows)
+
+    def draft(self, seq: Sequence, limit: int, ratio: float) -> list[int]:
+        """``seq``'s draft this step (empty: a plain decode): at most ``limit`` tokens, as many
+        as its acceptance pays for at cost ratio ``ratio``."""
+        state = self.state(seq)
+        if state.disabled or limit <= 0 or seq.num_pending:
+            return []
+        alpha = state.alpha
+        k = 0
+        gain = alpha
+        while k < min(self.k, limit) and gain >= ratio:
+            k += 1
+            gain *= alpha
+        probe = False
+        if k == 0:
+            if state.cooldown > 0:
+                state.cooldown -= 1
+                return []
+            k = min(self.k, limit)  # a probe: does it pay again?
+            probe = True
+        state.index.extend(seq.prompt_ids, seq.output_ids)
+        tokens, _ = state.index.propose(k)
+        if tokens and probe:
+            self.stats.probes += 1
+            state.cooldown = state.backoff
+            state.backoff = min(state.backoff * 2, MAX_COOLDOWN)
+        return tokens
+
+    def record(self, seq: Sequence, drafted: int, accepted: int, emitted: int) -> None:
+        state = self.state(seq)
+        before = state.alpha >= self.ratio(1) if state.cooldown == 0 else False
+        state.record(drafted, accepted)
+        if state.alpha >= self.ratio(1):
+            state.cooldown, state.backoff = 0, 1
+        elif before:
+            self.stats.backoffs += 1
+            state.cooldown = state.backoff
+            state.backoff = min(state.backoff * 2, MAX_COOLDOWN)
+        s = self.stats
+        s.verifies += 1
+        s.drafted += drafted
+        s.accepted += accepted
+        s.emitted += emitted
+        s.lengths[min(accepted, len(s.lengths) - 1)] += 1
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        self.cost.observe(tokens, seconds)
+
+
+# ---- verification ------------------------------------------------------------------
+@dataclass
+class Verified:
+    """What one verify row group yields: the tokens to append (accepted drafts, then the
+    corrected or bonus token) and how many drafts were accepted."""
+
+    tokens: list[int]
+    accepted: int
+
+
+def verify(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    drafts: list[list[int]],
+    rows: list[list[SampleRequest]],
+) -> list[Verified]:
+    """Accept or reject each sequence's draft from its ``len(draft) + 1`` logits rows
+    (stacked in order in ``logits``); ``rows[i][t]`` describes row ``t`` of sequence ``i``
+    (its output so far plus ``draft[:t]``, its output index)."""
+    flat = [r for group in rows for r in group]
+    assert logits.shape[0] == len(flat)
+    processed = sampler.processed(logits, flat)
+    greedy = [r.params.is_greedy for r in flat]
+    targets = processed.argmax(dim=-1).tolist() if any(greedy) else []
+    probs = sampler.probs(processed, flat) if not all(greedy) else None
+    out: list[Verified] = []
+    start = 0
+    for draft, group in zip(drafts, rows, strict=True):
+        k = len(draft)
+        if group[0].params.is_greedy:
+            j = 0
+            while j < k and targets[start + j] == draft[j]:
+                j += 1
+            out.append(Verified(draft[:j] + [targets[start + j]], j))
+        else:
+            assert probs is not None
+            out.append(_rejection(sampler, probs[start : start + k + 1], draft, group))
+        start += k + 1
+    return out
+
+
+def _rejection(sampler: Sampler, probs: torch.Tensor, draft: list[int], group: list[SampleRequest]) -> Verified:
+    """The rule for a point-mass draft on one sequence's rows ``probs [k + 1, V]``."""
+    k = len(draft)
+    params = group[0].params
+    device = probs.device
+    if params.seed is None:
+        uniforms = torch.rand(k, generator=sampler.generator, device=device).tolist()
+    else:  # each draft token's test from its own output index's stream, as a seeded draw is
+        uniforms = [
+            torch.rand(1, generator=sampler.seeded(params.seed, group[t].position), device=device).item()
+            for t in range(k)
+        ]
+    if k:
+        chosen = probs[torch.arange(k, device=device), torch.tensor(draft, device=device)].tolist()
+    else:
+        chosen = []
+    j = 0
+    while j < k and uniforms[j] < chosen[j]:
+        j += 1
+    row = probs[j]
+    if j < k:  # rejected: the residual max(p - q, 0) of a point mass q at draft[j] is p without it
+        row = row.clone()
+        row[draft[j]] = 0.0
+        if float(row.sum()) <= 0.0:
+            return Verified(draft[: j + 1], j)  # p was all on the draft token (rounding): it stands
+    gen = sampler.generator if params.seed is None else sampler.seeded(params.seed, group[j].position, salt=1)
+    noise = torch.empty_like(row).exponential_(generator=gen)
+    token = int((row / noise).argmax().item())
+    return Verified(draft[:j] + [token], j)
