@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -225,8 +226,49 @@ def tier_config(args: argparse.Namespace) -> KVTierConfig:
 SHM_DIR = "/dev/shm"  # the shm backend's pools
 
 
+def speculative_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``speculative_*`` fields of the engine's config: the ``--speculative-*`` flags, or
+    vLLM's ``--speculative-config`` JSON over them."""
+    out: dict[str, Any] = {
+        "speculative_algorithm": getattr(args, "speculative_algorithm", None) or "",
+        "speculative_num_draft_tokens": getattr(args, "speculative_num_draft_tokens", 4),
+        "speculative_ngram_min": getattr(args, "speculative_ngram_min", 1),
+        "speculative_ngram_max": getattr(args, "speculative_ngram_max", 4),
+        "speculative_cost_ratio": getattr(args, "speculative_cost_ratio", None),
+    }
+    raw = getattr(args, "speculative_config", None)
+    if not raw:
+        return out
+    try:
+        spec = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--speculative-config: not JSON: {exc}") from None
+    if not isinstance(spec, dict):
+        raise UsageError('--speculative-config: a JSON object, e.g. {"method": "ngram", "num_speculative_tokens": 4}')
+    keys = {
+        "method": "speculative_algorithm",
+        "num_speculative_tokens": "speculative_num_draft_tokens",
+        "prompt_lookup_min": "speculative_ngram_min",
+        "prompt_lookup_max": "speculative_ngram_max",
+    }
+    unknown = sorted(set(spec) - set(keys))
+    if unknown:
+        raise UsageError(f"--speculative-config: pdserve knows {sorted(keys)}, not {unknown}")
+    if spec.get("method", "ngram") != "ngram":
+        raise UsageError(f"--speculative-config: method {spec['method']!r}: only ngram is served")
+    out.update({keys[k]: v for k, v in spec.items()})
+    out["speculative_algorithm"] = "ngram"
+    return out
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
+    try:
+        speculative = speculative_settings(args)
+        EngineConfig(**speculative)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"--speculative-*: {exc}") from None
     return EngineConfig(
+        **speculative,
         page_size=args.page_size,
         max_total_tokens=args.max_total_tokens,
         max_num_seqs=args.max_running_requests,

@@ -179,6 +179,42 @@ ENGINE = (
     ),
     Flag("--disable-overlap-schedule", switch=True, help="wait for each step before scheduling the next"),
     Flag(
+        "--speculative-algorithm",
+        choices=("ngram",),
+        help="speculative decoding: ngram drafts tokens from each request's own prompt and output (prompt "
+        "lookup), verified in one forward pass; requests whose drafts do not pay stop drafting (default: off)",
+    ),
+    Flag(
+        "--speculative-num-draft-tokens",
+        EngineConfig.speculative_num_draft_tokens,
+        int,
+        "most tokens drafted per request and step (default: %(default)s)",
+    ),
+    Flag(
+        "--speculative-ngram-min",
+        EngineConfig.speculative_ngram_min,
+        int,
+        "shortest suffix looked up for a draft (default: %(default)s)",
+        aliases=("--speculative-ngram-min-match-window-size",),
+    ),
+    Flag(
+        "--speculative-ngram-max",
+        EngineConfig.speculative_ngram_max,
+        int,
+        "longest suffix looked up for a draft (default: %(default)s)",
+        aliases=("--speculative-ngram-max-match-window-size",),
+    ),
+    Flag(
+        "--speculative-cost-ratio",
+        type=float,
+        help="the cost of one draft token over a step's time per request, fixed (default: measured from the steps)",
+    ),
+    Flag(
+        "--speculative-config",
+        help='vLLM\'s spelling, JSON: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": N, '
+        '"prompt_lookup_max": M}; overrides the --speculative-* flags it sets',
+    ),
+    Flag(
         "--grammar-threads",
         type=int,
         help="threads that advance structured-output grammars and fill their masks each step (default: 1)",

@@ -6,11 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import Metric
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from pdserve.broker.metrics import worker_families
 from pdserve.engine.kv_tiers import KVTiers
+from pdserve.engine.speculative import SpecStats
 from pdserve.schemas import WorkerInfo
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -26,14 +27,51 @@ class _Entry(Collector):
         return worker_families([self._info()])
 
 
+class _Speculative(Collector):
+    """Speculative decoding's counters, read from the engine's totals at each scrape."""
+
+    def __init__(self, stats: SpecStats) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats
+        for name, doc, value in (
+            ("draft_tokens", "tokens drafted (n-gram) and verified", s.drafted),
+            ("accepted_tokens", "draft tokens accepted; each saved its request one step", s.accepted),
+            ("verifies", "requests' verify rows (one forward pass over a request's draft)", s.verifies),
+            ("emitted_tokens", "tokens the verifies appended (accepted, corrected and bonus)", s.emitted),
+            ("backoffs", "times a request stopped drafting: its acceptance did not pay for the verify", s.backoffs),
+            ("probes", "drafts made after a backoff's cooldown", s.probes),
+            ("steps_saved", "decode steps saved (one per accepted draft token)", s.steps_saved),
+        ):
+            yield CounterMetricFamily(f"pdserve_spec_{name}", doc, value=value)
+        buckets = []
+        total = 0
+        for accepted, count in enumerate(s.lengths):
+            total += count
+            buckets.append((str(accepted), total))
+        buckets[-1] = ("+Inf", total)
+        yield HistogramMetricFamily(
+            "pdserve_spec_acceptance_length",
+            "draft tokens accepted per verify",
+            buckets=buckets,
+            sum_value=s.accepted,
+        )
+
+
 class WorkerMetrics:
     """One registry per worker (never the process-global one: tests run several workers in
     one process). ``info()`` is the worker's registry entry as of now; ``tiers``, the
-    engine's KV tiers, for a histogram each of their lookup and load times."""
+    engine's KV tiers, for a histogram each of their lookup and load times; ``spec``, speculative
+    decoding's totals (drafted, accepted, acceptance lengths, steps saved, backoffs)."""
 
-    def __init__(self, info: Callable[[], WorkerInfo], tiers: KVTiers | None = None) -> None:
+    def __init__(
+        self, info: Callable[[], WorkerInfo], tiers: KVTiers | None = None, spec: SpecStats | None = None
+    ) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_Entry(info))
+        if spec is not None:  # speculative decoding is on
+            self.registry.register(_Speculative(spec))
         if tiers is not None:  # their counts come with the registry entry (``WorkerInfo.kv_tiers``)
             durations = {
                 name: Histogram(

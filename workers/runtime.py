@@ -88,7 +88,7 @@ class WorkerRuntime(Housekeeping):
         self.cancels = Cancels()
         self.counters = dict.fromkeys((f.name for f in dataclasses.fields(WorkerCounters)), 0)
         self.kv_pull_seconds = 0.0
-        self.metrics = WorkerMetrics(self.worker_info, engine.tiers)
+        self.metrics = WorkerMetrics(self.worker_info, engine.tiers, engine.stats.spec)
         self.transfer: TransferBackend | None = None
         # Tensor parallelism: the other ranks' processes, and their (endpoint, pool address).
         self.followers: Followers | None = None

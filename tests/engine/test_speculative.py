@@ -282,3 +282,40 @@ def test_the_step_cost_fit_and_the_acceptance_estimate() -> None:
     for _ in range(30):
         state.record(4, 0)
     assert state.alpha < 0.2  # accepted tokens outweigh single rejections: it falls over tens of verifies
+
+
+def test_the_counters_reach_prometheus(tiny_model_dir: Path) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from pdserve.workers.metrics import _Speculative
+
+    engine = build_engine(tiny_model_dir, EngineConfig(max_total_tokens=8192, **ALWAYS))  # type: ignore[arg-type]
+    _run(engine, [[3, 4, 5, 6] * 5], 20)
+    spec = engine.stats.spec
+    assert spec is not None and spec.accepted > 0
+    registry = CollectorRegistry()
+    registry.register(_Speculative(spec))
+    text = generate_latest(registry).decode()
+    assert f"pdserve_spec_accepted_tokens_total {float(spec.accepted)}" in text
+    assert f"pdserve_spec_steps_saved_total {float(spec.accepted)}" in text
+    assert f'pdserve_spec_acceptance_length_bucket{{le="+Inf"}} {float(spec.verifies)}' in text
+    assert f"pdserve_spec_acceptance_length_count {float(spec.verifies)}" in text
+
+
+def test_the_flags_sglang_and_vllm_spellings() -> None:
+    import argparse
+
+    from pdserve import configs, flags
+
+    parser = argparse.ArgumentParser()
+    flags.add_flags(parser, flags.ENGINE, "engine")
+    args = parser.parse_known_args(
+        ["--speculative-algorithm", "ngram", "--speculative-ngram-max-match-window-size", "6"]
+    )
+    assert configs.speculative_settings(args[0])["speculative_ngram_max"] == 6
+    vllm = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}'
+    settings = configs.speculative_settings(parser.parse_known_args(["--speculative-config", vllm])[0])
+    assert settings["speculative_num_draft_tokens"] == 3 and settings["speculative_ngram_min"] == 2
+    assert configs.speculative_settings(parser.parse_known_args([])[0])["speculative_algorithm"] == ""
+    with pytest.raises(configs.UsageError):
+        configs.speculative_settings(parser.parse_known_args(["--speculative-config", '{"method": "eagle"}'])[0])
