@@ -36,7 +36,9 @@ class PlacementConfig:
     ``prefix_aware``: a request whose prompt's first ``prefix_min_tokens`` tokens (or more)
     one prefill or unified worker is believed to cache goes to that worker's own subject;
     if the worker has not taken it within ``placed_deadline`` seconds it goes to the shared
-    queue. ``index_max_hashes`` bounds the index of cached pages."""
+    queue; only while at least ``prefix_min_workers`` such workers serve the model (with one,
+    the shared queue reaches the same worker without the detour). ``index_max_hashes`` bounds
+    the index of cached pages."""
 
     conditional_disagg: bool = False
     local_prefill_max_tokens: int = 128
@@ -45,14 +47,22 @@ class PlacementConfig:
     decode_reserve: float = 0.1
     local_max_waiting: int = 4
     refresh_seconds: float = 0.25
-    prefix_aware: bool = False
+    prefix_aware: bool = True
+    prefix_min_workers: int = 2
     prefix_min_tokens: int = 256
     placed_deadline: float = 0.5
     index_max_hashes: int = 200_000
 
     def __post_init__(self) -> None:
-        if self.prefix_min_tokens < 1 or self.placed_deadline <= 0 or self.index_max_hashes < 1:
-            raise ValueError("prefix_min_tokens, placed_deadline and index_max_hashes must be positive")
+        if (
+            self.prefix_min_tokens < 1
+            or self.prefix_min_workers < 1
+            or self.placed_deadline <= 0
+            or self.index_max_hashes < 1
+        ):
+            raise ValueError(
+                "prefix_min_tokens, prefix_min_workers, placed_deadline and index_max_hashes must be positive"
+            )
         if self.local_prefill_max_tokens < 0 or self.local_prefill_max_tokens_busy < self.local_prefill_max_tokens:
             raise ValueError("local_prefill_max_tokens must be >= 0 and <= local_prefill_max_tokens_busy")
         if self.busy_prefill_tokens < 1 or self.local_max_waiting < 1:

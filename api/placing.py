@@ -84,7 +84,9 @@ class Placing(ClusterQueries):
 
     def _prefix_target(self, request: GenerateRequest) -> Target | None:
         """The prefill or unified worker believed to cache most of ``request``'s prompt."""
-        if not self.placement.prefix_aware or request.sampling.n > 1 or not self.placeable:
+        if not self.placement.prefix_aware or request.sampling.n > 1:
+            return None
+        if len(self.placeable) < self.placement.prefix_min_workers:  # none, or one the shared queue reaches
             return None
         matches = self.index.matches(request.prompt_ids)
         target = best_worker(matches, self.placeable, self.placement.prefix_min_tokens, self.busy)

@@ -8,8 +8,10 @@ goodput of all (goal: no loss). ``short``: short prompts alone; ``crossover``: a
 against always disaggregated over prompt lengths, for the default
 ``--local-prefill-max-tokens`` (neither run by default).
 ``prefix``: shared-prefix multi-tenant chat on 2 prefill workers; prefix-cache hit rate and
-P90 TTFT with ``--prefix-aware-placement`` against without (goal: hit rate >= 90 %, P90 TTFT
->= 3x lower).
+P90 TTFT with ``--prefix-aware-placement`` against ``off`` (goal: hit rate >= 90 %, P90 TTFT
+>= 3x lower). ``unique``: what the default (``auto``) costs where it cannot help: one prefill
+worker, unique prompts, the default against ``--prefix-aware-placement off`` (goal: no loss
+within noise).
 
 Both systems run at once, each with a fresh data directory (its own broker), and are
 measured in turn: ``--rounds`` pairs, alternating which side goes first, each round with its
@@ -49,8 +51,8 @@ from common import git_commit, start_pdserve, stop_pdserve
 from pdserve.engine.tiny_model import ensure_default_model
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = ("short", "mixed", "prefix", "crossover")
-DEFAULT_CASES = ("mixed", "prefix")
+CASES = ("short", "mixed", "prefix", "unique", "crossover")
+DEFAULT_CASES = ("mixed", "prefix", "unique")
 
 
 WORKER_TOTALS = {
@@ -144,15 +146,21 @@ def run_case(case: str, model_dir: Path, seed: int, work: Path, a: argparse.Name
         bench_args += ["--short-fraction", str(a.short_fraction), "--short-len", str(a.short_len)]
         bench_args += ["--slo-ttft", str(a.slo_ttft), "--slo-itl", str(a.slo_itl)]
         flag, up = "--conditional-disagg", []
+    elif case == "unique":  # the default where placement cannot help: is it free?
+        bench_args = [*load, "--dataset", "random", "--input-len", str(a.long_len), "--range-ratio", "0.3", *out]
+        flag, up = "", []
     else:
         bench_args = [*load, "--dataset", "prefix-chat", "--num-groups", str(a.groups), "--prefix-len"]
         bench_args += [str(a.prefix_len), "--num-turns", "2", "--turn-len", str(a.turn_len), *out]
         flag, up = "--prefix-aware-placement", ["--prefill-workers", "2", "--max-total-tokens", str(a.pool_tokens)]
     common = ["--model-path", str(model_dir), "--enable-flush-cache", *up]
+    sides: dict[str, list[str]] = {"off": [], "on": [flag]}  # conditional disaggregation: without, with
+    if case in ("prefix", "unique"):  # prefix-aware placement: off, and on (prefix) or the default (unique)
+        sides = {"off": ["--prefix-aware-placement", "off"], "on": [flag] if flag else []}
     systems: dict[str, tuple[Any, str]] = {}
     rounds: list[dict[str, Any]] = []
     try:
-        for side, extra in (("off", []), ("on", [flag])):
+        for side, extra in sides.items():
             systems[side] = start_pdserve("pd", work / f"{case}-{side}", [*common, *extra])
         for r in range(a.rounds):
             order = ("off", "on") if r % 2 == 0 else ("on", "off")
@@ -218,6 +226,8 @@ def ratios(pair: dict[str, Any]) -> dict[str, float]:
         out["short_ttft_mean_ratio"] = on["short_prompts_ttft_ms"]["mean"] / off["short_prompts_ttft_ms"]["mean"]
     if "goodput" in on:
         out["goodput_ratio"] = on["goodput"] / max(off["goodput"], 1e-9)
+    if on.get("output_throughput") and off.get("output_throughput"):
+        out["output_throughput_ratio"] = on["output_throughput"] / off["output_throughput"]
     for side, m in (("on", on), ("off", off)):
         prefill = m.get("workers", {}).get("prefill", {})
         if prefill.get("prompt_tokens"):

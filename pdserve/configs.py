@@ -391,7 +391,7 @@ def worker_config(args: argparse.Namespace, role: str, model_path: Path) -> Work
         transport_fallback_device=args.disaggregation_ib_device if transport.fallback else "",
         kv_hold_seconds=args.kv_hold_seconds,
         heartbeat_seconds=args.heartbeat_seconds,
-        prefix_placement=args.prefix_aware_placement,
+        prefix_placement=args.prefix_aware_placement != "off",
     )
 
 
@@ -425,7 +425,8 @@ def placement_config(args: argparse.Namespace) -> PlacementConfig:
         conditional_disagg=args.conditional_disagg,
         local_prefill_max_tokens=args.local_prefill_max_tokens,
         local_prefill_max_tokens_busy=args.local_prefill_max_tokens_busy,
-        prefix_aware=args.prefix_aware_placement,
+        prefix_aware=args.prefix_aware_placement != "off",
+        prefix_min_workers=1 if args.prefix_aware_placement == "on" else PlacementConfig.prefix_min_workers,
         prefix_min_tokens=args.prefix_min_tokens,
         placed_deadline=args.placement_deadline,
     )

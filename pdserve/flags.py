@@ -37,6 +37,7 @@ class Flag:
     switch: bool = False
     aliases: tuple[str, ...] = ()
     many: bool = False  # may be given several times; the value is a list
+    const: Any = None  # the flag alone (no value) means this
 
     @property
     def dest(self) -> str:
@@ -51,6 +52,8 @@ class Flag:
             kwargs.update(action="append", type=self.type)
         else:
             kwargs.update(default=self.default, type=self.type, choices=self.choices)
+            if self.const is not None:
+                kwargs.update(nargs="?", const=self.const)
         kwargs.update(overrides)
         parser.add_argument(self.name, *self.aliases, **kwargs)
 
@@ -446,10 +449,14 @@ GENERATION_CONFIG = Flag(
 )
 PREFIX_PLACEMENT = Flag(
     "--prefix-aware-placement",
-    switch=True,
+    "auto",
+    choices=("auto", "on", "off"),
+    const="on",
     help="workers announce their cached prefixes and the API sends a request whose prefix one prefill worker "
     "holds to that worker's own queue, falling back to the shared queue if it is not taken in time "
-    "(docs/placement.md); give it to the API and the workers alike (`up` does)",
+    "(docs/placement.md); auto: while more than one prefill (or unified) worker serves the model; on (the flag "
+    "alone): with one too; off: never, and no announcements. Give it to the API and the workers alike (`up` "
+    "does; default: %(default)s)",
 )
 PLACEMENT = (
     PREFIX_PLACEMENT,

@@ -33,7 +33,7 @@ class WorkerConfig:
     (``transport_fallback_device``) and tcp is used instead, with the user's leave
     (``--allow-tcp-fallback``); the worker logs and counts it. ``prefix_placement``: publish
     the prefix cache's changes (``KVEvents``) and take requests placed on this worker's own
-    subject (prefill and unified)."""
+    subject (prefill and unified); on by default (``--prefix-aware-placement off`` turns it off)."""
 
     role: str
     model_path: Path
@@ -61,7 +61,7 @@ class WorkerConfig:
     keepalive_seconds: float = 1.0
     fetch_timeout: float = 1.0
     drain_seconds: float = 30.0
-    prefix_placement: bool = False
+    prefix_placement: bool = True
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

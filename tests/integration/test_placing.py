@@ -142,7 +142,7 @@ async def test_a_local_request_is_redelivered_to_another_decode_worker(
 
 # ---- prefix-aware placement ---------------------------------------------------------------
 PREFIX = [(i * 11 + 5) % 240 + 4 for i in range(160)]  # ten pages of 16
-PREFIX_ON = PlacementConfig(prefix_aware=True, prefix_min_tokens=64, placed_deadline=1.0)
+PREFIX_ON = PlacementConfig(prefix_min_workers=1, prefix_min_tokens=64, placed_deadline=1.0)
 
 
 @pytest.fixture
@@ -181,6 +181,33 @@ async def test_a_request_goes_to_the_worker_that_caches_its_prefix(
     assert holder.counters["placed_taken"] == 2
     assert holder.engine.stats.cached_tokens - cached_before == len(PREFIX)
     assert other.engine.stats.prompt_tokens == 0
+
+
+async def test_auto_places_only_while_two_prefill_workers_serve(nats_server, workers, tiny_model_dir: Path) -> None:
+    """`--prefix-aware-placement auto` (the default): with one prefill worker every request
+    takes the shared queue (it reaches that worker anyway), though the worker's announcements
+    fill the index; once a second one serves, a cached prefix is placed on its holder."""
+    auto = PlacementConfig(prefix_min_tokens=64, placed_deadline=1.0)  # the default: at least two workers
+    gw = Gateway(nats_server.url, tiny_model_dir.name, streams.BrokerConfig(), placement=auto)
+    await gw.start()
+    try:
+        a = await workers("prefill", prefix_placement=True)
+        await workers("decode", prefix_placement=True)
+        await until(lambda: len(gw.placeable) == 1 and len(gw.decoders) == 1)
+        for i, tail in enumerate(([1, 2, 3], [9, 8, 7, 6])):
+            tokens, seen = await run(gw, [*PREFIX, *tail], 8, f"one-{i}")
+            assert tokens == reference(tiny_model_dir, [*PREFIX, *tail], 8) and seen[0] == a.worker_id
+            await until(lambda: gw.index.matches(tuple(PREFIX)).get(a.worker_id, 0) == len(PREFIX))
+        assert gw.metrics.placed_by_path.get("placed", 0) == 0 and a.counters["placed_taken"] == 0
+        assert a.engine.stats.cached_tokens == len(PREFIX)  # the second found the first's pages
+        b = await workers("prefill", prefix_placement=True)
+        await until(lambda: len(gw.placeable) == 2)
+        tokens, seen = await run(gw, [*PREFIX, 4, 4], 8, "two")
+        assert tokens == reference(tiny_model_dir, [*PREFIX, 4, 4], 8) and seen[0] == a.worker_id
+        assert gw.metrics.placed_by_path["placed"] == 1 and a.counters["placed_taken"] == 1
+        assert b.engine.stats.prompt_tokens == 0
+    finally:
+        await gw.stop()
 
 
 async def test_a_busy_worker_s_placed_request_falls_back_to_the_shared_queue_and_runs_once(
