@@ -291,7 +291,7 @@ class Engine(Admission):
         self.stats.steps += 1
         self.stats.batch_rows += len(batch.decodes) + len(batch.prefills) + len(batch.verifies)
         if self.speculator is not None and not batch.prefills:  # the step cost that drafts are weighed by
-            self.speculator.observe_step(batch.num_tokens, result.gpu_seconds or result.seconds)
+            self.speculator.observe_step(batch.num_tokens, len(batch.verifies), result.gpu_seconds or result.seconds)
         self.stats.busy_seconds += result.seconds
         if self.tiers is not None and batch.prefills:  # the tiers' recompute rate
             prompt_tokens = sum(n for _, n in batch.prefills)

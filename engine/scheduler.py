@@ -42,7 +42,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         decodes = self._schedule_decodes()
-        verifies = self._schedule_drafts(decodes) if self.speculator is not None else []
+        verifies = self._schedule_drafts(decodes) if self.speculator is not None and decodes else []
         if verifies:
             drafted = {id(s) for s, _ in verifies}
             decodes = [s for s in decodes if id(s) not in drafted]
@@ -55,13 +55,13 @@ class Scheduler:
         grown for them; a draft that finds no page is dropped, its sequence decodes plainly)."""
         speculator = self.speculator
         assert speculator is not None
-        ratio = speculator.ratio(len(decodes))
+        price = speculator.price(len(decodes))
         budget = self.config.chunked_prefill_size - len(decodes)
         verifies: list[tuple[Sequence, list[int]]] = []
         for seq in decodes:
             # no more positions than the context holds, no more tokens than the request may get
             limit = min(seq.sampling.max_new_tokens - seq.num_outputs - 1, self.max_model_len - seq.num_tokens, budget)
-            draft = speculator.draft(seq, limit, ratio)
+            draft = speculator.draft(seq, limit, price)
             if draft and self.pages.grow(seq, seq.num_tokens + len(draft)):
                 verifies.append((seq, draft))
                 budget -= len(draft)

@@ -19,14 +19,16 @@ the pages past them (the KV written at rejected positions is never read: the nex
 overwrites those slots).
 
 **Backoff.** A draft token costs the step its marginal time (``b`` below) whether accepted
-or not; an accepted one saves the sequence a step, worth the plain step's time per
-sequence. :class:`StepCost` fits ``seconds = a + b * tokens`` to the steps the engine
+or not, and a verify row its own (``c``: its chunk's attention and bookkeeping); an
+accepted token saves the sequence a step, worth the plain step's time per sequence.
+:class:`StepCost` fits ``seconds = a + b * tokens + c * verifies`` to the steps the engine
 measures (decodes and verifies only, decayed), so at ``N`` sequences a step's time per
-sequence is ``(a + b N) / N`` and the cost ratio of one draft token is
-``r = b N / (a + b N)`` (``speculative_cost_ratio`` fixes it instead). A request whose
-measured per-token acceptance ``alpha`` makes the i-th draft token pay (``alpha ** i >= r``)
-drafts up to that many; one that pays for none stops drafting and probes again after a
-cooldown that doubles (up to :data:`MAX_COOLDOWN` steps) while probes keep failing.
+sequence is ``(a + b N) / N``. A request with measured per-token acceptance ``alpha``
+drafts the length ``k`` that gains most, ``sum(alpha ** i - b') - c'`` over ``i <= k`` with
+``b'``, ``c'`` the costs over that time per sequence (``speculative_cost_ratio`` fixes ``b'``
+and drops ``c'``); one that gains at no length stops drafting and probes again after a
+cooldown that doubles (up to :data:`MAX_COOLDOWN` steps) while probes keep failing. At
+high load ``a`` is shared by many sequences, the time per sequence nears ``b``, and drafts stop.
 
 Off for rows with a grammar (structured output: drafts are not checked against it) and,
 on a GPU, speculation turns the overlap of steps off (a draft needs the last token on the
@@ -105,6 +107,7 @@ class SpecState:
     cooldown: int = 0  # steps left before it may draft again
     backoff: int = 1  # the next cooldown's length
     disabled: bool = False  # never drafts (a grammar, or a request that may not)
+    price: tuple[float, float] = (0.0, 0.0)  # the costs its last draft was weighed at
 
     @property
     def alpha(self) -> float:
@@ -117,43 +120,58 @@ class SpecState:
 
 
 class StepCost:
-    """``seconds = a + b * tokens`` fitted to measured steps by least squares with
-    exponential forgetting, from a prior worth a few steps."""
+    """``seconds = a + b * tokens + c * verifies`` fitted to measured steps (decodes and
+    verifies only) by least squares with exponential forgetting, from a prior worth a few
+    steps: ``a`` the step's fixed cost (weights read), ``b`` a token's, ``c`` a verify row's
+    own (its chunk's attention and bookkeeping)."""
 
-    def __init__(self, decay: float = 0.98, prior_a: float = 0.03, prior_b: float = 0.0015, weight: float = 4.0):
+    def __init__(
+        self,
+        decay: float = 0.98,
+        prior: tuple[float, float, float] = (0.03, 0.0015, 0.001),
+        weight: float = 3.0,
+    ) -> None:
         self.decay = decay
-        # sums of w, w t, w t^2, w y, w t y, seeded with two pseudo-steps at 1 and 9 tokens
-        self.s = [0.0] * 5
-        for t in (1.0, 9.0):
-            self._add(t, prior_a + prior_b * t, weight / 2)
+        self.xx = [[0.0] * 3 for _ in range(3)]
+        self.xy = [0.0] * 3
+        a, b, c = prior
+        for tokens, verifies in ((1, 0), (9, 0), (5, 1)):  # pseudo-steps that pin the prior
+            self._add((1.0, float(tokens), float(verifies)), a + b * tokens + c * verifies, weight / 3)
 
-    def _add(self, t: float, y: float, w: float) -> None:
-        s = self.s
-        s[0] += w
-        s[1] += w * t
-        s[2] += w * t * t
-        s[3] += w * y
-        s[4] += w * t * y
+    def _add(self, x: tuple[float, float, float], y: float, w: float) -> None:
+        for i in range(3):
+            self.xy[i] += w * x[i] * y
+            for j in range(3):
+                self.xx[i][j] += w * x[i] * x[j]
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        self.s = [x * self.decay for x in self.s]
-        self._add(float(tokens), seconds, 1.0)
+    def observe(self, tokens: int, verifies: int, seconds: float) -> None:
+        self.xx = [[v * self.decay for v in row] for row in self.xx]
+        self.xy = [v * self.decay for v in self.xy]
+        self._add((1.0, float(tokens), float(verifies)), seconds, 1.0)
 
     @property
-    def params(self) -> tuple[float, float]:
-        w, st, stt, sy, sty = self.s
-        det = w * stt - st * st
-        if det <= 1e-12:
-            return sy / w, 0.0
-        b = (w * sty - st * sy) / det
-        b = max(b, 0.0)
-        a = max((sy - b * st) / w, 1e-6)
-        return a, b
+    def params(self) -> tuple[float, float, float]:
+        """``(a, b, c)``, none below zero (``a`` above it)."""
+        m = [row[:] + [y] for row, y in zip(self.xx, self.xy, strict=True)]
+        for col in range(3):  # Gauss-Jordan with partial pivoting on the 3x3 normal equations
+            pivot = max(range(col, 3), key=lambda r: abs(m[r][col]))
+            if abs(m[pivot][col]) < 1e-12:
+                return self.xy[0] / self.xx[0][0], 0.0, 0.0
+            m[col], m[pivot] = m[pivot], m[col]
+            for r in range(3):
+                if r != col:
+                    f = m[r][col] / m[col][col]
+                    m[r] = [x - f * y for x, y in zip(m[r], m[col], strict=True)]
+        a, b, c = (m[i][3] / m[i][i] for i in range(3))
+        return max(a, 1e-6), max(b, 0.0), max(c, 0.0)
 
-    def ratio(self, rows: int) -> float:
-        """The time of one more token in a step of ``rows`` sequences over the step's time per sequence."""
-        a, b = self.params
-        return b * rows / (a + b * rows)
+    def price(self, rows: int) -> tuple[float, float]:
+        """At ``rows`` sequences a step: a draft token's cost and a verify row's own, each over
+        the step's time per sequence (what one saved step is worth)."""
+        a, b, c = self.params
+        rows = max(rows, 1)
+        per_row = (a + b * rows) / rows
+        return b / per_row, c / per_row
 
 
 @dataclass
@@ -198,23 +216,23 @@ class Speculator:
             state.disabled = seq.matcher is not None
         return state
 
-    def ratio(self, rows: int) -> float:
-        return self.fixed_ratio if self.fixed_ratio is not None else self.cost.ratio(rows)
+    def price(self, rows: int) -> tuple[float, float]:
+        """A draft token's and a verify row's cost over a step's time per sequence at ``rows``
+        sequences (``StepCost.price``; ``speculative_cost_ratio``: that token cost, no row cost)."""
+        return (self.fixed_ratio, 0.0) if self.fixed_ratio is not None else self.cost.price(rows)
 
-    def draft(self, seq: Sequence, limit: int, ratio: float) -> list[int]:
+    def draft(self, seq: Sequence, limit: int, price: tuple[float, float]) -> list[int]:
         """``seq``'s draft this step (empty: a plain decode): at most ``limit`` tokens, as many
-        as its acceptance pays for at cost ratio ``ratio``."""
+        as its acceptance pays for at ``price`` (see :meth:`price`)."""
         state = self.state(seq)
         if state.disabled or limit <= 0 or seq.num_pending:
             return []
-        alpha = state.alpha
-        k = 0
-        gain = alpha
-        while k < min(self.k, limit) and gain >= ratio:
-            k += 1
-            gain *= alpha
+        state.price = price
+        k = best_length(state.alpha, price, min(self.k, limit))
         probe = False
         if k == 0:
+            if best_length(1.0, price, min(self.k, limit)) == 0:
+                return []  # even drafts always accepted would not pay at this load: no probe
             if state.cooldown > 0:
                 state.cooldown -= 1
                 return []
@@ -230,9 +248,9 @@ class Speculator:
 
     def record(self, seq: Sequence, drafted: int, accepted: int, emitted: int) -> None:
         state = self.state(seq)
-        before = state.alpha >= self.ratio(1) if state.cooldown == 0 else False
+        before = state.cooldown == 0 and best_length(state.alpha, state.price, self.k) > 0
         state.record(drafted, accepted)
-        if state.alpha >= self.ratio(1):
+        if best_length(state.alpha, state.price, self.k) > 0:
             state.cooldown, state.backoff = 0, 1
         elif before:
             self.stats.backoffs += 1
@@ -245,8 +263,23 @@ class Speculator:
         s.emitted += emitted
         s.lengths[min(accepted, len(s.lengths) - 1)] += 1
 
-    def observe_step(self, tokens: int, seconds: float) -> None:
-        self.cost.observe(tokens, seconds)
+    def observe_step(self, tokens: int, verifies: int, seconds: float) -> None:
+        self.cost.observe(tokens, verifies, seconds)
+
+
+def best_length(alpha: float, price: tuple[float, float], most: int) -> int:
+    """The draft length that gains most: the i-th draft token saves a step with chance
+    ``alpha ** i`` and costs ``price[0]``, the verify row ``price[1]`` (in steps per sequence);
+    0 when no length gains."""
+    token, row = price
+    k = 0
+    gain = 0.0
+    p = alpha
+    while k < most and p >= token:
+        k += 1
+        gain += p - token
+        p *= alpha
+    return k if gain > row else 0
 
 
 # ---- verification ------------------------------------------------------------------

@@ -17,7 +17,7 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.loader import build_engine, quiet_transformers
 from pdserve.engine.model_runner import ModelRunner, ModelSpec
 from pdserve.engine.sampler import Sampler, SampleRequest
-from pdserve.engine.speculative import NgramIndex, SpecState, StepCost, verify
+from pdserve.engine.speculative import NgramIndex, SpecState, StepCost, best_length, verify
 from pdserve.schemas import SamplingParams
 from tests.engine.reference import assert_greedy_equal, hf_greedy
 
@@ -250,31 +250,39 @@ def test_rejection_keeps_top_p_and_greedy_rows_take_the_argmax() -> None:
 
 # ---- backoff and counters ----------------------------------------------------------
 def test_a_request_whose_drafts_do_not_pay_stops_drafting(tiny_model_dir: Path) -> None:
-    """At a cost ratio no acceptance reaches, a request drafts only its probes (a cooldown that
-    doubles), so most of its steps are plain decodes."""
-    engine = build_engine(
-        tiny_model_dir,
-        EngineConfig(max_total_tokens=8192, **{**SPEC, "speculative_cost_ratio": 1.5}),  # type: ignore[arg-type]
-    )
-    engine.add_request("b", [3, 4, 5, 6] * 5, SamplingParams(max_new_tokens=120, temperature=0.0, ignore_eos=True))
-    while engine.has_work():
-        engine.step()
-    spec = engine.stats.spec
-    assert spec is not None
+    """At a cost ratio its acceptance does not reach, a request drafts only its probes (after
+    cooldowns that double); at one no acceptance could reach, it never drafts."""
+
+    def spec_at(ratio: float):  # type: ignore[no-untyped-def]
+        knobs = {**SPEC, "speculative_cost_ratio": ratio}
+        engine = build_engine(tiny_model_dir, EngineConfig(max_total_tokens=8192, **knobs))  # type: ignore[arg-type]
+        engine.add_request("b", [3, 4, 5, 6] * 5, SamplingParams(max_new_tokens=120, temperature=0.0, ignore_eos=True))
+        while engine.has_work():
+            engine.step()
+        assert engine.stats.spec is not None
+        return engine.stats.spec, engine.stats.steps
+
+    spec, steps = spec_at(0.999)
     assert 0 < spec.probes <= 7  # cooldowns of 1, 2, 4, ... 64 steps
-    assert spec.verifies == spec.probes
-    assert engine.stats.steps > 60
+    assert spec.verifies == spec.probes and steps > 60
+    spec, steps = spec_at(1.5)
+    assert spec.verifies == spec.probes == 0 and steps == 120
 
 
 def test_the_step_cost_fit_and_the_acceptance_estimate() -> None:
     cost = StepCost()
-    for _ in range(200):
-        for tokens in (1, 3, 5):
-            cost.observe(tokens, 0.020 + 0.002 * tokens)
-    a, b = cost.params
+    for _ in range(300):
+        for tokens, verifies in ((1, 0), (3, 1), (5, 1), (32, 0), (40, 4)):
+            cost.observe(tokens, verifies, 0.020 + 0.002 * tokens + 0.003 * verifies)
+    a, b, c = cost.params
     assert a == pytest.approx(0.020, rel=0.05) and b == pytest.approx(0.002, rel=0.05)
-    assert cost.ratio(1) == pytest.approx(0.002 / 0.022, rel=0.1)
-    assert cost.ratio(32) > cost.ratio(1)
+    assert c == pytest.approx(0.003, rel=0.05)
+    token, row = cost.price(1)
+    assert token == pytest.approx(0.002 / 0.022, rel=0.05) and row == pytest.approx(0.003 / 0.022, rel=0.05)
+    assert cost.price(32)[0] > cost.price(1)[0]
+    assert best_length(0.9, (0.1, 0.1), 4) == 4
+    assert best_length(0.5, (0.2, 0.1), 4) == 2  # 0.5, 0.25 pay; 0.125 does not
+    assert best_length(0.3, (0.2, 0.2), 4) == 0  # 0.3 - 0.2 does not pay for the row
     state = SpecState(NgramIndex(1, 2))
     for _ in range(30):
         state.record(4, 4)
