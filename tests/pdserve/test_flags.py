@@ -48,7 +48,7 @@ def test_up_forwards_every_flag_it_shares_with_workers() -> None:
     own_meaning = {"-h", "--help", "--host", "--port"}  # HTTP under `up`, the worker's own under `prefill`
     # `up` hands each role its own size (--prefill-/--decode-tensor-parallel-size override it).
     own_meaning |= {"--tensor-parallel-size", "--tp-size"}
-    assert shared - own_meaning <= {flag.name for flag in flags.forwarded()}
+    assert shared - own_meaning <= {name for flag in flags.forwarded() for name in (flag.name, *flag.aliases)}
 
 
 def test_up_hands_workers_and_apis_the_resolved_directory_without_the_revision() -> None:
