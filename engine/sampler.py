@@ -88,15 +88,9 @@ class Sampler:
         raw_logprobs = None
         if any(r.params.logprobs for r in rows):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        if masks is not None or any(r.params.has_penalties or r.params.has_bias for r in rows):
-            logits = logits.clone().contiguous()
-            for i, r in enumerate(rows):
-                if r.params.has_penalties:
-                    _apply_penalties(logits[i], r)
-                if r.params.has_bias:
-                    _apply_bias(logits[i], r.params)
-            if masks is not None:
-                apply_masks(logits, masks)
+        logits = self.processed(logits, rows, copy=masks is not None)
+        if masks is not None:
+            apply_masks(logits, masks)
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if not sampled:
@@ -110,11 +104,13 @@ class Sampler:
         tokens[index] = self._sample(logits[index], [rows[i] for i in sampled])
         return tokens, raw_logprobs
 
-    def processed(self, logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
+    def processed(self, logits: torch.Tensor, rows: list[SampleRequest], copy: bool = False) -> torch.Tensor:
         """The rows' logits in float32 after penalties and ``logit_bias`` (what greedy rows take
-        the argmax of; speculative verification's rows, whose histories differ per row)."""
+        the argmax of; speculative verification's rows, whose histories differ per row); a
+        copy when any applies or ``copy`` (the caller writes into it), else ``logits`` as
+        float32."""
         logits = logits.float()
-        if any(r.params.has_penalties or r.params.has_bias for r in rows):
+        if copy or any(r.params.has_penalties or r.params.has_bias for r in rows):
             logits = logits.clone().contiguous()
             for i, r in enumerate(rows):
                 if r.params.has_penalties:
