@@ -43,6 +43,7 @@ from gpu_e2e import measure_e2e
 from pdserve.bench.shapes import QWEN2_5_7B
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
+from pdserve.engine.kernels import fp8
 from pdserve.engine.loader import quiet_transformers
 from pdserve.engine.model_runner import ModelRunner, ModelSpec
 from pdserve.schemas import SamplingParams
@@ -331,6 +332,31 @@ def profile(engine: Engine, vocab: int, rng: random.Random, path: Path) -> None:
     path.write_text("\n".join(lines))
 
 
+def configure_fp8(args: argparse.Namespace) -> dict[str, object]:
+    """The FP8 kernels' choices for this run (``--fp8-batched``, ``--fp8-gemv-tiles``), as recorded."""
+    if args.fp8_batched:
+        fp8.BATCHED_MODE = args.fp8_batched
+    if args.fp8_gemv_tiles:
+        probe = json.loads(args.fp8_gemv_tiles.read_text())
+        shapes = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
+        keys = ("block_n", "block_k", "split_k", "num_warps", "num_stages")
+        for shape, (n, k) in shapes.items():
+            rows = [
+                r for r in probe["rows"] if r["shape"] == shape and r["rows"] == 1 and r["variant"].startswith("gemv")
+            ]
+            if rows:
+                best = min(rows, key=lambda r: r["us"])
+                fp8.GEMV_TILES[(n, k)] = {key: best[key] for key in keys}
+                if shape == "down":
+                    fp8.GEMV_SILU_FUSED = best["variant"] != "gemv_sep"
+    return {
+        "batched_mode": fp8.BATCHED_MODE,
+        "gemv_tiles": {f"{n}x{k}": t for (n, k), t in fp8.GEMV_TILES.items()},
+        "gemv_silu_fused": fp8.GEMV_SILU_FUSED,
+        "matmul_block_n": fp8.matmul_tiles(64, 3584, 3584)["block_n"],
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
@@ -345,6 +371,18 @@ def main() -> int:
         choices=("fp8",),
         help="fp8: the engine's decoder layers in FP8 weights (a GPU of compute capability 8.9 or above; "
         "implies --skip-transformers)",
+    )
+    parser.add_argument(
+        "--fp8-batched",
+        choices=fp8.BATCHED_MODES,
+        help=f"FP8: how the batched kernel takes its activations (default {fp8.BATCHED_MODE}; see "
+        "pdserve.engine.kernels.fp8)",
+    )
+    parser.add_argument(
+        "--fp8-gemv-tiles",
+        type=Path,
+        help="FP8: the GEMV's tiles at one row from bench/probes/fp8_probe.py's JSON (the fastest per shape, "
+        "and down's SiLU·up fused or not)",
     )
     parser.add_argument(
         "--try-fused-merge", action="store_true", help="also batch 1 with the attention splits merged in-kernel"
@@ -391,6 +429,7 @@ def main() -> int:
         help="`pdserve up --api-processes` values to measure (default: %(default)s)",
     )
     args = parser.parse_args()
+    fp8_choices = configure_fp8(args)
     quiet_transformers()
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -429,6 +468,8 @@ def main() -> int:
         "command": "python " + " ".join(sys.argv),
         "torch": torch.__version__,
     }
+    if args.quantization:
+        result["fp8_kernels"] = fp8_choices
     if engine.runner.fp8_bytes is not None:  # the decoder layers' linear weights, 16-bit and FP8 (with scales)
         before, after = engine.runner.fp8_bytes
         result.update(

@@ -55,7 +55,7 @@ def quantize_fp8(w: torch.Tensor) -> Fp8Weight:
         raise ValueError(f"FP8 weights are matrices, got shape {list(w.shape)}")
     w32 = w.detach().to(torch.float32)
     amax = w32.abs().amax(dim=1).clamp_min(_MIN_AMAX)
-    scale = amax / FP8_MAX
+    scale = _over_fp8_max(amax)
     q = (w32 / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return Fp8Weight(q=q.contiguous(), scale=scale.contiguous())
 
@@ -68,9 +68,42 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     its reference (plain torch: every rounding the same)."""
     if x.dim() != 2 or x.shape[1] == 0:
         raise ValueError(f"activations to quantize per row are [rows, K > 0], got shape {list(x.shape)}")
-    scale = x.detach().abs().amax(dim=1).to(torch.float32).clamp_min(_MIN_AMAX) / FP8_MAX
+    scale = _over_fp8_max(x.detach().abs().amax(dim=1).to(torch.float32).clamp_min(_MIN_AMAX))
     q = (x.detach().to(torch.float32) / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.contiguous(), scale.contiguous()
+
+
+def _over_fp8_max(amax: torch.Tensor) -> torch.Tensor:
+    """``amax / 448`` correctly rounded on every device: on CUDA, torch divides by a Python
+    scalar as a product with its reciprocal (a last-bit difference from the kernels'
+    ``div_rn`` for about half of all values); a tensor divisor takes the true division."""
+    return amax / torch.full_like(amax, FP8_MAX)
+
+
+# The columns of a group in :func:`quantize_groups_fp8`: one K tile of the batched kernel.
+GROUP = 128
+
+
+def quantize_groups_fp8(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations ``x [M, K]`` as FP8 with one float32 scale per row per ``group`` columns
+    (DeepSeek-V3's 1 x 128 activation blocks): ``q [M, K]`` float8_e4m3fn and ``scale
+    [M, ceil(K / group)]``, ``x[:, j] ~= q[:, j] * scale[:, j // group]``, each group's amax
+    mapped to 448 (a group of zeros keeps the floor's scale). No pass over a whole row comes
+    first, so the batched kernel quantizes each K tile of ``x`` in registers as it loads it
+    (:func:`pdserve.engine.kernels.fp8.matmul` without ``x_scale``, ``tile_quant``): this
+    is that kernel's reference, every rounding the same (values times ``448 / amax``, both
+    correctly rounded in float32; the scale ``amax / 448``)."""
+    if x.dim() != 2 or x.shape[1] == 0:
+        raise ValueError(f"activations to quantize per group are [rows, K > 0], got shape {list(x.shape)}")
+    rows, k = x.shape
+    groups = -(-k // group)
+    x32 = torch.zeros((rows, groups * group), dtype=torch.float32, device=x.device)
+    x32[:, :k] = x.detach().to(torch.float32)
+    blocks = x32.view(rows, groups, group)
+    amax = blocks.abs().amax(dim=2).clamp_min(_MIN_AMAX)
+    inv = torch.full_like(amax, FP8_MAX) / amax
+    q = (blocks * inv[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(rows, groups * group)[:, :k]
+    return q.contiguous(), _over_fp8_max(amax).contiguous()
 
 
 # --- The KV cache: one scale per token per KV head ------------------------------------------
@@ -100,7 +133,7 @@ def quantize_kv_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dim() < 1 or x.shape[-1] == 0:
         raise ValueError(f"KV vectors need a last (head_dim) dimension, got shape {list(x.shape)}")
     x32 = x.detach().to(torch.float32)
-    scale = x32.abs().amax(dim=-1).clamp_min(_MIN_AMAX) / FP8_MAX
+    scale = _over_fp8_max(x32.abs().amax(dim=-1).clamp_min(_MIN_AMAX))
     q = (x32 / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.contiguous(), scale.contiguous()
 

@@ -13,6 +13,12 @@ and each row count, times (microseconds a call; ``tb_s``: weight bytes over that
   accumulation) to correct the table; ``batched_a16``: the same kernel on the bf16
   activations as they are (W8A16, down reading SiLU·up on the fly; ``batched_a16_sep``:
   ``silu_mul`` first); up to 256 rows;
+- ``tileq``: the batched kernel quantizing each K tile of the bf16 activations in registers
+  (a scale per row per 128 columns, no quantization launch; down: ``silu_mul`` first;
+  ``tileq_fused``: SiLU·up recomputed by each channel tile), at the table's tiles and 128
+  channels a program (``tiles``);
+- ``gemv_tiles``: at one row, the FP8 GEMV over a sweep of its tiles (``gemv_sep``: down with
+  ``silu_mul`` first);
 - ``scaled_mm``: the fused quantization then ``torch._scaled_mm`` (row-wise scales), timed
   together; ``quant``: the fused quantization alone.
 
@@ -47,8 +53,23 @@ MM_ALTS: list[tuple[str, dict[str, Any]]] = [
     ("n64", {"block_n": 64}),
     ("n256", {"block_n": 256, "block_k": 128, "num_warps": 8, "num_stages": 3}),
 ]
-COMPLETE = ("gemv", "batched", "batched_a16", "batched_a16_sep", "scaled_mm")  # whole products, FP8
-VARIANTS = ("cublas", "gemv", "batched", "batched_mm", "batched_a16", "batched_a16_sep", "scaled_mm", "quant")
+# the FP8 GEMV's tiles tried at one row: (block_n, block_k, split_k, num_warps)
+GEMV_SWEEP = [(bn, bk, sk, 4) for bn in (8, 16, 32) for bk in (1024, 2048) for sk in (1, 2, 4) if bn * bk <= 32768]
+COMPLETE = (
+    "gemv",
+    "gemv_tiles",
+    "gemv_sep",
+    "batched",
+    "batched_a16",
+    "batched_a16_sep",
+    "tileq",
+    "tileq_fused",
+    "scaled_mm",
+)  # fmt: skip  (whole products, FP8)
+VARIANTS = (
+    "cublas", "gemv", "gemv_tiles", "gemv_sep", "batched", "batched_mm", "tileq", "tileq_fused", "batched_a16",
+    "batched_a16_sep", "scaled_mm", "quant",
+)  # fmt: skip
 
 
 def timed(fn: Any, reps: int = 5) -> float:
@@ -197,6 +218,15 @@ def main() -> int:
                     dense = F.linear(act.float(), w0.dequantize(torch.float32))
                     out = fp8.matmul(x, w0, None, silu_mul_input=silu, **tiles).float()  # type: ignore[arg-type]
                     check["a16_rel_err_vs_dequantized"] = ((out - dense).norm() / dense.norm()).item()
+                    gq, gs = quant.quantize_groups_fp8(act)
+                    grouped = (gq.float() * gs.repeat_interleave(quant.GROUP, dim=1)[:, :k]) @ w0.dequantize(
+                        torch.float32
+                    ).T
+                    tq = fp8.matmul_tiles(rows, n, k, tile_quant=True)
+                    out = fp8.matmul(act, w0, None, out_dtype=torch.float32, tile_quant=True, **tq)  # type: ignore[arg-type]
+                    check["tileq_rel_err_vs_groups"] = ((out - grouped).norm() / grouped.norm()).item()
+                    check["tileq_rel_err_vs_dense"] = ((out - dense).norm() / dense.norm()).item()
+                    check["row_rel_err_vs_dense"] = ((ref - dense).norm() / dense.norm()).item()
             except Exception as exc:  # a kernel that does not compile or run here: the timings say more
                 check["error"] = repr(exc)
                 xq, xs = quant.quantize_rows_fp8(elementwise.silu_mul(x) if silu else x)  # to time the rest
@@ -233,6 +263,26 @@ def main() -> int:
                     return len(q8)
 
                 record(shape, rows, "gemv", ours, n * k, **tiles)
+            if rows == 1:
+                for bn, bk, sk, nw in GEMV_SWEEP:
+                    if k // sk < bk:
+                        continue
+                    cfg = {"block_n": bn, "block_k": bk, "split_k": sk, "num_warps": nw, "num_stages": 3}
+
+                    def swept(x: torch.Tensor = x, cfg: dict = cfg) -> int:
+                        for w in q8:
+                            gemv.gemv(x, w.q, silu_mul_input=silu, scale=w.scale, **cfg)
+                        return len(q8)
+
+                    record(shape, rows, "gemv_tiles", swept, n * k, **cfg)
+                    if silu:
+
+                        def swept_sep(x: torch.Tensor = x, cfg: dict = cfg) -> int:
+                            for w in q8:
+                                gemv.gemv(elementwise.silu_mul(x), w.q, scale=w.scale, **cfg)
+                            return len(q8)
+
+                        record(shape, rows, "gemv_sep", swept_sep, n * k, **cfg)
             if rows > 256:
                 continue
             mm = fp8.matmul_tiles(rows, n, k)
@@ -253,6 +303,24 @@ def main() -> int:
                     return len(q8)
 
                 record(shape, rows, "batched_mm", mm_only, n * k, tiles=name, **cfg)
+
+            for name, overrides in (("table", {}), ("n128", {"block_n": 128})):
+                cfg = with_split(rows, n, k, {**fp8.matmul_tiles(rows, n, k, tile_quant=True), **overrides})
+
+                def tileq(x: torch.Tensor = x, cfg: dict = cfg) -> int:
+                    for w in q8:
+                        fp8.matmul(elementwise.silu_mul(x) if silu else x, w, None, tile_quant=True, **cfg)
+                    return len(q8)
+
+                record(shape, rows, "tileq", tileq, n * k, tiles=name, **cfg)
+                if silu:
+
+                    def tileq_fused(x: torch.Tensor = x, cfg: dict = cfg) -> int:
+                        for w in q8:
+                            fp8.matmul(x, w, None, silu_mul_input=True, tile_quant=True, **cfg)
+                        return len(q8)
+
+                    record(shape, rows, "tileq_fused", tileq_fused, n * k, tiles=name, **cfg)
 
             def a16(x: torch.Tensor = x) -> int:
                 for w in q8:
@@ -281,6 +349,7 @@ def main() -> int:
         or c["quant_byte_mismatches"]
         or c.get("batched_rel_err_vs_scaled_mm", 0) > 1e-3
         or c.get("a16_rel_err_vs_dequantized", 0) > 1e-2
+        or c.get("tileq_rel_err_vs_groups", 0) > 1e-3
     ]
     print(f"checks: {len(checks)}, failing: {len(bad)}", *(json.dumps(c) for c in bad), sep="\n")
     return 0

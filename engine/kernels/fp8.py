@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.engine.kernels import gemv, interpreting
-from pdserve.engine.quant import FP8, Fp8Weight
+from pdserve.engine.kernels import elementwise, gemv, interpreting
+from pdserve.engine.quant import FP8, GROUP, Fp8Weight
 
 # To be measured (bench/probes/fp8_probe.py). On one H200 (2026-12-03) the FP8 GEMV beat bf16
 # at one row and lost from four; the batched W8A8 kernel is expected to take over from two rows
@@ -36,15 +36,27 @@ from pdserve.engine.quant import FP8, Fp8Weight
 # ``_scaled_mm`` (cuBLAS) above, where the tensor cores' rate decides.
 GEMV_MAX_ROWS = 1
 BATCHED_MAX_ROWS = 128
-# The batched kernel's activations: FP8 (W8A8: quantized per row first, one more launch, FP8
-# tensor cores) or as they are (W8A16: each weight converted in registers, SiLU·up recomputed
-# by every channel tile of down). To be measured: the probe times both.
-BATCHED_W8A8 = True
+# The batched kernel's activations (the probe times each):
+# - "tile": W8A8, each K tile of x quantized in registers as the kernel loads it, a scale per
+#   row per 128 columns (no launch, no pass over whole rows first; down's SiLU·up computed
+#   once by elementwise.silu_mul before, unless TILE_SILU_FUSED: then by every channel tile);
+# - "row": W8A8, x quantized per row by quantize_rows first (one more launch, SiLU·up fused);
+# - "a16": W8A16, x as it is and each weight converted in registers.
+BATCHED_MODES = ("tile", "row", "a16")
+BATCHED_MODE = "row"
+TILE_SILU_FUSED = False
+# The FP8 GEMV at one row: tiles measured per weight shape ``(n, k)`` (bench/probes/fp8_probe.py's
+# gemv sweep), else gemv_tiles' rule; and down's SiLU·up read on the fly (else silu_mul first).
+GEMV_TILES: dict[tuple[int, int], dict[str, int]] = {}
+GEMV_SILU_FUSED = True
 _SMS = 132
 
 
 def gemv_tiles(rows: int, n: int, k: int) -> dict[str, int]:
-    """Tiles of the FP8 GEMV for ``rows`` of input against an ``[n, k]`` weight."""
+    """Tiles of the FP8 GEMV for ``rows`` of input against an ``[n, k]`` weight (at one row:
+    :data:`GEMV_TILES`' where it has the shape)."""
+    if rows == 1 and (n, k) in GEMV_TILES:
+        return dict(GEMV_TILES[(n, k)])
     if rows < gemv.DOT_FROM_ROWS:
         tiles = {"block_n": 8, "block_k": 1024, "num_warps": 4, "num_stages": 3}
     else:
@@ -84,9 +96,9 @@ def _round_e4m3(v):
     interpreter, whose conversion rounds ties away from zero and loses subnormals."""
     exponent = tl.maximum((v.to(tl.int32, bitcast=True) >> 23) & 0xFF, 127 - 6)  # e4m3: normal from 2^-6
     step = ((exponent - 3) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits: 2^(e - 3)
-    r = v / step  # exact: a power of two
+    r = tl.abs(v) / step  # exact: a power of two
     r = (r + 12582912.0) - 12582912.0  # 1.5 * 2^23: to the nearest integer, ties to even
-    return r * step
+    return tl.where(v.to(tl.int32, bitcast=True) < 0, -r, r) * step  # the sign kept, -0 too
 
 
 @triton.jit
@@ -199,6 +211,7 @@ def _matmul_kernel(
     stride_xm,
     stride_om,
     X_FP8: tl.constexpr,
+    TILE_QUANT: tl.constexpr,
     SILU_MUL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     WIDEN: tl.constexpr,
@@ -238,7 +251,16 @@ def _matmul_kernel(
             k_ok = rk < k_end
             w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             x = _x_tile(x_rows, rk, m_ok[:, None] & k_ok[None, :], K, SILU_MUL)
-        if WIDEN:  # the interpreter (its bf16 products are wrong); FP8 values are exact in float32
+        if TILE_QUANT:  # x quantized here, a scale per row of this K tile (quant.quantize_groups_fp8)
+            xf = x.to(tl.float32)
+            amax = tl.maximum(tl.max(tl.abs(xf), 1), 1e-12)
+            xq = tl.minimum(tl.maximum(xf * tl.math.div_rn(amax * 0.0 + 448.0, amax)[:, None], -448.0), 448.0)
+            if WIDEN:
+                part = tl.dot(w.to(tl.float32), tl.trans(_round_e4m3(xq).to(w_ptr.dtype.element_ty).to(tl.float32)))
+            else:
+                part = tl.dot(w, tl.trans(xq.to(w_ptr.dtype.element_ty, fp_downcast_rounding="rtne")))
+            acc += part * tl.math.div_rn(amax, 448.0)[None, :]
+        elif WIDEN:  # the interpreter (its bf16 products are wrong); FP8 values are exact in float32
             acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc)
         elif not X_FP8:  # W8A16: the weights converted in registers
             acc = tl.dot(w.to(x_ptr.dtype.element_ty), tl.trans(x), acc)
@@ -288,15 +310,16 @@ def _matmul_store(
     tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], acc.to(out_ptr.dtype.element_ty), mask=keep)
 
 
-def matmul_tiles(rows: int, n: int, k: int) -> dict[str, int]:
+def matmul_tiles(rows: int, n: int, k: int, tile_quant: bool = False) -> dict[str, int]:
     """Tiles of :func:`matmul` for ``rows`` of input against an ``[n, k]`` weight (to be
     measured: a first guess, no autotuning). One block of rows up to 64 (16 at least: the
-    MMA's short side), two or more of 64 above; 128 channels a program; K tiles of 256
+    MMA's short side), two or more of 64 above; 64 channels a program; K tiles of 256
     while the row tile is small, 128 above; cut along K until the programs fill the SMs once
-    (qkv at 7B: 36 tiles, 4 splits; o 28, 4; down 28, 8), each split at least two K tiles."""
+    (qkv at 7B: 72 tiles, 2 splits; o 56, 4; down 56, 4), each split at least two K tiles.
+    ``tile_quant``: K tiles of :data:`quant.GROUP`."""
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
-    block_n = 128
-    block_k = 256 if block_m <= 32 else 128
+    block_n = 64  # 64 beat 128 and 256 from 1 to 128 rows on every 7B projection (fp8_probe, 2026-12-04)
+    block_k = GROUP if tile_quant else 256 if block_m <= 32 else 128
     tiles = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": 4}
     tiles["num_stages"] = 3 if block_k == 256 else 4
     programs = -(-rows // block_m) * -(-n // block_n)
@@ -321,6 +344,7 @@ def matmul(
     num_stages: int = 3,
     split_k: int = 1,
     precise: bool = True,
+    tile_quant: bool = False,
 ) -> torch.Tensor:
     """``x @ (w.q * w.scale[:, None]).T (+ bias)`` for a few to a few hundred rows, one program
     per tile of ``block_n`` output channels and ``block_m`` rows (``x``'s tile loaded once per
@@ -330,8 +354,13 @@ def matmul(
     :func:`quantize_rows` (the product of ``x * x_scale[:, None]``), FP8 by FP8; ``precise``:
     the sums go into a float32 accumulator every K tile (off: Hopper's FP8 MMA accumulates a
     whole split in its narrower format, faster, as ``_scaled_mm``'s ``use_fast_accum``).
-    W8A16, without: ``x [M, K]`` in 16 bits (``[M, 2K]`` read as ``silu(gate) * up`` with
-    ``silu_mul_input``) and the weights converted to its dtype in registers.
+    Without: ``x [M, K]`` in 16 bits (``[M, 2K]`` read as ``silu(gate) * up`` with
+    ``silu_mul_input``). ``tile_quant``: each ``[block_m, block_k]`` tile of ``x`` quantized
+    to FP8 in registers as it is loaded, one scale per row of the tile (``block_k`` is
+    :data:`quant.GROUP`; the reference is :func:`quant.quantize_groups_fp8`), FP8 by FP8
+    into a fresh float32 sum each tile, times those scales: W8A8 with no quantization launch
+    and no pass over whole rows first. Otherwise W8A16: the weights converted to ``x``'s
+    dtype in registers.
     ``out_dtype``: by default ``x``'s (bf16 for FP8 ``x``)."""
     m = x.shape[0]
     n, k = w.shape
@@ -342,6 +371,7 @@ def matmul(
         assert x_scale.dtype == torch.float32 and x_scale.shape == (m,)  # type: ignore[union-attr]
     else:
         assert x.dtype != FP8, "FP8 activations need their row scales"
+    assert not tile_quant or (not fp8_x and block_k == GROUP), f"tile_quant: 16-bit x, block_k {GROUP}"
     assert block_m >= 16 and block_n >= 16 and block_k >= 32, "tl.dot's smallest FP8 tiles"
     if out_dtype is None:
         out_dtype = torch.bfloat16 if fp8_x else x.dtype
@@ -369,6 +399,7 @@ def matmul(
         x.stride(0),
         out.stride(0),
         X_FP8=fp8_x,
+        TILE_QUANT=tile_quant,
         SILU_MUL=silu_mul_input,
         HAS_BIAS=bias is not None,
         WIDEN=interpreting(),
@@ -404,16 +435,25 @@ def linear(
     """``x @ (w.q * w.scale).T + bias`` in ``x``'s dtype (``x`` read as ``silu(gate) * up``
     with ``silu_mul_input``: ``[M, 2K]``). Up to ``gemv_max_rows`` rows the FP8 GEMV
     (activations as they are); up to ``batched_max_rows`` rows :func:`matmul` (activations
-    quantized per row by :func:`quantize_rows` first, unless ``BATCHED_W8A8`` is off); above,
-    the same quantization and ``torch._scaled_mm``."""
+    quantized as :data:`BATCHED_MODE` says); above, quantized per row by :func:`quantize_rows`
+    and ``torch._scaled_mm``."""
     rows = x.shape[0]
     n, k = w.shape
     if rows == 0:
         return torch.empty((0, n), dtype=x.dtype, device=x.device)
     if rows <= gemv_max_rows:
-        return gemv.gemv(x, w.q, bias, silu_mul_input, scale=w.scale, **gemv_tiles(rows, n, k))  # type: ignore[arg-type]
-    if rows <= batched_max_rows and not BATCHED_W8A8:
+        if silu_mul_input and not GEMV_SILU_FUSED:
+            x, silu_mul_input = elementwise.silu_mul(x), False
+        return gemv.gemv(x, w.q, bias, silu_mul_input=silu_mul_input, scale=w.scale, **gemv_tiles(rows, n, k))  # type: ignore[arg-type]
+    if BATCHED_MODE not in BATCHED_MODES:
+        raise ValueError(f"fp8.BATCHED_MODE is {BATCHED_MODE!r}, not one of {BATCHED_MODES}")
+    if rows <= batched_max_rows and BATCHED_MODE == "a16":
         return matmul(x, w, bias, silu_mul_input=silu_mul_input, **matmul_tiles(rows, n, k))  # type: ignore[arg-type]
+    if rows <= batched_max_rows and BATCHED_MODE == "tile":
+        if silu_mul_input and not TILE_SILU_FUSED:
+            x, silu_mul_input = elementwise.silu_mul(x), False
+        tiles = matmul_tiles(rows, n, k, tile_quant=True)
+        return matmul(x, w, bias, silu_mul_input=silu_mul_input, tile_quant=True, **tiles)  # type: ignore[arg-type]
     xq, x_scale = quantize_rows(x, silu_mul_input)
     if rows <= batched_max_rows:
         return matmul(xq, w, bias, x_scale, x.dtype, **matmul_tiles(rows, n, k))  # type: ignore[arg-type]

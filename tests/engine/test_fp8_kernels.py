@@ -60,7 +60,16 @@ def test_quantize_rows_reads_silu_times_up(dtype: torch.dtype, rows: int, k: int
     gate_up = (torch.randn((rows, 2 * k), device=DEVICE) * 3).to(dtype)
     q, scale = fp8.quantize_rows(gate_up, silu_mul_input=True, block_k=block_k)
     q_ref, scale_ref = quant.quantize_rows_fp8(elementwise.silu_mul(gate_up))
-    assert torch.equal(scale, scale_ref) and same_bits(q, q_ref)
+    if DEVICE.type == "cpu":
+        # the interpreter's exp is numpy's, whose vector and scalar code differ in the last bit
+        # (blocks of other widths here and in silu_mul), which can round a bf16 SiLU the other
+        # way: at most a neighbouring FP8 code
+        assert torch.allclose(scale, scale_ref, rtol=1e-6, atol=0)
+        codes = (q.view(torch.uint8).int() - q_ref.view(torch.uint8).int()).abs()
+        codes[(q.float() == 0) & (q_ref.float() == 0)] = 0  # and a SiLU of -0 against +0
+        assert codes.max() <= 1 and (codes > 0).float().mean() < 0.05
+    else:
+        assert torch.equal(scale, scale_ref) and same_bits(q, q_ref)
     # and close to torch's own SiLU (exp differs in the last bits)
     act = F.silu(gate_up[:, :k].double()) * gate_up[:, k:].double()
     assert rel_err(q.double() * scale.double()[:, None], act) < 0.05
@@ -128,17 +137,63 @@ def test_matmul_on_16_bit_activations_matches_the_dequantized_weights(rows: int,
     assert not gemv.split_counters(torch.device(DEVICE), 1).any()
 
 
+def test_quantize_groups_fp8_is_per_row_per_128_columns() -> None:
+    x = torch.randn((3, 300), dtype=torch.float64) * torch.logspace(-3, 2, 300)[None, :]
+    x[1, 128:256] = 0
+    q, scale = quant.quantize_groups_fp8(x)
+    assert q.shape == (3, 300) and q.dtype == quant.FP8 and scale.shape == (3, 3)
+    for g in range(3):
+        cols = slice(g * 128, (g + 1) * 128)
+        amax = x[:, cols].abs().amax(dim=1).float().clamp_min(1e-12)
+        assert torch.equal(scale[:, g], amax / torch.full_like(amax, 448.0))
+        assert (q[:, cols].float().abs().amax(dim=1)[amax > 1e-12] == 448.0).all()
+    assert (q[1, 128:256].float() == 0).all()
+    back = q.double() * scale.double().repeat_interleave(128, dim=1)[:, :300]
+    assert rel_err(back, x) < 0.05
+    # one group of outliers (1e5 times the rest): the other groups keep scales of their own, where
+    # a scale per row pushes them towards e4m3's subnormals
+    x = torch.randn((4, 384), dtype=torch.float64)
+    x[:, :128] *= 1e5
+    q, scale = quant.quantize_groups_fp8(x)
+    by_group = q.double() * scale.double().repeat_interleave(128, dim=1)
+    q_row, scale_row = quant.quantize_rows_fp8(x)
+    by_row = q_row.double() * scale_row.double()[:, None]
+    assert rel_err(by_group[:, 128:], x[:, 128:]) < 0.5 * rel_err(by_row[:, 128:], x[:, 128:])
+
+
+@pytest.mark.parametrize(("rows", "n", "k"), [(3, 40, 300), (17, 33, 256)])
+@pytest.mark.parametrize("silu", [False, True])
+def test_matmul_quantizes_each_tile_of_x_in_registers(rows: int, n: int, k: int, silu: bool) -> None:
+    # tile_quant: the very FP8 values and scales of quant.quantize_groups_fp8, K tiles of 128
+    w = quant.quantize_fp8(torch.randn((n, k), device=DEVICE) * torch.rand((n, 1), device=DEVICE) * 4)
+    b = torch.randn(n, device=DEVICE)
+    x = (torch.randn((rows, 2 * k if silu else k), device=DEVICE) * 3).to(torch.bfloat16)
+    act = elementwise.silu_mul(x) if silu else x
+    q, scale = quant.quantize_groups_fp8(act)
+    ref = (q.double() * scale.double().repeat_interleave(quant.GROUP, dim=1)[:, :k]) @ w.dequantize(torch.float64).T
+    ref = ref + b.double()
+    tol = 2e-5 if DEVICE.type == "cpu" else 1e-3
+    tiles = {"block_m": 16, "block_n": 16, "block_k": quant.GROUP}
+    for split in (1, 2):
+        out = fp8.matmul(x, w, b, out_dtype=torch.float32, silu_mul_input=silu, split_k=split, tile_quant=True, **tiles)
+        assert out.shape == (rows, n) and rel_err(out, ref) < tol, split
+    assert not gemv.split_counters(torch.device(DEVICE), 1).any()
+    with pytest.raises(AssertionError, match="tile_quant"):
+        fp8.matmul(x, w, tile_quant=True, silu_mul_input=silu, block_k=64)
+
+
 def test_matmul_of_no_rows_and_its_tiles() -> None:
     w = quant.quantize_fp8(torch.randn((32, 64), device=DEVICE))
     xq, xs = fp8.quantize_rows(torch.empty((0, 64), device=DEVICE))
     assert fp8.matmul(xq, w, x_scale=xs).shape == (0, 32)
     assert fp8.matmul(torch.empty((0, 64), device=DEVICE), w).shape == (0, 32)
-    # the table at 7B's shapes: wide channel tiles, one row block up to 64 rows, split-K when the
-    # tiles are few (down: 28 tiles of 128 channels)
+    # the table at 7B's shapes: one row block up to 64 rows, split-K when the tiles are few
+    # (down: 56 tiles of 64 channels)
     assert fp8.matmul_tiles(2, 4608, 3584) == {
-        "block_m": 16, "block_n": 128, "block_k": 256, "num_warps": 4, "num_stages": 3, "split_k": 4,
+        "block_m": 16, "block_n": 64, "block_k": 256, "num_warps": 4, "num_stages": 3, "split_k": 2,
     }  # fmt: skip
-    assert fp8.matmul_tiles(64, 3584, 18944)["split_k"] == 8
+    assert fp8.matmul_tiles(64, 3584, 18944)["split_k"] == 4
+    assert fp8.matmul_tiles(2, 3584, 18944, tile_quant=True)["block_k"] == quant.GROUP
     assert fp8.matmul_tiles(64, 37888, 3584)["split_k"] == 1
     assert fp8.matmul_tiles(100, 37888, 3584)["block_m"] == 64
 
@@ -172,12 +227,39 @@ def test_linear_takes_gemv_then_batched_then_scaled_mm_by_rows(monkeypatch: pyte
             ref = w8a8_reference(*quant.quantize_rows_fp8(act), w, b)
         assert rel_err(out, ref) < 1e-2, rows
     assert fp8.GEMV_MAX_ROWS < fp8.BATCHED_MAX_ROWS
-    # BATCHED_W8A8 off: the batched kernel on the activations as they are, nothing quantized
-    monkeypatch.setattr(fp8, "BATCHED_W8A8", False)
+    # the other batched modes: no quantize_rows launch
     monkeypatch.setattr(fp8, "quantize_rows", None)
-    taken.clear()
     x = torch.randn((4, 2 * k if silu else k), dtype=torch.bfloat16, device=DEVICE)
-    out = fp8.linear(x, w, b, silu_mul_input=silu, gemv_max_rows=1, batched_max_rows=5)
-    assert taken == ["matmul"]
     act = elementwise.silu_mul(x) if silu else x
-    assert rel_err(out, F.linear(act.double(), w.dequantize(torch.float64), b.double())) < 1e-2
+    dense = F.linear(act.double(), w.dequantize(torch.float64), b.double())
+    for mode in ("a16", "tile"):
+        monkeypatch.setattr(fp8, "BATCHED_MODE", mode)
+        taken.clear()
+        out = fp8.linear(x, w, b, silu_mul_input=silu, gemv_max_rows=1, batched_max_rows=5)
+        assert taken == ["matmul"]
+        assert rel_err(out, dense) < (1e-2 if mode == "a16" else 5e-2), mode
+    monkeypatch.setattr(fp8, "BATCHED_MODE", "per-row")
+    with pytest.raises(ValueError, match="BATCHED_MODE"):
+        fp8.linear(x, w, b, silu_mul_input=silu, gemv_max_rows=1, batched_max_rows=5)
+
+
+def test_gemv_takes_measured_tiles_and_silu_first_when_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    n, k = 48, 64
+    w = quant.quantize_fp8(torch.randn((n, k), device=DEVICE))
+    tiles = {"block_n": 16, "block_k": 32, "split_k": 2, "num_warps": 4, "num_stages": 3}
+    monkeypatch.setitem(fp8.GEMV_TILES, (n, k), tiles)
+    assert fp8.gemv_tiles(1, n, k) == tiles and fp8.gemv_tiles(2, n, k) != tiles
+    seen: list[tuple[bool, int]] = []
+    real = fp8.gemv.gemv
+
+    def spy(x: torch.Tensor, *args: object, silu_mul_input: bool = False, **kwargs: object) -> torch.Tensor:
+        seen.append((silu_mul_input, kwargs["block_n"]))  # type: ignore[arg-type]
+        return real(x, *args, silu_mul_input=silu_mul_input, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fp8.gemv, "gemv", spy)
+    gate_up = torch.randn((1, 2 * k), dtype=torch.bfloat16, device=DEVICE)
+    ref = F.linear(elementwise.silu_mul(gate_up).double(), w.dequantize(torch.float64))
+    for fused in (True, False):
+        monkeypatch.setattr(fp8, "GEMV_SILU_FUSED", fused)
+        assert rel_err(fp8.linear(gate_up, w, silu_mul_input=True), ref) < 1e-2
+    assert seen == [(True, 16), (False, 16)]
