@@ -336,6 +336,8 @@ def configure_fp8(args: argparse.Namespace) -> dict[str, object]:
     """The FP8 kernels' choices for this run (``--fp8-batched``, ``--fp8-gemv-tiles``), as recorded."""
     if args.fp8_batched:
         fp8.BATCHED_MODE = args.fp8_batched
+    if args.fp8_fast_accum:
+        fp8.SCALED_MM_FAST_ACCUM = True
     if args.fp8_gemv_tiles:
         probe = json.loads(args.fp8_gemv_tiles.read_text())
         shapes = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
@@ -354,6 +356,7 @@ def configure_fp8(args: argparse.Namespace) -> dict[str, object]:
         "gemv_tiles": {f"{n}x{k}": t for (n, k), t in fp8.GEMV_TILES.items()},
         "gemv_silu_fused": fp8.GEMV_SILU_FUSED,
         "matmul_block_n": fp8.matmul_tiles(64, 3584, 3584)["block_n"],
+        "scaled_mm_fast_accum": fp8.SCALED_MM_FAST_ACCUM,
     }
 
 
@@ -383,6 +386,11 @@ def main() -> int:
         type=Path,
         help="FP8: the GEMV's tiles at one row from bench/probes/fp8_probe.py's JSON (the fastest per shape, "
         "and down's SiLU·up fused or not)",
+    )
+    parser.add_argument(
+        "--fp8-fast-accum",
+        action="store_true",
+        help="FP8: prefill's GEMMs (torch._scaled_mm) with Hopper's fast accumulation",
     )
     parser.add_argument(
         "--try-fused-merge", action="store_true", help="also batch 1 with the attention splits merged in-kernel"

@@ -20,7 +20,8 @@ and each row count, times (microseconds a call; ``tb_s``: weight bytes over that
 - ``gemv_tiles``: at one row, the FP8 GEMV over a sweep of its tiles (``gemv_sep``: down with
   ``silu_mul`` first);
 - ``scaled_mm``: the fused quantization then ``torch._scaled_mm`` (row-wise scales), timed
-  together; ``quant``: the fused quantization alone.
+  together (``scaled_mm_fast``: with Hopper's fast FP8 accumulation, from 128 rows);
+  ``quant``: the quantization alone (one launch up to 8,192 columns, two above).
 
 Before timing, each (projection, rows) checks the kernels against torch: the quantization bit
 for bit against :func:`quant.quantize_rows_fp8`, the batched kernel against ``_scaled_mm`` on
@@ -65,10 +66,11 @@ COMPLETE = (
     "tileq",
     "tileq_fused",
     "scaled_mm",
+    "scaled_mm_fast",
 )  # fmt: skip  (whole products, FP8)
 VARIANTS = (
     "cublas", "gemv", "gemv_tiles", "gemv_sep", "batched", "batched_mm", "tileq", "tileq_fused", "batched_a16",
-    "batched_a16_sep", "scaled_mm", "quant",
+    "batched_a16_sep", "scaled_mm", "scaled_mm_fast", "quant",
 )  # fmt: skip
 
 
@@ -247,6 +249,18 @@ def main() -> int:
                 return len(q8)
 
             record(shape, rows, "scaled_mm", scaled, n * k)
+            if rows >= 128:
+
+                def scaled_fast(x: torch.Tensor = x) -> int:
+                    for w in q8:
+                        xq, xs = fp8.quantize_rows(x, silu)
+                        fp8.scaled_mm(xq, xs, w, None, x.dtype, fast_accum=True)
+                    return len(q8)
+
+                record(shape, rows, "scaled_mm_fast", scaled_fast, n * k)
+                fast = fp8.scaled_mm(xq, xs, w0, None, torch.float32, fast_accum=True)
+                exact = fp8.scaled_mm(xq, xs, w0, None, torch.float32)
+                check["fast_accum_rel_err_vs_scaled_mm"] = ((fast - exact).norm() / exact.norm()).item()
 
             def quantize(x: torch.Tensor = x) -> int:
                 for _ in range(10):

@@ -11,6 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.engine.kernels import interpreting
+from pdserve.engine.quant import FP8
+
 
 @triton.jit
 def _add_rms_norm_kernel(
@@ -31,6 +34,82 @@ def _add_rms_norm_kernel(
     y = (x * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * n + cols, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def round_e4m3(v):
+    """``v`` (float32, within +-448) rounded to the nearest float8_e4m3fn value, ties to even,
+    subnormals kept: what the GPU's conversion does, done in float32 arithmetic for Triton's
+    interpreter, whose conversion rounds ties away from zero and loses subnormals."""
+    exponent = tl.maximum((v.to(tl.int32, bitcast=True) >> 23) & 0xFF, 127 - 6)  # e4m3: normal from 2^-6
+    step = ((exponent - 3) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits: 2^(e - 3)
+    r = tl.abs(v) / step  # exact: a power of two
+    r = (r + 12582912.0) - 12582912.0  # 1.5 * 2^23: to the nearest integer, ties to even
+    return tl.where(v.to(tl.int32, bitcast=True) < 0, -r, r) * step  # the sign kept, -0 too
+
+
+@triton.jit
+def to_fp8(v, scale, q_ptr, EXACT: tl.constexpr):
+    """``v / scale`` (float32) as ``q_ptr``'s FP8 type, saturated at +-448, ties to even
+    (``EXACT``: rounded in float32 first, for the interpreter)."""
+    q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0)
+    if EXACT:
+        q = round_e4m3(q)
+    return q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def _add_rms_norm_fp8_kernel(
+    x_ptr, res_ptr, w_ptr, q_ptr, scale_ptr, res_out_ptr, eps, n, HAS_RES: tl.constexpr, EXACT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """:func:`_add_rms_norm_kernel`'s row, rounded to the activation dtype as there, then
+    quantized to FP8 with the row's scale (``quant.quantize_rows_fp8`` of that output)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    x = tl.load(x_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        x = x + tl.load(res_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32)
+    x = x.to(res_out_ptr.dtype.element_ty)
+    tl.store(res_out_ptr + row * n + cols, x, mask=mask)
+    x = x.to(tl.float32)
+    var = tl.sum(x * x, 0) / n
+    y = (x * tl.rsqrt(var + eps)).to(res_out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = (y * w).to(res_out_ptr.dtype.element_ty).to(tl.float32)
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(y), 0), 1e-12), 448.0)
+    tl.store(q_ptr + row * n + cols, to_fp8(y, scale, q_ptr, EXACT), mask=mask)
+    tl.store(scale_ptr + row, scale)
+
+
+def add_rms_norm_fp8(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``((q, scale), x + residual)``: :func:`add_rms_norm`'s output quantized per row to FP8
+    in the same pass, the bits of ``quant.quantize_rows_fp8(add_rms_norm(...)[0])``, for a
+    W8A8 product that would otherwise quantize it in a launch of its own."""
+    rows, n = x.shape
+    assert x.is_contiguous() and (residual is None or residual.is_contiguous())
+    q = torch.empty((rows, n), dtype=FP8, device=x.device)
+    scale = torch.empty((rows,), dtype=torch.float32, device=x.device)
+    res_out = torch.empty_like(x)
+    if rows:
+        _add_rms_norm_fp8_kernel[(rows,)](
+            x,
+            residual if residual is not None else x,
+            weight,
+            q,
+            scale,
+            res_out,
+            eps,
+            n,
+            HAS_RES=residual is not None,
+            EXACT=interpreting(),
+            BLOCK=triton.next_power_of_2(n),
+            num_warps=8 if n > 2048 else 4,
+        )
+    return (q, scale), res_out
 
 
 def add_rms_norm(

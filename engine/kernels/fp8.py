@@ -57,13 +57,18 @@ def gemv_tiles(rows: int, n: int, k: int) -> dict[str, int]:
     :data:`GEMV_TILES`' where it has the shape)."""
     if rows == 1 and (n, k) in GEMV_TILES:
         return dict(GEMV_TILES[(n, k)])
+    # One row on an H200 (fp8_probe's sweep, 2026-12-04): 8 channels by 2,048 columns a step,
+    # 2.0-3.8 TB/s against 1.7-3.5 at 1,024; a long row (down, 18,944) in steps of 1,024 and cut
+    # in four (24.7 us against 31.3 uncut).
+    long_k = k > 8192
     if rows < gemv.DOT_FROM_ROWS:
-        tiles = {"block_n": 8, "block_k": 1024, "num_warps": 4, "num_stages": 3}
+        tiles = {"block_n": 8, "block_k": 1024 if long_k or rows > 1 else 2048, "num_warps": 4, "num_stages": 3}
     else:
         tiles = {"block_n": 32, "block_k": 256, "num_warps": 4, "num_stages": 3}
     programs = -(-n // tiles["block_n"])
+    target = (8 if long_k and rows == 1 else 2) * _SMS
     split = 1
-    while programs * split < 2 * _SMS and split < 8 and k // (split * 2) >= tiles["block_k"]:
+    while programs * split < target and split < 8 and k // (split * 2) >= tiles["block_k"]:
         split *= 2
     tiles["split_k"] = split
     return tiles
@@ -71,10 +76,13 @@ def gemv_tiles(rows: int, n: int, k: int) -> dict[str, int]:
 
 # --- Per-row (per-token) quantization -------------------------------------------------------
 
-# One pass over a row held in registers up to this many columns; longer rows (down's input at
-# 7B: 18,944) are read twice, the second time from L2: once for the amax, once to quantize.
+# One pass over a row held in registers up to this many columns; a longer row (down's input at
+# 7B: 18,944) is cut into chunks of QUANT_BLOCK, each its own program, in two launches: each
+# chunk's amax, then each chunk quantized with its row's (SiLU·up computed in both). One program
+# walking the row twice took 15.7 us at any row count on an H200 (fp8_probe, 2026-12-04): a
+# third of down's product at 64 rows.
 QUANT_ONE_PASS_MAX = 8192
-QUANT_BLOCK = 8192
+QUANT_BLOCK = 2048
 
 
 @triton.jit
@@ -89,70 +97,71 @@ def _activation(x_row, rk, ok, K, SILU_MUL: tl.constexpr):
     return tl.load(x_row + rk, mask=ok, other=0.0).to(tl.float32)
 
 
-@triton.jit
-def _round_e4m3(v):
-    """``v`` (float32, within +-448) rounded to the nearest float8_e4m3fn value, ties to even,
-    subnormals kept: what the GPU's conversion does, done in float32 arithmetic for Triton's
-    interpreter, whose conversion rounds ties away from zero and loses subnormals."""
-    exponent = tl.maximum((v.to(tl.int32, bitcast=True) >> 23) & 0xFF, 127 - 6)  # e4m3: normal from 2^-6
-    step = ((exponent - 3) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits: 2^(e - 3)
-    r = tl.abs(v) / step  # exact: a power of two
-    r = (r + 12582912.0) - 12582912.0  # 1.5 * 2^23: to the nearest integer, ties to even
-    return tl.where(v.to(tl.int32, bitcast=True) < 0, -r, r) * step  # the sign kept, -0 too
-
-
-@triton.jit
-def _to_fp8(v, scale, q_ptr, EXACT: tl.constexpr):
-    q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0)
-    if EXACT:
-        q = _round_e4m3(q)
-    return q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+_round_e4m3 = elementwise.round_e4m3
+_to_fp8 = elementwise.to_fp8
 
 
 @triton.jit
 def _quantize_rows_kernel(
+    x_ptr, q_ptr, scale_ptr, K, stride_xm, SILU_MUL: tl.constexpr, EXACT: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    """One program a row, the row in registers."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_xm
+    rk = tl.arange(0, BLOCK_K)
+    ok = rk < K
+    v = _activation(x_row, rk, ok, K, SILU_MUL)
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), 0), 1e-12), 448.0)
+    tl.store(q_ptr + row * K + rk, _to_fp8(v, scale, q_ptr, EXACT), mask=ok)
+    tl.store(scale_ptr + row, scale)
+
+
+@triton.jit
+def _chunk_amax_kernel(x_ptr, amax_ptr, K, stride_xm, SILU_MUL: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (row, chunk): the chunk's largest magnitude into ``amax [rows, chunks]``."""
+    row = tl.program_id(0).to(tl.int64)
+    rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    v = _activation(x_ptr + row * stride_xm, rk, rk < K, K, SILU_MUL)
+    tl.store(amax_ptr + row * tl.num_programs(1) + tl.program_id(1), tl.max(tl.abs(v), 0))
+
+
+@triton.jit
+def _quantize_chunks_kernel(
     x_ptr,
+    amax_ptr,
     q_ptr,
     scale_ptr,
     K,
     stride_xm,
     SILU_MUL: tl.constexpr,
     EXACT: tl.constexpr,
-    ONE_PASS: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    CHUNKS: tl.constexpr,
 ):
+    """Program (row, chunk): the row's amax from its chunks', then the chunk quantized."""
     row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_xm
-    q_row = q_ptr + row * K
-    if ONE_PASS:
-        rk = tl.arange(0, BLOCK_K)
-        ok = rk < K
-        v = _activation(x_row, rk, ok, K, SILU_MUL)
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), 0), 1e-12), 448.0)
-        tl.store(q_row + rk, _to_fp8(v, scale, q_ptr, EXACT), mask=ok)
-    else:
-        amax = tl.zeros([BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            amax = tl.maximum(amax, tl.abs(_activation(x_row, rk, rk < K, K, SILU_MUL)))
-        scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), 1e-12), 448.0)
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            ok = rk < K
-            v = _activation(x_row, rk, ok, K, SILU_MUL)
-            tl.store(q_row + rk, _to_fp8(v, scale, q_ptr, EXACT), mask=ok)
-    tl.store(scale_ptr + row, scale)
+    chunks = tl.num_programs(1)
+    rc = tl.arange(0, CHUNKS)
+    amax = tl.max(tl.load(amax_ptr + row * chunks + rc, mask=rc < chunks, other=0.0), 0)
+    scale = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
+    rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ok = rk < K
+    v = _activation(x_ptr + row * stride_xm, rk, ok, K, SILU_MUL)
+    tl.store(q_ptr + row * K + rk, _to_fp8(v, scale, q_ptr, EXACT), mask=ok)
+    if tl.program_id(1) == 0:
+        tl.store(scale_ptr + row, scale)
 
 
 def quantize_rows(
     x: torch.Tensor, silu_mul_input: bool = False, block_k: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` as FP8 per row in one kernel: ``q [M, K]`` float8_e4m3fn and ``scale [M]``
-    float32, ``x ~= q * scale[:, None]`` (each row's amax over 448, at least 1e-12 / 448), the
-    same bits as :func:`pdserve.engine.quant.quantize_rows_fp8`. ``silu_mul_input``: ``x`` is
-    ``[M, 2K]``, gate and up side by side, and the rows quantized are ``silu(gate) * up``
-    (the down projection's input, never written in 16 bits). ``block_k``: columns a step
-    (default: the whole row up to :data:`QUANT_ONE_PASS_MAX`, else :data:`QUANT_BLOCK`)."""
+    """``x [M, K]`` as FP8 per row: ``q [M, K]`` float8_e4m3fn and ``scale [M]`` float32,
+    ``x ~= q * scale[:, None]`` (each row's amax over 448, at least 1e-12 / 448), the same bits
+    as :func:`pdserve.engine.quant.quantize_rows_fp8`. ``silu_mul_input``: ``x`` is ``[M, 2K]``,
+    gate and up side by side, and the rows quantized are ``silu(gate) * up`` (the down
+    projection's input, never written in 16 bits). ``block_k``: a row up to this many columns
+    in one program and one launch (default :data:`QUANT_ONE_PASS_MAX`), else in chunks of
+    ``block_k`` (default :data:`QUANT_BLOCK`) over two launches."""
     rows, cols = x.shape
     k = cols // 2 if silu_mul_input else cols
     assert x.stride(1) == 1 and k > 0 and (not silu_mul_input or cols == 2 * k)
@@ -161,21 +170,36 @@ def quantize_rows(
     if rows == 0:
         return q, scale
     whole = triton.next_power_of_2(k)
-    if block_k is None:
-        block_k = whole if whole <= QUANT_ONE_PASS_MAX else QUANT_BLOCK
-    one_pass = block_k >= k
-    block_k = min(block_k, whole)
-    _quantize_rows_kernel[(rows,)](
+    if (block_k or QUANT_ONE_PASS_MAX) >= k:
+        _quantize_rows_kernel[(rows,)](
+            x,
+            q,
+            scale,
+            k,
+            x.stride(0),
+            SILU_MUL=silu_mul_input,
+            EXACT=interpreting(),
+            BLOCK_K=whole,
+            num_warps=8 if whole >= 4096 else 4,
+        )
+        return q, scale
+    block = min(block_k or QUANT_BLOCK, whole)
+    grid = (rows, triton.cdiv(k, block))
+    amax = torch.empty(grid, dtype=torch.float32, device=x.device)
+    warps = 8 if block >= 4096 else 4
+    _chunk_amax_kernel[grid](x, amax, k, x.stride(0), SILU_MUL=silu_mul_input, BLOCK_K=block, num_warps=warps)
+    _quantize_chunks_kernel[grid](
         x,
+        amax,
         q,
         scale,
         k,
         x.stride(0),
         SILU_MUL=silu_mul_input,
         EXACT=interpreting(),
-        ONE_PASS=one_pass,
-        BLOCK_K=block_k,
-        num_warps=8 if block_k >= 4096 else 4,
+        BLOCK_K=block,
+        CHUNKS=max(2, triton.next_power_of_2(grid[1])),
+        num_warps=warps,
     )
     return q, scale
 
@@ -416,12 +440,41 @@ def matmul(
     return out
 
 
+# Prefill's GEMMs with Hopper's fast FP8 accumulation (partial sums kept in the tensor cores'
+# narrower accumulator across K, as vLLM's CUTLASS FP8 kernels do): to be measured for speed
+# (fp8_probe's scaled_mm_fast) and for error before it is the default.
+SCALED_MM_FAST_ACCUM = False
+
+
 def scaled_mm(
-    xq: torch.Tensor, x_scale: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, out_dtype: torch.dtype
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    w: Fp8Weight,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    fast_accum: bool | None = None,
 ) -> torch.Tensor:
-    """The library's W8A8 GEMM (cuBLAS on a GPU) over :func:`quantize_rows`' output."""
-    out = torch._scaled_mm(xq, w.q.t(), scale_a=x_scale[:, None], scale_b=w.scale[None, :], out_dtype=out_dtype)
+    """The library's W8A8 GEMM (cuBLAS on a GPU) over :func:`quantize_rows`' output
+    (``fast_accum``: default :data:`SCALED_MM_FAST_ACCUM`; a GPU only)."""
+    fast = SCALED_MM_FAST_ACCUM if fast_accum is None else fast_accum
+    out = torch._scaled_mm(
+        xq,
+        w.q.t(),
+        scale_a=x_scale[:, None],
+        scale_b=w.scale[None, :],
+        out_dtype=out_dtype,
+        use_fast_accum=fast and xq.is_cuda,
+    )
     return out if bias is None else out + bias
+
+
+def takes_quantized_rows(
+    rows: int, gemv_max_rows: int = GEMV_MAX_ROWS, batched_max_rows: int = BATCHED_MAX_ROWS
+) -> bool:
+    """Whether :func:`linear` quantizes ``rows`` of input per row (FP8 with a scale each):
+    then a producer that holds whole rows (the RMSNorm: ``elementwise.add_rms_norm_fp8``) may
+    hand them over quantized, and the launch of :func:`quantize_rows` is saved."""
+    return rows > gemv_max_rows and (rows > batched_max_rows or BATCHED_MODE == "row")
 
 
 def linear(
@@ -431,14 +484,23 @@ def linear(
     silu_mul_input: bool = False,
     gemv_max_rows: int = GEMV_MAX_ROWS,
     batched_max_rows: int = BATCHED_MAX_ROWS,
+    x_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """``x @ (w.q * w.scale).T + bias`` in ``x``'s dtype (``x`` read as ``silu(gate) * up``
     with ``silu_mul_input``: ``[M, 2K]``). Up to ``gemv_max_rows`` rows the FP8 GEMV
     (activations as they are); up to ``batched_max_rows`` rows :func:`matmul` (activations
     quantized as :data:`BATCHED_MODE` says); above, quantized per row by :func:`quantize_rows`
-    and ``torch._scaled_mm``."""
+    and ``torch._scaled_mm``. With ``x_scale``, ``x`` is already quantized per row (FP8, where
+    :func:`takes_quantized_rows`) and the product is in ``out_dtype``."""
     rows = x.shape[0]
     n, k = w.shape
+    if x_scale is not None:
+        assert x.dtype == FP8 and not silu_mul_input, "quantized rows are FP8 with SiLU·up applied"
+        assert takes_quantized_rows(rows, gemv_max_rows, batched_max_rows), f"{rows} rows are not quantized per row"
+        if rows <= batched_max_rows:
+            return matmul(x, w, bias, x_scale, out_dtype, **matmul_tiles(rows, n, k))  # type: ignore[arg-type]
+        return scaled_mm(x, x_scale, w, bias, out_dtype)
     if rows == 0:
         return torch.empty((0, n), dtype=x.dtype, device=x.device)
     if rows <= gemv_max_rows:

@@ -263,3 +263,26 @@ def test_gemv_takes_measured_tiles_and_silu_first_when_told(monkeypatch: pytest.
         monkeypatch.setattr(fp8, "GEMV_SILU_FUSED", fused)
         assert rel_err(fp8.linear(gate_up, w, silu_mul_input=True), ref) < 1e-2
     assert seen == [(True, 16), (False, 16)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_hands_over_rows_quantized(dtype: torch.dtype, residual: bool) -> None:
+    # the norm's very output quantized per row in the same pass, and the product taking it
+    x = (torch.randn((5, 96), device=DEVICE) * 3).to(dtype)
+    res = torch.randn((5, 96), device=DEVICE).to(dtype) if residual else None
+    weight = torch.rand(96, device=DEVICE).to(dtype) + 0.5
+    (q, scale), res_out = elementwise.add_rms_norm_fp8(x, res, weight, 1e-6)
+    out_ref, res_ref = elementwise.add_rms_norm(x, res, weight, 1e-6)
+    q_ref, scale_ref = quant.quantize_rows_fp8(out_ref)
+    assert torch.equal(res_out, res_ref) and torch.equal(scale, scale_ref) and same_bits(q, q_ref)
+    w = quant.quantize_fp8(torch.randn((40, 96), device=DEVICE))
+    assert fp8.takes_quantized_rows(5, gemv_max_rows=1, batched_max_rows=4)  # _scaled_mm's rows
+    assert fp8.takes_quantized_rows(3, gemv_max_rows=1, batched_max_rows=4) == (fp8.BATCHED_MODE == "row")
+    assert not fp8.takes_quantized_rows(1, gemv_max_rows=1)
+    for batched in (8, 4):  # the batched kernel, then _scaled_mm
+        out = fp8.linear(q, w, x_scale=scale, gemv_max_rows=1, batched_max_rows=batched)
+        assert out.dtype == torch.bfloat16
+        assert rel_err(out, w8a8_reference(q_ref, scale_ref, w, None)) < 1e-2
+    with pytest.raises(AssertionError, match="not quantized per row"):
+        fp8.linear(q[:1], w, x_scale=scale[:1])
