@@ -15,7 +15,7 @@ import struct
 
 import torch
 
-from pdserve.engine.kv_pool import dtype_from_name
+from pdserve.engine.kv_pool import page_bytes, page_shape, storage_dtype
 from pdserve.schemas import KVLayout
 
 MAGIC = b"PDKV"
@@ -73,11 +73,9 @@ def decode(blob: bytes | bytearray | memoryview, ident: bytes, key: bytes, layou
     if blob_key != key:
         raise CorruptBlob("another page group's key")
     payload = view[HEADER_BYTES:]
-    dtype = dtype_from_name(layout.dtype)
-    expected = num_pages * layout.page_numel * torch.empty((), dtype=dtype).element_size()
+    expected = num_pages * page_bytes(layout)
     if len(payload) != size or size != expected:
         raise CorruptBlob(f"payload of {len(payload)} bytes, header says {size}, layout needs {expected}")
     if _checksum(payload) != checksum:
         raise CorruptBlob("payload checksum mismatch")
-    shape = (num_pages, layout.num_layers, 2, layout.num_kv_heads, layout.page_size, layout.head_dim)
-    return torch.frombuffer(bytearray(payload), dtype=dtype).reshape(shape)
+    return torch.frombuffer(bytearray(payload), dtype=storage_dtype(layout)).reshape(num_pages, *page_shape(layout))

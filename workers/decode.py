@@ -224,7 +224,7 @@ class DecodeWorker(WorkerRuntime):
         if problem is not None:
             return (
                 f"{there} ({h.tp_size} tensor-parallel ranks) holds KV that {here} ({self.tp_size} ranks) cannot "
-                f"map: {problem}; run both pools with the same model, --page-size and --dtype"
+                f"map: {problem}; run both pools with the same model, --page-size, --dtype and --kv-cache-dtype"
             )
         expected = ready.num_kv_tokens
         if h.num_tokens != expected:

@@ -130,9 +130,7 @@ def read_shard(
     """Read this rank's KV heads of ``handle``'s pages ``skip..`` into ``pages[skip..]``:
     the transport operations and bytes it took."""
     pool = runner.pool
-    plans = plan_shard_reads(
-        handle, pool.layout, rank, pool.tensor.element_size(), pages, pool.data_ptr, skip_pages=skip
-    )
+    plans = plan_shard_reads(handle, pool.layout, rank, pages, pool.data_ptr, skip_pages=skip)
     ops = sum(transfer.read(endpoint, reads) for endpoint, reads in plans)
     return ops, sum(n for _, reads in plans for _, _, n in reads)
 

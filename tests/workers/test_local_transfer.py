@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.kv_pool import KV_FP8, KVPool
 from pdserve.schemas import KVLayout
 from pdserve.workers.transfer import LinkRefused, TransferError, create_transfer, plan_reads
 from pdserve.workers.transfer.local import LocalTransfer, local_endpoint
@@ -49,6 +49,19 @@ def test_layouts_that_differ_are_refused_saying_which() -> None:
     try:
         with pytest.raises(LinkRefused, match="page_size: prefill 8, decode 4"):
             dst.read(src.endpoint, [(decode.data_ptr, prefill.data_ptr, decode.page_bytes)])
+    finally:
+        src.close()
+        dst.close()
+
+
+def test_a_16_bit_pool_and_an_fp8_one_are_refused_naming_the_flag() -> None:
+    fp8 = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, page_size=4, dtype=KV_FP8)
+    prefill, decode = pool(fp8), pool()
+    src, dst = started(prefill, "p-fp8"), started(decode, "d-fp8")
+    try:
+        with pytest.raises(LinkRefused, match=r"the prefill pool holds FP8 KV pages.*same --kv-cache-dtype"):
+            dst.read(src.endpoint, [(decode.data_ptr, prefill.data_ptr, decode.page_bytes)])
+        assert not decode.tensor.any()
     finally:
         src.close()
         dst.close()

@@ -16,7 +16,7 @@ import nats
 import pytest
 import torch
 
-from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.kv_pool import KV_FP8, KVPool
 from pdserve.schemas import KVLayout
 from pdserve.workers.transfer import LinkRefused, TransferError, create_transfer, plan_reads
 from pdserve.workers.transfer.p2p import P2PTransfer, layout_differences, merge_runs
@@ -208,3 +208,11 @@ def test_nccl_between_two_gpus(nats_server) -> None:
     assert result[0] == "done", result
     _, ops, equal, counts = result
     assert ops == [1, 1, 1] and equal and counts["kv_links_opened"] == 1
+
+
+def test_layout_differences_say_a_mixed_fp8_pair_and_the_flag() -> None:
+    fp8 = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, page_size=4, dtype=KV_FP8)
+    assert layout_differences(fp8, fp8) == []
+    (line,) = layout_differences(LAYOUT, fp8)
+    assert line.startswith("dtype: prefill float32, decode float8_e4m3fn (the decode pool holds FP8 KV pages")
+    assert line.endswith("run both with the same --kv-cache-dtype)")

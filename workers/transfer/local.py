@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.kv_pool import KVPool, dtype_difference
 from pdserve.workers.transfer.base import LinkRefused, TransferError, copy_runs
 
 if TYPE_CHECKING:
@@ -41,12 +41,15 @@ def local_endpoint(worker_id: str) -> str:
 
 def _differences(mine: KVPool, theirs: KVPool) -> list[str]:
     here, there = mine.layout, theirs.layout
-    fields = ("page_size", "dtype", "num_layers", "num_kv_heads", "head_dim", "order")
+    fields = ("page_size", "num_layers", "num_kv_heads", "head_dim", "order")
     out = [
         f"{name}: prefill {getattr(there, name)}, decode {getattr(here, name)}"
         for name in fields
         if getattr(here, name) != getattr(there, name)
     ]
+    dtype = dtype_difference(there, here)
+    if dtype:
+        out.append(dtype)
     if mine.device != theirs.device:
         out.append(f"device: prefill {theirs.device}, decode {mine.device}")
     return out

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from pdserve.broker import contract
-from pdserve.engine.kv_pool import KVPool, page_runs
+from pdserve.engine.kv_pool import KVPool, dtype_difference, page_runs
 from pdserve.schemas import KVLayout, KVLink, KVLinkReply, KVPush, KVPushReply, Message
 from pdserve.workers.transfer.base import (
     P2P_DEVICES,
@@ -64,9 +64,8 @@ log = logging.getLogger(__name__)
 ASK_TIMEOUT = 2.0
 POLL_SECONDS = 5e-5
 PROBE_BYTES = 8
-_LAYOUT_FIELDS = {
+_LAYOUT_FIELDS = {  # and the dtype, said by kv_pool.dtype_difference
     "page_size": "page size",
-    "dtype": "dtype",
     "num_layers": "layers",
     "num_kv_heads": "KV heads",
     "head_dim": "head dim",
@@ -85,11 +84,12 @@ def device_id(device: torch.device) -> str:
 
 def layout_differences(prefill: KVLayout, decode: KVLayout) -> list[str]:
     """Each field in which the two layouts differ, as ``"page size: prefill 16, decode 8"``."""
+    dtype = dtype_difference(prefill, decode)
     return [
         f"{label}: prefill {getattr(prefill, name)}, decode {getattr(decode, name)}"
         for name, label in _LAYOUT_FIELDS.items()
         if getattr(prefill, name) != getattr(decode, name)
-    ]
+    ] + ([dtype] if dtype else [])
 
 
 def merge_runs(runs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -2,7 +2,7 @@
 a decode rank's KV heads, and the reads that fetch exactly those.
 
 Every rank's pool is ``[pages, layers, 2, heads_per_rank, page_size, head_dim]``, so one
-head's ``[page_size, head_dim]`` block is contiguous and a rank's heads of one (layer, K|V)
+head's ``[page_size, head_dim]`` block (an FP8 one with its scales after it) is contiguous and a rank's heads of one (layer, K|V)
 are one contiguous span. A decode rank with heads ``[lo, hi)`` reads, from each prefill
 rank whose heads overlap them, the overlap:
 
@@ -20,12 +20,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pdserve.engine.kv_pool import block_bytes, dtype_difference, page_bytes
 from pdserve.schemas import KVHandle, KVLayout
 from pdserve.workers.transfer.base import TransferError, plan_reads
 
-_FIELDS = {
+_FIELDS = {  # and the dtype, said by kv_pool.dtype_difference
     "page_size": "page size",
-    "dtype": "dtype",
     "num_layers": "layers",
     "head_dim": "head dim",
     "order": "page order",
@@ -40,6 +40,9 @@ def shard_mismatch(prefill: KVLayout, prefill_tp: int, decode: KVLayout, decode_
         for name, label in _FIELDS.items()
         if getattr(prefill, name) != getattr(decode, name)
     ]
+    dtype = dtype_difference(prefill, decode)
+    if dtype:
+        reasons.append(dtype)
     total_p, total_d = prefill.num_kv_heads * prefill_tp, decode.num_kv_heads * decode_tp
     if total_p != total_d:
         reasons.append(
@@ -66,7 +69,6 @@ def plan_shard_reads(
     handle: KVHandle,
     local: KVLayout,
     rank: int,
-    element_size: int,
     local_pages: Sequence[int],
     local_base: int,
     skip_pages: int = 0,
@@ -76,9 +78,9 @@ def plan_shard_reads(
     ``local_pages[skip_pages..]``. ``(local_address, remote_address, nbytes)`` as in
     :func:`~pdserve.workers.transfer.base.plan_reads`."""
     remote = handle.layout
-    block = local.page_size * local.head_dim * element_size  # one head of one (layer, K|V)
-    local_page = local.page_numel * element_size
-    remote_page = remote.page_numel * element_size
+    block = block_bytes(local)  # one head of one (layer, K|V), with its FP8 scales if any
+    local_page = page_bytes(local)
+    remote_page = page_bytes(remote)
     plans = []
     for p, a, b in source_ranks(handle, local.num_kv_heads, rank):
         shift = handle.rank_offset(p)
