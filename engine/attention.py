@@ -12,6 +12,12 @@ sequence), then prefill chunks. Pool layout (see :mod:`pdserve.engine.kv_pool`):
 ``page_size * head_dim`` values, row ``((page * L + layer) * 2 + kv) * H + head`` is one
 head's K or V for one page, so one ``index_select`` per layer gathers a group's K and V
 directly in the ``[batch, heads, tokens, head_dim]`` order attention wants.
+
+An FP8 pool (``kv_scales`` set): the new K/V are quantized as they are stored and the gathered
+pages dequantized into the query's dtype (:func:`pdserve.engine.kv_pool.store_fp8`,
+:func:`~pdserve.engine.kv_pool.gather_fp8`); a fresh prompt attending over its own K/V takes
+them rounded so too (:func:`~pdserve.engine.kv_pool.round_fp8`): every attention sees the K/V as
+the pool holds them.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from pdserve.engine.kv_pool import gather_fp8, round_fp8, store_fp8
 
 ATTN_IMPLEMENTATION = "pdserve_paged"
 
@@ -60,6 +68,7 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
     workspace: Workspace
+    kv_scales: torch.Tensor | None = None  # an FP8 pool's scales (kv_pool holds its values)
     _masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
 
     def decode_mask(self, group_index: int, window: int | None) -> torch.Tensor:
@@ -130,9 +139,12 @@ def paged_attention(
     layer = module.layer_idx
     pool = pd_attn.kv_pool
     _, _, _, heads, page_size, dim = pool.shape
-    new_kv = torch.stack((key[0], value[0])).to(pool.dtype)  # [2, Hkv, T, D]
+    new_kv = torch.stack((key[0], value[0]))  # [2, Hkv, T, D]
     rows = pd_attn.write_rows + layer * 2 * heads * page_size
-    pool.view(-1, dim).index_copy_(0, rows.view(-1), new_kv.view(-1, dim))
+    if pd_attn.kv_scales is not None:
+        store_fp8(pool, pd_attn.kv_scales, rows.view(-1), new_kv.view(-1, dim))
+    else:
+        pool.view(-1, dim).index_copy_(0, rows.view(-1), new_kv.to(pool.dtype).view(-1, dim))
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     groups = pd_attn.decode_groups
     if len(groups) == 1 and not pd_attn.prefills:  # pure decode step: no output copy
@@ -147,14 +159,20 @@ def paged_attention(
     return out.unsqueeze(0), None
 
 
-def _gather(meta: AttentionMetadata, layer: int, rows: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V ``[B, H, M * page_size, D]`` (contiguous) for layer-0 row ids ``[2, B, H, M]``."""
+def _gather(
+    meta: AttentionMetadata, layer: int, rows: torch.Tensor, name: str, like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V ``[B, H, M * page_size, D]`` (contiguous) for layer-0 row ids ``[2, B, H, M]``;
+    from an FP8 pool dequantized into ``like``'s dtype."""
     pool = meta.kv_pool
     _, _, _, heads, page_size, dim = pool.shape
     _, b, h, m = rows.shape
-    table = pool.view(-1, page_size * dim)
-    buf = meta.workspace.get(name, (2 * b * h * m, page_size * dim), pool)
-    torch.index_select(table, 0, (rows + layer * 2 * heads).view(-1), out=buf)
+    blocks = (rows + layer * 2 * heads).view(-1)
+    if meta.kv_scales is not None:
+        buf = gather_fp8(pool, meta.kv_scales, blocks, like.dtype)
+    else:
+        buf = meta.workspace.get(name, (2 * b * h * m, page_size * dim), pool)
+        torch.index_select(pool.view(-1, page_size * dim), 0, blocks, out=buf)
     kv = buf.view(2, b, h, m * page_size, dim)
     return kv[0], kv[1]
 
@@ -162,7 +180,7 @@ def _gather(meta: AttentionMetadata, layer: int, rows: torch.Tensor, name: str) 
 def _decode_only(
     meta: AttentionMetadata, group: DecodeGroup, layer: int, q: torch.Tensor, scaling: float | None, window: int | None
 ) -> torch.Tensor:
-    k, v = _gather(meta, layer, group.rows, "decode")
+    k, v = _gather(meta, layer, group.rows, "decode", q)
     if group.count == 1 and window is None:  # one sequence: attend its exact length, no mask
         n = group.length
         o = F.scaled_dot_product_attention(q.unsqueeze(2), k[:, :, :n], v[:, :, :n], scale=scaling, enable_gqa=True)
@@ -182,7 +200,7 @@ def _decode(
     scaling: float | None,
     window: int | None,
 ) -> None:
-    k, v = _gather(meta, layer, group.rows, "decode")
+    k, v = _gather(meta, layer, group.rows, "decode", q)
     qd = q[group.start : group.start + group.count].unsqueeze(2)  # [B, Hq, 1, D]
     mask = meta.decode_mask(index, window)
     o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
@@ -205,8 +223,10 @@ def _prefill(
     if span.rows is None:
         k = k_new[sl].transpose(0, 1).unsqueeze(0)
         v = v_new[sl].transpose(0, 1).unsqueeze(0)
+        if meta.kv_scales is not None:  # as the pool holds them, as every later read sees them
+            k, v = round_fp8(k), round_fp8(v)
     else:
-        k, v = _gather(meta, layer, span.rows, "prefill")
+        k, v = _gather(meta, layer, span.rows, "prefill", q)
         k = k[:, :, : span.ctx_len]
         v = v[:, :, : span.ctx_len]
     if span.is_fresh and window is None:

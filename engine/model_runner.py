@@ -22,8 +22,8 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.cpu_dtype import auto_cpu_dtype
 from pdserve.engine.cuda_graph import DecodeGraphs
 from pdserve.engine.kernels import decode_splits
-from pdserve.engine.kv_pool import KVPool, bytes_per_token, dtype_name
-from pdserve.engine.models import create_fast_model, fast_path_reason, fp8_reason
+from pdserve.engine.kv_pool import KVPool, bytes_per_token, dtype_name, kv_dtype_name
+from pdserve.engine.models import FP8_MIN_CAPABILITY, create_fast_model, fast_path_reason, fp8_reason
 from pdserve.engine.models.batch import build_step
 from pdserve.engine.models.llama_cpu import LlamaFamilyCPU
 from pdserve.engine.models.llama_weights import quantize_fp8_
@@ -122,8 +122,9 @@ def refuse_fp8_checkpoint(quantization_config: object) -> None:
     )
 
 
-def kv_layout_of(model: torch.nn.Module, page_size: int, tp_size: int = 1) -> KVLayout:
-    """The layout of one rank's pool: with tensor parallelism, its share of the KV heads."""
+def kv_layout_of(model: torch.nn.Module, page_size: int, tp_size: int = 1, kv_cache_dtype: str = "auto") -> KVLayout:
+    """The layout of one rank's pool: with tensor parallelism, its share of the KV heads;
+    ``kv_cache_dtype`` (``--kv-cache-dtype``): ``auto`` the model's dtype, ``bf16``, ``fp8_e4m3``."""
     config = model.config.get_text_config()
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -132,8 +133,25 @@ def kv_layout_of(model: torch.nn.Module, page_size: int, tp_size: int = 1) -> KV
         num_kv_heads=(getattr(config, "num_key_value_heads", None) or heads) // tp_size,
         head_dim=head_dim,
         page_size=page_size,
-        dtype=dtype_name(next(model.parameters()).dtype),
+        dtype=kv_dtype_name(kv_cache_dtype, next(model.parameters()).dtype),
     )
+
+
+def kv_cache_dtype_reason(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why ``--kv-cache-dtype`` cannot serve a model of ``model_dtype`` on ``device``, or ``None``."""
+    if kv_cache_dtype == "bf16" and model_dtype != torch.bfloat16:
+        return (
+            f"the model runs in {dtype_name(model_dtype)}; a bfloat16 pool beside it is not supported: "
+            "use --dtype bfloat16, or --kv-cache-dtype auto (the model's dtype) or fp8_e4m3"
+        )
+    if kv_cache_dtype == "fp8_e4m3" and device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < FP8_MIN_CAPABILITY:
+            return (
+                f"{torch.cuda.get_device_name(device)} has compute capability {capability[0]}.{capability[1]}; "
+                "the FP8 attention kernels need 8.9 or above (Ada, Hopper and later)"
+            )
+    return None
 
 
 class ModelRunner:
@@ -174,7 +192,10 @@ class ModelRunner:
         text_config = self.model.config.get_text_config()
         self.vocab_size = text_config.vocab_size
         self.max_model_len = config.max_model_len or getattr(text_config, "max_position_embeddings", 4096)
-        self.layout = kv_layout_of(self.model, config.page_size, tp_size)
+        reason = kv_cache_dtype_reason(config.kv_cache_dtype, next(self.model.parameters()).dtype, self.device)
+        if reason is not None:
+            raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype}: {reason}")
+        self.layout = kv_layout_of(self.model, config.page_size, tp_size, config.kv_cache_dtype)
         self.num_pages = self._num_pages()
         if tp is not None:  # the pools of all ranks have the same pages: as many as the smallest holds
             self.num_pages = _smallest(tp, self.num_pages)
@@ -208,6 +229,8 @@ class ModelRunner:
                 "kv_bytes": self.pool.nbytes,
                 "model_impl": self.model_impl,
                 "quantization": config.quantization,
+                "kv_dtype": self.layout.dtype,
+                "kv_bytes_per_token": bytes_per_token(self.layout),
                 "cuda_graphs": self.graphs is not None,
             },
         )
@@ -248,7 +271,7 @@ class ModelRunner:
                 raise ValueError(f"model_impl 'pdserve' cannot serve this model: {reason}")
             log.info("stock transformers forward pass", extra={"reason": reason})
             return None
-        fast = create_fast_model(self.model, self.pool.tensor, self.max_model_len, self.tp, interpret)
+        fast = create_fast_model(self.model, self.pool.kv, self.max_model_len, self.tp, interpret, self.pool.kv_scales)
         log.info("pdserve forward pass", extra={"reason": f"model_impl {impl!r}", "pass": type(fast).__name__})
         return fast
 
@@ -262,9 +285,7 @@ class ModelRunner:
         page = self.config.page_size
         if self.config.max_total_tokens is not None:
             return self.config.max_total_tokens // page
-        per_token = bytes_per_token(
-            self.layout, torch.empty((), dtype=next(self.model.parameters()).dtype).element_size()
-        )
+        per_token = bytes_per_token(self.layout)  # FP8: with its scales, 1.94x bf16's tokens at head_dim 128
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * self.config.kv_memory_fraction)
@@ -400,7 +421,7 @@ class ModelRunner:
             rows = None
             if ctx != n:
                 table = torch.tensor([seq.page_table[: -(-ctx // page)]], dtype=torch.long, device=self.device)
-                rows = page_rows(self.pool.tensor, table)
+                rows = page_rows(self.pool.kv, table)
             spans.append(PrefillSpan(q_start, n, ctx, rows))
             if ctx == seq.num_tokens:
                 sample_index.append(len(ids) - 1)
@@ -415,13 +436,14 @@ class ModelRunner:
                 pages.append(seq.page_table[p // page])
                 offsets.append(p % page)
             table = torch.tensor([seq.page_table[: -(-ctx // page)]], dtype=torch.long, device=self.device)
-            spans.append(PrefillSpan(q_start, len(draft) + 1, ctx, page_rows(self.pool.tensor, table)))
+            spans.append(PrefillSpan(q_start, len(draft) + 1, ctx, page_rows(self.pool.kv, table)))
             sample_index.extend(range(q_start, ctx - start + q_start))
         device = self.device
         meta = AttentionMetadata(
-            kv_pool=self.pool.tensor,
+            kv_pool=self.pool.kv,
+            kv_scales=self.pool.kv_scales,
             write_rows=write_rows(
-                self.pool.tensor,
+                self.pool.kv,
                 torch.tensor(pages, dtype=torch.long, device=device),
                 torch.tensor(offsets, dtype=torch.long, device=device),
             ),
@@ -453,7 +475,7 @@ class ModelRunner:
                 DecodeGroup(
                     start=start,
                     count=end - start,
-                    rows=page_rows(self.pool.tensor, torch.tensor(tables, dtype=torch.long, device=self.device)),
+                    rows=page_rows(self.pool.kv, torch.tensor(tables, dtype=torch.long, device=self.device)),
                     ctx_lens=torch.tensor([s.num_tokens for s in members], dtype=torch.long, device=self.device),
                     positions=torch.arange(max_pages * page, device=self.device)[None, :],
                     length=members[0].num_tokens,

@@ -12,6 +12,13 @@ elements further. A token's *slot* is ``page * page_size + offset``.
   fewer a layer: at batch 1 a launch costs more than the work).
 * :func:`prefill_attention`: chunks of query tokens whose keys are a cached or earlier
   prefix in the pool plus the chunk itself (causal).
+
+FP8 pools (``kv_scales`` given, see :mod:`pdserve.engine.kv_pool`): K and V are read in place as
+float8_e4m3fn and converted to the query's dtype in registers (exact), with each token's float32
+scale loaded beside its row; the key scales multiply the score columns and the value scales the
+probabilities (:func:`pdserve.engine.quant.quantize_kv_fp8`), so no tile is dequantized. A block
+of a (page, layer, head) is then ``page_size * (head_dim + 4)`` bytes: the kernels take the
+block stride from the pool view's strides.
 """
 
 from __future__ import annotations
@@ -20,61 +27,98 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.engine.kernels import interpreting
+from pdserve.engine.kernels.fp8 import _to_fp8
+
 
 # Integer arguments that change between calls (the layer, a table's width) are not
 # specialised on: Triton compiles a variant per value class (1, a multiple of 16, other),
 # and a variant first met while serving compiles then, for a second or more.
 @triton.jit
-def _load_kv(
-    pool_ptr,
-    table_row,
-    tok,
-    valid,
-    layer,
-    kv_head,
-    d,
-    NUM_KV: tl.constexpr,
-    PAGE: tl.constexpr,
-    LAYERS: tl.constexpr,
-    DIM: tl.constexpr,
-):
-    """K and V ``[len(tok), DIM]`` of one kv head for positions ``tok`` of a sequence whose
-    page table row starts at ``table_row``."""
+def _kv_block(table_row, tok, valid, layer, kv_head, NUM_KV: tl.constexpr, PAGE: tl.constexpr, LAYERS: tl.constexpr):
+    """The index of the K block of (the page of each of ``tok``, ``layer``, ``kv_head``) for a
+    sequence whose page table row starts at ``table_row``; its V block is ``NUM_KV`` further."""
     page = tl.load(table_row + tok // PAGE, mask=valid, other=0).to(tl.int64)
-    k_off = (((page * LAYERS + layer) * 2) * NUM_KV + kv_head) * (PAGE * DIM) + (tok % PAGE) * DIM
-    k = tl.load(pool_ptr + k_off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-    v = tl.load(pool_ptr + (k_off + NUM_KV * PAGE * DIM)[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-    return k, v
+    return ((page * LAYERS + layer) * 2) * NUM_KV + kv_head
 
 
 @triton.jit
-def _scores(q, k, scale, IEEE: tl.constexpr):
+def _load_kv(
+    pool_ptr,
+    scale_ptr,
+    block,
+    tok,
+    valid,
+    d,
+    NUM_KV: tl.constexpr,
+    PAGE: tl.constexpr,
+    DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
+    """K and V ``[len(tok), DIM]`` of positions ``tok`` in blocks ``block`` (:func:`_kv_block`;
+    ``BLOCK`` elements apart), as stored, and (FP8) their scales ``[len(tok)]``; 16 bits:
+    ``valid`` in place of the scales, unused."""
+    k_off = block * BLOCK + (tok % PAGE) * DIM
+    k = tl.load(pool_ptr + k_off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    v = tl.load(pool_ptr + (k_off + NUM_KV * BLOCK)[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    k_scale = valid
+    v_scale = valid
+    if KV_FP8:
+        s_off = block * SCALE_BLOCK + tok % PAGE
+        k_scale = tl.load(scale_ptr + s_off, mask=valid, other=0.0)
+        v_scale = tl.load(scale_ptr + s_off + NUM_KV * SCALE_BLOCK, mask=valid, other=0.0)
+    return k, v, k_scale, v_scale
+
+
+@triton.jit
+def _scores(q, k, scale, k_scale, IEEE: tl.constexpr, KV_FP8: tl.constexpr):
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
     else:
         s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+    if KV_FP8:  # q . k_i = (q . kq_i) * ks_i
+        s = s * k_scale[None, :]
     return s
 
 
 @triton.jit
-def _online_softmax(s, v, m_i, l_i, acc, IEEE: tl.constexpr):
+def _online_softmax(s, v, v_scale, m_i, l_i, acc, IEEE: tl.constexpr, KV_FP8: tl.constexpr):
     """One block of keys into the running max ``m_i``, sum ``l_i`` and output ``acc``."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing to attend yet
     p = tl.exp(s - m_safe[:, None])
     alpha = tl.exp(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
+    pv = p
+    if KV_FP8:  # sum_i p_i v_i = sum_i (p_i * vs_i) vq_i
+        pv = p * v_scale[None, :]
     if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision="ieee")
     else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v).to(tl.float32)
     return m_new, l_i, acc
+
+
+@triton.jit
+def store_kv(pool_ptr, scale_ptr, dst, scale_dst, x, rows_ok, EXACT: tl.constexpr, KV_FP8: tl.constexpr):
+    """Rows ``x [R, D]`` (float32) into the pool at ``dst [R, D]`` (pointers): FP8 with each row's
+    scale (amax / 448) at ``scale_dst [R]``, as :func:`pdserve.engine.quant.quantize_kv_fp8`
+    rounds (``EXACT``: in float32 arithmetic, for the interpreter); else in the pool's dtype."""
+    if KV_FP8:
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 1), 1e-12), 448.0)
+        tl.store(dst, _to_fp8(x, scale[:, None], pool_ptr, EXACT), mask=rows_ok[:, None])
+        tl.store(scale_dst, scale, mask=rows_ok)
+    else:
+        tl.store(dst, x.to(pool_ptr.dtype.element_ty), mask=rows_ok[:, None])
 
 
 @triton.jit(do_not_specialize=["layer", "window", "stride_qt", "stride_table"])
 def _decode_kernel(
     q_ptr,
     pool_ptr,
+    scale_ptr,
     table_ptr,
     ctx_ptr,
     part_ptr,
@@ -95,6 +139,8 @@ def _decode_kernel(
     DIM: tl.constexpr,
     PAGE: tl.constexpr,
     LAYERS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
@@ -102,6 +148,8 @@ def _decode_kernel(
     FUSED_MERGE: tl.constexpr,
     PDL: tl.constexpr,
     ROPE: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    EXACT: tl.constexpr,
 ):
     if PDL:  # the o projection after this may be scheduled now (it waits for the output)
         tl.extra.cuda.gdc_launch_dependents()
@@ -136,9 +184,19 @@ def _decode_kernel(
             k_new = tl.load(k_src + d).to(tl.float32) * cos + sign * tl.load(k_src + swap).to(tl.float32) * sin
             v_new = tl.load(q_row + (NUM_KV * GROUP + NUM_KV + kv_head) * DIM + d)
             slot = tl.load(slot_ptr + b).to(tl.int64)
-            k_dst = pool_ptr + ((((slot // PAGE) * LAYERS + layer) * 2 * NUM_KV + kv_head) * PAGE + slot % PAGE) * DIM
-            tl.store(k_dst + d, k_new.to(pool_ptr.dtype.element_ty))
-            tl.store(k_dst + NUM_KV * PAGE * DIM + d, v_new.to(pool_ptr.dtype.element_ty))
+            block = ((slot // PAGE) * LAYERS + layer) * 2 * NUM_KV + kv_head
+            k_dst = pool_ptr + block * BLOCK + (slot % PAGE) * DIM
+            if KV_FP8:  # the k a separate rope_store would quantize: rotated, rounded to q's dtype
+                one = tl.full([1], 1, tl.int1)
+                s_dst = scale_ptr + block * SCALE_BLOCK + slot % PAGE + tl.zeros([1], tl.int64)
+                k_rows = k_new.to(q.dtype).to(tl.float32)[None, :]
+                store_kv(pool_ptr, scale_ptr, k_dst + d[None, :], s_dst, k_rows, one, EXACT, KV_FP8)
+                v_rows = v_new.to(tl.float32)[None, :]
+                v_dst = k_dst + NUM_KV * BLOCK + d[None, :]
+                store_kv(pool_ptr, scale_ptr, v_dst, s_dst + NUM_KV * SCALE_BLOCK, v_rows, one, EXACT, KV_FP8)
+            else:
+                tl.store(k_dst + d, k_new.to(pool_ptr.dtype.element_ty))
+                tl.store(k_dst + NUM_KV * BLOCK + d, v_new.to(pool_ptr.dtype.element_ty))
         tl.debug_barrier()  # the stores are seen by this program's loads below
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -147,9 +205,15 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         valid = tok < end
-        k, v = _load_kv(pool_ptr, table_row, tok, valid, layer, kv_head, d, NUM_KV, PAGE, LAYERS, DIM)
-        s = tl.where(valid[None, :], _scores(q, k, scale, IEEE), float("-inf"))
-        m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, IEEE)
+        block = _kv_block(table_row, tok, valid, layer, kv_head, NUM_KV, PAGE, LAYERS)
+        k, v, ks, vs = _load_kv(
+            pool_ptr, scale_ptr, block, tok, valid, d, NUM_KV, PAGE, DIM, BLOCK, SCALE_BLOCK, KV_FP8
+        )
+        if KV_FP8:  # e4m3 values are exact in q's dtype
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        s = tl.where(valid[None, :], _scores(q, k, scale, ks, IEEE, KV_FP8), float("-inf"))
+        m_i, l_i, acc = _online_softmax(s, v, vs, m_i, l_i, acc, IEEE, KV_FP8)
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     if SPLITS == 1:  # the whole context in this program: the output itself, nothing to merge
@@ -222,6 +286,7 @@ def decode_attention(
     num_stages: int | None = None,
     pdl: bool = False,
     rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q [B, Hq, D]`` (rows may be strided) attends each sequence's ``ctx_lens[b]`` tokens
     in pages ``page_tables[b]``; writes ``out [B, Hq, D]``. Graph-safe: no host sync.
@@ -230,6 +295,10 @@ def decode_attention(
     not yet rotated, and the last of each sequence's tokens is the row's own: the kernel
     does :func:`.rope.rope_store`'s work for it (q rotated as it is read, the token's k rotated
     and stored with its v in ``slots[b]`` of ``layer``, position ``ctx_lens[b] - 1``).
+
+    ``kv_scales``: ``pool`` is an FP8 pool's values and these its scales
+    (:attr:`pdserve.engine.kv_pool.KVPool.kv_scales`); read in place, and with ``rope`` the new
+    token's k (rounded to ``q``'s dtype) and v are stored quantized with their scales.
 
     ``counters`` (int32, at least ``B * num_kv``, zero, left zero): the splits are merged
     inside the attention kernel by whichever finishes last, instead of by a second kernel.
@@ -260,6 +329,7 @@ def decode_attention(
     _decode_kernel[(batch, num_kv, splits)](
         q,
         pool,
+        kv_scales if kv_scales is not None else pool,
         page_tables,
         ctx_lens,
         part,
@@ -280,6 +350,7 @@ def decode_attention(
         DIM=dim,
         PAGE=page,
         LAYERS=layers,
+        **block_strides(pool, kv_scales),
         BLOCK_N=block_n,
         SPLITS=splits,
         SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
@@ -287,6 +358,7 @@ def decode_attention(
         FUSED_MERGE=counters is not None and splits > 1,
         PDL=pdl and (splits == 1 or counters is not None),
         ROPE=rope is not None,
+        EXACT=interpreting(),
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -308,6 +380,7 @@ def decode_attention(
 def _prefill_kernel(
     q_ptr,
     pool_ptr,
+    scale_ptr,
     table_ptr,
     q_start_ptr,
     q_len_ptr,
@@ -323,9 +396,12 @@ def _prefill_kernel(
     DIM: tl.constexpr,
     PAGE: tl.constexpr,
     LAYERS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     head = tl.program_id(1)
@@ -355,12 +431,18 @@ def _prefill_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         valid_k = tok < hi
-        k, v = _load_kv(pool_ptr, table_row, tok, valid_k, layer, kv_head, d, NUM_KV, PAGE, LAYERS, DIM)
+        block = _kv_block(table_row, tok, valid_k, layer, kv_head, NUM_KV, PAGE, LAYERS)
+        k, v, ks, vs = _load_kv(
+            pool_ptr, scale_ptr, block, tok, valid_k, d, NUM_KV, PAGE, DIM, BLOCK, SCALE_BLOCK, KV_FP8
+        )
+        if KV_FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         keep = valid_k[None, :] & (tok[None, :] <= q_pos[:, None])
         if window > 0:
             keep = keep & (tok[None, :] > q_pos[:, None] - window)
-        s = tl.where(keep, _scores(q, k, scale, IEEE), float("-inf"))
-        m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, IEEE)
+        s = tl.where(keep, _scores(q, k, scale, ks, IEEE, KV_FP8), float("-inf"))
+        m_i, l_i, acc = _online_softmax(s, v, vs, m_i, l_i, acc, IEEE, KV_FP8)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # rows past the chunk attend nothing
     num_q: tl.constexpr = NUM_KV * GROUP
     tl.store(
@@ -382,10 +464,12 @@ def prefill_attention(
     scale: float,
     out: torch.Tensor,
     window: int | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Spans of ``q [T, Hq, D]`` (span ``s``: rows ``q_starts[s]`` onwards, ``q_lens[s]`` of
     them, the last at position ``ctx_lens[s] - 1``) attend causally to their sequence's
-    pages ``page_tables[s]``, which already hold the span's own K/V; writes ``out [T, Hq, D]``."""
+    pages ``page_tables[s]``, which already hold the span's own K/V; writes ``out [T, Hq, D]``.
+    ``kv_scales``: ``pool`` is an FP8 pool's values and these its scales, read in place."""
     _, num_q, dim = q.shape
     _, layers, _, num_kv, page, _ = pool.shape
     assert q.stride(2) == 1 and q.stride(1) == dim and out.is_contiguous()
@@ -394,6 +478,7 @@ def prefill_attention(
     _prefill_kernel[grid](
         q,
         pool,
+        kv_scales if kv_scales is not None else pool,
         page_tables,
         q_starts,
         q_lens,
@@ -409,9 +494,32 @@ def prefill_attention(
         DIM=dim,
         PAGE=page,
         LAYERS=layers,
+        **block_strides(pool, kv_scales),
         BLOCK_M=block_m,
         BLOCK_N=64,
         IEEE=q.dtype == torch.float32,
         num_warps=4,
     )
     return out
+
+
+def block_strides(pool: torch.Tensor, kv_scales: torch.Tensor | None) -> dict[str, int | bool]:
+    """The kernels' constants for the pool's layout: elements from one (page, layer, K|V, head)
+    block to the next (``page_size * head_dim`` in 16 bits, the block's bytes in FP8), and the
+    scales' (float32 elements) when the pool is FP8. Taken from the K|V dimension's stride (that
+    of a dimension of size 1 says nothing)."""
+    _, _, _, heads, page, dim = pool.shape
+    block = pool.stride(2) // heads
+    assert (
+        pool.stride(2) == heads * block and (dim == 1 or pool.stride(5) == 1) and (page == 1 or pool.stride(4) == dim)
+    )
+    if kv_scales is None:
+        assert pool.dtype != torch.float8_e4m3fn, "an FP8 pool needs its kv_scales"
+        return {"BLOCK": block, "SCALE_BLOCK": 0, "KV_FP8": False}
+    assert pool.dtype == torch.float8_e4m3fn and kv_scales.dtype == torch.float32
+    scale_block = kv_scales.stride(2) // heads
+    assert kv_scales.shape == pool.shape[:5] and (page == 1 or kv_scales.stride(4) == 1)
+    assert kv_scales.stride(2) == heads * scale_block and scale_block * kv_scales.element_size() == block, (
+        "the scales inside each block"
+    )
+    return {"BLOCK": block, "SCALE_BLOCK": scale_block, "KV_FP8": True}

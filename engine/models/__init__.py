@@ -72,13 +72,15 @@ def create_fast_model(
     max_positions: int,
     tp: TPGroup | None = None,
     allow_interpreter: bool = False,
+    kv_scales: torch.Tensor | None = None,
 ) -> LlamaFamily | LlamaFamilyCPU:
     """The fast forward pass for ``model`` over ``pool`` (check :func:`fast_path_reason`
-    first); ``tp``: ``model`` is this rank's shard, and the pass all-reduces across ``tp``."""
+    first); ``tp``: ``model`` is this rank's shard, and the pass all-reduces across ``tp``.
+    ``kv_scales``: ``pool`` is an FP8 pool's values and these its scales."""
     if uses_triton(pool.device, allow_interpreter):
         from pdserve.engine.models.llama import LlamaFamily
 
-        return LlamaFamily(model, pool, max_positions, tp)
+        return LlamaFamily(model, pool, max_positions, tp, kv_scales)
     from pdserve.engine.models.llama_cpu import LlamaFamilyCPU
 
-    return LlamaFamilyCPU(model, pool, max_positions, tp)
+    return LlamaFamilyCPU(model, pool, max_positions, tp, kv_scales)

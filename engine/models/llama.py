@@ -12,6 +12,12 @@ of qkv, o, gate_up and down goes through :func:`pdserve.engine.kernels.fp8.linea
 GEMV up to its row limit, down reading SiLU·up fused; above it activations quantized per
 token, SiLU·up fused, then the batched W8A8 kernel or, for prefill, ``torch._scaled_mm``);
 the LM head stays in the model's dtype.
+
+With an FP8 KV pool (``--kv-cache-dtype fp8_e4m3``, ``kv_scales``) the rotary+KV store and the
+decode attention's own store quantize each k and v with its scale, and both attention kernels
+read the pool in place (:mod:`pdserve.engine.kernels.paged`). Whole prompts on a GPU
+(``sdpa_prefill``) attend over their own k, v rounded as the pool holds them: every attention
+sees the same K/V whichever path it takes.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.kernels import elementwise, fp8, gemv, paged, rope
+from pdserve.engine.kv_pool import round_fp8
 from pdserve.engine.models.batch import StepBatch
 from pdserve.engine.models.llama_weights import FusedDecoder, Layer, Weight
 from pdserve.engine.quant import Fp8Weight
@@ -74,8 +81,15 @@ class LlamaFamily(FusedDecoder):
     pdl = False
     separate_rope = False  # decode-only steps rotate and store k, v in a kernel of their own
 
-    def __init__(self, model: Any, pool: torch.Tensor, max_positions: int, tp: TPGroup | None = None) -> None:
-        super().__init__(model, pool, max_positions, tp)
+    def __init__(
+        self,
+        model: Any,
+        pool: torch.Tensor,
+        max_positions: int,
+        tp: TPGroup | None = None,
+        kv_scales: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__(model, pool, max_positions, tp, kv_scales)
         device = self.embed.device
         self._counters: torch.Tensor | None = None  # fused_merge's per-(sequence, kv head) counters
         if device.type == "cuda":
@@ -104,7 +118,17 @@ class LlamaFamily(FusedDecoder):
             for window in windows:
                 for rotary in (None, (self.cos, self.sin, scratch)):
                     paged.decode_attention(
-                        q, self.pool, 0, tables, ctx, self.scale, count, out, window or None, rope=rotary
+                        q,
+                        self.pool,
+                        0,
+                        tables,
+                        ctx,
+                        self.scale,
+                        count,
+                        out,
+                        window or None,
+                        rope=rotary,
+                        kv_scales=self.kv_scales,
                     )
 
     @torch.inference_mode()
@@ -134,7 +158,9 @@ class LlamaFamily(FusedDecoder):
                 with torch.cuda.stream(self._side):
                     gemv.l2_prefetch(_tensor(layer.o_weight), self._sink)
             if not fused_rope:
-                rope.rope_store(qkv, nq, nkv, self.cos, self.sin, step.positions, step.slots, self.pool, index)
+                rope.rope_store(
+                    qkv, nq, nkv, self.cos, self.sin, step.positions, step.slots, self.pool, index, self.kv_scales
+                )
             out = self._attend(index, layer, qkv, step, pdl, fused_rope).view(tokens, nq * dim)
             if prefetch:
                 main.wait_stream(self._side)
@@ -205,6 +231,7 @@ class LlamaFamily(FusedDecoder):
                 counters=counters,
                 pdl=pdl,
                 rope=(self.cos, self.sin, step.slots) if rope else None,
+                kv_scales=self.kv_scales,
             )
         if chunks is None:
             return out
@@ -225,6 +252,7 @@ class LlamaFamily(FusedDecoder):
             self.scale,
             out,
             layer.window,
+            kv_scales=self.kv_scales,
         )
         return out
 
@@ -233,6 +261,8 @@ class LlamaFamily(FusedDecoder):
         nq, nkv, dim = self.num_q, self.num_kv, self.head_dim
         k = qkv[rows, nq * dim : (nq + nkv) * dim].view(-1, nkv, dim)
         v = qkv[rows, (nq + nkv) * dim :].view(-1, nkv, dim)
+        if self.kv_scales is not None:  # as the pool holds them (one elementwise pass each)
+            k, v = round_fp8(k), round_fp8(v)
         return F.scaled_dot_product_attention(
             q[rows].transpose(0, 1)[None],
             k.transpose(0, 1)[None],

@@ -15,7 +15,10 @@ Pool layout ``[num_pages, num_layers, 2, num_kv_heads, page_size, head_dim]`` (s
 :mod:`pdserve.engine.kv_pool`): viewed as rows of ``head_dim`` values, a token's K of
 (layer, head) is row ``(((page * L + layer) * 2) * H + head) * page_size + offset`` and its V
 ``H * page_size`` rows further; viewed as rows of ``page_size * head_dim``, a page's K block
-of (layer, head) is row ``((page * L + layer) * 2) * H + head``.
+of (layer, head) is row ``((page * L + layer) * 2) * H + head``. An FP8 pool (``kv_scales``)
+keeps that numbering (:func:`pdserve.engine.kv_pool.store_fp8` quantizes as it stores,
+:func:`~pdserve.engine.kv_pool.gather_fp8` dequantizes the gathered blocks to float32); a fresh
+prompt attending over its own k, v takes them rounded so too, as every later read sees them.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from pdserve.engine.kv_pool import gather_fp8, round_fp8, store_fp8
 from pdserve.engine.models.batch import StepBatch
 from pdserve.engine.models.llama_weights import FusedDecoder, Layer, Weight
 
@@ -147,8 +151,15 @@ class LlamaFamilyCPU(FusedDecoder):
 
     overlaps = False  # the engine gains nothing from queueing a step ahead on a CPU
 
-    def __init__(self, model: Any, pool: torch.Tensor, max_positions: int, tp: TPGroup | None = None) -> None:
-        super().__init__(model, pool, max_positions, tp)
+    def __init__(
+        self,
+        model: Any,
+        pool: torch.Tensor,
+        max_positions: int,
+        tp: TPGroup | None = None,
+        kv_scales: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__(model, pool, max_positions, tp, kv_scales)
         self.linears = [
             Linears(
                 qkv=pack(layer.qkv_weight, layer.qkv_bias),
@@ -253,7 +264,10 @@ class LlamaFamilyCPU(FusedDecoder):
         qk.mul_(plan.cos)
         qk.add_(rotated.mul_(plan.sin))  # q * cos + rotate_half(q) * sin, as transformers rounds it
         kv = qkv[:, nq * dim :].reshape(-1, dim)  # [T * 2 * H, D]: (token, k|v, head) rows
-        self.pool.view(-1, dim).index_copy_(0, plan.store[index], kv)
+        if self.kv_scales is not None:
+            store_fp8(self.pool, self.kv_scales, plan.store[index], kv)
+        else:
+            self.pool.view(-1, dim).index_copy_(0, plan.store[index], kv)
         q = qkv[:, : nq * dim].view(tokens, nq, dim)
         nd = plan.num_decodes
         if nd == tokens and len(plan.groups) == 1:
@@ -273,6 +287,9 @@ class LlamaFamilyCPU(FusedDecoder):
     def _gather(self, rows: torch.Tensor, batch: int, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ``[batch, H, pages * page_size, D]`` in float32 of page rows ``[2 * batch * H * pages]``."""
         _, _, _, heads, page, dim = self.pool.shape
+        if self.kv_scales is not None:
+            kv = gather_fp8(self.pool, self.kv_scales, rows, torch.float32).view(2, batch, heads, pages * page, dim)
+            return kv[0], kv[1]
         table = self.pool.view(-1, page * dim)
         buf = self._buffer("gather", rows.shape[0] * page * dim, self.pool.dtype).view(-1, page * dim)
         torch.index_select(table, 0, rows, out=buf)
@@ -346,8 +363,11 @@ class LlamaFamilyCPU(FusedDecoder):
         qs = q[rows].transpose(0, 1)[None].float()  # [1, Hq, n, D]
         n = qs.shape[2]
         if chunk.gather is None:
-            k = qkv[rows, nq * dim : (nq + nkv) * dim].view(n, nkv, dim).transpose(0, 1)[None].float()
-            v = qkv[rows, (nq + nkv) * dim :].view(n, nkv, dim).transpose(0, 1)[None].float()
+            k = qkv[rows, nq * dim : (nq + nkv) * dim].view(n, nkv, dim).transpose(0, 1)[None]
+            v = qkv[rows, (nq + nkv) * dim :].view(n, nkv, dim).transpose(0, 1)[None]
+            if self.kv_scales is not None:  # as the pool holds them, as every later read sees them
+                k, v = round_fp8(k), round_fp8(v)
+            k, v = k.float(), v.float()
         else:
             pages = chunk.gather.shape[1] // (2 * nkv)
             k, v = self._gather(chunk.gather[index], 1, pages)

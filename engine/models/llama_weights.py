@@ -191,9 +191,18 @@ def rope_tables(model: Any, max_positions: int) -> tuple[torch.Tensor, torch.Ten
 class FusedDecoder:
     """What both forward passes hold of a Llama-family model: its shape (heads of this rank,
     head size, scale, norm epsilon), embedding, final norm, LM head, fused layers and rotary
-    tables, over the page pool ``pool``. ``tp``: the weights are this rank's shard."""
+    tables, over the page pool ``pool``. ``tp``: the weights are this rank's shard.
+    ``kv_scales``: ``pool`` is an FP8 pool's values and these its per-token scales
+    (:class:`pdserve.engine.kv_pool.KVPool`'s ``kv`` and ``kv_scales``)."""
 
-    def __init__(self, model: Any, pool: torch.Tensor, max_positions: int, tp: TPGroup | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        pool: torch.Tensor,
+        max_positions: int,
+        tp: TPGroup | None = None,
+        kv_scales: torch.Tensor | None = None,
+    ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(reason)
@@ -201,6 +210,7 @@ class FusedDecoder:
         inner = model.model
         ranks = 1 if tp is None else tp.size
         self.pool = pool
+        self.kv_scales = kv_scales
         self.tp = tp
         self.num_q = config.num_attention_heads // ranks
         self.num_kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) // ranks

@@ -1,0 +1,292 @@
+"""FP8 KV pages (``--kv-cache-dtype fp8_e4m3``): the pool's layout and sizing, the stores bit
+for bit against :func:`quant.quantize_kv_fp8`, both attention kernels against float64 over the
+dequantized K/V, the torch passes' store and read, whole pages moved as bytes.
+
+On the CPU the Triton kernels run in Triton's interpreter in float32 (``kernel_env``); on a GPU
+in bf16 and float32, where the rotary of the fused decode store may round apart from
+:func:`rope.rope_store`'s (fused multiply-adds), so there the two are compared dequantized.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import random
+
+import pytest
+import torch
+
+from pdserve.engine import kv_blob, quant
+from pdserve.engine.kv_host import HostTier
+from pdserve.engine.kv_pool import (
+    KV_FP8,
+    KVPool,
+    block_bytes,
+    bytes_per_token,
+    gather_fp8,
+    kv_views,
+    page_bytes,
+    store_fp8,
+)
+from pdserve.schemas import KVLayout
+from tests.engine.kernel_env import DEVICE, paged, rope
+from tests.engine.test_kernels import DTYPES, TOL, gather, ref_attention, rel_err, scattered_tables
+
+# (page, num_q, num_kv, dim, context lengths, window), as test_kernels' CASES
+CASES = [
+    (16, 4, 2, 64, [1, 17, 40], None),
+    (4, 8, 8, 16, [3, 33, 64, 9], None),
+    (8, 6, 2, 32, [50, 7], 12),
+    (16, 9, 3, 64, [1, 17, 70], None),  # SmolLM2-135M's heads
+    (16, 28, 4, 128, [300], None),  # Qwen2.5-7B's
+]
+
+
+def fp8_pool(pages: int, layers: int, kv: int, page: int, dim: int) -> KVPool:
+    """An FP8 pool whose every vector is a random one quantized, magnitudes spread over 2^-6 to
+    2^6 so that the scales differ from token to token."""
+    pool = KVPool(KVLayout(layers, kv, dim, page, KV_FP8), pages, DEVICE)
+    assert pool.kv_scales is not None
+    shape = pool.kv.shape
+    x = torch.randn(shape, device=DEVICE) * torch.exp2(torch.randint(-6, 7, shape[:-1], device=DEVICE)).unsqueeze(-1)
+    q, scale = quant.quantize_kv_fp8(x)
+    pool.kv.view(torch.uint8).copy_(q.view(torch.uint8))
+    pool.kv_scales.copy_(scale)
+    return pool
+
+
+def dequantized(pool: KVPool) -> torch.Tensor:
+    """The pool's K/V ``[pages, layers, 2, heads, page, dim]`` in float64."""
+    assert pool.kv_scales is not None
+    return quant.dequantize_kv_fp8(pool.kv, pool.kv_scales, torch.float64)
+
+
+def rope_tables(dim: int, dtype: torch.dtype, positions: int = 600) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, device=DEVICE).float() / dim))
+    emb = torch.arange(positions, device=DEVICE).float()[:, None] * inv[None, :]
+    emb = torch.cat((emb, emb), -1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def test_a_page_is_one_byte_range_of_values_then_scales_per_block() -> None:
+    layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=16, page_size=4, dtype=KV_FP8)
+    pool = KVPool(layout, 5, torch.device("cpu"))
+    assert pool.tensor.dtype == torch.uint8 and pool.tensor.is_contiguous()
+    assert block_bytes(layout) == 4 * (16 + 4) and pool.page_bytes == 3 * 2 * 2 * 80 == page_bytes(layout)
+    assert pool.nbytes == 5 * pool.page_bytes and pool.page_address(3) == pool.data_ptr + 3 * pool.page_bytes
+    assert pool.segments([1, 2, 4]) == [(pool.page_address(1), 2 * pool.page_bytes), (pool.page_address(4), 960)]
+    assert pool.kv_scales is not None
+    # token 2 of (page 3, layer 1, V, head 1): its 16 bytes, and its scale after the block's values
+    block = ((3 * 3 + 1) * 2 + 1) * 2 + 1
+    pool.kv[3, 1, 1, 1, 2] = torch.arange(1, 17).to(torch.float8_e4m3fn)
+    pool.kv_scales[3, 1, 1, 1, 2] = 0.375
+    raw = pool.tensor.view(-1)
+    values = raw[block * 80 + 2 * 16 : block * 80 + 3 * 16]
+    assert torch.equal(values.view(torch.float8_e4m3fn).float(), torch.arange(1, 17).float())
+    scale = raw[block * 80 + 64 + 2 * 4 : block * 80 + 64 + 3 * 4]
+    assert scale.view(torch.float32).item() == 0.375
+    assert int((raw != 0).sum()) == int((values != 0).sum()) + int((scale != 0).sum())
+
+
+def test_fp8_pages_hold_1_94x_bf16s_tokens_at_head_dim_128() -> None:
+    """Pool sizing: the pages per byte of Qwen2.5-7B's layout (28 layers, 4 KV heads of 128);
+    bench/fp8_quality.py's kv_capacity (docs/data/fp8_quality.json) says the same."""
+    bf16 = KVLayout(num_layers=28, num_kv_heads=4, head_dim=128, page_size=16, dtype="bfloat16")
+    fp8 = KVLayout(num_layers=28, num_kv_heads=4, head_dim=128, page_size=16, dtype=KV_FP8)
+    assert bytes_per_token(bf16) == quant.kv_bytes_per_token(28, 4, 128, fp8=False) == 28 * 2 * 4 * 256
+    assert bytes_per_token(fp8) == quant.kv_bytes_per_token(28, 4, 128, fp8=True) == 28 * 2 * 4 * 132
+    assert bytes_per_token(bf16) / bytes_per_token(fp8) == pytest.approx(1.9394, abs=1e-4)
+    assert (2**30 // page_bytes(bf16), 2**30 // page_bytes(fp8)) == (1170, 2269)
+    smollm2 = [KVLayout(30, 3, 64, 16, dtype) for dtype in ("bfloat16", KV_FP8)]
+    assert bytes_per_token(smollm2[0]) / bytes_per_token(smollm2[1]) == pytest.approx(128 / 68)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(4, 2, 32), (7, 1, 64), (28, 4, 128), (9, 3, 64)])
+def test_rope_store_into_fp8_is_quantize_kv_fp8_of_the_rotated_k_and_v(
+    dtype: torch.dtype, heads: tuple[int, int, int]
+) -> None:
+    num_q, num_kv, dim = heads
+    page, layers, layer, tokens = 4, 3, 2, 9
+    pool = fp8_pool(12, layers, num_kv, page, dim)
+    before = pool.tensor.clone()
+    qkv = torch.randn((tokens, (num_q + 2 * num_kv) * dim), dtype=dtype, device=DEVICE)
+    qkv[3, num_q * dim : (num_q + 1) * dim] *= 1e3  # scales far apart
+    qkv[5, (num_q + num_kv) * dim :] *= 1e-3
+    qkv[7, (num_q + num_kv) * dim : (num_q + num_kv + 1) * dim] = 0.0  # a zero vector keeps the floor's scale
+    plain_qkv = qkv.clone()
+    positions = torch.tensor(random.Random(2).sample(range(100), tokens), device=DEVICE)
+    slots = torch.tensor(random.Random(3).sample(range(12 * page), tokens), device=DEVICE)
+    cos, sin = rope_tables(dim, dtype, 100)
+    rope.rope_store(qkv, num_q, num_kv, cos, sin, positions, slots, pool.kv, layer, pool.kv_scales)
+    plain_pool = torch.zeros((12, layers, 2, num_kv, page, dim), dtype=dtype, device=DEVICE)
+    rope.rope_store(plain_qkv, num_q, num_kv, cos, sin, positions, slots, plain_pool, layer)
+    assert torch.equal(qkv, plain_qkv), "q and k rotated in place as for a 16-bit pool"
+    k = qkv[:, num_q * dim : (num_q + num_kv) * dim].view(tokens, num_kv, dim)
+    v = qkv[:, (num_q + num_kv) * dim :].view(tokens, num_kv, dim)
+    kq, ks = quant.quantize_kv_fp8(k)
+    vq, vs = quant.quantize_kv_fp8(v)
+    expected = before.clone()
+    values, scales = kv_views(expected, pool.layout)
+    assert scales is not None
+    for t in range(tokens):
+        p, o = divmod(int(slots[t]), page)
+        values.view(torch.uint8)[p, layer, 0, :, o] = kq[t].view(torch.uint8)
+        values.view(torch.uint8)[p, layer, 1, :, o] = vq[t].view(torch.uint8)
+        scales[p, layer, 0, :, o] = ks[t]
+        scales[p, layer, 1, :, o] = vs[t]
+    assert torch.equal(pool.tensor, expected), "every byte: the new tokens' values and scales, nothing else"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES)
+def test_decode_attention_over_fp8_matches_float64_over_the_dequantized_kv(dtype: torch.dtype, case: tuple) -> None:
+    page, num_q, num_kv, dim, lens, window = case
+    rng = random.Random(str(case))
+    layers, layer = 3, 1
+    pool = fp8_pool(96, layers, num_kv, page, dim)
+    before = pool.tensor.clone()
+    kv64 = dequantized(pool)
+    tables, table_t = scattered_tables(lens, page, 96, rng, spare=2)
+    qkv = torch.randn((len(lens), (num_q + 2 * num_kv) * dim), dtype=dtype, device=DEVICE)
+    q = qkv[:, : num_q * dim].view(len(lens), num_q, dim)
+    counters = torch.zeros(len(lens) * num_kv, dtype=torch.int32, device=DEVICE)
+    for splits, fused in ((1, False), (4, False), (4, True)):
+        ctx = torch.tensor(lens, dtype=torch.int64, device=DEVICE)
+        out = torch.full((len(lens), num_q, dim), float("nan"), dtype=dtype, device=DEVICE)
+        paged.decode_attention(
+            q, pool.kv, layer, table_t, ctx, dim**-0.5, splits, out, window, block_n=16,
+            counters=counters if fused else None, kv_scales=pool.kv_scales,
+        )  # fmt: skip
+        for i, n in enumerate(lens):
+            k, v = gather(kv64, layer, tables[i], n)
+            ref = ref_attention(q[i][:, None], k, v, torch.tensor([n - 1], device=DEVICE), window)[:, 0]
+            assert rel_err(out[i], ref) < TOL[dtype], (splits, i)
+    assert torch.equal(pool.tensor, before), "read in place, nothing written"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("chunks", [[(0, 20)], [(16, 9), (0, 5)], [(37, 1), (3, 30)]])
+@pytest.mark.parametrize("window", [None, 10])
+def test_prefill_attention_over_fp8_matches_float64_over_the_dequantized_kv(
+    dtype: torch.dtype, chunks: list, window: int | None
+) -> None:
+    page, num_q, num_kv, dim, layers, layer = 8, 4, 2, 32, 2, 1
+    pool = fp8_pool(40, layers, num_kv, page, dim)
+    kv64 = dequantized(pool)
+    ids = list(range(40))
+    random.Random(1).shuffle(ids)
+    tables, q_starts, row, start = [], [], 3, 0  # 3 rows before the chunks, as decode tokens
+    for prefix, n in chunks:
+        need = -(-(prefix + n) // page)
+        tables.append(ids[start : start + need])
+        start += need
+        q_starts.append(row)
+        row += n
+    table_t = torch.zeros((len(chunks), max(map(len, tables))), dtype=torch.int32, device=DEVICE)
+    for i, t in enumerate(tables):
+        table_t[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    q = torch.randn((row, num_q, dim), dtype=dtype, device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+
+    def ints(xs: list[int]) -> torch.Tensor:
+        return torch.tensor(xs, dtype=torch.int32, device=DEVICE)
+
+    paged.prefill_attention(
+        q, pool.kv, layer, table_t, ints(q_starts), ints([n for _, n in chunks]), ints([p + n for p, n in chunks]),
+        max(n for _, n in chunks), dim**-0.5, out, window, kv_scales=pool.kv_scales,
+    )  # fmt: skip
+    assert out[:3].isnan().all(), "rows outside the chunks were written"
+    for i, (prefix, n) in enumerate(chunks):
+        k, v = gather(kv64, layer, tables[i], prefix + n)
+        qs = q[q_starts[i] : q_starts[i] + n].transpose(0, 1)
+        ref = ref_attention(qs, k, v, torch.arange(prefix, prefix + n, device=DEVICE), window)
+        assert rel_err(out[q_starts[i] : q_starts[i] + n].transpose(0, 1), ref) < TOL[dtype], i
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES[:4])
+def test_decode_attention_with_rope_stores_what_rope_store_stores(dtype: torch.dtype, case: tuple) -> None:
+    """The decode kernel's own store (``rope=``) into an FP8 pool: the bytes
+    :func:`rope.rope_store` writes, then the output of attention over them."""
+    page, num_q, num_kv, dim, lens, window = case
+    rng = random.Random(f"rope {case}")
+    layers, layer = 3, 2
+    pool = fp8_pool(96, layers, num_kv, page, dim)
+    tables, table_t = scattered_tables(lens, page, 96, rng, spare=1)
+    positions = torch.tensor([n - 1 for n in lens], device=DEVICE)
+    slots = torch.tensor([t[(n - 1) // page] * page + (n - 1) % page for t, n in zip(tables, lens, strict=True)])
+    slots = slots.to(DEVICE)
+    cos, sin = rope_tables(dim, dtype)
+    qkv = torch.randn((len(lens), (num_q + 2 * num_kv) * dim), dtype=dtype, device=DEVICE)
+    ctx = torch.tensor(lens, dtype=torch.int64, device=DEVICE)
+    separate_qkv, separate = qkv.clone(), KVPool(pool.layout, 96, DEVICE)
+    separate.tensor.copy_(pool.tensor)
+    rope.rope_store(separate_qkv, num_q, num_kv, cos, sin, positions, slots, separate.kv, layer, separate.kv_scales)
+    for splits in (1, 4):
+        fused = KVPool(pool.layout, 96, DEVICE)
+        fused.tensor.copy_(pool.tensor)
+        out = torch.full((len(lens), num_q, dim), float("nan"), dtype=dtype, device=DEVICE)
+        paged.decode_attention(
+            qkv[:, : num_q * dim].view(len(lens), num_q, dim), fused.kv, layer, table_t, ctx, dim**-0.5, splits,
+            out, window, block_n=16, rope=(cos, sin, slots), kv_scales=fused.kv_scales,
+        )  # fmt: skip
+        if DEVICE.type == "cpu":
+            assert torch.equal(fused.tensor, separate.tensor), splits
+        else:  # a fused multiply-add may move a rotated k by a bit, and its FP8 rounding with it
+            assert rel_err(dequantized(fused), dequantized(separate)) < 1e-2, splits
+        expected = torch.empty_like(out)
+        paged.decode_attention(
+            separate_qkv[:, : num_q * dim].view(len(lens), num_q, dim), separate.kv, layer, table_t, ctx,
+            dim**-0.5, splits, expected, window, block_n=16, kv_scales=separate.kv_scales,
+        )  # fmt: skip
+        assert rel_err(out, expected) < TOL[dtype], splits
+
+
+def test_the_torch_store_writes_the_kernels_bytes_and_the_read_dequantizes() -> None:
+    """:func:`store_fp8` (the CPU pass and the stock-code path) writes the bytes
+    :func:`rope.rope_store` writes for the same k, v: pools filled either way are
+    interchangeable (PD between a CPU-pass worker and a Triton one); :func:`gather_fp8` reads
+    blocks back as :func:`quant.dequantize_kv_fp8` does."""
+    num_q, num_kv, dim, page, layers, layer, tokens = 4, 2, 32, 4, 2, 1, 11
+    layout = KVLayout(layers, num_kv, dim, page, KV_FP8)
+    by_kernel, by_torch = KVPool(layout, 8, DEVICE), KVPool(layout, 8, DEVICE)
+    qkv = torch.randn((tokens, (num_q + 2 * num_kv) * dim), device=DEVICE)
+    positions = torch.arange(tokens, device=DEVICE)
+    slots = torch.tensor(random.Random(5).sample(range(8 * page), tokens), device=DEVICE)
+    cos, sin = rope_tables(dim, torch.float32, 16)
+    rope.rope_store(qkv, num_q, num_kv, cos, sin, positions, slots, by_kernel.kv, layer, by_kernel.kv_scales)
+    # rows of head_dim values, numbered as a 16-bit pool's view(-1, head_dim): (token, k|v, head)
+    base = ((slots // page) * (layers * 2 * num_kv) + layer * 2 * num_kv)[:, None] + torch.arange(2 * num_kv)
+    rows = (base * page + (slots % page)[:, None]).view(-1)
+    assert by_torch.kv_scales is not None and by_kernel.kv_scales is not None
+    store_fp8(by_torch.kv, by_torch.kv_scales, rows, qkv[:, num_q * dim :].reshape(-1, dim))
+    assert torch.equal(by_torch.tensor, by_kernel.tensor)
+    blocks = torch.tensor([5, 0, 17], device=DEVICE)
+    got = gather_fp8(by_kernel.kv, by_kernel.kv_scales, blocks, torch.float32)
+    whole = quant.dequantize_kv_fp8(by_kernel.kv, by_kernel.kv_scales, torch.float32).view(-1, page * dim)
+    assert torch.equal(got, whole[blocks])
+
+
+def test_fp8_pages_move_as_bytes_between_pools_tiers_and_blobs() -> None:
+    """Whatever moves whole pages moves FP8 ones unchanged: a transfer's byte copy of the
+    segments, copy_page, the host tier and a disk/store blob."""
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, page_size=4, dtype=KV_FP8)
+    src = KVPool(layout, 6, torch.device("cpu"))
+    src.tensor.copy_(torch.randint(0, 255, src.tensor.shape, dtype=torch.uint8))
+    dst = KVPool(layout, 6, torch.device("cpu"))
+    (address, nbytes), *_ = src.segments([2, 3])
+    ctypes.memmove(dst.page_address(4), address, nbytes)  # what a transfer backend does
+    assert torch.equal(dst.tensor[4:6], src.tensor[2:4])
+    assert dst.kv_scales is not None and src.kv_scales is not None
+    assert torch.equal(dst.kv_scales[4:6], src.kv_scales[2:4])
+    assert torch.equal(dst.kv[4:6].view(torch.uint8), src.kv[2:4].view(torch.uint8))
+    src.copy_page(1, 0)
+    assert torch.equal(src.tensor[0], src.tensor[1])
+    host = HostTier(src, 3 * src.page_bytes)
+    host.store(b"k", 5)
+    host.load(b"k", 0)
+    assert torch.equal(src.tensor[0], src.tensor[5])
+    ident = kv_blob.identity(b"model", layout, 2)
+    assert ident != kv_blob.identity(b"model", KVLayout(2, 2, 16, 4, "bfloat16"), 2), "a blob names its dtype"
+    blob = kv_blob.encode(ident, bytes(16), src.tensor[[3, 1]])
+    assert torch.equal(kv_blob.decode(blob, ident, bytes(16), layout), src.tensor[[3, 1]])

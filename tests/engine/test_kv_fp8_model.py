@@ -1,0 +1,117 @@
+"""``--kv-cache-dtype fp8_e4m3`` end to end: greedy tokens of each forward pass (the Triton one,
+interpreted on the CPU; pdserve's CPU pass; the stock ``transformers`` code) against
+``transformers`` whose every attention sees K and V rounded as the FP8 pool holds them
+(:func:`quant.quantize_kv_fp8`, then back), prompts in chunks over cached prefixes; the pool's
+sizing and the refusals.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from pdserve.bench import shapes
+from pdserve.engine import attention, quant
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.kv_pool import KV_FP8, bytes_per_token
+from pdserve.engine.loader import quiet_transformers
+from pdserve.engine.model_runner import ModelRunner, ModelSpec
+from pdserve.engine.models.llama_cpu import LlamaFamilyCPU
+from tests.engine.kernel_env import DEVICE, llama
+from tests.engine.reference import assert_greedy_equal, hf_greedy, run
+
+NEW = 6
+
+
+def rounded_kv(sdpa: Callable[..., Any]) -> Callable[..., Any]:
+    """``sdpa`` over K and V rounded to FP8 per token per head, as the pool stores them."""
+
+    def attend(
+        module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kw: Any
+    ) -> Any:
+        key = quant.dequantize_kv_fp8(*quant.quantize_kv_fp8(key), dtype=key.dtype)
+        value = quant.dequantize_kv_fp8(*quant.quantize_kv_fp8(value), dtype=value.dtype)
+        return sdpa(module, query, key, value, *args, **kw)
+
+    return attend
+
+
+def engine_for(model: torch.nn.Module, forward: str, kv_cache_dtype: str = "fp8_e4m3") -> Engine:
+    config = EngineConfig(
+        device=str(DEVICE),
+        max_total_tokens=1024,
+        model_impl="transformers" if forward == "transformers" else "pdserve",
+        chunked_prefill_size=16,
+        cuda_graph_max_batch=0 if DEVICE.type == "cpu" else 8,
+        kv_cache_dtype=kv_cache_dtype,
+    )
+    if forward == "transformers":
+        model.set_attn_implementation(attention.register())
+    runner = ModelRunner(ModelSpec(Path("m")), config, model=model, allow_interpreter=forward == "triton")
+    assert runner.layout.dtype == (KV_FP8 if kv_cache_dtype == "fp8_e4m3" else "float32")
+    expected = {"triton": llama.LlamaFamily, "cpu": LlamaFamilyCPU, "transformers": type(None)}[forward]
+    assert isinstance(runner.fast, expected)
+    return Engine(runner, config)
+
+
+FORWARDS = [("triton", "qwen2"), ("triton", "smollm2-2l"), ("transformers", "llama")]
+if DEVICE.type == "cpu":
+    FORWARDS.append(("cpu", "llama"))
+
+
+@pytest.mark.parametrize(("forward", "kind"), FORWARDS)
+def test_fp8_kv_greedy_equals_transformers_over_fp8_rounded_kv(
+    forward: str, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    quiet_transformers()
+    model = shapes.small_model(kind, DEVICE)
+    rng = random.Random(kind)
+    prompts = [[rng.randrange(300) for _ in range(n)] for n in (4, 21, 40)]
+    prompts.append(prompts[2][:32] + [7, 8])  # two cached pages of FP8 KV, read by another request
+    engine = engine_for(model, forward)
+    ours = run(engine, prompts[:3], NEW) + run(engine, prompts[3:], NEW)
+    assert engine.stats.cached_tokens >= 32
+    engine.pages.check_invariants()
+    ids = torch.tensor([prompts[2] + ours[2]], device=DEVICE)
+    with torch.inference_mode():
+        plain_logits = model(ids).logits
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", rounded_kv(ALL_ATTENTION_FUNCTIONS["sdpa"]))
+    expected = hf_greedy(model, prompts, NEW)
+    assert_greedy_equal(model, prompts, ours, expected)
+    with torch.inference_mode():
+        rounded_logits = model(ids).logits
+    # the reference is not the model itself: FP8 KV moves the logits, a little
+    error = (rounded_logits - plain_logits).abs().max().item()
+    assert 1e-4 < error < 0.1 * plain_logits.abs().max().item(), error
+    assert all(0 <= t < model.config.vocab_size for out in ours for t in out)
+
+
+def test_the_pool_holds_more_pages_in_fp8() -> None:
+    """The same bytes, more pages: the runner sizes the pool by FP8's bytes per token (values
+    and scales), 4 * head_dim / (head_dim + 4) times a float32 pool's."""
+    model = shapes.small_model("qwen2", torch.device("cpu"))
+    pages = {}
+    for dtype in ("auto", "fp8_e4m3"):
+        config = EngineConfig(device="cpu", cpu_kv_bytes=8 << 20, model_impl="pdserve", kv_cache_dtype=dtype)
+        runner = ModelRunner(ModelSpec(Path("m")), config, model=model, allow_interpreter=False)
+        pages[dtype] = runner.num_pages
+        assert runner.num_pages == (8 << 20) // (bytes_per_token(runner.layout) * config.page_size)
+        assert runner.pool.nbytes == (runner.num_pages + 1) * runner.pool.page_bytes
+    dim = model.config.hidden_size // model.config.num_attention_heads
+    assert pages["fp8_e4m3"] / pages["auto"] == pytest.approx(4 * dim / (dim + 4), rel=0.01)
+
+
+def test_bf16_kv_beside_a_float32_model_is_refused_naming_the_flag() -> None:
+    model = shapes.small_model("qwen2", torch.device("cpu"))
+    config = EngineConfig(device="cpu", max_total_tokens=256, kv_cache_dtype="bf16")
+    with pytest.raises(ValueError, match="--kv-cache-dtype bf16: the model runs in float32"):
+        ModelRunner(ModelSpec(Path("m")), config, model=model, allow_interpreter=False)
+    with pytest.raises(ValueError, match="kv_cache_dtype is one of auto, bf16, fp8_e4m3"):
+        EngineConfig(kv_cache_dtype="fp8_e5m2")
