@@ -148,6 +148,11 @@ def check_worker_flags(args: argparse.Namespace, role: str) -> None:
                 f"--quantization fp8 with --device {args.device}: FP8 weights run on pdserve's GPU pass (compute "
                 "capability 8.9 or above); its CPU pass has no FP8 matmuls"
             )
+    if kv_cache_dtype(args) == "bf16" and args.dtype in ("float32", "float16", "half"):
+        raise UsageError(
+            f"--kv-cache-dtype bf16 with --dtype {args.dtype}: the KV pool is in the model's dtype or FP8; "
+            "use --dtype bfloat16, or --kv-cache-dtype auto or fp8_e4m3"
+        )
     if args.cpus is not None:
         from pdserve.cores import parse_cpus
 
@@ -261,6 +266,12 @@ def speculative_settings(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def kv_cache_dtype(args: argparse.Namespace) -> str:
+    """``--kv-cache-dtype``, its alias ``fp8`` spelled ``fp8_e4m3`` (vLLM's and SGLang's meaning)."""
+    value: str = getattr(args, "kv_cache_dtype", "auto")
+    return "fp8_e4m3" if value == "fp8" else value
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     try:
         speculative = speculative_settings(args)
@@ -279,6 +290,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.context_length,
         model_impl=args.model_impl,
         quantization=args.quantization,
+        kv_cache_dtype=kv_cache_dtype(args),
         cuda_graph_max_batch=0 if args.disable_cuda_graph else args.cuda_graph_max_bs,
         overlap_schedule=not args.disable_overlap_schedule,
         kv_tiers=tier_config(args),

@@ -40,6 +40,11 @@ def test_an_sglang_prefill_command_parses_and_passes_the_checks() -> None:
     fp8 = build_parser().parse_args([*SGLANG_PREFILL, "--device", "cuda", "--quantization", "fp8"])
     check_worker_flags(fp8, "prefill")
     assert engine_config(fp8).quantization == "fp8"
+    for value, meant in (("fp8", "fp8_e4m3"), ("fp8_e4m3", "fp8_e4m3"), ("auto", "auto")):
+        kv = build_parser().parse_args([*SGLANG_PREFILL, "--kv-cache-dtype", value])
+        check_worker_flags(kv, "prefill")
+        assert engine_config(kv).kv_cache_dtype == meant
+    assert engine_config(args).kv_cache_dtype == "auto"
 
 
 @pytest.mark.parametrize(
@@ -60,6 +65,7 @@ def test_an_sglang_prefill_command_parses_and_passes_the_checks() -> None:
             "stock transformers code has no FP8",
         ),
         (["--quantization", "fp8"], "--device cpu: FP8 weights run on pdserve's GPU pass"),
+        (["--kv-cache-dtype", "bf16", "--dtype", "float32"], "--kv-cache-dtype bf16 with --dtype float32"),
     ],
 )
 def test_values_pdserve_cannot_honour_are_errors(flags: list[str], message: str) -> None:
@@ -270,4 +276,12 @@ def test_up_moves_kv_without_a_port_on_one_host_unless_told_otherwise(tmp_path: 
     huge = parser.parse_args(["up", "--max-total-tokens", str(1 << 40)])
     backend, why = choose_backend(huge, str(tmp_path), model_path=model)
     assert backend == "mooncake" and "the pools need" in why
+    from pdserve.plan import kv_bytes_per_token
+
+    # 4 layers, 2 KV heads of 64: float32 4 bytes a value; FP8 one, and a float32 scale per vector
+    assert kv_bytes_per_token(model, "float32") == 4 * 2 * 2 * 64 * 4
+    assert (
+        kv_bytes_per_token(model, "float32", "fp8_e4m3") == kv_bytes_per_token(model, "auto", "fp8") == 4 * 2 * 2 * 68
+    )
+    assert kv_bytes_per_token(model, "bfloat16", "bf16") == 4 * 2 * 2 * 128
     assert choose_backend(parser.parse_args(["up", "--mode", "unified"]))[0] == "mooncake"

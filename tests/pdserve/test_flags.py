@@ -84,6 +84,8 @@ def test_a_worker_parses_what_up_means() -> None:
             "--max-running-requests",
             "8",
             "--disable-prefix-cache",
+            "--kv-cache-dtype",
+            "fp8",
             "--kv-hold-seconds",
             "12.5",
             "--heartbeat-seconds",
