@@ -28,8 +28,14 @@ def measure_e2e(args: argparse.Namespace, dims: dict, device: str) -> dict:
     model_dir = write_model_dir(Path(tempfile.mkdtemp(prefix="pdserve-e2e-")) / "model", dims, "bfloat16")
     tokens = 64 * (512 + args.new + 64)
     quantization = getattr(args, "quantization", None)
+    kv_cache_dtype = getattr(args, "kv_cache_dtype", "auto")
     config = EngineConfig(
-        device=device, max_total_tokens=tokens, max_num_seqs=128, chunked_prefill_size=8192, quantization=quantization
+        device=device,
+        max_total_tokens=tokens,
+        max_num_seqs=128,
+        chunked_prefill_size=8192,
+        quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
     )
     offline = build_engine(model_dir, config, load_format="dummy")
     vocab = min(4000, dims["vocab_size"])  # token ids the tokenizer knows: the API checks them
@@ -42,6 +48,7 @@ def measure_e2e(args: argparse.Namespace, dims: dict, device: str) -> dict:
     flags = ["--device", device, "--model-path", str(model_dir), "--load-format", "dummy"]
     flags += ["--max-total-tokens", str(tokens), "--max-running-requests", "128", "--chunked-prefill-size", "8192"]
     flags += ["--quantization", quantization] if quantization else []
+    flags += ["--kv-cache-dtype", kv_cache_dtype]
     by_processes: dict[int, dict] = {}
     for n in [int(x) for x in args.e2e_api_processes.split(",")]:
         up = [*flags, "--api-processes", str(n), *(["--log-level", "DEBUG"] if args.e2e_step_log else [])]

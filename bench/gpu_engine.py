@@ -20,6 +20,12 @@ JSON records ``quantization`` and the weights' bytes before and after). The stoc
 ``transformers`` run is skipped then (the engine drops the model's 16-bit projections):
 
     python bench/gpu_engine.py --quantization fp8 --json docs/data/gpu_engine_fp8.json
+
+``--kv-cache-dtype fp8_e4m3``: the page pool in FP8 with a scale per token per KV head (the
+JSON records the pool's dtype, bytes per token and pages per GiB; the sizes of the runs are
+fixed, so the figures are the speed of FP8 attention, not of a larger pool):
+
+    python bench/gpu_engine.py --kv-cache-dtype fp8_e4m3 --json docs/data/gpu_engine_fp8_kv.json
 """
 
 from __future__ import annotations
@@ -41,9 +47,10 @@ from common import say
 from gpu_e2e import measure_e2e
 
 from pdserve.bench.shapes import QWEN2_5_7B
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.config import KV_CACHE_DTYPES, EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.kernels import fp8
+from pdserve.engine.kv_pool import bytes_per_token
 from pdserve.engine.loader import quiet_transformers
 from pdserve.engine.model_runner import ModelRunner, ModelSpec
 from pdserve.schemas import SamplingParams
@@ -376,6 +383,12 @@ def main() -> int:
         "implies --skip-transformers)",
     )
     parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="the engine's KV page pool: auto (bf16 here), bf16 or fp8_e4m3 (default: %(default)s)",
+    )
+    parser.add_argument(
         "--fp8-batched",
         choices=fp8.BATCHED_MODES,
         help=f"FP8: how the batched kernel takes its activations (default {fp8.BATCHED_MODE}; see "
@@ -458,6 +471,7 @@ def main() -> int:
         chunked_prefill_size=8192,
         cuda_graph_max_batch=max(args.requests, 8),
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     parameters = sum(p.numel() for p in model.parameters())  # before FP8 drops the 16-bit projections
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -471,6 +485,9 @@ def main() -> int:
         "model": "Qwen2.5-7B dimensions, random weights" if not args.small else "small stand-in",
         "dtype": str(dtype).removeprefix("torch."),
         "quantization": args.quantization or "none",
+        "kv_cache_dtype": engine.runner.layout.dtype,
+        "kv_bytes_per_token": bytes_per_token(engine.runner.layout),
+        "kv_pages_per_gib": round(2**30 / engine.runner.pool.page_bytes, 1),
         "parameters": parameters,
         "weight_bytes": weight_bytes,
         "command": "python " + " ".join(sys.argv),
