@@ -143,9 +143,12 @@ class LlamaFamily(FusedDecoder):
         # a decode-only step: decode attention rotates and stores its tokens' k, v itself
         fused_rope = step.prefill is None and not self.separate_rope
         for index, layer in enumerate(self.layers):
-            x, residual = elementwise.add_rms_norm(h, residual, layer.input_norm, self.eps)
             w = layer.qkv_weight  # the library's GEMM at every size in 16 bits (as fast at batch 1)
-            qkv = F.linear(x, w, layer.qkv_bias) if isinstance(w, torch.Tensor) else self._fp8(x, w, layer.qkv_bias)
+            if isinstance(w, torch.Tensor):
+                x, residual = elementwise.add_rms_norm(h, residual, layer.input_norm, self.eps)
+                qkv = F.linear(x, w, layer.qkv_bias)
+            else:
+                qkv, residual = self._norm_fp8(h, residual, layer.input_norm, w, layer.qkv_bias)
             if layer.q_norm is not None and layer.k_norm is not None:
                 qk = qkv[:, : (nq + nkv) * dim]
                 q = layer.q_norm(qk[:, : nq * dim].reshape(tokens, nq, dim))
@@ -172,8 +175,13 @@ class LlamaFamily(FusedDecoder):
             h = self._linear(out, layer.o_weight, layer.o_bias, GEMV_O, pdl)
             if self.tp is not None:
                 self.tp.all_reduce(h)
-            x, residual = elementwise.add_rms_norm(h, residual, layer.post_norm, self.eps, pdl)
-            gate_up = self._linear(x, layer.gate_up_weight, layer.gate_up_bias, GEMV_GATE_UP, pdl)
+            if isinstance(layer.gate_up_weight, Fp8Weight):
+                gate_up, residual = self._norm_fp8(
+                    h, residual, layer.post_norm, layer.gate_up_weight, layer.gate_up_bias
+                )
+            else:
+                x, residual = elementwise.add_rms_norm(h, residual, layer.post_norm, self.eps, pdl)
+                gate_up = self._linear(x, layer.gate_up_weight, layer.gate_up_bias, GEMV_GATE_UP, pdl)
             down = layer.down_weight
             if isinstance(down, Fp8Weight):
                 h = self._fp8(gate_up, down, layer.down_bias, silu_mul_input=True)
@@ -194,6 +202,18 @@ class LlamaFamily(FusedDecoder):
         if x.shape[0] == 1 and self.use_gemv:
             return gemv.gemv(x, w, b, False, pdl=pdl, **tiles)  # type: ignore[arg-type]
         return F.linear(x, w, b)
+
+    def _norm_fp8(
+        self, h: torch.Tensor, residual: torch.Tensor | None, norm: torch.Tensor, w: Fp8Weight, b: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(linear(add_rms_norm(h, residual)), h + residual)`` for an FP8 ``w``: where the
+        product quantizes its rows per row, the norm hands them over quantized (one launch fewer)."""
+        gemv_rows = fp8.GEMV_MAX_ROWS if self.use_gemv else 0
+        if fp8.takes_quantized_rows(h.shape[0], gemv_rows):
+            (xq, xs), residual = elementwise.add_rms_norm_fp8(h, residual, norm, self.eps)
+            return fp8.linear(xq, w, b, gemv_max_rows=gemv_rows, x_scale=xs, out_dtype=h.dtype), residual
+        x, residual = elementwise.add_rms_norm(h, residual, norm, self.eps)
+        return self._fp8(x, w, b), residual
 
     def _fp8(self, x: torch.Tensor, w: Fp8Weight, b: torch.Tensor | None, silu_mul_input: bool = False) -> torch.Tensor:
         rows = fp8.GEMV_MAX_ROWS if self.use_gemv else 0

@@ -23,7 +23,7 @@ from pdserve.bench import shapes
 from pdserve.engine import quant
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.kernels import fp8
+from pdserve.engine.kernels import elementwise, fp8
 from pdserve.engine.loader import quiet_transformers
 from pdserve.engine.model_runner import ModelRunner, ModelSpec, load_model, refuse_fp8_checkpoint
 from pdserve.engine.models import fp8_reason
@@ -85,8 +85,20 @@ def test_fp8_greedy_equals_transformers_on_fp8_rounded_weights(
     runner = ModelRunner(ModelSpec(Path(kind)), config, model=model)
     assert runner.model_impl == "pdserve" and isinstance(runner.fast, llama.LlamaFamily)
     runner.fast.use_gemv = use_gemv  # with GEMVs every step here has at most 16 + 2 rows
+    calls = {"norm": 0, "rows": 0}
+    for module, name, key in ((elementwise, "add_rms_norm_fp8", "norm"), (fp8, "quantize_rows", "rows")):
+
+        def counted(*args: object, _fn: object = getattr(module, name), _key: str = key, **kwargs: object) -> object:
+            calls[_key] += 1
+            return _fn(*args, **kwargs)  # type: ignore[operator]
+
+        monkeypatch.setattr(module, name, counted)
     ours = run(Engine(runner, config), prompts, NEW)
     assert_greedy_equal(reference, prompts, ours, expected)
+    if use_gemv:
+        assert calls == {"norm": 0, "rows": 0}
+    else:  # qkv and gate_up take their rows quantized by the norm; o and down quantize their own
+        assert calls["norm"] > 0 and calls["norm"] == calls["rows"]
 
 
 def test_fp8_weights_replace_the_16_bit_ones_before_the_pool_is_sized(monkeypatch: pytest.MonkeyPatch) -> None:
