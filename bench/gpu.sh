@@ -10,8 +10,8 @@
 #                                    # host's grammar work per step (bench/probes/grammar_host.py)
 #   bash bench/gpu.sh kv_tiers       # the tier tests on the GPU, then bench/kv_tiers.py at 7B dimensions
 #   bash bench/gpu.sh serve          # pdserve up (PD, then unified) on one GPU at 7B dimensions, pdserve bench at 1 and 64
-#   bash bench/gpu.sh fp8            # the FP8 tests on the GPU, bench/probes/fp8_probe.py, then bench/gpu_engine.py
-#                                    # in bf16 and in FP8 per batched mode, same call (gpu_engine_bf16.json, _fp8_MODE.json)
+#   bash bench/gpu.sh fp8            # the FP8 tests on the GPU, bench/probes/fp8_probe.py, then bench/gpu_engine.py in
+#                                    # bf16 and FP8 variants in one call (gpu_engine_NAME.json; logs in fp8_logs.tgz)
 #   bash bench/gpu.sh probes         # the probes in PROBES (default "diag gemv attention"; also fp32, reading, ipc)
 #   bash bench/gpu.sh two_gpu_pd     # 2 GPUs: the p2p tests, then bench/two_gpu_pd.py (NCCL KV, PD against 2 unified)
 #   bash bench/gpu.sh two_tp         # 2 GPUs: the TP tests, then bench/tensor_parallel.py (TP 1 against TP 2)
@@ -111,23 +111,22 @@ serve)  # MODES (default "pd unified"), each a fresh pdserve up on port 8050 for
     kill -TERM $up; wait $up
   done
   ;;
-fp8)  # FP8_MODES: the batched kernel's modes to run (default "tile row"), each with the probe's GEMV tiles
+fp8)  # FP8_RUNS: "name|gpu_engine flags" runs separated by ";" (default: bf16; FP8 weights; the same with fast
+  # accumulation; FP8 KV alone; FP8 weights and KV)
   timeout -k 10 ${TEST_LIMIT:-150} python3 -m pytest -q -p no:cacheprovider tests/engine/test_fp8_kernels.py \
-    tests/engine/test_fp8_model.py > "$out/test_fp8.txt" 2>&1
+    tests/engine/test_fp8_model.py tests/engine/test_kv_fp8.py > "$out/test_fp8.txt" 2>&1
   grep -E "passed|failed|^FAILED|^E  " "$out/test_fp8.txt" | cut -c1-300 | head -30
-  timeout -k 10 ${PROBE_LIMIT:-200} python3 bench/probes/fp8_probe.py --out "$out/fp8_probe.json" \
-    ${PROBE_ARGS:---rows 1,16,64,128,2048,4096 --budget 170} > "$out/fp8_probe.log" 2>&1
-  sed -n '/^shape /,$p' "$out/fp8_probe.log" | cut -c1-250 | tail -40
-  for q in bf16 ${FP8_MODES:-tile row}; do
-    if [ $q = bf16 ]; then flags="--skip-transformers"; else
-      flags="--quantization fp8 --fp8-batched $q"
-      [ -f "$out/fp8_probe.json" ] && flags="$flags --fp8-gemv-tiles $out/fp8_probe.json"
-    fi
-    name=$([ $q = bf16 ] && echo bf16 || echo fp8_$q)
-    timeout -k 15 ${ENGINE_LIMIT:-150} python3 bench/gpu_engine.py $flags --json "$out/gpu_engine_$name.json" ${ARGS:-} \
+  timeout -k 10 ${PROBE_LIMIT:-150} python3 bench/probes/fp8_probe.py --out "$out/fp8_probe.json" \
+    ${PROBE_ARGS:---rows 1,64,128,4096 --budget 120} > "$out/fp8_probe.log" 2>&1
+  sed -n '/^shape /,$p' "$out/fp8_probe.log" | cut -c1-250 | tail -30
+  IFS=';' read -ra runs <<< "${FP8_RUNS:-bf16|--skip-transformers;fp8|--quantization fp8;fp8_fast|--quantization fp8 --fp8-fast-accum;fp8_kv|--skip-transformers --kv-cache-dtype fp8_e4m3;fp8_all|--quantization fp8 --kv-cache-dtype fp8_e4m3}"
+  for run in "${runs[@]}"; do
+    name=${run%%|*}
+    timeout -k 15 ${ENGINE_LIMIT:-150} python3 bench/gpu_engine.py ${run#*|} --json "$out/gpu_engine_$name.json" ${ARGS:-} \
       > "$out/gpu_engine_$name.log" 2>&1
     echo "== $name"; quiet < "$out/gpu_engine_$name.log" | grep -v scaled_dot_product | tail -9
   done
+  (cd "$out" && tar -czf fp8_logs.tgz *.log *.txt && rm -f gpu_engine_*.log fp8_probe.log test_fp8.txt)
   ;;
 probes)
   for probe in ${PROBES:-diag gemv attention}; do
