@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from pdserve.engine.kernels import interpreting
-from pdserve.engine.kernels.fp8 import _to_fp8
+from pdserve.engine.kernels.elementwise import to_fp8
 
 
 # Integer arguments that change between calls (the layer, a table's width) are not
@@ -108,7 +108,7 @@ def store_kv(pool_ptr, scale_ptr, dst, scale_dst, x, rows_ok, EXACT: tl.constexp
     rounds (``EXACT``: in float32 arithmetic, for the interpreter); else in the pool's dtype."""
     if KV_FP8:
         scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 1), 1e-12), 448.0)
-        tl.store(dst, _to_fp8(x, scale[:, None], pool_ptr, EXACT), mask=rows_ok[:, None])
+        tl.store(dst, to_fp8(x, scale[:, None], pool_ptr, EXACT), mask=rows_ok[:, None])
         tl.store(scale_dst, scale, mask=rows_ok)
     else:
         tl.store(dst, x.to(pool_ptr.dtype.element_ty), mask=rows_ok[:, None])

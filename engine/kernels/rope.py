@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from pdserve.engine.kernels import interpreting
-from pdserve.engine.kernels.fp8 import _to_fp8
+from pdserve.engine.kernels.elementwise import to_fp8
 from pdserve.engine.kernels.paged import block_strides, store_kv
 
 
@@ -69,8 +69,8 @@ def _rope_store_kernel(
         hi_k = new_hi.to(qkv_ptr.dtype.element_ty).to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(lo_k), 1), tl.max(tl.abs(hi_k), 1))
         k_scale = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
-        tl.store(k_dst, _to_fp8(lo_k, k_scale[:, None], pool_ptr, EXACT), mask=is_k[:, None])
-        tl.store(k_dst + half, _to_fp8(hi_k, k_scale[:, None], pool_ptr, EXACT), mask=is_k[:, None])
+        tl.store(k_dst, to_fp8(lo_k, k_scale[:, None], pool_ptr, EXACT), mask=is_k[:, None])
+        tl.store(k_dst + half, to_fp8(hi_k, k_scale[:, None], pool_ptr, EXACT), mask=is_k[:, None])
         tl.store(scale_ptr + k_block * SCALE_BLOCK + offset, k_scale, mask=is_k)
     else:
         tl.store(k_dst, new_lo.to(pool_ptr.dtype.element_ty), mask=is_k[:, None])

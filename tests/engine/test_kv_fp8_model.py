@@ -79,6 +79,7 @@ def test_fp8_kv_greedy_equals_transformers_over_fp8_rounded_kv(
     ours = run(engine, prompts[:3], NEW) + run(engine, prompts[3:], NEW)
     assert engine.stats.cached_tokens >= 32
     engine.pages.check_invariants()
+    model.set_attn_implementation("sdpa")  # the reference's (the stock path's engine set pdserve's)
     ids = torch.tensor([prompts[2] + ours[2]], device=DEVICE)
     with torch.inference_mode():
         plain_logits = model(ids).logits
