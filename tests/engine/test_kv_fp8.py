@@ -256,7 +256,9 @@ def test_the_torch_store_writes_the_kernels_bytes_and_the_read_dequantizes() -> 
     cos, sin = rope_tables(dim, torch.float32, 16)
     rope.rope_store(qkv, num_q, num_kv, cos, sin, positions, slots, by_kernel.kv, layer, by_kernel.kv_scales)
     # rows of head_dim values, numbered as a 16-bit pool's view(-1, head_dim): (token, k|v, head)
-    base = ((slots // page) * (layers * 2 * num_kv) + layer * 2 * num_kv)[:, None] + torch.arange(2 * num_kv, device=DEVICE)
+    base = ((slots // page) * (layers * 2 * num_kv) + layer * 2 * num_kv)[:, None] + torch.arange(
+        2 * num_kv, device=DEVICE
+    )
     rows = (base * page + (slots % page)[:, None]).view(-1)
     assert by_torch.kv_scales is not None and by_kernel.kv_scales is not None
     store_fp8(by_torch.kv, by_torch.kv_scales, rows, qkv[:, num_q * dim :].reshape(-1, dim))
