@@ -19,13 +19,13 @@ cached tokens reported.
 JSON records ``quantization`` and the weights' bytes before and after). The stock
 ``transformers`` run is skipped then (the engine drops the model's 16-bit projections):
 
-    python bench/gpu_engine.py --quantization fp8 --json docs/data/gpu_engine_fp8.json
+    python bench/gpu_engine.py --quantization fp8 --json /tmp/gpu_engine_fp8.json   # docs/data/gpu_engine_fp8.json: bench/gpu.sh fp8
 
 ``--kv-cache-dtype fp8_e4m3``: the page pool in FP8 with a scale per token per KV head (the
 JSON records the pool's dtype, bytes per token and pages per GiB; the sizes of the runs are
 fixed, so the figures are the speed of FP8 attention, not of a larger pool):
 
-    python bench/gpu_engine.py --kv-cache-dtype fp8_e4m3 --json docs/data/gpu_engine_fp8_kv.json
+    python bench/gpu_engine.py --kv-cache-dtype fp8_e4m3 --json /tmp/gpu_engine_fp8_kv.json   # bash bench/gpu.sh fp8: all
 """
 
 from __future__ import annotations
@@ -343,8 +343,8 @@ def configure_fp8(args: argparse.Namespace) -> dict[str, object]:
     """The FP8 kernels' choices for this run (``--fp8-batched``, ``--fp8-gemv-tiles``), as recorded."""
     if args.fp8_batched:
         fp8.BATCHED_MODE = args.fp8_batched
-    if args.fp8_fast_accum:
-        fp8.SCALED_MM_FAST_ACCUM = True
+    if args.fp8_accum:
+        fp8.SCALED_MM_FAST_ACCUM = args.fp8_accum == "fast"
     if args.fp8_gemv_tiles:
         probe = json.loads(args.fp8_gemv_tiles.read_text())
         shapes = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
@@ -401,9 +401,10 @@ def main() -> int:
         "and down's SiLU·up fused or not)",
     )
     parser.add_argument(
-        "--fp8-fast-accum",
-        action="store_true",
-        help="FP8: prefill's GEMMs (torch._scaled_mm) with Hopper's fast accumulation",
+        "--fp8-accum",
+        choices=("fast", "exact"),
+        help="FP8: prefill's GEMMs (torch._scaled_mm) with Hopper's fast accumulation or without "
+        f"(default {'fast' if fp8.SCALED_MM_FAST_ACCUM else 'exact'})",
     )
     parser.add_argument(
         "--try-fused-merge", action="store_true", help="also batch 1 with the attention splits merged in-kernel"

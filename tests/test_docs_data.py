@@ -24,8 +24,6 @@ PENDING = {
     "docs/data/tensor_parallel.json",
     "docs/data/xpyd.json",
     "docs/img/xpyd.png",
-    "docs/data/gpu_engine_fp8.json",  # issue 34: bench/gpu_engine.py --quantization fp8 on one H200
-    "docs/data/gpu_engine_fp8_kv.json",  # issue 34: bench/gpu_engine.py --kv-cache-dtype fp8_e4m3 on one H200
 }
 
 
