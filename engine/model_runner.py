@@ -76,9 +76,17 @@ def load_model(spec: ModelSpec, device: torch.device, quantization: str | None =
 
     impl = attention.register()
     config = AutoConfig.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code)
-    if quantization == "fp8":
-        refuse_fp8_checkpoint(getattr(config, "quantization_config", None))
+    method = checkpoint_quantization(getattr(config, "quantization_config", None))
+    if method is not None:
+        refuse_quantized_checkpoint(method, quantization)
     dtype = resolve_dtype(spec.dtype, getattr(config, "dtype", None), device)
+    if method is not None and spec.load_format == "auto":  # an FP8 checkpoint, served as it is
+        from pdserve.engine.fp8_checkpoint import load_fp8_checkpoint
+
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"an FP8 checkpoint is served in a 16- or 32-bit dtype, not {dtype}")
+        model, _ = load_fp8_checkpoint(spec.path, config, dtype, device, impl)
+        return model
     if spec.load_format == "dummy":
         torch.manual_seed(spec.seed)
         with device:  # initialise on the device: a 7B model's random init on the CPU takes minutes
@@ -98,27 +106,33 @@ def load_model(spec: ModelSpec, device: torch.device, quantization: str | None =
     return model.to(device).eval()
 
 
-def refuse_fp8_checkpoint(quantization_config: object) -> None:
-    """``--quantization fp8`` quantizes a 16-bit checkpoint at load; a checkpoint already in
-    FP8 (config.json's ``quantization_config``) is refused, not loaded through ``transformers``'
-    own quantizer (whose weights pdserve's pass cannot read)."""
+def checkpoint_quantization(quantization_config: object) -> str | None:
+    """config.json's ``quantization_config`` ``quant_method`` (None: a plain checkpoint)."""
     if quantization_config is None:
-        return
+        return None
     method = (
         quantization_config.get("quant_method")
         if isinstance(quantization_config, dict)
         else getattr(quantization_config, "quant_method", None)
     )
     method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
+    return str(method)
+
+
+def refuse_quantized_checkpoint(method: str, quantization: str | None) -> None:
+    """A quantized checkpoint pdserve cannot serve as asked, refused with what would serve it:
+    an FP8 one (``fp8``, compressed-tensors) needs ``--quantization fp8``; other methods
+    (GPTQ, AWQ, bitsandbytes, ...) are not supported."""
     if method in CHECKPOINT_FORMATS:
-        raise ValueError(
-            f"--quantization fp8: this checkpoint is quantized already (quantization_config quant_method "
-            f"{method!r}); pdserve does not load pre-quantized FP8 checkpoints yet: serve the 16-bit checkpoint "
-            "with --quantization fp8 (quantized at load, a scale per output channel)"
-        )
+        if quantization != "fp8":
+            raise ValueError(
+                f"this checkpoint is quantized to FP8 (quantization_config quant_method {method!r}): "
+                "serve it with --quantization fp8 (a GPU of compute capability 8.9 or above)"
+            )
+        return
     raise ValueError(
-        f"--quantization fp8: this checkpoint is quantized already (quant_method {method!r}); "
-        "--quantization fp8 needs a 16-bit checkpoint"
+        f"this checkpoint is quantized with {method!r}, which pdserve does not load; serve a 16-bit checkpoint "
+        "(with --quantization fp8 to quantize it at load) or an FP8 one"
     )
 
 

@@ -106,7 +106,7 @@ def _fused_weight(modules: list[Any]) -> torch.Tensor:
 FP8_ATTR = "pdserve_fp8"
 
 
-def _linears(layer: Any) -> list[tuple[Any, list[Any]]]:
+def projection_groups(layer: Any) -> list[tuple[Any, list[Any]]]:
     """A decoder layer's four products: (the module that holds their weight, its modules):
     self_attn for q/k/v fused, o_proj, mlp for gate/up fused, down_proj."""
     attn, mlp = layer.self_attn, layer.mlp
@@ -136,7 +136,7 @@ def quantize_fp8_(model: Any) -> tuple[int, int]:
     before = after = 0
     with torch.no_grad():
         for layer in model.model.layers:
-            for owner, modules in _linears(layer):
+            for owner, modules in projection_groups(layer):
                 parts = [quantize_fp8(m.weight) for m in modules]
                 if len(parts) == 1:
                     fp8 = parts[0]
@@ -157,7 +157,7 @@ def fused_layer(layer: Any) -> Layer:
     attn, mlp = layer.self_attn, layer.mlp
     qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
     gate_up = [mlp.gate_proj, mlp.up_proj]
-    fp8 = [getattr(owner, FP8_ATTR, None) for owner, _ in _linears(layer)]
+    fp8 = [getattr(owner, FP8_ATTR, None) for owner, _ in projection_groups(layer)]
     return Layer(
         input_norm=layer.input_layernorm.weight,
         qkv_weight=fp8[0] if fp8[0] is not None else _fused_weight(qkv),

@@ -25,7 +25,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.kernels import elementwise, fp8
 from pdserve.engine.loader import quiet_transformers
-from pdserve.engine.model_runner import ModelRunner, ModelSpec, load_model, refuse_fp8_checkpoint
+from pdserve.engine.model_runner import ModelRunner, ModelSpec
 from pdserve.engine.models import fp8_reason
 from pdserve.engine.models.llama_weights import is_fp8
 from tests.engine.kernel_env import DEVICE, llama
@@ -164,25 +164,3 @@ def test_fp8_is_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch, tmp
     assert fp8_reason(model, torch.device("cuda"), "pdserve") is None
     with pytest.raises(ValueError, match="quantization is fp8 or None"):
         EngineConfig(quantization="int8")
-
-
-@pytest.mark.parametrize(
-    "config",
-    [
-        {"quant_method": "fp8", "weight_block_size": [128, 128]},
-        {"quant_method": "compressed-tensors", "config_groups": {}},
-        {"quant_method": "gptq", "bits": 4},
-    ],
-)
-def test_fp8_refuses_checkpoints_quantized_already(config: dict, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="quantized already"):
-        refuse_fp8_checkpoint(config)
-    if config["quant_method"] == "fp8":  # read from config.json, before any weight loads
-        from transformers import LlamaConfig
-
-        LlamaConfig(**shapes.SMALL).save_pretrained(tmp_path)
-        text = (tmp_path / "config.json").read_text()
-        (tmp_path / "config.json").write_text(text.replace("{", '{"quantization_config": {"quant_method": "fp8"},', 1))
-        with pytest.raises(ValueError, match="does not load pre-quantized FP8 checkpoints yet"):
-            load_model(ModelSpec(tmp_path), torch.device("cpu"), "fp8")
-    refuse_fp8_checkpoint(None)
