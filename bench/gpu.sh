@@ -119,7 +119,7 @@ fp8)  # FP8_RUNS: "name|gpu_engine flags" runs separated by ";" (default: bf16; 
   timeout -k 10 ${PROBE_LIMIT:-150} python3 bench/probes/fp8_probe.py --out "$out/fp8_probe.json" \
     ${PROBE_ARGS:---rows 1,64,128,4096 --budget 120} > "$out/fp8_probe.log" 2>&1
   sed -n '/^shape /,$p' "$out/fp8_probe.log" | cut -c1-250 | tail -30
-  IFS=';' read -ra runs <<< "${FP8_RUNS:-bf16|--skip-transformers;fp8|--quantization fp8;fp8_exact|--quantization fp8 --fp8-accum exact;fp8_kv|--skip-transformers --kv-cache-dtype fp8_e4m3;fp8_all|--quantization fp8 --kv-cache-dtype fp8_e4m3}"
+  IFS=';' read -ra runs <<< "${FP8_RUNS:-bf16|--skip-transformers;fp8|--quantization fp8 --fp8-logit-error;fp8_exact|--quantization fp8 --fp8-accum exact;fp8_kv|--skip-transformers --kv-cache-dtype fp8_e4m3;fp8_all|--quantization fp8 --kv-cache-dtype fp8_e4m3}"
   for run in "${runs[@]}"; do
     name=${run%%|*}
     timeout -k 15 ${ENGINE_LIMIT:-150} python3 bench/gpu_engine.py ${run#*|} --json "$out/gpu_engine_$name.json" ${ARGS:-} \

@@ -31,6 +31,7 @@ fixed, so the figures are the speed of FP8 attention, not of a larger pool):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import random
@@ -339,6 +340,37 @@ def profile(engine: Engine, vocab: int, rng: random.Random, path: Path) -> None:
     path.write_text("\n".join(lines))
 
 
+def first_token_logprobs(engine: Engine, batch: list[list[int]]) -> list[dict[int, float]]:
+    """Each prompt's first generated token's top-20 log-probabilities, ``{token: logprob}``."""
+    params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=20)
+    tag = f"lp-{time.perf_counter()}"
+    for i, p in enumerate(batch):
+        engine.add_request(f"{tag}-{i}", p, params)
+    found: dict[str, dict[int, float]] = {}
+    while engine.has_work():
+        for out in engine.step():
+            if out.logprobs:
+                top = out.logprobs[0]
+                found[out.rid] = dict(zip(top.top_ids, top.top_logprobs, strict=True))
+    return [found[f"{tag}-{i}"] for i in range(len(batch))]
+
+
+def logit_error(bf16: list[dict[int, float]], fp8_: list[dict[int, float]]) -> dict[str, float]:
+    """FP8 against bf16 over the same prompts: the first token's top-1 agreement, and the
+    log-probability differences of the tokens in both top-20 lists (mean, p99 and max)."""
+    agree = sum(max(a, key=a.__getitem__) == max(b, key=b.__getitem__) for a, b in zip(bf16, fp8_, strict=True))
+    diffs = sorted(abs(a[t] - b[t]) for a, b in zip(bf16, fp8_, strict=True) for t in a.keys() & b.keys())
+    overlap = statistics.mean(len(a.keys() & b.keys()) / len(a) for a, b in zip(bf16, fp8_, strict=True))
+    return {
+        "prompts": len(bf16),
+        "top1_agreement": agree / len(bf16),
+        "top20_overlap": overlap,
+        "abs_logprob_diff_mean": statistics.mean(diffs),
+        "abs_logprob_diff_p99": diffs[int(0.99 * (len(diffs) - 1))],
+        "abs_logprob_diff_max": diffs[-1],
+    }
+
+
 def configure_fp8(args: argparse.Namespace) -> dict[str, object]:
     """The FP8 kernels' choices for this run (``--fp8-batched``, ``--fp8-gemv-tiles``), as recorded."""
     if args.fp8_batched:
@@ -405,6 +437,12 @@ def main() -> int:
         choices=("fast", "exact"),
         help="FP8: prefill's GEMMs (torch._scaled_mm) with Hopper's fast accumulation or without "
         f"(default {'fast' if fp8.SCALED_MM_FAST_ACCUM else 'exact'})",
+    )
+    parser.add_argument(
+        "--fp8-logit-error",
+        action="store_true",
+        help="with --quantization fp8: first the same model in bf16 (a throwaway engine), then FP8, each "
+        "prompt's first token's top-20 log-probabilities compared (fixed prompts, 64 of 512 tokens)",
     )
     parser.add_argument(
         "--try-fused-merge", action="store_true", help="also batch 1 with the attention splits merged in-kernel"
@@ -476,6 +514,15 @@ def main() -> int:
     )
     parameters = sum(p.numel() for p in model.parameters())  # before FP8 drops the 16-bit projections
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    reference_logprobs = None
+    if args.fp8_logit_error and args.quantization:
+        say("the bf16 reference: a throwaway engine over the same weights")
+        plain = dataclasses.replace(config, quantization=None, cuda_graph_max_batch=0)
+        reference = Engine(ModelRunner(ModelSpec(Path("qwen2.5-7b-dims")), plain, model=model), plain)
+        fixed = prompts(random.Random(1234), 64, 512, vocab)
+        reference_logprobs = first_token_logprobs(reference, fixed)
+        del reference
+        torch.cuda.empty_cache() if device.type == "cuda" else None
     started = time.monotonic()
     engine = Engine(ModelRunner(ModelSpec(Path("qwen2.5-7b-dims")), config, model=model), config)
     say(f"engine ready in {time.monotonic() - started:.1f} s ({engine.runner.model_impl})")
@@ -503,6 +550,9 @@ def main() -> int:
             fp8_linear_bytes_after=after,
             weight_bytes_served=weight_bytes - before + after,
         )
+    if reference_logprobs is not None:
+        result["fp8_logit_error"] = logit_error(reference_logprobs, first_token_logprobs(engine, fixed))
+        say(f"logit error against bf16: {json.dumps(result['fp8_logit_error'])}")
     if args.quantization and not args.skip_transformers:
         say("--quantization fp8: no transformers run (the model's 16-bit projections are gone)")
         args.skip_transformers = True
