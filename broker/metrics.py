@@ -94,6 +94,12 @@ _TIER_COUNTERS = {
         "pdserve_kv_tier_declined_pages",
         "KV pages found in the tier and computed instead (loading them measured slower)",
     ),
+    "prefetched_groups": (
+        "pdserve_kv_tier_prefetched_groups",
+        "page groups read ahead from the tier into host memory while their request waited",
+    ),
+    "prefetch_hits": ("pdserve_kv_tier_prefetch_hits", "prefetched page groups a load then took from memory"),
+    "prefetch_wasted": ("pdserve_kv_tier_prefetch_wasted", "prefetched page groups dropped unused"),
 }
 # TierCounts fields shown as gauges: the load-or-recompute rule's inputs.
 _TIER_GAUGES = {

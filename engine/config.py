@@ -17,7 +17,9 @@ class KVTierConfig:
     file or store object. ``max_pending_writes``: page groups queued for the writer
     thread; more are dropped (counted), never waited for. ``load``: ``cost`` loads a found
     prefix only as far as loading measures faster than computing it (``engine/kv_cost.py``),
-    ``always`` loads all of it (saves compute whatever it costs in time).
+    ``always`` loads all of it (saves compute whatever it costs in time). ``prefetch_bytes``:
+    host memory for page groups of the disk and store tiers read ahead when their request
+    arrives (0: no prefetch; loads then read the tier on the step's path).
     """
 
     host_bytes: int = 0
@@ -30,11 +32,12 @@ class KVTierConfig:
     group_pages: int = 8
     max_pending_writes: int = 256
     load: str = "cost"
+    prefetch_bytes: int = 512 << 20
 
     def __post_init__(self) -> None:
         if self.load not in ("cost", "always"):
             raise ValueError(f"load is 'cost' or 'always', not {self.load!r}")
-        if self.host_bytes < 0 or self.disk_bytes < 1 or self.store_bytes < 0:
+        if self.host_bytes < 0 or self.disk_bytes < 1 or self.store_bytes < 0 or self.prefetch_bytes < 0:
             raise ValueError("kv tier sizes must be positive (host_bytes 0: no host tier; store_bytes 0: lend none)")
         if self.group_pages < 1 or self.max_pending_writes < 1:
             raise ValueError("group_pages and max_pending_writes must be at least 1")

@@ -15,6 +15,11 @@ mean equal whole prefixes; the group tiers add the model and layout identity.
   pool pages (:meth:`KVTiers.find`, then :meth:`KVTiers.load`), which join the prefix
   index like computed ones. A group blob that fails its checks is a miss (counted) and
   is removed from its tier.
+- **Prefetch**: when a request arrives, a prefetch thread reads the groups of its prompt
+  that only the group tiers hold into host memory (:meth:`KVTiers.prefetch`, within
+  ``prefetch_bytes``), so that by the time the request is scheduled its load is a copy from
+  memory, not a disk read or a store fetch on the step's path; the cost rule prices such a
+  group at the measured rate of prefetched loads (``prefetched``), not its tier's.
 
 Used through the page manager's two hooks (``demote`` and ``promote``); the page
 manager stays free of tensors and I/O.
@@ -70,6 +75,9 @@ class TierCounters:
     store_bytes: int = 0
     corrupt: int = 0  # blobs that failed their checks (treated as misses)
     declined_pages: int = 0  # found here, computed instead (kv_cost: loading was the slower)
+    prefetched_groups: int = 0  # groups read ahead into host memory while their request waited
+    prefetch_hits: int = 0  # of those, groups a load then took from memory
+    prefetch_wasted: int = 0  # of those, groups dropped unused (the memory's limit; the request went elsewhere)
 
 
 @dataclass
@@ -144,6 +152,15 @@ class KVTiers:
         if self.groups:
             self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
             self._writer.start()
+        # prefetched groups: key -> (tier name, blob), oldest first, within config.prefetch_bytes
+        self._fetched: OrderedDict[bytes, tuple[str, bytes]] = OrderedDict()
+        self._fetched_bytes = 0
+        self._fetch_lock = threading.Lock()
+        self._prefetches: queue.Queue[tuple[list[bytes], int] | None] = queue.Queue(maxsize=config.max_pending_writes)
+        self._prefetcher: threading.Thread | None = None
+        if self.groups and config.prefetch_bytes > 0:
+            self._prefetcher = threading.Thread(target=self._prefetch_loop, name="kv-tier-prefetch", daemon=True)
+            self._prefetcher.start()
 
     @property
     def enabled(self) -> bool:
@@ -223,7 +240,8 @@ class KVTiers:
         declined, per tier."""
         if self.config.load == "always":
             return plan
-        runs = [(s.tier, s.count) for s in plan.steps]
+        with self._fetch_lock:
+            runs = [("prefetched" if s.key in self._fetched else s.tier, s.count) for s in plan.steps]
         keep = pages_worth_loading(runs, self.pool.page_bytes, self.pool.layout.page_size, self.estimates).pages
         steps: list[_Step] = []
         left = keep
@@ -251,9 +269,10 @@ class KVTiers:
                 break
             n = min(step.count, len(pages) - done)
             step_began = time.perf_counter()
-            if not self._load_step(step, pages[done : done + n]):
+            source = self._load_step(step, pages[done : done + n])
+            if source is None:
                 break
-            self.estimates.note_load(step.tier, n * self.pool.page_bytes, time.perf_counter() - step_began)
+            self.estimates.note_load(source, n * self.pool.page_bytes, time.perf_counter() - step_began)
             counters = self.stats.tiers[step.tier]
             counters.hit_pages += n
             counters.load_bytes += n * self.pool.page_bytes
@@ -261,15 +280,23 @@ class KVTiers:
         self._timed("load", began)
         return done
 
-    def _load_step(self, step: _Step, pages: Sequence[int]) -> bool:
+    def _load_step(self, step: _Step, pages: Sequence[int]) -> str | None:
+        """Load one step; returns where its bytes came from (its tier, or ``prefetched``), None
+        when they were not there (a miss)."""
         if step.tier == "host":
             assert self.host is not None
-            return self.host.load(step.key, pages[0])
+            return "host" if self.host.load(step.key, pages[0]) else None
         tier = self.tier(step.tier)
         assert tier is not None
-        blob = tier.get(step.key)
+        source = "prefetched"
+        blob = self._take_prefetched(step.key)
+        if blob is not None:
+            self.stats.tiers[tier.name].prefetch_hits += 1
+        else:
+            source = tier.name
+            blob = tier.get(step.key)
         if blob is None:
-            return False
+            return None
         try:
             group = kv_blob.decode(blob, self.ident, step.key, self.pool.layout)
         except kv_blob.CorruptBlob as exc:
@@ -278,15 +305,89 @@ class KVTiers:
                 "corrupt KV page group: a miss", extra={"tier": tier.name, "key": step.key.hex(), "why": str(exc)}
             )
             tier.discard(step.key)
-            return False
+            return None
         if group.shape[0] != self.group_pages:
             self.stats.tiers[tier.name].corrupt += 1
             tier.discard(step.key)
-            return False
+            return None
         index = torch.tensor(list(pages), device=self.pool.device)
         src = group[step.skip : step.skip + len(pages)]
         self.pool.tensor.index_copy_(0, index, src.to(self.pool.device, non_blocking=True))
+        return source
+
+    # ---- prefetch --------------------------------------------------------------
+    def prefetch(self, hashes: Sequence[bytes], start: int) -> bool:
+        """Read ahead, on the prefetch thread, the groups of ``hashes[start:]`` (a prompt's
+        full pages past those the device holds) that only the group tiers have, into host
+        memory. Returns whether it was queued (a full queue drops it: counted nowhere, the
+        load then reads the tier itself)."""
+        if self._prefetcher is None or start >= len(hashes):
+            return False
+        try:
+            self._prefetches.put_nowait((list(hashes), start))
+        except queue.Full:
+            return False
         return True
+
+    def _prefetch_loop(self) -> None:
+        while True:
+            item = self._prefetches.get()
+            try:
+                if item is None:
+                    return
+                self._prefetch(*item)
+            except (OSError, StoreError) as exc:  # a tier away: the load reads it (or computes) later
+                log.warning("KV prefetch failed", extra={"error": str(exc)})
+            except Exception:  # a bug: logged whole, the worker goes on (as the writer)
+                log.exception("KV prefetch failed")
+            finally:
+                self._prefetches.task_done()
+
+    def _prefetch(self, hashes: list[bytes], start: int) -> None:
+        g = self.group_pages
+        i = start
+        while i < len(hashes):
+            if self.host is not None and self.host.contains(hashes[i]):
+                i += 1
+                continue
+            group_end = (i // g + 1) * g
+            if group_end > len(hashes):
+                return
+            key = hashes[group_end - 1]
+            with self._fetch_lock:
+                have = key in self._fetched
+            if not have:
+                tier = next((t for t in self.groups if t.contains(key)), None)
+                if tier is None:
+                    return
+                blob = tier.get(key)
+                if blob is None:
+                    return
+                self._keep_prefetched(key, tier.name, blob)
+            i = group_end
+
+    def _keep_prefetched(self, key: bytes, tier: str, blob: bytes) -> None:
+        with self._fetch_lock:
+            self._fetched[key] = (tier, blob)
+            self._fetched_bytes += len(blob)
+            self.stats.tiers[tier].prefetched_groups += 1
+            while self._fetched_bytes > self.config.prefetch_bytes and self._fetched:
+                _, (old_tier, old) = self._fetched.popitem(last=False)
+                self._fetched_bytes -= len(old)
+                self.stats.tiers[old_tier].prefetch_wasted += 1
+
+    def _take_prefetched(self, key: bytes) -> bytes | None:
+        with self._fetch_lock:
+            found = self._fetched.pop(key, None)
+            if found is None:
+                return None
+            self._fetched_bytes -= len(found[1])
+            return found[1]
+
+    def drain_prefetches(self) -> None:
+        """Block until every queued prefetch is done (tests, benchmarks)."""
+        if self._prefetcher is not None:
+            self._prefetches.join()
 
     # ---- write-through ---------------------------------------------------------
     def offer(self, hashes: Sequence[bytes], page_table: Sequence[int], old_full: int, new_full: int) -> None:
@@ -363,7 +464,12 @@ class KVTiers:
         return self.host.clear() if self.host is not None else 0
 
     def close(self) -> None:
-        """Finish queued writes, stop the writer, close the store client (again: nothing)."""
+        """Finish queued writes, stop the writer and the prefetcher, close the store client
+        (again: nothing)."""
+        if self._prefetcher is not None:
+            self._prefetches.put(None)
+            self._prefetcher.join()
+            self._prefetcher = None
         if self._writer is None:
             return
         self._queue.put(None)

@@ -30,6 +30,7 @@ class PrefixTiers(Protocol):
     def worth_loading(self, plan: Any) -> Any: ...  # the plan cut to what loads faster than computing
     def load(self, plan: Any, pages: Sequence[int]) -> int: ...
     def offer(self, hashes: Sequence[bytes], page_table: Sequence[int], old_full: int, new_full: int) -> None: ...
+    def prefetch(self, hashes: Sequence[bytes], start: int) -> bool: ...  # read ahead what only slow tiers hold
 
 
 class OutOfPages(RuntimeError):
@@ -221,6 +222,16 @@ class PageManager:
         seq.page_table = list(cached)
         seq.num_computed = seq.num_cached = len(cached) * self.page_size
         seq.num_registered_pages = len(cached)
+
+    def prefetch(self, seq: Seq) -> bool:
+        """A request just queued: have the tiers read ahead the part of its prompt's prefix
+        the device does not hold (only the slow tiers' page groups are read; the load, when
+        the request is scheduled, then copies from memory). Returns whether it was asked."""
+        if self.tiers is None or not self.enable_prefix_cache or seq.page_table:
+            return False
+        hashes = self.match_prefix(seq.tokens)
+        start = len(self.lookup(hashes))
+        return start < len(hashes) and self.tiers.prefetch(hashes, start)
 
     def _known_prefix(self, tokens: Sequence[int], limit: int) -> list[bytes]:
         """Hashes of the leading full pages of ``tokens``, computed a block of pages at a time

@@ -223,6 +223,7 @@ def tier_config(args: argparse.Namespace) -> KVTierConfig:
             store_bytes=args.kv_store_bytes,
             group_pages=args.kv_group_pages,
             load=args.kv_tier_load,
+            prefetch_bytes=args.kv_tier_prefetch_bytes,
         )
     except ValueError as exc:
         raise UsageError(f"--kv-*: {exc}") from None

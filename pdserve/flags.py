@@ -281,6 +281,13 @@ ENGINE = (
         help="cost: load a prefix found below the device only as far as loading measures faster than "
         "computing it; always: load all of it (default: %(default)s)",
     ),
+    Flag(
+        "--kv-tier-prefetch-bytes",
+        KVTierConfig.prefetch_bytes,
+        int,
+        "host memory for page groups of the disk and store tiers read ahead when their request arrives "
+        "(its load then copies from memory); 0: no read-ahead (default: %(default)s)",
+    ),
     Flag("--heartbeat-seconds", WorkerConfig.heartbeat_seconds, float, "worker registry refresh interval"),
 )
 

@@ -74,7 +74,9 @@ class TierCounts:
     ``held_bytes``: what it holds now (host and disk; 0 where unknown); ``declined_pages``:
     pages found there and computed instead, loading them being the slower
     (:mod:`pdserve.engine.kv_cost`); the rule's inputs now: ``load_s_per_page`` (this tier's
-    measured rate) against ``recompute_s_per_page`` (the worker's prefill), 0 until measured."""
+    measured rate) against ``recompute_s_per_page`` (the worker's prefill), 0 until measured;
+    ``prefetched_groups``: groups read ahead into host memory while their request waited,
+    ``prefetch_hits`` of them then loaded from memory, ``prefetch_wasted`` dropped unused."""
 
     tier: str
     hit_pages: int = 0
@@ -86,6 +88,9 @@ class TierCounts:
     declined_pages: int = 0
     load_s_per_page: float = 0.0
     recompute_s_per_page: float = 0.0
+    prefetched_groups: int = 0
+    prefetch_hits: int = 0
+    prefetch_wasted: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -198,6 +198,55 @@ def test_disk_tier_serves_a_restarted_engine_and_skips_corrupt_files(
     third.close()
 
 
+def test_a_queued_request_finds_its_prefix_read_ahead(
+    tiny_model_dir: Path, prompts_and_expected, tmp_path: Path
+) -> None:
+    """The disk tier's groups of a queued request's prompt are read into memory while it
+    waits; its load then copies from memory, priced at that rate by the cost rule: a disk
+    measured slower than computing is still used once its groups are in memory."""
+    prompts, expected = prompts_and_expected
+    first = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4)
+    assert serve(first, prompts[:1]) == expected[:1]
+    first.close()
+    groups = 200 // 16 // 4
+
+    engine = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4, load="cost")
+    assert engine.tiers is not None
+    engine.tiers.estimates.note_load("disk", 1, 1.0)  # a byte a second: reading it on the step's path loses
+    engine.add_request("r1", prompts[1], GREEDY)
+    engine.tiers.drain_prefetches()
+    disk = engine.tiers.stats.tiers["disk"]
+    assert disk.prefetched_groups == groups and disk.hit_pages == 0  # read ahead, nothing loaded yet
+    assert run_all(engine)["r1"] == expected[1]
+    assert disk.prefetch_hits == groups and disk.hit_pages == groups * 4 and disk.declined_pages == 0
+    assert engine.tiers.estimates.load_seconds("prefetched", 1) is not None  # its own rate, measured
+    assert engine.stats.cached_tokens == groups * 4 * 16
+    (counts,) = engine.tiers.counts()
+    assert (counts.prefetched_groups, counts.prefetch_hits, counts.prefetch_wasted) == (groups, groups, 0)
+    engine.close()
+
+    # the same slow disk without prefetch: declined, computed
+    plain = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4, load="cost", prefetch_bytes=0)
+    assert plain.tiers is not None
+    plain.tiers.estimates.note_load("disk", 1, 1.0)
+    plain.tiers.note_prefill(1, 1e-3)
+    assert serve(plain, [prompts[1]]) == [expected[1]]
+    stats = plain.tiers.stats.tiers["disk"]
+    assert stats.prefetched_groups == 0 and stats.hit_pages == 0 and stats.declined_pages == groups * 4
+    plain.close()
+
+    # prefetched memory beyond its limit: the oldest groups dropped, counted, the load reads the disk
+    small = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4, prefetch_bytes=1)
+    assert small.tiers is not None
+    small.add_request("r2", prompts[1], GREEDY)
+    small.tiers.drain_prefetches()
+    assert run_all(small)["r2"] == expected[1]
+    stats = small.tiers.stats.tiers["disk"]
+    assert stats.prefetched_groups == stats.prefetch_wasted == groups and stats.prefetch_hits == 0
+    assert stats.hit_pages == groups * 4
+    small.close()
+
+
 # ---- Mooncake Store ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def store_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreMaster]:
