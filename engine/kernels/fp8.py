@@ -10,14 +10,15 @@ Three products, by rows of input (:func:`linear`):
   :func:`matmul`, a Triton kernel with wide tiles of output channels that loads its few rows
   of ``x`` once per K tile and multiplies FP8 by FP8 on the tensor cores with float32
   accumulation (W8A8); row scale times column scale in the epilogue. It is written "swapped":
-  a program's tile is ``w_tile [BLOCK_N, BLOCK_K] @ x_tile.T``, so the weights' 128-256
+  a program's tile is ``w_tile [BLOCK_N, BLOCK_K] @ x_tile.T``, so the weights' 64
   channels are the MMA's long side and the 16-64 rows its short one. Cut along K when the
-  output tiles are too few for the SMs (down: 28 tiles of 128 channels at 7B). The same
-  kernel also reads 16-bit activations as they are (W8A16: weights converted in registers,
-  SiLU·up read on the fly), no quantization launch: ``BATCHED_W8A8`` picks.
-- above (prefill): the same quantization, then ``torch._scaled_mm`` with row-wise scales.
+  output tiles are too few for the SMs (down: 56 tiles of 64 channels at 7B). The same
+  kernel also reads 16-bit activations as they are (W8A16) or quantizes each K tile in
+  registers: ``BATCHED_MODE`` picks. The quantization itself: :mod:`.fp8_quant`.
+- above (prefill): the same quantization, then ``torch._scaled_mm`` with row-wise scales and
+  Hopper's fast accumulation.
 
-The thresholds are guesses until bench/probes/fp8_probe.py times every candidate on a GPU.
+Thresholds and tiles as measured by bench/probes/fp8_probe.py on one H200 (2026-12-04).
 Nothing falls back: where Triton cannot run, these raise.
 """
 
@@ -28,15 +29,16 @@ import triton
 import triton.language as tl
 
 from pdserve.engine.kernels import elementwise, gemv, interpreting
+from pdserve.engine.kernels.fp8_quant import quantize_rows
 from pdserve.engine.quant import FP8, GROUP, Fp8Weight
 
-# To be measured (bench/probes/fp8_probe.py). On one H200 (2026-12-03) the FP8 GEMV beat bf16
-# at one row and lost from four; the batched W8A8 kernel is expected to take over from two rows
-# while the product is bound by reading the weights (about 200 rows for FP8 on an H200), and
-# ``_scaled_mm`` (cuBLAS) above, where the tensor cores' rate decides.
+# On one H200 (bench/probes/fp8_probe.py, 2026-12-04, docs/data/fp8_probe.json): the FP8 GEMV
+# is the fastest product at one row and loses from two; the batched W8A8 kernel wins up to 128
+# rows (at 128 and more, _scaled_mm, cuBLAS, catches up on gate/up and o).
 GEMV_MAX_ROWS = 1
 BATCHED_MAX_ROWS = 128
-# The batched kernel's activations (the probe times each):
+# The batched kernel's activations (the probe times each; "row" was the fastest from 16 rows,
+# "tile" 1.9x slower at 64 rows on gate/up: converting x's tiles in every channel tile costs):
 # - "tile": W8A8, each K tile of x quantized in registers as the kernel loads it, a scale per
 #   row per 128 columns (no launch, no pass over whole rows first; down's SiLU·up computed
 #   once by elementwise.silu_mul before, unless TILE_SILU_FUSED: then by every channel tile);
@@ -74,134 +76,7 @@ def gemv_tiles(rows: int, n: int, k: int) -> dict[str, int]:
     return tiles
 
 
-# --- Per-row (per-token) quantization -------------------------------------------------------
-
-# One pass over a row held in registers up to this many columns; a longer row (down's input at
-# 7B: 18,944) is cut into chunks of QUANT_BLOCK, each its own program, in two launches: each
-# chunk's amax, then each chunk quantized with its row's (SiLU·up computed in both). One program
-# walking the row twice took 15.7 us at any row count on an H200 (fp8_probe, 2026-12-04): a
-# third of down's product at 64 rows.
-QUANT_ONE_PASS_MAX = 8192
-QUANT_BLOCK = 2048
-
-
-@triton.jit
-def _activation(x_row, rk, ok, K, SILU_MUL: tl.constexpr):
-    """Columns ``rk`` of a row in float32 (``silu(gate) * up``, rounded as
-    :func:`.elementwise.silu_mul` rounds it, with ``SILU_MUL``)."""
-    if SILU_MUL:
-        gate = tl.load(x_row + rk, mask=ok, other=0.0).to(tl.float32)
-        up = tl.load(x_row + K + rk, mask=ok, other=0.0).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(x_row.dtype.element_ty).to(tl.float32)
-        return (act * up).to(x_row.dtype.element_ty).to(tl.float32)
-    return tl.load(x_row + rk, mask=ok, other=0.0).to(tl.float32)
-
-
 _round_e4m3 = elementwise.round_e4m3
-_to_fp8 = elementwise.to_fp8
-
-
-@triton.jit
-def _quantize_rows_kernel(
-    x_ptr, q_ptr, scale_ptr, K, stride_xm, SILU_MUL: tl.constexpr, EXACT: tl.constexpr, BLOCK_K: tl.constexpr
-):
-    """One program a row, the row in registers."""
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_xm
-    rk = tl.arange(0, BLOCK_K)
-    ok = rk < K
-    v = _activation(x_row, rk, ok, K, SILU_MUL)
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), 0), 1e-12), 448.0)
-    tl.store(q_ptr + row * K + rk, _to_fp8(v, scale, q_ptr, EXACT), mask=ok)
-    tl.store(scale_ptr + row, scale)
-
-
-@triton.jit
-def _chunk_amax_kernel(x_ptr, amax_ptr, K, stride_xm, SILU_MUL: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Program (row, chunk): the chunk's largest magnitude into ``amax [rows, chunks]``."""
-    row = tl.program_id(0).to(tl.int64)
-    rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    v = _activation(x_ptr + row * stride_xm, rk, rk < K, K, SILU_MUL)
-    tl.store(amax_ptr + row * tl.num_programs(1) + tl.program_id(1), tl.max(tl.abs(v), 0))
-
-
-@triton.jit
-def _quantize_chunks_kernel(
-    x_ptr,
-    amax_ptr,
-    q_ptr,
-    scale_ptr,
-    K,
-    stride_xm,
-    SILU_MUL: tl.constexpr,
-    EXACT: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    CHUNKS: tl.constexpr,
-):
-    """Program (row, chunk): the row's amax from its chunks', then the chunk quantized."""
-    row = tl.program_id(0).to(tl.int64)
-    chunks = tl.num_programs(1)
-    rc = tl.arange(0, CHUNKS)
-    amax = tl.max(tl.load(amax_ptr + row * chunks + rc, mask=rc < chunks, other=0.0), 0)
-    scale = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
-    rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    ok = rk < K
-    v = _activation(x_ptr + row * stride_xm, rk, ok, K, SILU_MUL)
-    tl.store(q_ptr + row * K + rk, _to_fp8(v, scale, q_ptr, EXACT), mask=ok)
-    if tl.program_id(1) == 0:
-        tl.store(scale_ptr + row, scale)
-
-
-def quantize_rows(
-    x: torch.Tensor, silu_mul_input: bool = False, block_k: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` as FP8 per row: ``q [M, K]`` float8_e4m3fn and ``scale [M]`` float32,
-    ``x ~= q * scale[:, None]`` (each row's amax over 448, at least 1e-12 / 448), the same bits
-    as :func:`pdserve.engine.quant.quantize_rows_fp8`. ``silu_mul_input``: ``x`` is ``[M, 2K]``,
-    gate and up side by side, and the rows quantized are ``silu(gate) * up`` (the down
-    projection's input, never written in 16 bits). ``block_k``: a row up to this many columns
-    in one program and one launch (default :data:`QUANT_ONE_PASS_MAX`), else in chunks of
-    ``block_k`` (default :data:`QUANT_BLOCK`) over two launches."""
-    rows, cols = x.shape
-    k = cols // 2 if silu_mul_input else cols
-    assert x.stride(1) == 1 and k > 0 and (not silu_mul_input or cols == 2 * k)
-    q = torch.empty((rows, k), dtype=FP8, device=x.device)
-    scale = torch.empty((rows,), dtype=torch.float32, device=x.device)
-    if rows == 0:
-        return q, scale
-    whole = triton.next_power_of_2(k)
-    if (block_k or QUANT_ONE_PASS_MAX) >= k:
-        _quantize_rows_kernel[(rows,)](
-            x,
-            q,
-            scale,
-            k,
-            x.stride(0),
-            SILU_MUL=silu_mul_input,
-            EXACT=interpreting(),
-            BLOCK_K=whole,
-            num_warps=8 if whole >= 4096 else 4,
-        )
-        return q, scale
-    block = min(block_k or QUANT_BLOCK, whole)
-    grid = (rows, triton.cdiv(k, block))
-    amax = torch.empty(grid, dtype=torch.float32, device=x.device)
-    warps = 8 if block >= 4096 else 4
-    _chunk_amax_kernel[grid](x, amax, k, x.stride(0), SILU_MUL=silu_mul_input, BLOCK_K=block, num_warps=warps)
-    _quantize_chunks_kernel[grid](
-        x,
-        amax,
-        q,
-        scale,
-        k,
-        x.stride(0),
-        SILU_MUL=silu_mul_input,
-        EXACT=interpreting(),
-        BLOCK_K=block,
-        CHUNKS=max(2, triton.next_power_of_2(grid[1])),
-        num_warps=warps,
-    )
-    return q, scale
 
 
 # --- The batched product -----------------------------------------------------------------------
