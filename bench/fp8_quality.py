@@ -90,10 +90,15 @@ class Fp8Linear(torch.nn.Module):
         return (out if self.bias is None else out + self.bias).to(x.dtype)
 
 
+# ``--fp8-lm-head``: the LM head in FP8 too (a lever measured, not what --quantization fp8 does).
+QUANTIZE_LM_HEAD = False
+
+
 def quantize_weights(model: torch.nn.Module, keep: Sequence[str] = ()) -> int:
     """Every ``nn.Linear`` under the decoder's layers (``model.model.layers``) as an
     :class:`Fp8Linear`, in place, but those whose name under the layers (``0.mlp.down_proj``)
-    holds one of ``keep`` as whole dotted parts (``down_proj``, ``0``, ``29.mlp``); returns how many."""
+    holds one of ``keep`` as whole dotted parts (``down_proj``, ``0``, ``29.mlp``), and the LM
+    head with :data:`QUANTIZE_LM_HEAD` (untied from the embeddings); returns how many."""
     layers = model.get_decoder().layers
     names = [name for name, m in layers.named_modules() if isinstance(m, torch.nn.Linear)]
     count = 0
@@ -103,6 +108,12 @@ def quantize_weights(model: torch.nn.Module, keep: Sequence[str] = ()) -> int:
         parent, _, attr = name.rpartition(".")
         owner = layers.get_submodule(parent)
         setattr(owner, attr, Fp8Linear(getattr(owner, attr)))
+        count += 1
+    if QUANTIZE_LM_HEAD:
+        head = model.get_output_embeddings()
+        untied = torch.nn.Linear(head.in_features, head.out_features, bias=False)
+        untied.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+        model.lm_head = Fp8Linear(untied)
         count += 1
     return count
 
@@ -316,8 +327,11 @@ def parse(argv: Sequence[str] | None = None) -> Args:
         default=d.keep_bf16,
         help="linear layers left in bf16, by dotted name parts: 0 29 (layers), down_proj, 5.mlp",
     )
+    p.add_argument("--fp8-lm-head", action="store_true", help="the LM head in FP8 too (a lever, not the default)")
     p.add_argument("--out", type=Path, default=d.out, help="the JSON written (default: docs/data/fp8_quality.json)")
     a = p.parse_args(argv)
+    global QUANTIZE_LM_HEAD
+    QUANTIZE_LM_HEAD = a.fp8_lm_head
     names = [REFERENCE, *(v for v in a.variants if v != REFERENCE)]
     return Args(a.model, a.data_dir, a.tokens, a.window, a.chunk, names, a.keep_bf16, a.out)
 
@@ -358,7 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "scored_positions": _scored(args.tokens, args.window),
         "window": args.window,
         "chunk": args.chunk,
-        "weights_left_in_bf16": ["embed_tokens", "lm_head", *args.keep_bf16],
+        "weights_left_in_bf16": ["embed_tokens", *([] if QUANTIZE_LM_HEAD else ["lm_head"]), *args.keep_bf16],
         "kv_scheme": "float8_e4m3fn, one float32 scale (amax / 448) per token per KV head, keys after rotary",
         "kl": "mean over scored positions of KL(p_bf16 || p_variant) of the next-token distributions, nats",
         "variants": results,
