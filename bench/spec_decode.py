@@ -237,7 +237,7 @@ def main() -> int:
     row["identical_requests"] = same(row["plain"].pop("outputs"), row["ngram"].pop("outputs"))
     results["in_flight"] = {str(args.in_flight): row}
     print(json.dumps(results["in_flight"]), file=sys.stderr, flush=True)
-    a, b = engines["ngram"].speculator.cost.params if engines["ngram"].speculator else (0.0, 0.0)
+    a, b, c = engines["ngram"].speculator.cost.params if engines["ngram"].speculator else (0.0, 0.0, 0.0)
     report = {
         "date": datetime.date.today().isoformat(),
         "model": path.name,
@@ -247,7 +247,11 @@ def main() -> int:
         "max_new_tokens": args.max_new_tokens,
         "draft_tokens": args.draft_tokens,
         "ngram": [EngineConfig.speculative_ngram_min, EngineConfig.speculative_ngram_max],
-        "step_cost_fit": {"a_ms": round(a * 1e3, 2), "b_ms_per_token": round(b * 1e3, 3)},
+        "step_cost_fit": {
+            "a_ms": round(a * 1e3, 2),
+            "b_ms_per_token": round(b * 1e3, 3),
+            "c_ms_per_verify": round(c * 1e3, 3),
+        },
         **results,
     }
     text = json.dumps(report, indent=2)
