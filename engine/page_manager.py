@@ -213,8 +213,8 @@ class PageManager:
         limit = max_tokens // self.page_size
         if self.tiers is None:  # hashed as far as the index knows the prefix; the rest later (hash_pages)
             seq.page_hashes = self._known_prefix(seq.tokens, limit)
-        else:  # the tiers below may know more of it
-            seq.page_hashes = self.match_prefix(seq.tokens)
+        elif len(seq.page_hashes) != len(seq.tokens) // self.page_size:  # the tiers below may know more of it
+            seq.page_hashes = self.match_prefix(seq.tokens)  # (unless prefetch hashed the prompt already)
         cached = self.lookup(seq.page_hashes)[:limit]
         self.share(cached)
         if self.tiers is not None and self.enable_prefix_cache and len(cached) < limit:
@@ -229,7 +229,7 @@ class PageManager:
         the request is scheduled, then copies from memory). Returns whether it was asked."""
         if self.tiers is None or not self.enable_prefix_cache or seq.page_table:
             return False
-        hashes = self.match_prefix(seq.tokens)
+        hashes = seq.page_hashes = self.match_prefix(seq.tokens)  # attach_prefix takes them as they are
         start = len(self.lookup(hashes))
         return start < len(hashes) and self.tiers.prefetch(hashes, start)
 

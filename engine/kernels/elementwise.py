@@ -16,11 +16,9 @@ from pdserve.engine.quant import FP8
 
 
 @triton.jit
-def _add_rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, n, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
-):
-    if PDL:  # the GEMV after this may be scheduled now (it waits for this kernel's output)
-        tl.extra.cuda.gdc_launch_dependents()
+def _norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, eps, n, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's row: ``x + residual`` stored to ``res_out_ptr``, and ``norm(x + residual) *
+    weight`` returned in float32, rounded to the activation dtype where the stock code rounds."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -31,9 +29,20 @@ def _add_rms_norm_kernel(
     tl.store(res_out_ptr + row * n + cols, x, mask=mask)
     x = x.to(tl.float32)
     var = tl.sum(x * x, 0) / n
-    y = (x * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    y = (x * tl.rsqrt(var + eps)).to(res_out_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * n + cols, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
+    return (y * w).to(res_out_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, n, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    if PDL:  # the GEMV after this may be scheduled now (it waits for this kernel's output)
+        tl.extra.cuda.gdc_launch_dependents()
+    y = _norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, eps, n, HAS_RES, BLOCK)
+    cols = tl.arange(0, BLOCK)
+    tl.store(out_ptr + tl.program_id(0).to(tl.int64) * n + cols, y.to(out_ptr.dtype.element_ty), mask=cols < n)
 
 
 @triton.jit
@@ -63,23 +72,13 @@ def _add_rms_norm_fp8_kernel(
     x_ptr, res_ptr, w_ptr, q_ptr, scale_ptr, res_out_ptr, eps, n, HAS_RES: tl.constexpr, EXACT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """:func:`_add_rms_norm_kernel`'s row, rounded to the activation dtype as there, then
-    quantized to FP8 with the row's scale (``quant.quantize_rows_fp8`` of that output)."""
+    """:func:`_add_rms_norm_kernel`'s row quantized to FP8 with the row's scale
+    (``quant.quantize_rows_fp8`` of that kernel's output)."""
+    y = _norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, eps, n, HAS_RES, BLOCK)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    mask = cols < n
-    x = tl.load(x_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RES:
-        x = x + tl.load(res_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32)
-    x = x.to(res_out_ptr.dtype.element_ty)
-    tl.store(res_out_ptr + row * n + cols, x, mask=mask)
-    x = x.to(tl.float32)
-    var = tl.sum(x * x, 0) / n
-    y = (x * tl.rsqrt(var + eps)).to(res_out_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = (y * w).to(res_out_ptr.dtype.element_ty).to(tl.float32)
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(y), 0), 1e-12), 448.0)
-    tl.store(q_ptr + row * n + cols, to_fp8(y, scale, q_ptr, EXACT), mask=mask)
+    tl.store(q_ptr + row * n + cols, to_fp8(y, scale, q_ptr, EXACT), mask=cols < n)
     tl.store(scale_ptr + row, scale)
 
 
