@@ -73,8 +73,10 @@ class PrefillWorker(WorkerRuntime):
             return
         self.prefill_done(t, out)
         await self.replies.send(t.reply_to, self.replies.chunk(out, t), t)
+        if self.tracked.get(out.rid) is not t:  # cancelled or superseded meanwhile: the cancel freed it
+            return
         if not out.held:  # finished at the first token (stop token or max_new_tokens=1)
-            self._forget(out.rid)
+            self._forget(t)
             await t.settle()
             return
         await self._hand_off(t, req, out.cached_tokens, req.output_ids + tuple(out.token_ids))
@@ -89,11 +91,13 @@ class PrefillWorker(WorkerRuntime):
         self.prefill_done(t, outs[0])
         for out in outs:
             await self.replies.send(t.reply_to, self.replies.chunk(out, t), t)
+        if self.tracked.get(rid) is not t:  # cancelled or superseded meanwhile: the cancel freed it
+            return
         index = {sample_rid(rid, i): i for i in range(req.sampling.n)}
         going = [(index[o.rid], o.token_ids[0]) for o in outs if o.finish_reason is None]
         if not going:
             self._free(rid)
-            self._forget(rid)
+            self._forget(t)
             await t.settle()
             return
         samples, firsts = zip(*sorted(going), strict=True)
@@ -156,19 +160,29 @@ class PrefillWorker(WorkerRuntime):
             )
         except Exception as exc:  # the stream is full or the broker is away
             log.error("could not publish KVReady", extra={"rid": req.rid, "error": str(exc)})
+            if self.tracked.get(req.rid) is not t:  # cancelled or superseded meanwhile: nothing to retry
+                await t.settle()
+                return
             self._free(req.rid)
             await t.hand_back(delay=1.0)  # try again later, here or elsewhere
-            self._forget(req.rid)
+            self._forget(t)
+            return
+        if self.tracked.get(req.rid) is not t:
+            # Cancelled or superseded while publishing: the cancel ended this hold, and the
+            # rid (its pages, holds and table entries) may be a newer attempt's now.
+            await t.settle()
             return
         if not fresh:  # this attempt's KVReady was published before (a redelivered request)
             log.info("KVReady already published; dropping the duplicate's KV", extra={"rid": req.rid})
             self._free(req.rid)
         await t.settle()
-        self._forget(req.rid)
+        self._forget(t)
 
-    def _forget(self, rid: str) -> None:
-        self.tracked.pop(rid, None)
-        self.requests.pop(rid, None)
+    def _forget(self, t: Tracked) -> None:
+        """Drop ``t`` from the tables, unless a newer attempt of its rid took its place."""
+        if self.tracked.get(t.rid) is t:
+            del self.tracked[t.rid]
+            self.requests.pop(t.rid, None)
 
     def _free(self, rid: str) -> None:
         self.holds.release(rid, 0)

@@ -89,6 +89,7 @@ class ChaosSystem:
     def wait_ready(self, timeout: float = 120.0) -> None:
         """Until every worker is registered and idle (pages back to none used)."""
         deadline = time.monotonic() + timeout
+        workers: list[dict[str, Any]] = []
         while time.monotonic() < deadline:
             assert self.process is not None
             if self.process.poll() is not None:
@@ -100,7 +101,8 @@ class ChaosSystem:
                     if all(w["pages_used"] == 0 and w["requests_in_flight"] == 0 for w in workers):
                         return
             time.sleep(0.3)
-        raise RuntimeError(f"pdserve up not ready in {timeout:.0f}s:\n{self.log()[-4000:]}")
+        seen = [{k: w.get(k) for k in ("id", "role", "pages_used", "requests_in_flight")} for w in workers]
+        raise RuntimeError(f"pdserve up not ready in {timeout:.0f}s; workers {seen}:\n{self.log()[-4000:]}")
 
     def workers(self) -> list[dict[str, Any]]:
         return list(httpx.get(self.url + "/workers", timeout=10).json())

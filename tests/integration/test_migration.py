@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 from pdserve.api.gateway import Gateway, StreamError
 from pdserve.broker import streams, subjects
 from pdserve.broker.connection import publish_work
-from pdserve.schemas import GenerateRequest, SamplingParams, TokenBatch, TokenChunk
+from pdserve.schemas import GenerateRequest, KVRelease, SamplingParams, TokenBatch, TokenChunk
 
 pytestmark = pytest.mark.slow
 
@@ -291,3 +291,65 @@ async def test_a_request_nobody_serves_times_out_at_its_deadline(gateway: Gatewa
     assert err.value.kind == "timeout" and "timed out" in str(err.value)
     assert 0.6 <= waited < 0.6 + 1.0
     assert "nobody-home" not in gateway.live
+
+
+async def test_a_newer_attempt_arriving_while_the_older_publishes_its_kv_is_served(
+    workers, nats_server, gateway: Gateway, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attempt 1 of a request reaches the prefill worker while attempt 0 waits on its
+    KVReady's publish ack: when that ack comes, the older attempt is settled without
+    touching what the rid now names (the newer attempt's table entry and KV); the newer
+    one is prefilled, handed off and freed like any other (it once vanished, its pages held
+    until the worker stopped)."""
+    from pdserve.broker import contract
+
+    prefill = await workers("prefill")
+    real_submit = contract.submit
+    published = asyncio.Event()
+    go_on = asyncio.Event()
+
+    async def submit_held_for_attempt_0(nc: Any, channel: Any, message: Any, *args: Any, **kw: Any) -> bool:
+        fresh = await real_submit(nc, channel, message, *args, **kw)
+        if channel is contract.KV_READY and message.attempt == 0:
+            published.set()
+            await go_on.wait()  # its ack is late: the newer attempt arrives meanwhile
+        return fresh
+
+    monkeypatch.setattr(contract, "submit", submit_held_for_attempt_0)
+    client = await nats.connect(nats_server.url)
+    rid, subject = "raced", subjects.requests(tiny_model_dir.name)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+
+    def attempt(n: int) -> GenerateRequest:
+        return GenerateRequest(
+            rid=rid,
+            model=tiny_model_dir.name,
+            prompt_ids=tuple(PROMPT),
+            reply_to=f"test.replies.{rid}",
+            sampling=params,
+            attempt=n,
+            published_at=time.time(),
+        )
+
+    async def until(condition: Any, what: str) -> None:
+        for _ in range(2000):
+            if condition():
+                return
+            await asyncio.sleep(0.005)
+        pytest.fail(f"not within 10 s: {what}")
+
+    try:
+        await publish_work(client, subject, attempt(0), msg_id=subjects.msg_id(rid, 0))
+        await asyncio.wait_for(published.wait(), 30)
+        await publish_work(client, subject, attempt(1), msg_id=subjects.msg_id(rid, 1))
+        await until(lambda: rid in prefill.tracked and prefill.tracked[rid].attempt == 1, "attempt 1 admitted")
+        go_on.set()  # attempt 0's publish returns before attempt 1's prompt is computed
+        hold = prefill.holds.get
+        await until(lambda: hold(rid) is not None and hold(rid).attempt == 1, "attempt 1's KV held and handed off")
+        assert rid not in prefill.tracked  # handed off and acked, not left in the table
+        await prefill._on_release(KVRelease(rid=rid, prefill_id=prefill.worker_id, generation=hold(rid).generation))
+        assert prefill.engine.held == {} and prefill.engine.seqs == {}
+        assert prefill.engine.pages.num_used_pages == 0  # nothing of either attempt is left
+    finally:
+        go_on.set()
+        await client.close()
