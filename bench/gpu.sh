@@ -8,7 +8,8 @@
 #   bash bench/gpu.sh trace          # the engine figures alone and the prefill's Chrome trace (gzipped)
 #   bash bench/gpu.sh so             # bench/structured_output.py on the 7B stand-in with py-spy, then the
 #                                    # host's grammar work per step (bench/probes/grammar_host.py)
-#   bash bench/gpu.sh kv_tiers       # the tier tests on the GPU, then bench/kv_tiers.py at 7B dimensions
+#   bash bench/gpu.sh kv_tiers       # the tier tests on the GPU, then bench/kv_tiers.py at 7B dimensions, a run per
+#                                    # context length (PREFIXES, default "8192 2048 512"; logs in kv_tiers_logs.tgz)
 #   bash bench/gpu.sh serve          # pdserve up (PD, then unified) on one GPU at 7B dimensions, pdserve bench at 1 and 64
 #   bash bench/gpu.sh fp8            # the FP8 tests on the GPU, bench/probes/fp8_probe.py, then bench/gpu_engine.py in
 #                                    # bf16 and FP8 variants in one call (gpu_engine_NAME.json; logs in fp8_logs.tgz)
@@ -80,15 +81,18 @@ so)  # needs the wheels of jsonschema, xgrammar, pydantic and py-spy (EXTRA_WHEE
     | tee "$out/grammar_host.log" | tail -12
   ;;
 kv_tiers)  # Mooncake Store included: the CUDA 13 Mooncake wheel and Debian's libibverbs (device-bundle)
+  # PREFIXES: the contexts measured (a run each, the device pool 1.5 contexts: fewer than the users')
   export GLOG_minloglevel=2
-  timeout -k 10 240 python3 -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py -k kv_tiers \
+  timeout -k 10 120 python3 -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py -k kv_tiers \
     > "$out/test_gpu_kv_tiers.log" 2>&1; tail -3 "$out/test_gpu_kv_tiers.log"
-  timeout -k 10 200 python3 -m pytest -q -p no:cacheprovider tests/engine/test_kv_tiers.py \
-    > "$out/test_kv_tiers.log" 2>&1; tail -3 "$out/test_kv_tiers.log"
   dummy_7b
-  timeout -k 15 ${LIMIT:-330} python3 bench/kv_tiers.py --device cuda --model /tmp/m7b --load-format dummy --users 4 \
-    --turns 4 --answer 4 --host-bytes $((2 << 30)) --json "$out/kv_tiers_h200.json" ${ARGS:-} > "$out/kv_tiers_h200.log" 2>&1
-  quiet < "$out/kv_tiers_h200.log" | grep "^none\|^host\|^disk\|^store\|Error" | cut -c1-220
+  for prefix in ${PREFIXES:-8192 2048 512}; do
+    timeout -k 15 ${LIMIT:-170} python3 bench/kv_tiers.py --device cuda --model /tmp/m7b --load-format dummy --users 4 \
+      --turns ${TURNS:-3} --answer 4 --prefix "$prefix" --pool-tokens $((prefix * 3 / 2)) --host-bytes $((4 << 30)) \
+      --json "$out/kv_tiers_h200_$prefix.json" ${ARGS:-} > "$out/kv_tiers_h200_$prefix.log" 2>&1
+    echo "== prefix $prefix"; quiet < "$out/kv_tiers_h200_$prefix.log" | grep "^none\|^host\|^disk\|^store\|Error" | cut -c1-220
+  done
+  (cd "$out" && tar -czf kv_tiers_logs.tgz *.log && rm -f *.log)
   ;;
 serve)  # MODES (default "pd unified"), each a fresh pdserve up on port 8050 for at most SERVE_LIMIT seconds
   timeout 60 python3 bench/make_dummy_model.py --dims qwen2.5-7b --out /tmp/qwen7b > "$out/make_dummy_model.log" 2>&1

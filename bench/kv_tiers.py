@@ -52,6 +52,14 @@ def tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(n)]
 
 
+def _machine(device: str) -> str:
+    if device.startswith("cuda"):
+        import torch
+
+        return f"one {torch.cuda.get_device_name()} (7B dimensions, dummy weights)"
+    return f"CPU, {os.cpu_count()} cores (a shared machine: other work may run)"
+
+
 def warm_up(engine: Engine) -> None:
     """One short unrelated request: the first forward pass pays one-time costs."""
     engine.add_request("warm-up", list(range(10, 60)), SamplingParams(max_new_tokens=2, temperature=0.0))
@@ -257,7 +265,7 @@ def main() -> None:
         "command": " ".join(sys.argv),
         "seed": seed,
         "model": str(model.name),
-        "machine": "shared 2-core CPU machine (other sessions running)",
+        "machine": _machine(args.device),
         "params": {k: v for k, v in vars(args).items() if k not in ("json", "one_prompt", "tiers_json", "model")},
     }
     with tempfile.TemporaryDirectory() as tmp, store_master(args, Path(tmp)) as store:
