@@ -169,6 +169,7 @@ def spec_delta(engine: Engine, before: dict) -> dict:
         "emitted": s.emitted,
         "backoffs": s.backoffs,
         "probes": s.probes,
+        "probes_deferred": s.probes_deferred,
     }
     d = {k: now[k] - before.get(k, 0) for k in now}
     d["acceptance"] = round(d["accepted"] / d["drafted"], 3) if d["drafted"] else 0.0

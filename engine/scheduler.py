@@ -56,7 +56,7 @@ class Scheduler:
         grown for them; a draft that finds no page is dropped, its sequence decodes plainly)."""
         speculator = self.speculator
         assert speculator is not None
-        price = speculator.price(len(decodes))
+        price = speculator.begin_step(len(decodes))
         budget = self.config.chunked_prefill_size - len(decodes)
         verifies: list[tuple[Sequence, list[int]]] = []
         for seq in decodes:

@@ -29,6 +29,10 @@ drafts the length ``k`` that gains most, ``sum(alpha ** i - b') - c'`` over ``i 
 and drops ``c'``); one that gains at no length stops drafting and probes again after a
 cooldown that doubles (up to :data:`MAX_COOLDOWN` steps) while probes keep failing. At
 high load ``a`` is shared by many sequences, the time per sequence nears ``b``, and drafts stop.
+Probes are paid for out of one budget per engine: every step adds :data:`PROBE_SHARE` of its
+sequences' steps to it, a probe takes its price (``k`` tokens and a row, in those units), and a
+request due to probe waits while the budget is short. So at any load the probes cost at most
+about that share of the time (at 32 in flight, 168 unbudgeted probes cost a fifth of it).
 
 Off for rows with a grammar (structured output: drafts are not checked against it) and,
 on a GPU, speculation turns the overlap of steps off (a draft needs the last token on the
@@ -52,6 +56,8 @@ PRIOR_TRIALS = 2.0  # a new request's acceptance starts at PRIOR_ACCEPTED / PRIO
 PRIOR_ACCEPTED = 1.0
 DECAY = 0.9  # weight of a request's older verifies against its newest
 MAX_COOLDOWN = 64  # steps a backed-off request waits, at most, before it probes again
+PROBE_SHARE = 0.02  # of the sequences' steps, what probes may cost (the budget's income)
+PROBE_BUDGET_PROBES = 2.0  # the budget holds at most this many probes' price (and starts full)
 
 
 class NgramIndex:
@@ -187,6 +193,7 @@ class SpecStats:
     emitted: int = 0  # tokens the verifies appended (accepted, corrected and bonus)
     backoffs: int = 0
     probes: int = 0
+    probes_deferred: int = 0  # steps a request due to probe waited for the probe budget
     lengths: list[int] = field(default_factory=list)
 
     @property
@@ -208,6 +215,7 @@ class Speculator:
         self.fixed_ratio = config.speculative_cost_ratio
         self.cost = StepCost()
         self.stats = SpecStats(lengths=[0] * (self.k + 1))
+        self.probe_budget: float | None = None  # in sequence-steps; None: full (a fresh engine)
 
     def state(self, seq: Sequence) -> SpecState:
         state = seq.spec
@@ -220,6 +228,15 @@ class Speculator:
         """A draft token's and a verify row's cost over a step's time per sequence at ``rows``
         sequences (``StepCost.price``; ``speculative_cost_ratio``: that token cost, no row cost)."""
         return (self.fixed_ratio, 0.0) if self.fixed_ratio is not None else self.cost.price(rows)
+
+    def begin_step(self, rows: int) -> tuple[float, float]:
+        """A step of ``rows`` decoding sequences is being scheduled: the probe budget gets its
+        income (:data:`PROBE_SHARE` of them); returns :meth:`price` at ``rows``."""
+        price = self.price(rows)
+        cap = PROBE_BUDGET_PROBES * (self.k * price[0] + price[1])
+        budget = cap if self.probe_budget is None else self.probe_budget + PROBE_SHARE * rows
+        self.probe_budget = min(budget, cap)
+        return price
 
     def draft(self, seq: Sequence, limit: int, price: tuple[float, float]) -> list[int]:
         """``seq``'s draft this step (empty: a plain decode): at most ``limit`` tokens, as many
@@ -237,11 +254,16 @@ class Speculator:
                 state.cooldown -= 1
                 return []
             k = min(self.k, limit)  # a probe: does it pay again?
+            if self.probe_budget is not None and self.probe_budget < k * price[0] + price[1]:
+                self.stats.probes_deferred += 1
+                return []  # due, but the probes' budget is short: another step
             probe = True
         state.index.extend(seq.prompt_ids, seq.output_ids)
         tokens, _ = state.index.propose(k)
         if tokens and probe:
             self.stats.probes += 1
+            if self.probe_budget is not None:
+                self.probe_budget -= len(tokens) * price[0] + price[1]
             state.cooldown = state.backoff
             state.backoff = min(state.backoff * 2, MAX_COOLDOWN)
         return tokens

@@ -42,6 +42,7 @@ class _Speculative(Collector):
             ("emitted_tokens", "tokens the verifies appended (accepted, corrected and bonus)", s.emitted),
             ("backoffs", "times a request stopped drafting: its acceptance did not pay for the verify", s.backoffs),
             ("probes", "drafts made after a backoff's cooldown", s.probes),
+            ("probes_deferred", "steps a request due to probe waited for the probe budget", s.probes_deferred),
             ("steps_saved", "decode steps saved (one per accepted draft token)", s.steps_saved),
         ):
             yield CounterMetricFamily(f"pdserve_spec_{name}", doc, value=value)

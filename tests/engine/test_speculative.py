@@ -269,6 +269,30 @@ def test_a_request_whose_drafts_do_not_pay_stops_drafting(tiny_model_dir: Path) 
     assert spec.verifies == spec.probes == 0 and steps == 120
 
 
+def test_probes_cost_no_more_than_their_share_of_the_steps(tiny_model_dir: Path) -> None:
+    """32 requests whose drafts do not pay, each due to probe after its cooldowns: the probes
+    are paid out of one budget (PROBE_SHARE of the sequences' steps, starting with
+    PROBE_BUDGET_PROBES probes), so they are a few, not seven per request."""
+    from pdserve.engine import speculative
+
+    knobs = {**SPEC, "speculative_cost_ratio": 0.999}
+    engine = build_engine(tiny_model_dir, EngineConfig(max_total_tokens=32 * 160, **knobs))  # type: ignore[arg-type]
+    params = SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True)
+    for i in range(32):
+        engine.add_request(f"r{i}", [3 + i, 4, 5, 6] * 5, params)
+    sequence_steps = 0
+    while engine.has_work():
+        sequence_steps += len(engine.scheduler.running)
+        engine.step()
+    spec = engine.stats.spec
+    assert spec is not None and spec.verifies == spec.probes  # nothing but probes drafts here
+    full_probe = SPEC["speculative_num_draft_tokens"] * 0.999  # a probe's price: its tokens, no row
+    afforded = speculative.PROBE_BUDGET_PROBES * full_probe + speculative.PROBE_SHARE * sequence_steps
+    assert 0 < spec.drafted * 0.999 <= afforded
+    assert spec.probes < 32  # unbudgeted, every request probed at once and after each cooldown
+    assert spec.probes_deferred > 0
+
+
 def test_the_step_cost_fit_and_the_acceptance_estimate() -> None:
     cost = StepCost()
     for _ in range(300):
