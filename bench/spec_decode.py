@@ -8,7 +8,8 @@ starts empty and sees each prompt once):
   * ``chat``: open-ended questions (drafts mostly miss: speculation should back off),
 
 each at batch 1 (one request at a time: TPOT = (last token - first token) / (tokens - 1)),
-and a mix of both with ``--in-flight`` requests at once (output tokens per second). Modes
+and a mix of both with ``--in-flight`` requests at once (output tokens per second, totals over
+``--in-flight-repeat`` rounds of new prompts, the modes' order alternating). Modes
 alternate per workload (plain, speculative, plain, ...) so a noisy neighbour hits both.
 Reports TPOT, acceptance (accepted / drafted), tokens per verify, steps saved, and whether
 greedy output is identical with and without speculation.
@@ -184,6 +185,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=6, help="batch-1 requests per workload (default: %(default)s)")
     parser.add_argument("--in-flight", type=int, default=32, help="(default: %(default)s)")
+    parser.add_argument(
+        "--in-flight-repeat", type=int, default=4, help="rounds of new prompts at --in-flight (default: %(default)s)"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128, help="(default: %(default)s)")
     parser.add_argument("--draft-tokens", type=int, default=4, help="K (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=None, help="prompts' seed (default: from the clock: fresh)")
@@ -202,7 +206,10 @@ def main() -> int:
         "grounded": [encode(tokenizer, grounded(rng)) for _ in range(args.requests)],
         "chat": [encode(tokenizer, chat(rng)) for _ in range(args.requests)],
     }
-    mixed = [encode(tokenizer, grounded(rng) if i % 2 else chat(rng)) for i in range(args.in_flight)]
+    mixes = [
+        [encode(tokenizer, grounded(rng) if i % 2 else chat(rng)) for i in range(args.in_flight)]
+        for _ in range(args.in_flight_repeat)
+    ]
     pool = args.in_flight * (600 + args.max_new_tokens) + 4096
     base = {"max_total_tokens": pool, "max_num_seqs": max(args.in_flight, 32)}
     spec = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": args.draft_tokens}
@@ -227,15 +234,33 @@ def main() -> int:
         row["identical_requests"] = same(row["plain"].pop("outputs"), row["ngram"].pop("outputs"))
         results["batch1"][name] = row
         print(json.dumps({name: row}), file=sys.stderr, flush=True)
-    row = {}
-    for mode, engine in engines.items():
-        print(f"{args.in_flight} in flight: {mode}", file=sys.stderr, flush=True)
-        row[mode] = run_in_flight(engine, mixed, args.max_new_tokens, f"mix-{mode}")
+    # Rounds of fresh prompts, the modes' order alternating: one pair of runs on two shared
+    # cores moves by +-15% from one minute to the next; the totals over rounds hold better.
+    runs: dict[str, list[dict]] = {mode: [] for mode in engines}
+    pair_ratios, identical = [], 0
+    for r, mixed in enumerate(mixes):
+        for mode in list(engines) if r % 2 == 0 else list(engines)[::-1]:
+            print(f"{args.in_flight} in flight, round {r + 1}: {mode}", file=sys.stderr, flush=True)
+            runs[mode].append(run_in_flight(engines[mode], mixed, args.max_new_tokens, f"mix{r}-{mode}"))
+        plain, ngram = runs["plain"][-1], runs["ngram"][-1]
+        pair_ratios.append(round(ngram["out_tok_s"] / plain["out_tok_s"], 3))
+        identical += sum(x == y for x, y in zip(plain.pop("outputs"), ngram.pop("outputs"), strict=True))
+    row: dict = {}
+    for mode, done in runs.items():
+        tokens, seconds = sum(d["output_tokens"] for d in done), sum(d["seconds"] for d in done)
+        row[mode] = {
+            "requests": sum(d["requests"] for d in done),
+            "output_tokens": tokens,
+            "seconds": round(seconds, 2),
+            "out_tok_s": round(tokens / seconds, 1),
+            "rounds_out_tok_s": [d["out_tok_s"] for d in done],
+        }
     delta = spec_delta(engines["ngram"], before)
     delta.pop("_now")
     row["ngram"]["spec"] = delta
     row["throughput_ratio"] = round(row["ngram"]["out_tok_s"] / row["plain"]["out_tok_s"], 3)
-    row["identical_requests"] = same(row["plain"].pop("outputs"), row["ngram"].pop("outputs"))
+    row["round_ratios"] = pair_ratios
+    row["identical_requests"] = f"{identical}/{args.in_flight * len(mixes)}"
     results["in_flight"] = {str(args.in_flight): row}
     print(json.dumps(results["in_flight"]), file=sys.stderr, flush=True)
     a, b, c = engines["ngram"].speculator.cost.params if engines["ngram"].speculator else (0.0, 0.0, 0.0)
