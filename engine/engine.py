@@ -34,6 +34,7 @@ from typing import Protocol
 import torch
 
 from pdserve.engine.admission import Admission
+from pdserve.engine.appending import Appending
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.grammar import Grammars
 from pdserve.engine.kv_tiers import KVTiers, create_tiers
@@ -44,7 +45,6 @@ from pdserve.engine.sampler import Sampler, SampleRequest, token_logprobs
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import ScheduledBatch, Sequence, Status
 from pdserve.engine.speculative import Speculator, verify
-from pdserve.schemas import TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class StepObserver(Protocol):
     def after_collect(self, launched: Launched, result: ExecResult) -> None: ...
 
 
-class Engine(Admission):
+class Engine(Appending, Admission):
     def __init__(
         self,
         runner: ModelRunner,
@@ -320,42 +320,6 @@ class Engine(Admission):
         self._drop_aborted()
         return outputs
 
-    def _append_verified(self, v: VerifyResult) -> RequestOutput:
-        """A verify's tokens appended one by one up to the first that stops the request; the
-        KV of the sequence's last token and the accepted draft tokens kept, the pages past it
-        given back."""
-        seq = v.seq
-        assert self.speculator is not None
-        self.speculator.record(seq, v.drafted, v.accepted, len(v.tokens))
-        kept: list[int] = []
-        reason: str | None = None
-        stop: str | int | None = None
-        for token in v.tokens:
-            seq.output_ids.append(token)
-            kept.append(token)
-            reason, stop = self._check_stop(seq, token)
-            if reason is not None:
-                break
-        self.stats.generated_tokens += len(kept)
-        # the KV written: the last token and the draft; kept: the last token and each kept
-        # token but the newest (which has none yet); a stop on a draft token keeps that much
-        self.scheduler.on_verified(seq, len(kept))
-        out = RequestOutput(
-            rid=seq.out_rid,
-            index=len(seq.output_ids) - len(kept),
-            token_ids=kept,
-            logprobs=v.logprobs[: len(kept)] if v.logprobs else None,  # type: ignore[arg-type]
-            prompt_tokens=len(seq.prompt_ids),
-            completion_tokens=len(seq.output_ids),
-            cached_tokens=seq.num_cached,
-            group=seq.group,
-        )
-        if reason is not None:
-            out.finish_reason, out.stop_reason = reason, stop
-            seq.finish_reason, seq.stop_reason = reason, stop
-            self._drop(seq, reason)
-        return out
-
     def _branch(self, seqs: list[Sequence]) -> set[int]:
         """At an ``n > 1`` request's first token: its forks join the engine, on the prompt's
         KV (shared pages, a copy of the partial one) unless they only draw a first token
@@ -447,74 +411,6 @@ class Engine(Admission):
 
     def is_in_flight(self, rid: str) -> bool:
         return any(rid in batch.rids for batch in self._in_flight)
-
-    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None, was_decode: bool) -> RequestOutput:
-        first = not was_decode and seq.status is Status.WAITING
-        if first and seq.first_token_at is None:
-            seq.first_token_at = time.monotonic()
-            if not seq.forked:  # the samples of one request share its prompt
-                self.stats.prompt_tokens += len(seq.prompt_ids)
-                self.stats.cached_tokens += seq.num_cached
-        seq.output_ids.append(token)
-        self.stats.generated_tokens += 1
-        if seq.matcher is not None:
-            seq.matcher.accept_at(len(seq.output_ids) - 1, token)
-        reason, stop = self._check_stop(seq, token)
-        out = RequestOutput(
-            rid=seq.out_rid,
-            index=len(seq.output_ids) - 1,
-            token_ids=[token],
-            logprobs=[logprob] if logprob is not None else None,
-            prompt_tokens=len(seq.prompt_ids),
-            completion_tokens=len(seq.output_ids),
-            cached_tokens=seq.num_cached,
-            group=seq.group,
-        )
-        if first and seq.prefill_only and seq.forked:  # a sample's first token, for the hand-off
-            out.finish_reason, out.stop_reason = reason, stop
-            out.held = reason is None
-            seq.status = Status.FINISHED
-        elif first and seq.prefill_only and seq.group:
-            # The KV stays held for the other samples even if this one ends here.
-            out.finish_reason, out.stop_reason = reason, stop
-            out.held = True
-            self.scheduler.remove(seq, keep_pages=True)
-            self.seqs.pop(seq.rid, None)
-            seq.status = Status.HELD
-            self.held[seq.rid] = seq
-        elif reason is not None:
-            out.finish_reason, out.stop_reason = reason, stop
-            seq.finish_reason, seq.stop_reason = reason, stop
-            self._drop(seq, reason)
-        elif first and seq.prefill_only:
-            self.scheduler.remove(seq, keep_pages=True)
-            self.seqs.pop(seq.rid, None)
-            seq.status = Status.HELD
-            self.held[seq.rid] = seq
-            out.held = True
-        elif first:
-            self.scheduler.start_running(seq)
-        return out
-
-    def _check_stop(self, seq: Sequence, token: int) -> tuple[str | None, str | int | None]:
-        p = seq.sampling
-        if token in p.stop_token_ids:
-            return "stop", token
-        if token in self.eos_token_ids and not p.ignore_eos:
-            return "stop", None
-        if seq.matcher is not None and seq.matcher.is_terminated:
-            return "stop", None  # the grammar is complete and took its end
-        if p.stop and self.detokenize is not None:
-            longest = max(len(s.encode()) for s in p.stop)
-            tail = self.detokenize(seq.output_ids[-(longest + 2) :])
-            for s in p.stop:
-                if s in tail:
-                    return "stop", s
-        if len(seq.output_ids) >= p.max_new_tokens:
-            return "length", None
-        if seq.num_tokens >= self.max_model_len:
-            return "length", None
-        return None, None
 
     # ---- introspection -----------------------------------------------------
     @property
