@@ -74,14 +74,17 @@ def pages_worth_loading(
         return Decision(total, None)
     best_pages, best_saved = 0, 0.0
     done, saved = 0, 0.0
+    unmeasured = False
     for tier, n in runs:
         load = estimates.load_seconds(tier, n * page_bytes)
-        if load is None:  # a tier not measured yet: load this run (and measure it)
-            return Decision(done + n, None) if best_pages == done else Decision(best_pages, best_saved)
+        if load is None:  # a tier not measured yet: loaded (that measures it) if all before it pays
+            if best_pages != done:
+                break
+            load, unmeasured = 0.0, True  # and so are its later runs (a prefix's groups come a run each)
         compute = estimates.recompute_seconds(n * page_tokens)
         assert compute is not None
         saved += compute - load
         done += n
         if saved > best_saved:
             best_pages, best_saved = done, saved
-    return Decision(best_pages, best_saved)
+    return Decision(best_pages, None if unmeasured and best_pages else best_saved)

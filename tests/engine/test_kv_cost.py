@@ -58,6 +58,9 @@ def test_unmeasured_inputs_load_to_measure() -> None:
     assert pages_worth_loading([("disk", 5)], PAGE_BYTES, PAGE_TOKENS, CostEstimates()) == Decision(5, None)
     e = estimates(1000.0, host=10_000)  # disk not measured yet, behind a host run that pays
     assert pages_worth_loading([("host", 2), ("disk", 3)], PAGE_BYTES, PAGE_TOKENS, e) == Decision(5, None)
+    # a prefix's groups come a run each: an unmeasured tier is loaded whole, not its first group
+    e = estimates(1000.0)
+    assert pages_worth_loading([("disk", 8)] * 16, PAGE_BYTES, PAGE_TOKENS, e) == Decision(128, None)
     e = estimates(23.0, disk=100)  # a losing disk run, then an unmeasured store: stop before it
     assert pages_worth_loading([("disk", 2), ("store", 3)], PAGE_BYTES, PAGE_TOKENS, e).pages == 0
 
