@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from pdserve.engine.checkpoint import resolve_dtype
 from pdserve.engine.cpu_dtype import auto_cpu_dtype, cpu_flags
-from pdserve.engine.model_runner import resolve_dtype
 
 ZEN4 = frozenset({"avx2", "avx512f", "avx512_bf16"})
 SAPPHIRE_RAPIDS = frozenset({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
@@ -40,7 +40,7 @@ def test_float32_without_native_bf16_or_for_a_float32_checkpoint() -> None:
 
 def test_the_choice_is_logged_and_an_explicit_dtype_wins(caplog: pytest.LogCaptureFixture) -> None:
     cpu = torch.device("cpu")
-    with caplog.at_level(logging.INFO, logger="pdserve.engine.model_runner"):
+    with caplog.at_level(logging.INFO, logger="pdserve.engine.checkpoint"):
         chosen = resolve_dtype("auto", torch.float32, cpu)
     assert chosen == torch.float32
     record = next(r for r in caplog.records if r.getMessage() == "cpu dtype")

@@ -17,11 +17,12 @@ import torch
 
 from pdserve.bench import shapes
 from pdserve.engine import quant
+from pdserve.engine.checkpoint import load_model
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.kernels import fp8
 from pdserve.engine.loader import quiet_transformers
-from pdserve.engine.model_runner import ModelRunner, ModelSpec, load_model
+from pdserve.engine.model_runner import ModelRunner, ModelSpec
 from pdserve.engine.models.llama_weights import FP8_ATTR, is_fp8, projection_groups
 from tests.engine.kernel_env import DEVICE
 from tests.engine.reference import assert_greedy_equal, hf_greedy, run
