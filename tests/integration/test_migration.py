@@ -353,3 +353,52 @@ async def test_a_newer_attempt_arriving_while_the_older_publishes_its_kv_is_serv
     finally:
         go_on.set()
         await client.close()
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+async def test_constrained_samples_outlive_their_decode_worker(
+    workers, kill, gateway: Gateway, tiny_model_dir: Path
+) -> None:
+    """An ``n = 4`` request under a JSON schema at temperature 1 loses its decode worker after
+    its first tokens: each sample migrates (its grammar caught up on the tokens it has) and
+    still ends as a document of the schema."""
+    import json
+
+    import jsonschema
+    from transformers import AutoTokenizer
+
+    await workers("prefill")
+    decoders = [await workers("decode"), await workers("decode")]
+    params = SamplingParams(max_new_tokens=300, temperature=1.0, n=4, json_schema=json.dumps(PERSON))
+    samples = await gateway.generate_samples(PROMPT, params, rid="json-moved")
+    tokens: list[list[int]] = [[] for _ in samples]
+    reasons: list[str | None] = [None] * len(samples)
+    killed: list[str] = []
+
+    async def follow(i: int, chunks: Any) -> None:
+        async for chunk in chunks:
+            tokens[i].extend(chunk.token_ids)
+            holder = next((w for w in decoders if w.worker_id == chunk.worker_id), None)
+            if holder is not None and not killed:  # the first chunk a decode worker sends
+                killed.append(holder.worker_id)
+                await kill(holder)
+            if chunk.finish_reason:
+                reasons[i] = chunk.finish_reason
+                return
+
+    await asyncio.wait_for(asyncio.gather(*(follow(i, s) for i, s in enumerate(samples))), 120)
+    assert killed and gateway.stats.migrations >= 1
+    assert reasons == ["stop"] * 4
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for sample in tokens:
+        jsonschema.validate(json.loads(tokenizer.decode(sample, skip_special_tokens=True)), PERSON)
