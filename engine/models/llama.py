@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.kernels import elementwise, fp8, gemv, paged, rope
+from pdserve.engine.kernels import elementwise, fp8, gemv, paged, paged_prefill, rope
 from pdserve.engine.kv_pool import round_fp8
 from pdserve.engine.models.batch import StepBatch
 from pdserve.engine.models.llama_weights import FusedDecoder, Layer, Weight
@@ -260,7 +260,7 @@ class LlamaFamily(FusedDecoder):
                 sl = slice(start, start + n)
                 out[sl] = self._sdpa(q, qkv, sl)[0].transpose(0, 1)
             return out
-        paged.prefill_attention(
+        paged_prefill.prefill_attention(
             q,
             self.pool,
             index,

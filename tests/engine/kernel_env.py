@@ -13,7 +13,7 @@ if importlib.util.find_spec("triton") is None:
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
-from pdserve.engine.kernels import elementwise, gemv, paged, rope  # noqa: E402
+from pdserve.engine.kernels import elementwise, gemv, paged, paged_prefill, rope  # noqa: E402
 from pdserve.engine.models import llama  # noqa: E402
 
-__all__ = ["DEVICE", "elementwise", "gemv", "llama", "paged", "rope"]
+__all__ = ["DEVICE", "elementwise", "gemv", "llama", "paged", "paged_prefill", "rope"]

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from pdserve.engine import quant
 from pdserve.engine.kernels import fp8
-from tests.engine.kernel_env import DEVICE, elementwise, gemv, paged, rope
+from tests.engine.kernel_env import DEVICE, elementwise, gemv, paged, paged_prefill, rope
 
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
@@ -151,7 +151,7 @@ def test_prefill_attention_matches_reference(dtype: torch.dtype, chunks: list, w
     def ints(xs: list[int]) -> torch.Tensor:
         return torch.tensor(xs, dtype=torch.int32, device=DEVICE)
 
-    paged.prefill_attention(
+    paged_prefill.prefill_attention(
         q,
         pool,
         layer,

@@ -28,7 +28,7 @@ from pdserve.engine.kv_pool import (
     store_fp8,
 )
 from pdserve.schemas import KVLayout
-from tests.engine.kernel_env import DEVICE, paged, rope
+from tests.engine.kernel_env import DEVICE, paged, paged_prefill, rope
 from tests.engine.test_kernels import DTYPES, TOL, gather, ref_attention, rel_err, scattered_tables
 
 # (page, num_q, num_kv, dim, context lengths, window), as test_kernels' CASES
@@ -191,7 +191,7 @@ def test_prefill_attention_over_fp8_matches_float64_over_the_dequantized_kv(
     def ints(xs: list[int]) -> torch.Tensor:
         return torch.tensor(xs, dtype=torch.int32, device=DEVICE)
 
-    paged.prefill_attention(
+    paged_prefill.prefill_attention(
         q, pool.kv, layer, table_t, ints(q_starts), ints([n for _, n in chunks]), ints([p + n for p, n in chunks]),
         max(n for _, n in chunks), dim**-0.5, out, window, kv_scales=pool.kv_scales,
     )  # fmt: skip
