@@ -94,7 +94,11 @@ def tier_counts(engine: Engine) -> dict[str, Any]:
     return {
         name: {"hit_pages": c.hit_pages, "stored_pages": c.stored_pages, "corrupt": c.corrupt}
         for name, c in s.tiers.items()
-    } | {"lookup_seconds": round(s.lookup_seconds, 4), "load_seconds": round(s.load_seconds, 4)}
+    } | {
+        "lookup_seconds": round(s.lookup_seconds, 4),
+        "load_seconds": round(s.load_seconds, 4),
+        "write_errors": s.write_errors,
+    }
 
 
 @dataclass

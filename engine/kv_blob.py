@@ -54,8 +54,9 @@ def _checksum(payload: bytes | memoryview) -> bytes:
 
 
 def encode(ident: bytes, key: bytes, pages: torch.Tensor) -> bytes:
-    """``pages`` (on the host, contiguous) with its header."""
-    payload = pages.contiguous().numpy().tobytes()
+    """``pages`` (on the host) with its header. The payload is the pages' bytes, whatever
+    their dtype (numpy has no bfloat16, so they are read as bytes)."""
+    payload = pages.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     header = _HEADER.pack(MAGIC, VERSION, ident, key, pages.shape[0], len(payload), _checksum(payload))
     return header + payload
 

@@ -146,6 +146,8 @@ class KVTiers:
             self.groups.append(
                 StoreTier(config.store_master, config.store_metadata, ident, config.store_host, config.store_bytes)
             )
+        # a bug in the writer or the prefetcher, raised on the engine's thread at its next call
+        self._failure: BaseException | None = None
         self._written: OrderedDict[bytes, None] = OrderedDict()  # groups offered lately
         self._queue: queue.Queue[_Write | None] = queue.Queue(maxsize=config.max_pending_writes)
         self._writer: threading.Thread | None = None
@@ -209,6 +211,7 @@ class KVTiers:
     def find(self, hashes: Sequence[bytes], start: int, limit: int) -> Plan:
         """Where the pages of ``hashes[start:start + limit]`` are, fastest tier first, for
         the longest run found (a page of the run may also still be on the device)."""
+        self.check()
         began = time.perf_counter()
         steps: list[_Step] = []
         end = min(start + limit, len(hashes))
@@ -338,8 +341,9 @@ class KVTiers:
                 self._prefetch(*item)
             except (OSError, StoreError) as exc:  # a tier away: the load reads it (or computes) later
                 log.warning("KV prefetch failed", extra={"error": str(exc)})
-            except Exception:  # a bug: logged whole, the worker goes on (as the writer)
+            except Exception as exc:  # a bug: the engine raises it at its next call (as the writer's)
                 log.exception("KV prefetch failed")
+                self._failure = self._failure or exc
             finally:
                 self._prefetches.task_done()
 
@@ -393,6 +397,7 @@ class KVTiers:
     def offer(self, hashes: Sequence[bytes], page_table: Sequence[int], old_full: int, new_full: int) -> None:
         """Pages ``old_full..new_full`` of a sequence became full and indexed: queue each
         page group they complete for the group tiers."""
+        self.check()
         if not self.groups:
             return
         g = self.group_pages
@@ -433,9 +438,10 @@ class KVTiers:
             except (OSError, StoreError) as exc:  # a full disk, a store away: this group is not kept
                 self.stats.write_errors += 1
                 log.warning("KV page group not written", extra={"key": item.key.hex(), "error": str(exc)})
-            except Exception:  # a bug: counted and logged whole, the worker goes on
+            except Exception as exc:  # a bug: counted, and raised on the engine's thread at its next call
                 self.stats.write_errors += 1
                 log.exception("KV page group write failed")
+                self._failure = self._failure or exc
             finally:
                 self._queue.task_done()
 
@@ -453,6 +459,12 @@ class KVTiers:
             counters.store_bytes += len(blob)
 
     # ---- upkeep ----------------------------------------------------------------
+    def check(self) -> None:
+        """Raise a bug of the writer or prefetcher thread here, on the engine's thread: a tier
+        that fails every write must end the worker loudly, not serve on without it."""
+        if self._failure is not None:
+            raise RuntimeError("a KV tier thread failed (its traceback is logged above)") from self._failure
+
     def drain(self) -> None:
         """Block until every queued write is done (tests, benchmarks, shutdown)."""
         if self._writer is not None:

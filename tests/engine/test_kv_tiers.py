@@ -55,6 +55,20 @@ def test_host_tier_round_trips_pages_and_keeps_its_bound() -> None:
     assert not host.load(key(0), 0)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float8_e4m3fn"])
+def test_blob_round_trips_pages_of_every_pool_dtype(dtype: str) -> None:
+    """bfloat16 above all: the GPU's pool dtype, which numpy cannot hold (the disk and store
+    tiers once failed every write of it)."""
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype=dtype)
+    pool = KVPool(layout, 4, torch.device("cpu"))
+    source = torch.randn(pool.tensor.shape, generator=torch.Generator().manual_seed(1))
+    pool.tensor.copy_(source if pool.tensor.is_floating_point() else source.mul(40).to(torch.uint8))
+    ident = kv_blob.identity(b"model", layout, 2)
+    blob = kv_blob.encode(ident, key(1), pool.tensor[:2])
+    back = kv_blob.decode(blob, ident, key(1), layout)
+    assert back.dtype == pool.tensor.dtype and torch.equal(back, pool.tensor[:2])
+
+
 def test_blob_round_trips_and_refuses_corrupt_or_foreign_ones() -> None:
     pages = random_pool().tensor[:2].clone()
     blob = kv_blob.encode(IDENT, key(1), pages)
@@ -101,12 +115,12 @@ def prompts_and_expected(tiny_model_dir: Path) -> tuple[list[list[int]], list[li
     return prompts, hf_greedy(tiny_model_dir, prompts, GREEDY.max_new_tokens)
 
 
-def tiered_engine(model_dir: Path, **tiers: object) -> Engine:
+def tiered_engine(model_dir: Path, dtype: str = "auto", **tiers: object) -> Engine:
     """An engine over the tiers ``tiers``; they load whatever they hold (``load='always'``:
     these tests are about what the tiers hold and give back, the cost rule has its own)."""
     tiers.setdefault("load", "always")
     config = EngineConfig(max_total_tokens=POOL_TOKENS, kv_tiers=KVTierConfig(**tiers))  # type: ignore[arg-type]
-    return build_engine(model_dir, config)
+    return build_engine(model_dir, config, dtype=dtype)
 
 
 def serve(engine: Engine, prompts: list[list[int]], first: int = 0) -> list[list[int]]:
@@ -199,6 +213,42 @@ def test_disk_tier_serves_a_restarted_engine_and_skips_corrupt_files(
     assert third.stats.cached_tokens == 0
     assert len(list(Path(tmp_path).rglob("*.kv"))) == len(files)  # rewritten by this run's own prefill
     third.close()
+
+
+def test_a_bfloat16_pool_round_trips_through_the_disk_tier(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The GPU's pool dtype, on the CPU: a restarted bfloat16 engine serves a prompt from the
+    disk and answers as the engine that computed it did."""
+    prompt = list(range(5, 205))
+    first = tiered_engine(tiny_model_dir, dtype="bfloat16", disk_dir=str(tmp_path), group_pages=4)
+    assert first.runner.pool.tensor.dtype == torch.bfloat16
+    computed = serve(first, [prompt])
+    first.close()
+    assert first.tiers.stats.write_errors == 0  # type: ignore[union-attr]
+    assert first.tiers.stats.tiers["disk"].stored_pages == 200 // 16 // 4 * 4  # type: ignore[union-attr]
+    restarted = tiered_engine(tiny_model_dir, dtype="bfloat16", disk_dir=str(tmp_path), group_pages=4)
+    assert serve(restarted, [prompt], first=1) == computed
+    assert restarted.tiers.stats.tiers["disk"].hit_pages == 200 // 16 // 4 * 4  # type: ignore[union-attr]
+    restarted.close()
+
+
+def test_a_tier_thread_bug_ends_the_engine_loudly(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug in the writer thread is counted, then raised on the engine's thread at its next
+    step: the worker does not serve on with tiers that keep nothing."""
+    engine = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4)
+
+    def broken(*args: object) -> bytes:
+        raise TypeError("a bug in encoding")
+
+    monkeypatch.setattr(kv_blob, "encode", broken)
+    serve(engine, [list(range(5, 205))])
+    engine.tiers.drain()  # type: ignore[union-attr]
+    assert engine.tiers.stats.write_errors == 200 // 16 // 4  # type: ignore[union-attr]
+    engine.add_request("next", list(range(300, 340)), GREEDY)
+    with pytest.raises(RuntimeError, match="KV tier thread failed") as raised:
+        run_all(engine)
+    assert isinstance(raised.value.__cause__, TypeError)
 
 
 def test_a_queued_request_finds_its_prefix_read_ahead(
