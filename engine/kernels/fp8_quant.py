@@ -89,7 +89,7 @@ def _quantize_chunks_kernel(
 
 
 def quantize_rows(
-    x: torch.Tensor, silu_mul_input: bool = False, block_k: int | None = None
+    x: torch.Tensor, silu_mul_input: bool = False, block_k: int | None = None, num_warps: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K]`` as FP8 per row: ``q [M, K]`` float8_e4m3fn and ``scale [M]`` float32,
     ``x ~= q * scale[:, None]`` (each row's amax over 448, at least 1e-12 / 448), the same bits
@@ -97,7 +97,8 @@ def quantize_rows(
     gate and up side by side, and the rows quantized are ``silu(gate) * up`` (the down
     projection's input, never written in 16 bits). ``block_k``: a row up to this many columns
     in one program and one launch (default :data:`QUANT_ONE_PASS_MAX`), else in chunks of
-    ``block_k`` (default :data:`QUANT_BLOCK`) over two launches."""
+    ``block_k`` (default :data:`QUANT_BLOCK`) over two launches. ``num_warps``: the programs'
+    (default 8 for rows or chunks of 4,096 columns and more, else 4)."""
     rows, cols = x.shape
     k = cols // 2 if silu_mul_input else cols
     assert x.stride(1) == 1 and k > 0 and (not silu_mul_input or cols == 2 * k)
@@ -116,13 +117,13 @@ def quantize_rows(
             SILU_MUL=silu_mul_input,
             EXACT=interpreting(),
             BLOCK_K=whole,
-            num_warps=8 if whole >= 4096 else 4,
+            num_warps=num_warps or (8 if whole >= 4096 else 4),
         )
         return q, scale
     block = min(block_k or QUANT_BLOCK, whole)
     grid = (rows, triton.cdiv(k, block))
     amax = torch.empty(grid, dtype=torch.float32, device=x.device)
-    warps = 8 if block >= 4096 else 4
+    warps = num_warps or (8 if block >= 4096 else 4)
     _chunk_amax_kernel[grid](x, amax, k, x.stride(0), SILU_MUL=silu_mul_input, BLOCK_K=block, num_warps=warps)
     _quantize_chunks_kernel[grid](
         x,

@@ -280,9 +280,12 @@ def test_rms_norm_hands_over_rows_quantized(dtype: torch.dtype, residual: bool) 
     assert fp8.takes_quantized_rows(5, gemv_max_rows=1, batched_max_rows=4)  # _scaled_mm's rows
     assert fp8.takes_quantized_rows(3, gemv_max_rows=1, batched_max_rows=4) == (fp8.BATCHED_MODE == "row")
     assert not fp8.takes_quantized_rows(1, gemv_max_rows=1)
-    for batched in (8, 4):  # the batched kernel, then _scaled_mm
+    bias = torch.randn(48, device=DEVICE).to(torch.bfloat16)
+    for batched in (8, 4):  # the batched kernel, then _scaled_mm (the bias in its epilogue)
         out = fp8.linear(q, w, x_scale=scale, gemv_max_rows=1, batched_max_rows=batched)
         assert out.dtype == torch.bfloat16
         assert rel_err(out, w8a8_reference(q_ref, scale_ref, w, None)) < 1e-2
+        out = fp8.linear(q, w, bias, x_scale=scale, gemv_max_rows=1, batched_max_rows=batched)
+        assert rel_err(out, w8a8_reference(q_ref, scale_ref, w, bias)) < 1e-2
     with pytest.raises(AssertionError, match="not quantized per row"):
         fp8.linear(q[:1], w, x_scale=scale[:1])
