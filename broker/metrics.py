@@ -100,6 +100,10 @@ _TIER_COUNTERS = {
     ),
     "prefetch_hits": ("pdserve_kv_tier_prefetch_hits", "prefetched page groups a load then took from memory"),
     "prefetch_wasted": ("pdserve_kv_tier_prefetch_wasted", "prefetched page groups dropped unused"),
+    "calibrations": (
+        "pdserve_kv_tier_calibrations",
+        "page groups read back off the request path to measure the tier's load rate",
+    ),
 }
 # TierCounts fields shown as gauges: the load-or-recompute rule's inputs.
 _TIER_GAUGES = {

@@ -1,8 +1,16 @@
 """Whether loading a cached prefix from a KV tier beats computing it again.
 
 A worker keeps two running estimates: how fast each tier below the device delivers
-(bytes a second, measured on each load) and how long its own prefill takes a token
-(seconds, measured on each step that computed prompt tokens). A prefix found below the
+(bytes a second, measured on each load) and what one more prompt token costs its prefill
+(seconds, from the steps that computed prompt tokens). The second is a *marginal* cost: a
+step has a fixed part (every weight read once, the launches) that a short prefill pays
+almost whole, so a step's seconds over its tokens says little when the tokens are few (on an
+H200 a 36-token step of a 7B model takes ~15 ms, 400 us a token, while 8,192 tokens take
+30 us a token). Loading a cached prefix saves only the marginal part (the uncached tokens
+are computed in a step anyway), so the rate is the slope of seconds against tokens over the
+last :data:`READINGS` steps, capped by the cheapest reading's rate; without a spread of
+sizes, that cheapest rate (an upper bound of the marginal cost: it can only make loading look
+better than it is, as no estimate at all would). A prefix found below the
 device is a run of pages in prompt order, each from some tier; only a leading part of it
 can be used (a page's KV depends on every token before it). :func:`pages_worth_loading`
 picks the length of that leading part that saves the most time against computing it: all
@@ -14,24 +22,49 @@ measurement). Plain arithmetic, no I/O: the tests drive it with numbers.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-# Weight of each new reading in the running estimates (an exponential average).
+# Weight of each new reading in the running estimates of the tiers (an exponential average).
 SMOOTHING = 0.2
+# Prefill steps kept for the marginal cost of a token; a fit needs sizes SPREAD times apart.
+READINGS = 32
+SPREAD = 2.0
 
 
 def _ema(old: float, new: float) -> float:
     return new if old <= 0.0 else (1.0 - SMOOTHING) * old + SMOOTHING * new
 
 
+def marginal_cost(readings: Sequence[tuple[int, float]]) -> float:
+    """Seconds one more prompt token costs, from ``(tokens, seconds)`` prefill steps (0.0:
+    not measured). The least-squares slope where the sizes spread, never above the cheapest
+    step's own rate (a step's fixed part is not negative); else that cheapest rate."""
+    if not readings:
+        return 0.0
+    cheapest = min(s / t for t, s in readings)
+    sizes = [t for t, _ in readings]
+    if max(sizes) >= SPREAD * min(sizes):
+        n = len(readings)
+        mean_t = sum(sizes) / n
+        mean_s = sum(s for _, s in readings) / n
+        var = sum((t - mean_t) ** 2 for t in sizes)
+        slope = sum((t - mean_t) * (s - mean_s) for t, s in readings) / var
+        if slope > 0.0:
+            return min(slope, cheapest)
+    return cheapest
+
+
 @dataclass
 class CostEstimates:
     """One worker's running estimates: ``bytes_per_s`` of each tier's loads, and
-    ``prefill_s_per_token`` of its own prefill (0: not measured yet)."""
+    ``prefill_s_per_token``, the marginal cost of a prompt token in its own prefill (0: not
+    measured yet; :func:`marginal_cost` of ``prefill_readings``)."""
 
     bytes_per_s: dict[str, float] = field(default_factory=dict)
     prefill_s_per_token: float = 0.0
+    prefill_readings: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=READINGS))
 
     def note_load(self, tier: str, nbytes: int, seconds: float) -> None:
         if nbytes > 0 and seconds > 0.0:
@@ -39,7 +72,8 @@ class CostEstimates:
 
     def note_prefill(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0.0:
-            self.prefill_s_per_token = _ema(self.prefill_s_per_token, seconds / tokens)
+            self.prefill_readings.append((tokens, seconds))
+            self.prefill_s_per_token = marginal_cost(self.prefill_readings)
 
     def load_seconds(self, tier: str, nbytes: int) -> float | None:
         """Expected time to load ``nbytes`` from ``tier``; None before its first load."""

@@ -53,15 +53,27 @@ class DiskTier:
     def path(self, key: bytes) -> Path:
         return self.dir / f"{key.hex()}.kv"
 
+    def sample_key(self) -> bytes | None:
+        """The key of a group held (the most recently used), or ``None``: the tiers time
+        reading it back at start (:meth:`KVTiers.calibrate`)."""
+        with self._lock:
+            name = next(reversed(self._files), None)
+        return bytes.fromhex(name.removesuffix(".kv")) if name is not None else None
+
     def contains(self, key: bytes) -> bool:
         return self.path(key).exists()
 
-    def get(self, key: bytes) -> bytes | None:
-        """The file's bytes, or ``None`` if there is none (removed meanwhile included)."""
+    def get(self, key: bytes) -> bytearray | None:
+        """The file's bytes, or ``None`` if there is none (removed meanwhile included); read
+        into a ``bytearray`` that :func:`kv_blob.decode` views in place (no second copy)."""
         try:
-            data = self.path(key).read_bytes()
+            with open(self.path(key), "rb") as f:
+                data = bytearray(os.fstat(f.fileno()).st_size)
+                got = f.readinto(data)
         except FileNotFoundError:
             return None
+        if got != len(data):  # shortened meanwhile: decode calls it corrupt
+            del data[got:]
         with self._lock:
             if key.hex() + ".kv" in self._files:
                 self._files.move_to_end(key.hex() + ".kv")

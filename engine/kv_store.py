@@ -51,10 +51,10 @@ class StoreTier:
         with self._lock:
             return bool(self._store.is_exist(self._key(key)) == 1)
 
-    def get(self, key: bytes) -> bytes | None:
+    def get(self, key: bytes) -> bytearray | None:
         with self._lock:
             data = self._store.get(self._key(key))
-        return bytes(data) if data else None
+        return bytearray(data) if data else None  # writable: kv_blob.decode views it in place
 
     def put(self, key: bytes, blob: bytes) -> None:
         with self._lock:

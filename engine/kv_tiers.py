@@ -60,7 +60,7 @@ class GroupTier(Protocol):
     name: str
 
     def contains(self, key: bytes) -> bool: ...
-    def get(self, key: bytes) -> bytes | None: ...
+    def get(self, key: bytes) -> bytes | bytearray | None: ...
     def put(self, key: bytes, blob: bytes) -> None: ...
     def discard(self, key: bytes) -> None: ...
 
@@ -78,6 +78,7 @@ class TierCounters:
     prefetched_groups: int = 0  # groups read ahead into host memory while their request waited
     prefetch_hits: int = 0  # of those, groups a load then took from memory
     prefetch_wasted: int = 0  # of those, groups dropped unused (the memory's limit; the request went elsewhere)
+    calibrations: int = 0  # groups read back off the request path to measure this tier's rate (KVTiers.calibrate)
 
 
 @dataclass
@@ -122,6 +123,14 @@ class _Write:
     ready: torch.cuda.Event | None
 
 
+@dataclass
+class _Calibrate:
+    """The writer's first job where a tier already holds groups: time reading one back."""
+
+    tier: GroupTier
+    key: bytes
+
+
 class KVTiers:
     """The tiers of one pool. ``observe(name, seconds)`` receives each lookup's
     (``lookup``) and load's (``load``) duration, for the worker's histograms."""
@@ -149,13 +158,18 @@ class KVTiers:
         # a bug in the writer or the prefetcher, raised on the engine's thread at its next call
         self._failure: BaseException | None = None
         self._written: OrderedDict[bytes, None] = OrderedDict()  # groups offered lately
-        self._queue: queue.Queue[_Write | None] = queue.Queue(maxsize=config.max_pending_writes)
+        self._queue: queue.Queue[_Write | _Calibrate | None] = queue.Queue(maxsize=config.max_pending_writes)
         self._writer: threading.Thread | None = None
         if self.groups:
             self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
             self._writer.start()
+            for tier in self.groups:  # a tier that already holds groups (a restart): measured first thing
+                sample = getattr(tier, "sample_key", None)
+                key = sample() if sample is not None else None
+                if key is not None:
+                    self._queue.put_nowait(_Calibrate(tier, key))
         # prefetched groups: key -> (tier name, blob), oldest first, within config.prefetch_bytes
-        self._fetched: OrderedDict[bytes, tuple[str, bytes]] = OrderedDict()
+        self._fetched: OrderedDict[bytes, tuple[str, bytes | bytearray]] = OrderedDict()
         self._fetched_bytes = 0
         self._fetch_lock = threading.Lock()
         self._prefetches: queue.Queue[tuple[list[bytes], int] | None] = queue.Queue(maxsize=config.max_pending_writes)
@@ -370,7 +384,7 @@ class KVTiers:
                 self._keep_prefetched(key, tier.name, blob)
             i = group_end
 
-    def _keep_prefetched(self, key: bytes, tier: str, blob: bytes) -> None:
+    def _keep_prefetched(self, key: bytes, tier: str, blob: bytes | bytearray) -> None:
         with self._fetch_lock:
             self._fetched[key] = (tier, blob)
             self._fetched_bytes += len(blob)
@@ -380,7 +394,7 @@ class KVTiers:
                 self._fetched_bytes -= len(old)
                 self.stats.tiers[old_tier].prefetch_wasted += 1
 
-    def _take_prefetched(self, key: bytes) -> bytes | None:
+    def _take_prefetched(self, key: bytes) -> bytes | bytearray | None:
         with self._fetch_lock:
             found = self._fetched.pop(key, None)
             if found is None:
@@ -445,7 +459,10 @@ class KVTiers:
             finally:
                 self._queue.task_done()
 
-    def _write(self, item: _Write) -> None:
+    def _write(self, item: _Write | _Calibrate) -> None:
+        if isinstance(item, _Calibrate):
+            self.calibrate(item.tier, item.key)
+            return
         if item.ready is not None:
             item.ready.synchronize()
         blob = None
@@ -457,6 +474,26 @@ class KVTiers:
             counters = self.stats.tiers[tier.name]
             counters.stored_pages += item.pages.shape[0]
             counters.store_bytes += len(blob)
+            if self.estimates.load_seconds(tier.name, 1) is None:
+                self.calibrate(tier, item.key)
+
+    def calibrate(self, tier: GroupTier, key: bytes) -> bool:
+        """Time reading group ``key`` back from ``tier`` and checking it (on this thread, off
+        the engine's path) as that tier's first load-rate reading, so that the cost rule does
+        not have to load a whole prefix on a request's path to learn a tier is slower than
+        computing (the copy to the device, a small part beside a disk or a store, is not in
+        it: real loads refine the estimate). Returns whether it measured."""
+        began = time.perf_counter()
+        blob = tier.get(key)
+        if blob is None:
+            return False
+        try:
+            kv_blob.decode(blob, self.ident, key, self.pool.layout)
+        except kv_blob.CorruptBlob:
+            return False
+        self.estimates.note_load(tier.name, len(blob), time.perf_counter() - began)
+        self.stats.tiers[tier.name].calibrations += 1
+        return True
 
     # ---- upkeep ----------------------------------------------------------------
     def check(self) -> None:

@@ -76,7 +76,9 @@ class TierCounts:
     (:mod:`pdserve.engine.kv_cost`); the rule's inputs now: ``load_s_per_page`` (this tier's
     measured rate) against ``recompute_s_per_page`` (the worker's prefill), 0 until measured;
     ``prefetched_groups``: groups read ahead into host memory while their request waited,
-    ``prefetch_hits`` of them then loaded from memory, ``prefetch_wasted`` dropped unused."""
+    ``prefetch_hits`` of them then loaded from memory, ``prefetch_wasted`` dropped unused;
+    ``calibrations``: groups read back off the request path to measure the tier's rate (its
+    first write, or one it held at start)."""
 
     tier: str
     hit_pages: int = 0
@@ -91,6 +93,7 @@ class TierCounts:
     prefetched_groups: int = 0
     prefetch_hits: int = 0
     prefetch_wasted: int = 0
+    calibrations: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.kv_cost import CostEstimates, Decision, pages_worth_loading
+from pdserve.engine.kv_cost import CostEstimates, Decision, marginal_cost, pages_worth_loading
 
 PAGE_BYTES = 1 << 20  # 1 MiB a page
 PAGE_TOKENS = 16
@@ -78,3 +78,28 @@ def test_the_estimates_follow_readings_and_ignore_empty_ones() -> None:
     e.note_load("disk", 1000, 0.002)
     assert 5e5 < e.bytes_per_s["disk"] < 1e6  # moved toward the new reading, smoothed
     assert e.load_seconds("store", 10) is None and e.recompute_seconds(10) is None
+
+
+def test_the_prefill_rate_is_the_marginal_cost_of_a_token() -> None:
+    """A chat's later turns compute a short message beside a loaded prefix: a 36-token step
+    that costs mostly its fixed part must not make the prefix look dear to compute (it did:
+    on an H200 the disk tier was loaded at 4x the cost of computing, 2026-12-04)."""
+    e = CostEstimates()
+    e.note_prefill(8224, 0.25)  # turn 0: a whole 8,192-token context, ~30 us a token
+    for _ in range(8):
+        e.note_prefill(36, 0.015)  # later turns: a short message, ~420 us a token
+    assert e.prefill_s_per_token == pytest.approx((0.25 - 0.015) / (8224 - 36), rel=1e-6)
+    # a disk at 400 MB/s (a 1 MiB page in 2.6 ms) against computing its 16 tokens (0.46 ms)
+    e.note_load("disk", PAGE_BYTES, 0.0026)
+    assert pages_worth_loading([("disk", 8)], PAGE_BYTES, PAGE_TOKENS, e) == Decision(0, 0.0)
+
+
+def test_the_marginal_cost_without_a_spread_of_sizes() -> None:
+    assert marginal_cost([]) == 0.0
+    # one size only: the cheapest rate, an upper bound (the fixed part is in it)
+    assert marginal_cost([(36, 0.015)] * 4) == pytest.approx(0.015 / 36)
+    assert marginal_cost([(2048, 0.05), (2048, 0.06)]) == pytest.approx(0.05 / 2048)
+    # noisy readings whose slope comes out negative: the cheapest large step's rate
+    assert marginal_cost([(1024, 0.05), (4096, 0.04)]) == pytest.approx(0.04 / 4096)
+    # a slope above a reading's own rate (a negative fixed part) is capped by that rate
+    assert marginal_cost([(100, 0.001), (1000, 0.1)]) == pytest.approx(0.001 / 100)

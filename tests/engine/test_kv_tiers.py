@@ -231,6 +231,29 @@ def test_a_bfloat16_pool_round_trips_through_the_disk_tier(tiny_model_dir: Path,
     restarted.close()
 
 
+def test_a_tier_is_measured_off_the_request_path(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The writer reads a tier's first group back to time it, and a restarted engine times
+    one of the groups its disk holds before any request: the cost rule never has to load a
+    whole prefix on a request's path to learn that a tier is slow (on an H200 a chat's first
+    load from disk took 4x computing, 2026-12-04)."""
+    first = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4, load="cost")
+    assert first.tiers is not None and first.tiers.estimates.load_seconds("disk", 1) is None
+    serve(first, [list(range(5, 205))])
+    first.tiers.drain()
+    assert first.tiers.stats.tiers["disk"].calibrations == 1  # the first write only
+    assert first.tiers.estimates.load_seconds("disk", 1) is not None
+    assert first.tiers.stats.tiers["disk"].hit_pages == 0  # measured without a load
+    first.close()
+    restarted = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4, load="cost")
+    assert restarted.tiers is not None
+    restarted.tiers.drain()
+    assert restarted.tiers.stats.tiers["disk"].calibrations == 1
+    assert restarted.tiers.estimates.load_seconds("disk", 1) is not None
+    (counts,) = [c for c in restarted.tiers.counts() if c.tier == "disk"]
+    assert counts.calibrations == 1 and counts.load_s_per_page > 0
+    restarted.close()
+
+
 def test_a_tier_thread_bug_ends_the_engine_loudly(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -282,7 +305,7 @@ def test_a_queued_request_finds_its_prefix_read_ahead(
     plain = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4, load="cost", prefetch_bytes=0)
     assert plain.tiers is not None
     plain.tiers.estimates.note_load("disk", 1, 1.0)
-    plain.tiers.note_prefill(1, 1e-3)
+    plain.tiers.note_prefill(1024, 1e-3)
     assert serve(plain, [prompts[1]]) == [expected[1]]
     stats = plain.tiers.stats.tiers["disk"]
     assert stats.prefetched_groups == 0 and stats.hit_pages == 0 and stats.declined_pages == groups * 4
