@@ -280,6 +280,9 @@ def main() -> None:
         }
         if store is not None:
             configs["store"] = KVTierConfig(**store)
+            # every tier at once, fastest first (its store is the one above: a first turn may
+            # find the "store" engine's groups there; later turns find their own in host memory)
+            configs["all"] = KVTierConfig(host_bytes=args.host_bytes, disk_dir=str(Path(tmp) / "disk-all"), **store)
         results["chat"] = chat(model, configs, args, seed)
         for name, reading in results["chat"].items():
             print(name, json.dumps({k: v for k, v in reading.items() if k != "outputs"}), flush=True)
