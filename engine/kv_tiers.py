@@ -174,6 +174,7 @@ class KVTiers:
         self._fetch_lock = threading.Lock()
         self._prefetches: queue.Queue[tuple[list[bytes], int] | None] = queue.Queue(maxsize=config.max_pending_writes)
         self._prefetcher: threading.Thread | None = None
+        self._copy_stream: torch.cuda.Stream | None = None  # a GPU pool's group snapshots (see _enqueue)
         if self.groups and config.prefetch_bytes > 0:
             self._prefetcher = threading.Thread(target=self._prefetch_loop, name="kv-tier-prefetch", daemon=True)
             self._prefetcher.start()
@@ -231,6 +232,17 @@ class KVTiers:
         end = min(start + limit, len(hashes))
         i = start
         g = self.group_pages
+        # tiers that answer many keys in one round trip (the store) are asked once, up front
+        keys = [hashes[e - 1] for e in range((start // g + 1) * g, min(len(hashes), end + g - 1) + 1, g)]
+        held = {
+            t.name: {k for k, yes in zip(keys, t.contains_many(keys), strict=True) if yes}
+            for t in self.groups
+            if hasattr(t, "contains_many") and i < end
+        }
+
+        def contains(tier: GroupTier, key: bytes) -> bool:
+            return key in held[tier.name] if tier.name in held else tier.contains(key)
+
         while i < end:
             if self.host is not None and self.host.contains(hashes[i]):
                 steps.append(_Step("host", hashes[i], 0, 1))
@@ -240,7 +252,7 @@ class KVTiers:
             if group_end > len(hashes):
                 break  # a group is keyed by its last page: this one is not full in the prompt
             key = hashes[group_end - 1]
-            tier = next((t for t in self.groups if t.contains(key)), None)
+            tier = next((t for t in self.groups if contains(t, key)), None)
             if tier is None:
                 break
             count = min(group_end, end) - i
@@ -429,10 +441,25 @@ class KVTiers:
         index = torch.tensor(list(pages), device=self.pool.device)
         ready = None
         if self.pool.device.type == "cuda":
-            snap = torch.empty((len(pages), *self.pool.tensor.shape[1:]), dtype=self.pool.tensor.dtype, pin_memory=True)
-            snap.copy_(self.pool.tensor.index_select(0, index), non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
+            # The group is gathered on a side stream (after the work queued so far) and copied
+            # to the host from there: the compute stream waits only for the gather, not for the
+            # copy over PCIe (on the compute stream, a chat turn's writes delayed the next
+            # turn's prefill by 60 ms at 8,192 tokens on an H200).
+            main = torch.cuda.current_stream(self.pool.device)
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(self.pool.device)
+            side = self._copy_stream
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                gathered = self.pool.tensor.index_select(0, index)
+                gathered_event = torch.cuda.Event()
+                gathered_event.record(side)
+                snap = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+                snap.copy_(gathered, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record(side)
+            index.record_stream(side)
+            main.wait_event(gathered_event)  # later writes to these pages come after the gather
         else:
             snap = self.pool.tensor.index_select(0, index)
         try:

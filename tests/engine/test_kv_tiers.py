@@ -340,6 +340,8 @@ def test_store_tier_round_trips_and_refuses_corrupt_objects(store_master: StoreM
     assert not store.contains(key(7)) and store.get(key(7)) is None
     store.put(key(7), kv_blob.encode(IDENT, key(7), pages))
     assert store.contains(key(7))
+    assert store.contains_many([key(6), key(7), key(9)]) == [False, True, False]  # one round trip
+    assert store.contains_many([]) == []
     got = store.get(key(7))
     assert got is not None and torch.equal(kv_blob.decode(got, IDENT, key(7), LAYOUT), pages)
     store.put(key(8), kv_blob.encode(IDENT, key(7), pages))  # stored under a key it does not belong to
