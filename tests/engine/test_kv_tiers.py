@@ -246,8 +246,13 @@ def test_a_tier_is_measured_off_the_request_path(tiny_model_dir: Path, tmp_path:
     first.close()
     restarted = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4, load="cost")
     assert restarted.tiers is not None
+    # its own prefill timed at start too, leaving no trace: nothing cached, offered or counted
+    assert restarted.tiers.estimates.recompute_seconds(16) is not None
+    assert restarted.stats.steps == restarted.stats.prompt_tokens == 0 and not restarted.has_work()
+    assert restarted.pages.num_cached_pages == 0
     restarted.tiers.drain()
     assert restarted.tiers.stats.tiers["disk"].calibrations == 1
+    assert restarted.tiers.stats.tiers["disk"].stored_pages == 0
     assert restarted.tiers.estimates.load_seconds("disk", 1) is not None
     (counts,) = [c for c in restarted.tiers.counts() if c.tier == "disk"]
     assert counts.calibrations == 1 and counts.load_s_per_page > 0
