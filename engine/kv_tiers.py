@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 
 TIER_NAMES = ("host", "disk", "store")
 _REMEMBERED_GROUPS = 1 << 16
+_PINNED_KEPT = 64  # pinned snapshot buffers kept for reuse (a GPU pool's group writes)
 
 
 class GroupTier(Protocol):
@@ -88,6 +89,7 @@ class TierStats:
     missed_pages: int = 0  # pages those lookups wanted and no tier had
     write_drops: int = 0  # groups not written: the writer's queue was full
     write_errors: int = 0  # groups a tier failed to take (logged)
+    already_held: int = 0  # computed groups every tier already held: not copied off the device
     lookup_seconds: float = 0.0
     load_seconds: float = 0.0
 
@@ -175,6 +177,7 @@ class KVTiers:
         self._prefetches: queue.Queue[tuple[list[bytes], int] | None] = queue.Queue(maxsize=config.max_pending_writes)
         self._prefetcher: threading.Thread | None = None
         self._copy_stream: torch.cuda.Stream | None = None  # a GPU pool's group snapshots (see _enqueue)
+        self._pinned_free: list[torch.Tensor] = []  # their pinned buffers, for reuse
         if self.groups and config.prefetch_bytes > 0:
             self._prefetcher = threading.Thread(target=self._prefetch_loop, name="kv-tier-prefetch", daemon=True)
             self._prefetcher.start()
@@ -427,6 +430,7 @@ class KVTiers:
         if not self.groups:
             return
         g = self.group_pages
+        fresh: list[int] = []
         for group_end in range((old_full // g + 1) * g, new_full + 1, g):
             key = hashes[group_end - 1]
             if key in self._written:
@@ -435,7 +439,39 @@ class KVTiers:
             self._written[key] = None
             if len(self._written) > _REMEMBERED_GROUPS:
                 self._written.popitem(last=False)
-            self._enqueue(key, page_table[group_end - g : group_end])
+            fresh.append(group_end)
+        # Groups every tier already holds (a restarted worker computing what its disk has, a
+        # prefix another worker wrote to the store) are not copied off the device at all.
+        held = self._held_everywhere([hashes[e - 1] for e in fresh])
+        for group_end, skip in zip(fresh, held, strict=True):
+            if skip:
+                self.stats.already_held += 1
+            else:
+                self._enqueue(hashes[group_end - 1], page_table[group_end - g : group_end])
+
+    def _held_everywhere(self, keys: list[bytes]) -> list[bool]:
+        """Whether every group tier holds each of ``keys`` (one round trip where a tier can)."""
+        held = [True] * len(keys)
+        for tier in self.groups:
+            many = getattr(tier, "contains_many", None)
+            answers = many(keys) if many is not None else [tier.contains(k) for k in keys]
+            held = [a and b for a, b in zip(held, answers, strict=True)]
+        return held
+
+    def _pinned(self, pages: int) -> torch.Tensor:
+        """A pinned host buffer for a group's snapshot, reused once the writer is done with
+        one (allocating pinned memory per group cost the engine's thread more than the copy)."""
+        with self._fetch_lock:
+            if self._pinned_free:
+                buf = self._pinned_free.pop()
+                if buf.shape[0] == pages:
+                    return buf
+        return torch.empty((pages, *self.pool.tensor.shape[1:]), dtype=self.pool.tensor.dtype, pin_memory=True)
+
+    def _release_pinned(self, buf: torch.Tensor) -> None:
+        with self._fetch_lock:
+            if len(self._pinned_free) < _PINNED_KEPT:
+                self._pinned_free.append(buf)
 
     def _enqueue(self, key: bytes, pages: Sequence[int]) -> None:
         index = torch.tensor(list(pages), device=self.pool.device)
@@ -454,7 +490,7 @@ class KVTiers:
                 gathered = self.pool.tensor.index_select(0, index)
                 gathered_event = torch.cuda.Event()
                 gathered_event.record(side)
-                snap = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+                snap = self._pinned(len(pages))
                 snap.copy_(gathered, non_blocking=True)
                 ready = torch.cuda.Event()
                 ready.record(side)
@@ -503,6 +539,8 @@ class KVTiers:
             counters.store_bytes += len(blob)
             if self.estimates.load_seconds(tier.name, 1) is None:
                 self.calibrate(tier, item.key)
+        if item.ready is not None:  # a pinned snapshot, copied into the blob by now: reusable
+            self._release_pinned(item.pages)
 
     def calibrate(self, tier: GroupTier, key: bytes) -> bool:
         """Time reading group ``key`` back from ``tier`` and checking it (on this thread, off

@@ -259,6 +259,25 @@ def test_a_tier_is_measured_off_the_request_path(tiny_model_dir: Path, tmp_path:
     restarted.close()
 
 
+def test_groups_every_tier_holds_are_not_copied_again(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A worker that computes a prefix its disk already holds (declined as slower than
+    computing) copies none of it off the device for the writer."""
+    prompt = list(range(5, 205))
+    first = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4)
+    computed = serve(first, [prompt])
+    first.close()
+    second = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4, load="cost", prefetch_bytes=0)
+    assert second.tiers is not None
+    second.tiers.drain()
+    second.tiers.estimates.bytes_per_s["disk"] = 1.0  # a byte a second (over its calibration): declined
+    assert serve(second, [prompt], first=1) == computed
+    second.tiers.drain()
+    stats = second.tiers.stats
+    assert stats.tiers["disk"].declined_pages == 200 // 16 // 4 * 4 and stats.tiers["disk"].hit_pages == 0
+    assert stats.already_held == 200 // 16 // 4 and stats.tiers["disk"].stored_pages == 0
+    second.close()
+
+
 def test_a_tier_thread_bug_ends_the_engine_loudly(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
