@@ -42,8 +42,10 @@ class DecodeGraphs:
         scratch_page: int,
         splits_for: Callable[[int], int],
         device: torch.device,
+        kv_first: bool = False,
     ) -> None:
         self.forward = forward
+        self.kv_first = kv_first  # rows of one sequence side by side: speculative verifies
         self.max_batch = max_batch
         self.page_size = page_size
         self.scratch_page = scratch_page
@@ -79,6 +81,7 @@ class DecodeGraphs:
             decode_splits=self.splits_for(batch),
             prefill=None,
             sample_index=None,
+            kv_first=self.kv_first,
         )
 
     def capture(self) -> None:
@@ -103,7 +106,7 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         log.info(
-            "decode graphs captured",
+            "verify graphs captured" if self.kv_first else "decode graphs captured",
             extra={
                 "buckets": len(self.buckets),
                 "max_batch": self.max_batch,

@@ -21,7 +21,7 @@ from pdserve.engine.cuda_graph import DecodeGraphs
 from pdserve.engine.kernels import decode_splits
 from pdserve.engine.kv_pool import KVPool, bytes_per_token, dtype_name, kv_dtype_name
 from pdserve.engine.models import FP8_MIN_CAPABILITY, create_fast_model, fast_path_reason, fp8_reason
-from pdserve.engine.models.batch import build_step
+from pdserve.engine.models.batch import build_step, rows_step, verify_rows
 from pdserve.engine.models.llama_cpu import LlamaFamilyCPU
 from pdserve.engine.models.llama_weights import quantize_fp8_
 from pdserve.engine.sequence import ScheduledBatch, Sequence
@@ -135,6 +135,25 @@ class ModelRunner:
                 self.device,
             )
             self.graphs.capture()
+        # Speculative verifies as decode rows (engine/models/batch.verify_rows): replayed as
+        # graphs of their own (each row's K/V stored before attention), up to as many rows as
+        # the decode graphs take; more rows, or no graphs, run eagerly as rows; a verify beside
+        # a prefill runs as prefill chunks. Each way is counted in ``verify_paths``.
+        self.verify_graphs: DecodeGraphs | None = None
+        self.verify_as_rows = self.fast is not None and self.device.type == "cuda"
+        self.verify_paths = {"graph": 0, "rows": 0, "chunks": 0}
+        if self.graphs is not None and config.speculative_algorithm:
+            self.verify_graphs = DecodeGraphs(
+                self.fast.forward,  # type: ignore[union-attr]
+                self.graphs.max_batch,
+                -(-self.max_model_len // config.page_size),
+                config.page_size,
+                self.scratch_page,
+                self._splits,
+                self.device,
+                kv_first=True,
+            )
+            self.verify_graphs.capture()
         if self.fast is not None and self.device.type == "cuda":
             assert not isinstance(self.fast, LlamaFamilyCPU)
             self.fast.warm_up_decode(self._splits(n) for n in range(1, config.max_num_seqs + 1))
@@ -252,6 +271,18 @@ class ModelRunner:
                 [s.last_token for s in seqs], [s.num_tokens - 1 for s in seqs], [s.page_table for s in seqs], feed
             )
             return seqs, logits
+        if batch.verifies and not batch.prefills and self.verify_as_rows:
+            assert feed is None, "speculation turns the overlap off"
+            ids, positions, tables, seqs = verify_rows(batch)
+            verify_graphs = self.verify_graphs
+            if verify_graphs is not None and len(ids) <= verify_graphs.max_batch:
+                self.verify_paths["graph"] += 1
+                return seqs, verify_graphs.run(ids, positions, tables)
+            self.verify_paths["rows"] += 1
+            rows = rows_step(ids, positions, tables, self.config.page_size, self.device, self._splits(len(ids)))
+            return seqs, self.fast.forward(rows)
+        if batch.verifies:
+            self.verify_paths["chunks"] += 1
         step, seqs = build_step(batch, self.config.page_size, self.device, self._splits(len(batch.decodes)))
         if feed is not None:
             from pdserve.engine.kernels import elementwise  # the fast path has Triton

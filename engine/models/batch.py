@@ -39,6 +39,11 @@ class StepBatch:
     decode_splits: int
     prefill: PrefillChunks | None
     sample_index: torch.Tensor | None  # rows whose logits are wanted; None: every row
+    # Decode rows of one sequence side by side (a speculative verify as rows, see
+    # :func:`verify_rows`): each row's K/V is stored before any row attends, since a row
+    # reads the tokens of the rows before it (a decode-only step otherwise has its attention
+    # kernel rotate and store each row's own token).
+    kv_first: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -158,3 +163,47 @@ def build_step(
         else _to(torch.tensor(sample_rows, dtype=torch.long), device),
     )
     return step, sample_seqs
+
+
+def verify_rows(batch: ScheduledBatch) -> tuple[list[int], list[int], list[list[int]], list[Sequence]]:
+    """A step of decodes and speculative verifies (no prefill) as decode rows: one per decode,
+    then one per token of each verify (its last token, then its draft), each row attending to
+    its own prefix through its sequence's page table, as a decode of that position would.
+    Returns the rows' input ids, positions and page tables, and the decoding sequences (their
+    rows come first; every verify row follows, in order, as :meth:`ModelRunner.execute` says).
+    The rows run as a decode step with ``kv_first`` (a CUDA graph per row count)."""
+    assert not batch.prefills
+    ids: list[int] = []
+    positions: list[int] = []
+    tables: list[list[int]] = []
+    for seq in batch.decodes:
+        ids.append(seq.last_token)
+        positions.append(seq.num_tokens - 1)
+        tables.append(seq.page_table)
+    for seq, draft in batch.verifies:
+        start = seq.num_tokens - 1
+        for j, token in enumerate([seq.last_token, *draft]):
+            ids.append(token)
+            positions.append(start + j)
+            tables.append(seq.page_table)
+    return ids, positions, tables, list(batch.decodes)
+
+
+def rows_step(
+    ids: list[int], positions: list[int], tables: list[list[int]], page_size: int, device: torch.device, splits: int
+) -> StepBatch:
+    """Decode rows (:func:`verify_rows`) as a step run eagerly: what the verify graphs replay."""
+    width = max(p // page_size + 1 for p in positions)
+    slots = [t[p // page_size] * page_size + p % page_size for p, t in zip(positions, tables, strict=True)]
+    return StepBatch(
+        input_ids=_to(torch.tensor(ids, dtype=torch.long), device),
+        positions=_to(torch.tensor(positions, dtype=torch.long), device),
+        slots=_to(torch.tensor(slots, dtype=torch.long), device),
+        num_decodes=len(ids),
+        decode_tables=_to(_table([t[:width] for t in tables], width), device),
+        decode_ctx_lens=_to(torch.tensor([p + 1 for p in positions], dtype=torch.int32), device),
+        decode_splits=splits,
+        prefill=None,
+        sample_index=None,
+        kv_first=True,
+    )

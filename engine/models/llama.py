@@ -141,7 +141,7 @@ class LlamaFamily(FusedDecoder):
         last = len(self.layers) - 1
         pdl = self.pdl and tokens == 1 and self.use_gemv and h.is_cuda and not self.l2_prefetch
         # a decode-only step: decode attention rotates and stores its tokens' k, v itself
-        fused_rope = step.prefill is None and not self.separate_rope
+        fused_rope = step.prefill is None and not self.separate_rope and not step.kv_first
         for index, layer in enumerate(self.layers):
             w = layer.qkv_weight  # the library's GEMM at every size in 16 bits (as fast at batch 1)
             if isinstance(w, torch.Tensor):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -158,3 +159,49 @@ def test_overlapped_steps_equal_plain_steps() -> None:
     assert plain == reference
     assert overlapped == reference
     assert reference["reasons"]["2"] == "length" and len(reference["tokens"]["2"]) == 1
+
+
+def test_speculative_verifies_run_as_decode_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step of decodes and verifies runs as decode rows (each draft token a row over its own
+    prefix, K/V stored first): what the GPU's verify graphs replay. Greedy tokens equal
+    ``generate``'s, drafts were verified that way and never as prefill chunks, and every layer
+    of such a step stored its rows' K/V before attending (the interpreter runs programs one
+    after another, so a row reading a K/V another program has yet to store would pass here)."""
+    quiet_transformers()
+    model = small_model("qwen2")
+    rng = random.Random("rows")
+    prompts = [[rng.randrange(300) for _ in range(12)] * 3, [rng.randrange(300) for _ in range(20)]]
+    expected = hf_greedy(model, prompts, 10)
+    config = EngineConfig(
+        device=str(DEVICE),
+        max_total_tokens=1024,
+        model_impl="pdserve",
+        cuda_graph_max_batch=0,
+        speculative_algorithm="ngram",
+        speculative_cost_ratio=0.0,  # draft whenever there is a match
+    )
+    runner = ModelRunner(ModelSpec(Path("rows")), config, model=model)
+    assert isinstance(runner.fast, llama.LlamaFamily)
+    runner.verify_as_rows = True  # the GPU's default
+    engine = Engine(runner, config)
+    kinds: list[bool] = []  # each forward pass: rows of one sequence side by side?
+    stores: list[bool] = []  # each separate K/V store: in such a pass?
+    forward, store = runner.fast.forward, llama.rope.rope_store
+
+    def tracked_forward(step: Any) -> torch.Tensor:
+        kinds.append(step.kv_first)
+        return forward(step)
+
+    def tracked_store(*args: Any, **kwargs: Any) -> None:
+        stores.append(kinds[-1])
+        store(*args, **kwargs)
+
+    monkeypatch.setattr(runner.fast, "forward", tracked_forward)
+    monkeypatch.setattr(llama.rope, "rope_store", tracked_store)
+    ours = run(engine, prompts, 10)
+    assert kinds.count(True) == runner.verify_paths["rows"] > 0
+    assert stores.count(True) == kinds.count(True) * len(runner.fast.layers)
+    assert_greedy_equal(model, prompts, ours, expected)
+    spec = engine.stats.spec
+    assert spec is not None and spec.verifies > 0 and spec.accepted > 0
+    assert runner.verify_paths["rows"] > 0 and runner.verify_paths["chunks"] == 0

@@ -68,6 +68,30 @@ def test_graph_replay_equals_eager_decoding(dtype: torch.dtype, sizes: tuple[int
         assert run(graphed, prompts, 40) == run(eager, prompts, 40), n
 
 
+def test_speculative_verifies_replay_as_graphs_with_the_tokens_of_plain_decoding() -> None:
+    """float32: with n-gram speculation the verifies replay as graphs of decode rows (K/V
+    stored first) and the greedy tokens are those of plain graph-replayed decoding."""
+    model = build(SMALL, torch.float32)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(5000) for _ in range(16)] * 4 for _ in range(3)]
+    prompts += [[rng.randrange(5000) for _ in range(rng.randint(5, 200))] for _ in range(5)]
+    plain = run(engine_for(model, 32), prompts, 40)
+    config = EngineConfig(
+        device="cuda",
+        max_total_tokens=16384,
+        cuda_graph_max_batch=32,
+        max_num_seqs=64,
+        speculative_algorithm="ngram",
+        speculative_cost_ratio=0.0,
+    )
+    runner = ModelRunner(ModelSpec(Path("m")), config, model=model)
+    assert runner.verify_graphs is not None and runner.verify_as_rows
+    engine = Engine(runner, config)
+    assert run(engine, prompts, 40) == plain
+    assert engine.stats.spec is not None and engine.stats.spec.accepted > 0
+    assert runner.verify_paths["graph"] > 0 and runner.verify_paths["chunks"] == 0
+
+
 @pytest.mark.parametrize("option", ["pdl", "l2_prefetch"])
 def test_batch_one_options_decode_the_same_tokens(option: str) -> None:
     """Programmatic dependent launches and the L2 prefetch change when kernels start, not
