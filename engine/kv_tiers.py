@@ -52,6 +52,10 @@ log = logging.getLogger(__name__)
 
 TIER_NAMES = ("host", "disk", "store")
 _REMEMBERED_GROUPS = 1 << 16
+# A tier's rate is measured again (a group read back by the writer) every this many groups it
+# takes: a rate measured slow once (a busy moment) would otherwise decline the tier for good,
+# since declined loads measure nothing.
+RECALIBRATE_EVERY = 32
 _PINNED_KEPT = 64  # pinned snapshot buffers kept for reuse (a GPU pool's group writes)
 
 
@@ -80,6 +84,7 @@ class TierCounters:
     prefetch_hits: int = 0  # of those, groups a load then took from memory
     prefetch_wasted: int = 0  # of those, groups dropped unused (the memory's limit; the request went elsewhere)
     calibrations: int = 0  # groups read back off the request path to measure this tier's rate (KVTiers.calibrate)
+    writes_since_calibration: int = 0  # (not a count for the heartbeat: when to calibrate again)
 
 
 @dataclass
@@ -197,7 +202,11 @@ class KVTiers:
         return tuple(
             TierCounts(
                 name,
-                **dataclasses.asdict(self.stats.tiers[name]),
+                **{
+                    k: v
+                    for k, v in dataclasses.asdict(self.stats.tiers[name]).items()
+                    if k != "writes_since_calibration"
+                },
                 held_bytes=getattr(tier, "num_bytes", 0),
                 load_s_per_page=self.estimates.load_seconds(name, page) or 0.0,
                 recompute_s_per_page=recompute,
@@ -537,14 +546,17 @@ class KVTiers:
             counters = self.stats.tiers[tier.name]
             counters.stored_pages += item.pages.shape[0]
             counters.store_bytes += len(blob)
-            if self.estimates.load_seconds(tier.name, 1) is None:
+            counters.writes_since_calibration += 1
+            unmeasured = self.estimates.load_seconds(tier.name, 1) is None
+            if unmeasured or counters.writes_since_calibration >= RECALIBRATE_EVERY:
                 self.calibrate(tier, item.key)
         if item.ready is not None:  # a pinned snapshot, copied into the blob by now: reusable
             self._release_pinned(item.pages)
 
     def calibrate(self, tier: GroupTier, key: bytes) -> bool:
         """Time reading group ``key`` back from ``tier`` and checking it (on this thread, off
-        the engine's path) as that tier's first load-rate reading, so that the cost rule does
+        the engine's path) as a load-rate reading of that tier (its first, and one every
+        :data:`RECALIBRATE_EVERY` groups written), so that the cost rule does
         not have to load a whole prefix on a request's path to learn a tier is slower than
         computing (the copy to the device, a small part beside a disk or a store, is not in
         it: real loads refine the estimate). Returns whether it measured."""
@@ -558,6 +570,7 @@ class KVTiers:
             return False
         self.estimates.note_load(tier.name, len(blob), time.perf_counter() - began)
         self.stats.tiers[tier.name].calibrations += 1
+        self.stats.tiers[tier.name].writes_since_calibration = 0
         return True
 
     # ---- upkeep ----------------------------------------------------------------

@@ -240,7 +240,7 @@ def test_a_tier_is_measured_off_the_request_path(tiny_model_dir: Path, tmp_path:
     assert first.tiers is not None and first.tiers.estimates.load_seconds("disk", 1) is None
     serve(first, [list(range(5, 205))])
     first.tiers.drain()
-    assert first.tiers.stats.tiers["disk"].calibrations == 1  # the first write only
+    assert first.tiers.stats.tiers["disk"].calibrations == 1  # the first write only (of 3 groups)
     assert first.tiers.estimates.load_seconds("disk", 1) is not None
     assert first.tiers.stats.tiers["disk"].hit_pages == 0  # measured without a load
     first.close()
@@ -257,6 +257,24 @@ def test_a_tier_is_measured_off_the_request_path(tiny_model_dir: Path, tmp_path:
     (counts,) = [c for c in restarted.tiers.counts() if c.tier == "disk"]
     assert counts.calibrations == 1 and counts.load_s_per_page > 0
     restarted.close()
+
+
+def test_a_tier_measured_slow_once_is_measured_again(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Declined loads measure nothing: the writer reads a group back every RECALIBRATE_EVERY
+    groups it writes, so a rate measured in a busy moment does not decline a tier for good."""
+    from pdserve.engine import kv_tiers
+
+    monkeypatch.setattr(kv_tiers, "RECALIBRATE_EVERY", 2)
+    engine = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4, load="cost", prefetch_bytes=0)
+    assert engine.tiers is not None
+    engine.tiers.estimates.bytes_per_s["disk"] = 1.0  # measured a byte a second, once
+    serve(engine, [list(range(5, 205))])  # writes 3 groups
+    engine.tiers.drain()
+    assert engine.tiers.stats.tiers["disk"].calibrations == 1  # at the second write
+    assert engine.tiers.estimates.bytes_per_s["disk"] > 1e3  # moved toward the disk's real rate
+    engine.close()
 
 
 def test_groups_every_tier_holds_are_not_copied_again(tiny_model_dir: Path, tmp_path: Path) -> None:
