@@ -13,7 +13,8 @@
 #   bash bench/gpu.sh serve          # pdserve up (PD, then unified) on one GPU at 7B dimensions, pdserve bench at 1 and 64
 #   bash bench/gpu.sh fp8            # the FP8 tests on the GPU, bench/probes/fp8_probe.py, then bench/gpu_engine.py in
 #                                    # bf16 and FP8 variants in one call (gpu_engine_NAME.json; logs in fp8_logs.tgz)
-#   bash bench/gpu.sh probes         # the probes in PROBES (default "diag gemv attention"; also fp32, reading, ipc)
+#   bash bench/gpu.sh probes         # the probes in PROBES (default "diag gemv attention"; also fp32, reading, ipc,
+#                                    # verify: speculative verify steps against plain decode, quant: FP8 row quantization)
 #   bash bench/gpu.sh two_gpu_pd     # 2 GPUs: the p2p tests, then bench/two_gpu_pd.py (NCCL KV, PD against 2 unified)
 #   bash bench/gpu.sh two_tp         # 2 GPUs: the TP tests, then bench/tensor_parallel.py (TP 1 against TP 2)
 #   bash bench/gpu.sh xpyd           # 4 GPUs: bench/xpyd.py, some systems a call (ARGS="--configs 2P2D,4U"; XPYD_JSON:
@@ -141,7 +142,9 @@ probes)
     fp32) timeout -k 10 240 python3 bench/probes/gpu_fp32_check.py ;;
     reading) timeout -k 10 420 python3 bench/probes/gpu_reading.py --device cuda --json "$out/gpu_reading.json" ;;
     ipc) timeout -k 10 360 python3 bench/probes/ipc_probe.py --out "$out/ipc_probe.json" ;;
-    *) echo "unknown probe: $probe (diag, gemv, attention, fp32, reading, ipc)" ;;
+    verify) timeout -k 10 300 python3 bench/probes/verify_probe.py --out "$out/verify_probe.json" ;;
+    quant) timeout -k 10 120 python3 bench/probes/quant_probe.py --out "$out/quant_probe.json" ;;
+    *) echo "unknown probe: $probe (diag, gemv, attention, fp32, reading, ipc, verify, quant)" ;;
     esac > "$out/probe_$probe.log" 2>&1
     echo "== $probe"; grep -v "^  " "$out/probe_$probe.log" | tail -14
   done

@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+VERIFY_GRAPH_MAX_ROWS = 512  # rows of the largest verify graph (64 sequences verifying 7 drafts)
+
 # ``model_impl='auto'`` takes pdserve's own pass on a CPU too (a Llama-family model):
 # bench/engine_bench.py --model smollm2 --modes pdserve,stock, 256 in / 64 out, fresh prompts,
 # 3 interleaved runs on 2 shared cores (2026-12-03), medians at 1 / 8 / 16 in flight, out tok/s:
@@ -136,16 +138,17 @@ class ModelRunner:
             )
             self.graphs.capture()
         # Speculative verifies as decode rows (engine/models/batch.verify_rows): replayed as
-        # graphs of their own (each row's K/V stored before attention), up to as many rows as
-        # the decode graphs take; more rows, or no graphs, run eagerly as rows; a verify beside
-        # a prefill runs as prefill chunks. Each way is counted in ``verify_paths``.
+        # graphs of their own (each row's K/V stored before attention), up to the decode graphs'
+        # batch times K + 1 rows (at most VERIFY_GRAPH_MAX_ROWS); more rows, or no graphs, run
+        # eagerly as rows; a verify beside a prefill runs as prefill chunks. Each way is counted
+        # in ``verify_paths``.
         self.verify_graphs: DecodeGraphs | None = None
         self.verify_as_rows = self.fast is not None and self.device.type == "cuda"
         self.verify_paths = {"graph": 0, "rows": 0, "chunks": 0}
         if self.graphs is not None and config.speculative_algorithm:
             self.verify_graphs = DecodeGraphs(
                 self.fast.forward,  # type: ignore[union-attr]
-                self.graphs.max_batch,
+                min(self.graphs.max_batch * (config.speculative_num_draft_tokens + 1), VERIFY_GRAPH_MAX_ROWS),
                 -(-self.max_model_len // config.page_size),
                 config.page_size,
                 self.scratch_page,
