@@ -10,7 +10,8 @@ mean equal whole prefixes; the group tiers add the model and layout identity.
 - **Write-through**: a page group (``group_pages`` consecutive full pages, keyed by the
   hash of its last page) is offered to the group tiers once computed
   (:meth:`KVTiers.offer`): its pages are snapshotted and a writer thread encodes and
-  writes them; a full queue drops the write (counted), never blocks a step.
+  writes them; a full queue drops the write (counted), never blocks a step
+  (:mod:`.kv_write`, which also measures each tier's rate off the request path).
 - **Promotion**: a prefix that misses on the device but hits below is loaded into fresh
   pool pages (:meth:`KVTiers.find`, then :meth:`KVTiers.load`), which join the prefix
   index like computed ones. A group blob that fails its checks is a miss (counted) and
@@ -46,17 +47,12 @@ from pdserve.engine.kv_cost import CostEstimates, pages_worth_loading
 from pdserve.engine.kv_host import HostTier
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.kv_store import StoreError
+from pdserve.engine.kv_write import WriteThrough
 from pdserve.schemas import TierCounts
 
 log = logging.getLogger(__name__)
 
 TIER_NAMES = ("host", "disk", "store")
-_REMEMBERED_GROUPS = 1 << 16
-# A tier's rate is measured again (a group read back by the writer) every this many groups it
-# takes: a rate measured slow once (a busy moment) would otherwise decline the tier for good,
-# since declined loads measure nothing.
-RECALIBRATE_EVERY = 32
-_PINNED_KEPT = 64  # pinned snapshot buffers kept for reuse (a GPU pool's group writes)
 
 
 class GroupTier(Protocol):
@@ -123,22 +119,7 @@ class Plan:
         return sum(s.count for s in self.steps)
 
 
-@dataclass
-class _Write:
-    key: bytes
-    pages: torch.Tensor  # on the host
-    ready: torch.cuda.Event | None
-
-
-@dataclass
-class _Calibrate:
-    """The writer's first job where a tier already holds groups: time reading one back."""
-
-    tier: GroupTier
-    key: bytes
-
-
-class KVTiers:
+class KVTiers(WriteThrough):
     """The tiers of one pool. ``observe(name, seconds)`` receives each lookup's
     (``lookup``) and load's (``load``) duration, for the worker's histograms."""
 
@@ -164,25 +145,13 @@ class KVTiers:
             )
         # a bug in the writer or the prefetcher, raised on the engine's thread at its next call
         self._failure: BaseException | None = None
-        self._written: OrderedDict[bytes, None] = OrderedDict()  # groups offered lately
-        self._queue: queue.Queue[_Write | _Calibrate | None] = queue.Queue(maxsize=config.max_pending_writes)
-        self._writer: threading.Thread | None = None
-        if self.groups:
-            self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
-            self._writer.start()
-            for tier in self.groups:  # a tier that already holds groups (a restart): measured first thing
-                sample = getattr(tier, "sample_key", None)
-                key = sample() if sample is not None else None
-                if key is not None:
-                    self._queue.put_nowait(_Calibrate(tier, key))
+        self.start_writer(config.max_pending_writes)
         # prefetched groups: key -> (tier name, blob), oldest first, within config.prefetch_bytes
         self._fetched: OrderedDict[bytes, tuple[str, bytes | bytearray]] = OrderedDict()
         self._fetched_bytes = 0
         self._fetch_lock = threading.Lock()
         self._prefetches: queue.Queue[tuple[list[bytes], int] | None] = queue.Queue(maxsize=config.max_pending_writes)
         self._prefetcher: threading.Thread | None = None
-        self._copy_stream: torch.cuda.Stream | None = None  # a GPU pool's group snapshots (see _enqueue)
-        self._pinned_free: list[torch.Tensor] = []  # their pinned buffers, for reuse
         if self.groups and config.prefetch_bytes > 0:
             self._prefetcher = threading.Thread(target=self._prefetch_loop, name="kv-tier-prefetch", daemon=True)
             self._prefetcher.start()
@@ -431,160 +400,7 @@ class KVTiers:
         if self._prefetcher is not None:
             self._prefetches.join()
 
-    # ---- write-through ---------------------------------------------------------
-    def offer(self, hashes: Sequence[bytes], page_table: Sequence[int], old_full: int, new_full: int) -> None:
-        """Pages ``old_full..new_full`` of a sequence became full and indexed: queue each
-        page group they complete for the group tiers."""
-        self.check()
-        if not self.groups:
-            return
-        g = self.group_pages
-        fresh: list[int] = []
-        for group_end in range((old_full // g + 1) * g, new_full + 1, g):
-            key = hashes[group_end - 1]
-            if key in self._written:
-                self._written.move_to_end(key)
-                continue
-            self._written[key] = None
-            if len(self._written) > _REMEMBERED_GROUPS:
-                self._written.popitem(last=False)
-            fresh.append(group_end)
-        # Groups every tier already holds (a restarted worker computing what its disk has, a
-        # prefix another worker wrote to the store) are not copied off the device at all.
-        held = self._held_everywhere([hashes[e - 1] for e in fresh])
-        for group_end, skip in zip(fresh, held, strict=True):
-            if skip:
-                self.stats.already_held += 1
-            else:
-                self._enqueue(hashes[group_end - 1], page_table[group_end - g : group_end])
-
-    def _held_everywhere(self, keys: list[bytes]) -> list[bool]:
-        """Whether every group tier holds each of ``keys`` (one round trip where a tier can)."""
-        held = [True] * len(keys)
-        for tier in self.groups:
-            many = getattr(tier, "contains_many", None)
-            answers = many(keys) if many is not None else [tier.contains(k) for k in keys]
-            held = [a and b for a, b in zip(held, answers, strict=True)]
-        return held
-
-    def _pinned(self, pages: int) -> torch.Tensor:
-        """A pinned host buffer for a group's snapshot, reused once the writer is done with
-        one (allocating pinned memory per group cost the engine's thread more than the copy)."""
-        with self._fetch_lock:
-            if self._pinned_free:
-                buf = self._pinned_free.pop()
-                if buf.shape[0] == pages:
-                    return buf
-        return torch.empty((pages, *self.pool.tensor.shape[1:]), dtype=self.pool.tensor.dtype, pin_memory=True)
-
-    def _release_pinned(self, buf: torch.Tensor) -> None:
-        with self._fetch_lock:
-            if len(self._pinned_free) < _PINNED_KEPT:
-                self._pinned_free.append(buf)
-
-    def _enqueue(self, key: bytes, pages: Sequence[int]) -> None:
-        index = torch.tensor(list(pages), device=self.pool.device)
-        ready = None
-        if self.pool.device.type == "cuda":
-            # The group is gathered on a side stream (after the work queued so far) and copied
-            # to the host from there: the compute stream waits only for the gather, not for the
-            # copy over PCIe (on the compute stream, a chat turn's writes delayed the next
-            # turn's prefill by 60 ms at 8,192 tokens on an H200).
-            main = torch.cuda.current_stream(self.pool.device)
-            if self._copy_stream is None:
-                self._copy_stream = torch.cuda.Stream(self.pool.device)
-            side = self._copy_stream
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                gathered = self.pool.tensor.index_select(0, index)
-                gathered_event = torch.cuda.Event()
-                gathered_event.record(side)
-                snap = self._pinned(len(pages))
-                snap.copy_(gathered, non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record(side)
-            index.record_stream(side)
-            main.wait_event(gathered_event)  # later writes to these pages come after the gather
-        else:
-            snap = self.pool.tensor.index_select(0, index)
-        try:
-            self._queue.put_nowait(_Write(key, snap, ready))
-        except queue.Full:
-            self.stats.write_drops += 1
-            self._written.pop(key, None)  # offered again next time it is computed
-
-    def _write_loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                self._queue.task_done()
-                return
-            try:
-                self._write(item)
-            except (OSError, StoreError) as exc:  # a full disk, a store away: this group is not kept
-                self.stats.write_errors += 1
-                log.warning("KV page group not written", extra={"key": item.key.hex(), "error": str(exc)})
-            except Exception as exc:  # a bug: counted, and raised on the engine's thread at its next call
-                self.stats.write_errors += 1
-                log.exception("KV page group write failed")
-                self._failure = self._failure or exc
-            finally:
-                self._queue.task_done()
-
-    def _write(self, item: _Write | _Calibrate) -> None:
-        if isinstance(item, _Calibrate):
-            self.calibrate(item.tier, item.key)
-            return
-        if item.ready is not None:
-            item.ready.synchronize()
-        blob = None
-        for tier in self.groups:
-            if tier.contains(item.key):
-                continue
-            blob = blob or kv_blob.encode(self.ident, item.key, item.pages)
-            tier.put(item.key, blob)
-            counters = self.stats.tiers[tier.name]
-            counters.stored_pages += item.pages.shape[0]
-            counters.store_bytes += len(blob)
-            counters.writes_since_calibration += 1
-            unmeasured = self.estimates.load_seconds(tier.name, 1) is None
-            if unmeasured or counters.writes_since_calibration >= RECALIBRATE_EVERY:
-                self.calibrate(tier, item.key)
-        if item.ready is not None:  # a pinned snapshot, copied into the blob by now: reusable
-            self._release_pinned(item.pages)
-
-    def calibrate(self, tier: GroupTier, key: bytes) -> bool:
-        """Time reading group ``key`` back from ``tier`` and checking it (on this thread, off
-        the engine's path) as a load-rate reading of that tier (its first, and one every
-        :data:`RECALIBRATE_EVERY` groups written), so that the cost rule does
-        not have to load a whole prefix on a request's path to learn a tier is slower than
-        computing (the copy to the device, a small part beside a disk or a store, is not in
-        it: real loads refine the estimate). Returns whether it measured."""
-        began = time.perf_counter()
-        blob = tier.get(key)
-        if blob is None:
-            return False
-        try:
-            kv_blob.decode(blob, self.ident, key, self.pool.layout)
-        except kv_blob.CorruptBlob:
-            return False
-        self.estimates.note_load(tier.name, len(blob), time.perf_counter() - began)
-        self.stats.tiers[tier.name].calibrations += 1
-        self.stats.tiers[tier.name].writes_since_calibration = 0
-        return True
-
     # ---- upkeep ----------------------------------------------------------------
-    def check(self) -> None:
-        """Raise a bug of the writer or prefetcher thread here, on the engine's thread: a tier
-        that fails every write must end the worker loudly, not serve on without it."""
-        if self._failure is not None:
-            raise RuntimeError("a KV tier thread failed (its traceback is logged above)") from self._failure
-
-    def drain(self) -> None:
-        """Block until every queued write is done (tests, benchmarks, shutdown)."""
-        if self._writer is not None:
-            self._queue.join()
-
     def flush(self) -> int:
         """Forget the host tier's pages (the group tiers are shared and persist); returns how many."""
         self._written.clear()
@@ -597,11 +413,8 @@ class KVTiers:
             self._prefetches.put(None)
             self._prefetcher.join()
             self._prefetcher = None
-        if self._writer is None:
+        if not self.stop_writer():
             return
-        self._queue.put(None)
-        self._writer.join()
-        self._writer = None
         for tier in self.groups:
             close = getattr(tier, "close", None)
             if close is not None:

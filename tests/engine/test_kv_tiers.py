@@ -264,9 +264,9 @@ def test_a_tier_measured_slow_once_is_measured_again(
 ) -> None:
     """Declined loads measure nothing: the writer reads a group back every RECALIBRATE_EVERY
     groups it writes, so a rate measured in a busy moment does not decline a tier for good."""
-    from pdserve.engine import kv_tiers
+    from pdserve.engine import kv_write
 
-    monkeypatch.setattr(kv_tiers, "RECALIBRATE_EVERY", 2)
+    monkeypatch.setattr(kv_write, "RECALIBRATE_EVERY", 2)
     engine = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4, load="cost", prefetch_bytes=0)
     assert engine.tiers is not None
     engine.tiers.estimates.bytes_per_s["disk"] = 1.0  # measured a byte a second, once
