@@ -35,6 +35,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -53,6 +54,7 @@ from pdserve.schemas import TierCounts
 log = logging.getLogger(__name__)
 
 TIER_NAMES = ("host", "disk", "store")
+LOAD_THREADS = 4  # a load's group reads at once
 
 
 class GroupTier(Protocol):
@@ -119,6 +121,15 @@ class Plan:
         return sum(s.count for s in self.steps)
 
 
+@dataclass
+class _Fetched:
+    """What :meth:`KVTiers._fetch_group` found: the group's pages (None: a miss) and whence."""
+
+    source: str
+    group: torch.Tensor | None
+    corrupt: bool = False
+
+
 class KVTiers(WriteThrough):
     """The tiers of one pool. ``observe(name, seconds)`` receives each lookup's
     (``lookup``) and load's (``load``) duration, for the worker's histograms."""
@@ -152,6 +163,7 @@ class KVTiers(WriteThrough):
         self._fetch_lock = threading.Lock()
         self._prefetches: queue.Queue[tuple[list[bytes], int] | None] = queue.Queue(maxsize=config.max_pending_writes)
         self._prefetcher: threading.Thread | None = None
+        self._loaders: ThreadPoolExecutor | None = None  # a load's group reads (see load)
         if self.groups and config.prefetch_bytes > 0:
             self._prefetcher = threading.Thread(target=self._prefetch_loop, name="kv-tier-prefetch", daemon=True)
             self._prefetcher.start()
@@ -270,60 +282,81 @@ class KVTiers(WriteThrough):
 
     def load(self, plan: Plan, pages: Sequence[int]) -> int:
         """Fill ``pages`` with ``plan``'s pages in order; returns how many were loaded (a
-        page lost since :meth:`find`, or a corrupt blob, ends the run there)."""
+        page lost since :meth:`find`, or a corrupt blob, ends the run there). The groups'
+        reads and checks run on :data:`LOAD_THREADS` threads at once (file reads and the
+        CRC let go of the interpreter), their copies into the pool in order on this one."""
         began = time.perf_counter()
         assert len(pages) <= plan.num_pages
+        spans: list[tuple[_Step, int, int]] = []  # (step, first page, pages) of what is wanted
         done = 0
         for step in plan.steps:
             if done >= len(pages):
                 break
             n = min(step.count, len(pages) - done)
-            step_began = time.perf_counter()
-            source = self._load_step(step, pages[done : done + n])
+            spans.append((step, done, n))
+            done += n
+        fetched: dict[int, Future[_Fetched]] = {}
+        if sum(1 for step, _, _ in spans if step.tier != "host") > 1:
+            if self._loaders is None:
+                self._loaders = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="kv-tier-load")
+            for i, (step, _, _) in enumerate(spans):
+                if step.tier != "host":
+                    fetched[i] = self._loaders.submit(self._fetch_group, step)
+        loaded = 0
+        mark = time.perf_counter()
+        for i, (step, first, n) in enumerate(spans):
+            target = pages[first : first + n]
+            if step.tier == "host":
+                assert self.host is not None
+                source = "host" if self.host.load(step.key, target[0]) else None
+            else:
+                got = fetched[i].result() if i in fetched else self._fetch_group(step)
+                counters = self.stats.tiers[step.tier]
+                counters.prefetch_hits += got.source == "prefetched"
+                counters.corrupt += got.corrupt
+                source = None
+                if got.group is not None:
+                    source = got.source
+                    index = torch.tensor(list(target), device=self.pool.device)
+                    src = got.group[step.skip : step.skip + n]
+                    self.pool.tensor.index_copy_(0, index, src.to(self.pool.device, non_blocking=True))
             if source is None:
                 break
-            self.estimates.note_load(source, n * self.pool.page_bytes, time.perf_counter() - step_began)
+            now = time.perf_counter()  # this step's share of the wall time (reads overlap)
+            self.estimates.note_load(source, n * self.pool.page_bytes, now - mark)
+            mark = now
             counters = self.stats.tiers[step.tier]
             counters.hit_pages += n
             counters.load_bytes += n * self.pool.page_bytes
-            done += n
+            loaded += n
         self._timed("load", began)
-        return done
+        return loaded
 
-    def _load_step(self, step: _Step, pages: Sequence[int]) -> str | None:
-        """Load one step; returns where its bytes came from (its tier, or ``prefetched``), None
-        when they were not there (a miss)."""
-        if step.tier == "host":
-            assert self.host is not None
-            return "host" if self.host.load(step.key, pages[0]) else None
+    def _fetch_group(self, step: _Step) -> _Fetched:
+        """A group step's pages on the host, checked, and where they came from (its tier, or
+        ``prefetched``); no pages for a miss (gone, or corrupt: removed from its tier). Runs
+        on any thread: the caller counts what it returns."""
         tier = self.tier(step.tier)
         assert tier is not None
         source = "prefetched"
         blob = self._take_prefetched(step.key)
-        if blob is not None:
-            self.stats.tiers[tier.name].prefetch_hits += 1
-        else:
+        if blob is None:
             source = tier.name
             blob = tier.get(step.key)
         if blob is None:
-            return None
+            return _Fetched(source, None)
         try:
             group = kv_blob.decode(blob, self.ident, step.key, self.pool.layout)
         except kv_blob.CorruptBlob as exc:
-            self.stats.tiers[tier.name].corrupt += 1
             log.warning(
                 "corrupt KV page group: a miss", extra={"tier": tier.name, "key": step.key.hex(), "why": str(exc)}
             )
             tier.discard(step.key)
-            return None
+            return _Fetched(source, None, corrupt=True)
         if group.shape[0] != self.group_pages:
-            self.stats.tiers[tier.name].corrupt += 1
             tier.discard(step.key)
-            return None
-        index = torch.tensor(list(pages), device=self.pool.device)
-        src = group[step.skip : step.skip + len(pages)]
-        self.pool.tensor.index_copy_(0, index, src.to(self.pool.device, non_blocking=True))
-        return source
+            return _Fetched(source, None, corrupt=True)
+        return _Fetched(source, group)
 
     # ---- prefetch --------------------------------------------------------------
     def prefetch(self, hashes: Sequence[bytes], start: int) -> bool:
@@ -409,6 +442,9 @@ class KVTiers(WriteThrough):
     def close(self) -> None:
         """Finish queued writes, stop the writer and the prefetcher, close the store client
         (again: nothing)."""
+        if self._loaders is not None:
+            self._loaders.shutdown()
+            self._loaders = None
         if self._prefetcher is not None:
             self._prefetches.put(None)
             self._prefetcher.join()
