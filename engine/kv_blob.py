@@ -56,12 +56,20 @@ def _checksum(payload: bytes | memoryview) -> int:
     return zlib.crc32(payload)
 
 
-def encode(ident: bytes, key: bytes, pages: torch.Tensor) -> bytes:
-    """``pages`` (on the host) with its header. The payload is the pages' bytes, whatever
-    their dtype (numpy has no bfloat16, so they are read as bytes)."""
-    payload = pages.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+def encode_parts(ident: bytes, key: bytes, pages: torch.Tensor) -> tuple[bytes, memoryview]:
+    """``pages`` (on the host, contiguous) as a blob in two parts: the header, and a view of
+    the pages' own bytes, whatever their dtype (numpy has no bfloat16: read as bytes). Nothing
+    is copied: a writer puts the parts one after another (a copy of a group's megabytes holds
+    the interpreter; the checksum and the writes let go of it). Valid while ``pages`` is."""
+    assert pages.is_contiguous()
+    payload = pages.reshape(-1).view(torch.uint8).numpy().data
     header = _HEADER.pack(MAGIC, VERSION, ident, key, pages.shape[0], len(payload), _checksum(payload))
-    return header + payload
+    return header, payload
+
+
+def encode(ident: bytes, key: bytes, pages: torch.Tensor) -> bytes:
+    """``pages`` (on the host) with its header, as one ``bytes``."""
+    return b"".join(encode_parts(ident, key, pages.contiguous()))
 
 
 def decode(blob: bytes | bytearray | memoryview, ident: bytes, key: bytes, layout: KVLayout) -> torch.Tensor:

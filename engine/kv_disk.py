@@ -79,19 +79,22 @@ class DiskTier:
                 self._files.move_to_end(key.hex() + ".kv")
         return data
 
-    def put(self, key: bytes, blob: bytes) -> None:
-        """Write ``blob`` under ``key`` (write, then rename), then evict down to the bound."""
-        if len(blob) > self.max_bytes:
+    def put(self, key: bytes, *parts: bytes | memoryview) -> None:
+        """Write the blob ``parts`` make up under ``key`` (write, then rename), then evict down
+        to the bound. Parts are written one after another (no copy joins them)."""
+        size = sum(len(p) for p in parts)
+        if size > self.max_bytes:
             return
         target = self.path(key)
         tmp = target.with_name(f"{target.name}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
         with open(tmp, "wb") as f:
-            f.write(blob)
+            for part in parts:
+                f.write(part)
         os.replace(tmp, target)
         with self._lock:
             old = self._files.pop(target.name, 0)
-            self._files[target.name] = len(blob)
-            self.num_bytes += len(blob) - old
+            self._files[target.name] = size
+            self.num_bytes += size - old
             self._evict()
 
     def discard(self, key: bytes) -> None:

@@ -66,9 +66,14 @@ class StoreTier:
             data = self._store.get(self._key(key))
         return bytearray(data) if data else None  # writable: kv_blob.decode views it in place
 
-    def put(self, key: bytes, blob: bytes) -> None:
+    def put(self, key: bytes, *parts: bytes | memoryview) -> None:
+        """Store the blob ``parts`` make up under ``key`` (several parts: one object, no copy
+        joining them first)."""
         with self._lock:
-            rc = self._store.put(self._key(key), blob)
+            if len(parts) == 1:
+                rc = self._store.put(self._key(key), parts[0])
+            else:
+                rc = self._store.put_parts(self._key(key), *parts)
         if rc != 0:  # the store is full of leased objects, or the master is away: the writer counts it
             raise StoreError(f"Mooncake Store put failed: {rc}")
 

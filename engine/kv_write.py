@@ -199,20 +199,20 @@ class WriteThrough:
             return
         if item.ready is not None:
             item.ready.synchronize()
-        blob = None
+        parts: tuple[bytes, memoryview] | None = None
         for tier in self.groups:
             if tier.contains(item.key):
                 continue
-            blob = blob or kv_blob.encode(self.ident, item.key, item.pages)
-            tier.put(item.key, blob)
+            parts = parts or kv_blob.encode_parts(self.ident, item.key, item.pages)
+            tier.put(item.key, *parts)
             counters = self.stats.tiers[tier.name]
             counters.stored_pages += item.pages.shape[0]
-            counters.store_bytes += len(blob)
+            counters.store_bytes += len(parts[0]) + len(parts[1])
             counters.writes_since_calibration += 1
             unmeasured = self.estimates.load_seconds(tier.name, 1) is None
             if unmeasured or counters.writes_since_calibration >= RECALIBRATE_EVERY:
                 self.calibrate(tier, item.key)
-        if item.ready is not None:  # a pinned snapshot, copied into the blob by now: reusable
+        if item.ready is not None:  # a pinned snapshot, written by now: reusable
             self._release_pinned(item.pages)
 
     def calibrate(self, tier: GroupTier, key: bytes) -> bool:

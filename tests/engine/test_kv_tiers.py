@@ -303,10 +303,10 @@ def test_a_tier_thread_bug_ends_the_engine_loudly(
     step: the worker does not serve on with tiers that keep nothing."""
     engine = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4)
 
-    def broken(*args: object) -> bytes:
+    def broken(*args: object) -> tuple[bytes, memoryview]:
         raise TypeError("a bug in encoding")
 
-    monkeypatch.setattr(kv_blob, "encode", broken)
+    monkeypatch.setattr(kv_blob, "encode_parts", broken)
     serve(engine, [list(range(5, 205))])
     engine.tiers.drain()  # type: ignore[union-attr]
     assert engine.tiers.stats.write_errors == 200 // 16 // 4  # type: ignore[union-attr]
