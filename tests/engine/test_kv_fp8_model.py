@@ -75,8 +75,11 @@ def test_fp8_kv_greedy_equals_transformers_over_fp8_rounded_kv(
     rng = random.Random(kind)
     prompts = [[rng.randrange(300) for _ in range(n)] for n in (4, 21, 40)]
     prompts.append(prompts[2][:32] + [7, 8])  # two cached pages of FP8 KV, read by another request
+    # The cached prefix's request runs alone: batch-1 GEMV steps, seconds each interpreted at
+    # the default model's width (576). Two tokens (one such step over the FP8 pages) as six.
+    alone = 2 if (forward, kind) == ("triton", "smollm2-2l") else NEW
     engine = engine_for(model, forward)
-    ours = run(engine, prompts[:3], NEW) + run(engine, prompts[3:], NEW)
+    ours = run(engine, prompts[:3], NEW) + run(engine, prompts[3:], alone)
     assert engine.stats.cached_tokens >= 32
     engine.pages.check_invariants()
     model.set_attn_implementation("sdpa")  # the reference's (the stock path's engine set pdserve's)
@@ -84,7 +87,7 @@ def test_fp8_kv_greedy_equals_transformers_over_fp8_rounded_kv(
     with torch.inference_mode():
         plain_logits = model(ids).logits
     monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", rounded_kv(ALL_ATTENTION_FUNCTIONS["sdpa"]))
-    expected = hf_greedy(model, prompts, NEW)
+    expected = hf_greedy(model, prompts[:3], NEW) + hf_greedy(model, prompts[3:], alone)
     assert_greedy_equal(model, prompts, ours, expected)
     with torch.inference_mode():
         rounded_logits = model(ids).logits
