@@ -6,7 +6,10 @@ every sequence at ``--context`` tokens in shuffled pages. Each shape is timed in
 graph of one call per layer (every layer's KV is its own memory, so the calls read device
 memory, not L2) and reported as microseconds per layer and KV read bandwidth.
 
-    python bench/probes/attention_probe.py [--json out.json] [--context 640]
+    python bench/probes/attention_probe.py [--json out.json] [--context 640] [--kv-fp8]
+
+``--kv-fp8``: the pool in FP8 with a scale per token per head (``--kv-cache-dtype fp8_e4m3``),
+read in place by the same kernel.
 """
 
 from __future__ import annotations
@@ -20,15 +23,25 @@ import torch
 from gemv_probe import timed
 
 from pdserve.engine.kernels import decode_splits, paged
+from pdserve.engine.kv_pool import KV_FP8, KVPool
+from pdserve.schemas import KVLayout
 
 LAYERS, NUM_Q, NUM_KV, DIM, PAGE = 28, 28, 4, 128, 16
 
 
-def probe(batch: int, context: int, shapes: list[tuple[int, int, int, int, bool]]) -> dict:
+def probe(batch: int, context: int, shapes: list[tuple[int, int, int, int, bool]], kv_fp8: bool = False) -> dict:
     dev = torch.device("cuda")
     pages_per_seq = -(-context // PAGE)
     num_pages = batch * pages_per_seq + 1
-    pool = torch.randn((num_pages, LAYERS, 2, NUM_KV, PAGE, DIM), dtype=torch.bfloat16, device=dev)
+    scales = None
+    if kv_fp8:  # values and scales as the FP8 pool holds them (random values, scales near 1/448)
+        layout = KVLayout(num_layers=LAYERS, num_kv_heads=NUM_KV, head_dim=DIM, page_size=PAGE, dtype=KV_FP8)
+        fp8_pool = KVPool(layout, num_pages, dev)
+        fp8_pool.kv.copy_(torch.randn(fp8_pool.kv.shape, device=dev).to(fp8_pool.kv.dtype))
+        fp8_pool.kv_scales.fill_(1.0 / 448)  # type: ignore[union-attr]
+        pool, scales = fp8_pool.kv, fp8_pool.kv_scales
+    else:
+        pool = torch.randn((num_pages, LAYERS, 2, NUM_KV, PAGE, DIM), dtype=torch.bfloat16, device=dev)
     order = torch.randperm(num_pages - 1, device=dev).to(torch.int32) + 1
     tables = order.view(batch, pages_per_seq).contiguous()
     ctx = torch.full((batch,), context, dtype=torch.int64, device=dev)
@@ -36,7 +49,7 @@ def probe(batch: int, context: int, shapes: list[tuple[int, int, int, int, bool]
     q = qkv[:, : NUM_Q * DIM].view(batch, NUM_Q, DIM)
     out = torch.empty((batch, NUM_Q, DIM), dtype=torch.bfloat16, device=dev)
     counters = torch.zeros(batch * NUM_KV, dtype=torch.int32, device=dev)
-    kv_bytes = batch * context * 2 * NUM_KV * DIM * 2  # one layer's K and V
+    kv_bytes = batch * context * 2 * NUM_KV * (DIM + 4 if kv_fp8 else DIM * 2)  # one layer's K and V
     ref = None
     rows = []
     for block_n, warps, stages, splits, fused in shapes:
@@ -44,7 +57,7 @@ def probe(batch: int, context: int, shapes: list[tuple[int, int, int, int, bool]
         def call(i: int, bn=block_n, w=warps, st=stages, sp=splits, fu=fused) -> None:
             paged.decode_attention(
                 q, pool, i % LAYERS, tables, ctx, DIM**-0.5, sp, out, None, block_n=bn,
-                counters=counters if fu else None, num_warps=w, num_stages=st,
+                counters=counters if fu else None, num_warps=w, num_stages=st, kv_scales=scales,
             )  # fmt: skip
 
         try:
@@ -69,7 +82,8 @@ def probe(batch: int, context: int, shapes: list[tuple[int, int, int, int, bool]
         )
     rows.sort(key=lambda r: r["us_per_layer"])
     default = decode_splits(batch, NUM_KV)
-    print(f"batch {batch}, context {context} ({kv_bytes / 1e6:.1f} MB of KV per layer), default splits {default}")
+    kind = "FP8" if kv_fp8 else "bf16"
+    print(f"batch {batch}, context {context} ({kv_bytes / 1e6:.1f} MB of {kind} KV a layer), default splits {default}")
     for r in rows[:8]:
         print(
             f"  {r['us_per_layer']:6.2f} us  {r['tb_s']:.2f} TB/s  block_n {r['block_n']:3} warps {r['warps']}"
@@ -80,6 +94,7 @@ def probe(batch: int, context: int, shapes: list[tuple[int, int, int, int, bool]
         "batch": batch,
         "context": context,
         "kv_mb_per_layer": kv_bytes / 1e6,
+        "kv": "fp8_e4m3" if kv_fp8 else "bfloat16",
         "default_splits": default,
         "rows": rows,
     }
@@ -89,12 +104,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json")
     parser.add_argument("--context", type=int, default=640)
+    parser.add_argument("--kv-fp8", action="store_true", help="an FP8 pool (values and per-token scales)")
     args = parser.parse_args()
     results = []
     small = itertools.product((32, 64), (4,), (2, 3), (8, 16, 32), (False, True))
-    results.append(probe(1, args.context, list(small)))
-    large = itertools.product((32, 64, 128), (4, 8), (1, 2, 3, 4), (1, 2), (False,))
-    results.append(probe(64, args.context, list(large)))
+    results.append(probe(1, args.context, list(small), args.kv_fp8))
+    large = itertools.product((32, 64, 128), (4, 8), (1, 2, 3, 4), (1, 2, 4), (False,))
+    results.append(probe(64, args.context, list(large), args.kv_fp8))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
