@@ -36,9 +36,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
@@ -48,53 +47,12 @@ from pdserve.engine.kv_cost import CostEstimates, pages_worth_loading
 from pdserve.engine.kv_host import HostTier
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.kv_store import StoreError
-from pdserve.engine.kv_write import WriteThrough
+from pdserve.engine.kv_write import GroupTier, TierStats, WriteThrough
 from pdserve.schemas import TierCounts
 
 log = logging.getLogger(__name__)
 
-TIER_NAMES = ("host", "disk", "store")
 LOAD_THREADS = 4  # a load's group reads at once
-
-
-class GroupTier(Protocol):
-    """A tier of page-group blobs (disk, store). Methods may block."""
-
-    name: str
-
-    def contains(self, key: bytes) -> bool: ...
-    def get(self, key: bytes) -> bytes | bytearray | None: ...
-    def put(self, key: bytes, *parts: bytes | memoryview) -> None: ...  # a blob, in parts
-    def discard(self, key: bytes) -> None: ...
-
-
-@dataclass
-class TierCounters:
-    """Cumulative counts of one tier."""
-
-    hit_pages: int = 0  # pages loaded from this tier into the pool
-    load_bytes: int = 0
-    stored_pages: int = 0  # pages written into this tier
-    store_bytes: int = 0
-    corrupt: int = 0  # blobs that failed their checks (treated as misses)
-    declined_pages: int = 0  # found here, computed instead (kv_cost: loading was the slower)
-    prefetched_groups: int = 0  # groups read ahead into host memory while their request waited
-    prefetch_hits: int = 0  # of those, groups a load then took from memory
-    prefetch_wasted: int = 0  # of those, groups dropped unused (the memory's limit; the request went elsewhere)
-    calibrations: int = 0  # groups read back off the request path to measure this tier's rate (KVTiers.calibrate)
-    writes_since_calibration: int = 0  # (not a count for the heartbeat: when to calibrate again)
-
-
-@dataclass
-class TierStats:
-    tiers: dict[str, TierCounters] = field(default_factory=lambda: {n: TierCounters() for n in TIER_NAMES})
-    lookups: int = 0  # prefix lookups that went below the device
-    missed_pages: int = 0  # pages those lookups wanted and no tier had
-    write_drops: int = 0  # groups not written: the writer's queue was full
-    write_errors: int = 0  # groups a tier failed to take (logged)
-    already_held: int = 0  # computed groups every tier already held: not copied off the device
-    lookup_seconds: float = 0.0
-    load_seconds: float = 0.0
 
 
 @dataclass
