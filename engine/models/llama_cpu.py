@@ -6,9 +6,10 @@ weight reordered once at start (:func:`pack`: twice the speed of ``F.linear``, w
 reorders on every call); the rotary embedding is a few element-wise ops on the fused qkv
 output; k and v go into their slots with one ``index_copy_``; attention gathers the pages
 of a group of sequences with one ``index_select`` a layer (the indices of every layer are
-computed once a step) and runs ``scaled_dot_product_attention`` in float32, each KV head
-with its group of query heads (bf16 attention on a CPU is several times slower). Other
-ops round where the stock ``transformers`` code rounds, so in float32 greedy output equals
+computed once a step; a 16-bit pool's rows are whole pages of one layer, put in order by the
+copy that casts them) and runs ``scaled_dot_product_attention`` in float32, each KV head
+with its group of query heads (bf16 attention on a CPU is several times slower). Other ops round
+where the stock ``transformers`` code rounds, so in float32 greedy output equals
 ``generate``'s.
 
 Pool layout ``[num_pages, num_layers, 2, num_kv_heads, page_size, head_dim]`` (see
@@ -85,7 +86,7 @@ class DecodeGroup:
     all of them, in order) and, per layer, the page rows of their K then V blocks."""
 
     rows: torch.Tensor | None
-    gather: torch.Tensor  # [L, 2 * B * H * W]
+    gather: torch.Tensor  # [L, rows] (:func:`_page_rows`)
     pages: int
     length: int  # the longest context
     mask: torch.Tensor | None  # [B, 1, 1, W * page] additive, float32; None: one sequence, no window
@@ -98,7 +99,7 @@ class Chunk:
 
     rows: slice
     ctx_len: int
-    gather: torch.Tensor | None  # [L, 1 * H * pages * 2] page rows of every layer; None: fresh
+    gather: torch.Tensor | None  # page rows of every layer (:func:`_page_rows`); None: fresh
     verify: bool = False  # a speculative verify: each row attends to its prefix as a decode would
 
 
@@ -115,12 +116,17 @@ class Plan:
     masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
 
 
-def _page_rows(pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """``[L, 2 * B * H * W]``: for each layer, the rows of ``pool.view(-1, page * dim)`` that
-    hold pages ``tables [B, W]``'s K then V blocks, in ``[2, B, H, W]`` order."""
+def _page_rows(pool: torch.Tensor, tables: torch.Tensor, blocks: bool) -> torch.Tensor:
+    """The rows each layer gathers for pages ``tables [B, W]``. ``blocks``: ``[L, B * W]`` rows
+    of ``pool.view(-1, 2 * heads * page * dim)``, each a page's K and V of every head in one
+    layer; else ``[L, 2 * B * H * W]`` rows of ``pool.view(-1, page * dim)``, each one head's K
+    or V block of a page, in ``[2, B, H, W]`` order."""
     _, layers, _, heads, _, _ = pool.shape
+    tables = tables.to(torch.long)
+    if blocks:
+        return tables.reshape(1, -1) * layers + torch.arange(layers)[:, None]
     head = torch.arange(heads)[None, :, None]
-    k = tables.to(torch.long)[:, None, :] * (layers * 2 * heads) + head  # [B, H, W]
+    k = tables[:, None, :] * (layers * 2 * heads) + head  # [B, H, W]
     layer0 = torch.stack((k, k + heads)).view(1, -1)
     return layer0 + (torch.arange(layers) * (2 * heads))[:, None]
 
@@ -172,6 +178,11 @@ class LlamaFamilyCPU(FusedDecoder):
         self.head = pack(self.lm_head)
         self.packed = self.head.packed
         self._buffers: dict[str, torch.Tensor] = {}
+        # A 16-bit pool is read a page's layer at a time (its K and V of every head: one run,
+        # 6x fewer rows than a head's K or V block each at 3 KV heads), then put in [batch,
+        # head, token] order by the copy that casts them to float32.
+        # A float32 pool is read a head's K or V block at a time, straight into that order.
+        self.blocks = kv_scales is None and pool.dtype != torch.float32
 
     def plan(self, step: StepBatch) -> Plan:
         """The step's indices, once for every layer."""
@@ -190,7 +201,7 @@ class LlamaFamilyCPU(FusedDecoder):
             first_verify = len(step.prefill.spans) - step.prefill.num_verifies
             for s, (start, n) in enumerate(step.prefill.spans):
                 ctx = ctx_lens[s]
-                gather = None if ctx == n else _page_rows(pool, tables[s : s + 1, : -(-ctx // page)])
+                gather = None if ctx == n else _page_rows(pool, tables[s : s + 1, : -(-ctx // page)], self.blocks)
                 chunks.append(Chunk(slice(start, start + n), ctx, gather, s >= first_verify))
         return Plan(
             cos=self.cos[step.positions][:, None, :],
@@ -212,7 +223,7 @@ class LlamaFamilyCPU(FusedDecoder):
             longest = lens[member[0]]
             pages = -(-longest // page)
             tables = step.decode_tables[:, :pages] if rows is None else step.decode_tables[rows, :pages]
-            groups.append(DecodeGroup(rows, _page_rows(self.pool, tables), pages, longest, None, ctx))
+            groups.append(DecodeGroup(rows, _page_rows(self.pool, tables, self.blocks), pages, longest, None, ctx))
         return groups
 
     @torch.inference_mode()
@@ -285,17 +296,23 @@ class LlamaFamilyCPU(FusedDecoder):
         return out
 
     def _gather(self, rows: torch.Tensor, batch: int, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V ``[batch, H, pages * page_size, D]`` in float32 of page rows ``[2 * batch * H * pages]``."""
+        """K and V ``[batch, H, pages * page_size, D]`` in float32 of page rows ``rows`` (:func:`_page_rows`)."""
         _, _, _, heads, page, dim = self.pool.shape
         if self.kv_scales is not None:
             kv = gather_fp8(self.pool, self.kv_scales, rows, torch.float32).view(2, batch, heads, pages * page, dim)
             return kv[0], kv[1]
-        table = self.pool.view(-1, page * dim)
+        if self.blocks:
+            width = 2 * heads * page * dim
+            buf = self._buffer("gather", rows.shape[0] * width, self.pool.dtype).view(-1, width)
+            torch.index_select(self.pool.view(-1, width), 0, rows, out=buf)
+            kv = self._buffer("upcast", buf.numel(), torch.float32).view(2, batch, heads, pages, page, dim)
+            kv.copy_(buf.view(batch, pages, 2, heads, page, dim).permute(2, 0, 3, 1, 4, 5))
+            kv = kv.view(2, batch, heads, pages * page, dim)
+            return kv[0], kv[1]
         buf = self._buffer("gather", rows.shape[0] * page * dim, self.pool.dtype).view(-1, page * dim)
-        torch.index_select(table, 0, rows, out=buf)
+        torch.index_select(self.pool.view(-1, page * dim), 0, rows, out=buf)
         if buf.dtype != torch.float32:
-            up = self._buffer("upcast", buf.numel(), torch.float32).view(buf.shape)
-            buf = up.copy_(buf)
+            buf = self._buffer("upcast", buf.numel(), torch.float32).view(buf.shape).copy_(buf)
         kv = buf.view(2, batch, heads, pages * page, dim)
         return kv[0], kv[1]
 
@@ -342,7 +359,7 @@ class LlamaFamilyCPU(FusedDecoder):
         ``[n, Hq, D]`` in the model's dtype."""
         assert chunk.gather is not None
         n = q.shape[0]
-        pages = chunk.gather.shape[1] // (2 * self.num_kv)
+        pages = -(-chunk.ctx_len // self.pool.shape[4])
         k, v = self._gather(chunk.gather[index], 1, pages)
         start = chunk.ctx_len - n
         out = q.new_empty(q.shape)
@@ -369,7 +386,7 @@ class LlamaFamilyCPU(FusedDecoder):
                 k, v = round_fp8(k), round_fp8(v)
             k, v = k.float(), v.float()
         else:
-            pages = chunk.gather.shape[1] // (2 * nkv)
+            pages = -(-chunk.ctx_len // self.pool.shape[4])
             k, v = self._gather(chunk.gather[index], 1, pages)
             k, v = k[:, :, : chunk.ctx_len], v[:, :, : chunk.ctx_len]
         if chunk.gather is None and layer.window is None:
