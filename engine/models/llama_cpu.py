@@ -7,8 +7,9 @@ reorders on every call); the rotary embedding is a few element-wise ops on the f
 output; k and v go into their slots with one ``index_copy_``; attention gathers the pages
 of a group of sequences with one ``index_select`` a layer (the indices of every layer are
 computed once a step; a 16-bit pool's rows are whole pages of one layer, put in order by the
-copy that casts them) and runs ``scaled_dot_product_attention`` in float32, each KV head
-with its group of query heads (bf16 attention on a CPU is several times slower). Other ops round
+copy that casts them) and attends each KV head with its group of query heads: in float32 with
+``scaled_dot_product_attention``, or, decoding over a bfloat16 pool, as two matmuls with the
+probabilities and V in bfloat16 as torch's bfloat16 SDPA kernel has them. Other ops round
 where the stock ``transformers`` code rounds, so in float32 greedy output equals
 ``generate``'s.
 
@@ -40,6 +41,11 @@ if TYPE_CHECKING:
 # Decodes attend in groups of similar length, each padded to its longest: a group takes
 # sequences (longest first) while it has fewer than this many or padding stays under 2x.
 MIN_GROUP = 8
+# Decode groups of at least this many sequences over a bfloat16 pool attend as two matmuls
+# (LlamaFamilyCPU.decode_matmuls): a SmolLM2 step at batch 8 35.0 ms against float32 SDPA's
+# 51.7, at 16 50.8 against 55.0; at batch 1 and 4 SDPA is ahead by 1.0 and 0.7 ms (2026-12-04,
+# bench/probes/cpu_decode_step.py on this 2-core machine).
+MATMUL_MIN_BATCH = 8
 
 
 def can_pack(dtype: torch.dtype) -> bool:
@@ -180,9 +186,14 @@ class LlamaFamilyCPU(FusedDecoder):
         self._buffers: dict[str, torch.Tensor] = {}
         # A 16-bit pool is read a page's layer at a time (its K and V of every head: one run,
         # 6x fewer rows than a head's K or V block each at 3 KV heads), then put in [batch,
-        # head, token] order by the copy that casts them to float32.
+        # head, token] order by the copy that casts K (and V, unless decode_matmuls) to float32.
         # A float32 pool is read a head's K or V block at a time, straight into that order.
         self.blocks = kv_scales is None and pool.dtype != torch.float32
+        # Decodes over a bfloat16 pool, MATMUL_MIN_BATCH or more at once: attention as two
+        # matmuls, scores in float32, V and the probabilities in bfloat16 (oneDNN's bfloat16
+        # matmul: 2.7 ms a batch-16 step against float32's 5.4, and V is not cast); False:
+        # float32 SDPA (see docs/cpu.md).
+        self.decode_matmuls = self.blocks and pool.dtype == torch.bfloat16 and can_pack(torch.bfloat16)
 
     def plan(self, step: StepBatch) -> Plan:
         """The step's indices, once for every layer."""
@@ -295,8 +306,11 @@ class LlamaFamilyCPU(FusedDecoder):
             out[chunk.rows] = self._prefill(index, layer, q, qkv, chunk).view(-1, nq * dim)
         return out
 
-    def _gather(self, rows: torch.Tensor, batch: int, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V ``[batch, H, pages * page_size, D]`` in float32 of page rows ``rows`` (:func:`_page_rows`)."""
+    def _gather(
+        self, rows: torch.Tensor, batch: int, pages: int, v_dtype: torch.dtype = torch.float32
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[batch, H, pages * page_size, D]`` of page rows ``rows`` (:func:`_page_rows`),
+        K in float32, V in float32 or (``v_dtype``, a 16-bit pool's) as the pool holds it."""
         _, _, _, heads, page, dim = self.pool.shape
         if self.kv_scales is not None:
             kv = gather_fp8(self.pool, self.kv_scales, rows, torch.float32).view(2, batch, heads, pages * page, dim)
@@ -305,10 +319,17 @@ class LlamaFamilyCPU(FusedDecoder):
             width = 2 * heads * page * dim
             buf = self._buffer("gather", rows.shape[0] * width, self.pool.dtype).view(-1, width)
             torch.index_select(self.pool.view(-1, width), 0, rows, out=buf)
-            kv = self._buffer("upcast", buf.numel(), torch.float32).view(2, batch, heads, pages, page, dim)
-            kv.copy_(buf.view(batch, pages, 2, heads, page, dim).permute(2, 0, 3, 1, 4, 5))
-            kv = kv.view(2, batch, heads, pages * page, dim)
-            return kv[0], kv[1]
+            src = buf.view(batch, pages, 2, heads, page, dim).permute(2, 0, 3, 1, 4, 5)
+            if v_dtype == torch.float32:
+                kv = self._buffer("upcast", buf.numel(), torch.float32).view(2, batch, heads, pages, page, dim)
+                kv.copy_(src)
+                kv = kv.view(2, batch, heads, pages * page, dim)
+                return kv[0], kv[1]
+            k = self._buffer("k", buf.numel() // 2, torch.float32).view(batch, heads, pages, page, dim)
+            v = self._buffer("v", buf.numel() // 2, v_dtype).view(batch, heads, pages, page, dim)
+            k.copy_(src[0])
+            v.copy_(src[1])
+            return k.view(batch, heads, pages * page, dim), v.view(batch, heads, pages * page, dim)
         buf = self._buffer("gather", rows.shape[0] * page * dim, self.pool.dtype).view(-1, page * dim)
         torch.index_select(self.pool.view(-1, page * dim), 0, rows, out=buf)
         if buf.dtype != torch.float32:
@@ -324,18 +345,30 @@ class LlamaFamilyCPU(FusedDecoder):
         return buf[:numel]
 
     def _decode(self, index: int, layer: Layer, q: torch.Tensor, group: DecodeGroup, plan: Plan) -> torch.Tensor:
-        """One query token per sequence over its pages: ``[B, num_q * head_dim]`` in float32,
-        each KV head attended by its group of query heads (no repeated K, V)."""
+        """One query token per sequence over its pages: ``[B, num_q * head_dim]`` (float32, or
+        the model's dtype from :attr:`decode_matmuls`), each KV head attended by its group of
+        query heads (no repeated K, V)."""
         batch = q.shape[0]
         nkv = self.num_kv
-        k, v = self._gather(group.gather[index], batch, group.pages)
+        matmuls = self.decode_matmuls and batch >= MATMUL_MIN_BATCH
+        k, v = self._gather(group.gather[index], batch, group.pages, q.dtype if matmuls else torch.float32)
         qg = q.float().view(batch, nkv, -1, self.head_dim)  # [B, H, Hq / H, D]
         mask = self._decode_mask(group, k.shape[2], layer.window)
         if mask is None:  # one sequence: its exact length
             n = group.length
             k, v = k[:, :, :n], v[:, :, :n]
-        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=self.scale)
-        return o.view(batch, -1)
+        if not matmuls:
+            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=self.scale)
+            return o.view(batch, -1)
+        # Rounded nearly as torch's bfloat16 SDPA kernel (the stock code's) rounds: scores in
+        # float32, the probabilities in bfloat16 for their product with V (accumulated in
+        # float32, rounded once). The kernel rounds them before normalizing, we after: within
+        # twice its error against float64 (tests/engine/test_cpu_fast_model.py).
+        scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(self.scale)
+        if mask is not None:
+            scores.add_(mask)
+        p = torch.softmax(scores, dim=-1).to(v.dtype)
+        return torch.matmul(p, v).view(batch, -1)
 
     def _decode_mask(self, group: DecodeGroup, width: int, window: int | None) -> torch.Tensor | None:
         """Additive float32 mask ``[B, 1, 1, width]`` of each sequence's keys (cached per window)."""
