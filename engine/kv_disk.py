@@ -17,6 +17,7 @@ import os
 import threading
 import uuid
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 
 TMP_SUFFIX = ".tmp"
@@ -62,6 +63,9 @@ class DiskTier:
 
     def contains(self, key: bytes) -> bool:
         return self.path(key).exists()
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        return [self.contains(k) for k in keys]
 
     def get(self, key: bytes) -> bytearray | None:
         """The file's bytes, or ``None`` if there is none (removed meanwhile included); read

@@ -141,11 +141,7 @@ class KVTiers(WriteThrough):
         return tuple(
             TierCounts(
                 name,
-                **{
-                    k: v
-                    for k, v in dataclasses.asdict(self.stats.tiers[name]).items()
-                    if k != "writes_since_calibration"
-                },
+                **dataclasses.asdict(self.stats.tiers[name]),
                 held_bytes=getattr(tier, "num_bytes", 0),
                 load_s_per_page=self.estimates.load_seconds(name, page) or 0.0,
                 recompute_s_per_page=recompute,
@@ -183,16 +179,10 @@ class KVTiers(WriteThrough):
         end = min(start + limit, len(hashes))
         i = start
         g = self.group_pages
-        # tiers that answer many keys in one round trip (the store) are asked once, up front
+        # each group tier is asked about every group of the range at once (one round trip to
+        # the store's master, not one a group)
         keys = [hashes[e - 1] for e in range((start // g + 1) * g, min(len(hashes), end + g - 1) + 1, g)]
-        held = {
-            t.name: {k for k, yes in zip(keys, t.contains_many(keys), strict=True) if yes}
-            for t in self.groups
-            if hasattr(t, "contains_many") and i < end
-        }
-
-        def contains(tier: GroupTier, key: bytes) -> bool:
-            return key in held[tier.name] if tier.name in held else tier.contains(key)
+        held = {t.name: {k for k, yes in zip(keys, t.contains_many(keys), strict=True) if yes} for t in self.groups}
 
         while i < end:
             if self.host is not None and self.host.contains(hashes[i]):
@@ -203,7 +193,7 @@ class KVTiers(WriteThrough):
             if group_end > len(hashes):
                 break  # a group is keyed by its last page: this one is not full in the prompt
             key = hashes[group_end - 1]
-            tier = next((t for t in self.groups if contains(t, key)), None)
+            tier = next((t for t in self.groups if key in held[t.name]), None)
             if tier is None:
                 break
             count = min(group_end, end) - i

@@ -42,6 +42,7 @@ class GroupTier(Protocol):
     name: str
 
     def contains(self, key: bytes) -> bool: ...
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]: ...  # in one round trip where it can
     def get(self, key: bytes) -> bytes | bytearray | None: ...
     def put(self, key: bytes, *parts: bytes | memoryview) -> None: ...  # a blob, in parts
     def discard(self, key: bytes) -> None: ...
@@ -61,7 +62,6 @@ class TierCounters:
     prefetch_hits: int = 0  # of those, groups a load then took from memory
     prefetch_wasted: int = 0  # of those, groups dropped unused (the memory's limit; the request went elsewhere)
     calibrations: int = 0  # groups read back off the request path to measure this tier's rate (KVTiers.calibrate)
-    writes_since_calibration: int = 0  # (not a count for the heartbeat: when to calibrate again)
 
 
 @dataclass
@@ -117,6 +117,7 @@ class WriteThrough:
         self._copy_stream: torch.cuda.Stream | None = None  # a GPU pool's group snapshots (see _enqueue)
         self._pinned_free: list[torch.Tensor] = []  # their pinned buffers, for reuse
         self._pinned_lock = threading.Lock()
+        self._writes_since_calibration = dict.fromkeys((t.name for t in self.groups), 0)  # when to measure again
         self._writer: threading.Thread | None = None
         if self.groups:
             self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
@@ -166,9 +167,7 @@ class WriteThrough:
         """Whether every group tier holds each of ``keys`` (one round trip where a tier can)."""
         held = [True] * len(keys)
         for tier in self.groups:
-            many = getattr(tier, "contains_many", None)
-            answers = many(keys) if many is not None else [tier.contains(k) for k in keys]
-            held = [a and b for a, b in zip(held, answers, strict=True)]
+            held = [a and b for a, b in zip(held, tier.contains_many(keys), strict=True)]
         return held
 
     def _pinned(self, pages: int) -> torch.Tensor:
@@ -250,9 +249,9 @@ class WriteThrough:
             counters = self.stats.tiers[tier.name]
             counters.stored_pages += item.pages.shape[0]
             counters.store_bytes += len(parts[0]) + len(parts[1])
-            counters.writes_since_calibration += 1
+            self._writes_since_calibration[tier.name] += 1
             unmeasured = self.estimates.load_seconds(tier.name, 1) is None
-            if unmeasured or counters.writes_since_calibration >= RECALIBRATE_EVERY:
+            if unmeasured or self._writes_since_calibration[tier.name] >= RECALIBRATE_EVERY:
                 self.calibrate(tier, item.key)
         if item.ready is not None:  # a pinned snapshot, written by now: reusable
             self._release_pinned(item.pages)
@@ -274,7 +273,7 @@ class WriteThrough:
             return False
         self.estimates.note_load(tier.name, len(blob), time.perf_counter() - began)
         self.stats.tiers[tier.name].calibrations += 1
-        self.stats.tiers[tier.name].writes_since_calibration = 0
+        self._writes_since_calibration[tier.name] = 0
         return True
 
     def check(self) -> None:

@@ -33,6 +33,21 @@ CONFIGS = list(itertools.product((4, 8, 16), (256, 512, 1024), (4, 8), (3,), (1,
 WIDE = list(itertools.product((8,), (512, 1024), (4, 8), (2, 3), (1, 2, 3, 4)))  # --wide
 
 
+def launched_ms(fn, reps: int = 30) -> float:
+    """Milliseconds per call of ``fn()`` launched from Python (after three warm-up calls),
+    between two CUDA events: what a caller that replays graphs or launches a few kernels sees."""
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
 def timed(fn, calls: int) -> float:
     """Microseconds per call of ``fn(i)``, from a graph of ``calls`` calls."""
     stream = torch.cuda.Stream()

@@ -16,20 +16,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from gemv_probe import launched_ms
+
 from pdserve.engine.kernels.fp8_quant import quantize_rows
-
-
-def time_us(fn, reps: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps
 
 
 def main() -> None:
@@ -48,7 +37,7 @@ def main() -> None:
             try:
                 q, s = quantize_rows(x, silu_mul_input=True, **kw)
                 same = bool(torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s))
-                us = time_us(lambda kw=kw, x=x: quantize_rows(x, silu_mul_input=True, **kw))
+                us = launched_ms(lambda kw=kw, x=x: quantize_rows(x, silu_mul_input=True, **kw), reps=50) * 1e3
             except Exception as exc:  # a variant Triton cannot compile (registers): recorded
                 rows_out.append({"rows": rows, "variant": name, "error": str(exc)[:200]})
                 continue

@@ -15,24 +15,12 @@ import json
 from pathlib import Path
 
 import torch
+from gemv_probe import launched_ms
 
 from pdserve.bench.shapes import QWEN2_5_7B
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_runner import ModelRunner, ModelSpec
 from pdserve.engine.models.batch import rows_step
-
-
-def time_ms(fn, reps: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def main() -> None:
@@ -68,7 +56,7 @@ def main() -> None:
         for b in batches:
             tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(b)]
             p = args.context - 1
-            plain = time_ms(lambda b=b, tables=tables, p=p: runner.graphs.run([7] * b, [p] * b, tables))
+            plain = launched_ms(lambda b=b, tables=tables, p=p: runner.graphs.run([7] * b, [p] * b, tables))
             ids, positions, seq_tables = [], [], []
             for table in tables:
                 for j in range(args.drafts + 1):
@@ -78,11 +66,11 @@ def main() -> None:
             rows = len(ids)
             if rows <= runner.verify_graphs.max_batch:
                 way = "graph"
-                verify = time_ms(lambda i=ids, q=positions, t=seq_tables: runner.verify_graphs.run(i, q, t))
+                verify = launched_ms(lambda i=ids, q=positions, t=seq_tables: runner.verify_graphs.run(i, q, t))
             else:
                 way = "eager rows"
                 step = rows_step(ids, positions, seq_tables, page, runner.device, runner._splits(rows))
-                verify = time_ms(lambda step=step: runner.fast.forward(step))
+                verify = launched_ms(lambda step=step: runner.fast.forward(step))
             line = {"batch": b, "rows": rows, "plain_ms": round(plain, 3), "verify_ms": round(verify, 3)}
             line |= {"ratio": round(verify / plain, 3), "verify_way": way}
             results.append(line)
