@@ -194,9 +194,10 @@ def verdict(result: dict[str, Any]) -> dict[str, Any]:
             key=lambda p: p["out_tok_s"],
             default=None,
         )
-        if not c or not best:
-            continue
-        bare = co["bare"][n]["itl_p50_ms"]
+        bare = ((co.get("bare") or {}).get(n) or {}).get("itl_p50_ms")
+        needed = ("itl_p99_ms", "max_gap_p90_ms", "out_tok_s", "ttft_p50_ms")
+        if not c or not best or not bare or any(c.get(k) is None for k in needed):
+            continue  # a system that failed there (its point records how)
         out[n] = {
             "itl_p99_over_bare": c["itl_p99_ms"] / bare,
             "max_gap_p90_ms": c["max_gap_p90_ms"],

@@ -168,25 +168,40 @@ def _gemv_kernel(
 
 DOT_FROM_ROWS = 8  # from this many rows of x a GEMV multiplies on the tensor cores
 
-_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
+# One set a (device type, device index, stream): two streams' split-K launches running at once
+# (the two engines of a co-located process) must not share counters, or one launch's adds
+# land in the other's count and a row block is summed before its parts are in.
+_COUNTERS: dict[tuple[str, int | None, int], torch.Tensor] = {}
+
+
+def _stream_key(device: torch.device) -> tuple[str, int | None, int]:
+    if device.type != "cuda":
+        return device.type, device.index, 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return device.type, index, torch.cuda.current_stream(index).cuda_stream
 
 
 def split_counters(device: torch.device, blocks: int) -> torch.Tensor:
-    """The zeroed int32 counters that ``split_k`` GEMVs on ``device`` share (each launch
-    leaves them at zero; launches on one stream run one after another). Allocate them
-    before a CUDA graph is captured: see :func:`reserve_counters`."""
-    index = device.index
-    if device.type == "cuda" and index is None:
-        index = torch.cuda.current_device()
-    have = _COUNTERS.get((device.type, index))
+    """The zeroed int32 counters that ``split_k`` GEMVs on ``device`` launched on the current
+    stream share (each launch leaves them at zero; launches on one stream run one after
+    another; another stream gets its own). Allocate them before a CUDA graph is captured, on
+    the capture stream: :func:`reserve_counters`, or a launch there before the capture."""
+    key = _stream_key(device)
+    have = _COUNTERS.get(key)
     if have is None or have.numel() < blocks:
-        have = torch.zeros(max(blocks, 4096), dtype=torch.int32, device=torch.device(device.type, index))
-        _COUNTERS[(device.type, index)] = have
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"split-K counters for {blocks} blocks first asked for inside a CUDA graph capture: "
+                "reserve_counters(device, blocks) on the capture stream before capturing"
+            )
+        have = torch.zeros(max(blocks, 4096), dtype=torch.int32, device=torch.device(key[0], key[1]))
+        _COUNTERS[key] = have
     return have
 
 
 def reserve_counters(device: torch.device | str, blocks: int = 4096) -> None:
-    """Allocate the split-K counters for ``device`` now (outside any graph capture)."""
+    """Allocate the split-K counters for ``device`` and the current stream now (outside any
+    graph capture)."""
     split_counters(torch.device(device), blocks)
 
 

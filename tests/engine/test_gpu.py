@@ -179,3 +179,31 @@ def test_pd_handoff_between_gpu_pools_over_mooncake_equals_one_engine() -> None:
             for o in decode.step():
                 outs.setdefault(o.rid, []).extend(o.token_ids)
         assert [firsts[f"r{i}"].token_ids + outs[f"r{i}"] for i in range(len(prompts))] == expected
+
+
+def test_split_k_gemvs_on_two_streams_at_once_each_sum_their_own_parts() -> None:
+    """The two engines of a co-located process launch split-K GEMVs on two streams at once:
+    each stream has its own counters (sharing one set summed row blocks before their parts
+    were in: a co-located FP8 pair once failed with garbage token ids)."""
+    from pdserve.engine.kernels import gemv
+
+    torch.manual_seed(0)
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    xs = [torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16) for _ in streams]
+    w = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
+    refs = [(x.float() @ w.float().T) for x in xs]
+    outs: list[list[torch.Tensor]] = [[], []]
+    for stream in streams:  # counters for each stream, before the race
+        with torch.cuda.stream(stream):
+            gemv.reserve_counters("cuda")
+    torch.cuda.synchronize()
+    for _ in range(50):
+        for i, stream in enumerate(streams):
+            with torch.cuda.stream(stream):
+                outs[i].append(gemv.gemv(xs[i], w, block_n=8, block_k=256, split_k=4))
+    torch.cuda.synchronize()
+    assert len({k for k in gemv._COUNTERS if k[0] == "cuda"}) >= 2  # a set per stream
+    for i in range(2):
+        for out in outs[i]:
+            err = (out.float() - refs[i]).abs().max() / refs[i].abs().max()
+            assert err < 2e-2, (i, float(err))
