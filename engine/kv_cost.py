@@ -16,14 +16,17 @@ can be used (a page's KV depends on every token before it). :func:`pages_worth_l
 picks the length of that leading part that saves the most time against computing it: all
 of it where the tiers are fast, none where computing is cheaper (a fast GPU, a slow disk or
 a store over tcp), and in between where a fast tier's pages come first and a slow one's
-after. Until a tier or the prefill has been measured the rule loads (the first load is its
-measurement). Plain arithmetic, no I/O: the tests drive it with numbers.
+after. Until the prefill has been measured the rule loads (the first load is its measurement);
+so it does from a memory tier not measured yet, but a tier named in ``measure_first`` (a disk
+or a store, which can be several times slower than computing) is not loaded before its rate
+is known: its pages are computed while the caller measures it off the request's path. Plain
+arithmetic, no I/O: the tests drive it with numbers.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 # Weight of each new reading in the running estimates of the tiers (an exponential average).
@@ -89,18 +92,25 @@ class CostEstimates:
 class Decision:
     """How many of a prefix's found pages to load (a leading run), and the expected
     seconds saved against computing them (0 when nothing is loaded; None when a tier or
-    the prefill was not measured yet, and the rule loaded everything to measure it)."""
+    the prefill was not measured yet, and the rule loaded everything to measure it).
+    ``unmeasured``: the ``measure_first`` tiers whose pages were not loaded for want of a rate."""
 
     pages: int
     saved_seconds: float | None
+    unmeasured: tuple[str, ...] = ()
 
 
 def pages_worth_loading(
-    runs: Sequence[tuple[str, int]], page_bytes: int, page_tokens: int, estimates: CostEstimates
+    runs: Sequence[tuple[str, int]],
+    page_bytes: int,
+    page_tokens: int,
+    estimates: CostEstimates,
+    measure_first: Collection[str] = (),
 ) -> Decision:
     """``runs``: the found prefix in prompt order, as (tier, pages) runs. Returns the leading
     number of pages whose loading saves the most time against computing them (ties: fewer
-    pages, so a break-even load is declined)."""
+    pages, so a break-even load is declined). A run of a ``measure_first`` tier without a
+    rate ends the prefix there (named in the decision's ``unmeasured``)."""
     total = sum(n for _, n in runs)
     if total == 0:
         return Decision(0, 0.0)
@@ -111,6 +121,8 @@ def pages_worth_loading(
     unmeasured = False
     for tier, n in runs:
         load = estimates.load_seconds(tier, n * page_bytes)
+        if load is None and tier in measure_first:  # computed until the caller has measured it
+            return Decision(best_pages, None if unmeasured and best_pages else best_saved, (tier,))
         if load is None:  # a tier not measured yet: loaded (that measures it) if all before it pays
             if best_pages != done:
                 break

@@ -17,10 +17,11 @@ mean equal whole prefixes; the group tiers add the model and layout identity.
   index like computed ones. A group blob that fails its checks is a miss (counted) and
   is removed from its tier.
 - **Prefetch**: when a request arrives, a prefetch thread reads the groups of its prompt
-  that only the group tiers hold into host memory (:meth:`KVTiers.prefetch`, within
-  ``prefetch_bytes``), so that by the time the request is scheduled its load is a copy from
-  memory, not a disk read or a store fetch on the step's path; the cost rule prices such a
-  group at the measured rate of prefetched loads (``prefetched``), not its tier's.
+  that only the group tiers hold, from a tier the cost rule would load from, into host
+  memory (:meth:`KVTiers.prefetch`, within ``prefetch_bytes``), so that by the time the
+  request is scheduled its load is a copy from memory, not a disk read or a store fetch on
+  the step's path; the cost rule prices such a group at the measured rate of prefetched
+  loads (``prefetched``), not its tier's.
 
 Used through the page manager's two hooks (``demote`` and ``promote``); the page
 manager stays free of tensors and I/O.
@@ -119,7 +120,9 @@ class KVTiers(WriteThrough):
         self._fetched: OrderedDict[bytes, tuple[str, bytes | bytearray]] = OrderedDict()
         self._fetched_bytes = 0
         self._fetch_lock = threading.Lock()
-        self._prefetches: queue.Queue[tuple[list[bytes], int] | None] = queue.Queue(maxsize=config.max_pending_writes)
+        self._prefetches: queue.Queue[tuple[list[bytes], int, int] | None] = queue.Queue(
+            maxsize=config.max_pending_writes
+        )
         self._prefetcher: threading.Thread | None = None
         self._loaders: ThreadPoolExecutor | None = None  # a load's group reads (see load)
         if self.groups and config.prefetch_bytes > 0:
@@ -207,12 +210,21 @@ class KVTiers(WriteThrough):
     def worth_loading(self, plan: Plan) -> Plan:
         """``plan`` cut to the leading pages whose loading beats computing them
         (:func:`~pdserve.engine.kv_cost.pages_worth_loading`); the pages cut are counted as
-        declined, per tier."""
+        declined, per tier. A disk or store found holding a prefix before its rate is known
+        (a second worker on a shared store) is not loaded from: the prefix is computed, as it
+        would be without the tier, and the writer thread times one of its groups."""
         if self.config.load == "always":
             return plan
         with self._fetch_lock:
             runs = [("prefetched" if s.key in self._fetched else s.tier, s.count) for s in plan.steps]
-        keep = pages_worth_loading(runs, self.pool.page_bytes, self.pool.layout.page_size, self.estimates).pages
+        group_tiers = [t.name for t in self.groups]
+        decision = pages_worth_loading(
+            runs, self.pool.page_bytes, self.pool.layout.page_size, self.estimates, group_tiers
+        )
+        for name in decision.unmeasured:  # measured on the writer's thread; computed meanwhile
+            step = next(s for s in plan.steps if s.tier == name)
+            self.measure_soon(name, step.key)
+        keep = decision.pages
         steps: list[_Step] = []
         left = keep
         for step in plan.steps:
@@ -307,15 +319,16 @@ class KVTiers(WriteThrough):
         return _Fetched(source, group)
 
     # ---- prefetch --------------------------------------------------------------
-    def prefetch(self, hashes: Sequence[bytes], start: int) -> bool:
+    def prefetch(self, hashes: Sequence[bytes], start: int, ahead: int = 0) -> bool:
         """Read ahead, on the prefetch thread, the groups of ``hashes[start:]`` (a prompt's
         full pages past those the device holds) that only the group tiers have, into host
-        memory. Returns whether it was queued (a full queue drops it: counted nowhere, the
-        load then reads the tier itself)."""
+        memory: from a tier the cost rule would load from, or from any while ``ahead``
+        requests wait before this one (its wait pays for the read). Returns whether it was
+        queued (a full queue drops it: counted nowhere, the load then reads the tier itself)."""
         if self._prefetcher is None or start >= len(hashes):
             return False
         try:
-            self._prefetches.put_nowait((list(hashes), start))
+            self._prefetches.put_nowait((list(hashes), start, ahead))
         except queue.Full:
             return False
         return True
@@ -335,7 +348,7 @@ class KVTiers(WriteThrough):
             finally:
                 self._prefetches.task_done()
 
-    def _prefetch(self, hashes: list[bytes], start: int) -> None:
+    def _prefetch(self, hashes: list[bytes], start: int, ahead: int) -> None:
         g = self.group_pages
         i = start
         while i < len(hashes):
@@ -350,13 +363,27 @@ class KVTiers(WriteThrough):
                 have = key in self._fetched
             if not have:
                 tier = next((t for t in self.groups if t.contains(key)), None)
-                if tier is None:
+                if tier is None or not (ahead or self._worth_reading_ahead(tier.name)):
                     return
                 blob = tier.get(key)
                 if blob is None:
                     return
                 self._keep_prefetched(key, tier.name, blob)
             i = group_end
+
+    def _worth_reading_ahead(self, tier: str) -> bool:
+        """Whether the cost rule would load a group of ``tier`` at its measured rate. A tier
+        slower than computing, or not measured yet, is read ahead only for a request that
+        waits behind others: for one scheduled at once the read is not done in time and
+        competes with the step (on an H200 every chat turn read its prefix from a disk the
+        rule then declined, 20-26 ms a turn, 2026-12-04). Before the prefill is measured the
+        rule loads anything, and so this."""
+        pages = self.group_pages
+        compute = self.estimates.recompute_seconds(pages * self.pool.layout.page_size)
+        if compute is None:
+            return True
+        load = self.estimates.load_seconds(tier, pages * self.pool.page_bytes)
+        return load is not None and load < compute
 
     def _keep_prefetched(self, key: bytes, tier: str, blob: bytes | bytearray) -> None:
         with self._fetch_lock:

@@ -118,15 +118,16 @@ class WriteThrough:
         self._pinned_free: list[torch.Tensor] = []  # their pinned buffers, for reuse
         self._pinned_lock = threading.Lock()
         self._writes_since_calibration = dict.fromkeys((t.name for t in self.groups), 0)  # when to measure again
+        self._measuring: set[str] = set()  # tiers with a measurement queued by measure_soon
         self._writer: threading.Thread | None = None
         if self.groups:
             self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
             self._writer.start()
-            for tier in self.groups:  # a tier that already holds groups (a restart): measured first thing
-                sample = getattr(tier, "sample_key", None)
+            for tier in self.groups:  # a tier that already holds groups (a restart): measured now,
+                sample = getattr(tier, "sample_key", None)  # before the worker takes a request
                 key = sample() if sample is not None else None
                 if key is not None:
-                    self._queue.put_nowait(_Calibrate(tier, key))
+                    self.calibrate(tier, key)
 
     def stop_writer(self) -> bool:
         """Finish the queued writes and stop the writer; False if there was none."""
@@ -256,6 +257,18 @@ class WriteThrough:
         if item.ready is not None:  # a pinned snapshot, written by now: reusable
             self._release_pinned(item.pages)
 
+    def measure_soon(self, name: str, key: bytes) -> None:
+        """Queue a measurement of tier ``name`` reading group ``key`` (one at a time a tier;
+        a full queue drops it: the next lookup asks again)."""
+        tier = next(t for t in self.groups if t.name == name)
+        if name in self._measuring:
+            return
+        try:
+            self._queue.put_nowait(_Calibrate(tier, key))
+        except queue.Full:
+            return
+        self._measuring.add(name)
+
     def calibrate(self, tier: GroupTier, key: bytes) -> bool:
         """Time reading group ``key`` back from ``tier`` and checking it (on this thread, off
         the engine's path) as a load-rate reading of that tier (its first, and one every
@@ -263,6 +276,7 @@ class WriteThrough:
         not have to load a whole prefix on a request's path to learn a tier is slower than
         computing (the copy to the device, a small part beside a disk or a store, is not in
         it: real loads refine the estimate). Returns whether it measured."""
+        self._measuring.discard(tier.name)
         began = time.perf_counter()
         blob = tier.get(key)
         if blob is None:

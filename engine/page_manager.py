@@ -223,15 +223,16 @@ class PageManager:
         seq.num_computed = seq.num_cached = len(cached) * self.page_size
         seq.num_registered_pages = len(cached)
 
-    def prefetch(self, seq: Seq) -> bool:
-        """A request just queued: have the tiers read ahead the part of its prompt's prefix
-        the device does not hold (only the slow tiers' page groups are read; the load, when
-        the request is scheduled, then copies from memory). Returns whether it was asked."""
+    def prefetch(self, seq: Seq, ahead: int = 0) -> bool:
+        """A request just queued behind ``ahead`` others: have the tiers read ahead the part of
+        its prompt's prefix the device does not hold (only the slow tiers' page groups are
+        read; the load, when the request is scheduled, then copies from memory). Returns
+        whether it was asked."""
         if self.tiers is None or not self.enable_prefix_cache or seq.page_table:
             return False
         hashes = seq.page_hashes = self.match_prefix(seq.tokens)  # attach_prefix takes them as they are
         start = len(self.lookup(hashes))
-        return start < len(hashes) and self.tiers.prefetch(hashes, start)
+        return start < len(hashes) and self.tiers.prefetch(hashes, start, ahead)
 
     def _known_prefix(self, tokens: Sequence[int], limit: int) -> list[bytes]:
         """Hashes of the leading full pages of ``tokens``, computed a block of pages at a time

@@ -32,7 +32,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
-        self.pages.prefetch(seq)  # the KV tiers read its cached prefix ahead while it waits
+        self.pages.prefetch(seq, len(self.waiting) - 1)  # the KV tiers read its cached prefix ahead while it waits
 
     def fits_ever(self, num_tokens: int) -> bool:
         """Whether a sequence of ``num_tokens`` (+1 to decode) could fit in an empty pool."""

@@ -65,6 +65,19 @@ def test_unmeasured_inputs_load_to_measure() -> None:
     assert pages_worth_loading([("disk", 2), ("store", 3)], PAGE_BYTES, PAGE_TOKENS, e).pages == 0
 
 
+def test_a_disk_or_store_is_not_loaded_before_it_is_measured() -> None:
+    """Named in ``measure_first``: no rate, no load (its pages are computed); a memory tier
+    before it that pays is still loaded."""
+    e = estimates(1000.0, host=10_000)
+    d = pages_worth_loading([("host", 2), ("store", 8)], PAGE_BYTES, PAGE_TOKENS, e, {"disk", "store"})
+    assert d.pages == 2 and d.unmeasured == ("store",)
+    d = pages_worth_loading([("disk", 8)] * 4, PAGE_BYTES, PAGE_TOKENS, estimates(1000.0), {"disk"})
+    assert d == Decision(0, 0.0, ("disk",))
+    # measured, it is priced like any tier
+    d = pages_worth_loading([("disk", 8)], PAGE_BYTES, PAGE_TOKENS, estimates(1000.0, disk=10_000), {"disk"})
+    assert d.pages == 8 and d.unmeasured == ()
+
+
 def test_nothing_found_loads_nothing() -> None:
     assert pages_worth_loading([], PAGE_BYTES, PAGE_TOKENS, CostEstimates()) == Decision(0, 0.0)
 

@@ -246,6 +246,7 @@ def test_a_tier_is_measured_off_the_request_path(tiny_model_dir: Path, tmp_path:
     first.close()
     restarted = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4, load="cost")
     assert restarted.tiers is not None
+    assert restarted.tiers.estimates.load_seconds("disk", 1) is not None  # measured before it returned
     # its own prefill timed at start too, leaving no trace: nothing cached, offered or counted
     assert restarted.tiers.estimates.recompute_seconds(16) is not None
     assert restarted.stats.steps == restarted.stats.prompt_tokens == 0 and not restarted.has_work()
@@ -257,6 +258,34 @@ def test_a_tier_is_measured_off_the_request_path(tiny_model_dir: Path, tmp_path:
     (counts,) = [c for c in restarted.tiers.counts() if c.tier == "disk"]
     assert counts.calibrations == 1 and counts.load_s_per_page > 0
     restarted.close()
+
+
+def test_a_tier_found_holding_a_prefix_before_it_was_measured_is_measured_not_loaded(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A disk or store not measured yet (a second worker on a shared store: nothing to time at
+    its start) is not loaded from on a request's path: the prefix is computed, as without the
+    tier, and the writer times one of its groups; the next request finding it loads by the
+    rule (on an H200 such a blind load from the store took 2.4x computing, 2026-12-04)."""
+    prompt = list(range(5, 205))
+    first = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4)
+    computed = serve(first, [prompt])
+    first.close()
+    second = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4, load="cost", prefetch_bytes=0)
+    assert second.tiers is not None
+    second.tiers.estimates.bytes_per_s.pop("disk")  # as a store is at start: no rate
+    calibrated = second.tiers.stats.tiers["disk"].calibrations
+    assert serve(second, [prompt], first=1) == computed
+    disk = second.tiers.stats.tiers["disk"]
+    assert disk.hit_pages == 0 and disk.declined_pages == 200 // 16 // 4 * 4
+    second.tiers.drain()
+    assert disk.calibrations == calibrated + 1 and second.tiers.estimates.load_seconds("disk", 1) is not None
+    # measured fast against this CPU's prefill: the same prefix, evicted from the device, loads
+    second.tiers.estimates.bytes_per_s["disk"] = 1e12
+    second.flush_cache()
+    assert serve(second, [prompt], first=2) == computed
+    assert disk.hit_pages == 200 // 16 // 4 * 4
+    second.close()
 
 
 def test_a_tier_measured_slow_once_is_measured_again(
@@ -320,17 +349,28 @@ def test_a_queued_request_finds_its_prefix_read_ahead(
     tiny_model_dir: Path, prompts_and_expected, tmp_path: Path
 ) -> None:
     """The disk tier's groups of a queued request's prompt are read into memory while it
-    waits; its load then copies from memory, priced at that rate by the cost rule: a disk
-    measured slower than computing is still used once its groups are in memory."""
+    waits behind another; its load then copies from memory, priced at that rate by the cost
+    rule: a disk measured slower than computing is still used once its groups are in memory.
+    A request nothing waits before is not read ahead from that disk (the read would not be
+    done in time, and would compete with the step)."""
     prompts, expected = prompts_and_expected
     first = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4)
     assert serve(first, prompts[:1]) == expected[:1]
     first.close()
     groups = 200 // 16 // 4
 
+    alone = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4, load="cost")
+    assert alone.tiers is not None
+    alone.tiers.estimates.bytes_per_s["disk"] = 1.0  # a byte a second: reading it on the step's path loses
+    alone.add_request("r1", prompts[1], GREEDY)
+    alone.tiers.drain_prefetches()
+    assert alone.tiers.stats.tiers["disk"].prefetched_groups == 0
+    alone.close()
+
     engine = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4, load="cost")
     assert engine.tiers is not None
-    engine.tiers.estimates.note_load("disk", 1, 1.0)  # a byte a second: reading it on the step's path loses
+    engine.tiers.estimates.bytes_per_s["disk"] = 1.0
+    engine.add_request("r0", [3, 1, 4, 1, 5], GREEDY)  # ahead of it (no full page: nothing to look up or write)
     engine.add_request("r1", prompts[1], GREEDY)
     engine.tiers.drain_prefetches()
     disk = engine.tiers.stats.tiers["disk"]
