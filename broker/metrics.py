@@ -75,6 +75,10 @@ _COUNTERS = {
     "generated_tokens": ("pdserve_generated_tokens", "tokens sampled"),
     "busy_seconds": ("pdserve_engine_busy_seconds", "seconds spent in forward passes"),
     "kv_pull_seconds": ("pdserve_kv_transfer_seconds", "seconds spent pulling KV"),
+    "grammar_refusals": (
+        "pdserve_grammar_refusals",
+        "sampled tokens a structured-output request's grammar refused (a bug: logged)",
+    ),
 }
 _STATS_GAUGES = {"waiting", "running", "prefill_tokens_waiting"}
 # TierCounts fields → (metric name, help); labels worker, role and tier.

@@ -4,6 +4,7 @@ hold, stop checks) and a verify's tokens appended up to the first that stops. A 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -13,6 +14,8 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence, Status
 from pdserve.engine.speculative import Speculator
 from pdserve.schemas import TokenLogprob
+
+log = logging.getLogger(__name__)
 
 
 class Appending:
@@ -42,6 +45,13 @@ class Appending:
         self.stats.generated_tokens += 1
         if seq.matcher is not None:
             seq.matcher.accept_at(len(seq.output_ids) - 1, token)
+            if seq.matcher.refused:  # its mask should have made that impossible: loud, counted
+                index, refused = seq.matcher.refused.pop()
+                self.stats.grammar_refusals += 1
+                log.error(
+                    "a sampled token broke its sequence's grammar",
+                    extra={"rid": seq.out_rid, "index": index, "token": refused, "tail": seq.output_ids[-8:]},
+                )
         reason, stop = self._check_stop(seq, token)
         out = RequestOutput(
             rid=seq.out_rid,

@@ -62,6 +62,7 @@ class Matcher:
         self._matcher = matcher
         self.json = json
         self.seen = 0  # output tokens taken so far
+        self.refused: list[tuple[int, int]] = []  # (output index, token) the grammar refused: a bug
         # A matcher terminates only on accepting a stop token: asked only then (each call
         # into xgrammar costs 1-2 us, and a step asked every row two or three times).
         self._stops = frozenset(matcher.stop_token_ids)
@@ -73,6 +74,8 @@ class Matcher:
         if self._terminated:
             return False
         ok = bool(self._matcher.accept_token(token))
+        if not ok:  # sampled under this matcher's own mask: never expected (the engine counts it)
+            self.refused.append((self.seen - 1, token))
         if ok and token in self._stops:
             self._terminated = bool(self._matcher.is_terminated())
         return ok

@@ -88,4 +88,5 @@ class EngineStats:
     generated_tokens: int = 0
     busy_seconds: float = 0.0
     overlapped_steps: int = 0  # steps left queued on the device while the next was launched
+    grammar_refusals: int = 0  # sampled tokens a sequence's own grammar refused (0 unless a bug)
     spec: SpecStats | None = None  # speculative decoding's counters, when it is on

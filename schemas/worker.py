@@ -105,7 +105,8 @@ class WorkerStats:
     prompt tokens admitted and those found in the prefix cache; ``generated_tokens``:
     tokens sampled; ``busy_seconds``: time in forward passes; ``kv_pull_seconds``: time in
     KV pulls (decode); ``waiting``/``running``: sequences the scheduler holds now;
-    ``prefill_tokens_waiting``: prompt tokens admitted but not computed yet.
+    ``prefill_tokens_waiting``: prompt tokens admitted but not computed yet;
+    ``grammar_refusals``: sampled tokens a constrained sequence's grammar refused (0 unless a bug).
     """
 
     steps: int = 0
@@ -118,6 +119,7 @@ class WorkerStats:
     waiting: int = 0
     running: int = 0
     prefill_tokens_waiting: int = 0
+    grammar_refusals: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

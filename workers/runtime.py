@@ -245,6 +245,7 @@ class WorkerRuntime(Housekeeping):
             waiting=engine.num_waiting,
             running=engine.num_running,
             prefill_tokens_waiting=engine.num_prefill_tokens_waiting,
+            grammar_refusals=engine.stats.grammar_refusals,
         )
         return WorkerInfo(
             worker_id=self.worker_id,

@@ -198,6 +198,23 @@ def test_json_schema_outputs_validate_at_temperature_one(tiny_model_dir: Path) -
     assert set(reasons.values()) == {"stop"}  # each ended with its grammar, none ran out
     for ids in tokens.values():
         jsonschema.validate(json.loads(_text(engine, ids)), SCHEMA)
+    assert engine.stats.grammar_refusals == 0  # every sampled token was one its mask allowed
+
+
+def test_a_token_its_grammar_refuses_is_counted_and_logged(
+    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The masks make it impossible; if a bug ever lets one through (a refused token leaves
+    the matcher where it was, so the output goes on off the grammar), it is not silent."""
+    engine = make_engine(tiny_model_dir)
+    seq = engine.add_request("j", PROMPT[:5], SamplingParams(max_new_tokens=8, json_schema=json.dumps(SCHEMA)))
+    assert seq.matcher is not None
+    tokenizer = engine.grammars._info  # type: ignore[union-attr]
+    refused = next(i for i, b in enumerate(tokenizer.decoded_vocab) if b == b"x")  # JSON starts with "{"
+    with caplog.at_level("ERROR", logger="pdserve.engine.appending"):
+        engine._append(seq, refused, None, was_decode=False)
+    assert engine.stats.grammar_refusals == 1
+    assert any("broke its sequence's grammar" in r.getMessage() for r in caplog.records)
 
 
 def test_constrained_steps_overlap_and_draw_what_plain_steps_draw(tiny_model_dir: Path) -> None:

@@ -205,6 +205,11 @@ async def test_json_schema_output_always_validates_100_samples_at_temperature_1(
 
     texts = [t for batch in await asyncio.gather(*(ask(i) for i in range(25))) for t in batch]
     assert len(texts) == 100
+    await asyncio.sleep(1.2)  # two heartbeats: the workers' counters reach the registry
+    async with httpx.AsyncClient(timeout=10) as http:
+        metrics = (await http.get(system.url + "/metrics")).text
+    refusals = [line for line in metrics.splitlines() if line.startswith("pdserve_grammar_refusals_total{")]
+    assert refusals and all(line.endswith(" 0.0") for line in refusals), refusals  # every token its mask allowed
     for text in texts:
         jsonschema.validate(json.loads(text), SCHEMA)
     stream = await client.completions.create(
