@@ -30,7 +30,7 @@ class PrefixTiers(Protocol):
     def worth_loading(self, plan: Any) -> Any: ...  # the plan cut to what loads faster than computing
     def load(self, plan: Any, pages: Sequence[int]) -> int: ...
     def offer(self, hashes: Sequence[bytes], page_table: Sequence[int], old_full: int, new_full: int) -> None: ...
-    def prefetch(self, hashes: Sequence[bytes], start: int) -> bool: ...  # read ahead what only slow tiers hold
+    def prefetch(self, hashes: Sequence[bytes], start: int, ahead: int = 0) -> bool: ...  # read ahead (slow tiers)
 
 
 class OutOfPages(RuntimeError):

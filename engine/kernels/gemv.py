@@ -194,7 +194,9 @@ def split_counters(device: torch.device, blocks: int) -> torch.Tensor:
                 f"split-K counters for {blocks} blocks first asked for inside a CUDA graph capture: "
                 "reserve_counters(device, blocks) on the capture stream before capturing"
             )
-        have = torch.zeros(max(blocks, 4096), dtype=torch.int32, device=torch.device(key[0], key[1]))
+        have = torch.zeros(
+            max(blocks, 4096), dtype=torch.int32, device=device if key[1] is None else torch.device(key[0], key[1])
+        )
         _COUNTERS[key] = have
     return have
 
