@@ -281,3 +281,41 @@ async def test_a_colocated_process_serves_both_workers_health_and_metrics_on_one
     assert health.status_code == 200
     assert [w["role"] for w in health.json()["workers"]] == ["prefill", "decode"]
     assert stopping.status_code == 503 and stopping.json()["status"] == "stopping"
+
+
+def test_a_colocated_pair_traces_its_hand_off_and_serves_a_prefix_from_its_disk_tier(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, receiver: Receiver, system_control: Any
+) -> None:
+    """``up --colocate``: the in-process KV hand-off is a span of the request's one trace, and
+    the KV tiers work in the pair (a prompt computed, the cache flushed, the same prompt served
+    from the prefill worker's disk tier with the same tokens)."""
+    start, stop = system_control
+    home = tmp_path_factory.mktemp("colocated-traced")
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_BSP_SCHEDULE_DELAY": "200"}
+    tiers = ["--kv-disk-dir", str(home / "kv"), "--kv-group-pages", "2", "--kv-tier-load", "always"]
+    system = start(home, tiny_model_dir, None, "--colocate", "--enable-flush-cache", *tiers, env=env)
+    try:
+        prompt = [5, *range(100, 180)]  # five full pages: two groups of two
+        first = _generate(system, "colocated-traced-0", prompt)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            names = {s.name for s in receiver.of_request("colocated-traced-0")}
+            stored = _value_of(_scrape(system), "pdserve_kv_tier_stored_pages_total", role="prefill", tier="disk")
+            if names >= set(tracing.STAGES) and stored >= 4:
+                break
+            time.sleep(0.2)
+        spans = {s.name: s for s in receiver.of_request("colocated-traced-0")}
+        assert set(spans) >= set(tracing.STAGES), sorted(spans)
+        root = spans[tracing.HTTP_REQUEST]
+        hand_off = spans[tracing.KV_TRANSFER]
+        assert hand_off.trace_id == root.trace_id and hand_off.parent_id == root.span_id
+        assert hand_off.attributes["pdserve.ok"] is True and hand_off.attributes["pdserve.bytes"] > 0
+        assert stored >= 4  # the prompt's two groups written to the disk tier
+        assert httpx.post(system.url + "/flush_cache", timeout=10).status_code == 200
+        second = _generate(system, "colocated-traced-1", prompt)
+        assert second["output_ids"] == first["output_ids"]
+        time.sleep(1.2)  # two heartbeats: the hits reach the registry
+        hits = _value_of(_scrape(system), "pdserve_kv_tier_hit_pages_total", role="prefill", tier="disk")
+        assert hits >= 4
+    finally:
+        stop(system)
