@@ -263,11 +263,11 @@ class WriteThrough:
         tier = next(t for t in self.groups if t.name == name)
         if name in self._measuring:
             return
+        self._measuring.add(name)  # before the put: the writer discards it when it measures
         try:
             self._queue.put_nowait(_Calibrate(tier, key))
         except queue.Full:
-            return
-        self._measuring.add(name)
+            self._measuring.discard(name)
 
     def calibrate(self, tier: GroupTier, key: bytes) -> bool:
         """Time reading group ``key`` back from ``tier`` and checking it (on this thread, off
