@@ -13,6 +13,7 @@ writes block: the tiers' writer thread writes, loads run when a prefix is attach
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import threading
 import uuid
@@ -54,12 +55,12 @@ class DiskTier:
     def path(self, key: bytes) -> Path:
         return self.dir / f"{key.hex()}.kv"
 
-    def sample_key(self) -> bytes | None:
-        """The key of a group held (the most recently used), or ``None``: the tiers time
-        reading it back at start (:meth:`KVTiers.calibrate`)."""
+    def sample_keys(self, n: int) -> list[bytes]:
+        """The keys of up to ``n`` groups held (the most recently used first): the tiers time
+        reading them back at start (:meth:`KVTiers.calibrate`)."""
         with self._lock:
-            name = next(reversed(self._files), None)
-        return bytes.fromhex(name.removesuffix(".kv")) if name is not None else None
+            names = list(itertools.islice(reversed(self._files), n))
+        return [bytes.fromhex(name.removesuffix(".kv")) for name in names]
 
     def contains(self, key: bytes) -> bool:
         return self.path(key).exists()

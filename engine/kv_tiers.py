@@ -48,12 +48,10 @@ from pdserve.engine.kv_cost import CostEstimates, pages_worth_loading
 from pdserve.engine.kv_host import HostTier
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.kv_store import StoreError
-from pdserve.engine.kv_write import GroupTier, TierStats, WriteThrough
+from pdserve.engine.kv_write import LOAD_THREADS, GroupTier, TierStats, WriteThrough
 from pdserve.schemas import TierCounts
 
 log = logging.getLogger(__name__)
-
-LOAD_THREADS = 4  # a load's group reads at once
 
 
 @dataclass
@@ -222,8 +220,7 @@ class KVTiers(WriteThrough):
             runs, self.pool.page_bytes, self.pool.layout.page_size, self.estimates, group_tiers
         )
         for name in decision.unmeasured:  # measured on the writer's thread; computed meanwhile
-            step = next(s for s in plan.steps if s.tier == name)
-            self.measure_soon(name, step.key)
+            self.measure_soon(name, [s.key for s in plan.steps if s.tier == name])
         keep = decision.pages
         steps: list[_Step] = []
         left = keep

@@ -6,9 +6,11 @@ already holds it, its pages are snapshotted (on a GPU: gathered on a side stream
 to a reused pinned buffer, so the compute stream waits only for the gather) and queued; the
 writer thread encodes the group (:mod:`.kv_blob`) and puts it into each tier that lacks it.
 A full queue drops the write (counted), never blocks a step. The writer also measures each
-tier's load rate off the request path (:meth:`WriteThrough.calibrate`): a group read back
-after the tier's first write, every :data:`RECALIBRATE_EVERY` writes after, and at start one
-group a tier already holds.
+tier's load rate off the request path (:meth:`WriteThrough.calibrate`), reading groups as a
+load does (up to :data:`LOAD_THREADS` at once): the group of the tier's first write, the last
+:data:`LOAD_THREADS` written once there are as many (that reading replaces the narrower one),
+the last ones every :data:`RECALIBRATE_EVERY` writes after, and at start groups a tier already
+holds.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -81,6 +84,7 @@ _REMEMBERED_GROUPS = 1 << 16
 # takes: a rate measured slow once (a busy moment) would otherwise decline the tier for good,
 # since declined loads measure nothing.
 RECALIBRATE_EVERY = 32
+LOAD_THREADS = 4  # a load's group reads at once (kv_tiers.KVTiers.load), and a calibration's
 _PINNED_KEPT = 64  # pinned snapshot buffers kept for reuse (a GPU pool's group writes)
 
 
@@ -93,10 +97,10 @@ class _Write:
 
 @dataclass
 class _Calibrate:
-    """The writer's first job where a tier already holds groups: time reading one back."""
+    """A measurement of ``tier`` for the writer: time reading ``keys`` back."""
 
     tier: GroupTier
-    key: bytes
+    keys: tuple[bytes, ...]
 
 
 class WriteThrough:
@@ -119,15 +123,18 @@ class WriteThrough:
         self._pinned_lock = threading.Lock()
         self._writes_since_calibration = dict.fromkeys((t.name for t in self.groups), 0)  # when to measure again
         self._measuring: set[str] = set()  # tiers with a measurement queued by measure_soon
+        self._recent = {t.name: deque[bytes](maxlen=LOAD_THREADS) for t in self.groups}  # groups written last
+        self._width = dict.fromkeys((t.name for t in self.groups), 0)  # groups read at once by the rate's reading
+        self._calibrator: ThreadPoolExecutor | None = None
         self._writer: threading.Thread | None = None
         if self.groups:
             self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
             self._writer.start()
             for tier in self.groups:  # a tier that already holds groups (a restart): measured now,
-                sample = getattr(tier, "sample_key", None)  # before the worker takes a request
-                key = sample() if sample is not None else None
-                if key is not None:
-                    self.calibrate(tier, key)
+                sample = getattr(tier, "sample_keys", None)  # before the worker takes a request
+                keys = sample(LOAD_THREADS) if sample is not None else []
+                if keys:
+                    self.calibrate(tier, keys)
 
     def stop_writer(self) -> bool:
         """Finish the queued writes and stop the writer; False if there was none."""
@@ -136,6 +143,9 @@ class WriteThrough:
         self._queue.put(None)
         self._writer.join()
         self._writer = None
+        if self._calibrator is not None:
+            self._calibrator.shutdown()
+            self._calibrator = None
         return True
 
     def offer(self, hashes: Sequence[bytes], page_table: Sequence[int], old_full: int, new_full: int) -> None:
@@ -226,8 +236,12 @@ class WriteThrough:
             try:
                 self._write(item)
             except (OSError, StoreError) as exc:  # a full disk, a store away: this group is not kept
-                self.stats.write_errors += 1
-                log.warning("KV page group not written", extra={"key": item.key.hex(), "error": str(exc)})
+                if isinstance(item, _Calibrate):  # the tier stays unmeasured: its loads declined
+                    self._measuring.discard(item.tier.name)
+                    log.warning("KV tier not measured", extra={"tier": item.tier.name, "error": str(exc)})
+                else:
+                    self.stats.write_errors += 1
+                    log.warning("KV page group not written", extra={"key": item.key.hex(), "error": str(exc)})
             except Exception as exc:  # a bug: counted, and raised on the engine's thread at its next call
                 self.stats.write_errors += 1
                 log.exception("KV page group write failed")
@@ -237,7 +251,7 @@ class WriteThrough:
 
     def _write(self, item: _Write | _Calibrate) -> None:
         if isinstance(item, _Calibrate):
-            self.calibrate(item.tier, item.key)
+            self.calibrate(item.tier, item.keys)
             return
         if item.ready is not None:
             item.ready.synchronize()
@@ -251,41 +265,65 @@ class WriteThrough:
             counters.stored_pages += item.pages.shape[0]
             counters.store_bytes += len(parts[0]) + len(parts[1])
             self._writes_since_calibration[tier.name] += 1
+            recent = self._recent[tier.name]
+            recent.append(item.key)
             unmeasured = self.estimates.load_seconds(tier.name, 1) is None
-            if unmeasured or self._writes_since_calibration[tier.name] >= RECALIBRATE_EVERY:
-                self.calibrate(tier, item.key)
+            wider = self._width[tier.name] < len(recent) == LOAD_THREADS  # read now as a load reads
+            if unmeasured or wider or self._writes_since_calibration[tier.name] >= RECALIBRATE_EVERY:
+                self.calibrate(tier, list(recent))
         if item.ready is not None:  # a pinned snapshot, written by now: reusable
             self._release_pinned(item.pages)
 
-    def measure_soon(self, name: str, key: bytes) -> None:
-        """Queue a measurement of tier ``name`` reading group ``key`` (one at a time a tier;
-        a full queue drops it: the next lookup asks again)."""
+    def measure_soon(self, name: str, keys: Sequence[bytes]) -> None:
+        """Queue a measurement of tier ``name`` reading groups ``keys`` (the first
+        :data:`LOAD_THREADS`; one measurement at a time a tier; a full queue drops it: the
+        next lookup asks again)."""
         tier = next(t for t in self.groups if t.name == name)
         if name in self._measuring:
             return
         self._measuring.add(name)  # before the put: the writer discards it when it measures
         try:
-            self._queue.put_nowait(_Calibrate(tier, key))
+            self._queue.put_nowait(_Calibrate(tier, tuple(keys[:LOAD_THREADS])))
         except queue.Full:
             self._measuring.discard(name)
 
-    def calibrate(self, tier: GroupTier, key: bytes) -> bool:
-        """Time reading group ``key`` back from ``tier`` and checking it (on this thread, off
-        the engine's path) as a load-rate reading of that tier (its first, and one every
-        :data:`RECALIBRATE_EVERY` groups written), so that the cost rule does
-        not have to load a whole prefix on a request's path to learn a tier is slower than
-        computing (the copy to the device, a small part beside a disk or a store, is not in
-        it: real loads refine the estimate). Returns whether it measured."""
+    def calibrate(self, tier: GroupTier, keys: Sequence[bytes]) -> bool:
+        """Time reading groups ``keys`` (up to :data:`LOAD_THREADS`) back from ``tier`` and
+        checking them, at once on as many threads as a load uses (off the engine's path), as
+        a load-rate reading of that tier, so that the cost rule does not have to load a whole
+        prefix on a request's path to learn a tier is slower than computing. A reading of
+        more groups at once than the last replaces it (a single group read on one thread
+        understates what a load's parallel reads deliver); others join the running average.
+        The copy to the device, a small part beside a disk or a store, is not in it: real
+        loads refine the estimate. Returns whether it measured."""
         self._measuring.discard(tier.name)
+        keys = list(keys[:LOAD_THREADS])
+
+        def read(key: bytes) -> int:
+            blob = tier.get(key)
+            if blob is None:
+                return 0
+            try:
+                kv_blob.decode(blob, self.ident, key, self.pool.layout)
+            except kv_blob.CorruptBlob:
+                return 0
+            return len(blob)
+
         began = time.perf_counter()
-        blob = tier.get(key)
-        if blob is None:
+        if len(keys) > 1:
+            if self._calibrator is None:
+                self._calibrator = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="kv-tier-calibrate")
+            sizes = list(self._calibrator.map(read, keys))
+        else:
+            sizes = [read(k) for k in keys]
+        seconds = time.perf_counter() - began
+        width = sum(1 for n in sizes if n)
+        if not width:
             return False
-        try:
-            kv_blob.decode(blob, self.ident, key, self.pool.layout)
-        except kv_blob.CorruptBlob:
-            return False
-        self.estimates.note_load(tier.name, len(blob), time.perf_counter() - began)
+        if width > self._width[tier.name]:
+            self.estimates.bytes_per_s.pop(tier.name, None)  # replaced, not averaged
+            self._width[tier.name] = width
+        self.estimates.note_load(tier.name, sum(sizes), seconds)
         self.stats.tiers[tier.name].calibrations += 1
         self._writes_since_calibration[tier.name] = 0
         return True

@@ -253,11 +253,28 @@ def test_a_tier_is_measured_off_the_request_path(tiny_model_dir: Path, tmp_path:
     assert restarted.pages.num_cached_pages == 0
     restarted.tiers.drain()
     assert restarted.tiers.stats.tiers["disk"].calibrations == 1
+    assert restarted.tiers._width["disk"] == 3  # its three groups read at once, as a load would
     assert restarted.tiers.stats.tiers["disk"].stored_pages == 0
     assert restarted.tiers.estimates.load_seconds("disk", 1) is not None
     (counts,) = [c for c in restarted.tiers.counts() if c.tier == "disk"]
     assert counts.calibrations == 1 and counts.load_s_per_page > 0
     restarted.close()
+
+
+def test_a_tier_is_measured_reading_as_many_groups_at_once_as_a_load(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The first write's group is read back alone; once LOAD_THREADS groups are written they
+    are read back at once, on as many threads as a load uses, and that reading replaces the
+    first (one group on one thread understates what a load's parallel reads deliver)."""
+    from pdserve.engine import kv_write
+
+    engine = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=1, load="cost", prefetch_bytes=0)
+    assert engine.tiers is not None
+    serve(engine, [list(range(5, 205))])  # 12 full pages: 12 groups of one page
+    engine.tiers.drain()
+    assert engine.tiers.stats.tiers["disk"].calibrations == 2  # the first group, then the first four
+    assert engine.tiers._width["disk"] == kv_write.LOAD_THREADS
+    assert engine.tiers.estimates.load_seconds("disk", 1) is not None
+    engine.close()
 
 
 def test_a_tier_found_holding_a_prefix_before_it_was_measured_is_measured_not_loaded(
