@@ -12,6 +12,7 @@ each advancing its rows' matchers by the previous step's token and filling their
 
 from __future__ import annotations
 
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -58,9 +59,11 @@ def check_constraint(kind: str, spec: str) -> None:
 class Matcher:
     """One sequence's place in its grammar. ``json``: its grammar is a JSON Schema's."""
 
-    def __init__(self, matcher: Any, json: bool = False) -> None:
+    def __init__(self, matcher: Any, json: bool = False, vocab: Sequence[bytes] = ()) -> None:
         self._matcher = matcher
         self.json = json
+        self._vocab = vocab  # each token's bytes (xgrammar's decoded vocabulary)
+        self._tail = b""  # the output's trailing bytes of a UTF-8 sequence not yet complete
         self.seen = 0  # output tokens taken so far
         self.refused: list[tuple[int, int]] = []  # (output index, token) the grammar refused: a bug
         # A matcher terminates only on accepting a stop token: asked only then (each call
@@ -76,6 +79,8 @@ class Matcher:
         ok = bool(self._matcher.accept_token(token))
         if not ok:  # sampled under this matcher's own mask: never expected (the engine counts it)
             self.refused.append((self.seen - 1, token))
+        elif token < len(self._vocab):
+            self._tail = utf8_tail(self._tail + self._vocab[token])
         if ok and token in self._stops:
             self._terminated = bool(self._matcher.is_terminated())
         return ok
@@ -92,6 +97,12 @@ class Matcher:
     @property
     def is_terminated(self) -> bool:
         return self._terminated
+
+    @property
+    def after_ed(self) -> bool:
+        """Whether the output ends in a lone 0xED lead byte, which xgrammar lets a continuation
+        byte 0xA0-0xBF follow: a UTF-16 surrogate, not UTF-8 (it decodes as three U+FFFD)."""
+        return self._tail == b"\xed"
 
     def fill(self, row: torch.Tensor) -> None:
         """Write the next token's mask into ``row`` (one contiguous row of words)."""
@@ -120,6 +131,9 @@ class Grammars:
         self.vocab_size = vocab_size
         self._words = -(-self.text_vocab // 32)  # the words xgrammar writes of a row
         self._plain = _printable_mask(self._info.decoded_vocab, self.text_vocab)  # the words xgrammar writes
+        # xgrammar's character classes admit UTF-16 surrogates (0xED 0xA0-0xBF ...), which are not
+        # UTF-8: a row whose output ends in 0xED refuses tokens that begin with 0xA0-0xBF.
+        self._not_after_ed = _first_byte_mask(self._info.decoded_vocab, self.text_vocab, range(0xA0, 0xC0)).numpy()
         # Host masks in turn, pinned for a device (the one written is never one still on its
         # way over: its copy's event is waited for first), with a view of each row's words.
         self._staged: list[_Stage] = []
@@ -157,7 +171,11 @@ class Grammars:
     def matcher(self, sampling: SamplingParams, output_ids: Sequence[int] = ()) -> Matcher:
         """A matcher at the start of ``sampling``'s constraint, advanced past ``output_ids``
         (a resumed request's tokens); :class:`GrammarError` if they break the grammar."""
-        m = Matcher(self._xgr.GrammarMatcher(self.compile(sampling)), json=sampling.json_schema is not None)
+        m = Matcher(
+            self._xgr.GrammarMatcher(self.compile(sampling)),
+            json=sampling.json_schema is not None,
+            vocab=self._info.decoded_vocab,
+        )
         for token in output_ids:
             if not m.accept(token):
                 raise GrammarError("the tokens already generated do not follow the constraint")
@@ -227,6 +245,8 @@ class Grammars:
             dirty[clean] = False
             dirty[idle] = True
 
+        words, not_after_ed = self._words, self._not_after_ed
+
         def work(part: Sequence[int]) -> None:
             for row in part:
                 m = matchers[row]
@@ -239,6 +259,8 @@ class Grammars:
                         dirty[row] = True
                 else:
                     m.fill(stage.row_views[row])
+                    if m.after_ed:
+                        view[row, :words] &= not_after_ed
 
         parts = min(self.threads, len(live) // ROWS_PER_THREAD)
         if self._pool is None or parts < 2:
@@ -279,15 +301,43 @@ def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     xgr.apply_token_bitmask_inplace(logits, bitmask)
 
 
+_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")  # a UTF-16 surrogate as UTF-8 would spell it: not UTF-8
+
+
+def _words_of(allowed: np.ndarray) -> torch.Tensor:
+    words = (allowed.reshape(-1, 32) << np.arange(32, dtype=np.uint64)).sum(axis=1)
+    return torch.from_numpy(words.astype(np.uint32).view(np.int32).copy())
+
+
 def _printable_mask(decoded_vocab: Sequence[bytes], text_vocab: int) -> torch.Tensor:
     """A bitmask row over the first ``text_vocab`` ids allowing every token whose text holds
     no control character (bytes below 0x20): what JSON allows unescaped, and all that
-    compact JSON needs."""
+    compact JSON needs; nor a UTF-16 surrogate inside it (0xED 0xA0-0xBF: not UTF-8)."""
     allowed = np.zeros(-(-text_vocab // 32) * 32, dtype=np.uint64)
     for i, text in enumerate(decoded_vocab[:text_vocab]):
-        allowed[i] = not any(b < 0x20 for b in text)
-    words = (allowed.reshape(-1, 32) << np.arange(32, dtype=np.uint64)).sum(axis=1)
-    return torch.from_numpy(words.astype(np.uint32).view(np.int32).copy())
+        allowed[i] = not _SURROGATE.search(text) and not any(b < 0x20 for b in text)
+    return _words_of(allowed)
+
+
+def _first_byte_mask(decoded_vocab: Sequence[bytes], text_vocab: int, refused: range) -> torch.Tensor:
+    """A bitmask row over the first ``text_vocab`` ids refusing the tokens whose first byte
+    is in ``refused`` (every bit of the padding past them set: AND leaves it as it was)."""
+    allowed = np.ones(-(-text_vocab // 32) * 32, dtype=np.uint64)
+    for i, text in enumerate(decoded_vocab[:text_vocab]):
+        allowed[i] = not (text and text[0] in refused)
+    return _words_of(allowed)
+
+
+def utf8_tail(data: bytes) -> bytes:
+    """The trailing bytes of ``data`` that begin a UTF-8 sequence not yet complete (b"" if
+    none): a lead byte and the continuation bytes after it, fewer than it announces."""
+    for back in range(1, min(4, len(data)) + 1):
+        b = data[-back]
+        if b & 0xC0 == 0x80:
+            continue  # a continuation byte: the lead is further back
+        need = 2 if b >> 5 == 0b110 else 3 if b >> 4 == 0b1110 else 4 if b >> 3 == 0b11110 else 1
+        return data[-back:] if need > back else b""
+    return b""
 
 
 def _first_line(exc: BaseException) -> str:

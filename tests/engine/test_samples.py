@@ -368,3 +368,43 @@ def test_a_vocabulary_wider_than_the_tokenizer_keeps_its_padding_out_of_xgrammar
         words = n // 32  # the tiny tokenizer's size is a multiple of 32
         assert torch.equal(masks[:, :words], same[:, :words])
         assert not masks[[0, 2], words:].any() and bool((masks[1] == -1).all())
+
+
+def test_a_constrained_string_never_spells_a_utf16_surrogate(tiny_model_dir: Path) -> None:
+    """xgrammar's character classes let 0xED be followed by 0xA0-0xBF: a UTF-16 surrogate,
+    which is not UTF-8 and decodes as three U+FFFD (a JSON name of 10 characters by the
+    grammar's count came back 12 long, CI stop 41 and 2026-12-04). A row whose output ends
+    in a lone 0xED refuses the tokens that begin with 0xA0-0xBF, keeps 0x80-0x9F (U+D000-
+    U+D7FF, Hangul among them); a JSON row never takes a token with a surrogate inside."""
+    from transformers import AutoTokenizer
+
+    from pdserve.engine.grammar import Grammars, _printable_mask, utf8_tail
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    grammars = Grammars(tokenizer, 4096, [tokenizer.eos_token_id])
+    vocab = grammars._info.decoded_vocab
+
+    def byte_token(b: int) -> int:
+        return next(i for i, text in enumerate(vocab) if text == bytes([b]))
+
+    def allowed(bitmask: torch.Tensor) -> set[int]:
+        bits = bitmask[0].numpy().view("uint32")
+        return {w * 32 + b for w in range(len(bits)) for b in range(32) if (int(bits[w]) >> b) & 1}
+
+    schema = SamplingParams(json_schema=json.dumps({"type": "string"}))
+    quote = [tokenizer.convert_tokens_to_ids('"')]
+    ed = grammars.matcher(schema, [*quote, byte_token(0xED)])
+    assert ed.after_ed
+    after = allowed(grammars.masks([ed], torch.device("cpu")))
+    assert byte_token(0x9F) in after and byte_token(0x80) in after  # U+D7C0..: real characters
+    assert not {byte_token(b) for b in range(0xA0, 0xC0)} & after  # surrogates
+    hangul = grammars.matcher(schema, [*quote, byte_token(0xED), byte_token(0x9E)])
+    assert not hangul.after_ed  # two of three bytes in: the third is any continuation byte
+    assert not grammars.matcher(schema, [*quote, byte_token(0xE8)]).after_ed
+    # the static part, and the state machine
+    bits = _printable_mask([b"a", b"\xed\xa0\x80", b"x\x01", b"\xed\x9e"], 4).numpy().view("uint32")
+    assert int(bits[0]) & 0b1111 == 0b1001
+    assert utf8_tail(b"ab\xed") == b"\xed" and utf8_tail(b"\xe8\xa9") == b"\xe8\xa9"
+    assert (
+        utf8_tail(b"\xe8\xa9\x9e") == b"" and utf8_tail(b"ab") == b"" and utf8_tail(b"\xf0\x9f\x98") == b"\xf0\x9f\x98"
+    )
