@@ -130,10 +130,13 @@ class Grammars:
         self._lock = threading.Lock()
         self.vocab_size = vocab_size
         self._words = -(-self.text_vocab // 32)  # the words xgrammar writes of a row
-        self._plain = _printable_mask(self._info.decoded_vocab, self.text_vocab)  # the words xgrammar writes
+        # each token's bytes, read once: xgrammar builds the list anew at every access (100 ms
+        # at a 150k vocabulary), and every matcher holds it
+        self._vocab: list[bytes] = self._info.decoded_vocab
+        self._plain = _printable_mask(self._vocab, self.text_vocab)  # the words xgrammar writes
         # xgrammar's character classes admit UTF-16 surrogates (0xED 0xA0-0xBF ...), which are not
         # UTF-8: a row whose output ends in 0xED refuses tokens that begin with 0xA0-0xBF.
-        self._not_after_ed = _first_byte_mask(self._info.decoded_vocab, self.text_vocab, range(0xA0, 0xC0)).numpy()
+        self._not_after_ed = _first_byte_mask(self._vocab, self.text_vocab, range(0xA0, 0xC0)).numpy()
         # Host masks in turn, pinned for a device (the one written is never one still on its
         # way over: its copy's event is waited for first), with a view of each row's words.
         self._staged: list[_Stage] = []
@@ -174,7 +177,7 @@ class Grammars:
         m = Matcher(
             self._xgr.GrammarMatcher(self.compile(sampling)),
             json=sampling.json_schema is not None,
-            vocab=self._info.decoded_vocab,
+            vocab=self._vocab,
         )
         for token in output_ids:
             if not m.accept(token):

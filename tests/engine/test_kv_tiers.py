@@ -261,6 +261,15 @@ def test_a_tier_is_measured_off_the_request_path(tiny_model_dir: Path, tmp_path:
     restarted.close()
 
 
+def restarted_over_disk(model_dir: Path, disk: Path, prompt: list[int]) -> tuple[list[list[int]], Engine]:
+    """``prompt``'s greedy output from a first engine whose disk tier keeps it, and a second
+    engine over that disk (the cost rule, no read-ahead)."""
+    first = tiered_engine(model_dir, disk_dir=str(disk), group_pages=4)
+    computed = serve(first, [prompt])
+    first.close()
+    return computed, tiered_engine(model_dir, disk_dir=str(disk), group_pages=4, load="cost", prefetch_bytes=0)
+
+
 def test_a_tier_is_measured_reading_as_many_groups_at_once_as_a_load(tiny_model_dir: Path, tmp_path: Path) -> None:
     """The first write's group is read back alone; once LOAD_THREADS groups are written they
     are read back at once, on as many threads as a load uses, and that reading replaces the
@@ -285,10 +294,7 @@ def test_a_tier_found_holding_a_prefix_before_it_was_measured_is_measured_not_lo
     tier, and the writer times one of its groups; the next request finding it loads by the
     rule (on an H200 such a blind load from the store took 2.4x computing, 2026-12-04)."""
     prompt = list(range(5, 205))
-    first = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4)
-    computed = serve(first, [prompt])
-    first.close()
-    second = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4, load="cost", prefetch_bytes=0)
+    computed, second = restarted_over_disk(tiny_model_dir, tmp_path, prompt)
     assert second.tiers is not None
     second.tiers.estimates.bytes_per_s.pop("disk")  # as a store is at start: no rate
     calibrated = second.tiers.stats.tiers["disk"].calibrations
@@ -327,10 +333,7 @@ def test_groups_every_tier_holds_are_not_copied_again(tiny_model_dir: Path, tmp_
     """A worker that computes a prefix its disk already holds (declined as slower than
     computing) copies none of it off the device for the writer."""
     prompt = list(range(5, 205))
-    first = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4)
-    computed = serve(first, [prompt])
-    first.close()
-    second = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4, load="cost", prefetch_bytes=0)
+    computed, second = restarted_over_disk(tiny_model_dir, tmp_path, prompt)
     assert second.tiers is not None
     second.tiers.drain()
     second.tiers.estimates.bytes_per_s["disk"] = 1.0  # a byte a second (over its calibration): declined
