@@ -363,14 +363,18 @@ class DecodeWorker(WorkerRuntime):
         raised: the pages the read may still write into are never used again (the worker hands
         everything back at once and exits)."""
         limit = STUCK_READ_LEASES * lease_seconds
-        done, _ = await asyncio.wait({read}, timeout=limit)
+        try:
+            done, _ = await asyncio.wait({read}, timeout=limit)
+        except asyncio.CancelledError:  # the request or the worker went: the read ends in its thread
+            read.add_done_callback(_unheeded)
+            raise
         if done:
             try:
                 return read.result()
             except ReadStuck as exc:  # a tensor-parallel rank's part still running
                 self._stuck(exc)
                 raise
-        read.add_done_callback(lambda f: f.cancelled() or f.exception())  # if it ever ends: nobody waits for it
+        read.add_done_callback(_unheeded)  # if it ever ends: nobody waits for it
         stuck = ReadStuck(
             f"the KV read of {ready.rid} from {ready.prefill_id} ({ready.handle.endpoint}) is still running "
             f"{limit:g} s after it began ({STUCK_READ_LEASES:g} leases): the transfer engine is stuck"
@@ -457,3 +461,10 @@ class DecodeWorker(WorkerRuntime):
 def _samples(ready: KVReady) -> list[tuple[int, int]] | None:
     """(index, first token) of each sample of an ``n > 1`` request that goes on; ``None`` else."""
     return list(zip(ready.samples, ready.first_ids, strict=True)) or None
+
+
+def _unheeded(read: asyncio.Future[T]) -> None:
+    """Done callback of a KV read nobody awaits any more: its outcome is taken (a failure is
+    then not logged as "never retrieved" when the future is collected) and dropped."""
+    if not read.cancelled():
+        read.exception()
