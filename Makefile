@@ -25,6 +25,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libibverbs1 >/dev/null; \
 	fi
+	@if ! command -v cc >/dev/null && ! command -v gcc >/dev/null; then \
+	  echo "installing Debian's gcc (the CPU pass builds its decode attention kernel with it)"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq gcc >/dev/null; \
+	fi
 	@if ! command -v chromium >/dev/null; then \
 	  echo "installing Debian's chromium (the dashboard test loads /dashboard in it, headless)"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \

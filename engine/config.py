@@ -97,6 +97,7 @@ class EngineConfig:
     max_model_len: int | None = None
     cpu_kv_bytes: int = 512 << 20
     model_impl: str = "auto"
+    cpu_attention: str = "auto"  # decode attention on pdserve's CPU pass: auto, native (the C kernel) or torch
     cuda_graph_max_batch: int = 128
     overlap_schedule: bool = True
     kv_tiers: KVTierConfig = KVTierConfig()
@@ -121,6 +122,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_prefill_seqs must be at least 1")
         if self.model_impl not in ("auto", "pdserve", "transformers"):
             raise ValueError("model_impl must be auto, pdserve or transformers")
+        if self.cpu_attention not in ("auto", "native", "torch"):
+            raise ValueError("cpu_attention must be auto, native or torch")
         if self.cuda_graph_max_batch < 0:
             raise ValueError("cuda_graph_max_batch must be at least 0")
         if self.quantization not in QUANTIZATIONS:

@@ -211,7 +211,15 @@ class ModelRunner:
                 raise ValueError(f"model_impl 'pdserve' cannot serve this model: {reason}")
             log.info("stock transformers forward pass", extra={"reason": reason})
             return None
-        fast = create_fast_model(self.model, self.pool.kv, self.max_model_len, self.tp, interpret, self.pool.kv_scales)
+        fast = create_fast_model(
+            self.model,
+            self.pool.kv,
+            self.max_model_len,
+            self.tp,
+            interpret,
+            self.pool.kv_scales,
+            self.config.cpu_attention,
+        )
         log.info("pdserve forward pass", extra={"reason": f"model_impl {impl!r}", "pass": type(fast).__name__})
         return fast
 

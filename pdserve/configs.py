@@ -290,6 +290,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.num_threads,
         max_model_len=args.context_length,
         model_impl=args.model_impl,
+        cpu_attention=args.cpu_attention,
         quantization=args.quantization,
         kv_cache_dtype=kv_cache_dtype(args),
         cuda_graph_max_batch=0 if args.disable_cuda_graph else args.cuda_graph_max_bs,

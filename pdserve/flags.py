@@ -153,6 +153,14 @@ ENGINE = (
         "(default: %(default)s)",
     ),
     Flag(
+        "--cpu-attention",
+        EngineConfig.cpu_attention,
+        choices=("auto", "native", "torch"),
+        help="decode attention on pdserve's CPU pass over a bfloat16 KV pool: native reads the pages in place with "
+        "a C kernel built once by the machine's C compiler (cc), torch gathers them with torch ops; auto: native "
+        "where it builds (logged either way) (default: %(default)s)",
+    ),
+    Flag(
         "--quantization",
         EngineConfig.quantization,
         choices=("fp8",),

@@ -73,6 +73,7 @@ def create_fast_model(
     tp: TPGroup | None = None,
     allow_interpreter: bool = False,
     kv_scales: torch.Tensor | None = None,
+    cpu_attention: str = "auto",
 ) -> LlamaFamily | LlamaFamilyCPU:
     """The fast forward pass for ``model`` over ``pool`` (check :func:`fast_path_reason`
     first); ``tp``: ``model`` is this rank's shard, and the pass all-reduces across ``tp``.
@@ -83,4 +84,4 @@ def create_fast_model(
         return LlamaFamily(model, pool, max_positions, tp, kv_scales)
     from pdserve.engine.models.llama_cpu import LlamaFamilyCPU
 
-    return LlamaFamilyCPU(model, pool, max_positions, tp, kv_scales)
+    return LlamaFamilyCPU(model, pool, max_positions, tp, kv_scales, cpu_attention)

@@ -25,18 +25,24 @@ prompt attending over its own k, v takes them rounded so too, as every later rea
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
+from pdserve.engine.kernels import native
 from pdserve.engine.kv_pool import gather_fp8, round_fp8, store_fp8
 from pdserve.engine.models.batch import StepBatch
 from pdserve.engine.models.llama_weights import FusedDecoder, Layer, Weight
 
 if TYPE_CHECKING:
     from pdserve.engine.parallel import TPGroup
+
+log = logging.getLogger(__name__)
+
+CPU_ATTENTION = ("auto", "native", "torch")
 
 # Decodes attend in groups of similar length, each padded to its longest: a group takes
 # sequences (longest first) while it has fewer than this many or padding stays under 2x.
@@ -92,11 +98,12 @@ class DecodeGroup:
     all of them, in order) and, per layer, the page rows of their K then V blocks."""
 
     rows: torch.Tensor | None
-    gather: torch.Tensor  # [L, rows] (:func:`_page_rows`)
+    gather: torch.Tensor | None  # [L, rows] (:func:`_page_rows`); None: the native kernel reads the pool
     pages: int
     length: int  # the longest context
     mask: torch.Tensor | None  # [B, 1, 1, W * page] additive, float32; None: one sequence, no window
     ctx_lens: torch.Tensor
+    tables: torch.Tensor | None = None  # [B, W] int32 page ids, for the native kernel
 
 
 @dataclass
@@ -107,6 +114,8 @@ class Chunk:
     ctx_len: int
     gather: torch.Tensor | None  # page rows of every layer (:func:`_page_rows`); None: fresh
     verify: bool = False  # a speculative verify: each row attends to its prefix as a decode would
+    # A verify under the native kernel: each row's page table and length, as decodes have them.
+    rows_native: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -170,6 +179,7 @@ class LlamaFamilyCPU(FusedDecoder):
         max_positions: int,
         tp: TPGroup | None = None,
         kv_scales: torch.Tensor | None = None,
+        attention: str = "auto",
     ) -> None:
         super().__init__(model, pool, max_positions, tp, kv_scales)
         self.linears = [
@@ -194,6 +204,36 @@ class LlamaFamilyCPU(FusedDecoder):
         # matmul: 2.7 ms a batch-16 step against float32's 5.4, and V is not cast); False:
         # float32 SDPA (see docs/cpu.md).
         self.decode_matmuls = self.blocks and pool.dtype == torch.bfloat16 and can_pack(torch.bfloat16)
+        self.native = self._native_attention(attention)
+
+    def _native_attention(self, attention: str) -> bool:
+        """Whether decodes and verify rows attend through the C kernel (``--cpu-attention``):
+        under ``auto`` wherever the pool and the model are bfloat16 and the kernel builds here;
+        the choice is logged with its reason."""
+        if attention not in CPU_ATTENTION:
+            raise ValueError(f"cpu attention must be one of {', '.join(CPU_ATTENTION)}, not {attention!r}")
+        if attention == "torch":
+            log.info("cpu decode attention", extra={"path": "torch", "reason": "cpu_attention 'torch'"})
+            return False
+        if self.kv_scales is not None or self.pool.dtype != torch.bfloat16 or self.embed.dtype != torch.bfloat16:
+            reason = f"the native kernel reads a bfloat16 pool of a bfloat16 model; this is {self.pool.dtype}"
+            if self.kv_scales is not None:
+                reason = "the native kernel does not read an FP8 pool"
+            if attention == "native":
+                raise ValueError(f"cpu_attention 'native': {reason}")
+            log.info("cpu decode attention", extra={"path": "torch", "reason": reason})
+            return False
+        _, _, _, heads, _, dim = self.pool.shape
+        unavailable = native.unavailable_reason()
+        if unavailable is None and (self.num_q // heads > native.MAX_GROUP or dim > native.MAX_DIM):
+            unavailable = f"{self.num_q // heads} query heads per KV head of {dim} exceed the kernel's limits"
+        if unavailable is not None:
+            if attention == "native":
+                raise ValueError(f"cpu_attention 'native': {unavailable}")
+            log.warning("cpu decode attention", extra={"path": "torch", "reason": unavailable})
+            return False
+        log.info("cpu decode attention", extra={"path": "native", "library": str(native.library()._name)})
+        return True
 
     def plan(self, step: StepBatch) -> Plan:
         """The step's indices, once for every layer."""
@@ -212,8 +252,14 @@ class LlamaFamilyCPU(FusedDecoder):
             first_verify = len(step.prefill.spans) - step.prefill.num_verifies
             for s, (start, n) in enumerate(step.prefill.spans):
                 ctx = ctx_lens[s]
+                verify = s >= first_verify
+                if verify and self.native:  # each row as a decode of its position
+                    table = tables[s : s + 1, : -(-ctx // page)].to(torch.int32).expand(n, -1).contiguous()
+                    lens = torch.arange(ctx - n + 1, ctx + 1, dtype=torch.int32)
+                    chunks.append(Chunk(slice(start, start + n), ctx, None, True, (table, lens)))
+                    continue
                 gather = None if ctx == n else _page_rows(pool, tables[s : s + 1, : -(-ctx // page)], self.blocks)
-                chunks.append(Chunk(slice(start, start + n), ctx, gather, s >= first_verify))
+                chunks.append(Chunk(slice(start, start + n), ctx, gather, verify))
         return Plan(
             cos=self.cos[step.positions][:, None, :],
             sin=self.sin[step.positions][:, None, :],
@@ -226,6 +272,12 @@ class LlamaFamilyCPU(FusedDecoder):
     def _decode_groups(self, step: StepBatch) -> list[DecodeGroup]:
         page = self.pool.shape[4]
         lens = step.decode_ctx_lens.tolist()
+        if self.native:  # one call reads each row's own pages, its own length: no groups, no padding
+            longest = max(lens)
+            pages = -(-longest // page)
+            tables = step.decode_tables[:, :pages].to(torch.int32)
+            ctx = step.decode_ctx_lens.to(torch.int32).contiguous()
+            return [DecodeGroup(None, None, pages, longest, None, ctx, tables)]
         members = length_groups(lens, page)
         groups = []
         for member in members:
@@ -348,9 +400,14 @@ class LlamaFamilyCPU(FusedDecoder):
         """One query token per sequence over its pages: ``[B, num_q * head_dim]`` (float32, or
         the model's dtype from :attr:`decode_matmuls`), each KV head attended by its group of
         query heads (no repeated K, V)."""
+        if group.tables is not None:
+            return native.paged_decode(
+                self.pool, q.view(q.shape[0], -1), group.tables, group.ctx_lens, index, self.scale, layer.window
+            )
         batch = q.shape[0]
         nkv = self.num_kv
         matmuls = self.decode_matmuls and batch >= MATMUL_MIN_BATCH
+        assert group.gather is not None
         k, v = self._gather(group.gather[index], batch, group.pages, q.dtype if matmuls else torch.float32)
         qg = q.float().view(batch, nkv, -1, self.head_dim)  # [B, H, Hq / H, D]
         mask = self._decode_mask(group, k.shape[2], layer.window)
@@ -408,6 +465,12 @@ class LlamaFamilyCPU(FusedDecoder):
         the model's dtype (computed in float32)."""
         nq, nkv, dim = self.num_q, self.num_kv, self.head_dim
         rows = chunk.rows
+        if chunk.rows_native is not None:
+            table, lens = chunk.rows_native
+            out = native.paged_decode(
+                self.pool, q[rows].view(-1, nq * dim), table, lens, index, self.scale, layer.window
+            )
+            return out.view(-1, nq, dim)
         if chunk.verify and chunk.gather is not None and layer.window is None:
             return self._verify(index, q[rows], chunk)
         qs = q[rows].transpose(0, 1)[None].float()  # [1, Hq, n, D]

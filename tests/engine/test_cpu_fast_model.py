@@ -80,11 +80,16 @@ def test_cpu_pass_in_bfloat16_equals_transformers_in_bfloat16(kind: str, chunk: 
     assert_greedy_equal(model, prompts, ours, expected)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("dtype", "attention"), [(torch.float32, "auto"), (torch.bfloat16, "native"), (torch.bfloat16, "torch")]
+)
 @pytest.mark.parametrize("lengths", [(3, 90, 17, 33, 8, 64, 16, 49), (3, 90, 17, 33, 8, 64, 16, 49, 200, 5, 180)])
-def test_cpu_pass_batched_decodes_of_different_lengths(lengths: tuple[int, ...], dtype: torch.dtype) -> None:
-    """Sequences of 3 to 200 tokens decode together: one padded, masked gather, or (eleven of
-    them) two groups by length; in bfloat16 groups of eight and more attend as two matmuls."""
+def test_cpu_pass_batched_decodes_of_different_lengths(
+    lengths: tuple[int, ...], dtype: torch.dtype, attention: str
+) -> None:
+    """Sequences of 3 to 200 tokens decode together: through torch ops one padded, masked
+    gather, or (eleven of them) two groups by length, in bfloat16 groups of eight and more
+    as two matmuls; through the native kernel each row over its own pages."""
     if dtype == torch.bfloat16 and not can_pack(dtype):
         pytest.skip("no bfloat16 matmuls in this torch's oneDNN")
     quiet_transformers()
@@ -92,7 +97,9 @@ def test_cpu_pass_batched_decodes_of_different_lengths(lengths: tuple[int, ...],
     rng = random.Random(8)
     prompts = [[rng.randrange(300) for _ in range(n)] for n in lengths]
     expected = hf_greedy(model, prompts, 12)
-    engine = cpu_engine(model)
+    engine = cpu_engine(model, cpu_attention=attention)
+    fast = engine.runner.fast
+    assert isinstance(fast, LlamaFamilyCPU) and fast.native == (attention == "native")
     assert_greedy_equal(model, prompts, run(engine, prompts, 12), expected)
 
 
@@ -163,9 +170,9 @@ def test_bfloat16_decodes_read_pages_a_layer_at_a_time_and_round_as_stock_sdpa()
     at most one more rounding of the output); padding is masked (5 to 130 tokens in a group)."""
     quiet_transformers()
     model = shapes.small_model("smollm2", CPU).to(torch.bfloat16)
-    engine = cpu_engine(model)
+    engine = cpu_engine(model, cpu_attention="torch")
     fast = engine.runner.fast
-    assert isinstance(fast, LlamaFamilyCPU) and fast.blocks and fast.decode_matmuls
+    assert isinstance(fast, LlamaFamilyCPU) and fast.blocks and fast.decode_matmuls and not fast.native
     rng = random.Random(3)
     sizes = (130, 5, 40, 70, 17, 33, 90, 64)  # MATMUL_MIN_BATCH of them: one group
     step = decode_step_of(engine, [[rng.randrange(300) for _ in range(n)] for n in sizes])
@@ -173,6 +180,7 @@ def test_bfloat16_decodes_read_pages_a_layer_at_a_time_and_round_as_stock_sdpa()
     (group,) = plan.groups
     batch, heads, dim = len(sizes), fast.num_kv, fast.head_dim
     assert batch == MATMUL_MIN_BATCH
+    assert group.gather is not None
     for index in (0, len(fast.layers) - 1):
         k, v = fast._gather(group.gather[index], batch, group.pages, torch.bfloat16)
         k, v = k.clone(), v.clone()

@@ -109,14 +109,15 @@ def test_greedy_with_speculation_equals_generate(kind: str) -> None:
 @pytest.mark.slow
 def test_the_default_model_with_speculation_equals_without(smollm2_dir: Path) -> None:
     """SmolLM2-135M-Instruct as served (auto dtype, pdserve's CPU pass): a rewrite prompt whose
-    drafts hit, token for token as without speculation."""
+    drafts hit, token for token as without speculation. Drafting whenever a match is found
+    (the adaptive rule's choice follows measured step times, which a busy machine moves)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     text = "The quick brown fox jumps over the lazy dog near the river bank on a sunny day."
     prompts = [tokenizer.encode(f"Repeat this sentence exactly: {text}\nRepeated: {text[:20]}")]
     plain = _run(build_engine(smollm2_dir, EngineConfig(max_total_tokens=4096)), prompts, 32)
-    engine = build_engine(smollm2_dir, EngineConfig(max_total_tokens=4096, **SPEC))  # type: ignore[arg-type]
+    engine = build_engine(smollm2_dir, EngineConfig(max_total_tokens=4096, **ALWAYS))  # type: ignore[arg-type]
     assert _run(engine, prompts, 32) == plain
     assert engine.stats.spec is not None and engine.stats.spec.accepted > 0
 

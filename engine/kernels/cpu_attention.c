@@ -1,0 +1,110 @@
+/* Decode attention over a bfloat16 page pool, read in place (pdserve's CPU pass).
+
+   Built at first use with the machine's C compiler (-O3 -march=native -fopenmp) by
+   engine/kernels/native.py and called through ctypes; its OpenMP pool is torch's (the same
+   libgomp.so.1, already loaded). Per row: q . k in float32 (q and K are bfloat16 values, so the
+   products are exact; q is scaled first), softmax in float32 (e^x to about 1 ulp), the
+   probabilities' product with V accumulated in float32, rounded once to bfloat16. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+
+static inline float bf16_to_f32(uint16_t v) { uint32_t u = ((uint32_t)v) << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u; memcpy(&u, &f, 4); return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+static inline float exp_neg(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float k = x * 1.44269504088896341f + 12582912.0f;
+    float n = k - 12582912.0f;
+    float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f; p = p * r + 1.0f / 24.0f; p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f; p = p * r + 1.0f; p = p * r + 1.0f;
+    int32_t e = ((int32_t)n + 127) << 23; float s; memcpy(&s, &e, 4);
+    return p * s;
+}
+
+#define MAXG 16
+#define KERNEL(NAME, DIM)                                                                                        \
+static void NAME(const uint16_t *pool, const uint16_t *qr, uint16_t *o, const int32_t *table, int first, int n, \
+                 int64_t k_off, int64_t v_off, int64_t page_stride, int page, int group, float scale,            \
+                 float *scores, const int dim_rt) {                                                              \
+    const int dim = DIM ? DIM : dim_rt;                                                                          \
+    const int count = n - first;                                                                                 \
+    float qf[MAXG * 256], acc[MAXG * 256], kf[256];                                                              \
+    for (int i = 0; i < group * dim; i++) { qf[i] = bf16_to_f32(qr[i]) * scale; acc[i] = 0.0f; }               \
+    for (int t = first; t < n; t++) {                                                                            \
+        const uint16_t *k = pool + table[t / page] * page_stride + k_off + (int64_t)(t % page) * dim;           \
+        for (int d = 0; d < dim; d++) kf[d] = bf16_to_f32(k[d]);                                                 \
+        for (int g = 0; g < group; g++) {                                                                        \
+            float s = 0.0f;                                                                                      \
+            _Pragma("omp simd reduction(+ : s)")                                                                 \
+            for (int d = 0; d < dim; d++) s += qf[g * dim + d] * kf[d];                                          \
+            scores[g * count + (t - first)] = s;                                                                 \
+        }                                                                                                        \
+    }                                                                                                            \
+    for (int g = 0; g < group; g++) {                                                                            \
+        float *sg = scores + g * count, m = -INFINITY, sum = 0.0f;                                               \
+        for (int i = 0; i < count; i++) m = sg[i] > m ? sg[i] : m;                                               \
+        _Pragma("omp simd reduction(+ : sum)")                                                                   \
+        for (int i = 0; i < count; i++) { float e = exp_neg(sg[i] - m); sg[i] = e; sum += e; }                  \
+        const float inv = 1.0f / sum;                                                                            \
+        for (int i = 0; i < count; i++) sg[i] *= inv;                                                            \
+    }                                                                                                            \
+    for (int t = first; t < n; t++) {                                                                            \
+        const uint16_t *v = pool + table[t / page] * page_stride + v_off + (int64_t)(t % page) * dim;           \
+        for (int d = 0; d < dim; d++) kf[d] = bf16_to_f32(v[d]);                                                 \
+        for (int g = 0; g < group; g++) {                                                                        \
+            const float p = scores[g * count + (t - first)];                                                     \
+            _Pragma("omp simd")                                                                                  \
+            for (int d = 0; d < dim; d++) acc[g * dim + d] += p * kf[d];                                         \
+        }                                                                                                        \
+    }                                                                                                            \
+    for (int i = 0; i < group * dim; i++) o[i] = f32_to_bf16(acc[i]);                                            \
+}
+KERNEL(one_64, 64)
+KERNEL(one_128, 128)
+KERNEL(one_any, 0)
+
+/* Rows r < rows: q[r * q_stride ...] ([heads, group, dim] bfloat16), its pages
+   tables[r * table_stride ...], its context length lens[r]; window > 0 keeps the last `window`
+   keys. out[r] ([heads, group, dim] bfloat16) rows are contiguous. Returns 0, -1 for shapes
+   past MAXG / 256, -2 when memory runs out. Pool [pages, layers, 2, heads, page, dim]. */
+int paged_decode_bf16(const uint16_t *pool, const uint16_t *q, int64_t q_stride, uint16_t *out,
+                      const int32_t *tables, int64_t table_stride, const int32_t *lens, int rows, int layer, int layers, int heads,
+                      int group, int page, int dim, float scale, int window) {
+    if (group > MAXG || dim > 256) return -1;
+    const int64_t block = (int64_t)page * dim;
+    const int64_t page_stride = (int64_t)layers * 2 * heads * block;
+    int longest = 1;
+    for (int r = 0; r < rows; r++) longest = lens[r] > longest ? lens[r] : longest;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *scores = (float *)malloc(sizeof(float) * (size_t)group * (size_t)longest);
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for collapse(2) schedule(static)
+        for (int r = 0; r < rows; r++) {
+            for (int h = 0; h < heads; h++) {
+                if (!scores) continue;
+                const int n = lens[r];
+                const int first = (window > 0 && n > window) ? n - window : 0;
+                const int64_t k_off = ((int64_t)(layer * 2) * heads + h) * block;
+                const int64_t v_off = ((int64_t)(layer * 2 + 1) * heads + h) * block;
+                const uint16_t *qr = q + (int64_t)r * q_stride + (int64_t)h * group * dim;
+                uint16_t *o = out + ((int64_t)r * heads + h) * group * dim;
+                const int32_t *table = tables + (int64_t)r * table_stride;
+                if (dim == 64) one_64(pool, qr, o, table, first, n, k_off, v_off, page_stride, page, group, scale, scores, dim);
+                else if (dim == 128) one_128(pool, qr, o, table, first, n, k_off, v_off, page_stride, page, group, scale, scores, dim);
+                else one_any(pool, qr, o, table, first, n, k_off, v_off, page_stride, page, group, scale, scores, dim);
+            }
+        }
+        free(scores);
+    }
+    return failed ? -2 : 0;
+}

@@ -1,0 +1,176 @@
+"""The CPU pass's native decode attention (``engine/kernels/cpu_attention.c``), built here
+with the machine's C compiler, against float64 and torch's bfloat16 SDPA kernel (the stock
+code's), and how the pass chooses it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.bench import shapes
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kernels import native
+from pdserve.engine.model_runner import ModelRunner, ModelSpec
+from pdserve.engine.models.llama_cpu import LlamaFamilyCPU
+
+CPU = torch.device("cpu")
+
+
+def case(
+    rows: int, heads: int, group: int, dim: int, page: int, lens: list[int], seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A bfloat16 pool of 3 layers, each row's pages scattered in it, its query a strided row."""
+    gen = torch.Generator().manual_seed(seed)
+    widest = -(-max(lens) // page)
+    num_pages = rows * widest + 5
+    pool = torch.randn(num_pages, 3, 2, heads, page, dim, generator=gen).to(torch.bfloat16)
+    tables = torch.randperm(num_pages, generator=gen)[: rows * widest].view(rows, widest).to(torch.int32)
+    width = heads * group * dim
+    qkv = torch.randn(rows, width + 2 * heads * dim, generator=gen).to(torch.bfloat16)
+    return pool, qkv[:, :width], tables, torch.tensor(lens, dtype=torch.int32)
+
+
+def reference(
+    pool: torch.Tensor, q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, layer: int, window: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: attention in float64, and torch's bfloat16 SDPA kernel on the same values."""
+    _, _, _, heads, page, dim = pool.shape
+    exact, stock = [], []
+    for r in range(q.shape[0]):
+        n = int(lens[r])
+        first = max(0, n - window) if window else 0
+        kv = pool[tables[r, : -(-n // page)].long(), layer]  # [pages, 2, heads, page, dim]
+        k = kv[:, 0].permute(1, 0, 2, 3).reshape(heads, -1, dim)[:, first:n]
+        v = kv[:, 1].permute(1, 0, 2, 3).reshape(heads, -1, dim)[:, first:n]
+        qg = q[r].view(heads, -1, dim)
+        exact.append(F.scaled_dot_product_attention(qg.double(), k.double(), v.double(), scale=dim**-0.5).reshape(-1))
+        stock.append(F.scaled_dot_product_attention(qg, k, v, scale=dim**-0.5).reshape(-1))
+    return torch.stack(exact), torch.stack(stock)
+
+
+@pytest.mark.parametrize(
+    ("heads", "group", "dim", "page", "lens", "window"),
+    [
+        (3, 3, 64, 16, [1, 17, 130, 64, 5, 33, 90, 16], None),  # SmolLM2's heads; lengths across pages
+        (2, 2, 128, 16, [300, 7, 48], None),
+        (1, 4, 80, 4, [9, 1, 23], None),  # a head size with no specialised loop
+        (3, 3, 64, 16, [200, 40, 12], 32),  # a sliding window
+        (4, 1, 32, 8, [50], None),  # one query head per KV head, one row
+    ],
+)
+def test_native_decode_attention_is_within_the_stock_kernels_error(
+    heads: int, group: int, dim: int, page: int, lens: list[int], window: int | None
+) -> None:
+    """Against float64 the kernel's error stays within that of torch's bfloat16 SDPA kernel on
+    the same values (on average well under it: it rounds once, at the end), row by row over
+    each row's own length and window, from query rows that are strided views."""
+    pool, q, tables, lengths = case(len(lens), heads, group, dim, page, lens)
+    assert q.stride(0) > q.shape[1]  # rows of a wider qkv
+    for layer in (0, 2):
+        ours = native.paged_decode(pool, q, tables, lengths, layer, dim**-0.5, window)
+        assert ours.dtype == torch.bfloat16 and ours.shape == q.shape
+        exact, stock = reference(pool, q, tables, lengths, layer, window)
+        ours_error, stock_error = (ours.double() - exact).abs(), (stock.double() - exact).abs()
+        assert ours_error.max() <= stock_error.max() and ours_error.mean() <= stock_error.mean()
+        # within one rounding to bfloat16 of the exact value (its spacing there)
+        spacing = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(2**-60))) - 7)
+        assert bool((ours_error <= spacing).all())
+
+
+def test_native_decode_attention_refuses_what_it_cannot_read() -> None:
+    pool, q, tables, lens = case(2, 3, 3, 64, 16, [5, 9])
+    scale = 0.125
+    with pytest.raises(ValueError, match="bfloat16"):
+        native.paged_decode(pool.float(), q, tables, lens, 0, scale)
+    with pytest.raises(ValueError, match="int32"):
+        native.paged_decode(pool, q, tables.long(), lens, 0, scale)
+    with pytest.raises(ValueError, match="one table and one length per row"):
+        native.paged_decode(pool, q, tables, lens[:1], 0, scale)
+    with pytest.raises(ValueError, match="query shape"):
+        native.paged_decode(pool, q[:, :100], tables, lens, 0, scale)
+    assert native.paged_decode(pool, q[:0], tables[:0], lens[:0], 0, scale).shape == (0, q.shape[1])
+
+
+def test_the_cpu_pass_reads_a_bfloat16_pool_natively_by_default() -> None:
+    """The normal path on a machine with a C compiler (``make install`` sees to one): ``auto``
+    takes the kernel for a bfloat16 model; a float32 one keeps torch's ops; ``native`` on a
+    float32 pool is refused."""
+    model = shapes.small_model("smollm2", CPU).to(torch.bfloat16)
+    runner = ModelRunner(ModelSpec(Path("m")), EngineConfig(device="cpu", max_total_tokens=256), model=model)
+    assert isinstance(runner.fast, LlamaFamilyCPU) and runner.fast.native
+    runner = ModelRunner(
+        ModelSpec(Path("m")), EngineConfig(device="cpu", max_total_tokens=256, cpu_attention="torch"), model=model
+    )
+    assert isinstance(runner.fast, LlamaFamilyCPU) and not runner.fast.native
+    float32 = shapes.small_model("smollm2", CPU)
+    runner = ModelRunner(ModelSpec(Path("m")), EngineConfig(device="cpu", max_total_tokens=256), model=float32)
+    assert isinstance(runner.fast, LlamaFamilyCPU) and not runner.fast.native
+    with pytest.raises(ValueError, match="cpu_attention 'native'"):
+        ModelRunner(
+            ModelSpec(Path("m")),
+            EngineConfig(device="cpu", max_total_tokens=256, cpu_attention="native"),
+            model=shapes.small_model("smollm2", CPU),
+        )
+
+
+PROBE = """
+import json, logging, sys
+import torch
+from pathlib import Path
+from pdserve.bench import shapes
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kernels import native
+from pdserve.engine.model_runner import ModelRunner, ModelSpec
+records = []
+handler = logging.Handler()
+handler.emit = lambda r: records.append({"message": r.getMessage(), "level": r.levelname, **{
+    k: str(v) for k, v in r.__dict__.items() if k in ("path", "reason")}})
+logging.getLogger("pdserve").addHandler(handler)
+logging.getLogger("pdserve").setLevel(logging.INFO)
+model = shapes.small_model("smollm2", torch.device("cpu")).to(torch.bfloat16)
+attention = sys.argv[1]
+try:
+    runner = ModelRunner(ModelSpec(Path("m")), EngineConfig(device="cpu", max_total_tokens=256,
+                         cpu_attention=attention), model=model)
+    native_path = runner.fast.native
+    error = None
+except ValueError as exc:
+    native_path, error = None, str(exc)
+print(json.dumps({"reason": native.unavailable_reason(), "native": native_path, "error": error,
+                  "logged": [r for r in records if r["message"] == "cpu decode attention"]}))
+"""
+
+
+def probe(tmp_path: Path, attention: str, **env: str) -> dict[str, object]:
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, attention],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        env={**os.environ, "PDSERVE_KERNEL_CACHE": str(tmp_path / "kernels"), **env},
+    )
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def test_a_fresh_cache_builds_the_kernel_and_a_missing_compiler_is_said(tmp_path: Path) -> None:
+    """In a new process with an empty cache the kernel is built there and taken; with no
+    compiler ``auto`` decodes through torch's ops and says why at WARNING, ``native`` refuses."""
+    built = probe(tmp_path, "auto")
+    assert built["reason"] is None and built["native"] is True
+    assert [p.name.startswith("cpu_attention-") for p in (tmp_path / "kernels").iterdir()] == [True]
+    missing = str(tmp_path / "no-such-cc")
+    fallen = probe(tmp_path / "other", "auto", CC=missing)
+    assert fallen["native"] is False and missing in str(fallen["reason"])
+    assert fallen["logged"] == [
+        {"message": "cpu decode attention", "level": "WARNING", "path": "torch", "reason": fallen["reason"]}
+    ]
+    refused = probe(tmp_path / "other", "native", CC=missing)
+    assert refused["native"] is None and "cpu_attention 'native'" in str(refused["error"])
