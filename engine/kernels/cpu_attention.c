@@ -33,9 +33,31 @@ static void NAME(const uint16_t *pool, const uint16_t *qr, uint16_t *o, const in
                  float *scores, const int dim_rt) {                                                              \
     const int dim = DIM ? DIM : dim_rt;                                                                          \
     const int count = n - first;                                                                                 \
-    float qf[MAXG * 256], acc[MAXG * 256], kf[256];                                                              \
+    float qf[MAXG * 256], acc[MAXG * 256], kf[256], kf4[4][256];                                                 \
     for (int i = 0; i < group * dim; i++) { qf[i] = bf16_to_f32(qr[i]) * scale; acc[i] = 0.0f; }               \
-    for (int t = first; t < n; t++) {                                                                            \
+    int t = first;                                                                                               \
+    for (; t + 4 <= n; t += 4) { /* four keys at once: four independent sums per query head */                   \
+        const uint16_t *k0 = pool + table[t / page] * page_stride + k_off + (int64_t)(t % page) * dim;          \
+        const uint16_t *k1 = pool + table[(t + 1) / page] * page_stride + k_off + (int64_t)((t + 1) % page) * dim; \
+        const uint16_t *k2 = pool + table[(t + 2) / page] * page_stride + k_off + (int64_t)((t + 2) % page) * dim; \
+        const uint16_t *k3 = pool + table[(t + 3) / page] * page_stride + k_off + (int64_t)((t + 3) % page) * dim; \
+        for (int d = 0; d < dim; d++) {                                                                          \
+            kf4[0][d] = bf16_to_f32(k0[d]); kf4[1][d] = bf16_to_f32(k1[d]);                                      \
+            kf4[2][d] = bf16_to_f32(k2[d]); kf4[3][d] = bf16_to_f32(k3[d]);                                      \
+        }                                                                                                        \
+        for (int g = 0; g < group; g++) {                                                                        \
+            const float *qg = qf + g * dim;                                                                      \
+            float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;                                                    \
+            _Pragma("omp simd reduction(+ : s0, s1, s2, s3)")                                                    \
+            for (int d = 0; d < dim; d++) {                                                                      \
+                s0 += qg[d] * kf4[0][d]; s1 += qg[d] * kf4[1][d];                                                \
+                s2 += qg[d] * kf4[2][d]; s3 += qg[d] * kf4[3][d];                                                \
+            }                                                                                                    \
+            float *sg = scores + g * count + (t - first);                                                        \
+            sg[0] = s0; sg[1] = s1; sg[2] = s2; sg[3] = s3;                                                      \
+        }                                                                                                        \
+    }                                                                                                            \
+    for (; t < n; t++) {                                                                                         \
         const uint16_t *k = pool + table[t / page] * page_stride + k_off + (int64_t)(t % page) * dim;           \
         for (int d = 0; d < dim; d++) kf[d] = bf16_to_f32(k[d]);                                                 \
         for (int g = 0; g < group; g++) {                                                                        \
@@ -53,7 +75,26 @@ static void NAME(const uint16_t *pool, const uint16_t *qr, uint16_t *o, const in
         const float inv = 1.0f / sum;                                                                            \
         for (int i = 0; i < count; i++) sg[i] *= inv;                                                            \
     }                                                                                                            \
-    for (int t = first; t < n; t++) {                                                                            \
+    t = first;                                                                                                   \
+    for (; t + 4 <= n; t += 4) { /* four values at once: one read and write of the sums per four */             \
+        const uint16_t *v0 = pool + table[t / page] * page_stride + v_off + (int64_t)(t % page) * dim;          \
+        const uint16_t *v1 = pool + table[(t + 1) / page] * page_stride + v_off + (int64_t)((t + 1) % page) * dim; \
+        const uint16_t *v2 = pool + table[(t + 2) / page] * page_stride + v_off + (int64_t)((t + 2) % page) * dim; \
+        const uint16_t *v3 = pool + table[(t + 3) / page] * page_stride + v_off + (int64_t)((t + 3) % page) * dim; \
+        for (int d = 0; d < dim; d++) {                                                                          \
+            kf4[0][d] = bf16_to_f32(v0[d]); kf4[1][d] = bf16_to_f32(v1[d]);                                      \
+            kf4[2][d] = bf16_to_f32(v2[d]); kf4[3][d] = bf16_to_f32(v3[d]);                                      \
+        }                                                                                                        \
+        for (int g = 0; g < group; g++) {                                                                        \
+            const float *pg = scores + g * count + (t - first);                                                  \
+            const float p0 = pg[0], p1 = pg[1], p2 = pg[2], p3 = pg[3];                                          \
+            float *ag = acc + g * dim;                                                                           \
+            _Pragma("omp simd")                                                                                  \
+            for (int d = 0; d < dim; d++)                                                                        \
+                ag[d] += p0 * kf4[0][d] + p1 * kf4[1][d] + p2 * kf4[2][d] + p3 * kf4[3][d];                      \
+        }                                                                                                        \
+    }                                                                                                            \
+    for (; t < n; t++) {                                                                                         \
         const uint16_t *v = pool + table[t / page] * page_stride + v_off + (int64_t)(t % page) * dim;           \
         for (int d = 0; d < dim; d++) kf[d] = bf16_to_f32(v[d]);                                                 \
         for (int g = 0; g < group; g++) {                                                                        \
