@@ -191,10 +191,10 @@ def test_disk_tier_serves_a_restarted_engine_and_skips_corrupt_files(
     engine.close()  # the writes are done
     disk = engine.tiers.stats.tiers["disk"]  # type: ignore[union-attr]
     assert disk.stored_pages == 200 // 16 // 4 * 4
-    # The default rule: its prefill measured, the disk not yet, the whole prefix loads (that
-    # measures the disk), not only its first group.
-    restarted = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4, load="cost")
-    serve(restarted, [list(range(10, 40))], first=99)
+    # A new engine over the same directory finds the whole prefix there, not only its first
+    # group (whether the cost rule takes it is timed, on this machine's mood: the rule's own
+    # tests set the rates).
+    restarted = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4)
     assert serve(restarted, [prompts[1]]) == [expected[1]]
     stats = restarted.tiers.stats.tiers["disk"]  # type: ignore[union-attr]
     assert stats.hit_pages == disk.stored_pages and stats.corrupt == 0
