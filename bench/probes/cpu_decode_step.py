@@ -15,9 +15,12 @@ tenth of a core is run again (``--tries``). ``--profile``: torch.profiler's per-
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -98,6 +101,7 @@ def main() -> int:
     parser.add_argument("--tries", type=int, default=20, help="re-runs of a round that others disturbed")
     parser.add_argument("--threads", type=int, default=0, help="torch's threads (0: as the engine sets them)")
     parser.add_argument("--data-dir", type=Path, default=Path(tempfile.gettempdir()) / "pdserve-bench")
+    parser.add_argument("--json", type=Path, help="append this run's figures to a JSON file (a list of runs)")
     args = parser.parse_args()
     quiet_transformers()
     if args.threads:
@@ -135,6 +139,29 @@ def main() -> int:
             f"{fastest[text]:.1f} ms, at batch {args.batch}, pool {engines[text].runner.layout.dtype}",
             flush=True,
         )
+    if args.json:
+        runs = json.loads(args.json.read_text()) if args.json.is_file() else []
+        runs.append(
+            {
+                "date": datetime.date.today().isoformat(),
+                "commit": subprocess.run(
+                    ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+                ).stdout.strip(),
+                "command": " ".join(["python", *sys.argv]),
+                "batch": args.batch,
+                "input_len": args.input_len,
+                "configs": {
+                    text or "defaults": {
+                        "median_ms": statistics.median(ms),
+                        "round_medians_ms": ms,
+                        "fastest_ms": fastest[text],
+                        "pool": str(engines[text].runner.layout.dtype),
+                    }
+                    for text, ms in times.items()
+                },
+            }
+        )
+        args.json.write_text(json.dumps(runs, indent=1) + "\n")
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
