@@ -60,9 +60,14 @@ def library() -> ctypes.CDLL:
     key = hashlib.sha256("\0".join((SOURCE.read_text(), " ".join(FLAGS), version)).encode()).hexdigest()[:16]
     target = cache_dir() / f"cpu_attention-{key}.so"
     if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, staging = tempfile.mkstemp(prefix=".cpu_attention-", suffix=".so", dir=target.parent)
-        os.close(fd)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, staging = tempfile.mkstemp(prefix=".cpu_attention-", suffix=".so", dir=target.parent)
+            os.close(fd)
+        except OSError as exc:
+            raise NativeUnavailable(
+                f"cannot write the kernel cache {target.parent} ({exc}): set PDSERVE_KERNEL_CACHE"
+            ) from None
         try:
             built = subprocess.run(
                 [cc, *FLAGS, "-o", staging, str(SOURCE)], capture_output=True, text=True, timeout=300, check=False

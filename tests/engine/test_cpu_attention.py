@@ -162,7 +162,8 @@ def probe(tmp_path: Path, attention: str, **env: str) -> dict[str, object]:
 
 def test_a_fresh_cache_builds_the_kernel_and_a_missing_compiler_is_said(tmp_path: Path) -> None:
     """In a new process with an empty cache the kernel is built there and taken; with no
-    compiler ``auto`` decodes through torch's ops and says why at WARNING, ``native`` refuses."""
+    compiler (or no cache it can write) ``auto`` decodes through torch's ops and says why at
+    WARNING, ``native`` refuses."""
     built = probe(tmp_path, "auto")
     assert built["reason"] is None and built["native"] is True
     assert [p.name.startswith("cpu_attention-") for p in (tmp_path / "kernels").iterdir()] == [True]
@@ -174,3 +175,7 @@ def test_a_fresh_cache_builds_the_kernel_and_a_missing_compiler_is_said(tmp_path
     ]
     refused = probe(tmp_path / "other", "native", CC=missing)
     assert refused["native"] is None and "cpu_attention 'native'" in str(refused["error"])
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    unwritable = probe(tmp_path / "third", "auto", PDSERVE_KERNEL_CACHE=str(blocker / "kernels"))
+    assert unwritable["native"] is False and "cannot write the kernel cache" in str(unwritable["reason"])
