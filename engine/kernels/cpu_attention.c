@@ -27,96 +27,95 @@ static inline float exp_neg(float x) {
 }
 
 #define MAXG 16
-#define KERNEL(NAME, DIM)                                                                                        \
-static void NAME(const uint16_t *pool, const uint16_t *qr, uint16_t *o, const int32_t *table, int first, int n, \
-                 int64_t k_off, int64_t v_off, int64_t page_stride, int page, int group, float scale,            \
-                 float *scores, const int dim_rt) {                                                              \
-    const int dim = DIM ? DIM : dim_rt;                                                                          \
-    const int count = n - first;                                                                                 \
-    float qf[MAXG * 256], acc[MAXG * 256], kf[256], kf4[4][256];                                                 \
-    for (int i = 0; i < group * dim; i++) { qf[i] = bf16_to_f32(qr[i]) * scale; acc[i] = 0.0f; }               \
-    int t = first;                                                                                               \
-    for (; t + 4 <= n; t += 4) { /* four keys at once: four independent sums per query head */                   \
-        const uint16_t *k0 = pool + table[t / page] * page_stride + k_off + (int64_t)(t % page) * dim;          \
-        const uint16_t *k1 = pool + table[(t + 1) / page] * page_stride + k_off + (int64_t)((t + 1) % page) * dim; \
-        const uint16_t *k2 = pool + table[(t + 2) / page] * page_stride + k_off + (int64_t)((t + 2) % page) * dim; \
-        const uint16_t *k3 = pool + table[(t + 3) / page] * page_stride + k_off + (int64_t)((t + 3) % page) * dim; \
-        for (int d = 0; d < dim; d++) {                                                                          \
-            kf4[0][d] = bf16_to_f32(k0[d]); kf4[1][d] = bf16_to_f32(k1[d]);                                      \
-            kf4[2][d] = bf16_to_f32(k2[d]); kf4[3][d] = bf16_to_f32(k3[d]);                                      \
-        }                                                                                                        \
-        for (int g = 0; g < group; g++) {                                                                        \
-            const float *qg = qf + g * dim;                                                                      \
-            float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;                                                    \
-            _Pragma("omp simd reduction(+ : s0, s1, s2, s3)")                                                    \
-            for (int d = 0; d < dim; d++) {                                                                      \
-                s0 += qg[d] * kf4[0][d]; s1 += qg[d] * kf4[1][d];                                                \
-                s2 += qg[d] * kf4[2][d]; s3 += qg[d] * kf4[3][d];                                                \
-            }                                                                                                    \
-            float *sg = scores + g * count + (t - first);                                                        \
-            sg[0] = s0; sg[1] = s1; sg[2] = s2; sg[3] = s3;                                                      \
-        }                                                                                                        \
-    }                                                                                                            \
-    for (; t < n; t++) {                                                                                         \
-        const uint16_t *k = pool + table[t / page] * page_stride + k_off + (int64_t)(t % page) * dim;           \
-        for (int d = 0; d < dim; d++) kf[d] = bf16_to_f32(k[d]);                                                 \
-        for (int g = 0; g < group; g++) {                                                                        \
-            float s = 0.0f;                                                                                      \
-            _Pragma("omp simd reduction(+ : s)")                                                                 \
-            for (int d = 0; d < dim; d++) s += qf[g * dim + d] * kf[d];                                          \
-            scores[g * count + (t - first)] = s;                                                                 \
-        }                                                                                                        \
-    }                                                                                                            \
-    for (int g = 0; g < group; g++) {                                                                            \
-        float *sg = scores + g * count, m = -INFINITY, sum = 0.0f;                                               \
-        for (int i = 0; i < count; i++) m = sg[i] > m ? sg[i] : m;                                               \
-        _Pragma("omp simd reduction(+ : sum)")                                                                   \
-        for (int i = 0; i < count; i++) { float e = exp_neg(sg[i] - m); sg[i] = e; sum += e; }                  \
-        const float inv = 1.0f / sum;                                                                            \
-        for (int i = 0; i < count; i++) sg[i] *= inv;                                                            \
-    }                                                                                                            \
-    t = first;                                                                                                   \
-    for (; t + 4 <= n; t += 4) { /* four values at once: one read and write of the sums per four */             \
-        const uint16_t *v0 = pool + table[t / page] * page_stride + v_off + (int64_t)(t % page) * dim;          \
-        const uint16_t *v1 = pool + table[(t + 1) / page] * page_stride + v_off + (int64_t)((t + 1) % page) * dim; \
-        const uint16_t *v2 = pool + table[(t + 2) / page] * page_stride + v_off + (int64_t)((t + 2) % page) * dim; \
-        const uint16_t *v3 = pool + table[(t + 3) / page] * page_stride + v_off + (int64_t)((t + 3) % page) * dim; \
-        for (int d = 0; d < dim; d++) {                                                                          \
-            kf4[0][d] = bf16_to_f32(v0[d]); kf4[1][d] = bf16_to_f32(v1[d]);                                      \
-            kf4[2][d] = bf16_to_f32(v2[d]); kf4[3][d] = bf16_to_f32(v3[d]);                                      \
-        }                                                                                                        \
-        for (int g = 0; g < group; g++) {                                                                        \
-            const float *pg = scores + g * count + (t - first);                                                  \
-            const float p0 = pg[0], p1 = pg[1], p2 = pg[2], p3 = pg[3];                                          \
-            float *ag = acc + g * dim;                                                                           \
-            _Pragma("omp simd")                                                                                  \
-            for (int d = 0; d < dim; d++)                                                                        \
-                ag[d] += p0 * kf4[0][d] + p1 * kf4[1][d] + p2 * kf4[2][d] + p3 * kf4[3][d];                      \
-        }                                                                                                        \
-    }                                                                                                            \
-    for (; t < n; t++) {                                                                                         \
-        const uint16_t *v = pool + table[t / page] * page_stride + v_off + (int64_t)(t % page) * dim;           \
-        for (int d = 0; d < dim; d++) kf[d] = bf16_to_f32(v[d]);                                                 \
-        for (int g = 0; g < group; g++) {                                                                        \
-            const float p = scores[g * count + (t - first)];                                                     \
-            _Pragma("omp simd")                                                                                  \
-            for (int d = 0; d < dim; d++) acc[g * dim + d] += p * kf[d];                                         \
-        }                                                                                                        \
-    }                                                                                                            \
-    for (int i = 0; i < group * dim; i++) o[i] = f32_to_bf16(acc[i]);                                            \
+#define MAXD 256
+
+/* Where row t of one head's K (or V, by `off`) lies in the pool. */
+static inline const uint16_t *row_at(const uint16_t *pool, const int32_t *table, int t, int page,
+                                     int64_t page_stride, int64_t off, int dim) {
+    return pool + table[t / page] * page_stride + off + (int64_t)(t % page) * dim;
 }
-KERNEL(one_64, 64)
-KERNEL(one_128, 128)
-KERNEL(one_any, 0)
+
+/* Rows t .. t+3 in float32. */
+static inline void load4(float rows4[4][MAXD], const uint16_t *pool, const int32_t *table, int t, int page,
+                         int64_t page_stride, int64_t off, int dim) {
+    for (int i = 0; i < 4; i++) {
+        const uint16_t *x = row_at(pool, table, t + i, page, page_stride, off, dim);
+        for (int d = 0; d < dim; d++) rows4[i][d] = bf16_to_f32(x[d]);
+    }
+}
+
+/* One (row, KV head): its `group` query heads over keys first .. n-1. Inlined with a constant
+   `dim` (64, 128) so that the loops over it are unrolled and vectorised for that size. */
+static inline __attribute__((always_inline)) void attend(
+    const uint16_t *pool, const uint16_t *qr, uint16_t *o, const int32_t *table, int first, int n, int64_t k_off,
+    int64_t v_off, int64_t page_stride, int page, int group, float scale, float *scores, const int dim) {
+    const int count = n - first;
+    float qf[MAXG * MAXD], acc[MAXG * MAXD], x4[4][MAXD];
+    for (int i = 0; i < group * dim; i++) { qf[i] = bf16_to_f32(qr[i]) * scale; acc[i] = 0.0f; }
+    int t = first;
+    for (; t + 4 <= n; t += 4) { /* four keys at once: four independent sums per query head */
+        load4(x4, pool, table, t, page, page_stride, k_off, dim);
+        for (int g = 0; g < group; g++) {
+            const float *qg = qf + g * dim;
+            float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+            for (int d = 0; d < dim; d++) {
+                s0 += qg[d] * x4[0][d]; s1 += qg[d] * x4[1][d];
+                s2 += qg[d] * x4[2][d]; s3 += qg[d] * x4[3][d];
+            }
+            float *sg = scores + g * count + (t - first);
+            sg[0] = s0; sg[1] = s1; sg[2] = s2; sg[3] = s3;
+        }
+    }
+    for (; t < n; t++) {
+        const uint16_t *k = row_at(pool, table, t, page, page_stride, k_off, dim);
+        for (int d = 0; d < dim; d++) x4[0][d] = bf16_to_f32(k[d]);
+        for (int g = 0; g < group; g++) {
+            float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+            for (int d = 0; d < dim; d++) s += qf[g * dim + d] * x4[0][d];
+            scores[g * count + (t - first)] = s;
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        float *sg = scores + g * count, m = -INFINITY, sum = 0.0f;
+        for (int i = 0; i < count; i++) m = sg[i] > m ? sg[i] : m;
+#pragma omp simd reduction(+ : sum)
+        for (int i = 0; i < count; i++) { float e = exp_neg(sg[i] - m); sg[i] = e; sum += e; }
+        const float inv = 1.0f / sum;
+        for (int i = 0; i < count; i++) sg[i] *= inv;
+    }
+    t = first;
+    for (; t + 4 <= n; t += 4) { /* four values at once: one read and write of the sums per four */
+        load4(x4, pool, table, t, page, page_stride, v_off, dim);
+        for (int g = 0; g < group; g++) {
+            const float *pg = scores + g * count + (t - first);
+            const float p0 = pg[0], p1 = pg[1], p2 = pg[2], p3 = pg[3];
+            float *ag = acc + g * dim;
+#pragma omp simd
+            for (int d = 0; d < dim; d++) ag[d] += p0 * x4[0][d] + p1 * x4[1][d] + p2 * x4[2][d] + p3 * x4[3][d];
+        }
+    }
+    for (; t < n; t++) {
+        const uint16_t *v = row_at(pool, table, t, page, page_stride, v_off, dim);
+        for (int d = 0; d < dim; d++) x4[0][d] = bf16_to_f32(v[d]);
+        for (int g = 0; g < group; g++) {
+            const float p = scores[g * count + (t - first)];
+#pragma omp simd
+            for (int d = 0; d < dim; d++) acc[g * dim + d] += p * x4[0][d];
+        }
+    }
+    for (int i = 0; i < group * dim; i++) o[i] = f32_to_bf16(acc[i]);
+}
 
 /* Rows r < rows: q[r * q_stride ...] ([heads, group, dim] bfloat16), its pages
    tables[r * table_stride ...], its context length lens[r]; window > 0 keeps the last `window`
    keys. out[r] ([heads, group, dim] bfloat16) rows are contiguous. Returns 0, -1 for shapes
-   past MAXG / 256, -2 when memory runs out. Pool [pages, layers, 2, heads, page, dim]. */
+   past MAXG / MAXD, -2 when memory runs out. Pool [pages, layers, 2, heads, page, dim]. */
 int paged_decode_bf16(const uint16_t *pool, const uint16_t *q, int64_t q_stride, uint16_t *out,
                       const int32_t *tables, int64_t table_stride, const int32_t *lens, int rows, int layer, int layers, int heads,
                       int group, int page, int dim, float scale, int window) {
-    if (group > MAXG || dim > 256) return -1;
+    if (group > MAXG || dim > MAXD) return -1;
     const int64_t block = (int64_t)page * dim;
     const int64_t page_stride = (int64_t)layers * 2 * heads * block;
     int longest = 1;
@@ -140,9 +139,9 @@ int paged_decode_bf16(const uint16_t *pool, const uint16_t *q, int64_t q_stride,
                 const uint16_t *qr = q + (int64_t)r * q_stride + (int64_t)h * group * dim;
                 uint16_t *o = out + ((int64_t)r * heads + h) * group * dim;
                 const int32_t *table = tables + (int64_t)r * table_stride;
-                if (dim == 64) one_64(pool, qr, o, table, first, n, k_off, v_off, page_stride, page, group, scale, scores, dim);
-                else if (dim == 128) one_128(pool, qr, o, table, first, n, k_off, v_off, page_stride, page, group, scale, scores, dim);
-                else one_any(pool, qr, o, table, first, n, k_off, v_off, page_stride, page, group, scale, scores, dim);
+                if (dim == 64) attend(pool, qr, o, table, first, n, k_off, v_off, page_stride, page, group, scale, scores, 64);
+                else if (dim == 128) attend(pool, qr, o, table, first, n, k_off, v_off, page_stride, page, group, scale, scores, 128);
+                else attend(pool, qr, o, table, first, n, k_off, v_off, page_stride, page, group, scale, scores, dim);
             }
         }
         free(scores);

@@ -216,9 +216,11 @@ class LlamaFamilyCPU(FusedDecoder):
             log.info("cpu decode attention", extra={"path": "torch", "reason": "cpu_attention 'torch'"})
             return False
         if self.kv_scales is not None or self.pool.dtype != torch.bfloat16 or self.embed.dtype != torch.bfloat16:
-            reason = f"the native kernel reads a bfloat16 pool of a bfloat16 model; this is {self.pool.dtype}"
-            if self.kv_scales is not None:
-                reason = "the native kernel does not read an FP8 pool"
+            reason = (
+                "the native kernel does not read an FP8 pool"
+                if self.kv_scales is not None
+                else f"the native kernel reads a bfloat16 pool of a bfloat16 model; this is {self.pool.dtype}"
+            )
             if attention == "native":
                 raise ValueError(f"cpu_attention 'native': {reason}")
             log.info("cpu decode attention", extra={"path": "torch", "reason": reason})
@@ -275,9 +277,8 @@ class LlamaFamilyCPU(FusedDecoder):
         if self.native:  # one call reads each row's own pages, its own length: no groups, no padding
             longest = max(lens)
             pages = -(-longest // page)
-            tables = step.decode_tables[:, :pages].to(torch.int32)
-            ctx = step.decode_ctx_lens.to(torch.int32).contiguous()
-            return [DecodeGroup(None, None, pages, longest, None, ctx, tables)]
+            # int32 already (StepBatch): the slice keeps each row contiguous, as the kernel wants
+            return [DecodeGroup(None, None, pages, longest, None, step.decode_ctx_lens, step.decode_tables[:, :pages])]
         members = length_groups(lens, page)
         groups = []
         for member in members:
