@@ -102,7 +102,9 @@ async def test_generate_streams_sse(pd_system) -> None:
 
 async def test_the_benchmarks_lean_client_reads_the_api_like_httpx(pd_system) -> None:
     """bench/sse_client.py (what the e2e benchmarks drive the pipeline with) against the
-    real API's chunked SSE: every event seen, the last one whole, keep-alive reused."""
+    real API's chunked SSE: the events counted, the last one whole, keep-alive reused. The
+    number of events is the server's choice (tokens that reach the API in one message go out
+    as one event), so it is bounded by the tokens, not compared between two requests."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     from sse_client import Connection, split_url
 
@@ -118,7 +120,7 @@ async def test_the_benchmarks_lean_client_reads_the_api_like_httpx(pd_system) ->
     finally:
         await conn.close()
     for got in (first, second):
-        assert got.events == len(events) - 1  # all but [DONE]
+        assert 1 <= got.events <= 12  # at most one event a token, [DONE] not counted
         assert got.last is not None
         for key in ("text", "output_ids"):
             assert got.last[key] == events[-2][key]
