@@ -9,6 +9,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define PREFILL_BF16 1
+#endif
 
 static inline float bf16_to_f32(uint16_t v) { uint32_t u = ((uint32_t)v) << 16; float f; memcpy(&f, &u, 4); return f; }
 static inline uint16_t f32_to_bf16(float f) {
@@ -146,5 +150,161 @@ int paged_decode_bf16(const uint16_t *pool, const uint16_t *q, int64_t q_stride,
         }
         free(scores);
     }
+    return failed ? -2 : 0;
+}
+
+/* One prefill chunk of one sequence: rows r < n at positions ctx - n + r attend causally to the
+   keys before them and themselves (the last `window` of them when window > 0), all read from the
+   pool (the chunk's own K and V are written there first). Per KV head its keys are laid out
+   once for the rows to share: K transposed, so that a row's scores for 64 keys at a time are
+   plain multiply-adds over dim (no horizontal sums), V as it lies. Where the CPU has AVX512-BF16
+   (and dim is a multiple of 32), K stays bfloat16 in pairs of dims and q . k is its dot-product
+   instruction (bfloat16 products are exact in float32, summed in float32; the scale applied to
+   the sums) and V is float32 for the product with the float32 probabilities; elsewhere both are
+   float32 and q is scaled first, as paged_decode_bf16 does. Softmax in float32; the output
+   rounded once. out: [n, heads, group, dim] contiguous. Returns 0, -1 for shapes past MAXG /
+   MAXD, -2 when memory runs out. */
+#define KB 64
+static inline __attribute__((always_inline)) void prefill_row(
+    const void *kt, const float *vf, int64_t kpad, const uint16_t *qr, uint16_t *o, int lo, int hi, int group,
+    float scale, float *scores, int pairs, const int dim) {
+    float qf[MAXG * MAXD], acc[MAXG * MAXD];
+    for (int i = 0; i < group * dim; i++) { qf[i] = bf16_to_f32(qr[i]) * (pairs ? 1.0f : scale); acc[i] = 0.0f; }
+    for (int g = 0; g < group; g++) {
+        float *sg = scores + (int64_t)g * kpad;
+#ifdef PREFILL_BF16
+        if (pairs) {
+            const uint32_t *kp = (const uint32_t *)kt, *qp = (const uint32_t *)(qr + g * dim);
+            const __m512 sc = _mm512_set1_ps(scale);
+            for (int tb = lo; tb < hi; tb += KB) {
+                __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                for (int d2 = 0; d2 < dim / 2; d2++) {
+                    const __m512bh qd = (__m512bh)_mm512_set1_epi32((int)qp[d2]);
+                    const uint32_t *k = kp + (int64_t)d2 * kpad + tb;
+                    a0 = _mm512_dpbf16_ps(a0, qd, (__m512bh)_mm512_loadu_si512(k));
+                    a1 = _mm512_dpbf16_ps(a1, qd, (__m512bh)_mm512_loadu_si512(k + 16));
+                    a2 = _mm512_dpbf16_ps(a2, qd, (__m512bh)_mm512_loadu_si512(k + 32));
+                    a3 = _mm512_dpbf16_ps(a3, qd, (__m512bh)_mm512_loadu_si512(k + 48));
+                }
+                _mm512_storeu_ps(sg + tb, _mm512_mul_ps(a0, sc));
+                _mm512_storeu_ps(sg + tb + 16, _mm512_mul_ps(a1, sc));
+                _mm512_storeu_ps(sg + tb + 32, _mm512_mul_ps(a2, sc));
+                _mm512_storeu_ps(sg + tb + 48, _mm512_mul_ps(a3, sc));
+            }
+        } else
+#endif
+        {
+            const float *qg = qf + g * dim, *kf = (const float *)kt;
+            for (int tb = lo; tb < hi; tb += KB) { /* keys tb .. tb+KB-1 (past hi: padding, unused) */
+                float s[KB];
+                for (int j = 0; j < KB; j++) s[j] = 0.0f;
+                for (int d = 0; d < dim; d++) {
+                    const float qd = qg[d];
+                    const float *k = kf + (int64_t)d * kpad + tb;
+#pragma omp simd
+                    for (int j = 0; j < KB; j++) s[j] += qd * k[j];
+                }
+                for (int j = 0; j < KB; j++) sg[tb + j] = s[j];
+            }
+        }
+        float m = -INFINITY, sum = 0.0f;
+        for (int t = lo; t < hi; t++) m = sg[t] > m ? sg[t] : m;
+#pragma omp simd reduction(+ : sum)
+        for (int t = lo; t < hi; t++) { float e = exp_neg(sg[t] - m); sg[t] = e; sum += e; }
+        const float inv = 1.0f / sum;
+#pragma omp simd
+        for (int t = lo; t < hi; t++) sg[t] *= inv;
+    }
+    for (int g = 0; g < group; g++) { /* a head at a time: its sums stay in registers */
+        const float *pg = scores + (int64_t)g * kpad;
+        float *ag = acc + g * dim;
+#ifdef PREFILL_BF16
+        if (pairs && dim <= 128) {
+            __m512 a[8];
+            for (int i = 0; i < dim / 16; i++) a[i] = _mm512_setzero_ps();
+            for (int t = lo; t < hi; t++) {
+                const __m512 p = _mm512_set1_ps(pg[t]);
+                const float *v = vf + (int64_t)t * dim;
+                for (int i = 0; i < dim / 16; i++) a[i] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * i), a[i]);
+            }
+            for (int i = 0; i < dim / 16; i++) _mm512_storeu_ps(ag + 16 * i, a[i]);
+            continue;
+        }
+#endif
+        for (int t = lo; t < hi; t++) {
+            const float p = pg[t], *v = vf + (int64_t)t * dim;
+#pragma omp simd
+            for (int d = 0; d < dim; d++) ag[d] += p * v[d];
+        }
+    }
+    for (int i = 0; i < group * dim; i++) o[i] = f32_to_bf16(acc[i]);
+}
+
+int paged_prefill_bf16(const uint16_t *pool, const uint16_t *q, int64_t q_stride, uint16_t *out, const int32_t *table,
+                       int ctx, int n, int layer, int layers, int heads, int group, int page, int dim, float scale,
+                       int window) {
+    if (group > MAXG || dim > MAXD) return -1;
+    if (n <= 0) return 0;
+    const int64_t block = (int64_t)page * dim;
+    const int64_t page_stride = (int64_t)layers * 2 * heads * block;
+    const int start = (window > 0 && ctx - n + 1 > window) ? ctx - n + 1 - window : 0; /* first key any row sees */
+    const int nk = ctx - start;
+    const int64_t kpad = ((int64_t)nk + KB - 1) / KB * KB + KB;
+#ifdef PREFILL_BF16
+    const int pairs = dim % 32 == 0;
+#else
+    const int pairs = 0;
+#endif
+    const int64_t k_rows = pairs ? dim / 2 : dim; /* rows of the transposed K: dims, or pairs of them */
+    float *kt = (float *)calloc((size_t)heads * (size_t)k_rows * (size_t)kpad, sizeof(float));
+    float *vf = (float *)malloc(sizeof(float) * (size_t)heads * (size_t)nk * (size_t)dim);
+    if (!kt || !vf) { free(kt); free(vf); return -2; }
+    int failed = 0;
+#pragma omp parallel
+    {
+#pragma omp for collapse(2) schedule(static)
+        for (int h = 0; h < heads; h++) {
+            for (int t = 0; t < nk; t++) {
+                const int64_t k_off = ((int64_t)(layer * 2) * heads + h) * block;
+                const int64_t v_off = ((int64_t)(layer * 2 + 1) * heads + h) * block;
+                const uint16_t *k = row_at(pool, table, start + t, page, page_stride, k_off, dim);
+                const uint16_t *v = row_at(pool, table, start + t, page, page_stride, v_off, dim);
+                float *vth = vf + ((int64_t)h * nk + t) * dim;
+                for (int d = 0; d < dim; d++) vth[d] = bf16_to_f32(v[d]);
+                if (pairs) { /* two bfloat16 dims per 32-bit element */
+                    uint32_t *kth = (uint32_t *)kt + (int64_t)h * k_rows * kpad + t, kw;
+                    for (int d2 = 0; d2 < dim / 2; d2++) { memcpy(&kw, k + 2 * d2, 4); kth[(int64_t)d2 * kpad] = kw; }
+                } else {
+                    float *kth = kt + (int64_t)h * k_rows * kpad + t;
+                    for (int d = 0; d < dim; d++) kth[(int64_t)d * kpad] = bf16_to_f32(k[d]);
+                }
+            }
+        }
+        float *scores = (float *)malloc(sizeof(float) * (size_t)group * (size_t)kpad);
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        /* rows interleaved over the threads: a row's work grows with its position */
+#pragma omp for collapse(2) schedule(static, 1)
+        for (int r = 0; r < n; r++) {
+            for (int h = 0; h < heads; h++) {
+                if (!scores) continue;
+                const int pos = ctx - n + r;
+                const int lo = ((window > 0 && pos + 1 > window) ? pos + 1 - window : 0) - start;
+                const int hi = pos + 1 - start;
+                const void *kth = kt + (int64_t)h * k_rows * kpad;
+                const float *vth = vf + (int64_t)h * nk * dim;
+                const uint16_t *qr = q + (int64_t)r * q_stride + (int64_t)h * group * dim;
+                uint16_t *o = out + ((int64_t)r * heads + h) * group * dim;
+                if (dim == 64) prefill_row(kth, vth, kpad, qr, o, lo, hi, group, scale, scores, pairs, 64);
+                else if (dim == 128) prefill_row(kth, vth, kpad, qr, o, lo, hi, group, scale, scores, pairs, 128);
+                else prefill_row(kth, vth, kpad, qr, o, lo, hi, group, scale, scores, pairs, dim);
+            }
+        }
+        free(scores);
+    }
+    free(kt);
+    free(vf);
     return failed ? -2 : 0;
 }

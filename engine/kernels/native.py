@@ -98,6 +98,18 @@ def library() -> ctypes.CDLL:
         ctypes.c_float,  # scale
         ctypes.c_int,  # window
     ]
+    fn = lib.paged_prefill_bf16
+    fn.restype = ctypes.c_int
+    fn.argtypes = [
+        ctypes.c_void_p,  # pool
+        ctypes.c_void_p,  # q
+        ctypes.c_int64,  # q_stride
+        ctypes.c_void_p,  # out
+        ctypes.c_void_p,  # table
+        *[ctypes.c_int] * 8,  # ctx, n, layer, layers, heads, group, page, dim
+        ctypes.c_float,  # scale
+        ctypes.c_int,  # window
+    ]
     return lib
 
 
@@ -160,4 +172,56 @@ def paged_decode(
     )
     if rc != 0:
         raise RuntimeError(f"paged_decode_bf16 returned {rc}")
+    return out
+
+
+def paged_prefill(
+    pool: torch.Tensor,
+    q: torch.Tensor,
+    table: torch.Tensor,
+    ctx: int,
+    layer: int,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of one sequence's prefill chunk: query row ``r`` of ``q`` (``[n, heads *
+    group * dim]`` bfloat16, rows may be strided) sits at position ``ctx - n + r`` and attends
+    to the keys up to it (the last ``window`` of them) in the sequence's pages ``table`` (int32
+    ``[>= ceil(ctx / page)]``), read in place: the chunk's own K and V must be in the pool
+    already. Returns ``[n, heads * group * dim]`` bfloat16, computed as :func:`paged_decode`
+    computes one row (float32, rounded once).
+    """
+    _, layers, _, heads, page, dim = pool.shape
+    rows = q.shape[0]
+    group = q.shape[1] // (heads * dim)
+    if pool.dtype != torch.bfloat16 or q.dtype != torch.bfloat16 or not pool.is_contiguous():
+        raise ValueError("paged_prefill reads a contiguous bfloat16 pool with bfloat16 queries")
+    if q.stride(1) != 1 or group * heads * dim != q.shape[1] or group > MAX_GROUP or dim > MAX_DIM:
+        raise ValueError(f"paged_prefill: unsupported query shape {tuple(q.shape)} over {heads} heads of {dim}")
+    if table.dtype != torch.int32 or table.dim() != 1 or not table.is_contiguous():
+        raise ValueError("paged_prefill wants one contiguous int32 page table")
+    if not rows <= ctx <= table.shape[0] * page:
+        raise ValueError(f"paged_prefill: {rows} rows over a context of {ctx} in {table.shape[0]} pages of {page}")
+    out = torch.empty((rows, q.shape[1]), dtype=torch.bfloat16)
+    if rows == 0:
+        return out
+    rc = library().paged_prefill_bf16(
+        pool.data_ptr(),
+        q.data_ptr(),
+        q.stride(0),
+        out.data_ptr(),
+        table.data_ptr(),
+        ctx,
+        rows,
+        layer,
+        layers,
+        heads,
+        group,
+        page,
+        dim,
+        scale,
+        window or 0,
+    )
+    if rc != 0:
+        raise RuntimeError(f"paged_prefill_bf16 returned {rc}")
     return out

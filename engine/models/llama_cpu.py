@@ -52,6 +52,12 @@ MIN_GROUP = 8
 # 51.7, at 16 50.8 against 55.0; at batch 1 and 4 SDPA is ahead by 1.0 and 0.7 ms (2026-12-04,
 # bench/probes/cpu_decode_step.py on this 2-core machine).
 MATMUL_MIN_BATCH = 8
+# Prefill chunks whose context is at most this many tokens attend through the native kernel
+# (native.paged_prefill, under --cpu-attention native/auto), longer ones through torch's SDPA:
+# SmolLM2's heads, 2 cores (2026-12-04): a 256-token prompt 0.88 ms a layer against SDPA's
+# 1.25, 512 3.1 against 4.8, 1,024 11.6 against 12.5, 2,048 45 against 42 (its rows stream
+# the whole transposed K and V from L2 each).
+NATIVE_PREFILL_MAX_CTX = 1024
 
 
 def can_pack(dtype: torch.dtype) -> bool:
@@ -116,6 +122,8 @@ class Chunk:
     verify: bool = False  # a speculative verify: each row attends to its prefix as a decode would
     # A verify under the native kernel: each row's page table and length, as decodes have them.
     rows_native: tuple[torch.Tensor, torch.Tensor] | None = None
+    # A prefill chunk under the native kernel: the sequence's page table (int32, its pages).
+    table_native: torch.Tensor | None = None
 
 
 @dataclass
@@ -259,6 +267,10 @@ class LlamaFamilyCPU(FusedDecoder):
                     table = tables[s : s + 1, : -(-ctx // page)].to(torch.int32).expand(n, -1).contiguous()
                     lens = torch.arange(ctx - n + 1, ctx + 1, dtype=torch.int32)
                     chunks.append(Chunk(slice(start, start + n), ctx, None, True, (table, lens)))
+                    continue
+                if not verify and self.native and ctx <= NATIVE_PREFILL_MAX_CTX:  # read in place
+                    table = tables[s, : -(-ctx // page)].to(torch.int32).contiguous()
+                    chunks.append(Chunk(slice(start, start + n), ctx, None, False, table_native=table))
                     continue
                 gather = None if ctx == n else _page_rows(pool, tables[s : s + 1, : -(-ctx // page)], self.blocks)
                 chunks.append(Chunk(slice(start, start + n), ctx, gather, verify))
@@ -470,6 +482,17 @@ class LlamaFamilyCPU(FusedDecoder):
             table, lens = chunk.rows_native
             out = native.paged_decode(
                 self.pool, q[rows].view(-1, nq * dim), table, lens, index, self.scale, layer.window
+            )
+            return out.view(-1, nq, dim)
+        if chunk.table_native is not None:
+            out = native.paged_prefill(
+                self.pool,
+                q[rows].view(-1, nq * dim),
+                chunk.table_native,
+                chunk.ctx_len,
+                index,
+                self.scale,
+                layer.window,
             )
             return out.view(-1, nq, dim)
         if chunk.verify and chunk.gather is not None and layer.window is None:

@@ -16,9 +16,12 @@ import torch.nn.functional as F
 
 from pdserve.bench import shapes
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine
 from pdserve.engine.kernels import native
 from pdserve.engine.model_runner import ModelRunner, ModelSpec
-from pdserve.engine.models.llama_cpu import LlamaFamilyCPU
+from pdserve.engine.models.batch import StepBatch
+from pdserve.engine.models.llama_cpu import NATIVE_PREFILL_MAX_CTX, LlamaFamilyCPU, Plan
+from pdserve.schemas import SamplingParams
 
 CPU = torch.device("cpu")
 
@@ -96,6 +99,120 @@ def test_native_decode_attention_refuses_what_it_cannot_read() -> None:
     with pytest.raises(ValueError, match="query shape"):
         native.paged_decode(pool, q[:, :100], tables, lens, 0, scale)
     assert native.paged_decode(pool, q[:0], tables[:0], lens[:0], 0, scale).shape == (0, q.shape[1])
+
+
+def prefill_case(
+    heads: int, group: int, dim: int, page: int, ctx: int, n: int, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A bfloat16 pool of 3 layers holding one sequence's ``ctx`` tokens in scattered pages, and
+    the queries of its last ``n`` as strided rows."""
+    gen = torch.Generator().manual_seed(seed)
+    pages = -(-ctx // page)
+    pool = torch.randn(pages + 4, 3, 2, heads, page, dim, generator=gen).to(torch.bfloat16)
+    table = torch.randperm(pages + 4, generator=gen)[:pages].to(torch.int32)
+    width = heads * group * dim
+    qkv = torch.randn(n, width + 2 * heads * dim, generator=gen).to(torch.bfloat16)
+    return pool, qkv[:, :width], table
+
+
+def prefill_reference(
+    pool: torch.Tensor, q: torch.Tensor, table: torch.Tensor, ctx: int, layer: int, window: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of the rows at positions ctx - n .. ctx - 1 in float64, and torch's
+    bfloat16 SDPA kernel (the stock code's) on the same values; ``[n, heads * group * dim]``."""
+    _, _, _, heads, _, dim = pool.shape
+    n = q.shape[0]
+    kv = pool[table.long(), layer]  # [pages, 2, heads, page, dim]
+    k = kv[:, 0].permute(1, 0, 2, 3).reshape(heads, -1, dim)[:, :ctx]
+    v = kv[:, 1].permute(1, 0, 2, 3).reshape(heads, -1, dim)[:, :ctx]
+    qpos, kpos = torch.arange(ctx - n, ctx)[:, None], torch.arange(ctx)[None, :]
+    mask = kpos <= qpos
+    if window:
+        mask &= kpos > qpos - window
+    qs = q.view(n, -1, dim).transpose(0, 1)
+
+    def attend(dtype: torch.dtype) -> torch.Tensor:
+        o = F.scaled_dot_product_attention(
+            qs.to(dtype), k.to(dtype), v.to(dtype), attn_mask=mask, scale=dim**-0.5, enable_gqa=True
+        )
+        return o.transpose(0, 1).reshape(n, -1)
+
+    return attend(torch.float64), attend(torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("heads", "group", "dim", "page", "ctx", "n", "window"),
+    [
+        (3, 3, 64, 16, 130, 130, None),  # SmolLM2's heads, a whole prompt
+        (3, 3, 64, 16, 300, 77, None),  # a chunk over a cached prefix
+        (2, 2, 128, 16, 200, 200, None),
+        (1, 4, 80, 4, 37, 10, None),  # a head size with no specialised loop
+        (3, 3, 64, 16, 300, 120, 32),  # a sliding window
+        (4, 1, 32, 8, 50, 50, None),  # one query head per KV head
+        (3, 3, 64, 16, 1, 1, None),  # one token
+    ],
+)
+def test_native_prefill_attention_is_within_the_stock_kernels_error(
+    heads: int, group: int, dim: int, page: int, ctx: int, n: int, window: int | None
+) -> None:
+    """Against float64 the causal prefill kernel's error stays within that of torch's bfloat16
+    SDPA kernel on the same values (max; mean within 5 %), and within one bfloat16 spacing of
+    the exact value but for outputs near zero (after cancellation), where torch's kernel also
+    strays: at most one in 10,000."""
+    pool, q, table = prefill_case(heads, group, dim, page, ctx, n)
+    assert q.stride(0) > q.shape[1]
+    for layer in (0, 2):
+        ours = native.paged_prefill(pool, q, table, ctx, layer, dim**-0.5, window)
+        assert ours.dtype == torch.bfloat16 and ours.shape == q.shape
+        exact, stock = prefill_reference(pool, q, table, ctx, layer, window)
+        ours_error, stock_error = (ours.double() - exact).abs(), (stock.double() - exact).abs()
+        assert ours_error.max() <= stock_error.max() and ours_error.mean() <= stock_error.mean() * 1.05
+        spacing = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(2**-60))) - 7)
+        assert int((ours_error > spacing).sum()) <= ours_error.numel() // 10_000
+
+
+def test_native_prefill_attention_refuses_what_it_cannot_read() -> None:
+    pool, q, table = prefill_case(3, 3, 64, 16, 40, 8)
+    with pytest.raises(ValueError, match="bfloat16"):
+        native.paged_prefill(pool.float(), q, table, 40, 0, 0.125)
+    with pytest.raises(ValueError, match="int32"):
+        native.paged_prefill(pool, q, table.long(), 40, 0, 0.125)
+    with pytest.raises(ValueError, match="rows over a context"):
+        native.paged_prefill(pool, q, table, 4, 0, 0.125)  # fewer keys than rows
+    with pytest.raises(ValueError, match="rows over a context"):
+        native.paged_prefill(pool, q, table[:2], 40, 0, 0.125)  # pages for 32 tokens
+    with pytest.raises(ValueError, match="query shape"):
+        native.paged_prefill(pool, q[:, :100], table, 40, 0, 0.125)
+
+
+def test_the_cpu_pass_prefills_short_chunks_natively_and_long_ones_through_sdpa() -> None:
+    """Under ``auto`` a bfloat16 prompt's chunk of up to NATIVE_PREFILL_MAX_CTX tokens of context
+    is read in place by the kernel (no page gather); a longer one goes through torch's SDPA,
+    where that measured faster; both give the stock code's greedy tokens
+    (tests/engine/test_cpu_fast_model.py)."""
+    model = shapes.small_model("smollm2", CPU).to(torch.bfloat16)
+    config = EngineConfig(device="cpu", max_total_tokens=4096, chunked_prefill_size=4096)
+    engine = Engine(ModelRunner(ModelSpec(Path("m")), config, model=model), config)
+    fast = engine.runner.fast
+    assert isinstance(fast, LlamaFamilyCPU) and fast.native
+    params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    engine.add_request("short", list(range(100, 100 + 300)), params)
+    engine.add_request("long", list(range(100, 100 + NATIVE_PREFILL_MAX_CTX + 5)), params)
+    batch = engine.schedule()
+    plans = []
+    original = fast.plan
+
+    def recording(step: StepBatch) -> Plan:  # the pass's own plan of the step it runs
+        plans.append(original(step))
+        return plans[-1]
+
+    fast.plan = recording  # type: ignore[method-assign]
+    engine.postprocess(batch, engine.execute(batch))
+    (plan,) = plans
+    assert [c.ctx_len for c in plan.chunks] == [300, NATIVE_PREFILL_MAX_CTX + 5]
+    short, long = plan.chunks
+    assert short.table_native is not None and short.gather is None
+    assert long.table_native is None
 
 
 def test_the_cpu_pass_reads_a_bfloat16_pool_natively_by_default() -> None:
