@@ -19,22 +19,17 @@ space := $() $()
 
 install: $(VENV)/.installed
 
+# $(call debian,PACKAGE,COMMAND,WHY): installs Debian's PACKAGE unless the shell test COMMAND passes.
+debian = if ! { $(2); }; then \
+	  echo "installing Debian's $(1) ($(3))"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(1) >/dev/null; \
+	fi
+
 $(VENV)/.installed: pyproject.toml Makefile
-	@if ! /sbin/ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 '; then \
-	  echo "installing Debian's libibverbs1 (needed by the Mooncake wheel)"; \
-	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libibverbs1 >/dev/null; \
-	fi
-	@if ! command -v cc >/dev/null && ! command -v gcc >/dev/null; then \
-	  echo "installing Debian's gcc (the CPU pass builds its decode attention kernel with it)"; \
-	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq gcc >/dev/null; \
-	fi
-	@if ! command -v chromium >/dev/null; then \
-	  echo "installing Debian's chromium (the dashboard test loads /dashboard in it, headless)"; \
-	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
-	fi
+	@$(call debian,libibverbs1,/sbin/ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 ',needed by the Mooncake wheel)
+	@$(call debian,gcc,command -v cc >/dev/null || command -v gcc >/dev/null,the CPU pass builds its attention kernels with it)
+	@$(call debian,chromium,command -v chromium >/dev/null,the dashboard test loads /dashboard in it headless)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"

@@ -1,17 +1,19 @@
-/* Decode attention over a bfloat16 page pool, read in place (pdserve's CPU pass).
+/* Decode and prefill attention over a bfloat16 page pool, read in place (pdserve's CPU pass).
 
    Built at first use with the machine's C compiler (-O3 -march=native -fopenmp) by
    engine/kernels/native.py and called through ctypes; its OpenMP pool is torch's (the same
    libgomp.so.1, already loaded). Per row: q . k in float32 (q and K are bfloat16 values, so the
-   products are exact; q is scaled first), softmax in float32 (e^x to about 1 ulp), the
-   probabilities' product with V accumulated in float32, rounded once to bfloat16. */
+   products are exact): where the CPU has AVX512-BF16 and the head size is a multiple of 32, by
+   its bfloat16 dot product with the sums scaled, elsewhere as float32 multiply-adds with q
+   scaled first; softmax in float32 (e^x to about 1 ulp), the probabilities' product with V
+   accumulated in float32, rounded once to bfloat16. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
-#define PREFILL_BF16 1
+#define HAVE_BF16_DOT 1
 #endif
 
 static inline float bf16_to_f32(uint16_t v) { uint32_t u = ((uint32_t)v) << 16; float f; memcpy(&f, &u, 4); return f; }
@@ -32,6 +34,39 @@ static inline float exp_neg(float x) {
 
 #define MAXG 16
 #define MAXD 256
+
+#ifdef HAVE_BF16_DOT
+/* The sums of a, b, c and d's 16 lanes each, in that order. */
+static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    const __m512 lo = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd)));
+    const __m512 hi = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd)));
+    const __m512 blocks = _mm512_add_ps(lo, hi); /* per 128-bit block: a, b, c, d's part */
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(blocks), _mm512_extractf32x8_ps(blocks, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* Scores of keys t .. t+3 for each of `group` query heads (bfloat16 rows qr, dim a multiple of
+   32), scaled: bfloat16 dot products, exact products summed in float32. */
+static inline __attribute__((always_inline)) void scores4_bf16(
+    const uint16_t *qr, const uint16_t *k0, const uint16_t *k1, const uint16_t *k2, const uint16_t *k3, int group,
+    float scale, float *scores, int64_t count, const int dim) {
+    const __m128 sc = _mm_set1_ps(scale);
+    for (int g = 0; g < group; g++) {
+        const uint16_t *qg = qr + g * dim;
+        __m512 a = _mm512_setzero_ps(), b = a, c = a, d = a;
+        for (int i = 0; i < dim; i += 32) {
+            const __m512bh qv = (__m512bh)_mm512_loadu_si512(qg + i);
+            a = _mm512_dpbf16_ps(a, qv, (__m512bh)_mm512_loadu_si512(k0 + i));
+            b = _mm512_dpbf16_ps(b, qv, (__m512bh)_mm512_loadu_si512(k1 + i));
+            c = _mm512_dpbf16_ps(c, qv, (__m512bh)_mm512_loadu_si512(k2 + i));
+            d = _mm512_dpbf16_ps(d, qv, (__m512bh)_mm512_loadu_si512(k3 + i));
+        }
+        _mm_storeu_ps(scores + g * count, _mm_mul_ps(sum4(a, b, c, d), sc));
+    }
+}
+#endif
 
 /* Where row t of one head's K (or V, by `off`) lies in the pool. */
 static inline const uint16_t *row_at(const uint16_t *pool, const int32_t *table, int t, int page,
@@ -57,6 +92,16 @@ static inline __attribute__((always_inline)) void attend(
     float qf[MAXG * MAXD], acc[MAXG * MAXD], x4[4][MAXD];
     for (int i = 0; i < group * dim; i++) { qf[i] = bf16_to_f32(qr[i]) * scale; acc[i] = 0.0f; }
     int t = first;
+#ifdef HAVE_BF16_DOT
+    if (dim % 32 == 0) { /* four keys at once by bfloat16 dot products */
+        for (; t + 4 <= n; t += 4)
+            scores4_bf16(qr, row_at(pool, table, t, page, page_stride, k_off, dim),
+                         row_at(pool, table, t + 1, page, page_stride, k_off, dim),
+                         row_at(pool, table, t + 2, page, page_stride, k_off, dim),
+                         row_at(pool, table, t + 3, page, page_stride, k_off, dim), group, scale,
+                         scores + (t - first), count, dim);
+    }
+#endif
     for (; t + 4 <= n; t += 4) { /* four keys at once: four independent sums per query head */
         load4(x4, pool, table, t, page, page_stride, k_off, dim);
         for (int g = 0; g < group; g++) {
@@ -172,7 +217,7 @@ static inline __attribute__((always_inline)) void prefill_row(
     for (int i = 0; i < group * dim; i++) { qf[i] = bf16_to_f32(qr[i]) * (pairs ? 1.0f : scale); acc[i] = 0.0f; }
     for (int g = 0; g < group; g++) {
         float *sg = scores + (int64_t)g * kpad;
-#ifdef PREFILL_BF16
+#ifdef HAVE_BF16_DOT
         if (pairs) {
             const uint32_t *kp = (const uint32_t *)kt, *qp = (const uint32_t *)(qr + g * dim);
             const __m512 sc = _mm512_set1_ps(scale);
@@ -218,7 +263,7 @@ static inline __attribute__((always_inline)) void prefill_row(
     for (int g = 0; g < group; g++) { /* a head at a time: its sums stay in registers */
         const float *pg = scores + (int64_t)g * kpad;
         float *ag = acc + g * dim;
-#ifdef PREFILL_BF16
+#ifdef HAVE_BF16_DOT
         if (pairs && dim <= 128) {
             __m512 a[8];
             for (int i = 0; i < dim / 16; i++) a[i] = _mm512_setzero_ps();
@@ -250,7 +295,7 @@ int paged_prefill_bf16(const uint16_t *pool, const uint16_t *q, int64_t q_stride
     const int start = (window > 0 && ctx - n + 1 > window) ? ctx - n + 1 - window : 0; /* first key any row sees */
     const int nk = ctx - start;
     const int64_t kpad = ((int64_t)nk + KB - 1) / KB * KB + KB;
-#ifdef PREFILL_BF16
+#ifdef HAVE_BF16_DOT
     const int pairs = dim % 32 == 0;
 #else
     const int pairs = 0;
