@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu_attention.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_attention.c", "cpu_elementwise.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 MAX_GROUP = 16  # query heads per KV head (MAXG in the source)
 MAX_DIM = 256
@@ -57,12 +57,13 @@ def library() -> ctypes.CDLL:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeUnavailable(f"{cc} --version failed: {exc}") from None
-    key = hashlib.sha256("\0".join((SOURCE.read_text(), " ".join(FLAGS), version)).encode()).hexdigest()[:16]
-    target = cache_dir() / f"cpu_attention-{key}.so"
+    texts = [source.read_text() for source in SOURCES]
+    key = hashlib.sha256("\0".join((*texts, " ".join(FLAGS), version)).encode()).hexdigest()[:16]
+    target = cache_dir() / f"cpu_kernels-{key}.so"
     if not target.is_file():
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
-            fd, staging = tempfile.mkstemp(prefix=".cpu_attention-", suffix=".so", dir=target.parent)
+            fd, staging = tempfile.mkstemp(prefix=".cpu_kernels-", suffix=".so", dir=target.parent)
             os.close(fd)
         except OSError as exc:
             raise NativeUnavailable(
@@ -70,14 +71,18 @@ def library() -> ctypes.CDLL:
             ) from None
         try:
             built = subprocess.run(
-                [cc, *FLAGS, "-o", staging, str(SOURCE)], capture_output=True, text=True, timeout=300, check=False
+                [cc, *FLAGS, "-o", staging, *map(str, SOURCES)],
+                capture_output=True,
+                text=True,
+                timeout=300,
+                check=False,
             )
             if built.returncode != 0:
                 tail = (built.stderr or built.stdout).strip().splitlines()[-3:]
-                raise NativeUnavailable(f"{cc} could not build {SOURCE.name}: {' / '.join(tail)}")
+                raise NativeUnavailable(f"{cc} could not build the kernels: {' / '.join(tail)}")
             os.replace(staging, target)  # a concurrent builder's identical copy may win: either is fine
         except (OSError, subprocess.SubprocessError) as exc:
-            raise NativeUnavailable(f"{cc} could not build {SOURCE.name}: {exc}") from None
+            raise NativeUnavailable(f"{cc} could not build the kernels: {exc}") from None
         finally:
             Path(staging).unlink(missing_ok=True)
     try:
@@ -109,6 +114,32 @@ def library() -> ctypes.CDLL:
         *[ctypes.c_int] * 8,  # ctx, n, layer, layers, heads, group, page, dim
         ctypes.c_float,  # scale
         ctypes.c_int,  # window
+    ]
+    lib.silu_mul_bf16.restype = None
+    lib.silu_mul_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    lib.add_rms_norm_bf16.restype = None
+    lib.add_rms_norm_bf16.argtypes = [
+        ctypes.c_void_p,  # x
+        ctypes.c_int64,  # x's row stride
+        ctypes.c_void_p,  # residual (NULL: none)
+        ctypes.c_int64,  # its row stride
+        ctypes.c_void_p,  # weight
+        ctypes.c_float,  # eps
+        ctypes.c_int64,  # rows
+        ctypes.c_int64,  # hidden
+        ctypes.c_void_p,  # norm out
+        ctypes.c_void_p,  # residual out
+    ]
+    lib.rope_bf16.restype = None
+    lib.rope_bf16.argtypes = [
+        ctypes.c_void_p,  # qk
+        ctypes.c_int64,  # row stride
+        ctypes.c_int64,  # tokens
+        ctypes.c_int,  # heads
+        ctypes.c_int,  # dim
+        ctypes.c_void_p,  # cos
+        ctypes.c_void_p,  # sin
+        ctypes.c_void_p,  # positions (int64)
     ]
     return lib
 
@@ -225,3 +256,70 @@ def paged_prefill(
     if rc != 0:
         raise RuntimeError(f"paged_prefill_bf16 returned {rc}")
     return out
+
+
+def _bf16_rows(t: torch.Tensor, name: str) -> None:
+    if t.dtype != torch.bfloat16 or t.dim() != 2 or t.stride(1) != 1:
+        raise ValueError(f"{name}: bfloat16 rows, each contiguous (got {t.dtype} {tuple(t.shape)})")
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``F.silu(gate_up[:, :n]) * gate_up[:, n:]`` of bfloat16 rows ``[rows, 2n]``, rounded as
+    those two ops round: ``[rows, n]``."""
+    _bf16_rows(gate_up, "silu_mul")
+    rows, width = gate_up.shape
+    n = width // 2
+    out = torch.empty((rows, n), dtype=torch.bfloat16)
+    library().silu_mul_bf16(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, n)
+    return out
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual) * weight, x + residual)`` of bfloat16 rows ``[rows, hidden]``
+    (``x`` alone without a residual), rounded as the stock RMSNorm rounds; the sum is written
+    into ``residual`` when given, as the next layer's residual."""
+    _bf16_rows(x, "add_rms_norm")
+    rows, hidden = x.shape
+    if weight.dtype != torch.bfloat16 or weight.shape != (hidden,) or not weight.is_contiguous():
+        raise ValueError("add_rms_norm: a contiguous bfloat16 weight of the rows' width")
+    norm = torch.empty((rows, hidden), dtype=torch.bfloat16)
+    if residual is None:
+        res = x if x.is_contiguous() else x.contiguous()
+    else:
+        _bf16_rows(residual, "add_rms_norm's residual")
+        if residual.shape != x.shape:
+            raise ValueError("add_rms_norm: the residual's shape is not x's")
+        res = residual if residual.is_contiguous() else torch.empty_like(x)
+    library().add_rms_norm_bf16(
+        x.data_ptr(),
+        x.stride(0),
+        None if residual is None else residual.data_ptr(),
+        0 if residual is None else residual.stride(0),
+        weight.data_ptr(),
+        eps,
+        rows,
+        hidden,
+        norm.data_ptr(),
+        res.data_ptr(),
+    )
+    return norm, res
+
+
+def rope(qk: torch.Tensor, heads: int, dim: int, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> None:
+    """The rotary embedding in place over the first ``heads`` heads of size ``dim`` of each row
+    of ``qk`` (bfloat16 ``[tokens, >= heads * dim]``, rows contiguous), at ``positions`` (int64)
+    of the tables ``cos``, ``sin`` (bfloat16 ``[positions, dim]``), rounded as the stock
+    ``apply_rotary_pos_emb`` rounds."""
+    _bf16_rows(qk, "rope")
+    if qk.shape[1] < heads * dim or dim > MAX_DIM or dim % 2:
+        raise ValueError(f"rope: {heads} heads of {dim} in rows of {qk.shape[1]}")
+    for table in (cos, sin):
+        if table.dtype != torch.bfloat16 or not table.is_contiguous() or table.shape[1] != dim:
+            raise ValueError("rope: contiguous bfloat16 tables [positions, dim]")
+    if positions.dtype != torch.int64 or not positions.is_contiguous() or positions.shape[0] != qk.shape[0]:
+        raise ValueError("rope: one int64 position per row")
+    library().rope_bf16(
+        qk.data_ptr(), qk.stride(0), qk.shape[0], heads, dim, cos.data_ptr(), sin.data_ptr(), positions.data_ptr()
+    )

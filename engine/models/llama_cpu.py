@@ -130,6 +130,7 @@ class Chunk:
 class Plan:
     """What every layer of one step shares: rotary tables and pool indices of each layer."""
 
+    positions: torch.Tensor  # [T] int64
     cos: torch.Tensor  # [T, 1, D]
     sin: torch.Tensor
     store: torch.Tensor  # [L, T * 2 * H] rows (of head_dim) where each token's k, v go
@@ -213,6 +214,7 @@ class LlamaFamilyCPU(FusedDecoder):
         # float32 SDPA (see docs/cpu.md).
         self.decode_matmuls = self.blocks and pool.dtype == torch.bfloat16 and can_pack(torch.bfloat16)
         self.native = self._native_attention(attention)
+        self.fused = self._fused_elementwise()
 
     def _native_attention(self, attention: str) -> bool:
         """Whether decodes and verify rows attend through the C kernel (``--cpu-attention``):
@@ -245,6 +247,21 @@ class LlamaFamilyCPU(FusedDecoder):
         log.info("cpu decode attention", extra={"path": "native", "library": str(native.library()._name)})
         return True
 
+    def _fused_elementwise(self) -> bool:
+        """Whether the residual adds and RMS norms, the rotary embedding and silu(gate) * up run
+        as one C loop each (``cpu_elementwise.c``, rounded as the torch ops round): for a
+        bfloat16 model where the kernels build; logged with the reason either way."""
+        if self.embed.dtype != torch.bfloat16:
+            reason = f"the element-wise kernels take bfloat16 rows; this model is {self.embed.dtype}"
+            log.info("cpu element-wise path", extra={"path": "torch", "reason": reason})
+            return False
+        unavailable = native.unavailable_reason()
+        if unavailable is not None:
+            log.warning("cpu element-wise path", extra={"path": "torch", "reason": unavailable})
+            return False
+        log.info("cpu element-wise path", extra={"path": "native"})
+        return True
+
     def plan(self, step: StepBatch) -> Plan:
         """The step's indices, once for every layer."""
         pool = self.pool
@@ -275,6 +292,7 @@ class LlamaFamilyCPU(FusedDecoder):
                 gather = None if ctx == n else _page_rows(pool, tables[s : s + 1, : -(-ctx // page)], self.blocks)
                 chunks.append(Chunk(slice(start, start + n), ctx, gather, verify))
         return Plan(
+            positions=step.positions,
             cos=self.cos[step.positions][:, None, :],
             sin=self.sin[step.positions][:, None, :],
             store=store,
@@ -321,8 +339,11 @@ class LlamaFamilyCPU(FusedDecoder):
                 self.tp.all_reduce(h)
             x, residual = self._add_rms_norm(h, residual, layer.post_norm)
             gate_up = linear.gate_up(x)
-            n = gate_up.shape[1] // 2
-            h = linear.down(F.silu(gate_up[:, :n]) * gate_up[:, n:])
+            if self.fused:
+                h = linear.down(native.silu_mul(gate_up))
+            else:
+                n = gate_up.shape[1] // 2
+                h = linear.down(F.silu(gate_up[:, :n]) * gate_up[:, n:])
             if self.tp is not None:
                 self.tp.all_reduce(h)
         h, _ = self._add_rms_norm(h, residual, self.norm)
@@ -331,7 +352,10 @@ class LlamaFamilyCPU(FusedDecoder):
     def _add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(norm(x + residual) * weight, x + residual)``, rounded as the stock RMSNorm rounds."""
+        """``(norm(x + residual) * weight, x + residual)``, rounded as the stock RMSNorm rounds
+        (fused: the sum is written over ``residual``)."""
+        if self.fused and x.dim() == 2 and x.stride(1) == 1:
+            return native.add_rms_norm(x, residual, weight, self.eps)
         if residual is not None:
             x = x + residual
         hidden = x.float()
@@ -346,10 +370,13 @@ class LlamaFamilyCPU(FusedDecoder):
         if layer.q_norm is not None and layer.k_norm is not None:
             qk[:, :nq] = layer.q_norm(qk[:, :nq])
             qk[:, nq:] = layer.k_norm(qk[:, nq:])
-        half = dim // 2
-        rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
-        qk.mul_(plan.cos)
-        qk.add_(rotated.mul_(plan.sin))  # q * cos + rotate_half(q) * sin, as transformers rounds it
+        if self.fused:
+            native.rope(qkv, nq + nkv, dim, self.cos, self.sin, plan.positions)
+        else:
+            half = dim // 2
+            rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+            qk.mul_(plan.cos)
+            qk.add_(rotated.mul_(plan.sin))  # q * cos + rotate_half(q) * sin, as transformers rounds it
         kv = qkv[:, nq * dim :].reshape(-1, dim)  # [T * 2 * H, D]: (token, k|v, head) rows
         if self.kv_scales is not None:
             store_fp8(self.pool, self.kv_scales, plan.store[index], kv)

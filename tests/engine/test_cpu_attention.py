@@ -283,7 +283,7 @@ def test_a_fresh_cache_builds_the_kernel_and_a_missing_compiler_is_said(tmp_path
     WARNING, ``native`` refuses."""
     built = probe(tmp_path, "auto")
     assert built["reason"] is None and built["native"] is True
-    assert [p.name.startswith("cpu_attention-") for p in (tmp_path / "kernels").iterdir()] == [True]
+    assert [p.name.startswith("cpu_kernels-") for p in (tmp_path / "kernels").iterdir()] == [True]
     missing = str(tmp_path / "no-such-cc")
     fallen = probe(tmp_path / "other", "auto", CC=missing)
     assert fallen["native"] is False and missing in str(fallen["reason"])
