@@ -49,6 +49,7 @@ from pdserve.engine.kv_host import HostTier
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.kv_store import StoreError
 from pdserve.engine.kv_write import LOAD_THREADS, GroupTier, TierStats, WriteThrough
+from pdserve.engine.threads import helper_pool, helper_thread
 from pdserve.schemas import TierCounts
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ class KVTiers(WriteThrough):
         self._prefetcher: threading.Thread | None = None
         self._loaders: ThreadPoolExecutor | None = None  # a load's group reads (see load)
         if self.groups and config.prefetch_bytes > 0:
-            self._prefetcher = threading.Thread(target=self._prefetch_loop, name="kv-tier-prefetch", daemon=True)
+            self._prefetcher = helper_thread(self._prefetch_loop, "kv-tier-prefetch")
             self._prefetcher.start()
 
     @property
@@ -255,7 +256,7 @@ class KVTiers(WriteThrough):
         fetched: dict[int, Future[_Fetched]] = {}
         if sum(1 for step, _, _ in spans if step.tier != "host") > 1:
             if self._loaders is None:
-                self._loaders = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="kv-tier-load")
+                self._loaders = helper_pool(LOAD_THREADS, "kv-tier-load")
             for i, (step, _, _) in enumerate(spans):
                 if step.tier != "host":
                     fetched[i] = self._loaders.submit(self._fetch_group, step)

@@ -29,6 +29,7 @@ import torch
 
 from pdserve.engine import kv_blob
 from pdserve.engine.kv_store import StoreError
+from pdserve.engine.threads import helper_pool, helper_thread
 
 if TYPE_CHECKING:
     from pdserve.engine.kv_cost import CostEstimates
@@ -128,7 +129,7 @@ class WriteThrough:
         self._calibrator: ThreadPoolExecutor | None = None
         self._writer: threading.Thread | None = None
         if self.groups:
-            self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
+            self._writer = helper_thread(self._write_loop, "kv-tier-writer")
             self._writer.start()
             for tier in self.groups:  # a tier that already holds groups (a restart): measured now,
                 sample = getattr(tier, "sample_keys", None)  # before the worker takes a request
@@ -312,7 +313,7 @@ class WriteThrough:
         began = time.perf_counter()
         if len(keys) > 1:
             if self._calibrator is None:
-                self._calibrator = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="kv-tier-calibrate")
+                self._calibrator = helper_pool(LOAD_THREADS, "kv-tier-calibrate")
             sizes = list(self._calibrator.map(read, keys))
         else:
             sizes = [read(k) for k in keys]

@@ -30,6 +30,7 @@ from pdserve.broker.consumer import Delivery
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestError, RequestOutput
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.threads import helper_pool
 from pdserve.schemas import GenerateRequest, KVLease, KVReady, KVRelease, WorkerInfo
 from pdserve.schemas.sampling import sample_rid
 from pdserve.schemas.tokens import ALIVE
@@ -60,7 +61,7 @@ class DecodeWorker(WorkerRuntime):
         self.backlog: deque[tuple[Tracked, KVReady]] = deque()  # claimed, waiting for pages
         self.importing: set[str] = set()
         self._peers_seen: set[str] = set()
-        self._transfer_threads = ThreadPoolExecutor(max_workers=TRANSFER_THREADS, thread_name_prefix="kv-pull")
+        self._transfer_threads = helper_pool(TRANSFER_THREADS, "kv-pull")
         self.reads_stuck = 0
 
     async def setup(self) -> None:

@@ -18,11 +18,11 @@ import signal
 import subprocess
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pdserve.engine.threads import helper_pool
 from pdserve.schemas import KVHandle
 from pdserve.workers.config import WorkerConfig
 from pdserve.workers.transfer import ReadStuck, TransferBackend, TransferError, create_transfer
@@ -80,7 +80,7 @@ def serve_follower(config: WorkerConfig, runner: ModelRunner) -> None:
     if config.role != "unified":
         transfer = start_transfer(config, runner, f"{config.worker_id}/rank{tp.rank}")
         tp.store.set(_endpoint_key(tp.rank), f"{transfer.endpoint} {runner.pool.data_ptr}")
-    pulls = ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="kv-pull")
+    pulls = helper_pool(PULL_THREADS, "kv-pull")
 
     def pull(key: str, handle: KVHandle, pages: list[int], skip: int) -> None:
         fence = None
