@@ -247,6 +247,11 @@ ENGINE = (
         "--cpus",
         help="CPU cores the worker runs on, e.g. 2-8,12 (Linux; default: any; `up --pin-cores` gives each its own)",
     ),
+    Flag(
+        "--core-share",
+        help="FILE:SLOT:SLOTS: before each step take this worker's share of --num-threads among the workers "
+        "marked busy in FILE's SLOTS (set by `up --share-cores`)",
+    ),
     Flag("--kv-hold-seconds", WorkerConfig.kv_hold_seconds, float, "how long prefill keeps unclaimed KV"),
     Flag(
         "--kv-host-bytes",
@@ -550,6 +555,13 @@ UP = (
     Flag("--transfer-host", WorkerConfig.host, help="address workers' transfer engines listen on"),
     Flag("--prefill-num-threads", type=int, help="torch CPU threads of each prefill worker (default: --num-threads)"),
     Flag("--decode-num-threads", type=int, help="torch CPU threads of each decode worker (default: --num-threads)"),
+    Flag(
+        "--share-cores",
+        switch=True,
+        help="CPU workers of --mode pd share the cores by load instead of a fixed split: each may use them all, "
+        "and before each step takes its share among the workers stepping at that moment (all of them while "
+        "it is the only one)",
+    ),
     Flag(
         "--pin-cores",
         switch=True,

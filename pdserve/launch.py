@@ -105,6 +105,23 @@ def start_tensor_parallel(args: argparse.Namespace, role: str) -> tuple[Any, Any
     return group, followers
 
 
+def share_cores(text: str, engine: Any, threads: int | None) -> None:
+    """``--core-share``: the engine takes its share of ``threads`` before each step."""
+    from pdserve.workers.core_share import CoreShare, parse_core_share
+
+    if engine.runner.device.type != "cpu":
+        raise UsageError("--core-share: for CPU workers")
+    try:
+        path, slot, slots = parse_core_share(text)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    import torch
+
+    most = threads or torch.get_num_threads()
+    engine.observer = CoreShare(path, slot, slots, most)
+    log.info("cores shared by load", extra={"file": str(path), "slot": slot, "slots": slots, "threads": most})
+
+
 def run_worker(args: argparse.Namespace, role: str) -> int:
     """``pdserve prefill|decode|unified``: load the model, serve until SIGTERM. Returns the
     exit status: 0 after a graceful stop, :data:`EXIT_CRASHED` after a failed loop."""
@@ -151,6 +168,8 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
         config.load_format,
         tp=tp,
     ).result()
+    if args.core_share is not None:
+        share_cores(args.core_share, engine, config.engine.num_threads)
     cls = {"prefill": PrefillWorker, "decode": DecodeWorker, "unified": UnifiedWorker}[role]
     worker = cls(config, engine, engine_thread)
     worker.followers = followers

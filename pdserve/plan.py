@@ -166,6 +166,25 @@ def role_threads(args: argparse.Namespace, roles: list[str], threads: int) -> li
     return [getattr(args, f"{role}_num_threads", None) or threads for role in roles]
 
 
+def plan_core_share(args: argparse.Namespace, roles: list[str]) -> list[str] | None:
+    """``--share-cores``: each worker's ``--core-share FILE:SLOT:SLOTS``, the file in the data
+    directory (one slot a worker; a restarted worker takes its slot back)."""
+    if not getattr(args, "share_cores", False):
+        return None
+    if args.device != "cpu" or args.worker_devices:
+        raise UsageError("--share-cores: for CPU workers (--device cpu)")
+    if args.mode != "pd" or args.colocate:
+        raise UsageError("--share-cores: for the separate prefill and decode workers of --mode pd")
+    if args.pin_cores:
+        raise UsageError("--share-cores shares the cores; --pin-cores splits them: choose one")
+    if args.autoscale:
+        raise UsageError("--share-cores: for fixed pools; --autoscale's pools change size")
+    path = Path(args.data_dir) / "core-share"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)  # a fresh file: no busy marks from an earlier run
+    return [f"{path}:{i}:{len(roles)}" for i in range(len(roles))]
+
+
 def plan_cores(args: argparse.Namespace, threads: list[int]) -> list[list[int]] | None:
     """``--pin-cores``: pin this process (the API, and what it starts but the workers: the
     broker, extra API processes) to the spare cores; returns each worker's own cores, as

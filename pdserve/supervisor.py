@@ -42,10 +42,12 @@ from pdserve.configs import (
     nats_auth,
     resolve_model,
 )
+from pdserve.cores import available
 from pdserve.launch import listen_socket
 from pdserve.plan import (
     choose_backend,
     plan_autoscale,
+    plan_core_share,
     plan_cores,
     plan_devices,
     plan_roles,
@@ -171,6 +173,9 @@ def run_up(args: argparse.Namespace) -> int:
         size_consumers(args, roles)
         threads = args.num_threads or threads_per_worker(len(roles))
     devices = plan_devices(args, roles)
+    shares = plan_core_share(args, roles)
+    if shares is not None and not args.num_threads:
+        threads = len(available())  # each may use every core; it takes its share per step
     worker_threads = role_threads(args, roles, threads)
     planned = plan_cores(args, worker_threads)
     own_cores: list[list[int] | None] = [*planned] if planned is not None else [None for _ in roles]
@@ -218,7 +223,21 @@ def run_up(args: argparse.Namespace) -> int:
         scaling_run = (scaler, credentials.auth(ADMIN) if credentials is not None else nats_auth(args))
     else:
         children += [
-            Child(role, i, worker_argv(args, role, model_path, nats_url, n, device, credentials, cores))
+            Child(
+                role,
+                i,
+                worker_argv(
+                    args,
+                    role,
+                    model_path,
+                    nats_url,
+                    n,
+                    device,
+                    credentials,
+                    cores,
+                    None if shares is None else shares[i],
+                ),
+            )
             for i, (role, n, device, cores) in enumerate(zip(roles, worker_threads, devices, own_cores, strict=True))
         ]
     children += [
