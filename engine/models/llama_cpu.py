@@ -1,17 +1,25 @@
-"""pdserve's own forward pass for Llama-family decoders on a CPU, in plain torch ops.
+"""pdserve's own forward pass for Llama-family decoders on a CPU: torch ops, and for a
+bfloat16 model small C kernels (:mod:`pdserve.engine.kernels.native`).
 
 The same weights as the GPU pass (:mod:`.llama`: q/k/v and gate/up fused, shared with the
 stock modules) and the same page pool, with no Triton. Matmuls run on oneDNN with each
 weight reordered once at start (:func:`pack`: twice the speed of ``F.linear``, which
-reorders on every call); the rotary embedding is a few element-wise ops on the fused qkv
-output; k and v go into their slots with one ``index_copy_``; attention gathers the pages
-of a group of sequences with one ``index_select`` a layer (the indices of every layer are
-computed once a step; a 16-bit pool's rows are whole pages of one layer, put in order by the
-copy that casts them) and attends each KV head with its group of query heads: in float32 with
-``scaled_dot_product_attention``, or, decoding over a bfloat16 pool, as two matmuls with the
-probabilities and V in bfloat16 as torch's bfloat16 SDPA kernel has them. Other ops round
-where the stock ``transformers`` code rounds, so in float32 greedy output equals
-``generate``'s.
+reorders on every call); k and v go into their slots with one ``index_copy_``.
+
+A bfloat16 model over a bfloat16 pool (the default model's case): decode rows, speculative
+verify rows and prefill chunks of up to :data:`NATIVE_PREFILL_MAX_CTX` tokens of context
+attend through the C kernels, which read each sequence's pages in place; the residual adds
+and RMS norms, the rotary embedding and silu(gate) * up are one C loop each (``fused``). Both
+choices are made at start and logged (``--cpu-attention``).
+
+Otherwise (float32, an FP8 pool, longer prefill chunks, ``--cpu-attention torch``) attention
+gathers the pages of a group of sequences with one ``index_select`` a layer (the indices of
+every layer are computed once a step; a 16-bit pool's rows are whole pages of one layer, put
+in order by the copy that casts them) and attends each KV head with its group of query heads:
+in float32 with ``scaled_dot_product_attention``, or, decoding over a bfloat16 pool, as two
+matmuls with the probabilities and V in bfloat16 as torch's bfloat16 SDPA kernel has them.
+Every path rounds where the stock ``transformers`` code rounds, so in float32 greedy output
+equals ``generate``'s.
 
 Pool layout ``[num_pages, num_layers, 2, num_kv_heads, page_size, head_dim]`` (see
 :mod:`pdserve.engine.kv_pool`): viewed as rows of ``head_dim`` values, a token's K of
