@@ -153,6 +153,18 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def _pool_and_queries(pool: torch.Tensor, q: torch.Tensor, name: str) -> tuple[int, int, int, int, int]:
+    """The pool's layers, KV heads, page size and head size and the query heads per KV head,
+    once the pool and the queries are ones the kernels read."""
+    _, layers, _, heads, page, dim = pool.shape
+    group = q.shape[1] // (heads * dim)
+    if pool.dtype != torch.bfloat16 or q.dtype != torch.bfloat16 or not pool.is_contiguous():
+        raise ValueError(f"{name} reads a contiguous bfloat16 pool with bfloat16 queries")
+    if q.stride(1) != 1 or group * heads * dim != q.shape[1] or group > MAX_GROUP or dim > MAX_DIM:
+        raise ValueError(f"{name}: unsupported query shape {tuple(q.shape)} over {heads} heads of {dim}")
+    return layers, heads, page, dim, group
+
+
 def paged_decode(
     pool: torch.Tensor,
     q: torch.Tensor,
@@ -169,13 +181,8 @@ def paged_decode(
     adjacent); ``tables``: int32 ``[rows, W]`` page ids; ``lens``: int32 ``[rows]`` context
     lengths (the row's own token included). Returns ``[rows, heads * group * dim]`` bfloat16.
     """
-    _, layers, _, heads, page, dim = pool.shape
+    layers, heads, page, dim, group = _pool_and_queries(pool, q, "paged_decode")
     rows = q.shape[0]
-    group = q.shape[1] // (heads * dim)
-    if pool.dtype != torch.bfloat16 or q.dtype != torch.bfloat16 or not pool.is_contiguous():
-        raise ValueError("paged_decode reads a contiguous bfloat16 pool with bfloat16 queries")
-    if q.stride(1) != 1 or group * heads * dim != q.shape[1] or group > MAX_GROUP or dim > MAX_DIM:
-        raise ValueError(f"paged_decode: unsupported query shape {tuple(q.shape)} over {heads} heads of {dim}")
     if tables.dtype != torch.int32 or lens.dtype != torch.int32 or tables.stride(1) != 1 or not lens.is_contiguous():
         raise ValueError("paged_decode wants int32 tables (rows contiguous) and int32 lengths")
     if tables.shape[0] != rows or lens.shape[0] != rows:
@@ -222,13 +229,8 @@ def paged_prefill(
     already. Returns ``[n, heads * group * dim]`` bfloat16, computed as :func:`paged_decode`
     computes one row (float32, rounded once).
     """
-    _, layers, _, heads, page, dim = pool.shape
+    layers, heads, page, dim, group = _pool_and_queries(pool, q, "paged_prefill")
     rows = q.shape[0]
-    group = q.shape[1] // (heads * dim)
-    if pool.dtype != torch.bfloat16 or q.dtype != torch.bfloat16 or not pool.is_contiguous():
-        raise ValueError("paged_prefill reads a contiguous bfloat16 pool with bfloat16 queries")
-    if q.stride(1) != 1 or group * heads * dim != q.shape[1] or group > MAX_GROUP or dim > MAX_DIM:
-        raise ValueError(f"paged_prefill: unsupported query shape {tuple(q.shape)} over {heads} heads of {dim}")
     if table.dtype != torch.int32 or table.dim() != 1 or not table.is_contiguous():
         raise ValueError("paged_prefill wants one contiguous int32 page table")
     if not rows <= ctx <= table.shape[0] * page:
