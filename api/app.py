@@ -115,6 +115,7 @@ async def workers(request: Request) -> Response:
                 "kv_layout": dataclasses.asdict(w.kv_layout) if w.kv_layout else None,
                 "tp_size": w.tp_size,
                 "counters": dataclasses.asdict(w.counters),
+                "stats": dataclasses.asdict(w.stats),
                 "age_seconds": round(time.time() - w.started_at, 1),
                 "last_seen_seconds": round(time.time() - w.updated_at, 1),
             }

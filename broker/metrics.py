@@ -74,6 +74,10 @@ _COUNTERS = {
     "cached_tokens": ("pdserve_prefix_cache_hit_tokens", "prompt tokens found in the prefix cache"),
     "generated_tokens": ("pdserve_generated_tokens", "tokens sampled"),
     "busy_seconds": ("pdserve_engine_busy_seconds", "seconds spent in forward passes"),
+    "turn_wait_seconds": (
+        "pdserve_engine_turn_wait_seconds",
+        "seconds steps waited for other workers' steps on the cores they take turns at",
+    ),
     "kv_pull_seconds": ("pdserve_kv_transfer_seconds", "seconds spent pulling KV"),
     "grammar_refusals": (
         "pdserve_grammar_refusals",

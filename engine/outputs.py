@@ -87,6 +87,7 @@ class EngineStats:
     cached_tokens: int = 0
     generated_tokens: int = 0
     busy_seconds: float = 0.0
+    turn_wait_seconds: float = 0.0  # steps' waits for other workers' steps on shared cores
     overlapped_steps: int = 0  # steps left queued on the device while the next was launched
     grammar_refusals: int = 0  # sampled tokens a sequence's own grammar refused (0 unless a bug)
     spec: SpecStats | None = None  # speculative decoding's counters, when it is on

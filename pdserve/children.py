@@ -125,14 +125,14 @@ def worker_argv(
     device: str | None = None,
     credentials: EmbeddedCredentials | None = None,
     cores: list[int] | None = None,
-    core_share: str | None = None,
+    core_turns: Path | None = None,
 ) -> list[str]:
     """``python -m pdserve <role>`` with every flag ``up`` shares with workers, from the flag
     table, plus what ``up`` decides: the model (the directory ``--model-path`` resolved to),
     the broker (and the role's user of the embedded one, by password file), threads, the
     transfer host and the worker's device (default ``--device``), and the role's
     tensor-parallel size (its ranks share the worker's threads), and its own ``cores``
-    (``up --pin-cores``) or its slot of the shared cores (``up --share-cores``)."""
+    (``up --pin-cores``) or the lock it takes turns at the cores by (``up --core-sharing turns``)."""
     tp = role_tp_size(args, role)
     values = {
         **vars(args),
@@ -145,7 +145,7 @@ def worker_argv(
         "host": args.transfer_host,
         "exit_with_parent": True,
         **({"cpus": format_cpus(cores)} if cores else {}),
-        **({"core_share": core_share} if core_share else {}),
+        **({"core_turns": core_turns} if core_turns else {}),
         **nats_user(credentials, role),
     }
     argv = [sys.executable, "-m", "pdserve", role, *flags.render(flags.forwarded(), values)]

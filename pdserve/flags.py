@@ -248,9 +248,9 @@ ENGINE = (
         help="CPU cores the worker runs on, e.g. 2-8,12 (Linux; default: any; `up --pin-cores` gives each its own)",
     ),
     Flag(
-        "--core-share",
-        help="FILE:SLOT:SLOTS: before each step take this worker's share of --num-threads among the workers "
-        "marked busy in FILE's SLOTS (set by `up --share-cores`)",
+        "--core-turns",
+        help="FILE: take turns at the cores with the other workers of this host naming FILE, one step at a "
+        "time (an exclusive lock on FILE held for each forward pass; set by `up` for PD on one CPU host)",
     ),
     Flag("--kv-hold-seconds", WorkerConfig.kv_hold_seconds, float, "how long prefill keeps unclaimed KV"),
     Flag(
@@ -556,11 +556,11 @@ UP = (
     Flag("--prefill-num-threads", type=int, help="torch CPU threads of each prefill worker (default: --num-threads)"),
     Flag("--decode-num-threads", type=int, help="torch CPU threads of each decode worker (default: --num-threads)"),
     Flag(
-        "--share-cores",
-        switch=True,
-        help="CPU workers of --mode pd share the cores by load instead of a fixed split: each may use them all, "
-        "and before each step takes its share among the workers stepping at that moment (all of them while "
-        "it is the only one)",
+        "--core-sharing",
+        choices=("turns", "split"),
+        help="how the CPU workers of --mode pd share this host's cores: turns (each runs on all of them, one "
+        "step at a time) or split (each its share of them, all stepping at once); default: turns for CPU "
+        "workers of fixed pools, split with --pin-cores, --autoscale or --colocate",
     ),
     Flag(
         "--pin-cores",

@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from pdserve.configs import UsageError, api_config, check_worker_flags, pin_worker, resolve_model, worker_config
@@ -105,21 +106,16 @@ def start_tensor_parallel(args: argparse.Namespace, role: str) -> tuple[Any, Any
     return group, followers
 
 
-def share_cores(text: str, engine: Any, threads: int | None) -> None:
-    """``--core-share``: the engine takes its share of ``threads`` before each step."""
-    from pdserve.workers.core_share import CoreShare, parse_core_share
+def take_turns(path: str, engine: Any) -> Any:
+    """``--core-turns``: each of the engine's steps runs holding ``path``'s lock."""
+    from pdserve.workers.core_share import CoreTurns
 
     if engine.runner.device.type != "cpu":
-        raise UsageError("--core-share: for CPU workers")
-    try:
-        path, slot, slots = parse_core_share(text)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    import torch
-
-    most = threads or torch.get_num_threads()
-    engine.observer = CoreShare(path, slot, slots, most)
-    log.info("cores shared by load", extra={"file": str(path), "slot": slot, "slots": slots, "threads": most})
+        raise UsageError("--core-turns: for CPU workers")
+    turns = CoreTurns(Path(path))
+    engine.observer = turns
+    log.info("taking turns at the cores", extra={"lock": path})
+    return turns
 
 
 def run_worker(args: argparse.Namespace, role: str) -> int:
@@ -168,10 +164,17 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
         config.load_format,
         tp=tp,
     ).result()
-    if args.core_share is not None:
-        share_cores(args.core_share, engine, config.engine.num_threads)
+    turns = take_turns(args.core_turns, engine) if args.core_turns is not None else None
     cls = {"prefill": PrefillWorker, "decode": DecodeWorker, "unified": UnifiedWorker}[role]
     worker = cls(config, engine, engine_thread)
+    if turns is not None:  # each step's wait: on the worker's /metrics and in its registry entry
+        histogram = worker.metrics.core_turn_wait()
+
+        def waited(seconds: float) -> None:
+            histogram(seconds)
+            engine.stats.turn_wait_seconds += seconds
+
+        turns.observe = waited
     worker.followers = followers
 
     return _serve_process(args, role, worker, worker.serve)

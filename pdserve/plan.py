@@ -166,23 +166,29 @@ def role_threads(args: argparse.Namespace, roles: list[str], threads: int) -> li
     return [getattr(args, f"{role}_num_threads", None) or threads for role in roles]
 
 
-def plan_core_share(args: argparse.Namespace, roles: list[str]) -> list[str] | None:
-    """``--share-cores``: each worker's ``--core-share FILE:SLOT:SLOTS``, the file in the data
-    directory (one slot a worker; a restarted worker takes its slot back)."""
-    if not getattr(args, "share_cores", False):
+def plan_core_turns(args: argparse.Namespace) -> Path | None:
+    """``--core-sharing``: the file whose lock the CPU workers of --mode pd take turns at
+    (:mod:`pdserve.workers.core_share`), in the data directory; ``None`` for a split. Turns
+    by default where they apply: CPU workers of fixed pools, none pinned or co-located."""
+    chosen = getattr(args, "core_sharing", None)
+    if chosen == "split":
         return None
+    why_not = None
     if args.device != "cpu" or args.worker_devices:
-        raise UsageError("--share-cores: for CPU workers (--device cpu)")
-    if args.mode != "pd" or args.colocate:
-        raise UsageError("--share-cores: for the separate prefill and decode workers of --mode pd")
-    if args.pin_cores:
-        raise UsageError("--share-cores shares the cores; --pin-cores splits them: choose one")
-    if args.autoscale:
-        raise UsageError("--share-cores: for fixed pools; --autoscale's pools change size")
-    path = Path(args.data_dir) / "core-share"
+        why_not = "for CPU workers (--device cpu)"
+    elif args.mode != "pd" or args.colocate:
+        why_not = "for the separate prefill and decode workers of --mode pd"
+    elif args.pin_cores:
+        why_not = "--pin-cores gives each worker cores of its own"
+    elif args.autoscale:
+        why_not = "for fixed pools (--autoscale's workers come and go)"
+    if why_not is not None:
+        if chosen == "turns":
+            raise UsageError(f"--core-sharing turns: {why_not}")
+        return None
+    path = Path(args.data_dir) / "core-turns"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.unlink(missing_ok=True)  # a fresh file: no busy marks from an earlier run
-    return [f"{path}:{i}:{len(roles)}" for i in range(len(roles))]
+    return path
 
 
 def plan_cores(args: argparse.Namespace, threads: list[int]) -> list[list[int]] | None:

@@ -42,12 +42,11 @@ from pdserve.configs import (
     nats_auth,
     resolve_model,
 )
-from pdserve.cores import available
 from pdserve.launch import listen_socket
 from pdserve.plan import (
     choose_backend,
     plan_autoscale,
-    plan_core_share,
+    plan_core_turns,
     plan_cores,
     plan_devices,
     plan_roles,
@@ -173,9 +172,11 @@ def run_up(args: argparse.Namespace) -> int:
         size_consumers(args, roles)
         threads = args.num_threads or threads_per_worker(len(roles))
     devices = plan_devices(args, roles)
-    shares = plan_core_share(args, roles)
-    if shares is not None and not args.num_threads:
-        threads = len(available())  # each may use every core; it takes its share per step
+    turns = plan_core_turns(args)
+    if turns is not None and not args.num_threads:
+        threads = threads_per_worker(1)  # each steps on all the cores, one at a time
+    if turns is not None:
+        log.info("CPU workers take turns at the cores", extra={"lock": str(turns), "threads_each": threads})
     worker_threads = role_threads(args, roles, threads)
     planned = plan_cores(args, worker_threads)
     own_cores: list[list[int] | None] = [*planned] if planned is not None else [None for _ in roles]
@@ -235,7 +236,7 @@ def run_up(args: argparse.Namespace) -> int:
                     device,
                     credentials,
                     cores,
-                    None if shares is None else shares[i],
+                    turns,
                 ),
             )
             for i, (role, n, device, cores) in enumerate(zip(roles, worker_threads, devices, own_cores, strict=True))

@@ -103,7 +103,9 @@ class WorkerStats:
     ``steps``/``batch_rows``: forward passes and the rows (sequences) they computed, so
     ``batch_rows / steps`` is the mean batch size; ``prompt_tokens``/``cached_tokens``:
     prompt tokens admitted and those found in the prefix cache; ``generated_tokens``:
-    tokens sampled; ``busy_seconds``: time in forward passes; ``kv_pull_seconds``: time in
+    tokens sampled; ``busy_seconds``: time in forward passes; ``turn_wait_seconds``: time its
+    steps waited for other workers' steps on cores they take turns at (PD on one CPU host,
+    ``up --core-sharing turns``); ``kv_pull_seconds``: time in
     KV pulls (decode); ``waiting``/``running``: sequences the scheduler holds now;
     ``prefill_tokens_waiting``: prompt tokens admitted but not computed yet;
     ``grammar_refusals``: sampled tokens a constrained sequence's grammar refused (0 unless a bug).
@@ -115,6 +117,7 @@ class WorkerStats:
     cached_tokens: int = 0
     generated_tokens: int = 0
     busy_seconds: float = 0.0
+    turn_wait_seconds: float = 0.0
     kv_pull_seconds: float = 0.0
     waiting: int = 0
     running: int = 0

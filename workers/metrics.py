@@ -17,6 +17,7 @@ from pdserve.schemas import WorkerInfo
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 TIER_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+TURN_BUCKETS = (0.0001, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
 class _Entry(Collector):
@@ -104,6 +105,17 @@ class WorkerMetrics:
             registry=self.registry,
         )
         return lambda sms: steps.labels(sms=str(sms)).inc()
+
+    def core_turn_wait(self) -> Callable[[float], None]:
+        """A histogram of the seconds each step waited for its turn at the cores (CPU workers
+        of one host taking turns, ``up --core-sharing turns``); returns what observes one."""
+        wait = Histogram(
+            "pdserve_core_turn_wait_seconds",
+            "seconds a step of a CPU worker waited for the other workers' steps on the shared cores",
+            buckets=TURN_BUCKETS,
+            registry=self.registry,
+        )
+        return wait.observe
 
     def exposition(self) -> bytes:
         """The Prometheus text format of everything above."""

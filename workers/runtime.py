@@ -241,6 +241,7 @@ class WorkerRuntime(Housekeeping):
             cached_tokens=engine.stats.cached_tokens,
             generated_tokens=engine.stats.generated_tokens,
             busy_seconds=engine.stats.busy_seconds,
+            turn_wait_seconds=engine.stats.turn_wait_seconds,
             kv_pull_seconds=self.kv_pull_seconds,
             waiting=engine.num_waiting,
             running=engine.num_running,

@@ -1,5 +1,6 @@
 """`pdserve up` on one CPU host, with its embedded broker: KV moves through /dev/shm (the
-``shm`` backend), so no process of it listens beyond loopback; greedy equals transformers."""
+``shm`` backend), so no process of it listens beyond loopback; the workers take turns at the
+cores; greedy equals transformers."""
 
 from __future__ import annotations
 
@@ -58,6 +59,8 @@ async def test_kv_moves_through_shared_memory_and_nothing_listens_beyond_loopbac
             ref = model.generate(torch.tensor([p]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
             assert r.json()["output_ids"] == ref[0, len(p) :].tolist()
     assert {w["transfer_backend"] for w in seen} == {"shm"}
+    # by default the two CPU workers take turns at the cores: each step waited for the lock
+    assert all(w["stats"]["turn_wait_seconds"] > 0 for w in seen), [w["stats"] for w in seen]
     assert decode["kv_pulls"] >= len(prompts) and decode["recomputes"] == 0 and decode["kv_pull_failures"] == 0
     pids = {w["pid"] for w in seen} | {one_host.process.pid}
     sockets = [address for pid in pids for address in listening_ports(pid).values()]

@@ -1,68 +1,95 @@
-"""CPU workers sharing the cores by load (workers/core_share.py, ``up --share-cores``): the
-rule in plain Python over a real shared file, and what ``up`` hands each worker."""
+"""CPU workers of one host taking turns at the cores (workers/core_share.py, ``up``'s
+``--core-sharing``): one step at a time over a real lock file, between threads and between
+processes, a dead holder's turn handed back, and what ``up`` gives each worker."""
 
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
 
+from pdserve.children import worker_argv
 from pdserve.configs import UsageError
-from pdserve.plan import plan_core_share
-from pdserve.workers.core_share import STALE, CoreShare, parse_core_share
+from pdserve.plan import plan_core_turns
+from pdserve.workers.core_share import CoreTurns
+
+HOLD = 0.3  # seconds a step holds the turn in these tests
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
+def waiting_step(turns: CoreTurns) -> tuple[threading.Thread, threading.Event]:
+    """``turns.before_launch`` in a thread of its own; the event is set once it has the turn."""
+    got = threading.Event()
 
-    def __call__(self) -> float:
-        return self.now
+    def step() -> None:
+        turns.before_launch(None)
+        got.set()
+
+    thread = threading.Thread(target=step, daemon=True)
+    thread.start()
+    return thread, got
 
 
-def test_a_worker_takes_every_thread_alone_and_its_share_beside_busy_ones(tmp_path: Path) -> None:
-    clock, calls = Clock(), {"a": [], "b": [], "c": []}
-    path = tmp_path / "share"
-    a, b, c = (CoreShare(path, i, 3, 4, calls[k].append, clock) for i, k in enumerate("abc"))
+def test_a_step_waits_for_the_other_workers_step_and_counts_the_wait(tmp_path: Path) -> None:
+    waits: list[float] = []
+    a, b = CoreTurns(tmp_path / "turns"), CoreTurns(tmp_path / "turns")
+    b.observe = waits.append
     a.before_launch(None)
-    assert calls["a"] == [4]  # alone: all four
-    b.before_launch(None)
-    assert calls["b"] == [2]  # a is mid-step: half
-    c.before_launch(None)
-    assert calls["c"] == [1]  # two others busy: a third of 4, at least 1
+    thread, got = waiting_step(b)
+    assert not got.wait(HOLD), "b stepped while a held the cores"
     a.after_launch(None)
-    b.after_launch(None)
-    c.after_launch(None)
-    b.before_launch(None)
-    assert calls["b"] == [2, 4]  # the others finished: all again
-    b.before_launch(None)
-    assert calls["b"] == [2, 4]  # unchanged: not set again
-    assert b.steps == {2: 1, 4: 2}
+    assert got.wait(10), "b never got its turn"
+    thread.join()
+    assert b.held and b.turns == 1 and len(waits) == 1 and waits[0] >= HOLD and b.waited == waits[0]
+    # a's next step waits for b's in turn; after_collect gives the turn back too
+    thread, got = waiting_step(a)
+    assert not got.wait(0.1)
+    b.after_collect(None, None)
+    assert got.wait(10)
+    thread.join()
+    a.after_launch(None)
+    a.after_collect(None, None)  # after after_launch: nothing held, nothing to give back
+    assert a.turns == 2 and not a.held and a.summary()["turns"] == 2
+    a.close()
+    b.close()
 
 
-def test_a_worker_that_died_mid_step_stops_counting_after_stale_seconds(tmp_path: Path) -> None:
-    clock, seen = Clock(), []
-    dead = CoreShare(tmp_path / "share", 0, 2, 2, lambda n: None, clock)
-    dead.before_launch(None)  # and never after_launch
-    live = CoreShare(tmp_path / "share", 1, 2, 2, seen.append, clock)
-    live.before_launch(None)
-    live.after_launch(None)
-    clock.now += STALE + 1
-    live.before_launch(None)
-    assert seen == [1, 2]
+HOLDER = """
+import sys, time
+from pathlib import Path
+from pdserve.workers.core_share import CoreTurns
+turns = CoreTurns(Path(sys.argv[1]))
+turns.before_launch(None)
+print("holding", flush=True)
+time.sleep(600)
+"""
 
 
-def test_the_share_file_argument_is_checked() -> None:
-    assert parse_core_share("/d/core-share:1:2") == (Path("/d/core-share"), 1, 2)
-    for bad in ("/d/core-share", "/d/x:2:2", "/d/x:a:2"):
-        with pytest.raises(ValueError, match="--core-share"):
-            parse_core_share(bad)
+def test_a_worker_that_dies_mid_step_hands_its_turn_back(tmp_path: Path) -> None:
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(tmp_path / "turns")], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
+        live = CoreTurns(tmp_path / "turns")
+        thread, got = waiting_step(live)
+        assert not got.wait(HOLD), "stepped while another process held the cores"
+        holder.kill()  # mid-step: the kernel drops its lock with the process
+        assert got.wait(10), "the dead worker's turn was never handed back"
+        thread.join()
+        live.after_launch(None)
+        live.close()
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def up_args(tmp_path: Path, **over: object) -> argparse.Namespace:
     base = {
-        "share_cores": True,
+        "core_sharing": None,
         "device": "cpu",
         "worker_devices": None,
         "mode": "pd",
@@ -74,14 +101,23 @@ def up_args(tmp_path: Path, **over: object) -> argparse.Namespace:
     return argparse.Namespace(**{**base, **over})
 
 
-def test_up_gives_each_cpu_worker_its_slot_and_refuses_what_cannot_share(tmp_path: Path) -> None:
-    (tmp_path / "core-share").write_bytes(b"\xff" * 16)  # an earlier run's marks
-    assert plan_core_share(up_args(tmp_path), ["prefill", "decode"]) == [
-        f"{tmp_path / 'core-share'}:0:2",
-        f"{tmp_path / 'core-share'}:1:2",
-    ]
-    assert not (tmp_path / "core-share").exists()  # made fresh by the workers
-    assert plan_core_share(up_args(tmp_path, share_cores=False), ["prefill", "decode"]) is None
-    for over in ({"device": "cuda"}, {"mode": "unified"}, {"colocate": True}, {"pin_cores": True}, {"autoscale": True}):
-        with pytest.raises(UsageError, match="--share-cores"):
-            plan_core_share(up_args(tmp_path, **over), ["prefill", "decode"])
+def test_up_has_cpu_pd_workers_take_turns_unless_split_or_pinned(tmp_path: Path) -> None:
+    lock = tmp_path / "core-turns"
+    assert plan_core_turns(up_args(tmp_path)) == lock  # the default for CPU workers of fixed pools
+    assert plan_core_turns(up_args(tmp_path, core_sharing="turns")) == lock
+    assert plan_core_turns(up_args(tmp_path, core_sharing="split")) is None
+    refusals = ({"device": "cuda"}, {"mode": "unified"}, {"colocate": True}, {"pin_cores": True}, {"autoscale": True})
+    for over in refusals:
+        assert plan_core_turns(up_args(tmp_path, **over)) is None  # by default: a split, or nothing to share
+        with pytest.raises(UsageError, match="--core-sharing turns"):
+            plan_core_turns(up_args(tmp_path, core_sharing="turns", **over))
+
+
+def test_each_worker_is_started_with_the_lock(tmp_path: Path) -> None:
+    from pdserve.cli import build_parser
+
+    args = build_parser().parse_args(["up", "--data-dir", str(tmp_path)])
+    argv = worker_argv(args, "decode", tmp_path, "nats://127.0.0.1:4222", 2, core_turns=tmp_path / "core-turns")
+    assert argv[argv.index("--core-turns") + 1] == str(tmp_path / "core-turns")
+    assert argv[argv.index("--num-threads") + 1] == "2"
+    assert "--core-turns" not in worker_argv(args, "decode", tmp_path, "nats://127.0.0.1:4222", 1)
