@@ -207,7 +207,7 @@ def main() -> int:
     parser.add_argument("--install-vllm", action="store_true", help="build --vllm-venv first")
     parser.add_argument("--vllm-venv", type=Path, default=Path(tempfile.gettempdir()) / "pdserve-vllm-cpu")
     parser.add_argument("--data-dir", type=Path, default=Path(tempfile.gettempdir()) / "pdserve-bench")
-    parser.add_argument("--json", type=Path, default=Path("docs/data/cpu_peer.json"))
+    parser.add_argument("--json", type=Path, default=Path("docs/data/cpu_peer_pd.json"))
     args = parser.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.requests = [int(n) for n in args.requests.split(",")]
