@@ -20,7 +20,8 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.kernels import native
 from pdserve.engine.model_runner import ModelRunner, ModelSpec
 from pdserve.engine.models.batch import StepBatch
-from pdserve.engine.models.llama_cpu import NATIVE_PREFILL_MAX_CTX, LlamaFamilyCPU, Plan
+from pdserve.engine.models.cpu_plan import NATIVE_PREFILL_MAX_CTX, Plan
+from pdserve.engine.models.llama_cpu import LlamaFamilyCPU
 from pdserve.schemas import SamplingParams
 
 CPU = torch.device("cpu")

@@ -22,13 +22,8 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.loader import quiet_transformers
 from pdserve.engine.model_runner import ModelRunner, ModelSpec
 from pdserve.engine.models.batch import StepBatch, build_step
-from pdserve.engine.models.llama_cpu import (
-    MATMUL_MIN_BATCH,
-    LlamaFamilyCPU,
-    _page_rows,
-    can_pack,
-    length_groups,
-)
+from pdserve.engine.models.cpu_plan import MATMUL_MIN_BATCH, can_pack, length_groups, page_rows
+from pdserve.engine.models.llama_cpu import LlamaFamilyCPU
 from pdserve.schemas import SamplingParams
 from tests.engine.reference import assert_greedy_equal, hf_greedy, run
 
@@ -187,7 +182,7 @@ def test_bfloat16_decodes_read_pages_a_layer_at_a_time_and_round_as_stock_sdpa()
         assert k.dtype == torch.float32 and v.dtype == torch.bfloat16
         fast.blocks = False  # each head's K or V block a row, in order already
         tables = step.decode_tables[:, : group.pages]
-        k_heads, v_heads = fast._gather(_page_rows(fast.pool, tables, False)[index], batch, group.pages)
+        k_heads, v_heads = fast._gather(page_rows(fast.pool, tables, False)[index], batch, group.pages)
         fast.blocks = True
         assert torch.equal(k, k_heads) and torch.equal(v.float(), v_heads)
         assert k.abs().amax() > 0 and v.abs().amax() > 0
