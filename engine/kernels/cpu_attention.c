@@ -7,30 +7,12 @@
    its bfloat16 dot product with the sums scaled, elsewhere as float32 multiply-adds with q
    scaled first; softmax in float32 (e^x to about 1 ulp), the probabilities' product with V
    accumulated in float32, rounded once to bfloat16. */
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
-#include <math.h>
+#include "cpu_common.h"
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define HAVE_BF16_DOT 1
 #endif
-
-static inline float bf16_to_f32(uint16_t v) { uint32_t u = ((uint32_t)v) << 16; float f; memcpy(&f, &u, 4); return f; }
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u; memcpy(&u, &f, 4); return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-static inline float exp_neg(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float k = x * 1.44269504088896341f + 12582912.0f;
-    float n = k - 12582912.0f;
-    float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f; p = p * r + 1.0f / 24.0f; p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f; p = p * r + 1.0f; p = p * r + 1.0f;
-    int32_t e = ((int32_t)n + 127) << 23; float s; memcpy(&s, &e, 4);
-    return p * s;
-}
 
 #define MAXG 16
 #define MAXD 256
@@ -130,7 +112,7 @@ static inline __attribute__((always_inline)) void attend(
         float *sg = scores + g * count, m = -INFINITY, sum = 0.0f;
         for (int i = 0; i < count; i++) m = sg[i] > m ? sg[i] : m;
 #pragma omp simd reduction(+ : sum)
-        for (int i = 0; i < count; i++) { float e = exp_neg(sg[i] - m); sg[i] = e; sum += e; }
+        for (int i = 0; i < count; i++) { float e = exp_f(sg[i] - m); sg[i] = e; sum += e; }
         const float inv = 1.0f / sum;
         for (int i = 0; i < count; i++) sg[i] *= inv;
     }
@@ -255,7 +237,7 @@ static inline __attribute__((always_inline)) void prefill_row(
         float m = -INFINITY, sum = 0.0f;
         for (int t = lo; t < hi; t++) m = sg[t] > m ? sg[t] : m;
 #pragma omp simd reduction(+ : sum)
-        for (int t = lo; t < hi; t++) { float e = exp_neg(sg[t] - m); sg[t] = e; sum += e; }
+        for (int t = lo; t < hi; t++) { float e = exp_f(sg[t] - m); sg[t] = e; sum += e; }
         const float inv = 1.0f / sum;
 #pragma omp simd
         for (int t = lo; t < hi; t++) sg[t] *= inv;

@@ -4,28 +4,7 @@
    code rounds, so that its results equal the torch ops they replace (the sum of squares of
    the RMS norm may differ in its last float32 bit: its order is not torch's). Built and loaded
    with cpu_attention.c (engine/kernels/native.py). */
-#include <stdint.h>
-#include <string.h>
-#include <math.h>
-
-static inline float bf(uint16_t v) { uint32_t u = ((uint32_t)v) << 16; float f; memcpy(&f, &u, 4); return f; }
-static inline uint16_t rb(float f) { /* round to nearest even (NaN kept a NaN), branch-free */
-    uint32_t u; memcpy(&u, &f, 4);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, nan = (u >> 16) | 0x40u;
-    return (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? nan : rounded);
-}
-static inline float exp_f(float x) { /* e^x to about 1 ulp; +inf past float32's range, as expf */
-    const int over = x > 88.72283f;
-    x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
-    float k = x * 1.44269504088896341f + 12582912.0f;
-    float n = k - 12582912.0f;
-    float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f; p = p * r + 1.0f / 24.0f; p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f; p = p * r + 1.0f; p = p * r + 1.0f;
-    int32_t e = ((int32_t)n + 127) << 23; float s; memcpy(&s, &e, 4);
-    return over ? INFINITY : p * s;
-}
+#include "cpu_common.h"
 
 #define PARALLEL_MIN 32768 /* elements below which one thread does it all */
 
@@ -38,9 +17,9 @@ void silu_mul_bf16(const uint16_t *gu, int64_t stride, uint16_t *out, int64_t ro
         uint16_t *o = out + r * n;
 #pragma omp simd
         for (int64_t j = 0; j < n; j++) {
-            const float x = bf(g[j]);
-            const float s = bf(rb(x / (1.0f + exp_f(-x))));
-            o[j] = rb(s * bf(u[j]));
+            const float x = bf16_to_f32(g[j]);
+            const float s = bf16_to_f32(f32_to_bf16(x / (1.0f + exp_f(-x))));
+            o[j] = f32_to_bf16(s * bf16_to_f32(u[j]));
         }
     }
 }
@@ -58,16 +37,16 @@ void add_rms_norm_bf16(const uint16_t *x, int64_t sx, const uint16_t *residual, 
         if (residual != NULL) {
             const uint16_t *er = residual + r * sr;
 #pragma omp simd
-            for (int64_t j = 0; j < h; j++) rr[j] = rb(bf(xr[j]) + bf(er[j]));
+            for (int64_t j = 0; j < h; j++) rr[j] = f32_to_bf16(bf16_to_f32(xr[j]) + bf16_to_f32(er[j]));
         } else if (rr != xr) {
             memcpy(rr, xr, (size_t)h * 2);
         }
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < h; j++) { const float v = bf(rr[j]); sum += v * v; }
+        for (int64_t j = 0; j < h; j++) { const float v = bf16_to_f32(rr[j]); sum += v * v; }
         const float scale = 1.0f / sqrtf(sum / (float)h + eps);
 #pragma omp simd
-        for (int64_t j = 0; j < h; j++) nr[j] = rb(bf(weight[j]) * bf(rb(bf(rr[j]) * scale)));
+        for (int64_t j = 0; j < h; j++) nr[j] = f32_to_bf16(bf16_to_f32(weight[j]) * bf16_to_f32(f32_to_bf16(bf16_to_f32(rr[j]) * scale)));
     }
 }
 
@@ -84,10 +63,10 @@ void rope_bf16(uint16_t *qk, int64_t stride, int64_t tokens, int heads, int dim,
             uint16_t *x = qk + t * stride + (int64_t)hd * dim;
             uint16_t lo[256], hi[256];
             for (int d = 0; d < half; d++) {
-                const float a = bf(x[d]), b = bf(x[d + half]);
+                const float a = bf16_to_f32(x[d]), b = bf16_to_f32(x[d + half]);
                 /* rotate_half: (-b, a) */
-                lo[d] = rb(bf(rb(a * bf(c[d]))) + bf(rb(-b * bf(s[d]))));
-                hi[d] = rb(bf(rb(b * bf(c[d + half]))) + bf(rb(a * bf(s[d + half]))));
+                lo[d] = f32_to_bf16(bf16_to_f32(f32_to_bf16(a * bf16_to_f32(c[d]))) + bf16_to_f32(f32_to_bf16(-b * bf16_to_f32(s[d]))));
+                hi[d] = f32_to_bf16(bf16_to_f32(f32_to_bf16(b * bf16_to_f32(c[d + half]))) + bf16_to_f32(f32_to_bf16(a * bf16_to_f32(s[d + half]))));
             }
             memcpy(x, lo, (size_t)half * 2);
             memcpy(x + half, hi, (size_t)half * 2);

@@ -1,9 +1,10 @@
-"""C kernels of the CPU pass (``cpu_attention.c``), built once per machine and loaded with ctypes.
+"""C kernels of the CPU pass (``cpu_attention.c``, ``cpu_elementwise.c`` and their shared
+``cpu_common.h``), built once per machine and loaded with ctypes.
 
-The source is compiled by the machine's C compiler (``$CC``, else ``cc`` or ``gcc``) with
+The sources are compiled by the machine's C compiler (``$CC``, else ``cc`` or ``gcc``) with
 ``-O3 -march=native -fopenmp`` into a cache directory (``$PDSERVE_KERNEL_CACHE``, else
 ``$XDG_CACHE_HOME/pdserve/kernels`` or ``~/.cache/pdserve/kernels``), named by a hash of the
-source, the flags and the compiler's version: a later start loads it (about 0.5 s to build on
+sources, the flags and the compiler's version: a later start loads it (about 0.5 s to build on
 two cores). The library needs ``libgomp.so.1``, which torch has already loaded: its OpenMP
 threads are torch's. ctypes releases the GIL for the call.
 
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_attention.c", "cpu_elementwise.c"))
+HEADERS = (Path(__file__).with_name("cpu_common.h"),)  # included by the sources: part of the build key
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 MAX_GROUP = 16  # query heads per KV head (MAXG in the source)
 MAX_DIM = 256
@@ -49,6 +51,13 @@ def _compiler() -> str:
     return cc
 
 
+def build_key(compiler_version: str) -> str:
+    """What names a build: a hash of the sources and the header they include, the flags and
+    the compiler's version."""
+    texts = [path.read_text() for path in (*SOURCES, *HEADERS)]
+    return hashlib.sha256("\0".join((*texts, " ".join(FLAGS), compiler_version)).encode()).hexdigest()[:16]
+
+
 @functools.cache
 def library() -> ctypes.CDLL:
     """The built library (built on the first call of this process that finds none)."""
@@ -57,9 +66,7 @@ def library() -> ctypes.CDLL:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeUnavailable(f"{cc} --version failed: {exc}") from None
-    texts = [source.read_text() for source in SOURCES]
-    key = hashlib.sha256("\0".join((*texts, " ".join(FLAGS), version)).encode()).hexdigest()[:16]
-    target = cache_dir() / f"cpu_kernels-{key}.so"
+    target = cache_dir() / f"cpu_kernels-{build_key(version)}.so"
     if not target.is_file():
         try:
             target.parent.mkdir(parents=True, exist_ok=True)

@@ -297,3 +297,16 @@ def test_a_fresh_cache_builds_the_kernel_and_a_missing_compiler_is_said(tmp_path
     blocker.write_text("")
     unwritable = probe(tmp_path / "third", "auto", PDSERVE_KERNEL_CACHE=str(blocker / "kernels"))
     assert unwritable["native"] is False and "cannot write the kernel cache" in str(unwritable["reason"])
+
+
+def test_the_build_key_follows_the_sources_their_header_and_the_compiler(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    key = native.build_key("cc 1")
+    assert native.build_key("cc 1") == key and native.build_key("cc 2") != key
+    assert all('#include "cpu_common.h"' in source.read_text() for source in native.SOURCES)
+    (header,) = native.HEADERS
+    changed = tmp_path / header.name
+    changed.write_text(header.read_text() + "\n/* changed */\n")
+    monkeypatch.setattr(native, "HEADERS", (changed,))
+    assert native.build_key("cc 1") != key  # a change to the shared header builds anew
