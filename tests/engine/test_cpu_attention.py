@@ -252,7 +252,7 @@ handler.emit = lambda r: records.append({"message": r.getMessage(), "level": r.l
     k: str(v) for k, v in r.__dict__.items() if k in ("path", "reason")}})
 logging.getLogger("pdserve").addHandler(handler)
 logging.getLogger("pdserve").setLevel(logging.INFO)
-model = shapes.small_model("smollm2", torch.device("cpu")).to(torch.bfloat16)
+model = shapes.small_model("smollm2-2l", torch.device("cpu")).to(torch.bfloat16)
 attention = sys.argv[1]
 try:
     runner = ModelRunner(ModelSpec(Path("m")), EngineConfig(device="cpu", max_total_tokens=256,

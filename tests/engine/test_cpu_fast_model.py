@@ -123,7 +123,7 @@ def test_the_default_model_as_auto_serves_it_equals_transformers_in_its_dtype(sm
     texts += ["Water boils at", "The capital of France is", "1, 2, 3, 4,", "Dear team,", "import numpy as np\n"]
     prompts = [tokenizer.encode(t) for t in texts]
     reference = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=dtype).eval()
-    expected = hf_greedy(reference, prompts, 24)
+    expected = hf_greedy(reference, prompts, 24, batched=True)
     assert_greedy_equal(reference, prompts, run(Engine(runner, config), prompts, 24), expected)
 
 
