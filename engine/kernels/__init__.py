@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from typing import Any
 
 
 def interpreting() -> bool:
@@ -46,6 +47,50 @@ def use_interpreter() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))  # type: ignore[attr-defined]
 
     interpreter._patch_lang_tensor = patched
+    _patch_once_per_kernel(interpreter)
+
+
+def _patch_once_per_kernel(interpreter: Any) -> None:
+    """Triton's interpreter patches its language modules at every kernel run (and undoes it
+    after), and again at every call of a device function inside it: ``inspect.getmembers``
+    over each module, never undone, a quarter of an interpreted decode step. Inside a kernel
+    run whose patches already cover the modules a device function sees, the second is
+    skipped. Left alone where this Triton's interpreter differs."""
+    import inspect
+    import threading
+
+    executor = getattr(interpreter, "GridExecutor", None)
+    patch_lang = getattr(interpreter, "_patch_lang", None)
+    empty_scope = getattr(interpreter, "_LangPatchScope", None)
+    if executor is None or patch_lang is None or empty_scope is None:
+        return
+    from triton import language as tl
+
+    run_kernel = executor.__call__
+    state = threading.local()  # per thread: which language modules this thread's kernel run patched
+
+    def langs_of(fn: Any) -> set[int]:
+        return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+
+    def patch_lang_once(fn: Any) -> Any:
+        patched = getattr(state, "patched", None)
+        if patched is not None and langs_of(fn) <= patched:
+            return empty_scope()
+        scope = patch_lang(fn)
+        if patched is not None:
+            patched |= langs_of(fn)
+        return scope
+
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        outer = getattr(state, "patched", None)
+        state.patched = set()
+        try:
+            return run_kernel(self, *args, **kwargs)
+        finally:
+            state.patched = outer
+
+    interpreter._patch_lang = patch_lang_once
+    executor.__call__ = run
 
 
 def available() -> bool:
