@@ -46,7 +46,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import say
-from gpu_engine import SMALL, Timer, engine_run, prompts, replay_ms
+from gpu_engine import SMALL, engine_run, replay_ms
+from gpu_timing import Timer, prompts
 
 from pdserve.bench.shapes import QWEN2_5_7B
 from pdserve.engine.config import EngineConfig

@@ -8,6 +8,7 @@ beside prefill chunks, decodes of very different lengths grouped.
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 from pathlib import Path
@@ -38,16 +39,24 @@ def cpu_engine(model: torch.nn.Module, **knobs: object) -> Engine:
     return Engine(runner, config)
 
 
+@functools.cache
+def model_and_reference(kind: str, dtype: torch.dtype) -> tuple[torch.nn.Module, list[list[int]], list[list[int]]]:
+    """A model of ``kind`` in ``dtype``, its prompts (the last over a cached prefix of two full
+    pages) and ``generate``'s greedy tokens for them: made once for both chunk sizes (each
+    engine over the model shares its weights, as engines do)."""
+    quiet_transformers()
+    model = shapes.small_model(kind, CPU).to(dtype)
+    rng = random.Random(kind)
+    prompts = [[rng.randrange(300) for _ in range(n)] for n in (5, 23, 40, 70)]
+    prompts.append(prompts[2][:32] + [1, 2, 3])
+    return model, prompts, hf_greedy(model, prompts, NEW)
+
+
 # smollm2: the default model's shapes (30 layers, 9 heads over 3 KV heads of 64, tied)
 @pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3", "llama3-rope", "smollm2"])
 @pytest.mark.parametrize("chunk", [16, 2048])
 def test_cpu_pass_greedy_equals_transformers(kind: str, chunk: int) -> None:
-    quiet_transformers()
-    model = shapes.small_model(kind, CPU)
-    rng = random.Random(kind)
-    prompts = [[rng.randrange(300) for _ in range(n)] for n in (5, 23, 40, 70)]
-    prompts.append(prompts[2][:32] + [1, 2, 3])  # a cached prefix of two full pages
-    expected = hf_greedy(model, prompts, NEW)
+    model, prompts, expected = model_and_reference(kind, torch.float32)
     # chunk 16: prompts computed in pieces over a cached or earlier prefix, beside decodes
     engine = cpu_engine(model, chunked_prefill_size=chunk)
     assert not engine.overlap
@@ -63,12 +72,7 @@ def test_cpu_pass_greedy_equals_transformers(kind: str, chunk: int) -> None:
 @pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3", "smollm2"])
 @pytest.mark.parametrize("chunk", [16, 2048])
 def test_cpu_pass_in_bfloat16_equals_transformers_in_bfloat16(kind: str, chunk: int) -> None:
-    quiet_transformers()
-    model = shapes.small_model(kind, CPU).to(torch.bfloat16)
-    rng = random.Random(kind)
-    prompts = [[rng.randrange(300) for _ in range(n)] for n in (5, 23, 40, 70)]
-    prompts.append(prompts[2][:32] + [1, 2, 3])
-    expected = hf_greedy(model, prompts, NEW)
+    model, prompts, expected = model_and_reference(kind, torch.bfloat16)
     engine = cpu_engine(model, chunked_prefill_size=chunk)
     assert engine.runner.pool.tensor.dtype == torch.bfloat16
     ours = run(engine, prompts[:4], NEW) + run(engine, prompts[4:], NEW)
