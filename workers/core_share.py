@@ -2,14 +2,14 @@
 
 A prefill and a decode worker on the same few cores cannot both step well at once: with a
 fixed split each gets its share even while the other has nothing to do, and the decode
-worker keeps stepping on its share with a half-full batch while prompts queue at prefill
-(2 cores, SmolLM2, 256 in / 64 out, 16 in flight: 154-157 out tok/s against unified's
-202); with more OpenMP threads than cores, a thread preempted mid-operation holds up its
-whole team. Here every worker runs on all the cores, one step at a time: before a step it
-takes the host's turn (an exclusive ``flock`` on a file in the data directory, which the
-kernel hands back when a worker dies, even mid-step), and gives it back as soon as the
-forward pass is done, so the other role's waiting step goes next. Same run as above:
-191.9 out tok/s at 16 in flight, 45.2 at 1 (fixed split 30.8), TPOT and TTFT as unified's.
+worker keeps stepping on its share with a half-full batch while prompts queue at prefill;
+with more OpenMP threads than cores, a thread preempted mid-operation holds up its whole
+team. Here every worker runs on all the cores, one step at a time: before a step it takes
+the host's turn (an exclusive ``flock`` on a file in the data directory, which the kernel
+hands back when a worker dies, even mid-step), and gives it back as soon as the forward pass
+is done, so the other role's waiting step goes next. On 2 cores (SmolLM2, 256 in / 64 out,
+2026-12-05, docs/cpu.md): 43.7 / 186.7 out tok/s at 1 / 16 in flight, 0.96x / 0.94x of
+unified serving's; a fixed split of a thread each 32.8 / 157.1.
 
 The cost: a decode step waits for the prefill chunk in progress, as in unified serving;
 workers with cores of their own (``up --pin-cores``, other hosts) do not wait. The time each
