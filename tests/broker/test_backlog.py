@@ -42,6 +42,12 @@ async def test_waiting_prompt_tokens_are_counted_and_what_is_in_hand_is_not(
     await ensure_model(js, model, BrokerConfig())
     lengths = [10, 2000, 30, 4000, 50, 60]
     await _submit(nc, model, lengths)
+
+    async def counted(pending: int, in_hand: int) -> bool:  # the consumer's counts may trail a moment
+        backlog = await read_backlog(js, contract.REQUESTS, model)
+        return (backlog.pending, backlog.ack_pending) == (pending, in_hand)
+
+    await eventually(lambda: counted(6, 0), what="all six counted")
     backlog = await read_backlog(js, contract.REQUESTS, model)
     assert backlog == Backlog(pending=6, ack_pending=0, pending_tokens=sum(lengths), sampled=6)
     assert backlog.lag == 6
@@ -51,6 +57,7 @@ async def test_waiting_prompt_tokens_are_counted_and_what_is_in_hand_is_not(
     try:
         taken = await queue.fetch(2, 5.0)  # the two oldest, in hand now
         assert [len(d.message.prompt_ids) for d in taken] == [10, 2000]
+        await eventually(lambda: counted(4, 2), what="two in hand")
         backlog = await read_backlog(js, contract.REQUESTS, model)
         assert backlog == Backlog(pending=4, ack_pending=2, pending_tokens=30 + 4000 + 50 + 60, sampled=4)
         for d in taken:
@@ -65,9 +72,16 @@ async def test_waiting_prompt_tokens_are_counted_and_what_is_in_hand_is_not(
     await eventually(acked, what="acks seen by the consumer")
 
 
-async def test_a_deep_queue_is_estimated_from_its_oldest_messages(nc: Client, js: JetStreamContext, model: str) -> None:
+async def test_a_deep_queue_is_estimated_from_its_oldest_messages(
+    nc: Client, js: JetStreamContext, model: str, eventually: Callable[..., Awaitable[Any]]
+) -> None:
     await ensure_model(js, model, BrokerConfig())
     await _submit(nc, model, [100, 300] * 20)
+
+    async def all_counted() -> bool:  # the consumer's count may trail the stream's acks a moment under load
+        return (await read_backlog(js, contract.REQUESTS, model, sample=8)).pending == 40
+
+    await eventually(all_counted, what="the consumer counting all 40")
     backlog = await read_backlog(js, contract.REQUESTS, model, sample=8)
     assert backlog == Backlog(pending=40, ack_pending=0, pending_tokens=40 * 200, sampled=8)
 
