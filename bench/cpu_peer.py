@@ -113,13 +113,16 @@ async def phase(url: str, name: str, reqs: list[list[int]], concurrency: int, ou
     ttft: list[float] = []
     tpot: list[float] = []
     tokens = [0]
+    cached: list[int | None] = []  # each request's cached prompt tokens, as its usage says (None: not said)
 
     async def lane(conn: Connection) -> None:
         while pending:
             body = {"model": name, "prompt": pending.pop(0), "max_tokens": output_len, "temperature": 0}
             body.update({"ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
             got = await conn.stream("/v1/completions", body)
-            n = ((got.last or {}).get("usage") or {}).get("completion_tokens", got.events)
+            usage = (got.last or {}).get("usage") or {}
+            n = usage.get("completion_tokens", got.events)
+            cached.append((usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
             tokens[0] += n
             first = got.first or got.ended
             ttft.append(first - got.sent)
@@ -137,6 +140,7 @@ async def phase(url: str, name: str, reqs: list[list[int]], concurrency: int, ou
         "concurrency": concurrency,
         "requests": len(reqs),
         "output_tokens": tokens[0],
+        "cached_tokens": None if None in cached else sum(c or 0 for c in cached),
         "out_tok_s": tokens[0] / seconds,
         "ttft_p50_ms": statistics.median(ttft) * 1e3,
         "tpot_p50_ms": statistics.median(tpot) * 1e3 if tpot else None,
@@ -169,7 +173,8 @@ def run_system(kind: str, args: argparse.Namespace, model: Path, root: Path, rep
             got = asyncio.run(phase(server.url, name, reqs, concurrency, args.output_len))
             log(
                 f"{kind} run {rep + 1}: {concurrency} in flight: {got['out_tok_s']:.1f} out tok/s, "
-                f"TPOT p50 {got['tpot_p50_ms']:.1f} ms, TTFT p50 {got['ttft_p50_ms']:.0f} ms (startup {startup:.1f} s)"
+                f"TPOT p50 {got['tpot_p50_ms']:.1f} ms, TTFT p50 {got['ttft_p50_ms']:.0f} ms, "
+                f"cached prompt tokens {got['cached_tokens']} (startup {startup:.1f} s)"
             )
             out["phases"].append(got)
         return out

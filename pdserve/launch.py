@@ -112,7 +112,10 @@ def take_turns(path: str, engine: Any) -> Any:
 
     if engine.runner.device.type != "cpu":
         raise UsageError("--core-turns: for CPU workers")
-    turns = CoreTurns(Path(path))
+    try:
+        turns = CoreTurns(Path(path))
+    except OSError as exc:
+        raise UsageError(f"--core-turns {path}: cannot open the lock file ({exc.strerror})") from None
     engine.observer = turns
     log.info("taking turns at the cores", extra={"lock": path})
     return turns

@@ -173,9 +173,9 @@ def run_up(args: argparse.Namespace) -> int:
         threads = args.num_threads or threads_per_worker(len(roles))
     devices = plan_devices(args, roles)
     turns = plan_core_turns(args)
-    if turns is not None and not args.num_threads:
-        threads = threads_per_worker(1)  # each steps on all the cores, one at a time
     if turns is not None:
+        if not args.num_threads:
+            threads = threads_per_worker(1)  # each steps on all the cores, one at a time
         log.info("CPU workers take turns at the cores", extra={"lock": str(turns), "threads_each": threads})
     worker_threads = role_threads(args, roles, threads)
     planned = plan_cores(args, worker_threads)

@@ -121,3 +121,17 @@ def test_each_worker_is_started_with_the_lock(tmp_path: Path) -> None:
     assert argv[argv.index("--core-turns") + 1] == str(tmp_path / "core-turns")
     assert argv[argv.index("--num-threads") + 1] == "2"
     assert "--core-turns" not in worker_argv(args, "decode", tmp_path, "nats://127.0.0.1:4222", 1)
+
+
+def test_a_lock_file_that_cannot_be_opened_is_a_usage_error(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from pdserve.launch import take_turns
+
+    engine = SimpleNamespace(runner=SimpleNamespace(device=SimpleNamespace(type="cpu")), observer=None)
+    with pytest.raises(UsageError, match=r"--core-turns .*cannot open the lock file"):
+        take_turns(str(tmp_path / "no-such-dir" / "core-turns"), engine)
+    assert engine.observer is None
+    gpu = SimpleNamespace(runner=SimpleNamespace(device=SimpleNamespace(type="cuda")), observer=None)
+    with pytest.raises(UsageError, match="for CPU workers"):
+        take_turns(str(tmp_path / "core-turns"), gpu)
