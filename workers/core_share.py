@@ -8,7 +8,7 @@ team. Here every worker runs on all the cores, one step at a time: before a step
 the host's turn (an exclusive ``flock`` on a file in the data directory, which the kernel
 hands back when a worker dies, even mid-step), and gives it back as soon as the forward pass
 is done, so the other role's waiting step goes next. On 2 cores (SmolLM2, 256 in / 64 out,
-2026-12-05, docs/cpu.md): 43.7 / 186.7 out tok/s at 1 / 16 in flight, 0.96x / 0.94x of
+2026-12-05, docs/cpu.md): 43.8 / 180.0 out tok/s at 1 / 16 in flight, 1.06x / 0.96x of
 unified serving's; a fixed split of a thread each 32.8 / 157.1.
 
 The cost: a decode step waits for the prefill chunk in progress, as in unified serving;
