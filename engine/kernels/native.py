@@ -4,7 +4,7 @@
 The sources are compiled by the machine's C compiler (``$CC``, else ``cc`` or ``gcc``) with
 ``-O3 -march=native -fopenmp`` into a cache directory (``$PDSERVE_KERNEL_CACHE``, else
 ``$XDG_CACHE_HOME/pdserve/kernels`` or ``~/.cache/pdserve/kernels``), named by a hash of the
-sources, the flags and the compiler's version: a later start loads it (about 0.5 s to build on
+sources, the flags and the compiler's version: a later start loads it (about 2 s to build on
 two cores). The library needs ``libgomp.so.1``, which torch has already loaded: its OpenMP
 threads are torch's. ctypes releases the GIL for the call.
 
