@@ -112,6 +112,10 @@ _TIER_COUNTERS = {
         "pdserve_kv_tier_calibrations",
         "page groups read back off the request path to measure the tier's load rate",
     ),
+    "overlapped_pages": (
+        "pdserve_kv_tier_overlapped_pages",
+        "KV pages loaded from the tier while the prefix before them was computed",
+    ),
 }
 # TierCounts fields shown as gauges: the load-or-recompute rule's inputs.
 _TIER_GAUGES = {

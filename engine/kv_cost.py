@@ -19,8 +19,13 @@ a store over tcp), and in between where a fast tier's pages come first and a slo
 after. Until the prefill has been measured the rule loads (the first load is its measurement);
 so it does from a memory tier not measured yet, but a tier named in ``measure_first`` (a disk
 or a store, which can be several times slower than computing) is not loaded before its rate
-is known: its pages are computed while the caller measures it off the request's path. Plain
-arithmetic, no I/O: the tests drive it with numbers.
+is known: its pages are computed while the caller measures it off the request's path.
+
+Where a tier is slower than computing, its pages can still save time beside the computing:
+the leading part of them is computed on the device while the rest is loaded from the tier at
+the same time (the later pages' KV is only data: computing the earlier ones does not need it).
+:func:`overlap_split` picks the split where the two take about as long. Plain arithmetic, no
+I/O: the tests drive it with numbers.
 """
 
 from __future__ import annotations
@@ -134,3 +139,46 @@ def pages_worth_loading(
         if saved > best_saved:
             best_pages, best_saved = done, saved
     return Decision(best_pages, None if unmeasured and best_pages else best_saved)
+
+
+@dataclass(frozen=True)
+class Split:
+    """Of a run of found pages, compute the leading ``head`` while loading the ``tail`` after
+    them; ``seconds`` the longer of the two, ``saved`` against computing them all."""
+
+    head: int
+    tail: int
+    seconds: float
+    saved: float
+
+
+def overlap_split(
+    runs: Sequence[tuple[str, int]], page_bytes: int, page_tokens: int, estimates: CostEstimates
+) -> Split | None:
+    """``runs``: found pages in prompt order, as (tier, pages), that loading up front does not
+    pay for (what :func:`pages_worth_loading` left). The split of them into a computed head and
+    a tail loaded meanwhile that ends soonest, or ``None`` where none beats computing them all
+    (a tier or the prefill not measured yet, or a tier too slow for even one page's load to hide
+    behind the head's computing)."""
+    total = sum(n for _, n in runs)
+    whole = estimates.recompute_seconds(total * page_tokens)
+    if total == 0 or whole is None:
+        return None
+    per_page: list[float] = []  # each page's load time, in prompt order
+    for tier, n in runs:
+        one = estimates.load_seconds(tier, page_bytes)
+        if one is None:
+            return None
+        per_page += [one] * n
+    best: Split | None = None
+    load = 0.0
+    for head in range(total, -1, -1):  # the tail grows a page at a time, from the end
+        if head < total:
+            load += per_page[head]
+        compute = estimates.recompute_seconds(head * page_tokens) or 0.0
+        seconds = max(compute, load)
+        if best is None or seconds < best.seconds:
+            best = Split(head, total - head, seconds, whole - seconds)
+        if load > whole:
+            break  # the tail alone takes longer than computing everything
+    return best if best is not None and best.tail > 0 and best.saved > 0.0 else None

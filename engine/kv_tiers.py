@@ -44,7 +44,7 @@ import torch
 
 from pdserve.engine import kv_blob
 from pdserve.engine.config import KVTierConfig
-from pdserve.engine.kv_cost import CostEstimates, pages_worth_loading
+from pdserve.engine.kv_cost import CostEstimates, overlap_split, pages_worth_loading
 from pdserve.engine.kv_host import HostTier
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.kv_store import StoreError
@@ -77,6 +77,29 @@ class Plan:
     @property
     def num_pages(self) -> int:
         return sum(s.count for s in self.steps)
+
+
+@dataclass
+class Loads:
+    """What :meth:`KVTiers.worth_loading` makes of a found prefix: ``now`` loaded before its
+    computing goes on; then ``head`` pages computed while ``later`` (if any) loads beside them
+    into the pages after (:meth:`KVTiers.load_behind`); the rest computed."""
+
+    now: Plan
+    head: int = 0
+    later: Plan | None = None
+
+
+def _cut(steps: Sequence[_Step], begin: int, end: int) -> list[_Step]:
+    """The steps of pages ``begin..end`` of a plan (counted from its first page)."""
+    out: list[_Step] = []
+    at = 0
+    for step in steps:
+        lo, hi = max(begin, at), min(end, at + step.count)
+        if lo < hi:
+            out.append(_Step(step.tier, step.key, step.skip + lo - at, hi - lo))
+        at += step.count
+    return out
 
 
 @dataclass
@@ -124,6 +147,7 @@ class KVTiers(WriteThrough):
         )
         self._prefetcher: threading.Thread | None = None
         self._loaders: ThreadPoolExecutor | None = None  # a load's group reads (see load)
+        self._behind: ThreadPoolExecutor | None = None  # loads beside the engine's steps (load_behind)
         if self.groups and config.prefetch_bytes > 0:
             self._prefetcher = helper_thread(self._prefetch_loop, "kv-tier-prefetch")
             self._prefetcher.start()
@@ -206,14 +230,16 @@ class KVTiers(WriteThrough):
         self._timed("lookup", began)
         return Plan(hashes, start, steps)
 
-    def worth_loading(self, plan: Plan) -> Plan:
-        """``plan`` cut to the leading pages whose loading beats computing them
-        (:func:`~pdserve.engine.kv_cost.pages_worth_loading`); the pages cut are counted as
-        declined, per tier. A disk or store found holding a prefix before its rate is known
-        (a second worker on a shared store) is not loaded from: the prefix is computed, as it
-        would be without the tier, and the writer thread times one of its groups."""
+    def worth_loading(self, plan: Plan, overlap: bool = False) -> Loads:
+        """What to do with ``plan``: the leading pages whose loading beats computing them
+        (:func:`~pdserve.engine.kv_cost.pages_worth_loading`) load first; with ``overlap``, of
+        the group tiers' pages found after those, a head may be computed while the tail after it
+        loads beside it (:func:`~pdserve.engine.kv_cost.overlap_split`). The pages neither way
+        takes are counted as declined, per tier. A disk or store found holding a prefix before
+        its rate is known (a second worker on a shared store) is not loaded from: the prefix is
+        computed, as it would be without the tier, and the writer thread times one of its groups."""
         if self.config.load == "always":
-            return plan
+            return Loads(plan)
         with self._fetch_lock:
             runs = [("prefetched" if s.key in self._fetched else s.tier, s.count) for s in plan.steps]
         group_tiers = [t.name for t in self.groups]
@@ -223,16 +249,41 @@ class KVTiers(WriteThrough):
         for name in decision.unmeasured:  # measured on the writer's thread; computed meanwhile
             self.measure_soon(name, [s.key for s in plan.steps if s.tier == name])
         keep = decision.pages
-        steps: list[_Step] = []
-        left = keep
+        split = None
+        rest = _cut(plan.steps, keep, plan.num_pages)
+        if overlap and rest and not decision.unmeasured and all(s.tier != "host" for s in rest):
+            with self._fetch_lock:
+                rest_runs = [("prefetched" if s.key in self._fetched else s.tier, s.count) for s in rest]
+            split = overlap_split(rest_runs, self.pool.page_bytes, self.pool.layout.page_size, self.estimates)
+        head = split.head if split is not None else 0
+        later = None
+        if split is not None:
+            later = Plan(plan.hashes, plan.start + keep + head, _cut(plan.steps, keep + head, plan.num_pages))
+        for step in _cut(plan.steps, keep, keep + head if split is not None else plan.num_pages):
+            self.stats.tiers[step.tier].declined_pages += step.count
+        return Loads(Plan(plan.hashes, plan.start, _cut(plan.steps, 0, keep)), head, later)
+
+    def load_behind(self, plan: Plan, pages: Sequence[int]) -> Future[int]:
+        """:meth:`load` on a thread of its own, beside the engine's steps (the split of
+        :meth:`worth_loading`); the future's result is the pages loaded, once they are in the pool
+        (a GPU pool's copies run on a stream of their own, waited for before the result)."""
+        with self._fetch_lock:
+            if self._behind is None:
+                self._behind = helper_pool(1, "kv-tier-behind")
+        counters = self.stats.tiers
         for step in plan.steps:
-            take = min(step.count, left)
-            if take:
-                steps.append(_Step(step.tier, step.key, step.skip, take))
-            if step.count > take:
-                self.stats.tiers[step.tier].declined_pages += step.count - take
-            left -= take
-        return Plan(plan.hashes, plan.start, steps)
+            counters[step.tier].overlapped_pages += step.count
+        return self._behind.submit(self._load_behind, plan, list(pages))
+
+    def _load_behind(self, plan: Plan, pages: list[int]) -> int:
+        device = self.pool.device
+        if device.type != "cuda":
+            return self.load(plan, pages)
+        stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(stream):
+            loaded = self.load(plan, pages)
+        stream.synchronize()
+        return loaded
 
     def note_prefill(self, tokens: int, seconds: float) -> None:
         """A step computed ``tokens`` prompt tokens in ``seconds``: the recompute side's rate."""
@@ -255,8 +306,9 @@ class KVTiers(WriteThrough):
             done += n
         fetched: dict[int, Future[_Fetched]] = {}
         if sum(1 for step, _, _ in spans if step.tier != "host") > 1:
-            if self._loaders is None:
-                self._loaders = helper_pool(LOAD_THREADS, "kv-tier-load")
+            with self._fetch_lock:  # a load beside the steps (load_behind) may be first
+                if self._loaders is None:
+                    self._loaders = helper_pool(LOAD_THREADS, "kv-tier-load")
             for i, (step, _, _) in enumerate(spans):
                 if step.tier != "host":
                     fetched[i] = self._loaders.submit(self._fetch_group, step)
@@ -415,6 +467,9 @@ class KVTiers(WriteThrough):
     def close(self) -> None:
         """Finish queued writes, stop the writer and the prefetcher, close the store client
         (again: nothing)."""
+        if self._behind is not None:  # its loads finish first: they use the loaders
+            self._behind.shutdown()
+            self._behind = None
         if self._loaders is not None:
             self._loaders.shutdown()
             self._loaders = None

@@ -66,6 +66,7 @@ class TierCounters:
     prefetch_hits: int = 0  # of those, groups a load then took from memory
     prefetch_wasted: int = 0  # of those, groups dropped unused (the memory's limit; the request went elsewhere)
     calibrations: int = 0  # groups read back off the request path to measure this tier's rate (KVTiers.calibrate)
+    overlapped_pages: int = 0  # pages loaded beside the computing of the prefix before them (KVTiers.load_behind)
 
 
 @dataclass

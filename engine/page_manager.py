@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pdserve.engine.sequence import Sequence as Seq
@@ -27,14 +29,28 @@ class PrefixTiers(Protocol):
 
     def demote(self, page: int, h: bytes) -> None: ...
     def find(self, hashes: Sequence[bytes], start: int, limit: int) -> Any: ...  # a plan with ``num_pages``
-    def worth_loading(self, plan: Any) -> Any: ...  # the plan cut to what loads faster than computing
+    # what loads faster than computing: ``now`` (a plan), then ``head`` pages computed while ``later`` loads
+    def worth_loading(self, plan: Any, overlap: bool = False) -> Any: ...
     def load(self, plan: Any, pages: Sequence[int]) -> int: ...
+    def load_behind(self, plan: Any, pages: Sequence[int]) -> Future[int]: ...  # load, on a thread of its own
     def offer(self, hashes: Sequence[bytes], page_table: Sequence[int], old_full: int, new_full: int) -> None: ...
     def prefetch(self, hashes: Sequence[bytes], start: int, ahead: int = 0) -> bool: ...  # read ahead (slow tiers)
 
 
 class OutOfPages(RuntimeError):
     pass
+
+
+@dataclass
+class TailLoad:
+    """Pages of a sequence's cached prefix loading from a tier (``future``: how many arrived,
+    in order) while the tokens before ``head_end`` are computed; ``pages`` and ``hashes`` the
+    tail's, in prompt order, right after ``head_end``."""
+
+    future: Future[int]
+    head_end: int
+    pages: list[int]
+    hashes: list[bytes]
 
 
 class PageManager:
@@ -206,9 +222,12 @@ class PageManager:
                 self._evicted.append(h)
 
     # ---- a sequence's pages --------------------------------------------------
-    def attach_prefix(self, seq: Seq, max_tokens: int) -> None:
+    def attach_prefix(self, seq: Seq, max_tokens: int, overlap_reserve: int | None = None) -> None:
         """Give ``seq`` the cached pages of its longest known prefix, up to ``max_tokens``
-        tokens; they count as computed (and cached)."""
+        tokens; they count as computed (and cached). With ``overlap_reserve`` (the pages to leave
+        free), a part of the prefix in a tier slower than computing may load while the part
+        before it is computed (``seq.tail_load``; the scheduler computes up to its ``head_end``,
+        then :meth:`finish_tail`)."""
         assert not seq.page_table, f"{seq.rid} already has pages"
         limit = max_tokens // self.page_size
         if self.tiers is None:  # hashed as far as the index knows the prefix; the rest later (hash_pages)
@@ -217,11 +236,14 @@ class PageManager:
             seq.page_hashes = self.match_prefix(seq.tokens)  # (unless prefetch hashed the prompt already)
         cached = self.lookup(seq.page_hashes)[:limit]
         self.share(cached)
-        if self.tiers is not None and self.enable_prefix_cache and len(cached) < limit:
-            cached += self._promote(seq.page_hashes, len(cached), limit - len(cached))
         seq.page_table = list(cached)
-        seq.num_computed = seq.num_cached = len(cached) * self.page_size
-        seq.num_registered_pages = len(cached)
+        ready = len(cached)
+        if self.tiers is not None and self.enable_prefix_cache and len(cached) < limit:
+            pages, loaded = self._promote(seq, len(cached), limit - len(cached), overlap_reserve)
+            seq.page_table += pages
+            ready += loaded
+        seq.num_computed = seq.num_cached = ready * self.page_size
+        seq.num_registered_pages = ready
 
     def prefetch(self, seq: Seq, ahead: int = 0) -> bool:
         """A request just queued behind ``ahead`` others: have the tiers read ahead the part of
@@ -259,20 +281,57 @@ class PageManager:
             tokens = seq.tokens[have * self.page_size : num_tokens]
             seq.page_hashes += page_hashes(tokens, self.page_size, seq.page_hashes[-1] if have else None)
 
-    def _promote(self, hashes: list[bytes], start: int, limit: int) -> list[int]:
-        """Pages for ``hashes[start:]`` loaded from the tiers below (at most ``limit``, and
-        no more than are free), indexed like computed ones, referenced once."""
+    def _promote(self, seq: Seq, start: int, limit: int, overlap_reserve: int | None) -> tuple[list[int], int]:
+        """Pages for ``seq.page_hashes[start:]`` loaded from the tiers below (at most
+        ``limit``, and no more than are free), indexed like computed ones, referenced once;
+        then, where the tiers advise it and ``overlap_reserve`` pages stay free, fresh pages
+        for a head to compute and a tail loading meanwhile (``seq.tail_load``). Returns the
+        pages and how many of them (the leading ones) hold their KV now."""
         assert self.tiers is not None
-        plan = self.tiers.worth_loading(self.tiers.find(hashes, start, limit))
-        n = min(plan.num_pages, self.num_free_pages)
-        if n <= 0:
-            return []
-        pages = self.allocate(n)
-        loaded = self.tiers.load(plan, pages)
+        hashes = seq.page_hashes
+        loads = self.tiers.worth_loading(self.tiers.find(hashes, start, limit), overlap_reserve is not None)
+        n = min(loads.now.num_pages, self.num_free_pages)
+        pages = self.allocate(n) if n > 0 else []
+        loaded = self.tiers.load(loads.now, pages) if pages else 0
         for page, h in zip(pages[:loaded], hashes[start:], strict=False):
             self.register(page, h)  # an equal page still indexed keeps its place; this copy stays private
         self.free(pages[loaded:])
-        return pages[:loaded]
+        pages = pages[:loaded]
+        later = loads.later
+        if later is None or loaded != loads.now.num_pages:
+            return pages, loaded
+        assert overlap_reserve is not None
+        head, tail = loads.head, later.num_pages
+        if head + tail + overlap_reserve > self.num_free_pages:
+            return pages, loaded
+        fresh = self.allocate(head + tail)
+        first = start + loaded + head
+        future = self.tiers.load_behind(later, fresh[head:])
+        seq.tail_load = TailLoad(future, first * self.page_size, fresh[head:], hashes[first : first + tail])
+        return pages + fresh, loaded
+
+    def finish_tail(self, seq: Seq) -> int:
+        """Wait for ``seq``'s tail load (its head computed) and take what arrived as computed and
+        cached, indexed like computed pages; pages that did not arrive (a group gone or corrupt
+        since the lookup) stay in its page table to be computed. Returns the tokens taken."""
+        tail = seq.tail_load
+        assert tail is not None and seq.num_computed == tail.head_end, (seq.rid, seq.num_computed)
+        seq.tail_load = None
+        loaded = tail.future.result()
+        for page, h in zip(tail.pages[:loaded], tail.hashes, strict=False):
+            self.register(page, h)
+        tokens = loaded * self.page_size
+        seq.num_computed += tokens
+        seq.num_cached += tokens
+        seq.num_registered_pages = seq.num_computed // self.page_size
+        return tokens
+
+    def _drop_tail(self, seq: Seq) -> None:
+        """A sequence let go of before its tail load finished: wait for the load (its pages are
+        written until then), keep nothing of it."""
+        tail, seq.tail_load = seq.tail_load, None
+        if tail is not None:
+            tail.future.result()
 
     def grow(self, seq: Seq, num_tokens: int, reserve: int = 0) -> bool:
         """Pages for ``num_tokens`` tokens of ``seq``, leaving ``reserve`` pages free;
@@ -307,6 +366,7 @@ class PageManager:
 
     def release(self, seq: Seq) -> None:
         """Drop ``seq``'s pages (cached full pages stay findable); nothing of it is computed."""
+        self._drop_tail(seq)
         self.free(seq.page_table)
         seq.page_table = []
         seq.num_computed = seq.num_cached = 0

@@ -24,6 +24,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_tail_tokens = 0  # prompt tokens loaded from a tier beside the computing of the part before them
         self.speculator: Speculator | None = None  # speculative decoding's drafter (the engine sets it)
 
     @property
@@ -116,8 +117,16 @@ class Scheduler:
                 if active + need > self.config.max_num_seqs:
                     blocked = True
                     continue
-                self.pages.attach_prefix(seq, seq.num_tokens - 1)  # at least one token left to compute
+                # at least one token left to compute; a slow tier's part may load while the part before it computes
+                self.pages.attach_prefix(seq, seq.num_tokens - 1, overlap_reserve=watermark)
+            tail = seq.tail_load
+            if tail is not None and seq.num_computed >= tail.head_end:
+                if not tail.future.done() and (prefills or self.running):
+                    continue  # its tail is still loading: the others go on meanwhile
+                self.num_tail_tokens += self.pages.finish_tail(seq)  # (waits, when nothing else can run)
             n = min(seq.num_uncomputed, budget)
+            if seq.tail_load is not None:  # compute up to where its loading tail begins
+                n = min(n, seq.tail_load.head_end - seq.num_computed)
             if not self.pages.grow(seq, seq.num_computed + n, reserve=watermark):
                 if not started:
                     self.pages.release(seq)  # give back the prefix pages; retry later

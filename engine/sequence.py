@@ -53,6 +53,9 @@ class Sequence:
     forked: bool = False
     matcher: Any = None  # structured output: the grammar matcher (engine.grammar.Matcher)
     spec: Any = None  # speculative decoding: its n-gram index and record (engine.speculative.SpecState)
+    # A part of its cached prefix loading from a KV tier while the part before it is computed
+    # (engine.page_manager.TailLoad): its prefill stops where that load begins until it is done.
+    tail_load: Any = None
 
     @property
     def out_rid(self) -> str:

@@ -78,7 +78,8 @@ class TierCounts:
     ``prefetched_groups``: groups read ahead into host memory while their request waited,
     ``prefetch_hits`` of them then loaded from memory, ``prefetch_wasted`` dropped unused;
     ``calibrations``: groups read back off the request path to measure the tier's rate (its
-    first write, or one it held at start)."""
+    first write, or one it held at start); ``overlapped_pages``: pages asked of it while the
+    prefix before them was computed (a tier slower than computing still saving time)."""
 
     tier: str
     hit_pages: int = 0
@@ -94,6 +95,7 @@ class TierCounts:
     prefetch_hits: int = 0
     prefetch_wasted: int = 0
     calibrations: int = 0
+    overlapped_pages: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

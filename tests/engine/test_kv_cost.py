@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.kv_cost import CostEstimates, Decision, marginal_cost, pages_worth_loading
+from pdserve.engine.kv_cost import CostEstimates, Decision, marginal_cost, overlap_split, pages_worth_loading
 
 PAGE_BYTES = 1 << 20  # 1 MiB a page
 PAGE_TOKENS = 16
@@ -116,3 +116,25 @@ def test_the_marginal_cost_without_a_spread_of_sizes() -> None:
     assert marginal_cost([(1024, 0.05), (4096, 0.04)]) == pytest.approx(0.04 / 4096)
     # a slope above a reading's own rate (a negative fixed part) is capped by that rate
     assert marginal_cost([(100, 0.001), (1000, 0.1)]) == pytest.approx(0.001 / 100)
+
+
+def test_a_slower_tier_loads_a_tail_while_the_head_is_computed() -> None:
+    # computing a page: 16 x 62.5 us = 1 ms; the disk: a page in 2 ms (512 MiB/s)
+    e = estimates(62.5, disk=512)
+    split = overlap_split([("disk", 30)], PAGE_BYTES, PAGE_TOKENS, e)
+    assert split is not None and (split.head, split.tail) == (20, 10)  # both take 20 ms, against 30
+    assert split.seconds == pytest.approx(0.020) and split.saved == pytest.approx(0.010)
+    # a disk as fast as computing (which the up-front rule declines: it saves nothing) halves the time
+    split = overlap_split([("disk", 30)], PAGE_BYTES, PAGE_TOKENS, estimates(62.5, disk=1024))
+    assert split is not None and (split.head, split.tail) == (15, 15) and split.seconds == pytest.approx(0.015)
+    # two tiers: the tail's pages are priced at their own tier's rate
+    split = overlap_split([("disk", 10), ("store", 20)], PAGE_BYTES, PAGE_TOKENS, estimates(62.5, disk=512, store=256))
+    assert split is not None and split.head + split.tail == 30 and split.seconds <= 0.030 * 0.8
+
+
+def test_no_split_where_nothing_is_measured_or_nothing_hides() -> None:
+    assert overlap_split([("disk", 8)], PAGE_BYTES, PAGE_TOKENS, CostEstimates()) is None  # nothing measured
+    assert overlap_split([("disk", 8)], PAGE_BYTES, PAGE_TOKENS, estimates(62.5)) is None  # the disk not measured
+    # a page's load takes longer than computing all eight: not one page is worth it
+    assert overlap_split([("disk", 8)], PAGE_BYTES, PAGE_TOKENS, estimates(62.5, disk=100)) is None
+    assert overlap_split([], PAGE_BYTES, PAGE_TOKENS, estimates(62.5, disk=512)) is None

@@ -406,7 +406,7 @@ def test_a_queued_request_finds_its_prefix_read_ahead(
     # the same slow disk without prefetch: declined, computed
     plain = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4, load="cost", prefetch_bytes=0)
     assert plain.tiers is not None
-    plain.tiers.estimates.note_load("disk", 1, 1.0)
+    plain.tiers.estimates.bytes_per_s["disk"] = 1.0  # too slow to load even one page beside the computing
     plain.tiers.note_prefill(1024, 1e-3)
     assert serve(plain, [prompts[1]]) == [expected[1]]
     stats = plain.tiers.stats.tiers["disk"]
@@ -491,3 +491,71 @@ def test_writes_a_store_cannot_take_are_counted_errors(
     finally:
         process.terminate()
         process.wait(10)
+
+
+def split_rates(engine: Engine, load_over_compute: float) -> None:
+    """Price the disk's page at ``load_over_compute`` times the engine's measured cost of
+    computing one (the prefill as the restarted engine measured it at start)."""
+    tiers = engine.tiers
+    assert tiers is not None
+    compute = tiers.estimates.recompute_seconds(16)
+    assert compute is not None
+    tiers.estimates.bytes_per_s["disk"] = tiers.pool.page_bytes / (load_over_compute * compute)
+
+
+def test_a_disk_slower_than_computing_loads_the_prefix_s_tail_while_its_head_is_computed(
+    tiny_model_dir: Path, prompts_and_expected, tmp_path: Path
+) -> None:
+    """A page from the disk at twice the cost of computing it: of the 12 cached pages the first
+    8 are computed while the last 4 (a group) load beside them, then the prompt's end is
+    computed after both; the output is the computed one."""
+    prompts, expected = prompts_and_expected
+    _, engine = restarted_over_disk(tiny_model_dir, tmp_path, prompts[0])
+    split_rates(engine, 2.0)
+    engine.add_request("r1", prompts[1], GREEDY)
+    (seq,) = engine.scheduler.waiting
+    engine.step()  # the head, in one chunk; then the prefix waits for its tail
+    assert seq.tail_load is not None and seq.tail_load.head_end == 8 * 16 and len(seq.tail_load.pages) == 4
+    assert seq.num_computed == 8 * 16 and seq.num_cached == 0
+    assert run_all(engine)["r1"] == expected[1]
+    disk = engine.tiers.stats.tiers["disk"]  # type: ignore[union-attr]
+    assert (disk.overlapped_pages, disk.hit_pages, disk.declined_pages) == (4, 4, 8)
+    assert engine.stats.cached_tokens == 4 * 16 and engine.scheduler.num_tail_tokens == 4 * 16
+    assert engine.pages.num_cached_pages >= 12  # the tail's pages are indexed like computed ones
+    engine.pages.check_invariants()
+    (counts,) = engine.tiers.counts()  # type: ignore[union-attr]
+    assert counts.overlapped_pages == 4
+    engine.close()
+
+
+def test_a_request_let_go_of_while_its_tail_loads_waits_for_the_load_then_frees_every_page(
+    tiny_model_dir: Path, prompts_and_expected, tmp_path: Path
+) -> None:
+    import threading
+    import time
+
+    prompts, _ = prompts_and_expected
+    _, engine = restarted_over_disk(tiny_model_dir, tmp_path, prompts[0])
+    split_rates(engine, 2.0)
+    disk = engine.tiers.groups[0]  # type: ignore[union-attr]
+    release = threading.Event()
+    get = disk.get
+
+    def slow_get(key: bytes) -> object:
+        release.wait(10)
+        return get(key)
+
+    disk.get = slow_get  # type: ignore[method-assign]
+    free = engine.pages.num_free_pages
+    engine.add_request("r1", prompts[1], GREEDY)
+    engine.step()  # the head's first chunk; the tail still loading
+    (seq,) = engine.scheduler.waiting
+    assert seq.tail_load is not None and not seq.tail_load.future.done()
+    threading.Timer(0.3, release.set).start()
+    began = time.monotonic()
+    assert engine.abort("r1")
+    assert time.monotonic() - began >= 0.2  # the pages were written until the load ended
+    assert seq.tail_load is None and not engine.has_work()
+    engine.pages.check_invariants()
+    assert engine.pages.num_free_pages == free
+    engine.close()
