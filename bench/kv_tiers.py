@@ -92,7 +92,13 @@ def tier_counts(engine: Engine) -> dict[str, Any]:
         return {}
     s = engine.tiers.stats
     return {
-        name: {"hit_pages": c.hit_pages, "stored_pages": c.stored_pages, "corrupt": c.corrupt}
+        name: {
+            "hit_pages": c.hit_pages,
+            "overlapped_pages": c.overlapped_pages,
+            "declined_pages": c.declined_pages,
+            "stored_pages": c.stored_pages,
+            "corrupt": c.corrupt,
+        }
         for name, c in s.tiers.items()
     } | {
         "lookup_seconds": round(s.lookup_seconds, 4),

@@ -261,6 +261,14 @@ class KVTiers(WriteThrough):
             later = Plan(plan.hashes, plan.start + keep + head, _cut(plan.steps, keep + head, plan.num_pages))
         for step in _cut(plan.steps, keep, keep + head if split is not None else plan.num_pages):
             self.stats.tiers[step.tier].declined_pages += step.count
+        for step, (priced, _) in zip(_cut(plan.steps, 0, keep), runs, strict=False):  # the time saved, as expected
+            load = self.estimates.load_seconds(priced, step.count * self.pool.page_bytes)
+            compute = self.estimates.recompute_seconds(step.count * self.pool.layout.page_size)
+            if load is not None and compute is not None:
+                self.stats.tiers[step.tier].saved_seconds += compute - load
+        if later is not None and split is not None:
+            for step in later.steps:
+                self.stats.tiers[step.tier].saved_seconds += split.saved * step.count / split.tail
         return Loads(Plan(plan.hashes, plan.start, _cut(plan.steps, 0, keep)), head, later)
 
     def load_behind(self, plan: Plan, pages: Sequence[int]) -> Future[int]:

@@ -67,6 +67,7 @@ class TierCounters:
     prefetch_wasted: int = 0  # of those, groups dropped unused (the memory's limit; the request went elsewhere)
     calibrations: int = 0  # groups read back off the request path to measure this tier's rate (KVTiers.calibrate)
     overlapped_pages: int = 0  # pages loaded beside the computing of the prefix before them (KVTiers.load_behind)
+    saved_seconds: float = 0.0  # what its loads were expected to save against computing (the rule's estimates)
 
 
 @dataclass

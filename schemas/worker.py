@@ -79,7 +79,9 @@ class TierCounts:
     ``prefetch_hits`` of them then loaded from memory, ``prefetch_wasted`` dropped unused;
     ``calibrations``: groups read back off the request path to measure the tier's rate (its
     first write, or one it held at start); ``overlapped_pages``: pages asked of it while the
-    prefix before them was computed (a tier slower than computing still saving time)."""
+    prefix before them was computed (a tier slower than computing still saving time);
+    ``saved_seconds``: what the loads taken from it were expected to save against computing
+    their pages, by the rule's estimates when it took them."""
 
     tier: str
     hit_pages: int = 0
@@ -96,6 +98,7 @@ class TierCounts:
     prefetch_wasted: int = 0
     calibrations: int = 0
     overlapped_pages: int = 0
+    saved_seconds: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
