@@ -105,14 +105,14 @@ class Engine(Appending, Admission):
         # parallelism they are shared with the other ranks, whose next step they feed too).
         self.overlap = config.overlap_schedule and runner.fast is not None and runner.fast.overlaps
         # Speculative decoding (``engine/speculative.py``): a draft needs the sequence's last
-        # token on the host, so it turns the overlap off; not under tensor parallelism yet.
+        # token on the host, so a step before one where a sequence is due to draft is not left
+        # queued (``_may_overlap``); not under tensor parallelism yet.
         self.speculator: Speculator | None = None
         if config.speculative_algorithm and runner.tp is not None:
             log.warning("speculative decoding is off: not supported with tensor parallelism yet")
         elif config.speculative_algorithm:
             self.speculator = self.scheduler.speculator = Speculator(config)
             self.stats.spec = self.speculator.stats
-            self.overlap = False
         # Time each step on the device (CUDA events; a step timeline at DEBUG): costs two
         # event records a step, so off unless asked.
         self.time_steps = False
@@ -334,7 +334,8 @@ class Engine(Appending, Admission):
         self._retire(batch)
         self.stats.steps += 1
         self.stats.batch_rows += len(batch.decodes) + len(batch.prefills) + len(batch.verifies)
-        if self.speculator is not None and not batch.prefills:  # the step cost that drafts are weighed by
+        if self.speculator is not None and not batch.prefills and not batch.held:  # what drafts are weighed by
+            # (a step left queued is timed from before the one ahead of it ended: not its own cost)
             self.speculator.observe_step(batch.num_tokens, len(batch.verifies), result.gpu_seconds or result.seconds)
         self.stats.busy_seconds += result.seconds
         if self.tiers is not None and batch.prefills:  # the tiers' recompute rate
@@ -423,6 +424,7 @@ class Engine(Appending, Admission):
             return False
         assert self._pending is None, "one step at a time may be left queued"
         self._pending = launched
+        launched.batch.held = True
         self.stats.overlapped_steps += 1
         return True
 
@@ -437,13 +439,19 @@ class Engine(Appending, Admission):
         decodes in it (no prefill progress to account), tokens on the device, and no row
         whose sampling reads its own history (penalties). A constrained row may: the next
         step's launch hands its grammar the token before filling its mask (``_catch_up``)."""
-        return (
+        batch = launched.batch
+        held = (
             self.overlap
             and launched.tokens is not None
-            and not launched.batch.prefills
-            and not launched.batch.verifies
-            and not any(s.sampling.has_penalties for s in launched.batch.decodes)
+            and not batch.prefills
+            and not batch.verifies
+            and not any(s.sampling.has_penalties for s in batch.decodes)
         )
+        speculator = self.speculator
+        if held and speculator is not None and any(speculator.due(s, len(batch.decodes)) for s in batch.decodes):
+            held = False  # the next step drafts for it: its last token must be on the host by then
+            speculator.stats.unoverlapped_steps += 1
+        return held
 
     def _drop_aborted(self) -> None:
         for rid in list(self._aborted):

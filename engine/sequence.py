@@ -99,6 +99,7 @@ class ScheduledBatch:
     prefills: list[tuple[Sequence, int]]
     serial: int = 0  # the engine's count of scheduled steps (orders what a step may still write)
     verifies: list[tuple[Sequence, list[int]]] = field(default_factory=list)
+    held: bool = False  # left queued on the device while the next step was scheduled (overlap)
 
     @property
     def num_tokens(self) -> int:

@@ -34,9 +34,11 @@ sequences' steps to it, a probe takes its price (``k`` tokens and a row, in thos
 request due to probe waits while the budget is short. So at any load the probes cost at most
 about that share of the time (at 32 in flight, 168 unbudgeted probes cost a fifth of it).
 
-Off for rows with a grammar (structured output: drafts are not checked against it) and,
-on a GPU, speculation turns the overlap of steps off (a draft needs the last token on the
-host); CUDA graphs do not cover verify steps.
+Off for rows with a grammar (structured output: drafts are not checked against it). On a
+GPU, steps overlap (the next one scheduled while the last one's tokens are on the device)
+except before a step in which a sequence is due to draft (:meth:`Speculator.due`): a draft
+needs the sequence's last token on the host. So where speculation has backed off (chat, high
+load) the overlap stays; where it drafts, the steps around its verifies are not overlapped.
 """
 
 from __future__ import annotations
@@ -194,6 +196,7 @@ class SpecStats:
     backoffs: int = 0
     probes: int = 0
     probes_deferred: int = 0  # steps a request due to probe waited for the probe budget
+    unoverlapped_steps: int = 0  # steps not left queued on the device: a request was due to draft after them
     lengths: list[int] = field(default_factory=list)
 
     @property
@@ -242,7 +245,7 @@ class Speculator:
         """``seq``'s draft this step (empty: a plain decode): at most ``limit`` tokens, as many
         as its acceptance pays for at ``price`` (see :meth:`price`)."""
         state = self.state(seq)
-        if state.disabled or limit <= 0 or seq.num_pending:
+        if state.disabled or limit <= 0:
             return []
         state.price = price
         k = best_length(state.alpha, price, min(self.k, limit))
@@ -251,13 +254,17 @@ class Speculator:
             if best_length(1.0, price, min(self.k, limit)) == 0:
                 return []  # even drafts always accepted would not pay at this load: no probe
             if state.cooldown > 0:
-                state.cooldown -= 1
+                state.cooldown -= 1  # (a step of it overlapped counts too)
+                return []
+            if seq.num_pending:
                 return []
             k = min(self.k, limit)  # a probe: does it pay again?
             if self.probe_budget is not None and self.probe_budget < k * price[0] + price[1]:
                 self.stats.probes_deferred += 1
                 return []  # due, but the probes' budget is short: another step
             probe = True
+        if seq.num_pending:
+            return []  # its last token is still on the device (an overlapped step's)
         state.index.extend(seq.prompt_ids, seq.output_ids)
         tokens, _ = state.index.propose(k)
         if tokens and probe:
@@ -267,6 +274,24 @@ class Speculator:
             state.cooldown = state.backoff
             state.backoff = min(state.backoff * 2, MAX_COOLDOWN)
         return tokens
+
+    def due(self, seq: Sequence, rows: int) -> bool:
+        """Whether ``seq`` would draft in a step of ``rows`` decoding sequences, as far as the
+        tokens the host knows tell (its acceptance pays, or a probe is due and budgeted, and its
+        n-gram index proposes something): the engine then does not leave the step before it
+        queued on the device (overlap), so that the draft has the sequence's last token. No
+        side effects beyond bringing its index up to date."""
+        state = self.state(seq)
+        if state.disabled or seq.num_outputs >= seq.sampling.max_new_tokens - 1:
+            return False
+        price = self.price(rows)
+        if best_length(state.alpha, price, self.k) == 0:
+            if best_length(1.0, price, self.k) == 0 or state.cooldown > 0:
+                return False
+            if self.probe_budget is not None and self.probe_budget < self.k * price[0] + price[1]:
+                return False
+        state.index.extend(seq.prompt_ids, seq.output_ids)
+        return bool(state.index.propose(1)[0])
 
     def record(self, seq: Sequence, drafted: int, accepted: int, emitted: int) -> None:
         state = self.state(seq)

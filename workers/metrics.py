@@ -44,6 +44,11 @@ class _Speculative(Collector):
             ("backoffs", "times a request stopped drafting: its acceptance did not pay for the verify", s.backoffs),
             ("probes", "drafts made after a backoff's cooldown", s.probes),
             ("probes_deferred", "steps a request due to probe waited for the probe budget", s.probes_deferred),
+            (
+                "unoverlapped_steps",
+                "steps not left queued on the device (overlap) because a request was due to draft after them",
+                s.unoverlapped_steps,
+            ),
             ("steps_saved", "decode steps saved (one per accepted draft token)", s.steps_saved),
         ):
             yield CounterMetricFamily(f"pdserve_spec_{name}", doc, value=value)

@@ -165,6 +165,41 @@ def test_overlapped_steps_equal_plain_steps() -> None:
     assert reference["reasons"]["2"] == "length" and len(reference["tokens"]["2"]) == 1
 
 
+def test_speculation_keeps_the_overlap_unless_a_draft_is_due() -> None:
+    """With speculation on, steps still overlap: a step is left queued on the device unless a
+    sequence in it is due to draft after it (the draft needs its last token on the host).
+    Where drafts never pay (a cost ratio no acceptance beats) every decode step overlaps and
+    nothing is verified; where every match drafts, the steps before the verifies are not left
+    queued and counted. Greedy tokens equal ``generate``'s either way."""
+    quiet_transformers()
+    model = small_model("qwen2")
+    rng = random.Random("overlap")
+    prompts = [[rng.randrange(300) for _ in range(8)] * 3, [rng.randrange(300) for _ in range(16)]]
+    expected = hf_greedy(model, prompts, 8)
+    for ratio in (100.0, 0.0):
+        config = EngineConfig(
+            device=str(DEVICE),
+            max_total_tokens=1024,
+            model_impl="pdserve",
+            cuda_graph_max_batch=0,
+            speculative_algorithm="ngram",
+            speculative_cost_ratio=ratio,
+        )
+        runner = ModelRunner(ModelSpec(Path("overlap")), config, model=model)
+        assert runner.fast is not None
+        runner.fast.use_gemv = False  # interpreted, it is slow; the greedy tests cover it
+        engine = Engine(runner, config)
+        assert engine.overlap and engine.speculator is not None
+        ours = run(engine, prompts, 8)
+        assert_greedy_equal(model, prompts, ours, expected)
+        spec = engine.stats.spec
+        assert spec is not None
+        if ratio:
+            assert engine.stats.overlapped_steps > 0 and spec.verifies == spec.unoverlapped_steps == 0
+        else:
+            assert spec.verifies > 0 and spec.accepted > 0 and spec.unoverlapped_steps > 0
+
+
 def test_speculative_verifies_run_as_decode_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """A step of decodes and verifies runs as decode rows (each draft token a row over its own
     prefix, K/V stored first): what the GPU's verify graphs replay. Greedy tokens equal
