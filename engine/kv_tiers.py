@@ -44,7 +44,7 @@ import torch
 
 from pdserve.engine import kv_blob
 from pdserve.engine.config import KVTierConfig
-from pdserve.engine.kv_cost import CostEstimates, overlap_split, pages_worth_loading
+from pdserve.engine.kv_cost import CostEstimates, Decision, overlap_split, pages_worth_loading
 from pdserve.engine.kv_host import HostTier
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.kv_store import StoreError
@@ -236,17 +236,28 @@ class KVTiers(WriteThrough):
         the group tiers' pages found after those, a head may be computed while the tail after it
         loads beside it (:func:`~pdserve.engine.kv_cost.overlap_split`). The pages neither way
         takes are counted as declined, per tier. A disk or store found holding a prefix before
-        its rate is known (a second worker on a shared store) is not loaded from: the prefix is
-        computed, as it would be without the tier, and the writer thread times one of its groups."""
+        its rate is known (a second worker on a shared store) is timed here reading one of its
+        groups (a load of the whole prefix blind cost an H200 2.4x computing it), then the rule
+        decides; the writer thread times it again as wide as a load reads."""
         if self.config.load == "always":
             return Loads(plan)
         with self._fetch_lock:
             runs = [("prefetched" if s.key in self._fetched else s.tier, s.count) for s in plan.steps]
         group_tiers = [t.name for t in self.groups]
-        decision = pages_worth_loading(
-            runs, self.pool.page_bytes, self.pool.layout.page_size, self.estimates, group_tiers
-        )
-        for name in decision.unmeasured:  # measured on the writer's thread; computed meanwhile
+
+        def decide() -> Decision:
+            return pages_worth_loading(
+                runs, self.pool.page_bytes, self.pool.layout.page_size, self.estimates, group_tiers
+            )
+
+        decision = decide()
+        if decision.unmeasured:  # timed here reading one of its groups (bounded: one group's read), then decided
+            for name in decision.unmeasured:
+                tier = self.tier(name)
+                assert tier is not None
+                self.calibrate(tier, [next(s.key for s in plan.steps if s.tier == name)])
+            decision = decide()
+        for name in decision.unmeasured:  # (its group could not be read) measured on the writer's thread
             self.measure_soon(name, [s.key for s in plan.steps if s.tier == name])
         keep = decision.pages
         split = None

@@ -4,6 +4,7 @@ bound, refuses corrupt or foreign entries; greedy output served from any tier eq
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -286,13 +287,13 @@ def test_a_tier_is_measured_reading_as_many_groups_at_once_as_a_load(tiny_model_
     engine.close()
 
 
-def test_a_tier_found_holding_a_prefix_before_it_was_measured_is_measured_not_loaded(
+def test_a_tier_found_holding_a_prefix_before_it_was_measured_is_timed_on_one_group_then_ruled(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """A disk or store not measured yet (a second worker on a shared store: nothing to time at
-    its start) is not loaded from on a request's path: the prefix is computed, as without the
-    tier, and the writer times one of its groups; the next request finding it loads by the
-    rule (on an H200 such a blind load from the store took 2.4x computing, 2026-12-04)."""
+    its start) is timed reading one of the prefix's groups before the rule decides, not loaded
+    blind (on an H200 such a blind load from the store took 2.4x computing, 2026-12-04): here,
+    where reading is far cheaper than this CPU's prefill, the prefix then loads."""
     prompt = list(range(5, 205))
     computed, second = restarted_over_disk(tiny_model_dir, tmp_path, prompt)
     assert second.tiers is not None
@@ -300,14 +301,26 @@ def test_a_tier_found_holding_a_prefix_before_it_was_measured_is_measured_not_lo
     calibrated = second.tiers.stats.tiers["disk"].calibrations
     assert serve(second, [prompt], first=1) == computed
     disk = second.tiers.stats.tiers["disk"]
-    assert disk.hit_pages == 0 and disk.declined_pages == 200 // 16 // 4 * 4
-    second.tiers.drain()
     assert disk.calibrations == calibrated + 1 and second.tiers.estimates.load_seconds("disk", 1) is not None
-    # measured fast against this CPU's prefill: the same prefix, evicted from the device, loads
-    second.tiers.estimates.bytes_per_s["disk"] = 1e12
-    second.flush_cache()
-    assert serve(second, [prompt], first=2) == computed
-    assert disk.hit_pages == 200 // 16 // 4 * 4
+    assert disk.hit_pages == 200 // 16 // 4 * 4 and disk.declined_pages == 0
+    # the same on a disk that reads slower than anything computes: timed, then declined
+    computed, third = restarted_over_disk(tiny_model_dir, tmp_path / "slow", prompt)
+    assert third.tiers is not None
+    third.tiers.estimates.bytes_per_s.pop("disk")
+    disk_tier = third.tiers.tier("disk")
+    assert disk_tier is not None
+    get = disk_tier.get
+
+    def slow_get(key: bytes) -> object:
+        blob = get(key)
+        time.sleep(1.0)  # a group a second: slower than computing the whole prompt here
+        return blob
+
+    disk_tier.get = slow_get  # type: ignore[method-assign]
+    assert serve(third, [prompt], first=1) == computed
+    disk = third.tiers.stats.tiers["disk"]
+    assert disk.hit_pages == 0 and disk.declined_pages == 200 // 16 // 4 * 4
+    third.close()
     second.close()
 
 
