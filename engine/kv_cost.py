@@ -150,16 +150,22 @@ class Split:
     tail: int
     seconds: float
     saved: float
+    load: float = 0.0  # the tail's own load time (without what was queued before it)
 
 
 def overlap_split(
-    runs: Sequence[tuple[str, int]], page_bytes: int, page_tokens: int, estimates: CostEstimates
+    runs: Sequence[tuple[str, int]],
+    page_bytes: int,
+    page_tokens: int,
+    estimates: CostEstimates,
+    queued: float = 0.0,
 ) -> Split | None:
     """``runs``: found pages in prompt order, as (tier, pages), that loading up front does not
     pay for (what :func:`pages_worth_loading` left). The split of them into a computed head and
     a tail loaded meanwhile that ends soonest, or ``None`` where none beats computing them all
     (a tier or the prefill not measured yet, or a tier too slow for even one page's load to hide
-    behind the head's computing)."""
+    behind the head's computing). ``queued``: seconds of loads already queued ahead of this one
+    (one loader serves them in turn)."""
     total = sum(n for _, n in runs)
     whole = estimates.recompute_seconds(total * page_tokens)
     if total == 0 or whole is None:
@@ -176,9 +182,9 @@ def overlap_split(
         if head < total:
             load += per_page[head]
         compute = estimates.recompute_seconds(head * page_tokens) or 0.0
-        seconds = max(compute, load)
+        seconds = max(compute, queued + load)
         if best is None or seconds < best.seconds:
-            best = Split(head, total - head, seconds, whole - seconds)
-        if load > whole:
+            best = Split(head, total - head, seconds, whole - seconds, load)
+        if queued + load > whole:
             break  # the tail alone takes longer than computing everything
     return best if best is not None and best.tail > 0 and best.saved > 0.0 else None

@@ -148,6 +148,7 @@ class KVTiers(WriteThrough):
         self._prefetcher: threading.Thread | None = None
         self._loaders: ThreadPoolExecutor | None = None  # a load's group reads (see load)
         self._behind: ThreadPoolExecutor | None = None  # loads beside the engine's steps (load_behind)
+        self._behind_until = 0.0  # when the loads queued there are expected to be done (perf_counter)
         if self.groups and config.prefetch_bytes > 0:
             self._prefetcher = helper_thread(self._prefetch_loop, "kv-tier-prefetch")
             self._prefetcher.start()
@@ -262,10 +263,12 @@ class KVTiers(WriteThrough):
         keep = decision.pages
         split = None
         rest = _cut(plan.steps, keep, plan.num_pages)
+        overlap = overlap and self.config.overlap
         if overlap and rest and not decision.unmeasured and all(s.tier != "host" for s in rest):
             with self._fetch_lock:
                 rest_runs = [("prefetched" if s.key in self._fetched else s.tier, s.count) for s in rest]
-            split = overlap_split(rest_runs, self.pool.page_bytes, self.pool.layout.page_size, self.estimates)
+            queued = max(0.0, self._behind_until - time.perf_counter())  # loads beside others' heads
+            split = overlap_split(rest_runs, self.pool.page_bytes, self.pool.layout.page_size, self.estimates, queued)
         head = split.head if split is not None else 0
         later = None
         if split is not None:
@@ -290,8 +293,11 @@ class KVTiers(WriteThrough):
             if self._behind is None:
                 self._behind = helper_pool(1, "kv-tier-behind")
         counters = self.stats.tiers
+        expected = 0.0
         for step in plan.steps:
             counters[step.tier].overlapped_pages += step.count
+            expected += self.estimates.load_seconds(step.tier, step.count * self.pool.page_bytes) or 0.0
+        self._behind_until = max(time.perf_counter(), self._behind_until) + expected  # one loader: in turn
         return self._behind.submit(self._load_behind, plan, list(pages))
 
     def _load_behind(self, plan: Plan, pages: list[int]) -> int:

@@ -224,6 +224,7 @@ def tier_config(args: argparse.Namespace) -> KVTierConfig:
             group_pages=args.kv_group_pages,
             load=args.kv_tier_load,
             prefetch_bytes=args.kv_tier_prefetch_bytes,
+            overlap=args.kv_tier_overlap,
         )
     except ValueError as exc:
         raise UsageError(f"--kv-*: {exc}") from None

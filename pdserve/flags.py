@@ -295,6 +295,13 @@ ENGINE = (
         "computing it; always: load all of it (default: %(default)s)",
     ),
     Flag(
+        "--kv-tier-overlap",
+        switch=True,
+        help="load the part of a cached prefix that a disk or store delivers slower than computing while "
+        "the part before it is computed (measured to help a restarted worker's long prompts on an H200 "
+        "and to slow multi-turn chat; default: off)",
+    ),
+    Flag(
         "--kv-tier-prefetch-bytes",
         KVTierConfig.prefetch_bytes,
         int,

@@ -127,6 +127,9 @@ def test_a_slower_tier_loads_a_tail_while_the_head_is_computed() -> None:
     # a disk as fast as computing (which the up-front rule declines: it saves nothing) halves the time
     split = overlap_split([("disk", 30)], PAGE_BYTES, PAGE_TOKENS, estimates(62.5, disk=1024))
     assert split is not None and (split.head, split.tail) == (15, 15) and split.seconds == pytest.approx(0.015)
+    # 6 ms of loads queued ahead of it (one loader serves them in turn): a shorter tail
+    split = overlap_split([("disk", 30)], PAGE_BYTES, PAGE_TOKENS, estimates(62.5, disk=512), queued=0.006)
+    assert split is not None and (split.head, split.tail) == (22, 8) and split.load == pytest.approx(8 / 512)
     # two tiers: the tail's pages are priced at their own tier's rate
     split = overlap_split([("disk", 10), ("store", 20)], PAGE_BYTES, PAGE_TOKENS, estimates(62.5, disk=512, store=256))
     assert split is not None and split.head + split.tail == 30 and split.seconds <= 0.030 * 0.8

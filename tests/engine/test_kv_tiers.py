@@ -262,13 +262,15 @@ def test_a_tier_is_measured_off_the_request_path(tiny_model_dir: Path, tmp_path:
     restarted.close()
 
 
-def restarted_over_disk(model_dir: Path, disk: Path, prompt: list[int]) -> tuple[list[list[int]], Engine]:
+def restarted_over_disk(
+    model_dir: Path, disk: Path, prompt: list[int], **tiers: object
+) -> tuple[list[list[int]], Engine]:
     """``prompt``'s greedy output from a first engine whose disk tier keeps it, and a second
-    engine over that disk (the cost rule, no read-ahead)."""
+    engine over that disk (the cost rule, no read-ahead; ``tiers``: more of its settings)."""
     first = tiered_engine(model_dir, disk_dir=str(disk), group_pages=4)
     computed = serve(first, [prompt])
     first.close()
-    return computed, tiered_engine(model_dir, disk_dir=str(disk), group_pages=4, load="cost", prefetch_bytes=0)
+    return computed, tiered_engine(model_dir, disk_dir=str(disk), group_pages=4, load="cost", prefetch_bytes=0, **tiers)
 
 
 def test_a_tier_is_measured_reading_as_many_groups_at_once_as_a_load(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -519,11 +521,18 @@ def split_rates(engine: Engine, load_over_compute: float) -> None:
 def test_a_disk_slower_than_computing_loads_the_prefix_s_tail_while_its_head_is_computed(
     tiny_model_dir: Path, prompts_and_expected, tmp_path: Path
 ) -> None:
-    """A page from the disk at twice the cost of computing it: of the 12 cached pages the first
-    8 are computed while the last 4 (a group) load beside them, then the prompt's end is
-    computed after both; the output is the computed one."""
+    """With ``overlap`` on, a page from the disk at twice the cost of computing it: of the 12
+    cached pages the first 8 are computed while the last 4 (a group) load beside them, then the
+    prompt's end is computed after both; the output is the computed one. Off (the default), the
+    same disk is declined whole."""
     prompts, expected = prompts_and_expected
-    _, engine = restarted_over_disk(tiny_model_dir, tmp_path, prompts[0])
+    _, plain = restarted_over_disk(tiny_model_dir, tmp_path / "plain", prompts[0])
+    split_rates(plain, 2.0)
+    assert serve(plain, [prompts[1]], first=1) == [expected[1]]
+    disk = plain.tiers.stats.tiers["disk"]  # type: ignore[union-attr]
+    assert (disk.overlapped_pages, disk.hit_pages, disk.declined_pages) == (0, 0, 12)
+    plain.close()
+    _, engine = restarted_over_disk(tiny_model_dir, tmp_path, prompts[0], overlap=True)
     split_rates(engine, 2.0)
     engine.add_request("r1", prompts[1], GREEDY)
     (seq,) = engine.scheduler.waiting
@@ -549,7 +558,7 @@ def test_a_request_let_go_of_while_its_tail_loads_waits_for_the_load_then_frees_
     import time
 
     prompts, _ = prompts_and_expected
-    _, engine = restarted_over_disk(tiny_model_dir, tmp_path, prompts[0])
+    _, engine = restarted_over_disk(tiny_model_dir, tmp_path, prompts[0], overlap=True)
     split_rates(engine, 2.0)
     disk = engine.tiers.groups[0]  # type: ignore[union-attr]
     release = threading.Event()
