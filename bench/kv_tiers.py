@@ -261,6 +261,12 @@ def main() -> None:
     p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
     p.add_argument("--no-store", action="store_true", help="skip the Mooncake Store parts")
     p.add_argument("--store-bytes", type=int, default=1 << 30, help="memory of the store server")
+    p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="load a prefix's part in a tier slower than computing while the part before it is computed "
+        "(--kv-tier-overlap) in every tiered configuration",
+    )
     p.add_argument("--json", type=Path)
     p.add_argument("--one-prompt", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--tiers-json", default="{}", help=argparse.SUPPRESS)
@@ -278,13 +284,15 @@ def main() -> None:
         "machine": _machine(args.device),
         "params": {k: v for k, v in vars(args).items() if k not in ("json", "one_prompt", "tiers_json", "model")},
     }
+    overlap = {"overlap": True} if args.overlap else {}  # every tiered configuration
     with tempfile.TemporaryDirectory() as tmp, store_master(args, Path(tmp)) as store:
         configs = {
             "none": KVTierConfig(),
-            "host": KVTierConfig(host_bytes=args.host_bytes),
-            "disk": KVTierConfig(disk_dir=str(Path(tmp) / "disk-chat")),
+            "host": KVTierConfig(host_bytes=args.host_bytes, **overlap),
+            "disk": KVTierConfig(disk_dir=str(Path(tmp) / "disk-chat"), **overlap),
         }
         if store is not None:
+            store = {**store, **overlap}
             configs["store"] = KVTierConfig(**store)
             # every tier at once, fastest first (its store is the one above: a first turn may
             # find the "store" engine's groups there; later turns find their own in host memory)
@@ -299,7 +307,7 @@ def main() -> None:
             reading["outputs_equal_to_none"] = reading["outputs"] == base["outputs"]
         for reading in results["chat"].values():
             del reading["outputs"]
-        disk = {"disk_dir": str(Path(tmp) / "disk-restart")}
+        disk = {"disk_dir": str(Path(tmp) / "disk-restart"), **overlap}
         cold = in_new_process(args, model, seed + 1, {})
         results["restart"] = {
             "first_process_disk": in_new_process(args, model, seed + 1, disk),
