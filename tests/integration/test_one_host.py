@@ -47,10 +47,10 @@ async def test_kv_moves_through_shared_memory_and_nothing_listens_beyond_loopbac
                 for p in prompts
             )
         )
-        for _ in range(40):  # the registry entries' counters follow at the next heartbeat
+        for _ in range(80):  # the registry entries' counters and stats follow at each worker's next heartbeat
             seen = (await client.get("/workers")).json()
             decode = next(w for w in seen if w["role"] == "decode")["counters"]
-            if decode["kv_pulls"] >= len(prompts):
+            if decode["kv_pulls"] >= len(prompts) and all(w["stats"]["steps"] > 0 for w in seen):
                 break
             await asyncio.sleep(0.25)
     model = AutoModelForCausalLM.from_pretrained(one_host.model_dir, dtype=torch.float32).eval()
