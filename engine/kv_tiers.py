@@ -149,6 +149,7 @@ class KVTiers(WriteThrough):
         self._loaders: ThreadPoolExecutor | None = None  # a load's group reads (see load)
         self._behind: ThreadPoolExecutor | None = None  # loads beside the engine's steps (load_behind)
         self._behind_until = 0.0  # when the loads queued there are expected to be done (perf_counter)
+        self._behind_stream: torch.cuda.Stream | None = None  # a GPU pool's copies of those loads
         if self.groups and config.prefetch_bytes > 0:
             self._prefetcher = helper_thread(self._prefetch_loop, "kv-tier-prefetch")
             self._prefetcher.start()
@@ -301,13 +302,13 @@ class KVTiers(WriteThrough):
         return self._behind.submit(self._load_behind, plan, list(pages))
 
     def _load_behind(self, plan: Plan, pages: list[int]) -> int:
-        device = self.pool.device
-        if device.type != "cuda":
+        if self.pool.device.type != "cuda":
             return self.load(plan, pages)
-        stream = torch.cuda.Stream(device)
-        with torch.cuda.stream(stream):
+        if self._behind_stream is None:  # one stream: the loads run one at a time on one thread
+            self._behind_stream = torch.cuda.Stream(self.pool.device)
+        with torch.cuda.stream(self._behind_stream):
             loaded = self.load(plan, pages)
-        stream.synchronize()
+        self._behind_stream.synchronize()
         return loaded
 
     def note_prefill(self, tokens: int, seconds: float) -> None:
