@@ -44,14 +44,7 @@ class Appending:
         seq.output_ids.append(token)
         self.stats.generated_tokens += 1
         if seq.matcher is not None:
-            seq.matcher.accept_at(len(seq.output_ids) - 1, token)
-            if seq.matcher.refused:  # its mask should have made that impossible: loud, counted
-                index, refused = seq.matcher.refused.pop()
-                self.stats.grammar_refusals += 1
-                log.error(
-                    "a sampled token broke its sequence's grammar",
-                    extra={"rid": seq.out_rid, "index": index, "token": refused, "tail": seq.output_ids[-8:]},
-                )
+            self._to_grammar(seq, token)
         reason, stop = self._check_stop(seq, token)
         out = RequestOutput(
             rid=seq.out_rid,
@@ -89,6 +82,17 @@ class Appending:
             self.scheduler.start_running(seq)
         return out
 
+    def _to_grammar(self, seq: Sequence, token: int) -> None:
+        """``seq``'s matcher takes its newest output token ``token`` (unless it has already)."""
+        seq.matcher.accept_at(len(seq.output_ids) - 1, token)
+        if seq.matcher.refused:  # its mask should have made that impossible: loud, counted
+            index, refused = seq.matcher.refused.pop()
+            self.stats.grammar_refusals += 1
+            log.error(
+                "a sampled token broke its sequence's grammar",
+                extra={"rid": seq.out_rid, "index": index, "token": refused, "tail": seq.output_ids[-8:]},
+            )
+
     def _check_stop(self, seq: Sequence, token: int) -> tuple[str | None, str | int | None]:
         p = seq.sampling
         if token in p.stop_token_ids:
@@ -110,9 +114,9 @@ class Appending:
         return None, None
 
     def _append_verified(self, v: VerifyResult) -> RequestOutput:
-        """A verify's tokens appended one by one up to the first that stops the request; the
-        KV of the sequence's last token and the accepted draft tokens kept, the pages past it
-        given back."""
+        """A verify's tokens appended one by one up to the first that stops the request (its
+        grammar, if any, taking each); the KV of the sequence's last token and the accepted
+        draft tokens kept, the pages past it given back."""
         seq = v.seq
         assert self.speculator is not None
         self.speculator.record(seq, v.drafted, v.accepted, len(v.tokens))
@@ -122,6 +126,8 @@ class Appending:
         for token in v.tokens:
             seq.output_ids.append(token)
             kept.append(token)
+            if seq.matcher is not None:  # each token its row's mask allowed: the grammar takes them in turn
+                self._to_grammar(seq, token)
             reason, stop = self._check_stop(seq, token)
             if reason is not None:
                 break

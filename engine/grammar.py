@@ -70,6 +70,7 @@ class Matcher:
         # into xgrammar costs 1-2 us, and a step asked every row two or three times).
         self._stops = frozenset(matcher.stop_token_ids)
         self._terminated = bool(matcher.is_terminated())
+        self._trial: list[tuple[bytes, bool]] = []  # draft tokens taken on trial: the state before each
 
     def accept(self, token: int) -> bool:
         """Advance by ``token``; False if the grammar refuses it (the mask should prevent that)."""
@@ -93,6 +94,46 @@ class Matcher:
             self.accept(token)
         elif index > self.seen:
             raise AssertionError(f"output token {index} reached a matcher that has taken {self.seen}")
+
+    def try_accept(self, token: int) -> bool:
+        """Advance by a speculative draft token on trial, if this row's mask would allow it
+        (the grammar takes it; a JSON row, no control character or surrogate in it; after a
+        lone 0xED, no 0xA0-0xBF first byte); False, and no change, if not. Not output
+        (``seen`` stays); :meth:`undo` rolls the trial tokens back."""
+        if self._terminated:
+            return False
+        text = self._vocab[token] if token < len(self._vocab) else b""
+        if text and ((self.json and not _printable(text)) or (self._tail == b"\xed" and 0xA0 <= text[0] < 0xC0)):
+            return False
+        if not self._matcher.accept_token(token):
+            return False
+        self._trial.append((self._tail, self._terminated))
+        if token < len(self._vocab):
+            self._tail = utf8_tail(self._tail + text)
+        if token in self._stops:
+            self._terminated = bool(self._matcher.is_terminated())
+        return True
+
+    def undo(self) -> None:
+        """Roll back the draft tokens :meth:`try_accept` took (xgrammar's rollback)."""
+        if self._trial:
+            self._matcher.rollback(len(self._trial))
+            self._tail, self._terminated = self._trial[0]
+            self._trial.clear()
+
+    def draft_prefix(self, draft: Sequence[int]) -> int:
+        """How many leading tokens of ``draft`` the grammar takes in turn, each one its row's
+        mask would allow after the ones before it (:meth:`try_accept`); the matcher is left
+        where it was."""
+        n = 0
+        try:
+            for token in draft:
+                if not self.try_accept(token):
+                    break
+                n += 1
+        finally:
+            self.undo()
+        return n
 
     @property
     def is_terminated(self) -> bool:
@@ -139,8 +180,8 @@ class Grammars:
         self._not_after_ed = _first_byte_mask(self._vocab, self.text_vocab, range(0xA0, 0xC0)).numpy()
         # Host masks in turn, pinned for a device (the one written is never one still on its
         # way over: its copy's event is waited for first), with a view of each row's words.
-        self._staged: list[_Stage] = []
-        self._next_stage = 0
+        self._staged: list[list[_Stage]] = [[], []]  # masks' and draft masks' (speculative verifies)
+        self._next_stage = [0, 0]
         self._plain_on: dict[torch.device, torch.Tensor] = {}
         # xgrammar lets go of the GIL inside accept and fill: rows spread over threads run at once.
         self.threads = DEFAULT_GRAMMAR_THREADS if threads is None else max(1, threads)
@@ -197,8 +238,51 @@ class Grammars:
         call after next (the sampler applies them at once)."""
         rows = len(matchers)
         stage = self._stage(rows, pinned=device.type != "cpu")
-        bitmask = stage.host[:rows]
         json_rows = self._fill(matchers, stage, rows, advance)
+        return self._finish(stage, rows, json_rows, device)
+
+    def draft_masks(self, drafts: Sequence[tuple[Matcher | None, Sequence[int]]], device: torch.device) -> torch.Tensor:
+        """The bitmasks of speculative verify rows: ``len(draft) + 1`` rows a sequence, row
+        ``t`` its grammar's mask after ``draft[:t]`` (the matcher walks the draft on trial and
+        is rolled back: ``Matcher.try_accept``, ``undo``); a sequence without a matcher allows
+        every token. If the grammar refuses ``draft[t]`` (drafts are cut before, so never
+        expected), the rows after it repeat row ``t``: that row refuses ``draft[t]``, so no
+        row after it is read. Buffers of their own, two in turn, as :meth:`masks`'s."""
+        rows = sum(len(draft) + 1 for _, draft in drafts)
+        stage = self._stage(rows, pinned=device.type != "cpu", ring=1)
+        view = stage.host[:rows].numpy()
+        dirty = stage.tail_dirty
+        json_rows: list[int] = []
+        start = 0
+        for m, draft in drafts:
+            end = start + len(draft) + 1
+            if m is None:
+                view[start:end] = -1
+                if dirty is not None:
+                    dirty[start:end] = True
+                start = end
+                continue
+            if dirty is not None:
+                view[start:end, self._words :] = 0
+                dirty[start:end] = False
+            if m.json:
+                json_rows += range(start, end)
+            try:
+                for row, token in zip(range(start, end), [*draft, None], strict=True):
+                    self._fill_row(m, stage, view, row)
+                    if token is not None and not m.try_accept(token):
+                        view[row + 1 : end] = view[row]
+                        if dirty is not None:
+                            dirty[row + 1 : end] = dirty[row]
+                        break
+            finally:
+                m.undo()
+            start = end
+        return self._finish(stage, rows, json_rows, device)
+
+    def _finish(self, stage: _Stage, rows: int, json_rows: list[int], device: torch.device) -> torch.Tensor:
+        """The filled masks of ``stage`` on ``device``, JSON rows without control characters."""
+        bitmask = stage.host[:rows]
         words = self._words
         if device.type == "cpu":
             if json_rows:  # numpy's AND: torch's would wake its intra-op threads for 1 MB
@@ -248,22 +332,13 @@ class Grammars:
             dirty[clean] = False
             dirty[idle] = True
 
-        words, not_after_ed = self._words, self._not_after_ed
-
         def work(part: Sequence[int]) -> None:
             for row in part:
                 m = matchers[row]
                 assert m is not None
                 if advance is not None and (step := advance[row]) is not None:
                     m.accept_at(*step)
-                if m.is_terminated:  # a finished row's token is discarded
-                    view[row] = -1
-                    if dirty is not None:
-                        dirty[row] = True
-                else:
-                    m.fill(stage.row_views[row])
-                    if m.after_ed:
-                        view[row, :words] &= not_after_ed
+                self._fill_row(m, stage, view, row)
 
         parts = min(self.threads, len(live) // ROWS_PER_THREAD)
         if self._pool is None or parts < 2:
@@ -272,13 +347,26 @@ class Grammars:
             list(self._pool.map(work, [live[i::parts] for i in range(parts)]))
         return [row for row in live if matchers[row].json]  # type: ignore[union-attr]
 
-    def _stage(self, rows: int, pinned: bool) -> _Stage:
-        """The next host buffer of at least ``rows`` rows (two in turn; pinned: its last
-        copy to the device waited for)."""
-        if not self._staged or self._staged[0].host.shape[0] < rows or (self._staged[0].copied is not None) != pinned:
-            self._staged = [_Stage(max(rows, 64), self._words, -(-self.vocab_size // 32), pinned) for _ in range(2)]
-        stage = self._staged[self._next_stage]
-        self._next_stage ^= 1
+    def _fill_row(self, m: Matcher, stage: _Stage, view: np.ndarray, row: int) -> None:
+        """Write ``m``'s next-token mask into ``row`` (its padding words already zero)."""
+        if m.is_terminated:  # a finished row's token is discarded
+            view[row] = -1
+            if stage.tail_dirty is not None:
+                stage.tail_dirty[row] = True
+        else:
+            m.fill(stage.row_views[row])
+            if m.after_ed:
+                view[row, : self._words] &= self._not_after_ed
+
+    def _stage(self, rows: int, pinned: bool, ring: int = 0) -> _Stage:
+        """The next host buffer of at least ``rows`` rows (two in turn per ``ring``: 0 for
+        :meth:`masks`, 1 for :meth:`draft_masks`; pinned: its last copy to the device waited
+        for)."""
+        staged = self._staged[ring]
+        if not staged or staged[0].host.shape[0] < rows or (staged[0].copied is not None) != pinned:
+            staged[:] = [_Stage(max(rows, 64), self._words, -(-self.vocab_size // 32), pinned) for _ in range(2)]
+        stage = staged[self._next_stage[ring]]
+        self._next_stage[ring] ^= 1
         if stage.copied is not None:
             stage.copied.synchronize()  # its last copy has left
         return stage
@@ -318,8 +406,13 @@ def _printable_mask(decoded_vocab: Sequence[bytes], text_vocab: int) -> torch.Te
     compact JSON needs; nor a UTF-16 surrogate inside it (0xED 0xA0-0xBF: not UTF-8)."""
     allowed = np.zeros(-(-text_vocab // 32) * 32, dtype=np.uint64)
     for i, text in enumerate(decoded_vocab[:text_vocab]):
-        allowed[i] = not _SURROGATE.search(text) and not any(b < 0x20 for b in text)
+        allowed[i] = _printable(text)
     return _words_of(allowed)
+
+
+def _printable(text: bytes) -> bool:
+    """Whether a JSON row may take a token of ``text``: no control character, no surrogate."""
+    return not _SURROGATE.search(text) and not any(b < 0x20 for b in text)
 
 
 def _first_byte_mask(decoded_vocab: Sequence[bytes], text_vocab: int, refused: range) -> torch.Tensor:

@@ -34,11 +34,17 @@ sequences' steps to it, a probe takes its price (``k`` tokens and a row, in thos
 request due to probe waits while the budget is short. So at any load the probes cost at most
 about that share of the time (at 32 in flight, 168 unbudgeted probes cost a fifth of it).
 
-Off for rows with a grammar (structured output: drafts are not checked against it). On a
-GPU, steps overlap (the next one scheduled while the last one's tokens are on the device)
-except before a step in which a sequence is due to draft (:meth:`Speculator.due`): a draft
-needs the sequence's last token on the host. So where speculation has backed off (chat, high
-load) the overlap stays; where it drafts, the steps around its verifies are not overlapped.
+Rows with a grammar (structured output) draft too: a draft is cut before the first token
+the grammar would not take (its matcher walks the draft on trial and rolls back,
+``Matcher.draft_prefix``; counted in ``SpecStats.grammar_cut``), and each verify row is
+judged under the grammar's mask after the draft tokens before it (``Grammars.draft_masks``),
+so the accepted tokens and the corrected or bonus one all keep to it; the matcher then takes
+the tokens appended, as after any step.
+
+On a GPU, steps overlap (the next one scheduled while the last one's tokens are on the
+device) except before a step in which a sequence is due to draft (:meth:`Speculator.due`): a
+draft needs the sequence's last token on the host. So where speculation has backed off (chat,
+high load) the overlap stays; where it drafts, the steps around its verifies are not overlapped.
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+
+from pdserve.engine.grammar import apply_masks
 
 if TYPE_CHECKING:
     from pdserve.engine.config import EngineConfig
@@ -114,7 +122,6 @@ class SpecState:
     accepted: float = PRIOR_ACCEPTED
     cooldown: int = 0  # steps left before it may draft again
     backoff: int = 1  # the next cooldown's length
-    disabled: bool = False  # never drafts (a grammar, or a request that may not)
     price: tuple[float, float] = (0.0, 0.0)  # the costs its last draft was weighed at
 
     @property
@@ -187,7 +194,8 @@ class SpecStats:
     """Totals over the engine's life: ``verifies`` rows verified, ``drafted`` draft tokens,
     ``accepted`` of them (each saves its sequence one step), ``lengths[i]``: verifies that
     accepted ``i``; ``backoffs``: times a request stopped drafting; ``probes``: drafts made
-    after a cooldown."""
+    after a cooldown; ``grammar_cut``: draft tokens dropped because a structured-output
+    request's grammar would refuse them (the first such token and those after it)."""
 
     verifies: int = 0
     drafted: int = 0
@@ -197,6 +205,7 @@ class SpecStats:
     probes: int = 0
     probes_deferred: int = 0  # steps a request due to probe waited for the probe budget
     unoverlapped_steps: int = 0  # steps not left queued on the device: a request was due to draft after them
+    grammar_cut: int = 0  # draft tokens cut off before verifying: their grammar would refuse them (or one before)
     lengths: list[int] = field(default_factory=list)
 
     @property
@@ -224,7 +233,6 @@ class Speculator:
         state = seq.spec
         if state is None:
             state = seq.spec = SpecState(NgramIndex(self.ngram_min, self.ngram_max))
-            state.disabled = seq.matcher is not None
         return state
 
     def price(self, rows: int) -> tuple[float, float]:
@@ -245,7 +253,7 @@ class Speculator:
         """``seq``'s draft this step (empty: a plain decode): at most ``limit`` tokens, as many
         as its acceptance pays for at ``price`` (see :meth:`price`)."""
         state = self.state(seq)
-        if state.disabled or limit <= 0:
+        if limit <= 0:
             return []
         state.price = price
         k = best_length(state.alpha, price, min(self.k, limit))
@@ -267,6 +275,8 @@ class Speculator:
             return []  # its last token is still on the device (an overlapped step's)
         state.index.extend(seq.prompt_ids, seq.output_ids)
         tokens, _ = state.index.propose(k)
+        if tokens and seq.matcher is not None:
+            tokens = self.cut(seq, tokens)
         if tokens and probe:
             self.stats.probes += 1
             if self.probe_budget is not None:
@@ -275,6 +285,17 @@ class Speculator:
             state.backoff = min(state.backoff * 2, MAX_COOLDOWN)
         return tokens
 
+    def cut(self, seq: Sequence, draft: list[int]) -> list[int]:
+        """``draft`` up to the first token ``seq``'s grammar would not take after the ones
+        before it (its mask would refuse it), the rest counted in ``grammar_cut``. The matcher
+        must stand at the sequence's last known token (no token pending): otherwise no draft."""
+        matcher = seq.matcher
+        if matcher.seen != len(seq.output_ids):
+            return []
+        n = matcher.draft_prefix(draft)
+        self.stats.grammar_cut += len(draft) - n
+        return draft[:n]
+
     def due(self, seq: Sequence, rows: int) -> bool:
         """Whether ``seq`` would draft in a step of ``rows`` decoding sequences, as far as the
         tokens the host knows tell (its acceptance pays, or a probe is due and budgeted, and its
@@ -282,7 +303,7 @@ class Speculator:
         queued on the device (overlap), so that the draft has the sequence's last token. No
         side effects beyond bringing its index up to date."""
         state = self.state(seq)
-        if state.disabled or seq.num_outputs >= seq.sampling.max_new_tokens - 1:
+        if seq.num_outputs >= seq.sampling.max_new_tokens - 1:
             return False
         price = self.price(rows)
         if best_length(state.alpha, price, self.k) == 0:
@@ -344,13 +365,19 @@ def verify(
     logits: torch.Tensor,
     drafts: list[list[int]],
     rows: list[list[SampleRequest]],
+    masks: torch.Tensor | None = None,
 ) -> list[Verified]:
     """Accept or reject each sequence's draft from its ``len(draft) + 1`` logits rows
     (stacked in order in ``logits``); ``rows[i][t]`` describes row ``t`` of sequence ``i``
-    (its output so far plus ``draft[:t]``, its output index)."""
+    (its output so far plus ``draft[:t]``, its output index). ``masks``: the rows'
+    structured-output bitmasks (``Grammars.draft_masks``), applied after penalties and bias
+    as the sampler applies a step's: a draft token its row's mask refuses is rejected, and
+    the corrected or bonus token is one the mask allows; ``logits`` is not written."""
     flat = [r for group in rows for r in group]
     assert logits.shape[0] == len(flat)
-    processed = sampler.processed(logits, flat)
+    processed = sampler.processed(logits, flat, copy=masks is not None)
+    if masks is not None:
+        apply_masks(processed, masks)
     greedy = [r.params.is_greedy for r in flat]
     targets = processed.argmax(dim=-1).tolist() if any(greedy) else []
     probs = sampler.probs(processed, flat) if not all(greedy) else None

@@ -50,6 +50,11 @@ class _Speculative(Collector):
                 s.unoverlapped_steps,
             ),
             ("steps_saved", "decode steps saved (one per accepted draft token)", s.steps_saved),
+            (
+                "grammar_cut_tokens",
+                "draft tokens cut off before verifying: a structured-output request's grammar would refuse them",
+                s.grammar_cut,
+            ),
         ):
             yield CounterMetricFamily(f"pdserve_spec_{name}", doc, value=value)
         buckets = []
