@@ -106,11 +106,10 @@ class Engine(Appending, Admission):
         self.overlap = config.overlap_schedule and runner.fast is not None and runner.fast.overlaps
         # Speculative decoding (``engine/speculative.py``): a draft needs the sequence's last
         # token on the host, so a step before one where a sequence is due to draft is not left
-        # queued (``_may_overlap``); not under tensor parallelism yet.
+        # queued (``_may_overlap``). Under tensor parallelism rank 0 drafts, accepts and rolls
+        # back; the followers compute the verify rows its step command names.
         self.speculator: Speculator | None = None
-        if config.speculative_algorithm and runner.tp is not None:
-            log.warning("speculative decoding is off: not supported with tensor parallelism yet")
-        elif config.speculative_algorithm:
+        if config.speculative_algorithm:
             self.speculator = self.scheduler.speculator = Speculator(config)
             self.stats.spec = self.speculator.stats
         # Time each step on the device (CUDA events; a step timeline at DEBUG): costs two
@@ -263,7 +262,10 @@ class Engine(Appending, Admission):
             ]
             for seq, draft in verifies
         ]
-        judged = verify(self.sampler, logits, [d for _, d in verifies], rows)
+        masks = None  # structured output: each row under its grammar's mask after the draft before it
+        if self.grammars is not None and any(seq.matcher is not None for seq, _ in verifies):
+            masks = self.grammars.draft_masks([(seq.matcher, draft) for seq, draft in verifies], logits.device)
+        judged = verify(self.sampler, logits, [d for _, d in verifies], rows, masks)
         out: list[VerifyResult] = []
         start = 0
         for (seq, draft), group, v in zip(verifies, rows, judged, strict=True):

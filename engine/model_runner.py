@@ -320,10 +320,10 @@ class ModelRunner:
         while True:
             kind, *rest = self.tp.receive()
             if kind == "step":
-                decodes, prefills, rows = rest
+                decodes, prefills, rows, verifies = rest
                 feed = None if rows is None else (shared, rows)
                 with torch.inference_mode():
-                    self.execute(mirror_batch(decodes, prefills), feed)  # type: ignore[arg-type]
+                    self.execute(mirror_batch(decodes, prefills, verifies), feed)  # type: ignore[arg-type]
             elif kind == "tokens":
                 shared = torch.empty(rest[0], dtype=torch.long, device=self.device)
                 self.tp.broadcast(shared)

@@ -241,20 +241,31 @@ class MirrorSeq:
 def step_command(batch: ScheduledBatch, feed_rows: list[int] | None) -> tuple[Any, ...]:
     """Rank 0's step as a plain, picklable command. ``feed_rows``: per decode, its row in
     the tokens last shared (``"tokens"``) that is its input, or -1 (see ``Engine._feed``).
-    A decode whose input is fed has a placeholder ``last_token``; the row gives the truth."""
+    A decode whose input is fed has a placeholder ``last_token``; the row gives the truth.
+    Speculative verifies go as a decode's fields and the draft: the followers compute the same
+    rows; accepting, and giving back the pages of rejected tokens, are rank 0's (a follower
+    holds no pages of its own: each step names them)."""
     decodes = [(s.last_token, s.num_tokens, list(s.page_table)) for s in batch.decodes]
     prefills = [
         (s.tokens[s.num_computed : s.num_computed + n], s.num_computed, s.num_tokens, list(s.page_table))
         for s, n in batch.prefills
     ]
-    return ("step", decodes, prefills, feed_rows)
+    verifies = [(s.last_token, s.num_tokens, list(s.page_table), list(draft)) for s, draft in batch.verifies]
+    return ("step", decodes, prefills, feed_rows, verifies)
 
 
-def mirror_batch(decodes: list[Any], prefills: list[Any]) -> ScheduledBatch:
+def mirror_batch(decodes: list[Any], prefills: list[Any], verifies: list[Any] = ()) -> ScheduledBatch:  # type: ignore[assignment]
     """A follower's copy of rank 0's step (see :func:`step_command`)."""
     rows = [MirrorSeq(f"d{i}", [t], n, n - 1, table) for i, (t, n, table) in enumerate(decodes)]
     chunks = [
         (MirrorSeq(f"p{i}", [0] * done + chunk, total, done, table), len(chunk))
         for i, (chunk, done, total, table) in enumerate(prefills)
     ]
-    return ScheduledBatch(cast(list[Sequence], rows), cast(list[tuple[Sequence, int]], chunks))
+    drafted = [
+        (MirrorSeq(f"v{i}", [t], n, n - 1, table), list(draft)) for i, (t, n, table, draft) in enumerate(verifies)
+    ]
+    return ScheduledBatch(
+        cast(list[Sequence], rows),
+        cast(list[tuple[Sequence, int]], chunks),
+        verifies=cast(list[tuple[Sequence, list[int]]], drafted),
+    )

@@ -37,8 +37,17 @@ def fast_cases() -> list[tuple[list[int], int, int]]:
     return [([rng.randrange(3, 300) for _ in range(n)], 4, s) for n, s in ((20, 1), (6, 2))]
 
 
-def start_ranks(model: Path, out: Path, size: int, *extra: str) -> list[subprocess.Popen[bytes]]:
-    work = fast_cases() if "fast" in extra else cases()
+def spec_cases() -> list[tuple[list[int], int, int]]:
+    """The speculation tests' prompts (repeated text among them), one of 2 samples."""
+    from tests.engine.test_speculative import _prompts
+
+    return [(p, 12, 2 if i == 5 else 1) for i, p in enumerate(_prompts(1, 4000))]
+
+
+def start_ranks(
+    model: Path, out: Path, size: int, *extra: str, work: list[tuple[list[int], int, int]] | None = None
+) -> list[subprocess.Popen[bytes]]:
+    work = work if work is not None else fast_cases() if "fast" in extra else cases()
     out.with_name(out.name + ".prompts.json").write_text(json.dumps(work))
     store, address = start_store("127.0.0.1")
     start_ranks.store = store  # type: ignore[attr-defined]  # the master lives as long as the ranks
@@ -79,6 +88,22 @@ def test_two_ranks_equal_one_and_transformers(mixing_model_dir: Path, tmp_path: 
             for p, new, _ in cases()
         ]
     assert_greedy_equal(model, prompts, ours, theirs)
+
+
+def test_rank_0_speculates_and_its_followers_compute_the_verifies(mixing_model_dir: Path, tmp_path: Path) -> None:
+    """N-gram speculation under tensor parallelism: rank 0 drafts, accepts and rolls back; the
+    follower computes each verify's rows from the step command. Greedy output with 2 ranks
+    speculating equals 1 rank's without speculation, and drafts were verified (on this model,
+    whose output follows the whole context, one is: a token corrected from the verify's rows)."""
+    out = tmp_path / "tp2spec.json"
+    work = spec_cases()
+    ranks = start_ranks(mixing_model_dir, out, 2, "spec", work=work)
+    plain = run(build_engine(mixing_model_dir, CONFIG), work)
+    logs = [p.communicate(timeout=240)[0].decode(errors="replace") for p in ranks]
+    assert [p.returncode for p in ranks] == [0, 0], "\n".join(logs)
+    assert json.loads(out.read_text()) == plain
+    spec = json.loads(out.with_name(out.name + ".spec.json").read_text())
+    assert spec["verifies"] > 0, spec
 
 
 def test_the_fast_path_splits_too(tmp_path: Path) -> None:

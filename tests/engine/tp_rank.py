@@ -1,12 +1,15 @@
 """One rank of a tensor-parallel engine, for ``tests/engine/test_parallel.py``:
-``python -m tests.engine.tp_rank RANK SIZE STORE MODEL OUT [crash] [fast]``. Rank 0 runs
-the prompts of ``OUT.prompts.json`` greedily and writes the outputs to ``OUT``; then says
+``python -m tests.engine.tp_rank RANK SIZE STORE MODEL OUT [crash] [fast] [spec]``. Rank 0
+runs the prompts of ``OUT.prompts.json`` greedily and writes the outputs to ``OUT``; then says
 stop, or with ``crash`` ends at once without a word. The others follow until stopped
 (exit 0) or until rank 0 is gone (exit 1). ``fast``: pdserve's own forward pass (its
-kernels in Triton's interpreter) on :func:`fast_model` instead of the stock one on MODEL."""
+kernels in Triton's interpreter) on :func:`fast_model` instead of the stock one on MODEL.
+``spec``: n-gram speculative decoding on (every rank's config); rank 0 writes its
+speculation counts to ``OUT.spec.json``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -44,9 +47,11 @@ def fast_model() -> Any:
 
 def main() -> int:
     rank, size, store, model, out = sys.argv[1:6]
-    crash, fast = "crash" in sys.argv[6:], "fast" in sys.argv[6:]
+    crash, fast, spec = ("crash" in sys.argv[6:]), ("fast" in sys.argv[6:]), ("spec" in sys.argv[6:])
     tp = join_group(int(rank), int(size), connect_store(store), torch.device("cpu"))
     config = FAST_CONFIG if fast else CONFIG
+    if spec:
+        config = speculating(config)
     if tp.rank:
         runner = ModelRunner(ModelSpec(Path(model)), config, model=fast_model() if fast else None, tp=tp)
         worker = WorkerConfig(role="unified", model_path=Path(model), model_name="m", nats_url="")
@@ -65,11 +70,22 @@ def main() -> int:
         engine = build_engine(Path(model), config, tp=tp)
     outputs = run(engine, json.loads(Path(out + ".prompts.json").read_text()))
     Path(out).write_text(json.dumps(outputs))
+    if spec:
+        assert engine.speculator is not None, "speculation is on under tensor parallelism"
+        stats = engine.speculator.stats
+        Path(out + ".spec.json").write_text(json.dumps({"verifies": stats.verifies, "accepted": stats.accepted}))
     if crash:
         os._exit(3)
     engine.runner.stop_followers()
     tp.close()
     return 0
+
+
+def speculating(config: EngineConfig) -> EngineConfig:
+    """``config`` with n-gram drafts of up to 3 tokens, every draft verified (no backoff)."""
+    return dataclasses.replace(
+        config, speculative_algorithm="ngram", speculative_num_draft_tokens=3, speculative_cost_ratio=0.0
+    )
 
 
 def run(engine: object, cases: list[tuple[list[int], int, int]]) -> dict[str, list[int]]:
