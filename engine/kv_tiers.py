@@ -31,10 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -47,9 +44,9 @@ from pdserve.engine.config import KVTierConfig
 from pdserve.engine.kv_cost import CostEstimates, Decision, overlap_split, pages_worth_loading
 from pdserve.engine.kv_host import HostTier
 from pdserve.engine.kv_pool import KVPool
-from pdserve.engine.kv_store import StoreError
+from pdserve.engine.kv_prefetch import ReadAhead
 from pdserve.engine.kv_write import LOAD_THREADS, GroupTier, TierStats, WriteThrough
-from pdserve.engine.threads import helper_pool, helper_thread
+from pdserve.engine.threads import helper_pool
 from pdserve.schemas import TierCounts
 
 log = logging.getLogger(__name__)
@@ -111,7 +108,7 @@ class _Fetched:
     corrupt: bool = False
 
 
-class KVTiers(WriteThrough):
+class KVTiers(WriteThrough, ReadAhead):
     """The tiers of one pool. ``observe(name, seconds)`` receives each lookup's
     (``lookup``) and load's (``load``) duration, for the worker's histograms."""
 
@@ -138,21 +135,11 @@ class KVTiers(WriteThrough):
         # a bug in the writer or the prefetcher, raised on the engine's thread at its next call
         self._failure: BaseException | None = None
         self.start_writer(config.max_pending_writes)
-        # prefetched groups: key -> (tier name, blob), oldest first, within config.prefetch_bytes
-        self._fetched: OrderedDict[bytes, tuple[str, bytes | bytearray]] = OrderedDict()
-        self._fetched_bytes = 0
-        self._fetch_lock = threading.Lock()
-        self._prefetches: queue.Queue[tuple[list[bytes], int, int] | None] = queue.Queue(
-            maxsize=config.max_pending_writes
-        )
-        self._prefetcher: threading.Thread | None = None
+        self.start_prefetcher()
         self._loaders: ThreadPoolExecutor | None = None  # a load's group reads (see load)
         self._behind: ThreadPoolExecutor | None = None  # loads beside the engine's steps (load_behind)
         self._behind_until = 0.0  # when the loads queued there are expected to be done (perf_counter)
         self._behind_stream: torch.cuda.Stream | None = None  # a GPU pool's copies of those loads
-        if self.groups and config.prefetch_bytes > 0:
-            self._prefetcher = helper_thread(self._prefetch_loop, "kv-tier-prefetch")
-            self._prefetcher.start()
 
     @property
     def enabled(self) -> bool:
@@ -394,96 +381,6 @@ class KVTiers(WriteThrough):
             return _Fetched(source, None, corrupt=True)
         return _Fetched(source, group)
 
-    # ---- prefetch --------------------------------------------------------------
-    def prefetch(self, hashes: Sequence[bytes], start: int, ahead: int = 0) -> bool:
-        """Read ahead, on the prefetch thread, the groups of ``hashes[start:]`` (a prompt's
-        full pages past those the device holds) that only the group tiers have, into host
-        memory: from a tier the cost rule would load from, or from any while ``ahead``
-        requests wait before this one (its wait pays for the read). Returns whether it was
-        queued (a full queue drops it: counted nowhere, the load then reads the tier itself)."""
-        if self._prefetcher is None or start >= len(hashes):
-            return False
-        try:
-            self._prefetches.put_nowait((list(hashes), start, ahead))
-        except queue.Full:
-            return False
-        return True
-
-    def _prefetch_loop(self) -> None:
-        while True:
-            item = self._prefetches.get()
-            try:
-                if item is None:
-                    return
-                self._prefetch(*item)
-            except (OSError, StoreError) as exc:  # a tier away: the load reads it (or computes) later
-                log.warning("KV prefetch failed", extra={"error": str(exc)})
-            except Exception as exc:  # a bug: the engine raises it at its next call (as the writer's)
-                log.exception("KV prefetch failed")
-                self._failure = self._failure or exc
-            finally:
-                self._prefetches.task_done()
-
-    def _prefetch(self, hashes: list[bytes], start: int, ahead: int) -> None:
-        g = self.group_pages
-        i = start
-        while i < len(hashes):
-            if self.host is not None and self.host.contains(hashes[i]):
-                i += 1
-                continue
-            group_end = (i // g + 1) * g
-            if group_end > len(hashes):
-                return
-            key = hashes[group_end - 1]
-            with self._fetch_lock:
-                have = key in self._fetched
-            if not have:
-                tier = next((t for t in self.groups if t.contains(key)), None)
-                if tier is None or not (ahead or self._worth_reading_ahead(tier.name)):
-                    return
-                blob = tier.get(key)
-                if blob is None:
-                    return
-                self._keep_prefetched(key, tier.name, blob)
-            i = group_end
-
-    def _worth_reading_ahead(self, tier: str) -> bool:
-        """Whether the cost rule would load a group of ``tier`` at its measured rate. A tier
-        slower than computing, or not measured yet, is read ahead only for a request that
-        waits behind others: for one scheduled at once the read is not done in time and
-        competes with the step (on an H200 every chat turn read its prefix from a disk the
-        rule then declined, 20-26 ms a turn, 2026-12-04). Before the prefill is measured the
-        rule loads anything, and so this."""
-        pages = self.group_pages
-        compute = self.estimates.recompute_seconds(pages * self.pool.layout.page_size)
-        if compute is None:
-            return True
-        load = self.estimates.load_seconds(tier, pages * self.pool.page_bytes)
-        return load is not None and load < compute
-
-    def _keep_prefetched(self, key: bytes, tier: str, blob: bytes | bytearray) -> None:
-        with self._fetch_lock:
-            self._fetched[key] = (tier, blob)
-            self._fetched_bytes += len(blob)
-            self.stats.tiers[tier].prefetched_groups += 1
-            while self._fetched_bytes > self.config.prefetch_bytes and self._fetched:
-                _, (old_tier, old) = self._fetched.popitem(last=False)
-                self._fetched_bytes -= len(old)
-                self.stats.tiers[old_tier].prefetch_wasted += 1
-
-    def _take_prefetched(self, key: bytes) -> bytes | bytearray | None:
-        with self._fetch_lock:
-            found = self._fetched.pop(key, None)
-            if found is None:
-                return None
-            self._fetched_bytes -= len(found[1])
-            return found[1]
-
-    def drain_prefetches(self) -> None:
-        """Block until every queued prefetch is done (tests, benchmarks)."""
-        if self._prefetcher is not None:
-            self._prefetches.join()
-
     # ---- upkeep ----------------------------------------------------------------
     def flush(self) -> int:
         """Forget the host tier's pages (the group tiers are shared and persist); returns how many."""
@@ -499,10 +396,7 @@ class KVTiers(WriteThrough):
         if self._loaders is not None:
             self._loaders.shutdown()
             self._loaders = None
-        if self._prefetcher is not None:
-            self._prefetches.put(None)
-            self._prefetcher.join()
-            self._prefetcher = None
+        self.stop_prefetcher()
         if not self.stop_writer():
             return
         for tier in self.groups:
