@@ -44,7 +44,7 @@ from pdserve.engine.outputs import EngineStats, ExecResult, Launched, RequestOut
 from pdserve.engine.page_manager import PageManager
 from pdserve.engine.sampler import Sampler, SampleRequest, token_logprobs
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.sequence import ScheduledBatch, Sequence, Status
+from pdserve.engine.sequence import ScheduledBatch, Sequence, Status, with_forks
 from pdserve.engine.speculative import Speculator, verify
 from pdserve.schemas import SamplingParams
 
@@ -215,7 +215,7 @@ class Engine(Appending, Admission):
         for seq, n in batch.prefills:  # the prefix index's keys of the chunks, while the device computes them
             self.pages.hash_pages(seq, seq.num_computed + n)
         if logits is not None and any(s.forks for s in seqs):
-            seqs, logits = _with_forks(seqs, logits)
+            seqs, logits = with_forks(seqs, logits)
         launched = Launched(batch, seqs, started, gpu_start=gpu_start)
         if verify_logits is not None:
             launched.verified = self._verify(batch.verifies, verify_logits)
@@ -487,17 +487,3 @@ class Engine(Appending, Admission):
         if seq is None:
             return None
         return seq.page_table, seq.num_computed
-
-
-def _with_forks(seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
-    """The rows of a step with each ``n > 1`` request's first-token row repeated for its
-    forks (each draws from the prompt's last logits with its own seed and matcher)."""
-    rows: list[int] = []
-    out: list[Sequence] = []
-    for i, seq in enumerate(seqs):
-        rows.append(i)
-        out.append(seq)
-        for fork in seq.forks:
-            rows.append(i)
-            out.append(fork)
-    return out, logits[torch.tensor(rows, device=logits.device)]
