@@ -8,21 +8,26 @@ prefill does) in five variants, each with exact float8_e4m3fn rounding (``engine
   * ``float32``: the full-precision model, to show bf16's own distance from it;
   * ``bf16``: the reference;
   * ``fp8_weights``: every linear layer of the decoder as FP8 with per-output-channel scales
-    (:func:`quantize_fp8`) and computed as the Triton kernels do (W8A16: bf16 activations
-    times the FP8 values accumulated in float32, then each channel's scale, then the bias);
-    the embedding and the LM head (tied here) stay bf16;
+    (:func:`quantize_fp8`), computed as ``--quantization fp8`` computes every product of more
+    than one row (prefill chunks, batched decode): W8A8, each row of the input rounded to FP8
+    with its own scale (:func:`quantize_rows_fp8`), the FP8 products accumulated in float32,
+    then both scales, then the bias; the embedding and the LM head (tied here) stay bf16;
+  * ``fp8_weights_a16``: the same weights as the batch-1 GEMV computes them (W8A16: the bf16
+    activations as they are);
   * ``fp8_kv``: keys (after rotary) and values rounded through the KV scheme as they are
     stored (:func:`quantize_kv_fp8`, a scale per token per KV head): every attention read,
     the chunk's own tokens included, sees the FP8 values, as a paged kernel reading the pool does;
-  * ``fp8_both``: both;
-  * ``fp8_k_only``, ``fp8_v_only`` (asked for by name): the keys alone, the values alone.
+  * ``fp8_both`` (W8A8 and the KV), ``fp8_both_a16`` (W8A16 and the KV);
+  * asked for by name: ``fp8_k_only``, ``fp8_v_only`` (the keys alone, the values alone) and
+    ``fp8_weights_g128``, ``fp8_both_g128`` (activation scales per 128 columns of a row, as the
+    batched kernel's ``tile`` mode computes them: a lever measured, not the default).
 
 Per variant: perplexity and its ratio to bf16, mean KL(bf16 || variant) of the next-token
 distributions in nats (and against float32), the max and mean absolute logit error against
 bf16 and how often the top token agrees. Also the KV pages per GiB of FP8 against bf16 at the
 default page size (arithmetic, scales included). Writes ``docs/data/fp8_quality.json``.
 
-    python bench/fp8_quality.py                          # 1.5 minutes on 2 idle cores
+    python bench/fp8_quality.py                          # 3 minutes on 2 idle cores
     python bench/fp8_quality.py --tokens 512 --out /tmp/fp8_quality.json
     # which layers hurt: leave some in bf16 (layers by index, kinds by name), K against V
     python bench/fp8_quality.py --variants fp8_weights fp8_both --keep-bf16 0 29 --out docs/data/fp8_quality_0_29.json
@@ -54,51 +59,85 @@ sys.path.insert(0, str(ROOT))
 
 from pdserve.bench.shapes import QWEN2_5_7B  # noqa: E402
 from pdserve.engine.config import EngineConfig  # noqa: E402
-from pdserve.engine.quant import dequantize_kv_fp8, kv_bytes_per_token, quantize_fp8, quantize_kv_fp8  # noqa: E402
+from pdserve.engine.quant import (  # noqa: E402
+    GROUP,
+    dequantize_kv_fp8,
+    kv_bytes_per_token,
+    quantize_fp8,
+    quantize_groups_fp8,
+    quantize_kv_fp8,
+    quantize_rows_fp8,
+)
 
 TEXT = ROOT / "engine" / "data" / "tiny_corpus.txt"
 OUT = ROOT / "docs" / "data" / "fp8_quality.json"
-# name -> (dtype, FP8 weights, what of the KV is FP8: "", "kv", "k" or "v"); bf16 is the
-# reference the others are measured against. The last two (not run by default) tell which hurts.
-VARIANTS: dict[str, tuple[torch.dtype, bool, str]] = {
-    "float32": (torch.float32, False, ""),
-    "bf16": (torch.bfloat16, False, ""),
-    "fp8_weights": (torch.bfloat16, True, ""),
-    "fp8_kv": (torch.bfloat16, False, "kv"),
-    "fp8_both": (torch.bfloat16, True, "kv"),
-    "fp8_k_only": (torch.bfloat16, False, "k"),
-    "fp8_v_only": (torch.bfloat16, False, "v"),
+# name -> (dtype, FP8 weights' activations: "" (no FP8 weights), "token" (W8A8, a scale per
+# row), "group" (W8A8, a scale per GROUP columns of a row) or "none" (W8A16), what of the KV
+# is FP8: "", "kv", "k" or "v"); bf16 is the reference the others are measured against. Those
+# not in DEFAULT_VARIANTS tell which part hurts, or measure a lever.
+VARIANTS: dict[str, tuple[torch.dtype, str, str]] = {
+    "float32": (torch.float32, "", ""),
+    "bf16": (torch.bfloat16, "", ""),
+    "fp8_weights": (torch.bfloat16, "token", ""),
+    "fp8_weights_a16": (torch.bfloat16, "none", ""),
+    "fp8_kv": (torch.bfloat16, "", "kv"),
+    "fp8_both": (torch.bfloat16, "token", "kv"),
+    "fp8_both_a16": (torch.bfloat16, "none", "kv"),
+    "fp8_k_only": (torch.bfloat16, "", "k"),
+    "fp8_v_only": (torch.bfloat16, "", "v"),
+    "fp8_weights_g128": (torch.bfloat16, "group", ""),
+    "fp8_both_g128": (torch.bfloat16, "group", "kv"),
 }
-DEFAULT_VARIANTS = ["float32", "bf16", "fp8_weights", "fp8_kv", "fp8_both"]
+DEFAULT_VARIANTS = ["float32", "bf16", "fp8_weights", "fp8_weights_a16", "fp8_kv", "fp8_both", "fp8_both_a16"]
 REFERENCE = "bf16"
 
 
 class Fp8Linear(torch.nn.Module):
     """A linear layer with FP8 weights as the kernels compute it: ``x @ q.T`` accumulated in
-    float32 (each product exact), times the channel's scale, plus the bias, in ``x``'s dtype."""
+    float32 (each product exact), times the channel's scale, plus the bias, in ``x``'s dtype.
+    ``activations``: "none" takes ``x`` as it is (W8A16, the batch-1 GEMV); "token" first rounds
+    each row of ``x`` to FP8 with its own scale (:func:`quantize_rows_fp8`, the W8A8 products of
+    prefill and batched decode); "group" with a scale per :data:`GROUP` columns of a row
+    (:func:`quantize_groups_fp8`, the batched kernel's ``tile`` mode)."""
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
+    def __init__(self, linear: torch.nn.Linear, activations: str = "token") -> None:
         super().__init__()
+        if activations not in ("none", "token", "group"):
+            raise ValueError(f"activations: none, token or group, not {activations!r}")
         w = quantize_fp8(linear.weight)
+        self.activations = activations
         self.register_buffer("q", w.q.to(torch.float32))
         self.register_buffer("scale", w.scale)
         bias = linear.bias
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x.to(torch.float32), self.q) * self.scale
+        out = F.linear(self._input(x), self.q) * self.scale
         return (out if self.bias is None else out + self.bias).to(x.dtype)
+
+    def _input(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` in float32 as the product reads it (rounded to FP8 and scaled back, but W8A16)."""
+        if self.activations == "none":
+            return x.to(torch.float32)
+        rows = x.reshape(-1, x.shape[-1])
+        if self.activations == "token":
+            q, scale = quantize_rows_fp8(rows)
+            return (q.to(torch.float32) * scale[:, None]).view(x.shape)
+        q, scales = quantize_groups_fp8(rows, GROUP)
+        per_column = scales.repeat_interleave(GROUP, dim=1)[:, : rows.shape[1]]
+        return (q.to(torch.float32) * per_column).view(x.shape)
 
 
 # ``--fp8-lm-head``: the LM head in FP8 too (a lever measured, not what --quantization fp8 does).
 QUANTIZE_LM_HEAD = False
 
 
-def quantize_weights(model: torch.nn.Module, keep: Sequence[str] = ()) -> int:
+def quantize_weights(model: torch.nn.Module, keep: Sequence[str] = (), activations: str = "token") -> int:
     """Every ``nn.Linear`` under the decoder's layers (``model.model.layers``) as an
-    :class:`Fp8Linear`, in place, but those whose name under the layers (``0.mlp.down_proj``)
-    holds one of ``keep`` as whole dotted parts (``down_proj``, ``0``, ``29.mlp``), and the LM
-    head with :data:`QUANTIZE_LM_HEAD` (untied from the embeddings); returns how many."""
+    :class:`Fp8Linear` computing with ``activations``, in place, but those whose name under the
+    layers (``0.mlp.down_proj``) holds one of ``keep`` as whole dotted parts (``down_proj``,
+    ``0``, ``29.mlp``), and the LM head with :data:`QUANTIZE_LM_HEAD` (untied from the
+    embeddings); returns how many."""
     layers = model.get_decoder().layers
     names = [name for name, m in layers.named_modules() if isinstance(m, torch.nn.Linear)]
     count = 0
@@ -107,13 +146,13 @@ def quantize_weights(model: torch.nn.Module, keep: Sequence[str] = ()) -> int:
             continue
         parent, _, attr = name.rpartition(".")
         owner = layers.get_submodule(parent)
-        setattr(owner, attr, Fp8Linear(getattr(owner, attr)))
+        setattr(owner, attr, Fp8Linear(getattr(owner, attr), activations))
         count += 1
     if QUANTIZE_LM_HEAD:
         head = model.get_output_embeddings()
         untied = torch.nn.Linear(head.in_features, head.out_features, bias=False)
         untied.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
-        model.lm_head = Fp8Linear(untied)
+        model.lm_head = Fp8Linear(untied, activations)
         count += 1
     return count
 
@@ -190,16 +229,16 @@ def build_variants(
 ) -> dict[str, tuple[torch.nn.Module, str]]:
     """Each variant's model (the float32 ``model`` copied, cast, its weights quantized) and
     what of its KV is FP8; variants that differ only in KV share one model."""
-    models: dict[tuple[torch.dtype, bool], torch.nn.Module] = {}
+    models: dict[tuple[torch.dtype, str], torch.nn.Module] = {}
     out = {}
     for name in names:
-        dtype, fp8_weights, fp8_kv = VARIANTS[name]
-        if (dtype, fp8_weights) not in models:
+        dtype, activations, fp8_kv = VARIANTS[name]
+        if (dtype, activations) not in models:
             m = copy.deepcopy(model).to(dtype).eval()
-            if fp8_weights:
-                quantize_weights(m, keep_bf16)
-            models[dtype, fp8_weights] = m
-        out[name] = (models[dtype, fp8_weights], fp8_kv)
+            if activations:
+                quantize_weights(m, keep_bf16, activations)
+            models[dtype, activations] = m
+        out[name] = (models[dtype, activations], fp8_kv)
     return out
 
 
@@ -373,6 +412,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "window": args.window,
         "chunk": args.chunk,
         "weights_left_in_bf16": ["embed_tokens", *([] if QUANTIZE_LM_HEAD else ["lm_head"]), *args.keep_bf16],
+        "weights_scheme": "float8_e4m3fn, one float32 scale (amax / 448) per output channel",
+        "activations": {
+            "token": "W8A8: each row rounded to float8_e4m3fn with its own scale, as prefill and batched decode compute",
+            "none": "W8A16: bf16 activations, as the batch-1 GEMV computes (variants ending _a16)",
+            "group": f"W8A8 with a scale per {GROUP} columns of a row (variants ending _g128)",
+        },
         "kv_scheme": "float8_e4m3fn, one float32 scale (amax / 448) per token per KV head, keys after rotary",
         "kl": "mean over scored positions of KL(p_bf16 || p_variant) of the next-token distributions, nats",
         "variants": results,

@@ -12,7 +12,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from pdserve.engine.quant import dequantize_kv_fp8, quantize_fp8, quantize_kv_fp8
+from pdserve.engine.quant import (
+    dequantize_kv_fp8,
+    quantize_fp8,
+    quantize_groups_fp8,
+    quantize_kv_fp8,
+    quantize_rows_fp8,
+)
 
 
 @pytest.fixture(scope="module")
@@ -28,11 +34,24 @@ def model(tiny_model_dir: Path) -> torch.nn.Module:
 def test_fp8_linear_is_the_kernels_arithmetic_and_keep_matches_whole_name_parts(
     fq: ModuleType, model: torch.nn.Module
 ) -> None:
-    linear = torch.nn.Linear(32, 8, bias=True)
-    x = torch.randn(3, 32).to(torch.bfloat16)
+    linear = torch.nn.Linear(256, 8, bias=True)
+    x = torch.randn(2, 3, 256).to(torch.bfloat16)
+    x[0, 1, 200] = 40.0  # an outlier: its row's scale, and only its group's with "group"
     w = quantize_fp8(linear.weight)
-    expected = (x.float() @ w.q.float().T * w.scale + linear.bias.detach()).to(torch.bfloat16)
-    assert torch.equal(fq.Fp8Linear(linear)(x), expected)
+    bias = linear.bias.detach()
+    a16 = (x.float() @ w.q.float().T * w.scale + bias).to(torch.bfloat16)
+    assert torch.equal(fq.Fp8Linear(linear, "none")(x), a16), "W8A16: the batch-1 GEMV"
+    q, scale = quantize_rows_fp8(x.reshape(6, 256))
+    rows = (q.float() * scale[:, None]).view(2, 3, 256)
+    w8a8 = (rows @ w.q.float().T * w.scale + bias).to(torch.bfloat16)
+    assert torch.equal(fq.Fp8Linear(linear)(x), w8a8), "W8A8 with a scale per row is the default"
+    assert not torch.equal(w8a8, a16)
+    qg, scales = quantize_groups_fp8(x.reshape(6, 256), 128)
+    assert scales.shape == (6, 2)
+    groups = (qg.float().view(6, 2, 128) * scales[:, :, None]).view(2, 3, 256)
+    assert torch.equal(fq.Fp8Linear(linear, "group")(x), (groups @ w.q.float().T * w.scale + bias).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="activations"):
+        fq.Fp8Linear(linear, "int8")
 
     layers = len(model.model.layers)
     every = fq.build_variants(model, ["bf16"])["bf16"][0]
@@ -60,7 +79,7 @@ def test_evaluate_measures_each_variant_against_bf16_and_chunks_do_not_change_it
     fq: ModuleType, model: torch.nn.Module, tiny_model_dir: Path
 ) -> None:
     tokens = fq.load_tokens(tiny_model_dir, 96)
-    names = ["bf16", "float32", "fp8_weights", "fp8_kv", "fp8_both", "fp8_k_only"]
+    names = ["bf16", "float32", "fp8_weights", "fp8_weights_a16", "fp8_kv", "fp8_both", "fp8_k_only", "fp8_both_g128"]
     result = fq.evaluate(model, tokens, window=64, chunk=16, names=names)
     assert list(result) == names
     ref = result["bf16"]
@@ -75,6 +94,7 @@ def test_evaluate_measures_each_variant_against_bf16_and_chunks_do_not_change_it
             and 0 < r["mean_abs_logit_err_vs_bf16"] <= r["max_abs_logit_err_vs_bf16"]
         )
         assert 0.5 < r["ppl_ratio_to_bf16"] < 2
+    assert result["fp8_weights"]["mean_kl_nats_vs_bf16"] != result["fp8_weights_a16"]["mean_kl_nats_vs_bf16"]
     # One pass of each 64-token window against four chunks of 16 through the cache: the same
     # perplexity up to float rounding.
     whole = fq.evaluate(model, tokens, window=64, chunk=64, names=["bf16"])
