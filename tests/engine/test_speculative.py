@@ -16,6 +16,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.loader import build_engine, quiet_transformers
 from pdserve.engine.model_runner import ModelRunner, ModelSpec
+from pdserve.engine.outputs import VerifyResult
 from pdserve.engine.sampler import Sampler, SampleRequest
 from pdserve.engine.speculative import NgramIndex, SpecState, StepCost, best_length, verify
 from pdserve.schemas import SamplingParams
@@ -201,9 +202,33 @@ def test_seeded_sampling_with_speculation_is_reproducible(tiny_model_dir: Path) 
 CHI2_DF5_999 = 20.52  # the 0.999 quantile of chi-square with 5 degrees of freedom
 
 
-def _chi2(counts: list[int], probs: list[float]) -> float:
+def chi2(counts: list[int], probs: list[float]) -> float:
+    """Pearson's statistic of ``counts`` against ``probs`` (a token of probability 0 never drawn)."""
     n = sum(counts)
+    assert all(c == 0 for c, p in zip(counts, probs, strict=True) if p == 0)
     return sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probs, strict=True) if p > 0)
+
+
+def draw_verifies(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    draft: list[int],
+    params: SamplingParams,
+    n: int = 6000,
+    masks: torch.Tensor | None = None,
+) -> tuple[list[VerifyResult], list[int], list[int]]:
+    """``n`` verifies of ``draft`` over the same three rows of six-token ``logits`` (and
+    ``masks``): the results, and how often each token was emitted first and second (each
+    result checked: the draft's prefix accepted, then one token)."""
+    rows = [[SampleRequest(params, [1], [], index=t) for t in range(3)] for _ in range(n)]
+    results = verify(sampler, logits.repeat(n, 1), [draft] * n, rows, None if masks is None else masks.repeat(n, 1))
+    first, second = [0] * 6, [0] * 6
+    for r in results:
+        assert r.tokens[: r.accepted] == draft[: r.accepted] and len(r.tokens) == r.accepted + 1
+        first[r.tokens[0]] += 1
+        if r.accepted >= 1:
+            second[r.tokens[1]] += 1
+    return results, first, second
 
 
 @pytest.mark.parametrize("draft", [[1, 4], [5, 5], [0, 2]])
@@ -217,19 +242,12 @@ def test_rejection_sampling_keeps_the_target_distribution(draft: list[int], temp
     p = [torch.softmax(logits[i] / temperature, -1).tolist() for i in range(3)]
     sampler = Sampler(CPU)
     sampler.reseed(1234)
-    params = SamplingParams(temperature=temperature, max_new_tokens=8)
     n = 6000
-    rows = [[SampleRequest(params, [1], [], index=t) for t in range(3)] for _ in range(n)]
-    results = verify(sampler, logits.repeat(n, 1), [draft] * n, rows)
-    first = [0] * 6
-    second = [0] * 6
-    for r in results:
-        assert r.tokens[: r.accepted] == draft[: r.accepted] and len(r.tokens) == r.accepted + 1
-        first[r.tokens[0]] += 1
-        if r.accepted >= 1:
-            second[r.tokens[1]] += 1
-    assert _chi2(first, p[0]) < CHI2_DF5_999
-    assert _chi2(second, p[1]) < CHI2_DF5_999
+    results, first, second = draw_verifies(
+        sampler, logits, draft, SamplingParams(temperature=temperature, max_new_tokens=8), n
+    )
+    assert chi2(first, p[0]) < CHI2_DF5_999
+    assert chi2(second, p[1]) < CHI2_DF5_999
     # the draft's first token is accepted about as often as the target gives it
     accepted = sum(r.accepted >= 1 for r in results) / n
     assert accepted == pytest.approx(p[0][draft[0]], abs=0.03)

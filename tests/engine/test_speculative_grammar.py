@@ -25,6 +25,7 @@ from pdserve.engine.sampler import Sampler, SampleRequest
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.speculative import Speculator, verify
 from pdserve.schemas import SamplingParams
+from tests.engine.test_speculative import CHI2_DF5_999, chi2, draw_verifies
 
 CPU = torch.device("cpu")
 ALWAYS = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 4, "speculative_cost_ratio": 0.0}
@@ -153,15 +154,6 @@ def test_verify_rows_get_the_masks_after_each_draft_prefix(grammars: Grammars) -
 
 
 # ---- verification under the masks ----------------------------------------------------
-CHI2_DF5_999 = 20.52  # the 0.999 quantile of chi-square with 5 degrees of freedom
-
-
-def _chi2(counts: list[int], probs: list[float]) -> float:
-    n = sum(counts)
-    assert all(c == 0 for c, p in zip(counts, probs, strict=True) if p == 0)  # never a refused token
-    return sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probs, strict=True) if p > 0)
-
-
 def _mask(allowed: set[int]) -> int:
     word = sum(1 << i for i in allowed)
     return word - (1 << 32) if word >= 1 << 31 else word  # as int32
@@ -181,19 +173,12 @@ def test_verify_under_masks_keeps_the_constrained_distribution(draft: list[int])
     p = [torch.softmax(masked[i], -1).tolist() for i in range(3)]
     sampler = Sampler(CPU)
     sampler.reseed(99)
-    params = SamplingParams(temperature=1.0, max_new_tokens=8)
-    n = 6000
-    rows = [[SampleRequest(params, [1], [], index=t) for t in range(3)] for _ in range(n)]
-    results = verify(sampler, logits.repeat(n, 1), [draft] * n, rows, masks.repeat(n, 1))
-    first, second = [0] * 6, [0] * 6
-    for r in results:
-        assert r.tokens[: r.accepted] == draft[: r.accepted] and len(r.tokens) == r.accepted + 1
-        first[r.tokens[0]] += 1
-        if r.accepted >= 1:
-            second[r.tokens[1]] += 1
-    assert _chi2(first, p[0]) < CHI2_DF5_999
+    results, first, second = draw_verifies(
+        sampler, logits, draft, SamplingParams(temperature=1.0, max_new_tokens=8), masks=masks
+    )
+    assert chi2(first, p[0]) < CHI2_DF5_999
     if p[0][draft[0]] > 0:
-        assert _chi2(second, p[1]) < CHI2_DF5_999
+        assert chi2(second, p[1]) < CHI2_DF5_999
     assert max(r.accepted for r in results) <= (0 if draft[0] == 3 else 1 if draft[1] == 0 else 2)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
     rows = [[SampleRequest(greedy, [1], [], index=t) for t in range(3)]]
