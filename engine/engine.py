@@ -40,11 +40,11 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.grammar import Grammars
 from pdserve.engine.kv_tiers import KVTiers, create_tiers
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.outputs import EngineStats, ExecResult, Launched, RequestOutput, VerifyResult
+from pdserve.engine.outputs import EngineStats, ExecResult, Launched, RequestOutput, VerifyResult, with_forks
 from pdserve.engine.page_manager import PageManager
 from pdserve.engine.sampler import Sampler, SampleRequest, token_logprobs
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.sequence import ScheduledBatch, Sequence, Status, with_forks
+from pdserve.engine.sequence import ScheduledBatch, Sequence, Status
 from pdserve.engine.speculative import Speculator, verify
 from pdserve.schemas import SamplingParams
 

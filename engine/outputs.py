@@ -1,6 +1,7 @@
 """What the engine hands out: a step's outputs per request (:class:`RequestOutput`), a step
 queued on the device (:class:`Launched`) and its result (:class:`ExecResult`), the engine's
-totals, and the error for a request it cannot serve."""
+totals, the error for a request it cannot serve, and a step's sampled rows with its forks
+(:func:`with_forks`)."""
 
 from __future__ import annotations
 
@@ -91,3 +92,17 @@ class EngineStats:
     overlapped_steps: int = 0  # steps left queued on the device while the next was launched
     grammar_refusals: int = 0  # sampled tokens a sequence's own grammar refused (0 unless a bug)
     spec: SpecStats | None = None  # speculative decoding's counters, when it is on
+
+
+def with_forks(seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
+    """The rows of a step with each ``n > 1`` request's first-token row repeated for its
+    forks (each draws from the prompt's last logits with its own seed and matcher)."""
+    rows: list[int] = []
+    out: list[Sequence] = []
+    for i, seq in enumerate(seqs):
+        rows.append(i)
+        out.append(seq)
+        for fork in seq.forks:
+            rows.append(i)
+            out.append(fork)
+    return out, logits[torch.tensor(rows, device=logits.device)]

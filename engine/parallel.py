@@ -254,7 +254,7 @@ def step_command(batch: ScheduledBatch, feed_rows: list[int] | None) -> tuple[An
     return ("step", decodes, prefills, feed_rows, verifies)
 
 
-def mirror_batch(decodes: list[Any], prefills: list[Any], verifies: list[Any] = ()) -> ScheduledBatch:  # type: ignore[assignment]
+def mirror_batch(decodes: list[Any], prefills: list[Any], verifies: list[Any]) -> ScheduledBatch:
     """A follower's copy of rank 0's step (see :func:`step_command`)."""
     rows = [MirrorSeq(f"d{i}", [t], n, n - 1, table) for i, (t, n, table) in enumerate(decodes)]
     chunks = [

@@ -7,8 +7,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from pdserve.schemas import SamplingParams
 
 
@@ -114,17 +112,3 @@ class ScheduledBatch:
     @property
     def rids(self) -> set[str]:
         return {s.rid for s in self.decodes} | {s.rid for s, _ in self.prefills} | {s.rid for s, _ in self.verifies}
-
-
-def with_forks(seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
-    """The rows of a step with each ``n > 1`` request's first-token row repeated for its
-    forks (each draws from the prompt's last logits with its own seed and matcher)."""
-    rows: list[int] = []
-    out: list[Sequence] = []
-    for i, seq in enumerate(seqs):
-        rows.append(i)
-        out.append(seq)
-        for fork in seq.forks:
-            rows.append(i)
-            out.append(fork)
-    return out, logits[torch.tensor(rows, device=logits.device)]
