@@ -95,6 +95,7 @@ def tier_counts(engine: Engine) -> dict[str, Any]:
         name: {
             "hit_pages": c.hit_pages,
             "overlapped_pages": c.overlapped_pages,
+            "unbuffered_reads": c.unbuffered_reads,
             "declined_pages": c.declined_pages,
             "stored_pages": c.stored_pages,
             "corrupt": c.corrupt,

@@ -116,6 +116,10 @@ _TIER_COUNTERS = {
         "pdserve_kv_tier_overlapped_pages",
         "KV pages loaded from the tier while the prefix before them was computed",
     ),
+    "unbuffered_reads": (
+        "pdserve_kv_tier_unbuffered_reads",
+        "page-group reads into a fresh buffer because every reused read buffer was out (slower)",
+    ),
     "saved_seconds": (
         "pdserve_kv_tier_saved_seconds",
         "seconds the tier's loads were expected to save against computing their pages (the cost rule's estimates)",

@@ -84,6 +84,25 @@ class DiskTier:
                 self._files.move_to_end(key.hex() + ".kv")
         return data
 
+    def get_into(self, key: bytes, out: memoryview) -> memoryview | bytearray | None:
+        """The file's bytes read into ``out`` (a view of its first bytes), or ``None`` if
+        there is none; a file of another size than ``out`` (not a blob of this layout's
+        group: :func:`kv_blob.decode` calls it corrupt) is read as :meth:`get` reads."""
+        try:
+            with open(self.path(key), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size != len(out):
+                    data = bytearray(size)
+                    del data[f.readinto(data) :]
+                    return data
+                got = f.readinto(out)
+        except FileNotFoundError:
+            return None
+        with self._lock:
+            if key.hex() + ".kv" in self._files:
+                self._files.move_to_end(key.hex() + ".kv")
+        return out[:got]
+
     def put(self, key: bytes, *parts: bytes | memoryview) -> None:
         """Write the blob ``parts`` make up under ``key`` (write, then rename), then evict down
         to the bound. Parts are written one after another (no copy joins them)."""

@@ -41,6 +41,7 @@ import torch
 
 from pdserve.engine import kv_blob
 from pdserve.engine.config import KVTierConfig
+from pdserve.engine.kv_buffers import ReadBuffer, ReadBuffers
 from pdserve.engine.kv_cost import CostEstimates, Decision, overlap_split, pages_worth_loading
 from pdserve.engine.kv_host import HostTier
 from pdserve.engine.kv_pool import KVPool
@@ -132,6 +133,10 @@ class KVTiers(WriteThrough, ReadAhead):
             self.groups.append(
                 StoreTier(config.store_master, config.store_metadata, ident, config.store_host, config.store_bytes)
             )
+        # the disk's reads into reused buffers (pinned on a GPU), as many as a load keeps ahead
+        self._read_buffers = ReadBuffers(
+            kv_blob.HEADER_BYTES + self.group_pages * pool.page_bytes, 2 * LOAD_THREADS, pool.device.type == "cuda"
+        )
         # a bug in the writer or the prefetcher, raised on the engine's thread at its next call
         self._failure: BaseException | None = None
         self.start_writer(config.max_pending_writes)
@@ -306,7 +311,9 @@ class KVTiers(WriteThrough, ReadAhead):
         """Fill ``pages`` with ``plan``'s pages in order; returns how many were loaded (a
         page lost since :meth:`find`, or a corrupt blob, ends the run there). The groups'
         reads and checks run on :data:`LOAD_THREADS` threads at once (file reads and the
-        CRC let go of the interpreter), their copies into the pool in order on this one."""
+        CRC let go of the interpreter), each disk group into a reused read buffer
+        (:mod:`.kv_buffers`), up to as many groups ahead as there are buffers; their copies
+        into the pool run in order on this thread."""
         began = time.perf_counter()
         assert len(pages) <= plan.num_pages
         spans: list[tuple[_Step, int, int]] = []  # (step, first page, pages) of what is wanted
@@ -317,55 +324,93 @@ class KVTiers(WriteThrough, ReadAhead):
             n = min(step.count, len(pages) - done)
             spans.append((step, done, n))
             done += n
-        fetched: dict[int, Future[_Fetched]] = {}
-        if sum(1 for step, _, _ in spans if step.tier != "host") > 1:
+        threaded = sum(1 for step, _, _ in spans if step.tier != "host") > 1
+        if threaded:
             with self._fetch_lock:  # a load beside the steps (load_behind) may be first
                 if self._loaders is None:
                     self._loaders = helper_pool(LOAD_THREADS, "kv-tier-load")
-            for i, (step, _, _) in enumerate(spans):
+        fetched: dict[int, Future[_Fetched]] = {}
+        held: dict[int, ReadBuffer] = {}
+        ahead = 0  # spans submitted so far
+
+        def submit_ahead(upto: int) -> None:
+            nonlocal ahead
+            while ahead < len(spans) and ahead < upto + self._read_buffers.count:
+                step = spans[ahead][0]
                 if step.tier != "host":
-                    fetched[i] = self._loaders.submit(self._fetch_group, step)
+                    buffer = self._read_buffer(step.tier)
+                    if buffer is not None:
+                        held[ahead] = buffer
+                    assert self._loaders is not None
+                    fetched[ahead] = self._loaders.submit(self._fetch_group, step, buffer)
+                ahead += 1
+
         loaded = 0
         mark = time.perf_counter()
-        for i, (step, first, n) in enumerate(spans):
-            target = pages[first : first + n]
-            if step.tier == "host":
-                assert self.host is not None
-                source = "host" if self.host.load(step.key, target[0]) else None
-            else:
-                got = fetched[i].result() if i in fetched else self._fetch_group(step)
+        try:
+            for i, (step, first, n) in enumerate(spans):
+                if threaded:
+                    submit_ahead(i)
+                target = pages[first : first + n]
+                if step.tier == "host":
+                    assert self.host is not None
+                    source = "host" if self.host.load(step.key, target[0]) else None
+                else:
+                    if i in fetched:
+                        got = fetched.pop(i).result()
+                    else:
+                        buffer = self._read_buffer(step.tier)
+                        if buffer is not None:
+                            held[i] = buffer
+                        got = self._fetch_group(step, buffer)
+                    counters = self.stats.tiers[step.tier]
+                    counters.prefetch_hits += got.source == "prefetched"
+                    counters.corrupt += got.corrupt
+                    source = None
+                    if got.group is not None:
+                        source = got.source
+                        index = torch.tensor(list(target), device=self.pool.device)
+                        src = got.group[step.skip : step.skip + n]
+                        self.pool.tensor.index_copy_(0, index, src.to(self.pool.device, non_blocking=True))
+                    if i in held:
+                        self._give_back(held.pop(i))
+                if source is None:
+                    break
+                now = time.perf_counter()  # this step's share of the wall time (reads overlap)
+                self.estimates.note_load(source, n * self.pool.page_bytes, now - mark)
+                mark = now
                 counters = self.stats.tiers[step.tier]
-                counters.prefetch_hits += got.source == "prefetched"
-                counters.corrupt += got.corrupt
-                source = None
-                if got.group is not None:
-                    source = got.source
-                    index = torch.tensor(list(target), device=self.pool.device)
-                    src = got.group[step.skip : step.skip + n]
-                    self.pool.tensor.index_copy_(0, index, src.to(self.pool.device, non_blocking=True))
-            if source is None:
-                break
-            now = time.perf_counter()  # this step's share of the wall time (reads overlap)
-            self.estimates.note_load(source, n * self.pool.page_bytes, now - mark)
-            mark = now
-            counters = self.stats.tiers[step.tier]
-            counters.hit_pages += n
-            counters.load_bytes += n * self.pool.page_bytes
-            loaded += n
+                counters.hit_pages += n
+                counters.load_bytes += n * self.pool.page_bytes
+                loaded += n
+        finally:
+            for i, future in fetched.items():  # a run ended early: its reads still in flight
+                future.result()
+                if i in held:
+                    self._give_back(held.pop(i))
         self._timed("load", began)
         return loaded
 
-    def _fetch_group(self, step: _Step) -> _Fetched:
+    def _give_back(self, buffer: ReadBuffer) -> None:
+        """``buffer`` back, once the copy out of it queued on the device has run."""
+        ready = None
+        if self.pool.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        self._read_buffers.give(buffer, ready)
+
+    def _fetch_group(self, step: _Step, buffer: ReadBuffer | None = None) -> _Fetched:
         """A group step's pages on the host, checked, and where they came from (its tier, or
-        ``prefetched``); no pages for a miss (gone, or corrupt: removed from its tier). Runs
-        on any thread: the caller counts what it returns."""
+        ``prefetched``); no pages for a miss (gone, or corrupt: removed from its tier). Read
+        into ``buffer`` where given (the pages returned then live there). Runs on any
+        thread: the caller counts what it returns."""
         tier = self.tier(step.tier)
         assert tier is not None
         source = "prefetched"
         blob = self._take_prefetched(step.key)
         if blob is None:
             source = tier.name
-            blob = tier.get(step.key)
+            blob = tier.get(step.key) if buffer is None else tier.get_into(step.key, buffer.view())  # type: ignore[attr-defined]
         if blob is None:
             return _Fetched(source, None)
         try:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from pdserve.engine import kv_blob
+from pdserve.engine.kv_buffers import ReadBuffer, ReadBuffers
 from pdserve.engine.kv_store import StoreError
 from pdserve.engine.threads import helper_pool, helper_thread
 
@@ -67,6 +68,7 @@ class TierCounters:
     prefetch_wasted: int = 0  # of those, groups dropped unused (the memory's limit; the request went elsewhere)
     calibrations: int = 0  # groups read back off the request path to measure this tier's rate (KVTiers.calibrate)
     overlapped_pages: int = 0  # pages loaded beside the computing of the prefix before them (KVTiers.load_behind)
+    unbuffered_reads: int = 0  # group reads into a fresh buffer: every reused one was out (kv_buffers)
     saved_seconds: float = 0.0  # what its loads were expected to save against computing (the rule's estimates)
 
 
@@ -117,6 +119,18 @@ class WriteThrough:
     stats: TierStats
     estimates: CostEstimates
     _failure: BaseException | None
+    _read_buffers: ReadBuffers
+
+    def _read_buffer(self, tier: str) -> ReadBuffer | None:
+        """A reused buffer for a read from ``tier`` (its blob of a group), where the tier reads
+        into one (the disk); ``None`` otherwise, or when all are out (counted: that read
+        gets a fresh buffer)."""
+        if tier != "disk":
+            return None
+        buffer = self._read_buffers.take()
+        if buffer is None:
+            self.stats.tiers[tier].unbuffered_reads += 1
+        return buffer
 
     def start_writer(self, max_pending: int) -> None:
         self._written: OrderedDict[bytes, None] = OrderedDict()  # groups offered lately
@@ -303,14 +317,19 @@ class WriteThrough:
         keys = list(keys[:LOAD_THREADS])
 
         def read(key: bytes) -> int:
-            blob = tier.get(key)
-            if blob is None:
-                return 0
+            buffer = self._read_buffer(tier.name)  # as a load reads
             try:
-                kv_blob.decode(blob, self.ident, key, self.pool.layout)
-            except kv_blob.CorruptBlob:
-                return 0
-            return len(blob)
+                blob = tier.get(key) if buffer is None else tier.get_into(key, buffer.view())  # type: ignore[attr-defined]
+                if blob is None:
+                    return 0
+                try:
+                    kv_blob.decode(blob, self.ident, key, self.pool.layout)
+                except kv_blob.CorruptBlob:
+                    return 0
+                return len(blob)
+            finally:
+                if buffer is not None:
+                    self._read_buffers.give(buffer)
 
         began = time.perf_counter()
         if len(keys) > 1:

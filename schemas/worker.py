@@ -80,7 +80,8 @@ class TierCounts:
     ``calibrations``: groups read back off the request path to measure the tier's rate (its
     first write, or one it held at start); ``overlapped_pages``: pages asked of it while the
     prefix before them was computed (a tier slower than computing still saving time);
-    ``saved_seconds``: what the loads taken from it were expected to save against computing
+    ``unbuffered_reads``: group reads that found every reused read buffer out and read into
+    a fresh one (slower; :mod:`pdserve.engine.kv_buffers`); ``saved_seconds``: what the loads taken from it were expected to save against computing
     their pages, by the rule's estimates when it took them."""
 
     tier: str
@@ -98,6 +99,7 @@ class TierCounts:
     prefetch_wasted: int = 0
     calibrations: int = 0
     overlapped_pages: int = 0
+    unbuffered_reads: int = 0
     saved_seconds: float = 0.0
 
 

@@ -55,7 +55,16 @@ MM_ALTS: list[tuple[str, dict[str, Any]]] = [
     ("n256", {"block_n": 256, "block_k": 128, "num_warps": 8, "num_stages": 3}),
 ]
 # the FP8 GEMV's tiles tried at one row: (block_n, block_k, split_k, num_warps)
-GEMV_SWEEP = [(bn, bk, sk, 4) for bn in (8, 16, 32) for bk in (1024, 2048) for sk in (1, 2, 4) if bn * bk <= 32768]
+GEMV_SWEEP = [(bn, bk, sk, 4, 3) for bn in (8, 16, 32) for bk in (1024, 2048) for sk in (1, 2, 4) if bn * bk <= 32768]
+# --gemv-sweep wide: also narrower channel tiles, shorter K tiles, 2 and 8 warps, 2 and 4 stages
+# (block_n, block_k, split_k, num_warps, num_stages), the likeliest first (the budget may stop it)
+GEMV_SWEEP_WIDE = (
+    [(4, bk, sk, 4, 3) for bk in (512, 1024, 2048, 4096) for sk in (1, 2, 4)]
+    + [(8, 512, sk, 4, 3) for sk in (1, 2, 4)]
+    + [(bn, bk, sk, nw, 3) for nw in (2, 8) for bn in (4, 8, 16) for bk in (512, 1024, 2048, 4096) for sk in (1, 2, 4)]
+    + [(bn, bk, sk, 4, ns) for ns in (2, 4) for bn, bk in ((4, 2048), (8, 1024), (8, 2048)) for sk in (1, 2, 4)]
+)
+GEMV_SWEEP_WIDE = [c for c in GEMV_SWEEP_WIDE if c[0] * c[1] <= 32768]
 COMPLETE = (
     "gemv",
     "gemv_tiles",
@@ -142,6 +151,9 @@ def main() -> int:
     parser.add_argument("--rows", default=ROWS)
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--budget", type=float, default=200.0, help="seconds of sweeping at most")
+    parser.add_argument(
+        "--gemv-sweep", choices=("narrow", "wide"), default="narrow", help="the one-row GEMV tiles tried (wide: ~400)"
+    )
     args = parser.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
     dev = torch.device("cuda", 0)
@@ -278,10 +290,10 @@ def main() -> int:
 
                 record(shape, rows, "gemv", ours, n * k, **tiles)
             if rows == 1:
-                for bn, bk, sk, nw in GEMV_SWEEP:
-                    if k // sk < bk:
+                for bn, bk, sk, nw, ns in GEMV_SWEEP + (GEMV_SWEEP_WIDE if args.gemv_sweep == "wide" else []):
+                    if k // sk < bk or over("gemv_tiles"):
                         continue
-                    cfg = {"block_n": bn, "block_k": bk, "split_k": sk, "num_warps": nw, "num_stages": 3}
+                    cfg = {"block_n": bn, "block_k": bk, "split_k": sk, "num_warps": nw, "num_stages": ns}
 
                     def swept(x: torch.Tensor = x, cfg: dict = cfg) -> int:
                         for w in q8:

@@ -104,6 +104,14 @@ def test_disk_tier_round_trips_keeps_its_bound_and_survives_a_restart(tmp_path: 
     got = again.get(key(3))
     assert got is not None and torch.equal(kv_blob.decode(got, IDENT, key(3), LAYOUT), pages + 3)
     assert again.get(key(0)) is None
+    # read into a buffer of the blob's size: in place; a buffer of another size: read as get reads
+    buffer = bytearray(len(blob))
+    got = again.get_into(key(3), memoryview(buffer))
+    assert isinstance(got, memoryview) and got.obj is buffer
+    assert torch.equal(kv_blob.decode(got, IDENT, key(3), LAYOUT), pages + 3)
+    other = again.get_into(key(3), memoryview(bytearray(len(blob) - 1)))
+    assert isinstance(other, bytearray) and torch.equal(kv_blob.decode(other, IDENT, key(3), LAYOUT), pages + 3)
+    assert again.get_into(key(0), memoryview(buffer)) is None
 
 
 # ---- the engine with tiers, against transformers ------------------------------------------
@@ -198,7 +206,7 @@ def test_disk_tier_serves_a_restarted_engine_and_skips_corrupt_files(
     restarted = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4)
     assert serve(restarted, [prompts[1]]) == [expected[1]]
     stats = restarted.tiers.stats.tiers["disk"]  # type: ignore[union-attr]
-    assert stats.hit_pages == disk.stored_pages and stats.corrupt == 0
+    assert stats.hit_pages == disk.stored_pages and stats.corrupt == 0 and stats.unbuffered_reads == 0
     assert engine.tiers.stats.write_errors == engine.tiers.stats.write_drops == 0  # type: ignore[union-attr]
     assert restarted.stats.cached_tokens == disk.stored_pages * 16
     restarted.close()
@@ -262,6 +270,31 @@ def test_a_tier_is_measured_off_the_request_path(tiny_model_dir: Path, tmp_path:
     restarted.close()
 
 
+def test_disk_loads_read_into_reused_buffers_and_count_a_read_without_one(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A restarted engine loads 12 one-page groups (more than its read buffers), each read into
+    a reused buffer, none fresh; with every buffer held elsewhere the same load reads each group
+    into a fresh buffer, counted, and serves the same tokens; every buffer comes back."""
+    prompt = list(range(5, 205))  # 12 full pages
+    first = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=1)
+    computed = serve(first, [prompt])
+    first.close()
+    for hold in (False, True):
+        engine = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=1, prefetch_bytes=0)
+        assert engine.tiers is not None
+        buffers = engine.tiers._read_buffers
+        assert buffers.count < 12 and not buffers.pin  # pinned where the pool is on a GPU
+        held = []
+        while hold and (b := buffers.take()) is not None:
+            held.append(b)
+        assert serve(engine, [prompt], first=1) == computed
+        disk = engine.tiers.stats.tiers["disk"]
+        assert disk.hit_pages == 12 and disk.unbuffered_reads == (12 if hold else 0)
+        assert buffers.free == buffers.count - len(held)
+        for b in held:
+            buffers.give(b)
+        engine.close()
+
+
 def restarted_over_disk(
     model_dir: Path, disk: Path, prompt: list[int], **tiers: object
 ) -> tuple[list[list[int]], Engine]:
@@ -311,14 +344,14 @@ def test_a_tier_found_holding_a_prefix_before_it_was_measured_is_timed_on_one_gr
     third.tiers.estimates.bytes_per_s.pop("disk")
     disk_tier = third.tiers.tier("disk")
     assert disk_tier is not None
-    get = disk_tier.get
+    get, get_into = disk_tier.get, disk_tier.get_into  # type: ignore[attr-defined]
 
-    def slow_get(key: bytes) -> object:
-        blob = get(key)
+    def slow_get(key: bytes, *into: memoryview) -> object:
+        blob = get_into(key, *into) if into else get(key)
         time.sleep(1.0)  # a group a second: slower than computing the whole prompt here
         return blob
 
-    disk_tier.get = slow_get  # type: ignore[method-assign]
+    disk_tier.get = disk_tier.get_into = slow_get  # type: ignore[method-assign, attr-defined]
     assert serve(third, [prompt], first=1) == computed
     disk = third.tiers.stats.tiers["disk"]
     assert disk.hit_pages == 0 and disk.declined_pages == 200 // 16 // 4 * 4
@@ -562,13 +595,13 @@ def test_a_request_let_go_of_while_its_tail_loads_waits_for_the_load_then_frees_
     split_rates(engine, 2.0)
     disk = engine.tiers.groups[0]  # type: ignore[union-attr]
     release = threading.Event()
-    get = disk.get
+    get, get_into = disk.get, disk.get_into  # type: ignore[attr-defined]
 
-    def slow_get(key: bytes) -> object:
+    def slow_get(key: bytes, *into: memoryview) -> object:
         release.wait(10)
-        return get(key)
+        return get_into(key, *into) if into else get(key)
 
-    disk.get = slow_get  # type: ignore[method-assign]
+    disk.get = disk.get_into = slow_get  # type: ignore[method-assign, attr-defined]
     free = engine.pages.num_free_pages
     engine.add_request("r1", prompts[1], GREEDY)
     engine.step()  # the head's first chunk; the tail still loading
