@@ -2,6 +2,7 @@
 # The GPU measurements, one mode a call (each under the device's ten-minute limit):
 #   bash bench/gpu.sh one_gpu_pd     # bench/one_gpu_pd.py: co-located PD against unified on one GPU
 #   bash bench/gpu.sh tests          # the GPU tests: kernels, graphs, sampler, the fast path against transformers
+#                                    # (speculation under grammars too where xgrammar's wheels are installed)
 #   bash bench/gpu.sh engine         # bench/gpu_engine.py: the engine against transformers, a profile, the e2e
 #                                    # pairs (API processes: E2E_API_PROCESSES, default 2) and the worker's step timeline
 #   bash bench/gpu.sh e2e            # the e2e pairs alone with the step timeline (e.g. ARGS="--e2e-waves 1")
@@ -41,6 +42,8 @@ timeout 20 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 
 gpu_tests=(tests/engine/test_gpu.py tests/engine/test_kernels.py tests/engine/test_sampler.py
   tests/workers/test_ipc_transfer.py
   "tests/engine/test_fast_model.py::test_fast_path_greedy_equals_transformers")
+# structured output's GPU tests need xgrammar and jsonschema (EXTRA_WHEELS of device-bundle)
+python3 -c "import xgrammar, jsonschema" 2> /dev/null && gpu_tests+=(tests/engine/test_speculative_grammar.py::test_constrained_speculation_on_a_gpu_is_the_output_without)
 quiet() { grep -v -E "^WARNING: Logging|Local segment descriptor| step |Warning|DEBUG|^[IWE][0-9]{4} "; }
 dummy_7b() { timeout 60 python3 bench/make_dummy_model.py --out /tmp/m7b > "$out/make_dummy_model.log" 2>&1; }
 case "$1" in

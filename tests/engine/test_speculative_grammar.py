@@ -362,3 +362,27 @@ def test_constrained_sampling_with_speculation_keeps_to_the_grammar(tiny_model_d
         spec = engine.stats.spec
         assert spec is not None and spec.verifies > 0 and spec.accepted > 0
     assert runs[0] == runs[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("overlap", [False, True])
+def test_constrained_speculation_on_a_gpu_is_the_output_without(
+    tiny_model_dir: Path, tokenizer: Any, overlap: bool
+) -> None:
+    """On a GPU (the fast path, CUDA graphs, float32 so that no near tie separates the runs):
+    the verify rows' masks staged in pinned buffers and copied with the step, with and
+    without overlap; JSON, regex and EBNF rows beside a free one emit the tokens plain
+    decoding emits, drafts cut by their grammars and verified."""
+    requests = _requests(tokenizer, temperature=0.0)
+    runs = []
+    for knobs in ({}, ALWAYS):
+        config = EngineConfig(device="cuda", max_total_tokens=8192, overlap_schedule=overlap, **knobs)  # type: ignore[arg-type]
+        engine = build_engine(tiny_model_dir, config, dtype="float32")
+        assert engine.runner.fast is not None and engine.overlap == overlap
+        runs.append(_run(engine, requests))
+    plain, ours = runs
+    assert ours == plain
+    _check_outputs(engine, ours["tokens"], ours["reasons"])
+    spec = engine.stats.spec
+    assert spec is not None and spec.verifies > 0 and spec.accepted > 0 and spec.grammar_cut > 0
