@@ -147,7 +147,7 @@ probes)
     fp32) timeout -k 10 240 python3 bench/probes/gpu_fp32_check.py ;;
     reading) timeout -k 10 420 python3 bench/probes/gpu_reading.py --device cuda --json "$out/gpu_reading.json" ;;
     ipc) timeout -k 10 360 python3 bench/probes/ipc_probe.py --out "$out/ipc_probe.json" ;;
-    verify) timeout -k 10 300 python3 bench/probes/verify_probe.py --out "$out/verify_probe.json" ;;
+    verify) timeout -k 10 300 python3 bench/probes/verify_probe.py --out "$out/verify_probe.json" ${VERIFY_ARGS:-} ;;
     quant) timeout -k 10 120 python3 bench/probes/quant_probe.py --out "$out/quant_probe.json" ;;
     *) echo "unknown probe: $probe (diag, gemv, attention, attention_fp8, fp32, reading, ipc, verify, quant)" ;;
     esac > "$out/probe_$probe.log" 2>&1

@@ -22,6 +22,38 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_runner import ModelRunner, ModelSpec
 from pdserve.engine.models.batch import rows_step
 
+KINDS = (
+    ("attention", ("decode_kernel", "merge_kernel", "prefill", "attention")),
+    ("gemm", ("gemm", "gemv", "cutlass", "sm90", "nvjet", "xmma", "matmul")),
+    ("norm_rope_act", ("rms", "rope", "silu", "norm", "elementwise")),
+)
+
+
+def kernel_kinds(fn, reps: int = 5) -> dict[str, float]:
+    """Device milliseconds a call of ``fn`` (eager), by kernel kind (names matched loosely),
+    and the five longest kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    per_kernel: dict[str, float] = {}
+    for event in prof.key_averages():
+        us = getattr(event, "device_time_total", 0.0) or getattr(event, "cuda_time_total", 0.0)
+        if not us:
+            continue
+        name = event.key.lower()
+        kind = next((k for k, needles in KINDS if any(n in name for n in needles)), "other")
+        totals[kind] = totals.get(kind, 0.0) + us / 1e3 / reps
+        per_kernel[event.key[:80]] = us / 1e3 / reps
+    out = {k: round(v, 3) for k, v in sorted(totals.items())}
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:6]
+    return out | {"top": {k: round(v, 3) for k, v in top}}  # type: ignore[dict-item]
+
 
 def main() -> None:
     from transformers import AutoModelForCausalLM, Qwen2Config
@@ -32,6 +64,9 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,64")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--quantization", default=None)
+    parser.add_argument(
+        "--profile", action="store_true", help="at the largest batch: device time by kernel kind, verify against plain"
+    )
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     torch.manual_seed(0)
@@ -73,6 +108,13 @@ def main() -> None:
                 verify = launched_ms(lambda step=step: runner.fast.forward(step))
             line = {"batch": b, "rows": rows, "plain_ms": round(plain, 3), "verify_ms": round(verify, 3)}
             line |= {"ratio": round(verify / plain, 3), "verify_way": way}
+            if args.profile and b == max(batches):
+                plain_step = rows_step([7] * b, [p] * b, tables, page, runner.device, runner._splits(b))
+                verify_step = rows_step(ids, positions, seq_tables, page, runner.device, runner._splits(rows))
+                line["profile"] = {
+                    "plain": kernel_kinds(lambda s=plain_step: runner.fast.forward(s)),
+                    "verify": kernel_kinds(lambda s=verify_step: runner.fast.forward(s)),
+                }
             results.append(line)
             print(json.dumps(line), flush=True)
     out = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(), "drafts": args.drafts}
