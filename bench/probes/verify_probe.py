@@ -21,6 +21,7 @@ from pdserve.bench.shapes import QWEN2_5_7B
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_runner import ModelRunner, ModelSpec
 from pdserve.engine.models.batch import rows_step
+from pdserve.engine.models.llama import LlamaFamily
 
 KINDS = (
     ("attention", ("decode_kernel", "merge_kernel", "prefill", "attention")),
@@ -65,10 +66,17 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--quantization", default=None)
     parser.add_argument(
+        "--small-rows",
+        type=int,
+        default=0,
+        help="16-bit products of 2..N rows through fp8.matmul16 (LlamaFamily.small_rows; 0: the library's GEMM)",
+    )
+    parser.add_argument(
         "--profile", action="store_true", help="at the largest batch: device time by kernel kind, verify against plain"
     )
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    LlamaFamily.small_rows = args.small_rows  # before the graphs are captured
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(Qwen2Config(**QWEN2_5_7B), dtype=torch.bfloat16).eval()
@@ -119,6 +127,7 @@ def main() -> None:
             print(json.dumps(line), flush=True)
     out = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(), "drafts": args.drafts}
     out |= {"context": args.context, "quantization": args.quantization or "none", "rows_max": rows_max}
+    out |= {"small_rows": args.small_rows}
     args.out.write_text(json.dumps(out | {"results": results}, indent=1) + "\n")
 
 

@@ -113,6 +113,7 @@ def _matmul_kernel(
     TILE_QUANT: tl.constexpr,
     SILU_MUL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     WIDEN: tl.constexpr,
     PRECISE: tl.constexpr,
     EVEN_N: tl.constexpr,
@@ -178,10 +179,14 @@ def _matmul_kernel(
             acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
             for j in tl.static_range(SPLIT_K):  # in split order: the sum does not depend on who came last
                 acc += tl.load(part + j * M * N, mask=keep, other=0.0, cache_modifier=".cg")
-            _matmul_store(acc, xs_ptr, ws_ptr, b_ptr, out_ptr, rm, rn, m_ok, n_ok, keep, stride_om, X_FP8, HAS_BIAS)
+            _matmul_store(
+                acc, xs_ptr, ws_ptr, b_ptr, out_ptr, rm, rn, m_ok, n_ok, keep, stride_om, X_FP8, HAS_BIAS, HAS_SCALE
+            )
             tl.atomic_xchg(counter, 0)  # ready for the next launch (and the next graph replay)
     else:
-        _matmul_store(acc, xs_ptr, ws_ptr, b_ptr, out_ptr, rm, rn, m_ok, n_ok, keep, stride_om, X_FP8, HAS_BIAS)
+        _matmul_store(
+            acc, xs_ptr, ws_ptr, b_ptr, out_ptr, rm, rn, m_ok, n_ok, keep, stride_om, X_FP8, HAS_BIAS, HAS_SCALE
+        )
 
 
 @triton.jit
@@ -199,9 +204,11 @@ def _matmul_store(
     stride_om,
     X_FP8: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
 ):
     """``out[rm, rn] = acc.T * channel scale (* row scale) (+ bias)``."""
-    acc = acc * tl.load(ws_ptr + rn, mask=n_ok, other=0.0)[:, None]
+    if HAS_SCALE:
+        acc = acc * tl.load(ws_ptr + rn, mask=n_ok, other=0.0)[:, None]
     if X_FP8:
         acc = acc * tl.load(xs_ptr + rm, mask=m_ok, other=0.0)[None, :]
     if HAS_BIAS:
@@ -301,6 +308,7 @@ def matmul(
         TILE_QUANT=tile_quant,
         SILU_MUL=silu_mul_input,
         HAS_BIAS=bias is not None,
+        HAS_SCALE=True,
         WIDEN=interpreting(),
         PRECISE=precise,
         EVEN_N=n % block_n == 0,
@@ -311,6 +319,67 @@ def matmul(
         SPLIT_K=split_k,
         num_warps=num_warps,
         num_stages=num_stages,
+    )
+    return out
+
+
+def matmul16(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    silu_mul_input: bool = False,
+    tiles: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` for 16-bit weights ``w [N, K]`` in ``x``'s dtype and a few rows of
+    ``x`` (``[M, 2K]`` read as ``silu(gate) * up`` with ``silu_mul_input``): :func:`matmul`'s
+    kernel (weights as the MMA's long side, ``x``'s tile loaded once per K tile, float32 sums,
+    cut along K to fill the SMs) with no scales. For the 2 to 16 rows of a speculative verify
+    or a small decode batch, where the library's GEMMs read the weights at about 3 TB/s on an
+    H200 against the one-row GEMV's 3.6-4.3 (bench/probes/gemv_probe.py). Tiles: by default
+    :func:`matmul_tiles`'."""
+    m = x.shape[0]
+    n, k = w.shape
+    assert w.dtype == x.dtype and w.dtype != FP8 and w.is_contiguous() and x.stride(1) == 1
+    assert x.shape[1] == (2 * k if silu_mul_input else k)
+    t = tiles or matmul_tiles(m, n, k)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    grid = (triton.cdiv(m, t["block_m"]), triton.cdiv(n, t["block_n"]), t["split_k"])
+    if t["split_k"] > 1:
+        part = torch.empty((t["split_k"], m, n), dtype=torch.float32, device=x.device)
+        counters = gemv.split_counters(x.device, grid[0] * grid[1])
+    else:
+        part, counters = out, out
+    _matmul_kernel[grid](
+        x,
+        out,  # no row scales
+        w,
+        out,  # no channel scales
+        bias if bias is not None else out,
+        out,
+        part,
+        counters,
+        m,
+        n,
+        k,
+        x.stride(0),
+        out.stride(0),
+        X_FP8=False,
+        TILE_QUANT=False,
+        SILU_MUL=silu_mul_input,
+        HAS_BIAS=bias is not None,
+        HAS_SCALE=False,
+        WIDEN=interpreting(),
+        PRECISE=True,
+        EVEN_N=n % t["block_n"] == 0,
+        EVEN_K=k % (t["block_k"] * t["split_k"]) == 0,
+        BLOCK_M=t["block_m"],
+        BLOCK_N=t["block_n"],
+        BLOCK_K=t["block_k"],
+        SPLIT_K=t["split_k"],
+        num_warps=t["num_warps"],
+        num_stages=t["num_stages"],
     )
     return out
 
