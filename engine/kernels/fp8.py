@@ -334,9 +334,9 @@ def matmul16(
     ``x`` (``[M, 2K]`` read as ``silu(gate) * up`` with ``silu_mul_input``): :func:`matmul`'s
     kernel (weights as the MMA's long side, ``x``'s tile loaded once per K tile, float32 sums,
     cut along K to fill the SMs) with no scales. For the 2 to 16 rows of a speculative verify
-    or a small decode batch, where the library's GEMMs read the weights at about 3 TB/s on an
-    H200 against the one-row GEMV's 3.6-4.3 (bench/probes/gemv_probe.py). Tiles: by default
-    :func:`matmul_tiles`'."""
+    or a small decode batch, where the library's GEMMs read a 7B model's o, gate/up and down at
+    2.2-3.8 TB/s on an H200 against the one-row GEMV's 2.8-4.3 (docs/data/gemv_probe_h200.json).
+    Tiles: by default :func:`matmul_tiles`'."""
     m = x.shape[0]
     n, k = w.shape
     assert w.dtype == x.dtype and w.dtype != FP8 and w.is_contiguous() and x.stride(1) == 1
