@@ -20,6 +20,10 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdserve.engine.kv_buffers import ReadBuffer
 
 TMP_SUFFIX = ".tmp"
 
@@ -84,10 +88,11 @@ class DiskTier:
                 self._files.move_to_end(key.hex() + ".kv")
         return data
 
-    def get_into(self, key: bytes, out: memoryview) -> memoryview | bytearray | None:
-        """The file's bytes read into ``out`` (a view of its first bytes), or ``None`` if
-        there is none; a file of another size than ``out`` (not a blob of this layout's
+    def get_into(self, key: bytes, buffer: ReadBuffer) -> memoryview | bytearray | None:
+        """The file's bytes read into ``buffer`` (a view of its first bytes), or ``None`` if
+        there is none; a file of another size than the buffer (not a blob of this layout's
         group: :func:`kv_blob.decode` calls it corrupt) is read as :meth:`get` reads."""
+        out = buffer.view()
         try:
             with open(self.path(key), "rb") as f:
                 size = os.fstat(f.fileno()).st_size

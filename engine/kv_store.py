@@ -13,9 +13,13 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pdserve.engine.kv_buffers import ReadBuffer
 
 PREFIX = "pdserve"
+_NOT_FOUND = -704  # the client's get_into of a key it does not hold (OBJECT_NOT_FOUND)
 
 
 class StoreError(RuntimeError):
@@ -43,6 +47,7 @@ class StoreTier:
             raise StoreError(f"Mooncake Store setup against master {master} (metadata {metadata}) failed: {rc}")
         self._prefix = f"{PREFIX}/{ident.hex()}/"
         self._lock = threading.Lock()  # one client, used from the loop and the writer thread
+        self._registered: set[int] = set()  # read buffers registered with the client (get_into)
         self._closed = False
 
     def _key(self, key: bytes) -> str:
@@ -65,6 +70,24 @@ class StoreTier:
         with self._lock:
             data = self._store.get(self._key(key))
         return bytearray(data) if data else None  # writable: kv_blob.decode views it in place
+
+    def get_into(self, key: bytes, buffer: ReadBuffer) -> memoryview | bytearray | None:
+        """The object read straight into ``buffer`` (registered with the client at its first
+        use; no copy through Python bytes), or ``None`` if the store does not hold it; an
+        object that does not fit (not a group of this layout: ``kv_blob.decode`` calls it
+        corrupt) or another failure of the read is fetched as :meth:`get` fetches."""
+        out = buffer.view()
+        ptr, size = buffer.data.data_ptr(), buffer.data.numel()
+        with self._lock:
+            if ptr not in self._registered:
+                self._registered.add(ptr)
+                self._store.register_buffer(ptr, size)
+            got = self._store.get_into(self._key(key), ptr, size)
+        if got == _NOT_FOUND:
+            return None
+        if got < 0:
+            return self.get(key)
+        return out[:got]
 
     def put(self, key: bytes, *parts: bytes | memoryview) -> None:
         """Store the blob ``parts`` make up under ``key`` (several parts: one object, no copy

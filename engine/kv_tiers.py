@@ -407,10 +407,10 @@ class KVTiers(WriteThrough, ReadAhead):
         tier = self.tier(step.tier)
         assert tier is not None
         source = "prefetched"
-        blob = self._take_prefetched(step.key)
+        blob: bytes | bytearray | memoryview | None = self._take_prefetched(step.key)
         if blob is None:
             source = tier.name
-            blob = tier.get(step.key) if buffer is None else tier.get_into(step.key, buffer.view())  # type: ignore[attr-defined]
+            blob = tier.get(step.key) if buffer is None else tier.get_into(step.key, buffer)
         if blob is None:
             return _Fetched(source, None)
         try:

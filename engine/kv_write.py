@@ -49,6 +49,7 @@ class GroupTier(Protocol):
     def contains(self, key: bytes) -> bool: ...
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]: ...  # in one round trip where it can
     def get(self, key: bytes) -> bytes | bytearray | None: ...
+    def get_into(self, key: bytes, buffer: ReadBuffer) -> memoryview | bytearray | None: ...  # into a reused buffer
     def put(self, key: bytes, *parts: bytes | memoryview) -> None: ...  # a blob, in parts
     def discard(self, key: bytes) -> None: ...
 
@@ -122,10 +123,9 @@ class WriteThrough:
     _read_buffers: ReadBuffers
 
     def _read_buffer(self, tier: str) -> ReadBuffer | None:
-        """A reused buffer for a read from ``tier`` (its blob of a group), where the tier reads
-        into one (the disk); ``None`` otherwise, or when all are out (counted: that read
-        gets a fresh buffer)."""
-        if tier != "disk":
+        """A reused buffer for a read from group tier ``tier`` (its blob of a group); ``None``
+        for the host tier, or when all are out (counted: that read gets a fresh buffer)."""
+        if tier == "host":
             return None
         buffer = self._read_buffers.take()
         if buffer is None:
@@ -319,7 +319,7 @@ class WriteThrough:
         def read(key: bytes) -> int:
             buffer = self._read_buffer(tier.name)  # as a load reads
             try:
-                blob = tier.get(key) if buffer is None else tier.get_into(key, buffer.view())  # type: ignore[attr-defined]
+                blob = tier.get(key) if buffer is None else tier.get_into(key, buffer)
                 if blob is None:
                     return 0
                 try:

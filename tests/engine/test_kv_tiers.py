@@ -14,6 +14,7 @@ import torch
 from pdserve.engine import kv_blob
 from pdserve.engine.config import EngineConfig, KVTierConfig
 from pdserve.engine.engine import Engine
+from pdserve.engine.kv_buffers import ReadBuffer
 from pdserve.engine.kv_disk import DiskTier
 from pdserve.engine.kv_host import HostTier
 from pdserve.engine.kv_pool import KVPool
@@ -105,13 +106,15 @@ def test_disk_tier_round_trips_keeps_its_bound_and_survives_a_restart(tmp_path: 
     assert got is not None and torch.equal(kv_blob.decode(got, IDENT, key(3), LAYOUT), pages + 3)
     assert again.get(key(0)) is None
     # read into a buffer of the blob's size: in place; a buffer of another size: read as get reads
-    buffer = bytearray(len(blob))
-    got = again.get_into(key(3), memoryview(buffer))
-    assert isinstance(got, memoryview) and got.obj is buffer
+    buffer = ReadBuffer(torch.zeros(len(blob), dtype=torch.uint8))
+    got = again.get_into(key(3), buffer)
+    assert (
+        isinstance(got, memoryview) and got.tobytes() == bytes(buffer.data.numpy()) == again.path(key(3)).read_bytes()
+    )
     assert torch.equal(kv_blob.decode(got, IDENT, key(3), LAYOUT), pages + 3)
-    other = again.get_into(key(3), memoryview(bytearray(len(blob) - 1)))
+    other = again.get_into(key(3), ReadBuffer(torch.zeros(len(blob) - 1, dtype=torch.uint8)))
     assert isinstance(other, bytearray) and torch.equal(kv_blob.decode(other, IDENT, key(3), LAYOUT), pages + 3)
-    assert again.get_into(key(0), memoryview(buffer)) is None
+    assert again.get_into(key(0), buffer) is None
 
 
 # ---- the engine with tiers, against transformers ------------------------------------------
@@ -494,6 +497,13 @@ def test_store_tier_round_trips_and_refuses_corrupt_objects(store_master: StoreM
     assert store.contains_many([]) == []
     got = store.get(key(7))
     assert got is not None and torch.equal(kv_blob.decode(got, IDENT, key(7), LAYOUT), pages)
+    # straight into a reused buffer of the blob's size; an object that does not fit: as get reads
+    buffer = ReadBuffer(torch.zeros(len(got), dtype=torch.uint8))
+    into = store.get_into(key(7), buffer)
+    assert isinstance(into, memoryview) and into.tobytes() == bytes(got) == bytes(buffer.data.numpy())
+    small = store.get_into(key(7), ReadBuffer(torch.zeros(len(got) - 1, dtype=torch.uint8)))
+    assert isinstance(small, bytearray) and small == got
+    assert store.get_into(key(6), buffer) is None
     store.put(key(8), kv_blob.encode(IDENT, key(7), pages))  # stored under a key it does not belong to
     with pytest.raises(kv_blob.CorruptBlob):
         kv_blob.decode(store.get(key(8)) or b"", IDENT, key(8), LAYOUT)
@@ -514,7 +524,7 @@ def test_a_second_engine_serves_a_prompt_first_seen_by_another_from_the_store(
     second = tiered_engine(tiny_model_dir, group_pages=4, **tiers)
     assert serve(second, [prompts[1]]) == [expected[1]]
     hits = second.tiers.stats.tiers["store"]  # type: ignore[union-attr]
-    assert hits.hit_pages == stored and hits.corrupt == 0
+    assert hits.hit_pages == stored and hits.corrupt == 0 and hits.unbuffered_reads == 0
     assert first.tiers.stats.write_errors == first.tiers.stats.write_drops == 0  # type: ignore[union-attr]
     assert second.stats.cached_tokens == stored * 16
     second.close()
