@@ -18,28 +18,40 @@ import torch
 
 @dataclass
 class ReadBuffer:
-    """One buffer: ``data`` (uint8, on the host) and the event of the last copy out of it
-    (``None``: nothing in flight)."""
+    """One buffer: ``data`` (uint8, on the host; reads go from byte ``offset`` on) and the
+    event of the last copy out of it (``None``: nothing in flight)."""
 
     data: torch.Tensor
+    offset: int = 0
     ready: torch.cuda.Event | None = None
 
     def view(self) -> memoryview:
-        """The whole buffer as writable bytes, once the last copy out of it has run."""
+        """The buffer from ``offset`` as writable bytes, once the last copy out of it has run."""
         if self.ready is not None:
             self.ready.synchronize()
             self.ready = None
-        return self.data.numpy().data.cast("B")
+        return self.data[self.offset :].numpy().data.cast("B")
+
+    @property
+    def address(self) -> int:
+        return int(self.data.data_ptr()) + self.offset
+
+    @property
+    def size(self) -> int:
+        return int(self.data.numel()) - self.offset
 
 
 class ReadBuffers:
-    """``count`` buffers of ``nbytes`` each, allocated at first use; :meth:`take` never
-    blocks (``None`` when all are out: the caller reads into a fresh buffer, counted)."""
+    """``count`` buffers of ``nbytes`` each (read into from byte ``offset`` of theirs: a blob
+    whose header is ``offset`` short of a multiple of 64 bytes then has its pages aligned),
+    allocated at first use; :meth:`take` never blocks (``None`` when all are out: the caller
+    reads into a fresh buffer, counted)."""
 
-    def __init__(self, nbytes: int, count: int, pin: bool) -> None:
+    def __init__(self, nbytes: int, count: int, pin: bool, offset: int = 0) -> None:
         self.nbytes = nbytes
         self.count = count
         self.pin = pin
+        self.offset = offset
         self._free: list[ReadBuffer] | None = None
         self._lock = threading.Lock()
 
@@ -47,7 +59,9 @@ class ReadBuffers:
         with self._lock:
             if self._free is None:
                 self._free = [
-                    ReadBuffer(torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self.pin))
+                    ReadBuffer(
+                        torch.empty(self.offset + self.nbytes, dtype=torch.uint8, pin_memory=self.pin), self.offset
+                    )
                     for _ in range(self.count)
                 ]
             return self._free.pop() if self._free else None

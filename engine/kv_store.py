@@ -77,7 +77,7 @@ class StoreTier:
         object that does not fit (not a group of this layout: ``kv_blob.decode`` calls it
         corrupt) or another failure of the read is fetched as :meth:`get` fetches."""
         out = buffer.view()
-        ptr, size = buffer.data.data_ptr(), buffer.data.numel()
+        ptr, size = buffer.address, buffer.size
         with self._lock:
             if ptr not in self._registered:
                 self._registered.add(ptr)

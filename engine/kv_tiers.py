@@ -135,7 +135,10 @@ class KVTiers(WriteThrough, ReadAhead):
             )
         # the disk's reads into reused buffers (pinned on a GPU), as many as a load keeps ahead
         self._read_buffers = ReadBuffers(
-            kv_blob.HEADER_BYTES + self.group_pages * pool.page_bytes, 2 * LOAD_THREADS, pool.device.type == "cuda"
+            kv_blob.HEADER_BYTES + self.group_pages * pool.page_bytes,
+            2 * LOAD_THREADS,
+            pool.device.type == "cuda",
+            offset=-kv_blob.HEADER_BYTES % 64,  # the pages 64-byte aligned
         )
         # a bug in the writer or the prefetcher, raised on the engine's thread at its next call
         self._failure: BaseException | None = None
@@ -424,6 +427,13 @@ class KVTiers(WriteThrough, ReadAhead):
         if group.shape[0] != self.group_pages:
             tier.discard(step.key)
             return _Fetched(source, None, corrupt=True)
+        if buffer is not None and isinstance(blob, memoryview):
+            # the same bytes as a view of the buffer's own tensor: pinned, as the copy to the
+            # device must know to run without the driver staging it again
+            start = buffer.offset + kv_blob.HEADER_BYTES
+            group = (
+                buffer.data[start : start + group.numel() * group.element_size()].view(group.dtype).view(group.shape)
+            )
         return _Fetched(source, group)
 
     # ---- upkeep ----------------------------------------------------------------

@@ -295,6 +295,17 @@ def test_disk_loads_read_into_reused_buffers_and_count_a_read_without_one(tiny_m
         assert buffers.free == buffers.count - len(held)
         for b in held:
             buffers.give(b)
+        if not hold:  # a group read into a buffer is a 64-byte aligned view of that buffer's tensor
+            from pdserve.engine.kv_tiers import _Step
+
+            disk_tier = engine.tiers.tier("disk")
+            assert isinstance(disk_tier, DiskTier)
+            buffer = buffers.take()
+            assert buffer is not None
+            got = engine.tiers._fetch_group(_Step("disk", disk_tier.sample_keys(1)[0], 0, 1), buffer)
+            assert got.group is not None and got.group.untyped_storage().data_ptr() == buffer.data.data_ptr()
+            assert got.group.data_ptr() % 64 == 0
+            buffers.give(buffer)
         engine.close()
 
 
