@@ -269,7 +269,7 @@ def matmul(
     dtype in registers.
     ``out_dtype``: by default ``x``'s (bf16 for FP8 ``x``)."""
     m = x.shape[0]
-    n, k = w.shape
+    k = w.shape[1]
     fp8_x = x_scale is not None
     assert x.stride(1) == 1 and x.shape[1] == (2 * k if silu_mul_input else k)
     if fp8_x:
@@ -281,21 +281,40 @@ def matmul(
     assert block_m >= 16 and block_n >= 16 and block_k >= 32, "tl.dot's smallest FP8 tiles"
     if out_dtype is None:
         out_dtype = torch.bfloat16 if fp8_x else x.dtype
+    tiles = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "split_k": split_k}
+    tiles |= {"num_warps": num_warps, "num_stages": num_stages}
+    return _launch(x, x_scale, w.q, w.scale, bias, out_dtype, silu_mul_input, tiles, precise, tile_quant)
+
+
+def _launch(
+    x: torch.Tensor,
+    x_scale: torch.Tensor | None,
+    w: torch.Tensor,
+    w_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    silu_mul_input: bool,
+    t: dict[str, int],
+    precise: bool = True,
+    tile_quant: bool = False,
+) -> torch.Tensor:
+    """:func:`_matmul_kernel` over ``x [M, K]`` and ``w [N, K]`` at tiles ``t`` (scales where given)."""
+    m, (n, k) = x.shape[0], w.shape
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m == 0:
         return out
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
-    if split_k > 1:
-        part = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, t["block_m"]), triton.cdiv(n, t["block_n"]), t["split_k"])
+    if t["split_k"] > 1:
+        part = torch.empty((t["split_k"], m, n), dtype=torch.float32, device=x.device)
         counters = gemv.split_counters(x.device, grid[0] * grid[1])
     else:
         part, counters = out, out
     _matmul_kernel[grid](
         x,
-        x_scale if x_scale is not None else w.scale,
-        w.q,
-        w.scale,
-        bias if bias is not None else w.scale,
+        x_scale if x_scale is not None else out,
+        w,
+        w_scale if w_scale is not None else out,
+        bias if bias is not None else out,
         out,
         part,
         counters,
@@ -304,21 +323,21 @@ def matmul(
         k,
         x.stride(0),
         out.stride(0),
-        X_FP8=fp8_x,
+        X_FP8=x_scale is not None,
         TILE_QUANT=tile_quant,
         SILU_MUL=silu_mul_input,
         HAS_BIAS=bias is not None,
-        HAS_SCALE=True,
+        HAS_SCALE=w_scale is not None,
         WIDEN=interpreting(),
         PRECISE=precise,
-        EVEN_N=n % block_n == 0,
-        EVEN_K=k % (block_k * split_k) == 0,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        SPLIT_K=split_k,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        EVEN_N=n % t["block_n"] == 0,
+        EVEN_K=k % (t["block_k"] * t["split_k"]) == 0,
+        BLOCK_M=t["block_m"],
+        BLOCK_N=t["block_n"],
+        BLOCK_K=t["block_k"],
+        SPLIT_K=t["split_k"],
+        num_warps=t["num_warps"],
+        num_stages=t["num_stages"],
     )
     return out
 
@@ -341,47 +360,7 @@ def matmul16(
     n, k = w.shape
     assert w.dtype == x.dtype and w.dtype != FP8 and w.is_contiguous() and x.stride(1) == 1
     assert x.shape[1] == (2 * k if silu_mul_input else k)
-    t = tiles or matmul_tiles(m, n, k)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out
-    grid = (triton.cdiv(m, t["block_m"]), triton.cdiv(n, t["block_n"]), t["split_k"])
-    if t["split_k"] > 1:
-        part = torch.empty((t["split_k"], m, n), dtype=torch.float32, device=x.device)
-        counters = gemv.split_counters(x.device, grid[0] * grid[1])
-    else:
-        part, counters = out, out
-    _matmul_kernel[grid](
-        x,
-        out,  # no row scales
-        w,
-        out,  # no channel scales
-        bias if bias is not None else out,
-        out,
-        part,
-        counters,
-        m,
-        n,
-        k,
-        x.stride(0),
-        out.stride(0),
-        X_FP8=False,
-        TILE_QUANT=False,
-        SILU_MUL=silu_mul_input,
-        HAS_BIAS=bias is not None,
-        HAS_SCALE=False,
-        WIDEN=interpreting(),
-        PRECISE=True,
-        EVEN_N=n % t["block_n"] == 0,
-        EVEN_K=k % (t["block_k"] * t["split_k"]) == 0,
-        BLOCK_M=t["block_m"],
-        BLOCK_N=t["block_n"],
-        BLOCK_K=t["block_k"],
-        SPLIT_K=t["split_k"],
-        num_warps=t["num_warps"],
-        num_stages=t["num_stages"],
-    )
-    return out
+    return _launch(x, None, w, None, bias, x.dtype, silu_mul_input, tiles or matmul_tiles(m, n, k))
 
 
 # Prefill's GEMMs with Hopper's fast FP8 accumulation (partial sums kept in the tensor cores'
