@@ -1,10 +1,10 @@
 """Reused host buffers for the group tiers' reads (:class:`ReadBuffers`).
 
-A load from the disk reads each page group's blob into one of a few buffers kept for the
-purpose, pinned where the pool is on a GPU, instead of a fresh ``bytearray`` a group: a fresh
-buffer of megabytes is page-faulted in as the file is read into it (on this project's 2-core
-machine 2.5 GB/s against 13 for a reused one, ``bench/probes/tier_read_probe.py``), and a copy
-to the device from pageable memory is staged by the driver, synchronously. A buffer goes back
+A load from the disk or the store reads each page group's blob into one of a few buffers kept
+for the purpose, pinned where the pool is on a GPU, instead of a fresh ``bytearray`` a group: a
+fresh buffer of megabytes is page-faulted in as the file is read into it (on this project's
+2-core machine 3.5 GB/s against 17.8 for reused ones, ``docs/data/tier_read_probe_cpu.json``),
+and a copy to the device from pageable memory is staged by the driver, synchronously. A buffer goes back
 once the copy out of it is queued; the device's event then guards its next fill.
 """
 

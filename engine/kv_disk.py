@@ -75,38 +75,33 @@ class DiskTier:
     def get(self, key: bytes) -> bytearray | None:
         """The file's bytes, or ``None`` if there is none (removed meanwhile included); read
         into a ``bytearray`` that :func:`kv_blob.decode` views in place (no second copy)."""
-        try:
-            with open(self.path(key), "rb") as f:
-                data = bytearray(os.fstat(f.fileno()).st_size)
-                got = f.readinto(data)
-        except FileNotFoundError:
-            return None
-        if got != len(data):  # shortened meanwhile: decode calls it corrupt
-            del data[got:]
-        with self._lock:
-            if key.hex() + ".kv" in self._files:
-                self._files.move_to_end(key.hex() + ".kv")
+        data = self._read(key, None)
+        assert not isinstance(data, memoryview)
         return data
 
     def get_into(self, key: bytes, buffer: ReadBuffer) -> memoryview | bytearray | None:
         """The file's bytes read into ``buffer`` (a view of its first bytes), or ``None`` if
         there is none; a file of another size than the buffer (not a blob of this layout's
         group: :func:`kv_blob.decode` calls it corrupt) is read as :meth:`get` reads."""
-        out = buffer.view()
+        return self._read(key, buffer.view())
+
+    def _read(self, key: bytes, out: memoryview | None) -> memoryview | bytearray | None:
+        """The file into ``out`` if it is exactly that size, else into a fresh ``bytearray``
+        (shortened if the file was meanwhile: decode calls it corrupt); ``None``: no file."""
         try:
             with open(self.path(key), "rb") as f:
                 size = os.fstat(f.fileno()).st_size
-                if size != len(out):
+                if out is not None and size == len(out):
+                    data: memoryview | bytearray = out[: f.readinto(out)]
+                else:
                     data = bytearray(size)
                     del data[f.readinto(data) :]
-                    return data
-                got = f.readinto(out)
         except FileNotFoundError:
             return None
         with self._lock:
             if key.hex() + ".kv" in self._files:
                 self._files.move_to_end(key.hex() + ".kv")
-        return out[:got]
+        return data
 
     def put(self, key: bytes, *parts: bytes | memoryview) -> None:
         """Write the blob ``parts`` make up under ``key`` (write, then rename), then evict down

@@ -133,7 +133,8 @@ class KVTiers(WriteThrough, ReadAhead):
             self.groups.append(
                 StoreTier(config.store_master, config.store_metadata, ident, config.store_host, config.store_bytes)
             )
-        # the disk's reads into reused buffers (pinned on a GPU), as many as a load keeps ahead
+        # the disk's and the store's reads into reused buffers (pinned on a GPU), as many as a
+        # load keeps ahead
         self._read_buffers = ReadBuffers(
             kv_blob.HEADER_BYTES + self.group_pages * pool.page_bytes,
             2 * LOAD_THREADS,
@@ -314,7 +315,7 @@ class KVTiers(WriteThrough, ReadAhead):
         """Fill ``pages`` with ``plan``'s pages in order; returns how many were loaded (a
         page lost since :meth:`find`, or a corrupt blob, ends the run there). The groups'
         reads and checks run on :data:`LOAD_THREADS` threads at once (file reads and the
-        CRC let go of the interpreter), each disk group into a reused read buffer
+        CRC let go of the interpreter), each disk or store group into a reused read buffer
         (:mod:`.kv_buffers`), up to as many groups ahead as there are buffers; their copies
         into the pool run in order on this thread."""
         began = time.perf_counter()

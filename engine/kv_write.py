@@ -322,11 +322,10 @@ class WriteThrough:
                 blob = tier.get(key) if buffer is None else tier.get_into(key, buffer)
                 if blob is None:
                     return 0
-                try:
-                    kv_blob.decode(blob, self.ident, key, self.pool.layout)
-                except kv_blob.CorruptBlob:
-                    return 0
+                kv_blob.decode(blob, self.ident, key, self.pool.layout)
                 return len(blob)
+            except kv_blob.CorruptBlob:
+                return 0
             finally:
                 if buffer is not None:
                     self._read_buffers.give(buffer)
