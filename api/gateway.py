@@ -37,7 +37,7 @@ from pdserve.api.token_stream import TokenStream
 from pdserve.broker import contract, streams, tracing
 from pdserve.broker.auth import NatsAuth
 from pdserve.broker.claims import Claims
-from pdserve.broker.connection import QueueFullError, connect
+from pdserve.broker.connection import QueueFullError, connect, end_tasks
 from pdserve.broker.deadletter import watch_dead_letters
 from pdserve.broker.registry import WorkerRegistry
 from pdserve.schemas import (
@@ -133,8 +133,7 @@ class Gateway(Placing):
     async def stop(self) -> None:
         for rid in list(self.live):
             await self.cancel(rid, "server shutting down")
-        for task in list(self._background):
-            task.cancel()
+        await end_tasks(list(self._background), 5.0)
         if self.nc is not None and self.nc.is_connected:
             await self.nc.drain()
 

@@ -33,6 +33,28 @@ class BrokerUnavailableError(RuntimeError):
     the caller should retry later (HTTP 503) and cancel what it meant to publish."""
 
 
+async def end_tasks(tasks: list[asyncio.Task[None]], seconds: float, again: float = 0.2) -> list[asyncio.Task[None]]:
+    """Cancel ``tasks`` and wait up to ``seconds`` for them to end; those still running then.
+
+    A cancellation can be lost: Python 3.11's ``asyncio.wait_for`` (inside nats-py's requests
+    and flushes) returns the result instead of raising when the cancel lands as the reply
+    arrives, and the loop that called it goes on. So a task still running ``again`` seconds
+    after its cancel is cancelled once more (at its next wait), and counted in the log."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    pending = {t for t in tasks if not t.done()}
+    for task in pending:
+        task.cancel()
+    while pending:
+        _, pending = await asyncio.wait(pending, timeout=max(min(again, deadline - loop.time()), 0.0))
+        if not pending or loop.time() >= deadline:
+            break
+        for task in pending:
+            log.warning("a task went on after its cancel; cancelling it again", extra={"task": task.get_name()})
+            task.cancel()
+    return list(pending)
+
+
 def server_urls(url: str) -> list[str]:
     """``--nats-url`` as the servers to try: one URL, or several separated by commas (the
     nodes of a cluster; the client also learns the others from the server it reaches)."""

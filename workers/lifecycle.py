@@ -24,7 +24,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from pdserve.broker import streams
-from pdserve.broker.connection import connect
+from pdserve.broker.connection import connect, end_tasks
 from pdserve.broker.registry import WorkerRegistry
 from pdserve.schemas import WorkerInfo
 from pdserve.workers.config import WorkerConfig
@@ -79,8 +79,8 @@ class Lifecycle:
     def supervise(self, coro: Coroutine[Any, Any, None], loop: bool = False) -> asyncio.Task[None]:
         """Run ``coro`` as a task whose failure stops the worker (see :meth:`crash`).
         ``loop``: it should run until the worker stops, so returning early is a failure too."""
-        task = asyncio.create_task(coro)
-        name = getattr(coro, "__qualname__", task.get_name())
+        name = getattr(coro, "__qualname__", "task")
+        task = asyncio.create_task(coro, name=name)
 
         def done(task: asyncio.Task[None]) -> None:
             if task.cancelled():
@@ -139,9 +139,9 @@ class Lifecycle:
         while busy() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         log.debug("shutdown: stopping tasks", extra={"worker": self.config.worker_id})
-        for task in self._tasks:
-            task.cancel()
-        await self._bounded("tasks", asyncio.gather(*self._tasks, return_exceptions=True))
+        running = await end_tasks(self._tasks, 10.0)
+        if running:
+            log.warning("shutdown step timed out", extra={"step": "tasks", "running": [t.get_name() for t in running]})
         for name, step in steps:
             await self._bounded(name, step())
         if self._registry is not None:

@@ -3,11 +3,15 @@ stream answers."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import time
 from typing import Any
 
 import pytest
 
-from pdserve.broker.connection import BrokerUnavailableError, connect, publish_work, server_urls
+from pdserve.broker.connection import BrokerUnavailableError, connect, end_tasks, publish_work, server_urls
 from pdserve.broker.streams import BrokerConfig, ensure_model
 from pdserve.schemas import GenerateRequest
 
@@ -38,3 +42,53 @@ async def test_a_publish_no_stream_answers_is_broker_unavailable(nats_server: An
         assert await publish_work(nc, "pd.req.m", request, "r1", timeout=2)
     finally:
         await nc.close()
+
+
+async def test_end_tasks_cancels_again_a_task_that_went_on_after_its_cancel(caplog: pytest.LogCaptureFixture) -> None:
+    """Python 3.11's wait_for (inside nats-py's requests) returns the result when a cancel
+    lands as the reply arrives, and the loop that called it goes on: such a loop, its first
+    cancel lost here as wait_for loses it, still ends, cancelled a second time."""
+    loop = asyncio.get_running_loop()
+    replied = loop.create_future()
+    rounds = 0
+
+    async def a_loop() -> None:
+        nonlocal rounds
+        while True:
+            rounds += 1
+            try:
+                await asyncio.sleep(3600)  # a request in flight
+            except asyncio.CancelledError:
+                if rounds == 1:  # what wait_for does when its reply came with the cancel
+                    replied.set_result(None)
+                    continue
+                raise
+
+    async def plain() -> None:
+        await asyncio.sleep(3600)
+
+    tasks = [asyncio.create_task(a_loop(), name="swallows"), asyncio.create_task(plain(), name="plain")]
+    await asyncio.sleep(0)
+    with caplog.at_level(logging.WARNING, logger="pdserve.broker.connection"):
+        assert await end_tasks(tasks, seconds=5, again=0.05) == []
+    assert replied.done() and rounds == 2
+    assert all(t.cancelled() for t in tasks)
+    again = [r for r in caplog.records if "cancelling it again" in r.getMessage()]
+    assert [r.__dict__["task"] for r in again] == ["swallows"]
+
+
+async def test_end_tasks_returns_what_would_not_end_within_its_bound() -> None:
+    holding = True
+
+    async def stubborn() -> None:
+        while holding:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(3600)
+
+    task = asyncio.create_task(stubborn())
+    await asyncio.sleep(0)
+    began = time.monotonic()
+    assert await end_tasks([task], seconds=0.3, again=0.05) == [task]
+    assert 0.25 < time.monotonic() - began < 2
+    holding = False
+    assert await end_tasks([task], seconds=1) == [] and task.done()

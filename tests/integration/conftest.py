@@ -17,6 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
+from pdserve.broker.connection import end_tasks
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -177,11 +179,9 @@ async def vanish(worker: Any) -> None:
     """What kill -9 does to a worker, in this process: its tasks stop mid-flight and its
     connection drops, with nothing acked, handed back or said to anyone."""
     tasks = [*worker.lifecycle._tasks, *worker._background]
-    for task in tasks:
-        task.cancel()
     # Bounded: a test must fail, not hang, if something of the worker will not stop; the
     # failure names what would not stop and where it waits.
-    _, pending = await asyncio.wait(tasks, timeout=10)
+    pending = await end_tasks(tasks, 10)
     if pending:
         where = [_awaiting(t) for t in pending]
         raise AssertionError("worker tasks did not end 10 s after cancel:\n" + "\n".join(where))
