@@ -168,6 +168,17 @@ def _gemv_kernel(
 
 DOT_FROM_ROWS = 8  # from this many rows of x a GEMV multiplies on the tensor cores
 
+
+def model_tiles(tiles: dict[str, int]) -> dict[str, int]:
+    """The tiles a model's GEMV runs at: ``tiles`` (chosen on a GPU), or in Triton's
+    interpreter 128 output channels a program (the same kernel; an interpreted program costs
+    Python per operation whatever its tile, so 8 channels a program made the GEMVs most of an
+    interpreted decode step). The kernel's own tests choose their tiles themselves."""
+    if not interpreting():
+        return tiles
+    return {**tiles, "block_n": max(tiles.get("block_n", 8), 128)}
+
+
 # One set a (device type, device index, stream): two streams' split-K launches running at once
 # (the two engines of a co-located process) must not share counters, or one launch's adds
 # land in the other's count and a row block is summed before its parts are in.

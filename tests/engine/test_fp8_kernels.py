@@ -262,7 +262,17 @@ def test_gemv_takes_measured_tiles_and_silu_first_when_told(monkeypatch: pytest.
     for fused in (True, False):
         monkeypatch.setattr(fp8, "GEMV_SILU_FUSED", fused)
         assert rel_err(fp8.linear(gate_up, w, silu_mul_input=True), ref) < 1e-2
-    assert seen == [(True, 16), (False, 16)]
+    taken = fp8.gemv.model_tiles(tiles)["block_n"]  # the measured tiles (widened in the interpreter)
+    assert seen == [(True, taken), (False, taken)]
+
+
+def test_a_model_s_gemv_tiles_are_widened_only_in_the_interpreter() -> None:
+    tiles = {"block_n": 8, "block_k": 512, "split_k": 2, "num_warps": 4}
+    widened = fp8.gemv.model_tiles(tiles)
+    if DEVICE.type == "cuda":
+        assert widened == tiles
+    else:
+        assert widened == {**tiles, "block_n": 128} and tiles["block_n"] == 8
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
