@@ -437,7 +437,7 @@ def linear(
             x, silu_mul_input = elementwise.silu_mul(x), False
         return gemv.gemv(
             x, w.q, bias, silu_mul_input=silu_mul_input, scale=w.scale, **gemv.model_tiles(gemv_tiles(rows, n, k))
-        )  # type: ignore[arg-type]
+        )
     if BATCHED_MODE not in BATCHED_MODES:
         raise ValueError(f"fp8.BATCHED_MODE is {BATCHED_MODE!r}, not one of {BATCHED_MODES}")
     if rows <= batched_max_rows and BATCHED_MODE == "a16":

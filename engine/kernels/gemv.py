@@ -17,6 +17,8 @@ counter per row block, left at zero for the next launch and graph replay).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -169,7 +171,7 @@ def _gemv_kernel(
 DOT_FROM_ROWS = 8  # from this many rows of x a GEMV multiplies on the tensor cores
 
 
-def model_tiles(tiles: dict[str, int]) -> dict[str, int]:
+def model_tiles(tiles: dict[str, int]) -> dict[str, Any]:
     """The tiles a model's GEMV runs at: ``tiles`` (chosen on a GPU), or in Triton's
     interpreter 128 output channels a program (the same kernel; an interpreted program costs
     Python per operation whatever its tile, so 8 channels a program made the GEMVs most of an

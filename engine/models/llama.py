@@ -195,7 +195,7 @@ class LlamaFamily(FusedDecoder):
             elif rows == 1 and self.use_gemv:
                 h = gemv.gemv(
                     gate_up, down, layer.down_bias, silu_mul_input=True, pdl=pdl, **gemv.model_tiles(GEMV_DOWN)
-                )  # type: ignore[arg-type]
+                )
             elif 1 < rows <= self.small_rows:
                 h = fp8.matmul16(gate_up, down, layer.down_bias, silu_mul_input=True)
             else:
@@ -211,7 +211,7 @@ class LlamaFamily(FusedDecoder):
         if isinstance(w, Fp8Weight):
             return self._fp8(x, w, b)
         if x.shape[0] == 1 and self.use_gemv:
-            return gemv.gemv(x, w, b, False, pdl=pdl, **gemv.model_tiles(tiles))  # type: ignore[arg-type]
+            return gemv.gemv(x, w, b, False, pdl=pdl, **gemv.model_tiles(tiles))
         if 1 < x.shape[0] <= self.small_rows:
             return fp8.matmul16(x, w, b)
         return F.linear(x, w, b)
