@@ -34,7 +34,7 @@ from pdserve.api.placement import Load, PlacementConfig
 from pdserve.api.placing import RESUBMIT_RETRY_SECONDS, Placing
 from pdserve.api.prefix_index import PrefixIndex
 from pdserve.api.token_stream import TokenStream
-from pdserve.broker import contract, streams, tracing
+from pdserve.broker import contract, queues, streams, tracing
 from pdserve.broker.auth import NatsAuth
 from pdserve.broker.claims import Claims
 from pdserve.broker.connection import QueueFullError, connect, end_tasks
@@ -267,7 +267,7 @@ class Gateway(Placing):
         assert self.nc is not None
         while self.live.get(request.rid) is live:
             try:
-                await contract.submit(
+                await queues.submit(
                     self.nc, contract.REQUESTS, request, self.model, request.rid, request.attempt, trace=live.trace
                 )
                 return
@@ -373,7 +373,7 @@ class Gateway(Placing):
                 fresh = await self._place(lives[0], target)
             else:
                 channel = self._channel(request)
-                fresh = await contract.submit(self.nc, channel, request, self.model, request.rid, trace=lives[0].trace)
+                fresh = await queues.submit(self.nc, channel, request, self.model, request.rid, trace=lives[0].trace)
         except BaseException:
             self._unregister(lives, "rejected")
             raise

@@ -14,7 +14,7 @@ from pdserve.api.cluster import ClusterQueries
 from pdserve.api.live import GatewayStats, Live
 from pdserve.api.placement import LOCAL, PLACED, Load, choose
 from pdserve.api.prefix_index import PrefixIndex, Target, best_worker, coldest_worker
-from pdserve.broker import contract, streams
+from pdserve.broker import contract, queues, streams
 from pdserve.schemas import GenerateRequest, KVEvents
 
 if TYPE_CHECKING:
@@ -108,7 +108,7 @@ class Placing(ClusterQueries):
         in time; False for a duplicate."""
         assert self.nc is not None
         request = live.request
-        seq = await contract.place(self.nc, request, self.model, target.worker_id, trace=live.trace)
+        seq = await queues.place(self.nc, request, self.model, target.worker_id, trace=live.trace)
         if seq is None:
             return False
         live.placed_seq = seq

@@ -25,7 +25,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from pdserve.broker import contract, tracing
+from pdserve.broker import contract, queues, tracing
 from pdserve.broker.consumer import Delivery
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestError, RequestOutput
@@ -67,7 +67,7 @@ class DecodeWorker(WorkerRuntime):
     async def setup(self) -> None:
         assert self.nc is not None
         self.transfer = await self.start_transfer(serve=False)
-        queue = contract.WorkQueue(self.nc, contract.KV_READY, self.config.model_name, self.worker_id)
+        queue = queues.WorkQueue(self.nc, contract.KV_READY, self.config.model_name, self.worker_id)
         await queue.start()
         self.intake = Intake(queue, self._room, self._take, KV_READY_BATCH, self.config.fetch_timeout, idle_wait=0.02)
         local = await self.request_intake(False, contract.LOCAL_REQUESTS, self.room_for_local)

@@ -12,7 +12,7 @@ from typing import Generic, TypeVar
 from nats import errors as nats_errors
 
 from pdserve.broker.consumer import Delivery
-from pdserve.broker.contract import WorkQueue
+from pdserve.broker.queues import WorkQueue
 from pdserve.schemas import Message
 
 M = TypeVar("M", bound=Message)

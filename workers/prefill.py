@@ -16,7 +16,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from pdserve.broker import contract
+from pdserve.broker import contract, queues
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.schemas import GenerateRequest, KVHandle, KVLease, KVLeaseReply, KVReady, KVRelease, WorkerInfo
@@ -155,7 +155,7 @@ class PrefillWorker(WorkerRuntime):
             first_ids=first_ids,
         )
         try:
-            fresh = await contract.submit(
+            fresh = await queues.submit(
                 self.nc, contract.KV_READY, ready, req.model, req.rid, req.attempt, trace=t.trace
             )
         except Exception as exc:  # the stream is full or the broker is away

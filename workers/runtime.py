@@ -30,7 +30,7 @@ from typing import Any
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from pdserve.broker import contract, streams, tracing
+from pdserve.broker import contract, queues, streams, tracing
 from pdserve.broker.claims import Claims
 from pdserve.broker.consumer import Delivery
 from pdserve.broker.deadletter import watch_dead_letters
@@ -286,7 +286,7 @@ class WorkerRuntime(Housekeeping):
         unified from the request stream; decode from its local-prefill queue), while
         ``room_for()`` (default :meth:`room_for_requests`) says there is room."""
         assert self.nc is not None
-        queue = contract.WorkQueue(self.nc, channel, self.config.model_name, self.worker_id, scope)
+        queue = queues.WorkQueue(self.nc, channel, self.config.model_name, self.worker_id, scope)
         await queue.start()
         claims = channel is contract.PLACED
 

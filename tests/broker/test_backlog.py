@@ -11,7 +11,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from pdserve.broker import contract
+from pdserve.broker import contract, queues
 from pdserve.broker.backlog import Backlog, read_backlog, work_tokens
 from pdserve.broker.streams import BrokerConfig, ensure_model
 from pdserve.schemas import GenerateRequest
@@ -27,7 +27,7 @@ def _request(rid: str, model: str, prompt_len: int, output_len: int = 0) -> Gene
 async def _submit(nc: Client, model: str, lengths: list[int]) -> None:
     for i, n in enumerate(lengths):
         request = _request(f"r{i}", model, n)
-        assert await contract.submit(nc, contract.REQUESTS, request, model, request.rid)
+        assert await queues.submit(nc, contract.REQUESTS, request, model, request.rid)
 
 
 async def test_an_empty_queue_has_no_backlog(js: JetStreamContext, model: str) -> None:
@@ -52,7 +52,7 @@ async def test_waiting_prompt_tokens_are_counted_and_what_is_in_hand_is_not(
     assert backlog == Backlog(pending=6, ack_pending=0, pending_tokens=sum(lengths), sampled=6)
     assert backlog.lag == 6
 
-    queue = contract.WorkQueue(nc, contract.REQUESTS, model, "test-worker")
+    queue = queues.WorkQueue(nc, contract.REQUESTS, model, "test-worker")
     await queue.start()
     try:
         taken = await queue.fetch(2, 5.0)  # the two oldest, in hand now

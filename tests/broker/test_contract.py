@@ -11,7 +11,7 @@ import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from pdserve.broker import contract, subjects
+from pdserve.broker import contract, queues, subjects
 from pdserve.broker.streams import BrokerConfig, ensure_model
 from pdserve.schemas import Cancel, KVRelease, Message, TokenChunk
 
@@ -69,12 +69,12 @@ async def test_work_queue_decodes_and_answers_what_does_not(
     await contract.subscribe(nc, contract.TOKENS, replies.put, "api")
     good = make_request("good", model=model)
     bad = dataclasses.replace(make_request("bad", model=model), reply_to=subjects.tokens("api", "bad"))
-    assert await contract.submit(nc, contract.REQUESTS, good, model, good.rid)
-    assert not await contract.submit(nc, contract.REQUESTS, good, model, good.rid)  # deduplicated
+    assert await queues.submit(nc, contract.REQUESTS, good, model, good.rid)
+    assert not await queues.submit(nc, contract.REQUESTS, good, model, good.rid)  # deduplicated
     payload = bad.encode().replace(b'"prompt_ids":[1,2,3]', b'"prompt_ids":"1 2 3"')
     await js.publish(subjects.requests(model), payload)
 
-    queue = contract.WorkQueue(nc, contract.REQUESTS, model, "worker-1")
+    queue = queues.WorkQueue(nc, contract.REQUESTS, model, "worker-1")
     await queue.start()
     try:
         deliveries = await queue.fetch(8, timeout=2.0)

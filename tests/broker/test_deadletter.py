@@ -9,7 +9,7 @@ from typing import Any
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from pdserve.broker import contract, subjects
+from pdserve.broker import contract, queues, subjects
 from pdserve.broker.deadletter import watch_dead_letters
 from pdserve.broker.streams import BrokerConfig, ensure_model
 from pdserve.schemas import GenerateRequest, TokenChunk
@@ -32,8 +32,8 @@ async def test_a_poison_request_goes_to_the_dead_letters_and_its_client_hears(
 
     await nc.subscribe("pd.tokens.api.poison", cb=on_reply)
     req = GenerateRequest(rid="poison", model=model, prompt_ids=(1, 2), reply_to="pd.tokens.api.poison", attempt=2)
-    await contract.submit(nc, contract.REQUESTS, req, model, req.rid)
-    queue = contract.WorkQueue(nc, contract.REQUESTS, model, "w")
+    await queues.submit(nc, contract.REQUESTS, req, model, req.rid)
+    queue = queues.WorkQueue(nc, contract.REQUESTS, model, "w")
     await queue.start()
     try:
         for _ in range(2):  # each worker that takes it dies (here: gives it back)

@@ -13,7 +13,7 @@ import nats
 import pytest
 from nats.aio.client import Client
 
-from pdserve.broker import contract, permissions, subjects
+from pdserve.broker import contract, permissions, queues, subjects
 from pdserve.broker.auth import NatsAuth
 from pdserve.broker.connection import connect
 from pdserve.broker.credentials import ADMIN, EmbeddedCredentials, embedded_auth
@@ -77,7 +77,7 @@ async def test_the_api_cannot_forge_kv_ready_and_the_stream_stores_nothing(clien
     await ensure_model(admin.jetstream(), MODEL, BrokerConfig())
     api, errors = await client(API)
     with pytest.raises(Exception):  # noqa: B017 - refused: no stream ack ever comes
-        await contract.submit(api, contract.KV_READY, _kv_ready("forged"), MODEL, "forged")
+        await queues.submit(api, contract.KV_READY, _kv_ready("forged"), MODEL, "forged")
     await api.publish(subjects.kv_ready(MODEL), _kv_ready("forged-2").encode())
     await api.publish(subjects.kv_release("prefill-0"), b"{}")
     await api.flush()

@@ -301,10 +301,10 @@ async def test_a_newer_attempt_arriving_while_the_older_publishes_its_kv_is_serv
     touching what the rid now names (the newer attempt's table entry and KV); the newer
     one is prefilled, handed off and freed like any other (it once vanished, its pages held
     until the worker stopped)."""
-    from pdserve.broker import contract
+    from pdserve.broker import contract, queues
 
     prefill = await workers("prefill")
-    real_submit = contract.submit
+    real_submit = queues.submit
     published = asyncio.Event()
     go_on = asyncio.Event()
 

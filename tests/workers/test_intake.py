@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from pdserve.broker import contract
+from pdserve.broker import contract, queues
 from pdserve.broker.connection import connect
 from pdserve.broker.consumer import Delivery
 from pdserve.broker.streams import BrokerConfig, ensure_model
@@ -22,8 +22,8 @@ async def test_intake_fetches_only_what_there_is_room_for(nats_server) -> None:
     await ensure_model(js, MODEL, BrokerConfig())
     for i in range(5):
         req = GenerateRequest(rid=f"r{i}", model=MODEL, prompt_ids=(1, 2), reply_to=f"pd.tokens.t.r{i}")
-        await contract.submit(nc, contract.REQUESTS, req, MODEL, req.rid)
-    queue = contract.WorkQueue(nc, contract.REQUESTS, MODEL, "w")
+        await queues.submit(nc, contract.REQUESTS, req, MODEL, req.rid)
+    queue = queues.WorkQueue(nc, contract.REQUESTS, MODEL, "w")
     await queue.start()
     room = [0]
     batches: list[list[str]] = []
