@@ -315,7 +315,7 @@ async def test_a_newer_attempt_arriving_while_the_older_publishes_its_kv_is_serv
             await go_on.wait()  # its ack is late: the newer attempt arrives meanwhile
         return fresh
 
-    monkeypatch.setattr(contract, "submit", submit_held_for_attempt_0)
+    monkeypatch.setattr(queues, "submit", submit_held_for_attempt_0)
     client = await nats.connect(nats_server.url)
     rid, subject = "raced", subjects.requests(tiny_model_dir.name)
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
