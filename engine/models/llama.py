@@ -68,11 +68,13 @@ class LlamaFamily(FusedDecoder):
     kernel built to read the weights once at the one-row GEMV's rate, instead of the
     library's GEMM (on an H200 at 4 rows a 7B layer's o, gate/up and down took 130 us against
     110 for the one-row GEMVs: the batch-1 verify's 1.15x; 0, the default: off until measured
-    faster on a GPU, ``bench/probes/verify_probe.py --small-rows``).
+    faster on a GPU, ``bench/probes/verify_probe.py --small-rows``; on an H100, 2026-12-05, slower:
+    1.18x against 1.14x at batch 1, docs/data/verify_probe_h100.json).
     ``packed_rows``: in a speculative verify run as rows, one decode-attention program takes a
     sequence's K + 1 rows (their queries as one tile, each masked to its position) and reads
     its keys once, where row by row each reads them again (5x the plain step's attention reads
-    at K = 4); off until measured on a GPU (``verify_probe.py --packed-rows``).
+    at K = 4). Off: on an H100 it read no faster (attention 1.82 against 1.84 ms at
+    batch 64; docs/data/verify_probe_h100.json, ``verify_probe.py --packed-rows``).
 
     ``tp``: the model's weights are this rank's shard (:mod:`pdserve.engine.parallel`): the
     layer has ``1 / tp.size`` of the heads and of the MLP, and the outputs of o and down are
