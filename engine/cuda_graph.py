@@ -17,7 +17,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from pdserve.engine.models.batch import StepBatch, row_counts
+from pdserve.engine.models.batch import StepBatch
 
 log = logging.getLogger(__name__)
 
@@ -43,21 +43,19 @@ class DecodeGraphs:
         splits_for: Callable[[int], int],
         device: torch.device,
         kv_first: bool = False,
-        most_rows: int = 1,
     ) -> None:
         self.forward = forward
         self.kv_first = kv_first  # rows of one sequence side by side: speculative verifies
-        self.most_rows = most_rows  # of one sequence (batch.row_counts), with kv_first
         self.max_batch = max_batch
         self.page_size = page_size
         self.scratch_page = scratch_page
         self.splits_for = splits_for
         self.buckets = buckets(max_batch)
-        # One row each: input ids, positions, slots, context lengths, feed rows, the rows of
-        # each row's sequence from it on (batch.row_counts); then the page tables, row by row. One buffer, so that a step's inputs and its rows of the
+        # One row each: input ids, positions, slots, context lengths, feed rows; then the
+        # page tables, row by row. One buffer, so that a step's inputs and its rows of the
         # tables leave in one copy. Two host copies in turn: one is written while the other
         # may still be on its way over.
-        self._row_bytes = 6 * max_batch * 8
+        self._row_bytes = 5 * max_batch * 8
         size = self._row_bytes + max_batch * max_pages * 4
         self.max_pages = max_pages
         self._stages = [(torch.zeros(size, dtype=torch.uint8, pin_memory=True), torch.cuda.Event()) for _ in range(2)]
@@ -68,8 +66,8 @@ class DecodeGraphs:
         self._outputs: dict[int, torch.Tensor] = {}
 
     def _views(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The inputs ``int64 [6, max_batch]`` and tables ``int32 [max_batch, max_pages]`` in ``buffer``."""
-        rows = buffer[: self._row_bytes].view(torch.int64).view(6, self.max_batch)
+        """The inputs ``int64 [5, max_batch]`` and tables ``int32 [max_batch, max_pages]`` in ``buffer``."""
+        rows = buffer[: self._row_bytes].view(torch.int64).view(5, self.max_batch)
         return rows, buffer[self._row_bytes :].view(torch.int32).view(self.max_batch, self.max_pages)
 
     def _step(self, batch: int) -> StepBatch:
@@ -84,8 +82,6 @@ class DecodeGraphs:
             prefill=None,
             sample_index=None,
             kv_first=self.kv_first,
-            row_counts=self._inputs[5, :batch] if self.kv_first else None,
-            most_rows=self.most_rows if self.kv_first else 1,
         )
 
     def capture(self) -> None:
@@ -150,12 +146,6 @@ class DecodeGraphs:
             rows[2, i] = table[p // page] * page + p % page
         rows[3, :n] = rows[1, :n] + 1
         rows[4, :n] = feed[1] if feed is not None else -1
-        if self.kv_first:
-            counts = row_counts(positions, tables)
-            assert max(counts) <= self.most_rows, (
-                f"{max(counts)} rows of one sequence: the graphs take {self.most_rows}"
-            )
-            rows[5, :n] = counts
         self._fill_padding(rows, table_rows, n, batch)
         used = self._row_bytes + batch * self.max_pages * 4
         self._bytes[:used].copy_(host[:used], non_blocking=True)
@@ -175,5 +165,4 @@ class DecodeGraphs:
         rows[2, start:end] = self.scratch_page * self.page_size
         rows[3, start:end] = 1
         rows[4, start:end] = -1
-        rows[5, start:end] = 1
         table_rows[start:end, 0] = self.scratch_page

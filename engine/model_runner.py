@@ -155,7 +155,6 @@ class ModelRunner:
                 self._splits,
                 self.device,
                 kv_first=True,
-                most_rows=config.speculative_num_draft_tokens + 1,
             )
             self.verify_graphs.capture()
         if self.fast is not None and self.device.type == "cuda":

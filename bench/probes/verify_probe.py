@@ -72,18 +72,11 @@ def main() -> None:
         help="16-bit products of 2..N rows through fp8.matmul16 (LlamaFamily.small_rows; 0: the library's GEMM)",
     )
     parser.add_argument(
-        "--packed-rows",
-        action="store_true",
-        help="the graphs' verify attention reads a sequence's keys once for its K + 1 rows (LlamaFamily.packed_rows); "
-        "either way the eager verify is timed both ways",
-    )
-    parser.add_argument(
         "--profile", action="store_true", help="at the largest batch: device time by kernel kind, verify against plain"
     )
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     LlamaFamily.small_rows = args.small_rows  # before the graphs are captured
-    LlamaFamily.packed_rows = args.packed_rows
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(Qwen2Config(**QWEN2_5_7B), dtype=torch.bfloat16).eval()
@@ -123,12 +116,6 @@ def main() -> None:
                 verify = launched_ms(lambda step=step: runner.fast.forward(step))
             line = {"batch": b, "rows": rows, "plain_ms": round(plain, 3), "verify_ms": round(verify, 3)}
             line |= {"ratio": round(verify / plain, 3), "verify_way": way}
-            eager = rows_step(ids, positions, seq_tables, page, runner.device, runner._splits(rows))
-            for packed in (False, True):  # the same eager verify, row by row and packed, back to back
-                runner.fast.packed_rows = packed
-                key = "eager_packed_ms" if packed else "eager_rows_ms"
-                line[key] = round(launched_ms(lambda step=eager: runner.fast.forward(step)), 3)
-            runner.fast.packed_rows = args.packed_rows
             if args.profile and b == max(batches):
                 plain_step = rows_step([7] * b, [p] * b, tables, page, runner.device, runner._splits(b))
                 verify_step = rows_step(ids, positions, seq_tables, page, runner.device, runner._splits(rows))
@@ -140,7 +127,7 @@ def main() -> None:
             print(json.dumps(line), flush=True)
     out = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(), "drafts": args.drafts}
     out |= {"context": args.context, "quantization": args.quantization or "none", "rows_max": rows_max}
-    out |= {"small_rows": args.small_rows, "packed_rows": args.packed_rows}
+    out |= {"small_rows": args.small_rows}
     args.out.write_text(json.dumps(out | {"results": results}, indent=1) + "\n")
 
 

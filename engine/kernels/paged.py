@@ -133,12 +133,9 @@ def _decode_kernel(
     cos_ptr,
     sin_ptr,
     slot_ptr,
-    rows_ptr,
     NUM_KV: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
-    ROWS: tl.constexpr,
-    M_PAD: tl.constexpr,
     DIM: tl.constexpr,
     PAGE: tl.constexpr,
     LAYERS: tl.constexpr,
@@ -159,13 +156,6 @@ def _decode_kernel(
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if ROWS > 1:  # the rows of one sequence together (a verify): see _packed_rows
-        _packed_rows(
-            q_ptr, pool_ptr, scale_ptr, table_ptr, ctx_ptr, part_ptr, lse_ptr, out_ptr, rows_ptr,
-            b, kv_head, split, layer, scale, window, stride_qt, stride_table,
-            NUM_KV, GROUP, DIM, PAGE, LAYERS, BLOCK, SCALE_BLOCK, BLOCK_N, SPLITS, M_PAD, IEEE, KV_FP8,
-        )  # fmt: skip
-        return
     ctx = tl.load(ctx_ptr + b).to(tl.int32)
     low = 0
     if window > 0:
@@ -264,94 +254,6 @@ def _decode_kernel(
 
 
 @triton.jit
-def _packed_rows(
-    q_ptr,
-    pool_ptr,
-    scale_ptr,
-    table_ptr,
-    ctx_ptr,
-    part_ptr,
-    lse_ptr,
-    out_ptr,
-    rows_ptr,
-    b,
-    kv_head,
-    split,
-    layer,
-    scale,
-    window,
-    stride_qt,
-    stride_table,
-    NUM_KV: tl.constexpr,
-    GROUP: tl.constexpr,
-    DIM: tl.constexpr,
-    PAGE: tl.constexpr,
-    LAYERS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SPLITS: tl.constexpr,
-    M_PAD: tl.constexpr,
-    IEEE: tl.constexpr,
-    KV_FP8: tl.constexpr,
-):
-    """Row ``b`` and the ``rows[b] - 1`` rows after it (consecutive positions of one sequence,
-    through row ``b``'s page table) against one pass over their keys: the queries of every
-    row and every head of the group are the tile's rows (``m = row * GROUP + head``), each
-    masked to its own context. ``rows[b]`` 0: another row's program covers this one. Rows and
-    partials are laid out as one row a program writes them, so the merge is the same."""
-    n_rows = tl.load(rows_ptr + b).to(tl.int32)
-    if n_rows == 0:
-        return
-    m = tl.arange(0, M_PAD)
-    r = m // GROUP
-    live = r < n_rows
-    heads = kv_head * GROUP + m % GROUP
-    row = b + r
-    d = tl.arange(0, DIM)
-    ctx_r = tl.load(ctx_ptr + row, mask=live, other=0).to(tl.int32)  # each row's own context
-    ctx = tl.max(ctx_r, 0)
-    low = 0
-    if window > 0:
-        low = tl.maximum(tl.load(ctx_ptr + b).to(tl.int32) - window, 0)
-    per_split = tl.cdiv(tl.cdiv(ctx - low, SPLITS), BLOCK_N) * BLOCK_N
-    start = low + split * per_split
-    end = tl.minimum(start + per_split, ctx)
-    q = tl.load(
-        q_ptr + row.to(tl.int64)[:, None] * stride_qt + heads[:, None] * DIM + d[None, :], mask=live[:, None], other=0.0
-    )
-    m_i = tl.full([M_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([M_PAD], tl.float32)
-    acc = tl.zeros([M_PAD, DIM], tl.float32)
-    table_row = table_ptr + b.to(tl.int64) * stride_table
-    for n0 in range(start, end, BLOCK_N):
-        tok = n0 + tl.arange(0, BLOCK_N)
-        valid = tok < end
-        block = _kv_block(table_row, tok, valid, layer, kv_head, NUM_KV, PAGE, LAYERS)
-        k, v, ks, vs = _load_kv(
-            pool_ptr, scale_ptr, block, tok, valid, d, NUM_KV, PAGE, DIM, BLOCK, SCALE_BLOCK, KV_FP8
-        )
-        if KV_FP8:
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        keep = valid[None, :] & (tok[None, :] < ctx_r[:, None])
-        if window > 0:
-            keep = keep & (tok[None, :] >= ctx_r[:, None] - window)
-        s = tl.where(keep, _scores(q, k, scale, ks, IEEE, KV_FP8), float("-inf"))
-        m_i, l_i, acc = _online_softmax(s, v, vs, m_i, l_i, acc, IEEE, KV_FP8)
-    has = l_i > 0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
-    flat = (row * NUM_KV * GROUP + heads).to(tl.int64)
-    if SPLITS == 1:
-        tl.store(out_ptr + flat[:, None] * DIM + d[None, :], out.to(out_ptr.dtype.element_ty), mask=live[:, None])
-    else:
-        part = flat * SPLITS + split
-        tl.store(part_ptr + part[:, None] * DIM + d[None, :], out, mask=live[:, None])
-        lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
-        tl.store(lse_ptr + part, lse, mask=live)
-
-
-@triton.jit
 def _merge_kernel(
     part_ptr, lse_ptr, out_ptr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, DIM: tl.constexpr, PDL: tl.constexpr
 ):
@@ -385,17 +287,9 @@ def decode_attention(
     pdl: bool = False,
     rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     kv_scales: torch.Tensor | None = None,
-    rows: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """``q [B, Hq, D]`` (rows may be strided) attends each sequence's ``ctx_lens[b]`` tokens
     in pages ``page_tables[b]``; writes ``out [B, Hq, D]``. Graph-safe: no host sync.
-
-    ``rows = (counts, most)``: rows of one sequence side by side (a speculative verify, each
-    row's K/V stored already) read their keys once: ``counts[b]`` (int, ``[B]``) is how many
-    rows from ``b`` on are positions of ``b``'s sequence (1 for a row alone, 0 for a row
-    another covers), at most ``most``; one program takes them all (their queries as one tile,
-    each masked to its own context), where row by row each would read the keys again.
-    Not with ``rope`` or ``counters``.
 
     ``rope = (cos, sin, slots)``: ``q`` is the q part of rows of the fused qkv projection,
     not yet rotated, and the last of each sequence's tokens is the row's own: the kernel
@@ -432,8 +326,6 @@ def decode_attention(
         rows_ok = batch == 1 or q.stride(0) >= (num_q + 2 * num_kv) * dim  # (one row: any stride)
         assert rows_ok, "q must be rows of the fused qkv projection"
     cos, sin, slots = rope if rope is not None else (lse, lse, lse)
-    counts, most = rows if rows is not None else (lse, 1)
-    assert most == 1 or (rope is None and counters is None), "packed rows: K/V stored first, merged apart"
     _decode_kernel[(batch, num_kv, splits)](
         q,
         pool,
@@ -452,12 +344,9 @@ def decode_attention(
         cos,
         sin,
         slots,
-        counts,
         NUM_KV=num_kv,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        ROWS=most,
-        M_PAD=max(16, triton.next_power_of_2(most * group)),
         DIM=dim,
         PAGE=page,
         LAYERS=layers,

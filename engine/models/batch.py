@@ -44,10 +44,6 @@ class StepBatch:
     # reads the tokens of the rows before it (a decode-only step otherwise has its attention
     # kernel rotate and store each row's own token).
     kv_first: bool = False
-    # With ``kv_first``: rows from each row on that are positions of its sequence (1 alone, 0 for
-    # a row an earlier one covers; :func:`row_counts`), at most ``most_rows``.
-    row_counts: torch.Tensor | None = None
-    most_rows: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -193,28 +189,12 @@ def verify_rows(batch: ScheduledBatch) -> tuple[list[int], list[int], list[list[
     return ids, positions, tables, list(batch.decodes)
 
 
-def row_counts(positions: list[int], tables: list[list[int]]) -> list[int]:
-    """For each row, how many rows from it on are the next positions of its sequence (0 for a
-    row an earlier one covers): rows of one sequence are side by side and share its one page
-    table list (:func:`verify_rows`)."""
-    counts = [0] * len(positions)
-    lead = 0
-    for i in range(len(positions)):
-        if i and tables[i] is tables[lead] and positions[i] == positions[i - 1] + 1:
-            counts[lead] += 1
-        else:
-            lead = i
-            counts[i] = 1
-    return counts
-
-
 def rows_step(
     ids: list[int], positions: list[int], tables: list[list[int]], page_size: int, device: torch.device, splits: int
 ) -> StepBatch:
     """Decode rows (:func:`verify_rows`) as a step run eagerly: what the verify graphs replay."""
     width = max(p // page_size + 1 for p in positions)
     slots = [t[p // page_size] * page_size + p % page_size for p, t in zip(positions, tables, strict=True)]
-    counts = row_counts(positions, tables)
     return StepBatch(
         input_ids=_to(torch.tensor(ids, dtype=torch.long), device),
         positions=_to(torch.tensor(positions, dtype=torch.long), device),
@@ -226,6 +206,4 @@ def rows_step(
         prefill=None,
         sample_index=None,
         kv_first=True,
-        row_counts=_to(torch.tensor(counts, dtype=torch.int32), device),
-        most_rows=max(counts),
     )

@@ -70,11 +70,6 @@ class LlamaFamily(FusedDecoder):
     110 for the one-row GEMVs: the batch-1 verify's 1.15x; 0, the default: off until measured
     faster on a GPU, ``bench/probes/verify_probe.py --small-rows``; on an H100, 2026-12-05, slower:
     1.18x against 1.14x at batch 1, docs/data/verify_probe_h100.json).
-    ``packed_rows``: in a speculative verify run as rows, one decode-attention program takes a
-    sequence's K + 1 rows (their queries as one tile, each masked to its position) and reads
-    its keys once, where row by row each reads them again (5x the plain step's attention reads
-    at K = 4). Off: on an H100 it read no faster (attention 1.82 against 1.84 ms at
-    batch 64; docs/data/verify_probe_h100.json, ``verify_probe.py --packed-rows``).
 
     ``tp``: the model's weights are this rank's shard (:mod:`pdserve.engine.parallel`): the
     layer has ``1 / tp.size`` of the heads and of the MLP, and the outputs of o and down are
@@ -93,7 +88,6 @@ class LlamaFamily(FusedDecoder):
     pdl = False
     separate_rope = False  # decode-only steps rotate and store k, v in a kernel of their own
     small_rows = 0  # 16-bit products of 2..small_rows rows through fp8.matmul16 (0: the library's)
-    packed_rows = False  # a verify's rows of one sequence read its keys once (decode attention's rows)
 
     def __init__(
         self,
@@ -254,8 +248,7 @@ class LlamaFamily(FusedDecoder):
         out = torch.empty((q.shape[0], nq, dim), dtype=qkv.dtype, device=qkv.device)
         if nd:
             counters = None
-            packed = self.packed_rows and step.row_counts is not None and step.most_rows > 1
-            if self.fused_merge and not packed:
+            if self.fused_merge:
                 if self._counters is None or self._counters.numel() < nd * nkv:
                     self._counters = torch.zeros(max(nd, 64) * nkv, dtype=torch.int32, device=q.device)
                 counters = self._counters
@@ -273,7 +266,6 @@ class LlamaFamily(FusedDecoder):
                 pdl=pdl,
                 rope=(self.cos, self.sin, step.slots) if rope else None,
                 kv_scales=self.kv_scales,
-                rows=(step.row_counts, step.most_rows) if packed else None,  # type: ignore[arg-type]
             )
         if chunks is None:
             return out

@@ -231,14 +231,12 @@ def test_speculation_keeps_the_overlap_unless_a_draft_is_due() -> None:
             assert spec.verifies > 0 and spec.accepted > 0 and spec.unoverlapped_steps > 0
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_speculative_verifies_run_as_decode_rows(monkeypatch: pytest.MonkeyPatch, packed: bool) -> None:
+def test_speculative_verifies_run_as_decode_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """A step of decodes and verifies runs as decode rows (each draft token a row over its own
     prefix, K/V stored first): what the GPU's verify graphs replay. Greedy tokens equal
     ``generate``'s, drafts were verified that way and never as prefill chunks, and every layer
     of such a step stored its rows' K/V before attending (the interpreter runs programs one
-    after another, so a row reading a K/V another program has yet to store would pass here).
-    ``packed``: a sequence's rows go to decode attention as one (``packed_rows``)."""
+    after another, so a row reading a K/V another program has yet to store would pass here)."""
     quiet_transformers()
     model = small_model("qwen2")
     rng = random.Random("rows")
@@ -255,15 +253,7 @@ def test_speculative_verifies_run_as_decode_rows(monkeypatch: pytest.MonkeyPatch
     runner = ModelRunner(ModelSpec(Path("rows")), config, model=model)
     assert isinstance(runner.fast, llama.LlamaFamily)
     runner.verify_as_rows = True  # the GPU's default
-    runner.fast.packed_rows = packed
     engine = Engine(runner, config)
-    most: list[int] = []  # each decode attention: most rows of one sequence it took together
-    attention = llama.paged.decode_attention
-
-    def tracked_attention(*args: Any, rows: Any = None, **kwargs: Any) -> torch.Tensor:
-        most.append(1 if rows is None else rows[1])
-        return attention(*args, rows=rows, **kwargs)
-
     kinds: list[bool] = []  # each forward pass: rows of one sequence side by side?
     stores: list[bool] = []  # each separate K/V store: in such a pass?
     forward, store = runner.fast.forward, llama.rope.rope_store
@@ -278,9 +268,7 @@ def test_speculative_verifies_run_as_decode_rows(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(runner.fast, "forward", tracked_forward)
     monkeypatch.setattr(llama.rope, "rope_store", tracked_store)
-    monkeypatch.setattr(llama.paged, "decode_attention", tracked_attention)
     ours = run(engine, prompts, 10)
-    assert (max(most) == config.speculative_num_draft_tokens + 1) is packed
     assert kinds.count(True) == runner.verify_paths["rows"] > 0
     assert stores.count(True) == kinds.count(True) * len(runner.fast.layers)
     assert_greedy_equal(model, prompts, ours, expected)

@@ -68,16 +68,9 @@ def test_graph_replay_equals_eager_decoding(dtype: torch.dtype, sizes: tuple[int
         assert run(graphed, prompts, 40) == run(eager, prompts, 40), n
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_speculative_verifies_replay_as_graphs_with_the_tokens_of_plain_decoding(
-    monkeypatch: pytest.MonkeyPatch, packed: bool
-) -> None:
+def test_speculative_verifies_replay_as_graphs_with_the_tokens_of_plain_decoding() -> None:
     """float32: with n-gram speculation the verifies replay as graphs of decode rows (K/V
-    stored first) and the greedy tokens are those of plain graph-replayed decoding; the same
-    with each sequence's rows read by one attention program (``packed_rows``)."""
-    from pdserve.engine.models.llama import LlamaFamily
-
-    monkeypatch.setattr(LlamaFamily, "packed_rows", packed)  # before the graphs are captured
+    stored first) and the greedy tokens are those of plain graph-replayed decoding."""
     model = build(SMALL, torch.float32)
     rng = random.Random(7)
     prompts = [[rng.randrange(5000) for _ in range(16)] * 4 for _ in range(3)]

@@ -118,43 +118,6 @@ def test_decode_attention_matches_reference(dtype: torch.dtype, case: tuple) -> 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[5]])
-def test_decode_attention_of_packed_rows_reads_a_sequence_once_and_matches_reference(
-    dtype: torch.dtype, case: tuple
-) -> None:
-    """A verify's rows (consecutive positions of one sequence, side by side, each row's K/V
-    stored) taken by one program a sequence: each row as the reference attends at its own
-    position, beside plain rows, over splits, and as the row-by-row kernel computes them."""
-    page, num_q, num_kv, dim, lens, window = case
-    rng = random.Random(f"packed {case}")
-    layers, layer = 2, 1
-    pool = make_pool(64, layers, num_kv, page, dim, dtype)
-    tables, table_t = scattered_tables(lens, page, 64, rng)
-    # sequence i has rows for its last k_i + 1 positions (1: a plain decode row)
-    per_seq = [min(n, [1, 5, 3, 4][i % 4]) for i, n in enumerate(lens)]
-    seq_of = [i for i, k in enumerate(per_seq) for _ in range(k)]
-    ctx_list = [lens[i] - per_seq[i] + 1 + j for i, k in enumerate(per_seq) for j in range(k)]
-    counts = [k if j == 0 else 0 for k in per_seq for j in range(k)]
-    n = len(seq_of)
-    qkv = torch.randn((n, (num_q + 2 * num_kv) * dim), dtype=dtype, device=DEVICE)
-    q = qkv[:, : num_q * dim].view(n, num_q, dim)
-    row_tables = table_t[torch.tensor(seq_of, device=DEVICE)]
-    most = max(per_seq)
-    for splits, ctx_dtype in ((1, torch.int32), (4, torch.int64), (32, torch.int32)):
-        ctx = torch.tensor(ctx_list, dtype=ctx_dtype, device=DEVICE)
-        out = torch.full((n, num_q, dim), float("nan"), dtype=dtype, device=DEVICE)
-        one_by_one = torch.full_like(out, float("nan"))
-        rows = (torch.tensor(counts, dtype=ctx_dtype, device=DEVICE), most)
-        paged.decode_attention(q, pool, layer, row_tables, ctx, dim**-0.5, splits, out, window, block_n=16, rows=rows)
-        paged.decode_attention(q, pool, layer, row_tables, ctx, dim**-0.5, splits, one_by_one, window, block_n=16)
-        for r, (i, c) in enumerate(zip(seq_of, ctx_list, strict=True)):
-            k, v = gather(pool, layer, tables[i], c)
-            ref = ref_attention(q[r][:, None], k, v, torch.tensor([c - 1], device=DEVICE), window)[:, 0]
-            assert rel_err(out[r], ref) < TOL[dtype], (splits, r)
-        assert rel_err(out, one_by_one) < TOL[dtype], splits
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "chunks",
     [
