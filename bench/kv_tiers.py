@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import json
 import os
 import random
@@ -38,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
 
 from pdserve.engine.config import EngineConfig, KVTierConfig
 from pdserve.engine.engine import Engine
@@ -105,6 +108,9 @@ def tier_counts(engine: Engine) -> dict[str, Any]:
         "lookup_seconds": round(s.lookup_seconds, 4),
         "load_seconds": round(s.load_seconds, 4),
         "write_errors": s.write_errors,
+        # the load-or-compute rule's inputs as the run left them
+        "load_gb_s": {tier: round(rate / 1e9, 3) for tier, rate in engine.tiers.estimates.bytes_per_s.items()},
+        "prefill_us_per_token": round(engine.tiers.estimates.prefill_s_per_token * 1e6, 2),
     }
 
 
@@ -172,7 +178,12 @@ def chat(model: Path, configs: dict[str, KVTierConfig], args: argparse.Namespace
         )
     for run in runs.values():
         run.engine.close()
-    return {name: run.reading(args.users) for name, run in runs.items()}
+    readings = {name: run.reading(args.users) for name, run in runs.items()}
+    del runs  # the engines' models and pools, before a fresh process needs the device
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return readings
 
 
 # ---- one prompt in a fresh process (restart, second worker) -------------------------------
@@ -224,7 +235,10 @@ def in_new_process(args: argparse.Namespace, model: Path, seed: int, tiers: dict
         str(args.num_threads),
     ]
     env = {"MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2", "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env}, check=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
+    if done.returncode != 0:  # kept in the results (the other parts still count), and said
+        print(done.stderr[-3000:], file=sys.stderr, flush=True)
+        return {"error": f"exit {done.returncode}: {done.stderr.strip().splitlines()[-1:]}", "answer": None}
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
