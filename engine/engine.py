@@ -40,7 +40,15 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.grammar import Grammars
 from pdserve.engine.kv_tiers import KVTiers, create_tiers
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.outputs import EngineStats, ExecResult, Launched, RequestOutput, VerifyResult, with_forks
+from pdserve.engine.outputs import (
+    EngineStats,
+    ExecResult,
+    Launched,
+    PrefillClock,
+    RequestOutput,
+    VerifyResult,
+    with_forks,
+)
 from pdserve.engine.page_manager import PageManager
 from pdserve.engine.sampler import Sampler, SampleRequest, token_logprobs
 from pdserve.engine.scheduler import Scheduler
@@ -122,6 +130,7 @@ class Engine(Appending, Admission):
         on_gpu = self.overlap and runner.device.type == "cuda"
         self._pinned = [torch.empty(capacity, dtype=torch.long, pin_memory=True) for _ in range(3)] if on_gpu else []
         self._next_pinned = 0
+        self._prefill_clock = PrefillClock(runner.device.type == "cuda")  # the KV tiers' recompute rate
         self.measure_prefill()
 
     def measure_prefill(self) -> bool:
@@ -205,8 +214,10 @@ class Engine(Appending, Admission):
         if self.time_steps and self.runner.device.type == "cuda":
             gpu_start = torch.cuda.Event(enable_timing=True)
             gpu_start.record()
+        prefill = self._prefill_clock.begin() if self.tiers is not None and batch.prefills else None
         feed = self._feed(batch)
         seqs, logits = self.runner.execute(batch, feed)
+        self._prefill_clock.end(sum(n for _, n in batch.prefills), prefill)
         verify_logits = None
         if batch.verifies and logits is not None:  # their rows come last
             num_rows = logits.shape[0] - sum(len(d) + 1 for _, d in batch.verifies)
@@ -340,10 +351,10 @@ class Engine(Appending, Admission):
             # (a step left queued is timed from before the one ahead of it ended: not its own cost)
             self.speculator.observe_step(batch.num_tokens, len(batch.verifies), result.gpu_seconds or result.seconds)
         self.stats.busy_seconds += result.seconds
-        if self.tiers is not None and batch.prefills:  # the tiers' recompute rate
-            prompt_tokens = sum(n for _, n in batch.prefills)
-            if prompt_tokens >= self.config.page_size:
-                self.tiers.note_prefill(prompt_tokens, result.gpu_seconds or result.seconds)
+        if self.tiers is not None:  # the tiers' recompute rate (a step of less than a page: all fixed cost)
+            for tokens, seconds in self._prefill_clock.readings(sum(n for _, n in batch.prefills), result.seconds):
+                if tokens >= self.config.page_size:
+                    self.tiers.note_prefill(tokens, seconds)
         for seq in batch.decodes:
             if seq.status is Status.RUNNING:  # not preempted or finished while the step was queued
                 self.scheduler.on_computed(seq, 1)

@@ -53,9 +53,12 @@ class ReadBuffers:
         self.pin = pin
         self.offset = offset
         self._free: list[ReadBuffer] | None = None
+        self._all: list[ReadBuffer] = []
         self._lock = threading.Lock()
 
-    def take(self) -> ReadBuffer | None:
+    def allocate(self) -> list[ReadBuffer]:
+        """Every buffer, allocated now if not yet (pinning megabytes takes milliseconds: a
+        rate's measurement allocates first)."""
         with self._lock:
             if self._free is None:
                 self._free = [
@@ -64,6 +67,13 @@ class ReadBuffers:
                     )
                     for _ in range(self.count)
                 ]
+                self._all = list(self._free)
+            return list(self._all)
+
+    def take(self) -> ReadBuffer | None:
+        self.allocate()
+        with self._lock:
+            assert self._free is not None
             return self._free.pop() if self._free else None
 
     def give(self, buffer: ReadBuffer, ready: torch.cuda.Event | None = None) -> None:

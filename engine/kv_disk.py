@@ -103,6 +103,10 @@ class DiskTier:
                 self._files.move_to_end(key.hex() + ".kv")
         return data
 
+    def prepare(self, buffers: Sequence[ReadBuffer]) -> int:
+        """Nothing to do before reading into ``buffers`` (a file reads into any memory): 0."""
+        return 0
+
     def put(self, key: bytes, *parts: bytes | memoryview) -> None:
         """Write the blob ``parts`` make up under ``key`` (write, then rename), then evict down
         to the bound. Parts are written one after another (no copy joins them)."""

@@ -78,16 +78,26 @@ class StoreTier:
         corrupt) or another failure of the read is fetched as :meth:`get` fetches."""
         out = buffer.view()
         ptr, size = buffer.address, buffer.size
+        self.prepare([buffer])
         with self._lock:
-            if ptr not in self._registered:
-                self._registered.add(ptr)
-                self._store.register_buffer(ptr, size)
             got = self._store.get_into(self._key(key), ptr, size)
         if got == _NOT_FOUND:
             return None
         if got < 0:
             return self.get(key)
         return out[:got]
+
+    def prepare(self, buffers: Sequence[ReadBuffer]) -> int:
+        """Register ``buffers`` with the client (once each: a read into one must not pay it);
+        returns how many were new."""
+        new = 0
+        with self._lock:
+            for buffer in buffers:
+                if buffer.address not in self._registered:
+                    self._registered.add(buffer.address)
+                    self._store.register_buffer(buffer.address, buffer.size)
+                    new += 1
+        return new
 
     def put(self, key: bytes, *parts: bytes | memoryview) -> None:
         """Store the blob ``parts`` make up under ``key`` (several parts: one object, no copy

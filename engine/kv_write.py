@@ -50,6 +50,7 @@ class GroupTier(Protocol):
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]: ...  # in one round trip where it can
     def get(self, key: bytes) -> bytes | bytearray | None: ...
     def get_into(self, key: bytes, buffer: ReadBuffer) -> memoryview | bytearray | None: ...  # into a reused buffer
+    def prepare(self, buffers: Sequence[ReadBuffer]) -> int: ...  # before its first reads into them
     def put(self, key: bytes, *parts: bytes | memoryview) -> None: ...  # a blob, in parts
     def discard(self, key: bytes) -> None: ...
 
@@ -330,10 +331,13 @@ class WriteThrough:
                 if buffer is not None:
                     self._read_buffers.give(buffer)
 
+        # what a first read pays once (pinning the buffers, a store registering them, the
+        # threads) is paid before the clock starts: it is no part of a load's rate
+        tier.prepare(self._read_buffers.allocate())
+        if len(keys) > 1 and self._calibrator is None:
+            self._calibrator = helper_pool(LOAD_THREADS, "kv-tier-calibrate")
         began = time.perf_counter()
-        if len(keys) > 1:
-            if self._calibrator is None:
-                self._calibrator = helper_pool(LOAD_THREADS, "kv-tier-calibrate")
+        if self._calibrator is not None and len(keys) > 1:
             sizes = list(self._calibrator.map(read, keys))
         else:
             sizes = [read(k) for k in keys]

@@ -5,6 +5,7 @@ totals, the error for a request it cannot serve, and a step's sampled rows with 
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -106,3 +107,38 @@ def with_forks(seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequenc
             rows.append(i)
             out.append(fork)
     return out, logits[torch.tensor(rows, device=logits.device)]
+
+
+class PrefillClock:
+    """What prefill steps cost, for the KV tiers' recompute rate. On a GPU each step's own
+    device time, between two events read once the device has passed them, in order (a chunk
+    that samples no token returns before the device has run it: its host time is only its
+    launch); elsewhere the step's time (the CPU computes it before the step returns)."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self._pending: deque[tuple[int, torch.cuda.Event, torch.cuda.Event]] = deque()
+
+    def begin(self) -> torch.cuda.Event | None:
+        if not self.cuda:
+            return None
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        return start
+
+    def end(self, tokens: int, start: torch.cuda.Event | None) -> None:
+        if start is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._pending.append((tokens, start, end))
+
+    def readings(self, tokens: int, seconds: float) -> list[tuple[int, float]]:
+        """``(tokens, seconds)`` of the steps timed by now: this step's (``tokens`` prompt tokens
+        in ``seconds``) off a GPU; on one, those whose events have fired."""
+        if not self.cuda:
+            return [(tokens, seconds)] if tokens else []
+        done = []
+        while self._pending and self._pending[0][2].query():
+            n, start, end = self._pending.popleft()
+            done.append((n, start.elapsed_time(end) / 1e3))
+        return done

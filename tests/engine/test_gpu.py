@@ -155,6 +155,34 @@ def test_kv_tiers_on_the_gpu_serve_evicted_prefixes_with_equal_output(tmp_path: 
     restarted.close()
 
 
+def test_the_kv_tiers_recompute_rate_on_the_gpu_is_each_prefill_chunk_s_device_time(tmp_path: Path) -> None:
+    """A prompt of four equal chunks at 7B layer widths: each chunk is a reading of the cost
+    rule's recompute rate, timed on the device. A chunk that samples no token returns before
+    the device has run it: timed on the host, the first three read their launches alone and the
+    last the whole prompt (which made a disk 2x faster than computing look slower on an H200)."""
+    import time
+
+    from pdserve.engine.config import KVTierConfig
+
+    model = build(dict(QWEN2_5_7B, num_hidden_layers=4), torch.bfloat16)
+    config = EngineConfig(
+        device="cuda", max_total_tokens=8192, chunked_prefill_size=1024, kv_tiers=KVTierConfig(disk_dir=str(tmp_path))
+    )
+    engine = Engine(ModelRunner(ModelSpec(Path("m")), config, model=model), config)
+    assert engine.tiers is not None
+    readings = engine.tiers.estimates.prefill_readings
+    readings.clear()  # the start's own measurement (Engine.measure_prefill)
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    run(engine, [[random.Random(3).randrange(100_000) for _ in range(4096)]], 1)
+    wall = time.perf_counter() - began
+    assert [t for t, _ in readings] == [1024] * 4
+    seconds = [s for _, s in readings]
+    assert max(seconds) < 2.5 * min(seconds), seconds
+    assert 0.5 * wall < sum(seconds) <= wall
+    engine.close()
+
+
 def test_pd_handoff_between_gpu_pools_over_mooncake_equals_one_engine() -> None:
     """Two pools in GPU memory registered with Mooncake's CUDA build (TCP on loopback): the
     prefill engine holds each prompt's KV, the decode engine pulls it with one batched read

@@ -14,7 +14,7 @@ import torch
 from pdserve.engine import kv_blob
 from pdserve.engine.config import EngineConfig, KVTierConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.kv_buffers import ReadBuffer
+from pdserve.engine.kv_buffers import ReadBuffer, ReadBuffers
 from pdserve.engine.kv_disk import DiskTier
 from pdserve.engine.kv_host import HostTier
 from pdserve.engine.kv_pool import KVPool
@@ -510,6 +510,7 @@ def test_store_tier_round_trips_and_refuses_corrupt_objects(store_master: StoreM
     assert got is not None and torch.equal(kv_blob.decode(got, IDENT, key(7), LAYOUT), pages)
     # straight into a reused buffer of the blob's size; an object that does not fit: as get reads
     buffer = ReadBuffer(torch.zeros(len(got), dtype=torch.uint8))
+    assert store.prepare([buffer, buffer]) == 1 and store.prepare([buffer]) == 0  # registered once, before reads
     into = store.get_into(key(7), buffer)
     assert isinstance(into, memoryview) and into.tobytes() == bytes(got) == bytes(buffer.data.numpy())
     small = store.get_into(key(7), ReadBuffer(torch.zeros(len(got) - 1, dtype=torch.uint8)))
@@ -636,3 +637,16 @@ def test_a_request_let_go_of_while_its_tail_loads_waits_for_the_load_then_frees_
     engine.pages.check_invariants()
     assert engine.pages.num_free_pages == free
     engine.close()
+
+
+def test_read_buffers_are_allocated_once_and_lent_from_those() -> None:
+    """A rate's measurement allocates every buffer before its clock starts (``allocate``);
+    loads then take those same buffers, and none when all are out."""
+    buffers = ReadBuffers(1024, 3, pin=False, offset=8)
+    every = buffers.allocate()
+    assert len(every) == 3 and [id(b) for b in buffers.allocate()] == [id(b) for b in every]
+    assert all(b.size == 1024 and b.data.numel() == 1032 for b in every)
+    taken = [buffers.take() for _ in range(4)]
+    assert taken[3] is None and {id(b) for b in taken[:3]} == {id(b) for b in every}
+    buffers.give(every[0])
+    assert buffers.free == 1 and buffers.take() is every[0]
