@@ -433,8 +433,8 @@ def test_a_queued_request_finds_its_prefix_read_ahead(
     """The disk tier's groups of a queued request's prompt are read into memory while it
     waits behind another; its load then copies from memory, priced at that rate by the cost
     rule: a disk measured slower than computing is still used once its groups are in memory.
-    A request nothing waits before is not read ahead from that disk (the read would not be
-    done in time, and would compete with the step)."""
+    A request nothing waits before is not read ahead (the read would race its own load), nor
+    one whose disk loads read faster than loads take read-ahead groups."""
     prompts, expected = prompts_and_expected
     first = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4)
     assert serve(first, prompts[:1]) == expected[:1]
@@ -465,6 +465,17 @@ def test_a_queued_request_finds_its_prefix_read_ahead(
     assert (counts.prefetched_groups, counts.prefetch_hits, counts.prefetch_wasted) == (groups, groups, 0)
     engine.close()
 
+    # loads of this disk measured faster than loads of read-ahead groups: a waiting request is not read ahead
+    direct = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4, load="cost")
+    assert direct.tiers is not None
+    direct.tiers.estimates.bytes_per_s.update(disk=2e9, prefetched=1e9)
+    direct.add_request("r0", [3, 1, 4, 1, 5], GREEDY)
+    direct.add_request("r1", prompts[1], GREEDY)
+    direct.tiers.drain_prefetches()
+    assert direct.tiers.stats.tiers["disk"].prefetched_groups == 0
+    assert run_all(direct)["r1"] == expected[1] and direct.tiers.stats.tiers["disk"].hit_pages == groups * 4
+    direct.close()
+
     # the same slow disk without prefetch: declined, computed
     plain = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4, load="cost", prefetch_bytes=0)
     assert plain.tiers is not None
@@ -478,6 +489,7 @@ def test_a_queued_request_finds_its_prefix_read_ahead(
     # prefetched memory beyond its limit: the oldest groups dropped, counted, the load reads the disk
     small = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4, prefetch_bytes=1)
     assert small.tiers is not None
+    small.add_request("r0", [3, 1, 4, 1, 5], GREEDY)
     small.add_request("r2", prompts[1], GREEDY)
     small.tiers.drain_prefetches()
     assert run_all(small)["r2"] == expected[1]
