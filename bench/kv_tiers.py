@@ -111,6 +111,7 @@ def tier_counts(engine: Engine) -> dict[str, Any]:
         # the load-or-compute rule's inputs as the run left them
         "load_gb_s": {tier: round(rate / 1e9, 3) for tier, rate in engine.tiers.estimates.bytes_per_s.items()},
         "prefill_us_per_token": round(engine.tiers.estimates.prefill_s_per_token * 1e6, 2),
+        "prefill_ns_per_pair": round(engine.tiers.estimates.prefill_s_per_pair * 1e9, 4),
     }
 
 

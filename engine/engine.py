@@ -34,21 +34,14 @@ from typing import Protocol
 
 import torch
 
+from pdserve.engine import outputs
 from pdserve.engine.admission import Admission
 from pdserve.engine.appending import Appending
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.grammar import Grammars
 from pdserve.engine.kv_tiers import KVTiers, create_tiers
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.outputs import (
-    EngineStats,
-    ExecResult,
-    Launched,
-    PrefillClock,
-    RequestOutput,
-    VerifyResult,
-    with_forks,
-)
+from pdserve.engine.outputs import EngineStats, ExecResult, Launched, RequestOutput, VerifyResult, with_forks
 from pdserve.engine.page_manager import PageManager
 from pdserve.engine.sampler import Sampler, SampleRequest, token_logprobs
 from pdserve.engine.scheduler import Scheduler
@@ -58,12 +51,12 @@ from pdserve.schemas import SamplingParams
 
 log = logging.getLogger(__name__)
 
-# A worker with a disk or store tier times its own prefill at start, so that the tiers' cost
-# rule knows what computing costs before the first request (a restarted worker's first request
-# otherwise loaded its whole prefix from a disk slower than computing it: 540 against 298 ms
-# at 8,192 tokens on an H200, 2026-12-04). Prompts of these lengths (or of a quarter and all
-# of what half the pool holds, when these do not fit), random tokens, nothing cached or offered.
-PREFILL_PROBES = (256, 1024)
+# A worker with a disk or store tier times its own prefill at start, for the tiers' cost rule
+# (else a restarted worker loaded a prefix from a disk slower than computing it: 540 against
+# 298 ms at 8,192 tokens on an H200, 2026-12-04). Prompts of these lengths that fit in half the
+# pool (else a quarter and all of that), random tokens; the longest, in chunks after others,
+# tells the attention's growing share apart (kv_cost.prefill_model).
+PREFILL_PROBES = (256, 1024, 4096)
 
 
 class StepObserver(Protocol):
@@ -130,7 +123,7 @@ class Engine(Appending, Admission):
         on_gpu = self.overlap and runner.device.type == "cuda"
         self._pinned = [torch.empty(capacity, dtype=torch.long, pin_memory=True) for _ in range(3)] if on_gpu else []
         self._next_pinned = 0
-        self._prefill_clock = PrefillClock(runner.device.type == "cuda")  # the KV tiers' recompute rate
+        self._prefill_clock = outputs.PrefillClock(runner.device.type == "cuda")  # the KV tiers' recompute rate
         self.measure_prefill()
 
     def measure_prefill(self) -> bool:
@@ -163,7 +156,11 @@ class Engine(Appending, Admission):
             self.stats = saved
         log.info(
             "prefill measured for the KV tiers",
-            extra={"tokens": sizes, "us_per_token": round(tiers.estimates.prefill_s_per_token * 1e6, 2)},
+            extra={
+                "tokens": sizes,
+                "us_per_token": round(tiers.estimates.prefill_s_per_token * 1e6, 2),
+                "ns_per_pair": round(tiers.estimates.prefill_s_per_pair * 1e9, 4),
+            },
         )
         return tiers.estimates.prefill_s_per_token > 0.0
 
@@ -217,7 +214,7 @@ class Engine(Appending, Admission):
         prefill = self._prefill_clock.begin() if self.tiers is not None and batch.prefills else None
         feed = self._feed(batch)
         seqs, logits = self.runner.execute(batch, feed)
-        self._prefill_clock.end(sum(n for _, n in batch.prefills), prefill)
+        self._prefill_clock.end(batch, prefill)
         verify_logits = None
         if batch.verifies and logits is not None:  # their rows come last
             num_rows = logits.shape[0] - sum(len(d) + 1 for _, d in batch.verifies)
@@ -352,9 +349,9 @@ class Engine(Appending, Admission):
             self.speculator.observe_step(batch.num_tokens, len(batch.verifies), result.gpu_seconds or result.seconds)
         self.stats.busy_seconds += result.seconds
         if self.tiers is not None:  # the tiers' recompute rate (a step of less than a page: all fixed cost)
-            for tokens, seconds in self._prefill_clock.readings(sum(n for _, n in batch.prefills), result.seconds):
+            for tokens, pairs, seconds in self._prefill_clock.readings(batch, result.seconds):
                 if tokens >= self.config.page_size:
-                    self.tiers.note_prefill(tokens, seconds)
+                    self.tiers.note_prefill(tokens, seconds, pairs)
         for seq in batch.decodes:
             if seq.status is Status.RUNNING:  # not preempted or finished while the step was queued
                 self.scheduler.on_computed(seq, 1)

@@ -117,7 +117,14 @@ class PrefillClock:
 
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
-        self._pending: deque[tuple[int, torch.cuda.Event, torch.cuda.Event]] = deque()
+        self._pending: deque[tuple[int, float, torch.cuda.Event, torch.cuda.Event]] = deque()
+
+    @staticmethod
+    def size(batch: ScheduledBatch) -> tuple[int, float]:
+        """A step's prompt tokens and the (query, key) pairs their attention computes (a
+        chunk of ``n`` after ``c`` computed tokens: ``n * (c + n / 2)``)."""
+        tokens = sum(n for _, n in batch.prefills)
+        return tokens, sum(n * (seq.num_computed + n / 2) for seq, n in batch.prefills)
 
     def begin(self) -> torch.cuda.Event | None:
         if not self.cuda:
@@ -126,19 +133,21 @@ class PrefillClock:
         start.record()
         return start
 
-    def end(self, tokens: int, start: torch.cuda.Event | None) -> None:
+    def end(self, batch: ScheduledBatch, start: torch.cuda.Event | None) -> None:
         if start is not None:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self._pending.append((tokens, start, end))
+            self._pending.append((*self.size(batch), start, end))
 
-    def readings(self, tokens: int, seconds: float) -> list[tuple[int, float]]:
-        """``(tokens, seconds)`` of the steps timed by now: this step's (``tokens`` prompt tokens
-        in ``seconds``) off a GPU; on one, those whose events have fired."""
+    def readings(self, batch: ScheduledBatch, seconds: float) -> list[tuple[int, float, float]]:
+        """``(tokens, pairs, seconds)`` of the prefill steps timed by now: off a GPU this one's
+        (``batch``, computed in ``seconds``; its sequences not yet advanced past it); on one,
+        those whose events have fired."""
         if not self.cuda:
-            return [(tokens, seconds)] if tokens else []
+            tokens, pairs = self.size(batch)
+            return [(tokens, pairs, seconds)] if tokens else []
         done = []
-        while self._pending and self._pending[0][2].query():
-            n, start, end = self._pending.popleft()
-            done.append((n, start.elapsed_time(end) / 1e3))
+        while self._pending and self._pending[0][3].query():
+            tokens, pairs, start, end = self._pending.popleft()
+            done.append((tokens, pairs, start.elapsed_time(end) / 1e3))
         return done

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.kv_cost import CostEstimates, Decision, marginal_cost, overlap_split, pages_worth_loading
+from pdserve.engine.kv_cost import (
+    CostEstimates,
+    Decision,
+    marginal_cost,
+    overlap_split,
+    pages_worth_loading,
+    prefill_model,
+)
 
 PAGE_BYTES = 1 << 20  # 1 MiB a page
 PAGE_TOKENS = 16
@@ -116,6 +123,56 @@ def test_the_marginal_cost_without_a_spread_of_sizes() -> None:
     assert marginal_cost([(1024, 0.05), (4096, 0.04)]) == pytest.approx(0.04 / 4096)
     # a slope above a reading's own rate (a negative fixed part) is capped by that rate
     assert marginal_cost([(100, 0.001), (1000, 0.1)]) == pytest.approx(0.001 / 100)
+
+
+def chunk(n: int, before: int) -> float:
+    """The (query, key) pairs of a chunk of ``n`` tokens after ``before`` computed ones."""
+    return n * (before + n / 2)
+
+
+# a 7B model on an H200, as its turns measured (2026-12-05): 5 ms a step, 18.7 us a token, and
+# 2.7 ns a pair attended (a 2,048-token prompt 49 ms, an 8,192-token one 249 ms)
+FIXED, A, B = 0.005, 18.7e-6, 2.7e-9
+
+
+def timed(n: int, before: int) -> tuple[int, float, float]:
+    return n, FIXED + A * n + B * chunk(n, before), chunk(n, before)
+
+
+def test_the_prefill_model_tells_the_attention_s_share_apart() -> None:
+    """The probes a worker runs at start (256, 1024, and 4,096 tokens in two chunks of 2,048)
+    give both terms back; the later tokens of a long prefix then cost more than the first, so
+    an 8,192-token prefix is priced near what computing it takes (249 ms; one term: 153 ms)."""
+    readings = [timed(256, 0), timed(1024, 0), timed(2048, 0), timed(2048, 2048)]
+    a, b = prefill_model(readings)
+    assert a == pytest.approx(A, rel=1e-6) and b == pytest.approx(B, rel=1e-6)
+    e = CostEstimates()
+    for t, sec, pairs in readings:
+        e.note_prefill(t, sec, pairs)
+    assert e.recompute_seconds(8192) == pytest.approx(A * 8192 + B * 8192 * 4096, rel=1e-6)
+    assert e.recompute_seconds(8192) == pytest.approx(0.244, abs=0.001)
+    late, early = e.recompute_seconds(2048, start=6144), e.recompute_seconds(2048)
+    assert late is not None and early is not None and late > 1.5 * early
+    # a disk at 2 GB/s (a 16-token page of 7B KV, 0.9 MB, in 0.46 ms): dearer than computing a
+    # prefix's first pages, cheaper than its last ones
+    page = 917504
+    e.note_load("disk", page, page / 2e9)
+    assert pages_worth_loading([("disk", 128)], page, PAGE_TOKENS, e).pages == 0
+    assert pages_worth_loading([("disk", 128)], page, PAGE_TOKENS, e, start_tokens=6144).pages == 128
+
+
+def test_the_prefill_model_keeps_one_term_where_the_steps_cannot_tell_two() -> None:
+    linear = [(t, FIXED + A * t) for t in (256, 1024, 4096)]
+    # no pairs known (0): the marginal cost alone
+    assert prefill_model([(t, sec, 0.0) for t, sec in linear]) == (marginal_cost(linear), 0.0)
+    # two readings only, or sizes too close together
+    assert prefill_model([timed(256, 0), timed(1024, 0)])[1] == 0.0
+    assert prefill_model([timed(1000, 0), timed(1100, 0), timed(1200, 0)])[1] == 0.0
+    # pairs in proportion to tokens (every chunk after the same context): no second term
+    assert prefill_model([timed(256, 100_000), timed(1024, 100_000), timed(2048, 100_000)])[1] == 0.0
+    # noise that makes the attention's share negative: the one-term fit
+    noisy = [(256, 0.010, chunk(256, 0)), (1024, 0.030, chunk(1024, 0)), (4096, 0.070, chunk(4096, 0))]
+    assert prefill_model(noisy) == (marginal_cost([(t, sec) for t, sec, _ in noisy]), 0.0)
 
 
 def test_a_slower_tier_loads_a_tail_while_the_head_is_computed() -> None:
