@@ -132,6 +132,10 @@ _TIER_GAUGES = {
         "pdserve_kv_tier_recompute_seconds_per_page",
         "measured time for the worker to compute one page of prompt tokens instead",
     ),
+    "recompute_s_per_pair": (
+        "pdserve_kv_tier_recompute_seconds_per_pair",
+        "what each (query, key) pair of the prefill's attention adds to computing it (later pages cost more)",
+    ),
 }
 _TOTALS = [f.name for cls in (WorkerCounters, WorkerStats) for f in dataclasses.fields(cls)]
 assert set(_TOTALS) == set(_COUNTERS) | _STATS_GAUGES, "every worker total has a metric"

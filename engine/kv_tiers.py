@@ -169,6 +169,7 @@ class KVTiers(WriteThrough, ReadAhead):
                 held_bytes=getattr(tier, "num_bytes", 0),
                 load_s_per_page=self.estimates.load_seconds(name, page) or 0.0,
                 recompute_s_per_page=recompute,
+                recompute_s_per_pair=self.estimates.prefill_s_per_pair,
             )
             for name, tier in present.items()
             if tier is not None

@@ -74,7 +74,9 @@ class TierCounts:
     ``held_bytes``: what it holds now (host and disk; 0 where unknown); ``declined_pages``:
     pages found there and computed instead, loading them being the slower
     (:mod:`pdserve.engine.kv_cost`); the rule's inputs now: ``load_s_per_page`` (this tier's
-    measured rate) against ``recompute_s_per_page`` (the worker's prefill), 0 until measured;
+    measured rate) against ``recompute_s_per_page`` (the worker's prefill, a page at the prompt's
+    start) and ``recompute_s_per_pair`` (what each (query, key) pair of its attention adds: a
+    page after ``c`` tokens costs ``page_size * c`` of them more), 0 until measured;
     ``prefetched_groups``: groups read ahead into host memory while their request waited,
     ``prefetch_hits`` of them then loaded from memory, ``prefetch_wasted`` dropped unused;
     ``calibrations``: groups read back off the request path to measure the tier's rate (its
@@ -94,6 +96,7 @@ class TierCounts:
     declined_pages: int = 0
     load_s_per_page: float = 0.0
     recompute_s_per_page: float = 0.0
+    recompute_s_per_pair: float = 0.0
     prefetched_groups: int = 0
     prefetch_hits: int = 0
     prefetch_wasted: int = 0

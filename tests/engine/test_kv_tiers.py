@@ -162,6 +162,7 @@ def test_a_tier_measured_slower_than_computing_is_declined_and_output_stays_equa
     (counts,) = engine.tiers.counts()
     assert counts.declined_pages == host.declined_pages
     assert counts.load_s_per_page > counts.recompute_s_per_page > 0
+    assert counts.recompute_s_per_pair == engine.tiers.estimates.prefill_s_per_pair >= 0.0
     engine.pages.check_invariants()
 
 
