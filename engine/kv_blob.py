@@ -4,10 +4,14 @@ A blob is a fixed header, then the group's pages exactly as they lie in the pool
 (``[num_pages, num_layers, 2, num_kv_heads, page_size, head_dim]``). The header names
 the format, the *identity* (model weights and KV layout: a blob from another model or
 layout is never used), the group's key (the chained hash of its last page, so a file
-renamed onto another key is caught) and a CRC-32 of the payload (against a torn or flipped
-file, not an adversary: zlib's runs at ~3 GB/s where BLAKE2b ran at 0.6 and held a tier's
-loads to 0.4 GB/s). :func:`decode`
-raises :class:`CorruptBlob` for any mismatch; callers count it and treat it as a miss.
+renamed onto another key is caught) and a checksum of the payload (against a torn, flipped
+or misplaced block of a file, not an adversary): the CRC-32 of the sums of its 4 KiB blocks
+as 64-bit words (mod 2**64) and of its last bytes. Any changed word changes its block's sum,
+the CRC catches blocks out of place, and the sums are one pass of numpy, which lets go of the
+interpreter: 25 GB/s a core here against 4.2 for zlib's CRC-32 of the whole payload (1.6 on
+an H100's host, where the check was a disk load's slowest stage; BLAKE2b, the first format's,
+ran at 0.6). :func:`decode` raises :class:`CorruptBlob` for any mismatch; callers count it and
+treat it as a miss. The version is part of the identity: blobs of an older format are misses.
 """
 
 from __future__ import annotations
@@ -16,15 +20,17 @@ import hashlib
 import struct
 import zlib
 
+import numpy as np
 import torch
 
 from pdserve.engine.kv_pool import page_bytes, page_shape, storage_dtype
 from pdserve.schemas import KVLayout
 
 MAGIC = b"PDKV"
-VERSION = 2  # 1: a BLAKE2b checksum
-# magic, version, identity (16), key (16), num_pages, payload bytes, payload CRC-32
+VERSION = 3  # 1: a BLAKE2b checksum; 2: a CRC-32 of the whole payload
+# magic, version, identity (16), key (16), num_pages, payload bytes, payload checksum (_checksum)
 _HEADER = struct.Struct("<4sH16s16sIQI")
+_BLOCK_WORDS = 512  # 4 KiB of 64-bit words a block sum
 HEADER_BYTES = _HEADER.size
 
 
@@ -53,7 +59,16 @@ def model_fingerprint(model: torch.nn.Module, name: str) -> bytes:
 
 
 def _checksum(payload: bytes | memoryview) -> int:
-    return zlib.crc32(payload)
+    """The CRC-32 of the payload's 4 KiB block sums (little-endian 64-bit words, mod 2**64),
+    then of its bytes after the last whole word."""
+    data = np.frombuffer(payload, dtype=np.uint8)
+    words = len(data) // 8
+    sums = np.zeros(0, dtype="<u8")
+    if words:
+        sums = np.add.reduceat(
+            data[: words * 8].view("<u8"), np.arange(0, words, _BLOCK_WORDS), dtype=np.uint64
+        ).astype("<u8", copy=False)
+    return zlib.crc32(data[words * 8 :].tobytes(), zlib.crc32(sums.tobytes()))
 
 
 def encode_parts(ident: bytes, key: bytes, pages: torch.Tensor) -> tuple[bytes, memoryview]:

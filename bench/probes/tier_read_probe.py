@@ -8,7 +8,7 @@ reports GB/s of payload:
 
 - ``read``: the tier's ``get`` alone (a fresh ``bytearray`` a group, ``readinto``);
 - ``read_pinned``: ``readinto`` a reused pinned host buffer (on a GPU; else a reused buffer);
-- ``crc``: the blob's checksum alone (``zlib.crc32``, threads at once);
+- ``crc``: the blob's checksum alone (``kv_blob._checksum``, threads at once);
 - ``decode``: ``get`` and :func:`kv_blob.decode` (the checks): what ``_fetch_group`` does;
 - ``h2d_pageable`` / ``h2d_pinned``: the groups' copies to the device from pageable / pinned
   host memory, one after another on one thread, then ``index_copy_`` into a pool (GPU only);
@@ -30,7 +30,6 @@ import os
 import sys
 import tempfile
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -101,7 +100,7 @@ def main() -> int:
         list(pool_threads.map(lambda i: read_into(keys[i], pinned[i % len(pinned)]), range(len(keys))))
 
     def variant_crc() -> None:
-        list(pool_threads.map(lambda b: zlib.crc32(memoryview(b)[kv_blob.HEADER_BYTES :]), blobs))
+        list(pool_threads.map(lambda b: kv_blob._checksum(memoryview(b)[kv_blob.HEADER_BYTES :]), blobs))
 
     def variant_decode() -> None:
         list(pool_threads.map(lambda k: kv_blob.decode(disk.get(k), ident, k, layout), keys))

@@ -90,6 +90,29 @@ def test_blob_round_trips_and_refuses_corrupt_or_foreign_ones() -> None:
             kv_blob.decode(bad, ident, k, LAYOUT)
 
 
+def test_the_blob_checksum_catches_changed_words_blocks_out_of_place_and_a_ragged_tail() -> None:
+    """The payload's checksum: the CRC-32 of its 4 KiB blocks' sums and of its bytes after the
+    last whole word. Any flipped bit (first, last word of a block, the tail), two blocks
+    swapped, or a page zeroed changes it; so does a blob of the older CRC-32 format (version 2)."""
+    rng = torch.Generator().manual_seed(5)
+    payload = torch.randint(0, 256, (3 * 4096 + 13,), dtype=torch.uint8, generator=rng).numpy().tobytes()
+    base = kv_blob._checksum(payload)
+    assert base == kv_blob._checksum(bytearray(payload)) == kv_blob._checksum(memoryview(payload))
+    for i in (0, 7, 4095, 4096, 8191, 3 * 4096, len(payload) - 1):
+        flipped = bytearray(payload)
+        flipped[i] ^= 0x10
+        assert kv_blob._checksum(flipped) != base, i
+    swapped = bytearray(payload)
+    swapped[0:4096], swapped[4096:8192] = payload[4096:8192], payload[0:4096]
+    assert kv_blob._checksum(swapped) != base
+    assert kv_blob._checksum(bytes(4096) + payload[4096:]) != base
+    pages = random_pool().tensor[:2].clone()
+    blob = bytearray(kv_blob.encode(IDENT, key(1), pages))
+    blob[4:6] = (2).to_bytes(2, "little")  # the version before
+    with pytest.raises(kv_blob.CorruptBlob, match="version"):
+        kv_blob.decode(blob, IDENT, key(1), LAYOUT)
+
+
 def test_disk_tier_round_trips_keeps_its_bound_and_survives_a_restart(tmp_path: Path) -> None:
     pages = random_pool().tensor[:2].clone()
     blob = kv_blob.encode(IDENT, key(0), pages)
