@@ -58,6 +58,10 @@ _COUNTERS = {
     "kv_tier_lookups": ("pdserve_kv_tier_lookups", "prefix lookups that went below the device's prefix cache"),
     "kv_tier_missed_pages": ("pdserve_kv_tier_missed_pages", "pages those lookups wanted that no KV tier held"),
     "kv_tier_write_drops": ("pdserve_kv_tier_write_drops", "KV page groups not written: the writer's queue was full"),
+    "kv_tier_snapshot_allocations": (
+        "pdserve_kv_tier_snapshot_allocations",
+        "KV page groups copied off a GPU into a newly pinned buffer (those pinned at start all in use)",
+    ),
     "kv_tier_write_errors": ("pdserve_kv_tier_write_errors", "KV page groups a tier failed to take (logged)"),
     "local_prefills": (
         "pdserve_local_prefills",

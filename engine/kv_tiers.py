@@ -183,6 +183,7 @@ class KVTiers(WriteThrough, ReadAhead):
             "kv_tier_missed_pages": s.missed_pages,
             "kv_tier_write_drops": s.write_drops,
             "kv_tier_write_errors": s.write_errors,
+            "kv_tier_snapshot_allocations": s.snapshot_allocations,
         }
 
     # ---- demotion --------------------------------------------------------------

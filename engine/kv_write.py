@@ -80,6 +80,7 @@ class TierStats:
     lookups: int = 0  # prefix lookups that went below the device
     missed_pages: int = 0  # pages those lookups wanted and no tier had
     write_drops: int = 0  # groups not written: the writer's queue was full
+    snapshot_allocations: int = 0  # snapshot buffers pinned on the engine's thread: none was free
     write_errors: int = 0  # groups a tier failed to take (logged)
     already_held: int = 0  # computed groups every tier already held: not copied off the device
     lookup_seconds: float = 0.0
@@ -93,6 +94,9 @@ _REMEMBERED_GROUPS = 1 << 16
 RECALIBRATE_EVERY = 32
 LOAD_THREADS = 4  # a load's group reads at once (kv_tiers.KVTiers.load), and a calibration's
 _PINNED_KEPT = 64  # pinned snapshot buffers kept for reuse (a GPU pool's group writes)
+# Snapshot buffers pinned at the writer's start, in one allocation: a process's first request
+# otherwise pinned each of its groups' buffers on the engine's thread, on its own path.
+PINNED_AT_START = 16
 
 
 @dataclass
@@ -139,6 +143,9 @@ class WriteThrough:
         self._copy_stream: torch.cuda.Stream | None = None  # a GPU pool's group snapshots (see _enqueue)
         self._pinned_free: list[torch.Tensor] = []  # their pinned buffers, for reuse
         self._pinned_lock = threading.Lock()
+        if self.groups and self.pool.device.type == "cuda":
+            shape = (PINNED_AT_START, self.group_pages, *self.pool.tensor.shape[1:])
+            self._pinned_free = list(torch.empty(shape, dtype=self.pool.tensor.dtype, pin_memory=True).unbind(0))
         self._writes_since_calibration = dict.fromkeys((t.name for t in self.groups), 0)  # when to measure again
         self._measuring: set[str] = set()  # tiers with a measurement queued by measure_soon
         self._recent = {t.name: deque[bytes](maxlen=LOAD_THREADS) for t in self.groups}  # groups written last
@@ -207,6 +214,7 @@ class WriteThrough:
                 buf = self._pinned_free.pop()
                 if buf.shape[0] == pages:
                     return buf
+        self.stats.snapshot_allocations += 1  # counted: the slower path (PINNED_AT_START were all out)
         return torch.empty((pages, *self.pool.tensor.shape[1:]), dtype=self.pool.tensor.dtype, pin_memory=True)
 
     def _release_pinned(self, buf: torch.Tensor) -> None:

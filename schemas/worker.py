@@ -38,7 +38,9 @@ class WorkerCounters:
     The KV tiers below the prefix cache (docs/kv_tiers.md): ``kv_tier_lookups``: prefix
     lookups that went below the device; ``kv_tier_missed_pages``: pages they wanted that no
     tier held; ``kv_tier_write_drops``: page groups not written (the writer's queue was
-    full); ``kv_tier_write_errors``: page groups a tier failed to take.
+    full); ``kv_tier_write_errors``: page groups a tier failed to take;
+    ``kv_tier_snapshot_allocations``: page groups whose copy off a GPU needed a newly pinned
+    buffer on the engine's thread (the ones pinned at start were all in use: slower).
     """
 
     kv_pulls: int = 0
@@ -61,6 +63,7 @@ class WorkerCounters:
     kv_tier_missed_pages: int = 0
     kv_tier_write_drops: int = 0
     kv_tier_write_errors: int = 0
+    kv_tier_snapshot_allocations: int = 0
     local_prefills: int = 0
     placed_taken: int = 0
     placed_withdrawn: int = 0

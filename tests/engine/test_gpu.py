@@ -148,6 +148,7 @@ def test_kv_tiers_on_the_gpu_serve_evicted_prefixes_with_equal_output(tmp_path: 
     engine = tiered(KVTierConfig(host_bytes=64 << 20, disk_dir=str(tmp_path), group_pages=4, load="always"))
     assert [run(engine, [p], 12)[0] for p in prompts] == reference
     assert engine.tiers is not None and engine.tiers.stats.tiers["host"].hit_pages >= 300 // 16 - 2
+    assert engine.tiers.stats.snapshot_allocations == 0  # the snapshots pinned at start sufficed
     engine.close()
     restarted = tiered(disk)
     assert run(restarted, [prompts[-1]], 12)[0] == reference[-1]
