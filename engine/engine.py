@@ -54,8 +54,8 @@ log = logging.getLogger(__name__)
 # A worker with a disk or store tier times its own prefill at start, for the tiers' cost rule
 # (else a restarted worker loaded a prefix from a disk slower than computing it: 540 against
 # 298 ms at 8,192 tokens on an H200, 2026-12-04). Prompts of these lengths that fit in half the
-# pool (else a quarter and all of that), random tokens; the longest, in chunks after others,
-# tells the attention's growing share apart (kv_cost.prefill_model).
+# pool (else a quarter and all of that), random tokens; on a GPU the last too, in chunks after
+# others, to tell the attention's growing share apart (kv_cost.prefill_model; 13 s on 2 cores).
 PREFILL_PROBES = (256, 1024, 4096)
 
 
@@ -135,7 +135,8 @@ class Engine(Appending, Admission):
         if tiers is None or not tiers.groups or tiers.config.load != "cost" or self.has_work():
             return False
         limit = min(self.max_model_len - 1, self.pages.num_pages * self.config.page_size // 2)
-        sizes = [n for n in PREFILL_PROBES if n <= limit] or ([limit // 4, limit] if limit >= 64 else [])
+        probes = PREFILL_PROBES if self.runner.device.type == "cuda" else PREFILL_PROBES[:2]
+        sizes = [n for n in probes if n <= limit] or ([limit // 4, limit] if limit >= 64 else [])
         if not sizes:
             return False
         rng = random.Random(0)
