@@ -78,8 +78,8 @@ class StoreTier:
         corrupt) or another failure of the read is fetched as :meth:`get` fetches."""
         out = buffer.view()
         ptr, size = buffer.address, buffer.size
-        self.prepare([buffer])
         with self._lock:
+            self._register([buffer])
             got = self._store.get_into(self._key(key), ptr, size)
         if got == _NOT_FOUND:
             return None
@@ -90,13 +90,16 @@ class StoreTier:
     def prepare(self, buffers: Sequence[ReadBuffer]) -> int:
         """Register ``buffers`` with the client (once each: a read into one must not pay it);
         returns how many were new."""
-        new = 0
         with self._lock:
-            for buffer in buffers:
-                if buffer.address not in self._registered:
-                    self._registered.add(buffer.address)
-                    self._store.register_buffer(buffer.address, buffer.size)
-                    new += 1
+            return self._register(buffers)
+
+    def _register(self, buffers: Sequence[ReadBuffer]) -> int:
+        new = 0  # (the lock held)
+        for buffer in buffers:
+            if buffer.address not in self._registered:
+                self._registered.add(buffer.address)
+                self._store.register_buffer(buffer.address, buffer.size)
+                new += 1
         return new
 
     def put(self, key: bytes, *parts: bytes | memoryview) -> None:

@@ -358,7 +358,7 @@ class KVTiers(WriteThrough, ReadAhead):
                 ahead += 1
 
         loaded = 0
-        taken: dict[str, list] = {}  # bytes and seconds a source, over the whole load
+        taken: dict[str, tuple[int, float]] = {}  # bytes and seconds a source, over the whole load
         mark = time.perf_counter()
         try:
             for i, (step, first, n) in enumerate(spans):
@@ -390,9 +390,8 @@ class KVTiers(WriteThrough, ReadAhead):
                 if source is None:
                     break
                 now = time.perf_counter()  # this step's share of the wall time (reads overlap)
-                spent = taken.setdefault(source, [0, 0.0])
-                spent[0] += n * self.pool.page_bytes
-                spent[1] += now - mark
+                nbytes, seconds = taken.get(source, (0, 0.0))
+                taken[source] = (nbytes + n * self.pool.page_bytes, seconds + now - mark)
                 mark = now
                 counters = self.stats.tiers[step.tier]
                 counters.hit_pages += n

@@ -342,13 +342,13 @@ class WriteThrough:
         # what a first read pays once (pinning the buffers, a store registering them, the
         # threads) is paid before the clock starts: it is no part of a load's rate
         tier.prepare(self._read_buffers.allocate())
-        if len(keys) > 1 and self._calibrator is None:
-            self._calibrator = helper_pool(LOAD_THREADS, "kv-tier-calibrate")
+        threads = None
+        if len(keys) > 1:
+            if self._calibrator is None:
+                self._calibrator = helper_pool(LOAD_THREADS, "kv-tier-calibrate")
+            threads = self._calibrator
         began = time.perf_counter()
-        if self._calibrator is not None and len(keys) > 1:
-            sizes = list(self._calibrator.map(read, keys))
-        else:
-            sizes = [read(k) for k in keys]
+        sizes = list(threads.map(read, keys)) if threads is not None else [read(k) for k in keys]
         seconds = time.perf_counter() - began
         width = sum(1 for n in sizes if n)
         if not width:
