@@ -70,8 +70,11 @@ def warm_up(engine: Engine) -> None:
         engine.step()
 
 
-def one_turn(engine: Engine, rid: str, prompt: list[int], answer: int) -> tuple[float, list[int], int]:
-    """TTFT (seconds), the answer's tokens, and the prompt's cached tokens."""
+def one_turn(
+    engine: Engine, rid: str, prompt: list[int], answer: int, steps: list[float] | None = None
+) -> tuple[float, list[int], int]:
+    """TTFT (seconds), the answer's tokens, and the prompt's cached tokens; each step's wall
+    time (seconds) appended to ``steps`` where given, up to the first token."""
     sampling = SamplingParams(max_new_tokens=answer, temperature=0.0, ignore_eos=True)
     started = time.perf_counter()
     engine.add_request(rid, prompt, sampling)
@@ -79,7 +82,11 @@ def one_turn(engine: Engine, rid: str, prompt: list[int], answer: int) -> tuple[
     out: list[int] = []
     cached = 0
     while engine.has_work():
-        for o in engine.step():
+        began = time.perf_counter()
+        outputs = engine.step()
+        if steps is not None and ttft is None:
+            steps.append(time.perf_counter() - began)
+        for o in outputs:
             if o.rid != rid:
                 continue
             if ttft is None:
@@ -196,10 +203,16 @@ def serve_one(model: Path, tiers: KVTierConfig, args: argparse.Namespace, seed: 
     engine = build_engine(model, config, load_format=args.load_format)
     warm_up(engine)
     prompt = tokens(random.Random(seed), args.prefix + args.message)
-    ttft, answer, cached = one_turn(engine, "p", prompt, args.answer)
+    steps: list[float] = []
+    ttft, answer, cached = one_turn(engine, "p", prompt, args.answer, steps)
     if engine.tiers is not None:
         engine.tiers.drain()
-    reading = {"ttft_ms": round(ttft * 1000, 2), "cached_tokens": cached, "tiers": tier_counts(engine)}
+    reading = {
+        "ttft_ms": round(ttft * 1000, 2),
+        "cached_tokens": cached,
+        "step_ms": [round(s * 1000, 2) for s in steps],  # up to the first token: where the time went
+        "tiers": tier_counts(engine),
+    }
     return engine, reading | {"answer": answer}
 
 
