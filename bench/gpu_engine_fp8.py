@@ -30,6 +30,12 @@ def add_fp8_flags(parser: argparse.ArgumentParser) -> None:
         "and down's SiLU·up fused or not)",
     )
     parser.add_argument(
+        "--fp8-mm-tiles",
+        type=Path,
+        help="FP8: the batched kernel's tiles from bench/probes/fp8_probe.py --mm-sweep's JSON (the fastest per "
+        "shape and row block swept, where faster than the rule's)",
+    )
+    parser.add_argument(
         "--fp8-accum",
         choices=("fast", "exact"),
         help="FP8: prefill's GEMMs (torch._scaled_mm) with Hopper's fast accumulation or without "
@@ -74,8 +80,26 @@ def logit_error(bf16: list[dict[int, float]], fp8_: list[dict[int, float]]) -> d
     }
 
 
+def measured_mm_tiles(probe: dict) -> dict[tuple[int, int, int], dict[str, int]]:
+    """From an fp8_probe JSON: per row block and weight shape swept, the batched kernel's fastest
+    tiles where they beat the rule's (``fp8.MATMUL_TILES`` entries)."""
+    shapes = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
+    keys = ("block_n", "block_k", "split_k", "num_warps", "num_stages")
+    out: dict[tuple[int, int, int], dict[str, int]] = {}
+    mm = [r for r in probe["rows"] if r["variant"] == "batched_mm" and r.get("tiles") in ("table", "sweep")]
+    for shape, (n, k) in shapes.items():
+        for rows in sorted({r["rows"] for r in mm if r["shape"] == shape and r["tiles"] == "sweep"}):
+            tried = [r for r in mm if r["shape"] == shape and r["rows"] == rows]
+            best = min(tried, key=lambda r: r["us"])
+            table = [r for r in tried if r["tiles"] == "table"]
+            if best["tiles"] == "sweep" and (not table or best["us"] < table[0]["us"]):
+                out[(best["block_m"], n, k)] = {key: best[key] for key in keys}
+    return out
+
+
 def configure_fp8(args: argparse.Namespace) -> dict[str, object]:
-    """The FP8 kernels' choices for this run (``--fp8-batched``, ``--fp8-gemv-tiles``), as recorded."""
+    """The FP8 kernels' choices for this run (``--fp8-batched``, ``--fp8-gemv-tiles``,
+    ``--fp8-mm-tiles``), as recorded."""
     if args.fp8_batched:
         fp8.BATCHED_MODE = args.fp8_batched
     if args.fp8_accum:
@@ -93,10 +117,13 @@ def configure_fp8(args: argparse.Namespace) -> dict[str, object]:
                 fp8.GEMV_TILES[(n, k)] = {key: best[key] for key in keys}
                 if shape == "down":
                     fp8.GEMV_SILU_FUSED = best["variant"] != "gemv_sep"
+    if args.fp8_mm_tiles:
+        fp8.MATMUL_TILES.update(measured_mm_tiles(json.loads(args.fp8_mm_tiles.read_text())))
     return {
         "batched_mode": fp8.BATCHED_MODE,
         "gemv_tiles": {f"{n}x{k}": t for (n, k), t in fp8.GEMV_TILES.items()},
         "gemv_silu_fused": fp8.GEMV_SILU_FUSED,
         "matmul_block_n": fp8.matmul_tiles(64, 3584, 3584)["block_n"],
+        "matmul_tiles": {f"{m}x{n}x{k}": t for (m, n, k), t in fp8.MATMUL_TILES.items()},
         "scaled_mm_fast_accum": fp8.SCALED_MM_FAST_ACCUM,
     }

@@ -65,6 +65,14 @@ GEMV_SWEEP_WIDE = (
     + [(bn, bk, sk, 4, ns) for ns in (2, 4) for bn, bk in ((4, 2048), (8, 1024), (8, 2048)) for sk in (1, 2, 4)]
 )
 GEMV_SWEEP_WIDE = [c for c in GEMV_SWEEP_WIDE if c[0] * c[1] <= 32768]
+# --mm-sweep: the batched W8A8 kernel's tiles at each row count from 2 (block_n, block_k,
+# num_warps, num_stages; split-K by the table's rule, then twice and half that), the likeliest
+# first: at 64 rows the table's tiles read 1.2-1.4 TB/s on qkv and o, 2.5 on down (H200)
+MM_SWEEP = (
+    [(bn, bk, 4, ns) for bn in (64, 32, 128) for bk in (256, 128, 512) for ns in (3, 4, 5)]
+    + [(bn, bk, 8, ns) for bn in (64, 128) for bk in (128, 256) for ns in (3, 4, 5)]
+    + [(bn, bk, 4, ns) for bn in (64, 32) for bk in (128, 256) for ns in (2, 6)]
+)
 COMPLETE = (
     "gemv",
     "gemv_tiles",
@@ -145,6 +153,23 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def sweep_best(results: list[dict]) -> dict[tuple[str, int], dict]:
+    """Per projection and rows where tiles were swept: the table's time and the fastest tiles
+    (the lines to put in :data:`fp8.MATMUL_TILES`)."""
+    out: dict[tuple[str, int], dict] = {}
+    for r in results:
+        if r["variant"] != "batched_mm" or r.get("tiles") not in ("table", "sweep"):
+            continue
+        entry = out.setdefault((r["shape"], r["rows"]), {"table_us": None, "swept": False})
+        entry["swept"] |= r["tiles"] == "sweep"
+        if r["tiles"] == "table":
+            entry["table_us"] = r["us"]
+        if "us" not in entry or r["us"] < entry["us"]:
+            keys = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "split_k")
+            entry |= {"us": r["us"], "tb_s": r["tb_s"], "tiles": {k: r[k] for k in keys if k in r}}
+    return {key: entry for key, entry in out.items() if entry.pop("swept")}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
@@ -154,6 +179,13 @@ def main() -> int:
     parser.add_argument(
         "--gemv-sweep", choices=("narrow", "wide"), default="narrow", help="the one-row GEMV tiles tried (wide: ~400)"
     )
+    parser.add_argument(
+        "--mm-sweep",
+        type=float,
+        default=0.0,
+        help="seconds a shape and row count to sweep the batched kernel's tiles (MM_SWEEP; 0: none)",
+    )
+    parser.add_argument("--only", default="", help="time only these variants (comma-separated; default: all)")
     args = parser.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
     dev = torch.device("cuda", 0)
@@ -185,7 +217,11 @@ def main() -> int:
             return True
         return False
 
+    only = set(filter(None, args.only.split(",")))
+
     def record(shape: str, rows: int, variant: str, fn: Any, nbytes: int, **extra: Any) -> None:
+        if only and variant not in only:
+            return
         try:
             us = timed(fn)
         except Exception as exc:  # a tile out of shared memory, a shape the library refuses
@@ -329,6 +365,20 @@ def main() -> int:
                     return len(q8)
 
                 record(shape, rows, "batched_mm", mm_only, n * k, tiles=name, **cfg)
+            swept_until = time.monotonic() + args.mm_sweep
+            for bn, bk, nw, ns in MM_SWEEP if args.mm_sweep > 0 and rows > 1 else []:
+                base = with_split(rows, n, k, {**mm, "block_n": bn, "block_k": bk, "num_warps": nw, "num_stages": ns})
+                for split in sorted({base["split_k"], base["split_k"] * 2, max(1, base["split_k"] // 2)}):
+                    if k // split < bk or time.monotonic() > swept_until or over("mm_sweep"):
+                        continue
+                    cfg = {**base, "split_k": split}
+
+                    def mm_swept(xq: torch.Tensor = xq, xs: torch.Tensor = xs, cfg: dict = cfg) -> int:
+                        for w in q8:
+                            fp8.matmul(xq, w, None, xs, torch.bfloat16, **cfg)
+                        return len(q8)
+
+                    record(shape, rows, "batched_mm", mm_swept, n * k, tiles="sweep", **cfg)
 
             for name, overrides in (("table", {}), ("n128", {"block_n": 128})):
                 cfg = with_split(rows, n, k, {**fp8.matmul_tiles(rows, n, k, tile_quant=True), **overrides})
@@ -366,6 +416,8 @@ def main() -> int:
         torch.cuda.empty_cache()
     write()
     print(table(results))
+    for (shape, rows), fastest in sweep_best(results).items():
+        print(f"best batched_mm {shape} {rows}: {json.dumps(fastest)}")
     if state["stopped"]:
         print(f"stopped by --budget {args.budget:.0f} s at {state['stopped']}")
     bad = [

@@ -50,6 +50,9 @@ TILE_SILU_FUSED = False
 # The FP8 GEMV at one row: tiles measured per weight shape ``(n, k)`` (bench/probes/fp8_probe.py's
 # gemv sweep), else gemv_tiles' rule; and down's SiLU·up read on the fly (else silu_mul first).
 GEMV_TILES: dict[tuple[int, int], dict[str, int]] = {}
+# The batched kernel's tiles measured per row block and weight shape ``(block_m, n, k)``
+# (bench/probes/fp8_probe.py --mm-sweep), else matmul_tiles' rule.
+MATMUL_TILES: dict[tuple[int, int, int], dict[str, int]] = {}
 GEMV_SILU_FUSED = True
 _SMS = 132
 
@@ -224,6 +227,8 @@ def matmul_tiles(rows: int, n: int, k: int, tile_quant: bool = False) -> dict[st
     (qkv at 7B: 72 tiles, 2 splits; o 56, 4; down 56, 4), each split at least two K tiles.
     ``tile_quant``: K tiles of :data:`quant.GROUP`."""
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    if not tile_quant and (block_m, n, k) in MATMUL_TILES:
+        return {"block_m": block_m, **MATMUL_TILES[(block_m, n, k)]}
     block_n = 64  # 64 beat 128 and 256 from 1 to 128 rows on every 7B projection (fp8_probe, 2026-12-04)
     block_k = GROUP if tile_quant else 256 if block_m <= 32 else 128
     tiles = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": 4}

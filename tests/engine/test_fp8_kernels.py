@@ -266,6 +266,52 @@ def test_gemv_takes_measured_tiles_and_silu_first_when_told(monkeypatch: pytest.
     assert seen == [(True, taken), (False, taken)]
 
 
+def test_matmul_takes_measured_tiles_for_their_row_block_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    n, k = 48, 128
+    w = quant.quantize_fp8(torch.randn((n, k), device=DEVICE))
+    tiles = {"block_n": 16, "block_k": 32, "split_k": 2, "num_warps": 4, "num_stages": 2}
+    rule = fp8.matmul_tiles(3, n, k)
+    monkeypatch.setitem(fp8.MATMUL_TILES, (16, n, k), tiles)
+    assert fp8.matmul_tiles(3, n, k) == {"block_m": 16, **tiles} != rule
+    assert fp8.matmul_tiles(40, n, k)["block_m"] == 64 and fp8.matmul_tiles(40, n, k)["block_n"] == 64
+    assert fp8.matmul_tiles(3, n, k, tile_quant=True)["block_k"] == quant.GROUP  # its own tiles
+    launched: list[dict] = []
+    real = fp8._launch
+
+    def spy(*args: object) -> torch.Tensor:
+        launched.append(dict(args[7]))  # type: ignore[call-overload]
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fp8, "_launch", spy)
+    x = torch.randn((3, k), dtype=torch.bfloat16, device=DEVICE)
+    out = fp8.linear(x, w, gemv_max_rows=1, batched_max_rows=8)
+    assert launched == [{"block_m": 16, **tiles}]
+    assert rel_err(out, w8a8_reference(*quant.quantize_rows_fp8(x), w, None)) < 1e-2
+
+
+def test_the_probe_s_swept_tiles_become_the_table_only_where_faster() -> None:
+    from bench.gpu_engine_fp8 import measured_mm_tiles
+
+    def row(shape: str, rows: int, tiles: str, us: float, bn: int) -> dict:
+        cfg = {"block_m": 64, "block_n": bn, "block_k": 256, "split_k": 1, "num_warps": 4, "num_stages": 3}
+        return {"shape": shape, "rows": rows, "variant": "batched_mm", "tiles": tiles, "us": us, **cfg}
+
+    probe = {
+        "rows": [
+            row("qkv", 64, "table", 11.4, 64),
+            row("qkv", 64, "sweep", 9.0, 32),
+            row("qkv", 64, "sweep", 12.0, 128),
+            row("o", 64, "table", 10.8, 64),
+            row("o", 64, "sweep", 11.0, 32),  # slower than the rule: not taken
+            row("down", 64, "table", 27.0, 64),  # not swept
+            {"shape": "gate_up", "rows": 64, "variant": "cublas", "us": 1.0},
+        ]
+    }
+    assert measured_mm_tiles(probe) == {
+        (64, 4608, 3584): {"block_n": 32, "block_k": 256, "split_k": 1, "num_warps": 4, "num_stages": 3}
+    }
+
+
 def test_a_model_s_gemv_tiles_are_widened_only_in_the_interpreter() -> None:
     tiles = {"block_n": 8, "block_k": 512, "split_k": 2, "num_warps": 4}
     widened = fp8.gemv.model_tiles(tiles)
