@@ -160,6 +160,7 @@ class ModelRunner:
         if self.fast is not None and self.device.type == "cuda":
             assert not isinstance(self.fast, LlamaFamilyCPU)
             self.fast.warm_up_decode(self._splits(n) for n in range(1, config.max_num_seqs + 1))
+            self.fast.warm_up_prefill()
         log.info(
             "model loaded",
             extra={

@@ -10,6 +10,10 @@ import triton.language as tl
 
 from pdserve.engine.kernels.paged import _kv_block, _load_kv, _online_softmax, _scores, block_strides
 
+# chunks of up to this many rows take query tiles of 16 rows, longer ones 64: two compiled
+# kernels a dtype (what the fast path's warm-up compiles)
+SHORT_CHUNK = 32
+
 
 @triton.jit(do_not_specialize=["layer", "window", "stride_qt", "stride_table"])
 def _prefill_kernel(
@@ -108,7 +112,7 @@ def prefill_attention(
     _, num_q, dim = q.shape
     _, layers, _, num_kv, page, _ = pool.shape
     assert q.stride(2) == 1 and q.stride(1) == dim and out.is_contiguous()
-    block_m = 64 if max_q_len > 32 else 16
+    block_m = 64 if max_q_len > SHORT_CHUNK else 16
     grid = (triton.cdiv(max_q_len, block_m), num_q, q_lens.shape[0])
     _prefill_kernel[grid](
         q,

@@ -45,6 +45,7 @@ GEMV_O = {"block_n": 8, "block_k": 1024, "num_warps": 8}
 GEMV_GATE_UP = {"block_n": 8, "block_k": 512, "num_warps": 4}
 GEMV_DOWN = {"block_n": 8, "block_k": 512, "num_warps": 4, "split_k": 2}  # 36.2 us, split 1: 38.2 (2026-12-01)
 GEMV_LM_HEAD = {"block_n": 8, "block_k": 512, "num_warps": 4}
+PREFILL_WARM_ROWS = (1, paged_prefill.SHORT_CHUNK + 1)  # a chunk of each of the prefill kernel's row tiles
 
 
 class LlamaFamily(FusedDecoder):
@@ -138,6 +139,26 @@ class LlamaFamily(FusedDecoder):
                         rope=rotary,
                         kv_scales=self.kv_scales,
                     )
+
+    @torch.inference_mode()
+    def warm_up_prefill(self) -> None:
+        """Compile paged prefill attention (a chunk after a cached or earlier prefix), once per
+        row tile it picks (:data:`PREFILL_WARM_ROWS`): met first while serving, a restarted
+        worker's first prompt found in a KV tier paid it, a compile or a load from Triton's
+        cache, before its first token. Reads the scratch page only (the pool's last, which
+        padded graph rows write) and writes a scratch output."""
+        dtype, device = self.embed.dtype, self.embed.device
+        page = self.pool.shape[4]
+        last = self.pool.shape[0] - 1
+        for rows in PREFILL_WARM_ROWS:
+            q = torch.zeros((rows, self.num_q, self.head_dim), dtype=dtype, device=device)
+            one = torch.zeros(1, dtype=torch.int32, device=device)
+            tables = torch.full((1, -(-rows // page)), last, dtype=torch.int32, device=device)
+            lens = torch.full((1,), rows, dtype=torch.int32, device=device)
+            paged_prefill.prefill_attention(
+                q, self.pool, 0, tables, one * 0, lens, lens, rows, self.scale, torch.empty_like(q),
+                kv_scales=self.kv_scales,
+            )  # fmt: skip
 
     @torch.inference_mode()
     def forward(self, step: StepBatch) -> torch.Tensor:

@@ -117,6 +117,34 @@ def test_decode_warm_up_leaves_the_pool_and_the_output_alone() -> None:
     assert run(engine, prompts, NEW) == first
 
 
+def test_prefill_warm_up_runs_each_row_tile_and_leaves_the_pool_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pdserve.engine.kernels import paged_prefill
+
+    quiet_transformers()
+    model = small_model("qwen2")
+    config = EngineConfig(device=str(DEVICE), max_total_tokens=256, model_impl="pdserve", cuda_graph_max_batch=0)
+    runner = ModelRunner(ModelSpec(Path("w")), config, model=model)
+    assert runner.fast is not None
+    engine = Engine(runner, config)
+    prompts = [[5, 9, 11, 200, 7]]
+    first = run(engine, prompts, NEW)
+    pool = runner.pool.tensor.clone()
+    seen: list[int] = []
+    real = paged_prefill.prefill_attention
+
+    def spy(q: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        seen.append(int(args[6]))  # type: ignore[call-overload]  # max_q_len
+        out = real(q, *args, **kwargs)  # type: ignore[arg-type]
+        assert torch.isfinite(out).all()
+        return out
+
+    monkeypatch.setattr(paged_prefill, "prefill_attention", spy)
+    runner.fast.warm_up_prefill()
+    assert sorted(seen) == [1, paged_prefill.SHORT_CHUNK + 1]  # both row tiles of the kernel
+    assert torch.equal(runner.pool.tensor, pool)
+    assert run(engine, prompts, NEW) == first
+
+
 def test_auto_keeps_transformers_for_unknown_architectures_and_pdserve_refuses_them() -> None:
     from transformers import GPT2Config
 
