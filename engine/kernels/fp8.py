@@ -55,6 +55,8 @@ GEMV_TILES: dict[tuple[int, int], dict[str, int]] = {}
 MATMUL_TILES: dict[tuple[int, int, int], dict[str, int]] = {}
 GEMV_SILU_FUSED = True
 _SMS = 132
+HOPPER_SHARED_MEMORY = 232448
+_SHARED_MEMORY: dict[int, int] = {}
 
 
 def gemv_tiles(rows: int, n: int, k: int) -> dict[str, int]:
@@ -219,26 +221,61 @@ def _matmul_store(
     tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], acc.to(out_ptr.dtype.element_ty), mask=keep)
 
 
-def matmul_tiles(rows: int, n: int, k: int, tile_quant: bool = False) -> dict[str, int]:
-    """Tiles of :func:`matmul` for ``rows`` of input against an ``[n, k]`` weight (to be
-    measured: a first guess, no autotuning). One block of rows up to 64 (16 at least: the
-    MMA's short side), two or more of 64 above; 64 channels a program; K tiles of 256
-    while the row tile is small, 128 above; cut along K until the programs fill the SMs once
-    (qkv at 7B: 72 tiles, 2 splits; o 56, 4; down 56, 4), each split at least two K tiles.
-    ``tile_quant``: K tiles of :data:`quant.GROUP`."""
+def matmul_tiles(rows: int, n: int, k: int, tile_quant: bool = False, x_bytes: int = 1) -> dict[str, int]:
+    """Tiles of :func:`matmul` for ``rows`` of input against an ``[n, k]`` weight
+    (:data:`MATMUL_TILES`' where it has the row block and shape). One block of rows up to 64
+    (16 at least: the MMA's short side), two or more of 64 above; 64 channels a program.
+    W8A8 in one row block (``x_bytes`` 1, decode batches): K tiles of 256 in as many stages
+    as shared memory holds, up to 5, where the programs are one wave of the SMs, cut along K
+    only while they stay within it (qkv at 7B: 72 tiles, no split; o and down 56, 2 splits);
+    3 stages where there are more (gate/up: 592 tiles). On an H100 (bench/probes/fp8_probe.py
+    --mm-sweep, 2026-12-05, docs/data/fp8_mm_sweep_h100.json, ..._rows_h100.json) the tiles
+    of this rule took a 7B layer's four products at 64 rows from 115 to 107 us (the best swept:
+    106; at 16 and 32 rows 96 and 99 against 99 and 104), qkv and o most (split-K's partial
+    sums and shallow pipelines cost them 20-30 %). Else
+    (16-bit activations ``x_bytes`` 2, more rows, ``tile_quant``: K tiles of
+    :data:`quant.GROUP`): K tiles of 256 while the row tile is small, 128 above, and cut along
+    K until the programs fill the SMs once."""
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
     if not tile_quant and (block_m, n, k) in MATMUL_TILES:
         return {"block_m": block_m, **MATMUL_TILES[(block_m, n, k)]}
     block_n = 64  # 64 beat 128 and 256 from 1 to 128 rows on every 7B projection (fp8_probe, 2026-12-04)
+    programs = -(-rows // block_m) * -(-n // block_n)
+    if rows <= 64 and x_bytes == 1 and not tile_quant:
+        split = split_k(programs, k, 256, one_wave=True)
+        # one wave: a program an SM, its pipeline as deep as shared memory holds; more (gate/up):
+        # 3 stages, two programs an SM
+        most = 5 if programs * split <= _SMS else 3
+        stages = max(2, min(most, (shared_memory() - 16384) // ((block_m + block_n) * 256)))
+        tiles = {"block_m": block_m, "block_n": block_n, "block_k": 256, "num_warps": 4, "num_stages": stages}
+        return tiles | {"split_k": split}
     block_k = GROUP if tile_quant else 256 if block_m <= 32 else 128
     tiles = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": 4}
     tiles["num_stages"] = 3 if block_k == 256 else 4
-    programs = -(-rows // block_m) * -(-n // block_n)
+    return tiles | {"split_k": split_k(programs, k, block_k)}
+
+
+def split_k(programs: int, k: int, block_k: int, one_wave: bool = False) -> int:
+    """Splits along K for ``programs`` output tiles, each split at least two K tiles: doubled
+    until the programs fill the SMs once (``one_wave``: while they stay within one wave)."""
     split = 1
-    while programs * split < _SMS and split < 8 and k // (split * 2) >= 2 * block_k:
+    while (programs * split * 2 <= _SMS if one_wave else programs * split < _SMS) and split < 8:
+        if k // (split * 2) < 2 * block_k:
+            break
         split *= 2
-    tiles["split_k"] = split
-    return tiles
+    return split
+
+
+def shared_memory() -> int:
+    """Bytes of shared memory a program may use on the current GPU (an H100's or H200's where
+    there is none: the interpreter's tiles do not matter)."""
+    if not torch.cuda.is_available():
+        return HOPPER_SHARED_MEMORY
+    device = torch.cuda.current_device()
+    if device not in _SHARED_MEMORY:
+        props = torch.cuda.get_device_properties(device)
+        _SHARED_MEMORY[device] = int(getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block))
+    return _SHARED_MEMORY[device]
 
 
 def matmul(
@@ -365,7 +402,7 @@ def matmul16(
     n, k = w.shape
     assert w.dtype == x.dtype and w.dtype != FP8 and w.is_contiguous() and x.stride(1) == 1
     assert x.shape[1] == (2 * k if silu_mul_input else k)
-    return _launch(x, None, w, None, bias, x.dtype, silu_mul_input, tiles or matmul_tiles(m, n, k))
+    return _launch(x, None, w, None, bias, x.dtype, silu_mul_input, tiles or matmul_tiles(m, n, k, x_bytes=2))
 
 
 # Prefill's GEMMs with Hopper's fast FP8 accumulation (partial sums kept in the tensor cores'
@@ -446,7 +483,8 @@ def linear(
     if BATCHED_MODE not in BATCHED_MODES:
         raise ValueError(f"fp8.BATCHED_MODE is {BATCHED_MODE!r}, not one of {BATCHED_MODES}")
     if rows <= batched_max_rows and BATCHED_MODE == "a16":
-        return matmul(x, w, bias, silu_mul_input=silu_mul_input, **matmul_tiles(rows, n, k))  # type: ignore[arg-type]
+        tiles = matmul_tiles(rows, n, k, x_bytes=x.element_size())
+        return matmul(x, w, bias, silu_mul_input=silu_mul_input, **tiles)  # type: ignore[arg-type]
     if rows <= batched_max_rows and BATCHED_MODE == "tile":
         if silu_mul_input and not TILE_SILU_FUSED:
             x, silu_mul_input = elementwise.silu_mul(x), False

@@ -187,15 +187,31 @@ def test_matmul_of_no_rows_and_its_tiles() -> None:
     xq, xs = fp8.quantize_rows(torch.empty((0, 64), device=DEVICE))
     assert fp8.matmul(xq, w, x_scale=xs).shape == (0, 32)
     assert fp8.matmul(torch.empty((0, 64), device=DEVICE), w).shape == (0, 32)
-    # the table at 7B's shapes: one row block up to 64 rows, split-K when the tiles are few
-    # (down: 56 tiles of 64 channels)
+    # the table at 7B's shapes: one row block up to 64 rows, split-K within one wave of the SMs
+    # where the tiles are few (o and down: 56 tiles of 64 channels), as many stages as fit
     assert fp8.matmul_tiles(2, 4608, 3584) == {
+        "block_m": 16, "block_n": 64, "block_k": 256, "num_warps": 4, "num_stages": 5, "split_k": 1,
+    }  # fmt: skip
+    assert fp8.matmul_tiles(64, 3584, 18944)["split_k"] == 2
+    assert fp8.matmul_tiles(64, 3584, 3584)["split_k"] == 2
+    assert fp8.matmul_tiles(64, 37888, 3584)["num_stages"] == 3  # 592 tiles: two programs an SM
+    assert fp8.matmul_tiles(128, 3584, 18944)["split_k"] == 2  # two row blocks: fill the SMs once
+    assert fp8.matmul_tiles(128, 3584, 18944)["block_k"] == 128
+    assert fp8.matmul_tiles(2, 4608, 3584, x_bytes=2) == {  # 16-bit activations: as before
         "block_m": 16, "block_n": 64, "block_k": 256, "num_warps": 4, "num_stages": 3, "split_k": 2,
     }  # fmt: skip
-    assert fp8.matmul_tiles(64, 3584, 18944)["split_k"] == 4
     assert fp8.matmul_tiles(2, 3584, 18944, tile_quant=True)["block_k"] == quant.GROUP
     assert fp8.matmul_tiles(64, 37888, 3584)["split_k"] == 1
     assert fp8.matmul_tiles(100, 37888, 3584)["block_m"] == 64
+
+
+def test_matmul_stages_fit_the_gpu_s_shared_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    # an Ada GPU (99 KiB a program): 2 stages of 64 + 64 rows by 256 columns fit, 5 would not
+    monkeypatch.setattr(fp8, "shared_memory", lambda: 101376)
+    assert fp8.matmul_tiles(64, 3584, 3584)["num_stages"] == 2
+    assert fp8.matmul_tiles(16, 3584, 3584)["num_stages"] == 4
+    monkeypatch.setattr(fp8, "shared_memory", lambda: fp8.HOPPER_SHARED_MEMORY)
+    assert fp8.matmul_tiles(64, 3584, 3584)["num_stages"] == 5
 
 
 @pytest.mark.parametrize("silu", [False, True])
