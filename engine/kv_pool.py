@@ -39,6 +39,17 @@ KV_FP8 = "float8_e4m3fn"  # the layout dtype of FP8 pages (values and their scal
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, KV_FP8: FP8}
 
 
+def page_index(pages: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``pages`` as an int64 tensor on ``device``, copied from pinned memory on the current
+    stream without the host waiting: built with ``torch.tensor(..., device=...)`` the copy
+    came from pageable memory, which waits until all the work queued before it has run (a
+    tier write's snapshot then held a chunk's step until its whole prefill was done)."""
+    index = torch.tensor(list(pages), dtype=torch.long)
+    if device.type != "cuda":
+        return index
+    return index.pin_memory().to(device, non_blocking=True)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

@@ -44,7 +44,7 @@ from pdserve.engine.config import KVTierConfig
 from pdserve.engine.kv_buffers import ReadBuffer, ReadBuffers
 from pdserve.engine.kv_cost import CostEstimates, Decision, overlap_split, pages_worth_loading
 from pdserve.engine.kv_host import HostTier
-from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.kv_pool import KVPool, page_index
 from pdserve.engine.kv_prefetch import ReadAhead
 from pdserve.engine.kv_write import LOAD_THREADS, GroupTier, TierStats, WriteThrough
 from pdserve.engine.threads import helper_pool
@@ -382,7 +382,7 @@ class KVTiers(WriteThrough, ReadAhead):
                     source = None
                     if got.group is not None:
                         source = got.source
-                        index = torch.tensor(list(target), device=self.pool.device)
+                        index = page_index(target, self.pool.device)
                         src = got.group[step.skip : step.skip + n]
                         self.pool.tensor.index_copy_(0, index, src.to(self.pool.device, non_blocking=True))
                     if i in held:

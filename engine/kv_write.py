@@ -29,6 +29,7 @@ import torch
 
 from pdserve.engine import kv_blob
 from pdserve.engine.kv_buffers import ReadBuffer, ReadBuffers
+from pdserve.engine.kv_pool import page_index
 from pdserve.engine.kv_store import StoreError
 from pdserve.engine.threads import helper_pool, helper_thread
 
@@ -223,7 +224,6 @@ class WriteThrough:
                 self._pinned_free.append(buf)
 
     def _enqueue(self, key: bytes, pages: Sequence[int]) -> None:
-        index = torch.tensor(list(pages), device=self.pool.device)
         ready = None
         if self.pool.device.type == "cuda":
             # The group is gathered on a side stream (after the work queued so far) and copied
@@ -236,6 +236,7 @@ class WriteThrough:
             side = self._copy_stream
             side.wait_stream(main)
             with torch.cuda.stream(side):
+                index = page_index(pages, self.pool.device)  # the host does not wait for the device
                 gathered = self.pool.tensor.index_select(0, index)
                 gathered_event = torch.cuda.Event()
                 gathered_event.record(side)
@@ -243,10 +244,9 @@ class WriteThrough:
                 snap.copy_(gathered, non_blocking=True)
                 ready = torch.cuda.Event()
                 ready.record(side)
-            index.record_stream(side)
             main.wait_event(gathered_event)  # later writes to these pages come after the gather
         else:
-            snap = self.pool.tensor.index_select(0, index)
+            snap = self.pool.tensor.index_select(0, page_index(pages, self.pool.device))
         try:
             self._queue.put_nowait(_Write(key, snap, ready))
         except queue.Full:
