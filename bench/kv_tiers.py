@@ -107,6 +107,7 @@ def tier_counts(engine: Engine) -> dict[str, Any]:
             "overlapped_pages": c.overlapped_pages,
             "unbuffered_reads": c.unbuffered_reads,
             "declined_pages": c.declined_pages,
+            "skipped_lookups": c.skipped_lookups,
             "stored_pages": c.stored_pages,
             "corrupt": c.corrupt,
         }

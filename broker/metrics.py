@@ -124,6 +124,10 @@ _TIER_COUNTERS = {
         "pdserve_kv_tier_unbuffered_reads",
         "page-group reads into a fresh buffer because every reused read buffer was out (slower)",
     ),
+    "skipped_lookups": (
+        "pdserve_kv_tier_skipped_lookups",
+        "prefix lookups not asked of the tier: measured slower than computing even the prompt's dearest page",
+    ),
     "saved_seconds": (
         "pdserve_kv_tier_saved_seconds",
         "seconds the tier's loads were expected to save against computing their pages (the cost rule's estimates)",

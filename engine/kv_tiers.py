@@ -208,7 +208,15 @@ class KVTiers(WriteThrough, ReadAhead):
         # each group tier is asked about every group of the range at once (one round trip to
         # the store's master, not one a group)
         keys = [hashes[e - 1] for e in range((start // g + 1) * g, min(len(hashes), end + g - 1) + 1, g)]
-        held = {t.name: {k for k, yes in zip(keys, t.contains_many(keys), strict=True) if yes} for t in self.groups}
+        with self._fetch_lock:
+            read_ahead = any(k in self._fetched for k in keys)
+        held: dict[str, set[bytes]] = {}
+        for t in self.groups:
+            if keys and not read_ahead and self._cannot_pay(t.name, end):
+                self.stats.tiers[t.name].skipped_lookups += 1
+                held[t.name] = set()
+            else:
+                held[t.name] = {k for k, yes in zip(keys, t.contains_many(keys), strict=True) if yes}
 
         while i < end:
             if self.host is not None and self.host.contains(hashes[i]):
@@ -229,6 +237,20 @@ class KVTiers(WriteThrough, ReadAhead):
         self.stats.missed_pages += end - i
         self._timed("lookup", began)
         return Plan(hashes, start, steps)
+
+    def _cannot_pay(self, name: str, end: int) -> bool:
+        """Whether group tier ``name`` is measured slower than computing even the dearest page of
+        a prefix that ends at page ``end`` (its last: each page attends to all before it), so
+        that no run of its pages could be worth loading: then :meth:`find` does not ask it (a
+        store's lookup is a round trip to its master on the engine's thread, every request).
+        Never with ``load='always'`` or overlap on (a slower tier's pages can still load beside
+        the computing), nor while the tier or the prefill is unmeasured."""
+        if self.config.load == "always" or self.config.overlap:
+            return False
+        tokens = self.pool.layout.page_size
+        load = self.estimates.load_seconds(name, self.pool.page_bytes)
+        compute = self.estimates.recompute_seconds(tokens, (end - 1) * tokens)
+        return load is not None and compute is not None and load >= compute
 
     def worth_loading(self, plan: Plan, overlap: bool = False) -> Loads:
         """What to do with ``plan``: the leading pages whose loading beats computing them

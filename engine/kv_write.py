@@ -73,6 +73,7 @@ class TierCounters:
     overlapped_pages: int = 0  # pages loaded beside the computing of the prefix before them (KVTiers.load_behind)
     unbuffered_reads: int = 0  # group reads into a fresh buffer: every reused one was out (kv_buffers)
     saved_seconds: float = 0.0  # what its loads were expected to save against computing (the rule's estimates)
+    skipped_lookups: int = 0  # prefix lookups not asked of it: slower than computing even the dearest page
 
 
 @dataclass

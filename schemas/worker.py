@@ -87,7 +87,9 @@ class TierCounts:
     prefix before them was computed (a tier slower than computing still saving time);
     ``unbuffered_reads``: group reads that found every reused read buffer out and read into
     a fresh one (slower; :mod:`pdserve.engine.kv_buffers`); ``saved_seconds``: what the loads taken from it were expected to save against computing
-    their pages, by the rule's estimates when it took them."""
+    their pages, by the rule's estimates when it took them; ``skipped_lookups``: prefix lookups
+    not asked of it, its measured rate slower than computing even the prompt's dearest page
+    (then no part of a prefix there could be worth loading)."""
 
     tier: str
     hit_pages: int = 0
@@ -107,6 +109,7 @@ class TierCounts:
     overlapped_pages: int = 0
     unbuffered_reads: int = 0
     saved_seconds: float = 0.0
+    skipped_lookups: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -4,6 +4,7 @@ bound, refuses corrupt or foreign entries; greedy output served from any tier eq
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -423,6 +424,44 @@ def test_a_tier_found_holding_a_prefix_before_it_was_measured_is_timed_on_one_gr
     second.close()
 
 
+def test_a_tier_slower_than_computing_any_page_is_not_asked(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A group tier measured slower than computing even the prompt's dearest page (its last)
+    is not looked up (a store's lookup is a round trip to its master, every request): counted,
+    and the prefix is computed. It is asked while unmeasured, where it is faster than that
+    page, with ``load='always'``, with overlap on, and when a group of the prefix was read
+    ahead into memory."""
+    from pdserve.engine.page_manager import page_hashes
+
+    prompt = list(range(5, 205))
+    _, engine = restarted_over_disk(tiny_model_dir, tmp_path, prompt)
+    tiers = engine.tiers
+    assert tiers is not None
+    hashes = page_hashes(prompt, 16, None)
+    disk = tiers.stats.tiers["disk"]
+    page_bytes = tiers.pool.page_bytes
+    tiers.estimates.prefill_readings.clear()
+    tiers.note_prefill(1000, 1e-3)  # a microsecond a token: a page of 16 tokens, 16 us
+    tiers.estimates.bytes_per_s["disk"] = page_bytes / 1e-3  # a page a millisecond: slower
+    plan = tiers.find(hashes, 0, len(hashes))
+    assert plan.num_pages == 0 and disk.skipped_lookups == 1
+    tiers.estimates.bytes_per_s["disk"] = page_bytes / 1e-6  # a page a microsecond: asked, found
+    assert tiers.find(hashes, 0, len(hashes)).num_pages == 12 and disk.skipped_lookups == 1
+    tiers.estimates.bytes_per_s["disk"] = page_bytes / 1e-3
+    for setting in ({"load": "always"}, {"overlap": True}):
+        saved = tiers.config
+        tiers.config = dataclasses.replace(saved, **setting)
+        assert tiers.find(hashes, 0, len(hashes)).num_pages == 12, setting
+        tiers.config = saved
+    tiers._fetched[hashes[3]] = ("disk", b"")  # a group of the prefix read ahead: asked
+    assert tiers.find(hashes, 0, len(hashes)).num_pages == 12
+    tiers._fetched.clear()
+    del tiers.estimates.bytes_per_s["disk"]  # unmeasured: asked (then timed by the rule)
+    assert tiers.find(hashes, 0, len(hashes)).num_pages == 12 and disk.skipped_lookups == 1
+    (counts,) = tiers.counts()
+    assert counts.skipped_lookups == 1
+    engine.close()
+
+
 def test_a_tier_measured_slow_once_is_measured_again(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -452,7 +491,7 @@ def test_groups_every_tier_holds_are_not_copied_again(tiny_model_dir: Path, tmp_
     assert serve(second, [prompt], first=1) == computed
     second.tiers.drain()
     stats = second.tiers.stats
-    assert stats.tiers["disk"].declined_pages == 200 // 16 // 4 * 4 and stats.tiers["disk"].hit_pages == 0
+    assert stats.tiers["disk"].skipped_lookups == 1 and stats.tiers["disk"].hit_pages == 0  # not asked: computed
     assert stats.already_held == 200 // 16 // 4 and stats.tiers["disk"].stored_pages == 0
     second.close()
 
@@ -533,7 +572,7 @@ def test_a_queued_request_finds_its_prefix_read_ahead(
     plain.tiers.note_prefill(1024, 1e-3)
     assert serve(plain, [prompts[1]]) == [expected[1]]
     stats = plain.tiers.stats.tiers["disk"]
-    assert stats.prefetched_groups == 0 and stats.hit_pages == 0 and stats.declined_pages == groups * 4
+    assert stats.prefetched_groups == 0 and stats.hit_pages == 0 and stats.skipped_lookups == 1  # not asked
     plain.close()
 
     # prefetched memory beyond its limit: the oldest groups dropped, counted, the load reads the disk
@@ -647,7 +686,8 @@ def test_a_disk_slower_than_computing_loads_the_prefix_s_tail_while_its_head_is_
     split_rates(plain, 2.0)
     assert serve(plain, [prompts[1]], first=1) == [expected[1]]
     disk = plain.tiers.stats.tiers["disk"]  # type: ignore[union-attr]
-    assert (disk.overlapped_pages, disk.hit_pages, disk.declined_pages) == (0, 0, 12)
+    # not even asked: a page of it loses against computing even the prompt's last page
+    assert (disk.overlapped_pages, disk.hit_pages, disk.skipped_lookups) == (0, 0, 1)
     plain.close()
     _, engine = restarted_over_disk(tiny_model_dir, tmp_path, prompts[0], overlap=True)
     split_rates(engine, 2.0)
