@@ -28,6 +28,7 @@ class StoreError(RuntimeError):
 
 class StoreTier:
     name = "store"
+    shared = True  # other workers' groups may be here from the start: measured at start (kv_write)
 
     def __init__(
         self,

@@ -15,6 +15,7 @@ holds.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import queue
 import threading
@@ -162,6 +163,35 @@ class WriteThrough:
                 keys = sample(LOAD_THREADS) if sample is not None else []
                 if keys:
                     self.calibrate(tier, keys)
+                elif getattr(tier, "shared", False):
+                    self._probe(tier)
+
+    def _probe(self, tier: GroupTier) -> None:
+        """Measure a shared tier (a store, which cannot list what it holds) before the worker
+        takes a request: other workers' groups may be found there at its first lookup, and
+        timing the tier then cost that request a group's read (a second worker's first reply
+        1.4x a cold one at 2,048 tokens on an H100, 2026-12-05). :data:`LOAD_THREADS` probe
+        groups (the pool's first pages) are read back as :meth:`calibrate` reads, written first
+        where missing. They stay: every worker of the model shares the same probe keys (its
+        store namespace is the model's and layout's identity), a store's read leases an object
+        for seconds (not removable then), and the master evicts them under pressure like any
+        other. A tier that fails here stays unmeasured (logged), timed at its first use."""
+        keys = [hashlib.blake2b(b"pdserve-probe" + bytes([i]), digest_size=16).digest() for i in range(LOAD_THREADS)]
+        try:
+            missing = [key for key, held in zip(keys, tier.contains_many(keys), strict=True) if not held]
+            if missing:
+                pages = self.pool.tensor[: self.group_pages].cpu()
+                for key in missing:
+                    tier.put(key, *kv_blob.encode_parts(self.ident, key, pages))
+        except (OSError, StoreError) as exc:  # another worker's put of the same key at once, a full store
+            log.warning("KV tier probe groups not all written", extra={"tier": tier.name, "error": str(exc)})
+        try:
+            measured = self.calibrate(tier, keys)
+        except (OSError, StoreError) as exc:
+            measured = False
+            log.warning("KV tier not measured at start", extra={"tier": tier.name, "error": str(exc)})
+        if not measured:
+            log.warning("KV tier not measured at start: timed at its first use", extra={"tier": tier.name})
 
     def stop_writer(self) -> bool:
         """Finish the queued writes and stop the writer; False if there was none."""

@@ -643,6 +643,31 @@ def test_a_second_engine_serves_a_prompt_first_seen_by_another_from_the_store(
     second.close()
 
 
+def test_a_store_is_measured_at_start_on_probe_groups_every_worker_shares(
+    tiny_model_dir: Path, store_master: StoreMaster
+) -> None:
+    """A store cannot say what it holds, and a second worker's first lookup may find another's
+    groups there: each worker measures it before taking a request, reading probe groups that
+    the first one wrote (the same keys for every worker of the model: not one more object a
+    worker; none of it counted as stored)."""
+    import hashlib
+
+    from pdserve.engine import kv_write
+
+    keys = [hashlib.blake2b(b"pdserve-probe" + bytes([i]), digest_size=16).digest() for i in range(4)]
+    tiers_config = dict(store_master=store_master.address, store_metadata=store_master.metadata_url)
+    for _ in range(2):
+        engine = tiered_engine(tiny_model_dir, group_pages=4, **tiers_config)
+        tiers = engine.tiers
+        assert tiers is not None
+        store = tiers.stats.tiers["store"]
+        assert store.calibrations == 1 and store.stored_pages == 0 and tiers._width["store"] == kv_write.LOAD_THREADS
+        assert tiers.estimates.load_seconds("store", 1) is not None
+        tier = tiers.tier("store")
+        assert tier is not None and tier.contains_many(keys) == [True] * 4
+        engine.close()
+
+
 def test_writes_a_store_cannot_take_are_counted_errors(
     tiny_model_dir: Path, prompts_and_expected, tmp_path: Path
 ) -> None:
