@@ -173,6 +173,9 @@ def test_a_kv_tier_write_s_snapshot_does_not_make_the_host_wait_for_the_device(t
     assert engine.tiers is not None
     engine.tiers.drain()
     written = engine.tiers.stats.tiers["disk"].stored_pages
+    queued: list[object] = []
+    put = engine.tiers._queue.put_nowait
+    engine.tiers._queue.put_nowait = queued.append  # type: ignore[method-assign]  # the writer waits outside the check
     try:
         with warnings.catch_warnings():  # "a prototype feature" (a UserWarning, an error under pytest's filters)
             warnings.simplefilter("ignore", UserWarning)
@@ -183,6 +186,9 @@ def test_a_kv_tier_write_s_snapshot_does_not_make_the_host_wait_for_the_device(t
         engine.tiers._enqueue(bytes(range(16)), [0, 1, 2, 3])
     finally:
         torch.cuda.set_sync_debug_mode(0)
+        engine.tiers._queue.put_nowait = put  # type: ignore[method-assign]
+    assert len(queued) == 1
+    put(queued[0])  # type: ignore[arg-type]
     engine.tiers.drain()
     assert engine.tiers.stats.tiers["disk"].stored_pages == written + 4 and engine.tiers.stats.write_errors == 0
     engine.close()
