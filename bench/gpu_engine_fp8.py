@@ -36,6 +36,12 @@ def add_fp8_flags(parser: argparse.ArgumentParser) -> None:
         "shape and row block swept, where faster than the rule's)",
     )
     parser.add_argument(
+        "--fp8-mm-rule",
+        choices=fp8.MATMUL_RULES,
+        help=f"FP8: the batched kernel's tile rule for decode batches (default {fp8.MATMUL_RULE}; 'fill': the "
+        "rule before 2026-12-05, for a baseline in the same run)",
+    )
+    parser.add_argument(
         "--fp8-accum",
         choices=("fast", "exact"),
         help="FP8: prefill's GEMMs (torch._scaled_mm) with Hopper's fast accumulation or without "
@@ -117,6 +123,8 @@ def configure_fp8(args: argparse.Namespace) -> dict[str, object]:
                 fp8.GEMV_TILES[(n, k)] = {key: best[key] for key in keys}
                 if shape == "down":
                     fp8.GEMV_SILU_FUSED = best["variant"] != "gemv_sep"
+    if args.fp8_mm_rule:
+        fp8.MATMUL_RULE = args.fp8_mm_rule
     if args.fp8_mm_tiles:
         fp8.MATMUL_TILES.update(measured_mm_tiles(json.loads(args.fp8_mm_tiles.read_text())))
     return {
@@ -125,5 +133,15 @@ def configure_fp8(args: argparse.Namespace) -> dict[str, object]:
         "gemv_silu_fused": fp8.GEMV_SILU_FUSED,
         "matmul_block_n": fp8.matmul_tiles(64, 3584, 3584)["block_n"],
         "matmul_tiles": {f"{m}x{n}x{k}": t for (m, n, k), t in fp8.MATMUL_TILES.items()},
+        "matmul_rule": fp8.MATMUL_RULE,
+        "matmul_tiles_64_rows": {
+            name: fp8.matmul_tiles(64, n, k)
+            for name, (n, k) in {
+                "qkv": (4608, 3584),
+                "o": (3584, 3584),
+                "gate_up": (37888, 3584),
+                "down": (3584, 18944),
+            }.items()
+        },
         "scaled_mm_fast_accum": fp8.SCALED_MM_FAST_ACCUM,
     }

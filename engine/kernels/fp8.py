@@ -53,6 +53,11 @@ GEMV_TILES: dict[tuple[int, int], dict[str, int]] = {}
 # The batched kernel's tiles measured per row block and weight shape ``(block_m, n, k)``
 # (bench/probes/fp8_probe.py --mm-sweep), else matmul_tiles' rule.
 MATMUL_TILES: dict[tuple[int, int, int], dict[str, int]] = {}
+# matmul_tiles' rule for W8A8 decode batches: "one-wave" (deep pipelines, split-K within one
+# wave of the SMs) or "fill" (the first guess before 2026-12-05: 3-4 stages, split-K until the
+# programs fill the SMs), kept so that a benchmark can read both in one run
+MATMUL_RULES = ("one-wave", "fill")
+MATMUL_RULE = "one-wave"
 GEMV_SILU_FUSED = True
 _SMS = 132
 HOPPER_SHARED_MEMORY = 232448
@@ -241,7 +246,7 @@ def matmul_tiles(rows: int, n: int, k: int, tile_quant: bool = False, x_bytes: i
         return {"block_m": block_m, **MATMUL_TILES[(block_m, n, k)]}
     block_n = 64  # 64 beat 128 and 256 from 1 to 128 rows on every 7B projection (fp8_probe, 2026-12-04)
     programs = -(-rows // block_m) * -(-n // block_n)
-    if rows <= 64 and x_bytes == 1 and not tile_quant:
+    if rows <= 64 and x_bytes == 1 and not tile_quant and MATMUL_RULE == "one-wave":
         split = split_k(programs, k, 256, one_wave=True)
         # one wave: a program an SM, its pipeline as deep as shared memory holds; more (gate/up):
         # 3 stages, two programs an SM

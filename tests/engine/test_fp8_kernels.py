@@ -205,6 +205,14 @@ def test_matmul_of_no_rows_and_its_tiles() -> None:
     assert fp8.matmul_tiles(100, 37888, 3584)["block_m"] == 64
 
 
+def test_the_earlier_tile_rule_stays_selectable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fp8, "MATMUL_RULE", "fill")
+    assert fp8.matmul_tiles(2, 4608, 3584) == {
+        "block_m": 16, "block_n": 64, "block_k": 256, "num_warps": 4, "num_stages": 3, "split_k": 2,
+    }  # fmt: skip
+    assert fp8.matmul_tiles(64, 3584, 18944)["split_k"] == 4 and fp8.matmul_tiles(64, 3584, 18944)["block_k"] == 128
+
+
 def test_matmul_stages_fit_the_gpu_s_shared_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     # an Ada GPU (99 KiB a program): 2 stages of 64 + 64 rows by 256 columns fit, 5 would not
     monkeypatch.setattr(fp8, "shared_memory", lambda: 101376)
