@@ -47,7 +47,11 @@ class StoreTier:
         if rc != 0:
             raise StoreError(f"Mooncake Store setup against master {master} (metadata {metadata}) failed: {rc}")
         self._prefix = f"{PREFIX}/{ident.hex()}/"
-        self._lock = threading.Lock()  # one client, used from the loop and the writer thread
+        # One client, called from the engine's thread (lookups), the writer (puts) and a load's
+        # reader threads at once, as Mooncake's own asyncio wrapper calls it from a thread pool;
+        # a read waited for the writer's puts under one lock before (a load's four groups read
+        # one at a time). The lock guards buffer registration and closing.
+        self._lock = threading.Lock()
         self._registered: set[int] = set()  # read buffers registered with the client (get_into)
         self._closed = False
 
@@ -55,21 +59,18 @@ class StoreTier:
         return self._prefix + key.hex()
 
     def contains(self, key: bytes) -> bool:
-        with self._lock:
-            return bool(self._store.is_exist(self._key(key)) == 1)
+        return bool(self._store.is_exist(self._key(key)) == 1)
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each of ``keys`` is held, in one round trip to the master (a lookup of an
         8,192-token prefix asked 128 times, one at a time: 33 ms a turn on an H200's loopback)."""
         if not keys:
             return []
-        with self._lock:
-            found = self._store.batch_is_exist([self._key(k) for k in keys])
+        found = self._store.batch_is_exist([self._key(k) for k in keys])
         return [r == 1 for r in found]
 
     def get(self, key: bytes) -> bytearray | None:
-        with self._lock:
-            data = self._store.get(self._key(key))
+        data = self._store.get(self._key(key))
         return bytearray(data) if data else None  # writable: kv_blob.decode views it in place
 
     def get_into(self, key: bytes, buffer: ReadBuffer) -> memoryview | bytearray | None:
@@ -79,9 +80,9 @@ class StoreTier:
         corrupt) or another failure of the read is fetched as :meth:`get` fetches."""
         out = buffer.view()
         ptr, size = buffer.address, buffer.size
-        with self._lock:
+        with self._lock:  # a buffer another thread is registering is waited for
             self._register([buffer])
-            got = self._store.get_into(self._key(key), ptr, size)
+        got = self._store.get_into(self._key(key), ptr, size)
         if got == _NOT_FOUND:
             return None
         if got < 0:
@@ -106,17 +107,15 @@ class StoreTier:
     def put(self, key: bytes, *parts: bytes | memoryview) -> None:
         """Store the blob ``parts`` make up under ``key`` (several parts: one object, no copy
         joining them first)."""
-        with self._lock:
-            if len(parts) == 1:
-                rc = self._store.put(self._key(key), parts[0])
-            else:
-                rc = self._store.put_parts(self._key(key), *parts)
+        if len(parts) == 1:
+            rc = self._store.put(self._key(key), parts[0])
+        else:
+            rc = self._store.put_parts(self._key(key), *parts)
         if rc != 0:  # the store is full of leased objects, or the master is away: the writer counts it
             raise StoreError(f"Mooncake Store put failed: {rc}")
 
     def discard(self, key: bytes) -> None:
-        with self._lock:
-            self._store.remove(self._key(key))
+        self._store.remove(self._key(key))
 
     def close(self) -> None:
         with self._lock:
