@@ -71,7 +71,8 @@ class ReadBuffers:
             return list(self._all)
 
     def take(self) -> ReadBuffer | None:
-        self.allocate()
+        if self._free is None:
+            self.allocate()
         with self._lock:
             assert self._free is not None
             return self._free.pop() if self._free else None

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from pdserve.engine.models.batch import to_device
 from pdserve.engine.quant import FP8, KV_SCALE_DTYPE, dequantize_kv_fp8, quantize_kv_fp8
 from pdserve.schemas import KVLayout
 
@@ -40,14 +41,12 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 
 def page_index(pages: Sequence[int], device: torch.device) -> torch.Tensor:
-    """``pages`` as an int64 tensor on ``device``, copied from pinned memory on the current
-    stream without the host waiting: built with ``torch.tensor(..., device=...)`` the copy
-    came from pageable memory, which waits until all the work queued before it has run (a
-    tier write's snapshot then held a chunk's step until its whole prefill was done)."""
-    index = torch.tensor(list(pages), dtype=torch.long)
-    if device.type != "cuda":
-        return index
-    return index.pin_memory().to(device, non_blocking=True)
+    """``pages`` as an int64 tensor on ``device``, copied as a step's inputs are
+    (:func:`~pdserve.engine.models.batch.to_device`: from pinned memory, the host not waiting):
+    built with ``torch.tensor(..., device=...)`` the copy came from pageable memory, which waits
+    until all the work queued before it has run (a tier write's snapshot then held a chunk's
+    step until its whole prefill was done)."""
+    return to_device(torch.tensor(list(pages), dtype=torch.long), device)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

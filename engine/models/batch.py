@@ -50,7 +50,7 @@ class StepBatch:
         return self.input_ids.shape[0]
 
 
-def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` on ``device`` without waiting for the device's queue (from pinned memory: a
     copy from pageable memory waits until the work queued before it has run)."""
     if device.type != "cuda":
@@ -139,10 +139,10 @@ def build_step(
     prefill = None
     if spans:
         prefill = PrefillChunks(
-            q_starts=_to(torch.tensor([s for s, _ in spans], dtype=torch.int32), device),
-            q_lens=_to(torch.tensor([n for _, n in spans], dtype=torch.int32), device),
-            ctx_lens=_to(torch.tensor(chunk_ctx, dtype=torch.int32), device),
-            page_tables=_to(_table(chunk_rows, max(len(r) for r in chunk_rows)), device),
+            q_starts=to_device(torch.tensor([s for s, _ in spans], dtype=torch.int32), device),
+            q_lens=to_device(torch.tensor([n for _, n in spans], dtype=torch.int32), device),
+            ctx_lens=to_device(torch.tensor(chunk_ctx, dtype=torch.int32), device),
+            page_tables=to_device(_table(chunk_rows, max(len(r) for r in chunk_rows)), device),
             max_q_len=max(n for _, n in spans),
             spans=spans,
             is_fresh=fresh,
@@ -150,17 +150,17 @@ def build_step(
         )
     width = max((len(r) for r in decode_rows), default=1)
     step = StepBatch(
-        input_ids=_to(ids_t, device),
-        positions=_to(pos_t, device),
-        slots=_to(slots_t, device),
+        input_ids=to_device(ids_t, device),
+        positions=to_device(pos_t, device),
+        slots=to_device(slots_t, device),
         num_decodes=len(batch.decodes),
-        decode_tables=_to(_table(decode_rows, width), device),
-        decode_ctx_lens=_to(torch.tensor(ctx, dtype=torch.int32), device),
+        decode_tables=to_device(_table(decode_rows, width), device),
+        decode_ctx_lens=to_device(torch.tensor(ctx, dtype=torch.int32), device),
         decode_splits=splits_for,
         prefill=prefill,
         sample_index=None
         if len(sample_rows) == num_tokens
-        else _to(torch.tensor(sample_rows, dtype=torch.long), device),
+        else to_device(torch.tensor(sample_rows, dtype=torch.long), device),
     )
     return step, sample_seqs
 
@@ -196,12 +196,12 @@ def rows_step(
     width = max(p // page_size + 1 for p in positions)
     slots = [t[p // page_size] * page_size + p % page_size for p, t in zip(positions, tables, strict=True)]
     return StepBatch(
-        input_ids=_to(torch.tensor(ids, dtype=torch.long), device),
-        positions=_to(torch.tensor(positions, dtype=torch.long), device),
-        slots=_to(torch.tensor(slots, dtype=torch.long), device),
+        input_ids=to_device(torch.tensor(ids, dtype=torch.long), device),
+        positions=to_device(torch.tensor(positions, dtype=torch.long), device),
+        slots=to_device(torch.tensor(slots, dtype=torch.long), device),
         num_decodes=len(ids),
-        decode_tables=_to(_table([t[:width] for t in tables], width), device),
-        decode_ctx_lens=_to(torch.tensor([p + 1 for p in positions], dtype=torch.int32), device),
+        decode_tables=to_device(_table([t[:width] for t in tables], width), device),
+        decode_ctx_lens=to_device(torch.tensor([p + 1 for p in positions], dtype=torch.int32), device),
         decode_splits=splits,
         prefill=None,
         sample_index=None,

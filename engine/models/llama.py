@@ -152,11 +152,11 @@ class LlamaFamily(FusedDecoder):
         last = self.pool.shape[0] - 1
         for rows in PREFILL_WARM_ROWS:
             q = torch.zeros((rows, self.num_q, self.head_dim), dtype=dtype, device=device)
-            one = torch.zeros(1, dtype=torch.int32, device=device)
+            starts = torch.zeros(1, dtype=torch.int32, device=device)
             tables = torch.full((1, -(-rows // page)), last, dtype=torch.int32, device=device)
             lens = torch.full((1,), rows, dtype=torch.int32, device=device)
             paged_prefill.prefill_attention(
-                q, self.pool, 0, tables, one * 0, lens, lens, rows, self.scale, torch.empty_like(q),
+                q, self.pool, 0, tables, starts, lens, lens, rows, self.scale, torch.empty_like(q),
                 kv_scales=self.kv_scales,
             )  # fmt: skip
 
