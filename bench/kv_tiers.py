@@ -63,11 +63,29 @@ def _machine(device: str) -> str:
     return f"CPU, {os.cpu_count()} cores (a shared machine: other work may run)"
 
 
-def warm_up(engine: Engine) -> None:
-    """One short unrelated request: the first forward pass pays one-time costs."""
-    engine.add_request("warm-up", list(range(10, 60)), SamplingParams(max_new_tokens=2, temperature=0.0))
+def warm_up(engine: Engine, length: int = 50) -> None:
+    """One unrelated request of ``length`` tokens: the first forward passes of its shapes pay
+    one-time costs (a long one: random tokens, fresh each process, found in no tier). The
+    tiers' writes of it are done before it returns."""
+    prompt = list(range(10, 10 + length)) if length <= 50 else tokens(random.Random(), length)
+    engine.add_request("warm-up", prompt, SamplingParams(max_new_tokens=2, temperature=0.0))
     while engine.has_work():
         engine.step()
+    if engine.tiers is not None:
+        engine.tiers.drain()
+
+
+def rule_inputs(engine: Engine) -> dict[str, Any]:
+    """The cost rule's estimates as they stand (before a measured request: what it decides by)."""
+    if engine.tiers is None:
+        return {}
+    e = engine.tiers.estimates
+    return {
+        "prefill_us_per_token": round(e.prefill_s_per_token * 1e6, 3),
+        "prefill_ns_per_pair": round(e.prefill_s_per_pair * 1e9, 4),
+        "load_gb_s": {k: round(v / 1e9, 3) for k, v in e.bytes_per_s.items()},
+        "prefill_readings": [(t, round(sec * 1e3, 3)) for t, sec, _ in e.prefill_readings],
+    }
 
 
 def one_turn(
@@ -202,7 +220,12 @@ def serve_one(model: Path, tiers: KVTierConfig, args: argparse.Namespace, seed: 
         max_total_tokens=args.pool_tokens, kv_tiers=tiers, device=args.device, num_threads=args.num_threads
     )
     engine = build_engine(model, config, load_format=args.load_format)
-    warm_up(engine)
+    # a prompt as long as the measured one first: a fresh process without tiers (the cold
+    # baseline) pays its shapes' one-time costs there too, as one with a disk or store does
+    # in the prefill it times at start (on an H200 its first 2,048-token step took 97 ms, 11
+    # after that, 2026-12-05)
+    warm_up(engine, args.prefix + args.message)
+    before = rule_inputs(engine)
     prompt = tokens(random.Random(seed), args.prefix + args.message)
     steps: list[float] = []
     ttft, answer, cached = one_turn(engine, "p", prompt, args.answer, steps)
@@ -214,6 +237,8 @@ def serve_one(model: Path, tiers: KVTierConfig, args: argparse.Namespace, seed: 
         "step_ms": [round(s * 1000, 2) for s in steps],  # up to the first token: where the time went
         "tiers": tier_counts(engine),
     }
+    if before:
+        reading["rule_before"] = before
     return engine, reading | {"answer": answer}
 
 

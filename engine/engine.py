@@ -53,10 +53,24 @@ log = logging.getLogger(__name__)
 
 # A worker with a disk or store tier times its own prefill at start, for the tiers' cost rule
 # (else a restarted worker loaded a prefix from a disk slower than computing it: 540 against
-# 298 ms at 8,192 tokens on an H200, 2026-12-04). Prompts of these lengths that fit in half the
-# pool (else a quarter and all of that), random tokens; on a GPU the last too, in chunks after
-# others, to tell the attention's growing share apart (kv_cost.prefill_model; 13 s on 2 cores).
+# 298 ms at 8,192 tokens on an H200, 2026-12-04). Prompts of these lengths where all fit in half
+# the pool (else a quarter, a half and all of that: with one size only the rule priced a page by
+# a step's fixed part too and loaded a store slower than computing, 1.3x at 512 tokens on an
+# H200, 2026-12-05), random tokens; on a GPU the last in chunks after others, to tell the
+# attention's growing share apart (kv_cost.prefill_model; 13 s on 2 cores).
 PREFILL_PROBES = (256, 1024, 4096)
+
+
+def probe_sizes(limit: int, gpu: bool) -> list[int]:
+    """The prompt lengths :meth:`Engine.measure_prefill` times, none above ``limit`` tokens:
+    :data:`PREFILL_PROBES` (off a GPU the first two), or as many as far apart within ``limit``
+    where they do not all fit (none under 64)."""
+    probes = PREFILL_PROBES if gpu else PREFILL_PROBES[:2]
+    if probes[-1] <= limit:
+        return list(probes)
+    if limit < 64:
+        return []
+    return [limit // 4, limit // 2, limit] if gpu else [limit // 4, limit]
 
 
 class StepObserver(Protocol):
@@ -135,8 +149,7 @@ class Engine(Appending, Admission):
         if tiers is None or not tiers.groups or tiers.config.load != "cost" or self.has_work():
             return False
         limit = min(self.max_model_len - 1, self.pages.num_pages * self.config.page_size // 2)
-        probes = PREFILL_PROBES if self.runner.device.type == "cuda" else PREFILL_PROBES[:2]
-        sizes = [n for n in probes if n <= limit] or ([limit // 4, limit] if limit >= 64 else [])
+        sizes = probe_sizes(limit, self.runner.device.type == "cuda")
         if not sizes:
             return False
         rng = random.Random(0)

@@ -65,14 +65,44 @@ def marginal_cost(readings: Sequence[tuple[int, float]]) -> float:
     return cheapest
 
 
+def _least_squares(columns: Sequence[Sequence[float]], y: Sequence[float]) -> tuple[list[float], float] | None:
+    """Coefficients of the least-squares fit of ``y`` by ``columns`` and its squared residual
+    (None where the columns are dependent). The normal equations, each column scaled to a
+    largest value of 1 first (tokens and pairs are orders of magnitude apart)."""
+    scales = [max(abs(v) for v in c) or 1.0 for c in columns]
+    cols = [[v / s for v in c] for c, s in zip(columns, scales, strict=True)]
+    k = len(cols)
+    m = [[sum(a * b for a, b in zip(ci, cj, strict=True)) for cj in cols] for ci in cols]
+    r = [sum(a * b for a, b in zip(ci, y, strict=True)) for ci in cols]
+    for i in range(k):  # Gaussian elimination with partial pivoting
+        pivot = max(range(i, k), key=lambda row: abs(m[row][i]))
+        if abs(m[pivot][i]) <= 1e-12 * max(1.0, max(abs(v) for row in m for v in row)):
+            return None
+        m[i], m[pivot], r[i], r[pivot] = m[pivot], m[i], r[pivot], r[i]
+        for row in range(i + 1, k):
+            f = m[row][i] / m[i][i]
+            m[row] = [a - f * b for a, b in zip(m[row], m[i], strict=True)]
+            r[row] -= f * r[i]
+    x = [0.0] * k
+    for i in reversed(range(k)):
+        x[i] = (r[i] - sum(m[i][j] * x[j] for j in range(i + 1, k))) / m[i][i]
+    fitted = [sum(x[j] * cols[j][n] for j in range(k)) for n in range(len(y))]
+    residual = sum((f - v) ** 2 for f, v in zip(fitted, y, strict=True))
+    return [v / s for v, s in zip(x, scales, strict=True)], residual
+
+
 def prefill_model(readings: Sequence[tuple[int, float, float]]) -> tuple[float, float]:
     """``(seconds a prompt token, seconds a pair)`` from ``(tokens, seconds, pairs)`` prefill
     steps, ``pairs`` the (query, key) pairs their attention computed (a chunk of ``n`` tokens
     after ``c`` others: ``n * (c + n / 2)``): the least-squares fit of ``seconds = fixed +
-    a * tokens + b * pairs`` where the steps tell tokens and pairs apart and every part comes
-    out non-negative; else ``(marginal_cost, 0.0)``. A prefix's later tokens cost more than its
-    first (each attends to all before it): on an H200 a 7B model's 2,048-token prompt took
-    24 us a token, an 8,192-token one 30."""
+    a * tokens + b * pairs`` with no part negative (the best of the fits that leave out the
+    fixed part or set it to zero, where the full one has a negative part) where the steps tell
+    tokens and pairs apart; else, or where no such fit has an attention term,
+    ``(marginal_cost, 0.0)``. A prefix's later tokens cost more than its first (each attends
+    to all before it): on an H200 a 7B model's 2,048-token prompt took 24 us a token, an
+    8,192-token one 30. Dropping the attention's term for a negative fixed part priced an
+    8,192-token prefix's last pages at a third of their cost there, and a restarted worker
+    declined its disk (2026-12-05)."""
     linear = marginal_cost([(t, sec) for t, sec, _ in readings])
     n = len(readings)
     sizes = [t for t, _, _ in readings]
@@ -80,20 +110,29 @@ def prefill_model(readings: Sequence[tuple[int, float, float]]) -> tuple[float, 
         return linear, 0.0
     mt = sum(sizes) / n
     mp = sum(p for _, _, p in readings) / n
-    ms = sum(sec for _, sec, _ in readings) / n
     stt = sum((t - mt) ** 2 for t in sizes)
     spp = sum((p - mp) ** 2 for _, _, p in readings)
     stp = sum((t - mt) * (p - mp) for t, _, p in readings)
-    sts = sum((t - mt) * (sec - ms) for t, sec, _ in readings)
-    sps = sum((p - mp) * (sec - ms) for _, sec, p in readings)
     det = stt * spp - stp * stp
     if spp <= 0.0 or det <= COLLINEAR * stt * spp:  # pairs that only follow tokens: no second term
         return linear, 0.0
-    a = (sts * spp - sps * stp) / det
-    b = (sps * stt - sts * stp) / det
-    if a < 0.0 or b <= 0.0 or ms - a * mt - b * mp < 0.0:
+    tokens = [float(t) for t in sizes]
+    pairs = [p for _, _, p in readings]
+    seconds = [sec for _, sec, _ in readings]
+    best: tuple[float, float, float] | None = None  # (residual, a, b)
+    for fixed in (True, False):  # with a fixed part, then through the origin
+        fit = _least_squares([[1.0] * n, tokens, pairs] if fixed else [tokens, pairs], seconds)
+        if fit is None:
+            continue
+        coefficients, residual = fit
+        *rest, a, b = coefficients
+        if a > 0.0 and b > 0.0 and all(v >= 0.0 for v in rest) and (best is None or residual < best[0]):
+            best = (residual, a, b)
+        if best is not None:
+            break  # the full fit is the least-squares one where it is feasible
+    if best is None:
         return linear, 0.0
-    return a, b
+    return best[1], best[2]
 
 
 @dataclass

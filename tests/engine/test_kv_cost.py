@@ -198,3 +198,38 @@ def test_no_split_where_nothing_is_measured_or_nothing_hides() -> None:
     # a page's load takes longer than computing all eight: not one page is worth it
     assert overlap_split([("disk", 8)], PAGE_BYTES, PAGE_TOKENS, estimates(62.5, disk=100)) is None
     assert overlap_split([], PAGE_BYTES, PAGE_TOKENS, estimates(62.5, disk=512)) is None
+
+
+def test_the_prefill_probes_spread_within_a_small_pool() -> None:
+    """A worker times its prefill at start at sizes far enough apart to fit a slope (one size
+    priced a page by a step's fixed part as well, and a store slower than computing was loaded
+    at 512 tokens on an H200): all the probes where they fit, else a quarter, a half and all
+    of what fits (on a GPU, three sizes, for the attention's term)."""
+    from pdserve.engine.engine import PREFILL_PROBES, probe_sizes
+
+    assert probe_sizes(6144, gpu=True) == list(PREFILL_PROBES)
+    assert probe_sizes(6144, gpu=False) == list(PREFILL_PROBES[:2])
+    assert probe_sizes(384, gpu=True) == [96, 192, 384]
+    assert probe_sizes(1536, gpu=True) == [384, 768, 1536]
+    assert probe_sizes(1536, gpu=False) == [256, 1024]
+    assert probe_sizes(512, gpu=False) == [128, 512]
+    assert probe_sizes(63, gpu=True) == []
+    for limit in (64, 384, 1536, 4095):
+        sizes = probe_sizes(limit, gpu=True)
+        assert max(sizes) <= limit and max(sizes) >= 2 * min(sizes)  # a spread kv_cost's fit takes
+
+
+def test_a_negative_fixed_part_keeps_the_attention_s_term() -> None:
+    """Steps whose full fit comes out with a negative fixed part (a short probe timed a little
+    fast) are fitted through the origin, both terms kept: the dearest pages of a long prefix
+    are priced near their cost, not at the one-term slope (which there priced an 8,192-token
+    prefix's last page below a disk's load, and a restarted worker computed the prefix)."""
+    readings = [timed(256, 0), timed(1024, 0), timed(2048, 0), timed(2048, 2048)]
+    readings = [(t, sec - FIXED, p) for t, sec, p in readings]  # no fixed part,
+    readings[0] = (readings[0][0], readings[0][1] - 0.0005, readings[0][2])  # and the first fast
+    a, b = prefill_model(readings)
+    assert a == pytest.approx(A, rel=0.05) and b == pytest.approx(B, rel=0.05)
+    dearest = 16 * (a + b * 8192)
+    assert dearest == pytest.approx(16 * (A + B * 8192), rel=0.02)
+    one_term = marginal_cost([(t, sec) for t, sec, _ in readings])
+    assert 16 * one_term < dearest / 2
