@@ -322,6 +322,7 @@ def main() -> None:
         help="load a prefix's part in a tier slower than computing while the part before it is computed "
         "(--kv-tier-overlap) in every tiered configuration",
     )
+    p.add_argument("--no-chat", action="store_true", help="only the fresh processes (restart, second worker)")
     p.add_argument("--json", type=Path)
     p.add_argument("--one-prompt", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--tiers-json", default="{}", help=argparse.SUPPRESS)
@@ -352,16 +353,17 @@ def main() -> None:
             # every tier at once, fastest first (its store is the one above: a first turn may
             # find the "store" engine's groups there; later turns find their own in host memory)
             configs["all"] = KVTierConfig(host_bytes=args.host_bytes, disk_dir=str(Path(tmp) / "disk-all"), **store)
-        results["chat"] = chat(model, configs, args, seed)
-        for name, reading in results["chat"].items():
-            print(name, json.dumps({k: v for k, v in reading.items() if k != "outputs"}), flush=True)
-        base = results["chat"]["none"]
-        for name in configs:
-            reading = results["chat"][name]
-            reading["speedup_mean_ttft"] = round(base["mean_ttft_ms"] / reading["mean_ttft_ms"], 2)
-            reading["outputs_equal_to_none"] = reading["outputs"] == base["outputs"]
-        for reading in results["chat"].values():
-            del reading["outputs"]
+        if not args.no_chat:
+            results["chat"] = chat(model, configs, args, seed)
+            for name, reading in results["chat"].items():
+                print(name, json.dumps({k: v for k, v in reading.items() if k != "outputs"}), flush=True)
+            base = results["chat"]["none"]
+            for name in configs:
+                reading = results["chat"][name]
+                reading["speedup_mean_ttft"] = round(base["mean_ttft_ms"] / reading["mean_ttft_ms"], 2)
+                reading["outputs_equal_to_none"] = reading["outputs"] == base["outputs"]
+            for reading in results["chat"].values():
+                del reading["outputs"]
         disk = {"disk_dir": str(Path(tmp) / "disk-restart"), **overlap}
         cold = in_new_process(args, model, seed + 1, {})
         results["restart"] = {
