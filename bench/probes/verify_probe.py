@@ -19,10 +19,8 @@ from gemv_probe import launched_ms
 
 from pdserve.bench.shapes import QWEN2_5_7B
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.kernels import fp8
 from pdserve.engine.model_runner import ModelRunner, ModelSpec
 from pdserve.engine.models.batch import rows_step
-from pdserve.engine.models.llama import LlamaFamily
 
 KINDS = (
     ("attention", ("decode_kernel", "merge_kernel", "prefill", "attention")),
@@ -67,24 +65,10 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--quantization", default=None)
     parser.add_argument(
-        "--small-rows",
-        type=int,
-        default=0,
-        help="16-bit products of 2..N rows through fp8.matmul16 (LlamaFamily.small_rows; 0: the library's GEMM)",
-    )
-    parser.add_argument(
-        "--small-rows-rule",
-        choices=fp8.MATMUL_RULES,
-        default=fp8.MATMUL16_RULE,
-        help="fp8.matmul16's tile rule (one-wave: deep pipelines, split-K within one wave; default %(default)s)",
-    )
-    parser.add_argument(
         "--profile", action="store_true", help="at the largest batch: device time by kernel kind, verify against plain"
     )
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    LlamaFamily.small_rows = args.small_rows  # before the graphs are captured
-    fp8.MATMUL16_RULE = args.small_rows_rule
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(Qwen2Config(**QWEN2_5_7B), dtype=torch.bfloat16).eval()
@@ -135,7 +119,6 @@ def main() -> None:
             print(json.dumps(line), flush=True)
     out = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(), "drafts": args.drafts}
     out |= {"context": args.context, "quantization": args.quantization or "none", "rows_max": rows_max}
-    out |= {"small_rows": args.small_rows, "small_rows_rule": args.small_rows_rule}
     args.out.write_text(json.dumps(out | {"results": results}, indent=1) + "\n")
 
 

@@ -58,7 +58,6 @@ MATMUL_TILES: dict[tuple[int, int, int], dict[str, int]] = {}
 # programs fill the SMs), kept so that a benchmark can read both in one run
 MATMUL_RULES = ("one-wave", "fill")
 MATMUL_RULE = "one-wave"
-MATMUL16_RULE = "fill"  # the same choice for matmul16's 16-bit products (LlamaFamily.small_rows)
 GEMV_SILU_FUSED = True
 _SMS = 132
 HOPPER_SHARED_MEMORY = 232448
@@ -227,9 +226,7 @@ def _matmul_store(
     tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], acc.to(out_ptr.dtype.element_ty), mask=keep)
 
 
-def matmul_tiles(
-    rows: int, n: int, k: int, tile_quant: bool = False, x_bytes: int = 1, w_bytes: int = 1
-) -> dict[str, int]:
+def matmul_tiles(rows: int, n: int, k: int, tile_quant: bool = False, x_bytes: int = 1) -> dict[str, int]:
     """Tiles of :func:`matmul` for ``rows`` of input against an ``[n, k]`` weight
     (:data:`MATMUL_TILES`' where it has the row block and shape). One block of rows up to 64
     (16 at least: the MMA's short side), two or more of 64 above; 64 channels a program.
@@ -240,9 +237,7 @@ def matmul_tiles(
     --mm-sweep, 2026-12-05, docs/data/fp8_mm_sweep_h100.json, ..._rows_h100.json) the tiles
     of this rule took a 7B layer's four products at 64 rows from 115 to 107 us (the best swept:
     106; at 16 and 32 rows 96 and 99 against 99 and 104), qkv and o most (split-K's partial
-    sums and shallow pipelines cost them 20-30 %). 16-bit weights and activations (``w_bytes``
-    and ``x_bytes`` 2, :func:`matmul16`) take the same rule in bytes (K tiles of 128) where
-    :data:`MATMUL16_RULE` says so (not measured yet: "fill" by default). Else
+    sums and shallow pipelines cost them 20-30 %). Else
     (16-bit activations ``x_bytes`` 2, more rows, ``tile_quant``: K tiles of
     :data:`quant.GROUP`): K tiles of 256 while the row tile is small, 128 above, and cut along
     K until the programs fill the SMs once."""
@@ -251,10 +246,8 @@ def matmul_tiles(
         return {"block_m": block_m, **MATMUL_TILES[(block_m, n, k)]}
     block_n = 64  # 64 beat 128 and 256 from 1 to 128 rows on every 7B projection (fp8_probe, 2026-12-04)
     programs = -(-rows // block_m) * -(-n // block_n)
-    w8a8 = x_bytes == w_bytes == 1 and MATMUL_RULE == "one-wave"
-    both16 = x_bytes == w_bytes == 2 and MATMUL16_RULE == "one-wave"
-    if rows <= 64 and not tile_quant and (w8a8 or both16):
-        block_k = 256 // x_bytes  # 256 bytes of each row a K tile
+    if rows <= 64 and not tile_quant and x_bytes == 1 and MATMUL_RULE == "one-wave":
+        block_k = 256
         split = split_k(programs, k, block_k, one_wave=True)
         # one wave: a program an SM, its pipeline as deep as shared memory holds; more (gate/up):
         # 3 stages, two programs an SM
@@ -395,28 +388,6 @@ def _launch(
         num_stages=t["num_stages"],
     )
     return out
-
-
-def matmul16(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    silu_mul_input: bool = False,
-    tiles: dict[str, int] | None = None,
-) -> torch.Tensor:
-    """``x @ w.T (+ bias)`` for 16-bit weights ``w [N, K]`` in ``x``'s dtype and a few rows of
-    ``x`` (``[M, 2K]`` read as ``silu(gate) * up`` with ``silu_mul_input``): :func:`matmul`'s
-    kernel (weights as the MMA's long side, ``x``'s tile loaded once per K tile, float32 sums,
-    cut along K to fill the SMs) with no scales. For the 2 to 16 rows of a speculative verify
-    or a small decode batch, where the library's GEMMs read a 7B model's o, gate/up and down at
-    2.2-3.8 TB/s on an H200 against the one-row GEMV's 2.8-4.3 (docs/data/gemv_probe_h200.json).
-    Tiles: by default :func:`matmul_tiles`'."""
-    m = x.shape[0]
-    n, k = w.shape
-    assert w.dtype == x.dtype and w.dtype != FP8 and w.is_contiguous() and x.stride(1) == 1
-    assert x.shape[1] == (2 * k if silu_mul_input else k)
-    tiles = tiles or matmul_tiles(m, n, k, x_bytes=2, w_bytes=2)
-    return _launch(x, None, w, None, bias, x.dtype, silu_mul_input, tiles)
 
 
 # Prefill's GEMMs with Hopper's fast FP8 accumulation (partial sums kept in the tensor cores'

@@ -64,13 +64,6 @@ class LlamaFamily(FusedDecoder):
     ``separate_rope``: a decode-only step rotates q, k and stores k, v in a kernel of its own
     before the attention, as steps with a prefill do (off: the attention kernel does it,
     one launch a layer fewer).
-    ``small_rows``: 16-bit o, gate/up, down and LM-head products of 2 to this many rows
-    (a speculative verify at batch 1 has K + 1) through :func:`fp8.matmul16`, a tensor-core
-    kernel built to read the weights once at the one-row GEMV's rate, instead of the
-    library's GEMM (on an H200 at 4 rows a 7B layer's o, gate/up and down took 130 us against
-    110 for the one-row GEMVs: the batch-1 verify's 1.15x; 0, the default: off until measured
-    faster on a GPU, ``bench/probes/verify_probe.py --small-rows``; on an H100, 2026-12-05, slower:
-    1.18x against 1.14x at batch 1, docs/data/verify_probe_h100.json).
 
     ``tp``: the model's weights are this rank's shard (:mod:`pdserve.engine.parallel`): the
     layer has ``1 / tp.size`` of the heads and of the MLP, and the outputs of o and down are
@@ -88,7 +81,6 @@ class LlamaFamily(FusedDecoder):
     l2_prefetch = False
     pdl = False
     separate_rope = False  # decode-only steps rotate and store k, v in a kernel of their own
-    small_rows = 0  # 16-bit products of 2..small_rows rows through fp8.matmul16 (0: the library's)
 
     def __init__(
         self,
@@ -218,8 +210,6 @@ class LlamaFamily(FusedDecoder):
                 h = gemv.gemv(
                     gate_up, down, layer.down_bias, silu_mul_input=True, pdl=pdl, **gemv.model_tiles(GEMV_DOWN)
                 )
-            elif 1 < rows <= self.small_rows:
-                h = fp8.matmul16(gate_up, down, layer.down_bias, silu_mul_input=True)
             else:
                 h = F.linear(elementwise.silu_mul(gate_up), down, layer.down_bias)
             if self.tp is not None:
@@ -234,8 +224,6 @@ class LlamaFamily(FusedDecoder):
             return self._fp8(x, w, b)
         if x.shape[0] == 1 and self.use_gemv:
             return gemv.gemv(x, w, b, False, pdl=pdl, **gemv.model_tiles(tiles))
-        if 1 < x.shape[0] <= self.small_rows:
-            return fp8.matmul16(x, w, b)
         return F.linear(x, w, b)
 
     def _norm_fp8(

@@ -71,37 +71,6 @@ def test_fast_path_greedy_equals_transformers(kind: str, fused_merge: bool) -> N
     assert hf_greedy(model, prompts[:1], NEW) == expected[:1]
 
 
-def test_small_rows_through_matmul16_decode_the_tokens_of_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``small_rows``: the o, gate/up, down and LM-head products of 2 to 16 rows (decode
-    batches of three, prefill chunks of 16 tokens) through fp8.matmul16, not the library's GEMM;
-    greedy output as ``generate``'s."""
-    from pdserve.engine.kernels import fp8
-
-    quiet_transformers()
-    model = small_model("qwen2")
-    rng = random.Random(16)
-    prompts = [[rng.randrange(300) for _ in range(n)] for n in (5, 13, 21)]
-    expected = hf_greedy(model, prompts, NEW)
-    config = EngineConfig(
-        device=str(DEVICE), max_total_tokens=512, model_impl="pdserve", chunked_prefill_size=16, cuda_graph_max_batch=0
-    )
-    runner = ModelRunner(ModelSpec(Path("small-rows")), config, model=model)
-    assert isinstance(runner.fast, llama.LlamaFamily) and runner.fast.small_rows == 0  # off by default
-    runner.fast.small_rows = 16
-    calls: list[tuple[int, bool]] = []
-    matmul16 = fp8.matmul16
-
-    def counted(x: torch.Tensor, w: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        calls.append((x.shape[0], bool(kwargs.get("silu_mul_input"))))
-        return matmul16(x, w, *args, **kwargs)
-
-    monkeypatch.setattr(fp8, "matmul16", counted)
-    ours = run(Engine(runner, config), prompts, NEW)
-    assert_greedy_equal(model, prompts, ours, expected)
-    assert {rows for rows, _ in calls} >= {3, 16} and all(1 < rows <= 16 for rows, _ in calls)
-    assert any(silu for _, silu in calls)  # down read silu(gate) * up
-
-
 def test_decode_warm_up_leaves_the_pool_and_the_output_alone() -> None:
     quiet_transformers()
     model = small_model("qwen2")

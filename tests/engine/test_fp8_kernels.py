@@ -213,18 +213,6 @@ def test_the_earlier_tile_rule_stays_selectable(monkeypatch: pytest.MonkeyPatch)
     assert fp8.matmul_tiles(64, 3584, 18944)["split_k"] == 4 and fp8.matmul_tiles(64, 3584, 18944)["block_k"] == 128
 
 
-def test_matmul16_takes_the_one_wave_rule_in_bytes_when_told(monkeypatch: pytest.MonkeyPatch) -> None:
-    fill = fp8.matmul_tiles(5, 3584, 3584, x_bytes=2, w_bytes=2)
-    assert fill["block_k"] == 256 and fill["num_stages"] == 3  # the default: as before
-    monkeypatch.setattr(fp8, "MATMUL16_RULE", "one-wave")
-    deep = fp8.matmul_tiles(5, 3584, 3584, x_bytes=2, w_bytes=2)
-    assert deep == {"block_m": 16, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 5, "split_k": 2}
-    assert fp8.matmul_tiles(5, 3584, 3584, x_bytes=2)["num_stages"] == 3  # FP8 weights, 16-bit x: not this rule
-    w = torch.randn((48, 256), dtype=torch.bfloat16, device=DEVICE)
-    x = torch.randn((5, 256), dtype=torch.bfloat16, device=DEVICE)
-    assert rel_err(fp8.matmul16(x, w), F.linear(x.double(), w.double())) < 2e-2
-
-
 def test_matmul_stages_fit_the_gpu_s_shared_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     # an Ada GPU (99 KiB a program): 2 stages of 64 + 64 rows by 256 columns fit, 5 would not
     monkeypatch.setattr(fp8, "shared_memory", lambda: 101376)

@@ -285,29 +285,6 @@ def test_gemv_on_tensor_cores_and_fp8_weights_match_linear(
     assert not gemv.split_counters(torch.device(DEVICE), 1).any()
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("m", "n", "k"), [(2, 40, 96), (5, 64, 512), (16, 72, 1000)])
-def test_matmul16_of_a_few_rows_matches_linear(dtype: torch.dtype, m: int, n: int, k: int) -> None:
-    """fp8.matmul16, the few-rows product of 16-bit weights (``LlamaFamily.small_rows``): its
-    own tiles (cut along K where they leave SMs idle) and others, with a bias, and reading
-    ``silu(gate) * up``; the split counters left at zero."""
-    x = torch.randn((m, k), dtype=dtype, device=DEVICE)
-    w = torch.randn((n, k), dtype=dtype, device=DEVICE)
-    b = torch.randn(n, dtype=dtype, device=DEVICE)
-    ref = F.linear(x.double(), w.double(), b.double())
-    tol = TOL[torch.bfloat16] if DEVICE.type == "cuda" else TOL[dtype]  # tf32 on a GPU
-    tiles = fp8.matmul_tiles(m, n, k, x_bytes=2)
-    others = {"block_m": 16, "block_n": 16, "block_k": 32, "num_warps": 4, "num_stages": 2}
-    for t in (None, tiles, others | {"split_k": 1}, others | {"split_k": 3}):
-        assert rel_err(fp8.matmul16(x, w, b, tiles=t), ref) < tol, t
-    gate_up = torch.randn((m, 2 * k), dtype=dtype, device=DEVICE)
-    ref_act = F.linear(elementwise.silu_mul(gate_up).double(), w.double())
-    assert rel_err(fp8.matmul16(gate_up, w, silu_mul_input=True, tiles=others | {"split_k": 2}), ref_act) < tol
-    assert not gemv.split_counters(torch.device(DEVICE), 1).any()
-    with pytest.raises(AssertionError):
-        fp8.matmul16(x, quant.quantize_fp8(w).q)  # FP8 weights: fp8.matmul, with their scales
-
-
 def test_gemv_refuses_weights_of_another_dtype_without_a_scale() -> None:
     x = torch.randn((2, 64), device=DEVICE)
     with pytest.raises(AssertionError, match="need a scale"):
