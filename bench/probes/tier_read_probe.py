@@ -18,7 +18,16 @@ reports GB/s of payload:
 - ``cold_*``: ``read`` and ``load_now`` after the files left the page cache
   (``posix_fadvise(DONTNEED)``: the device's own read rate).
 
-    python bench/probes/tier_read_probe.py --out /tmp/tier_read_probe.json
+With ``--store``, the same groups in a Mooncake Store (a master and a store server started on
+this host, the tier's client over tcp on loopback; ``--only-store``: these variants alone):
+
+- ``store_get``: the tier's ``get`` (the client's copy into Python bytes), threads at once
+  (``store_get_1``: on one thread);
+- ``store_get_into``: ``get_into`` a registered buffer of a ring and :func:`kv_blob.decode`,
+  threads at once: what a load reads a group from the store with;
+- ``store_get_into_1``: the same on one thread, group after group (the per-call cost).
+
+    python bench/probes/tier_read_probe.py --out /tmp/tier_read_probe.json [--store --group-pages 16]
 """
 
 from __future__ import annotations
@@ -52,6 +61,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=None, help="where the tier's files go (default: a temp dir)")
+    parser.add_argument("--store", action="store_true", help="also read the groups from a Mooncake Store")
+    parser.add_argument("--only-store", action="store_true", help="the store's variants alone")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -186,11 +197,14 @@ def main() -> int:
         }
         print(f"{name:14s} {total / best / 1e9:6.2f} GB/s  ({best * 1e3:.1f} ms for {total / 1e6:.0f} MB)", flush=True)
 
-    for name, fn in variants.items():
-        timed(name, fn)
-    timed("cold_read", variant_read, cold=True)
-    timed("cold_load_now", variant_load_now, cold=True)
-    timed("cold_load_pinned", variant_load_pinned, cold=True)
+    if not args.only_store:
+        for name, fn in variants.items():
+            timed(name, fn)
+        timed("cold_read", variant_read, cold=True)
+        timed("cold_load_now", variant_load_now, cold=True)
+        timed("cold_load_pinned", variant_load_pinned, cold=True)
+    if args.store or args.only_store:
+        store_variants(args, keys, blobs, ident, layout, group_bytes, cuda, pool_threads, timed)
     report = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if cuda else "cpu",
@@ -205,6 +219,42 @@ def main() -> int:
     for key in keys:
         disk.discard(key)
     return 0
+
+
+def store_variants(args, keys, blobs, ident, layout, group_bytes, cuda, pool_threads, timed) -> None:  # noqa: ANN001
+    """The groups put into a Mooncake Store started here, then read back as the store tier
+    reads them (see the module's doc)."""
+    from pdserve.engine.kv_buffers import ReadBuffers
+    from pdserve.engine.kv_store import StoreTier
+    from pdserve.kv_store import running_store
+
+    with tempfile.TemporaryDirectory() as logs, running_store(len(keys) * (group_bytes + 8192) * 2, Path(logs)) as m:
+        tier = StoreTier(m.address, m.metadata_url, ident)
+        try:
+            for key, blob in zip(keys, blobs, strict=True):
+                tier.put(key, blob)
+            ring = ReadBuffers(group_bytes + kv_blob.HEADER_BYTES, args.threads * 2, pin=cuda)
+            tier.prepare(ring.allocate())
+
+            def read_into(key: bytes) -> int:
+                buffer = ring.take()
+                assert buffer is not None
+                try:
+                    view = tier.get_into(key, buffer)
+                    assert view is not None
+                    kv_blob.decode(view, ident, key, layout)
+                    return len(view)
+                finally:
+                    ring.give(buffer)
+
+            timed("store_get", lambda: list(pool_threads.map(tier.get, keys)))
+            timed("store_get_1", lambda: [tier.get(k) for k in keys])
+            timed("store_get_into", lambda: list(pool_threads.map(read_into, keys)))
+            timed("store_get_into_1", lambda: [read_into(k) for k in keys])
+            for key in keys:
+                tier.discard(key)
+        finally:
+            tier.close()
 
 
 if __name__ == "__main__":
