@@ -39,6 +39,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -221,7 +222,17 @@ def main() -> int:
     return 0
 
 
-def store_variants(args, keys, blobs, ident, layout, group_bytes, cuda, pool_threads, timed) -> None:  # noqa: ANN001
+def store_variants(
+    args: argparse.Namespace,
+    keys: list[bytes],
+    blobs: list[bytearray | None],
+    ident: bytes,
+    layout: KVLayout,
+    group_bytes: int,
+    cuda: bool,
+    pool_threads: ThreadPoolExecutor,
+    timed: Callable[[str, Callable[[], object]], None],
+) -> None:
     """The groups put into a Mooncake Store started here, then read back as the store tier
     reads them (see the module's doc)."""
     from pdserve.engine.kv_buffers import ReadBuffers
@@ -232,6 +243,7 @@ def store_variants(args, keys, blobs, ident, layout, group_bytes, cuda, pool_thr
         tier = StoreTier(m.address, m.metadata_url, ident)
         try:
             for key, blob in zip(keys, blobs, strict=True):
+                assert blob is not None
                 tier.put(key, blob)
             ring = ReadBuffers(group_bytes + kv_blob.HEADER_BYTES, args.threads * 2, pin=cuda)
             tier.prepare(ring.allocate())
