@@ -89,6 +89,27 @@ class StoreTier:
             return self.get(key)
         return out[:got]
 
+    def get_many_into(
+        self, keys: Sequence[bytes], buffers: Sequence[ReadBuffer]
+    ) -> list[memoryview | bytearray | None]:
+        """:meth:`get_into` of each of ``keys`` into the buffer beside it, in one call to the
+        client (its batch read: on loopback tcp 2.1-2.3 GB/s of 7 MB groups against 1.3 for
+        four threads each reading one, 2026-12-05, bench/probes/tier_read_probe.py --store)."""
+        with self._lock:
+            self._register(buffers)
+        got = self._store.batch_get_into(
+            [self._key(k) for k in keys], [b.address for b in buffers], [b.size for b in buffers]
+        )
+        out: list[memoryview | bytearray | None] = []
+        for key, buffer, n in zip(keys, buffers, got, strict=True):
+            if n == _NOT_FOUND:
+                out.append(None)
+            elif n < 0:  # does not fit, or another failure of that read: as get reads it
+                out.append(self.get(key))
+            else:
+                out.append(buffer.view()[:n])
+        return out
+
     def prepare(self, buffers: Sequence[ReadBuffer]) -> int:
         """Register ``buffers`` with the client (once each: a read into one must not pay it);
         returns how many were new."""

@@ -50,6 +50,10 @@ from pdserve.engine.kv_write import LOAD_THREADS, GroupTier, TierStats, WriteThr
 from pdserve.engine.threads import helper_pool
 from pdserve.schemas import TierCounts
 
+# Groups a load reads from the store in one call (its client's batch read), two such reads in
+# flight at once (the read buffers: 2 x LOAD_THREADS); the disk reads a group a thread.
+READ_BATCH = LOAD_THREADS
+
 log = logging.getLogger(__name__)
 
 
@@ -363,21 +367,37 @@ class KVTiers(WriteThrough, ReadAhead):
             with self._fetch_lock:  # a load beside the steps (load_behind) may be first
                 if self._loaders is None:
                     self._loaders = helper_pool(LOAD_THREADS, "kv-tier-load")
-        fetched: dict[int, Future[_Fetched]] = {}
+        fetched: dict[int, tuple[Future[list[_Fetched]], int]] = {}  # a span's read and its place in it
         held: dict[int, ReadBuffer] = {}
         ahead = 0  # spans submitted so far
 
         def submit_ahead(upto: int) -> None:
             nonlocal ahead
             while ahead < len(spans) and ahead < upto + self._read_buffers.count:
-                step = spans[ahead][0]
-                if step.tier != "host":
-                    buffer = self._read_buffer(step.tier)
+                name = spans[ahead][0].tier
+                if name == "host":
+                    ahead += 1
+                    continue
+                # a tier that reads several groups in one call (the store) takes the run of its
+                # spans here, up to READ_BATCH; others a span a read
+                most = READ_BATCH if hasattr(self.tier(name), "get_many_into") else 1
+                batch: list[tuple[_Step, ReadBuffer | None]] = []
+                first = ahead
+                while (
+                    ahead < len(spans)
+                    and spans[ahead][0].tier == name
+                    and len(batch) < most
+                    and ahead < upto + self._read_buffers.count
+                ):
+                    buffer = self._read_buffer(name)
                     if buffer is not None:
                         held[ahead] = buffer
-                    assert self._loaders is not None
-                    fetched[ahead] = self._loaders.submit(self._fetch_group, step, buffer)
-                ahead += 1
+                    batch.append((spans[ahead][0], buffer))
+                    ahead += 1
+                assert self._loaders is not None
+                future = self._loaders.submit(self._fetch_groups, batch)
+                for place in range(len(batch)):
+                    fetched[first + place] = (future, place)
 
         loaded = 0
         taken: dict[str, tuple[int, float]] = {}  # bytes and seconds a source, over the whole load
@@ -392,7 +412,8 @@ class KVTiers(WriteThrough, ReadAhead):
                     source = "host" if self.host.load(step.key, target[0]) else None
                 else:
                     if i in fetched:
-                        got = fetched.pop(i).result()
+                        future, place = fetched.pop(i)
+                        got = future.result()[place]
                     else:
                         buffer = self._read_buffer(step.tier)
                         if buffer is not None:
@@ -420,7 +441,7 @@ class KVTiers(WriteThrough, ReadAhead):
                 counters.load_bytes += n * self.pool.page_bytes
                 loaded += n
         finally:
-            for i, future in fetched.items():  # a run ended early: its reads still in flight
+            for i, (future, _) in fetched.items():  # a run ended early: its reads still in flight
                 future.result()
                 if i in held:
                     self._give_back(held.pop(i))
@@ -452,6 +473,43 @@ class KVTiers(WriteThrough, ReadAhead):
         if blob is None:
             source = tier.name
             blob = tier.get(step.key) if buffer is None else tier.get_into(step.key, buffer)
+        return self._checked(step, tier, source, blob, buffer)
+
+    def _fetch_groups(self, batch: Sequence[tuple[_Step, ReadBuffer | None]]) -> list[_Fetched]:
+        """:meth:`_fetch_group` of each ``(step, buffer)`` of one tier; the groups read into
+        buffers in one call where the tier reads several at once (``get_many_into``)."""
+        if len(batch) == 1:
+            return [self._fetch_group(*batch[0])]
+        tier = self.tier(batch[0][0].tier)
+        assert tier is not None
+        blobs: list[bytes | bytearray | memoryview | None] = [self._take_prefetched(step.key) for step, _ in batch]
+        sources = ["prefetched" if blob is not None else tier.name for blob in blobs]
+        wanted = [
+            j
+            for j, (blob, (_, buffer)) in enumerate(zip(blobs, batch, strict=True))
+            if blob is None and buffer is not None
+        ]
+        if wanted:
+            many = tier.get_many_into  # type: ignore[attr-defined]
+            got = many([batch[j][0].key for j in wanted], [batch[j][1] for j in wanted])
+            for j, blob in zip(wanted, got, strict=True):
+                blobs[j] = blob
+        out = []
+        for j, ((step, buffer), blob) in enumerate(zip(batch, blobs, strict=True)):
+            if blob is None and sources[j] != "prefetched" and j not in wanted:  # no buffer was free
+                blob = tier.get(step.key)
+            out.append(self._checked(step, tier, sources[j], blob, buffer))
+        return out
+
+    def _checked(
+        self,
+        step: _Step,
+        tier: GroupTier,
+        source: str,
+        blob: bytes | bytearray | memoryview | None,
+        buffer: ReadBuffer | None,
+    ) -> _Fetched:
+        """``blob`` of ``step``'s group as read from ``source``: its pages, checked."""
         if blob is None:
             return _Fetched(source, None)
         try:

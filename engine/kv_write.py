@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -378,8 +378,12 @@ class WriteThrough:
             if self._calibrator is None:
                 self._calibrator = helper_pool(LOAD_THREADS, "kv-tier-calibrate")
             threads = self._calibrator
+        many = getattr(tier, "get_many_into", None)
         began = time.perf_counter()
-        sizes = list(threads.map(read, keys)) if threads is not None else [read(k) for k in keys]
+        if many is not None and len(keys) > 1:  # one call for them all, as a load reads the store
+            sizes = self._read_many(tier, many, keys)
+        else:
+            sizes = list(threads.map(read, keys)) if threads is not None else [read(k) for k in keys]
         seconds = time.perf_counter() - began
         width = sum(1 for n in sizes if n)
         if not width:
@@ -391,6 +395,29 @@ class WriteThrough:
         self.stats.tiers[tier.name].calibrations += 1
         self._writes_since_calibration[tier.name] = 0
         return True
+
+    def _read_many(
+        self,
+        tier: GroupTier,
+        many: Callable[[list[bytes], list[ReadBuffer]], list[memoryview | bytearray | None]],
+        keys: list[bytes],
+    ) -> list[int]:
+        """Bytes of each of ``keys`` read from ``tier`` in one ``get_many_into`` call and
+        checked (0: missing or corrupt), as :meth:`calibrate`'s ``read`` does one at a time."""
+        buffers = [b for b in (self._read_buffer(tier.name) for _ in keys) if b is not None]
+        try:
+            blobs = many(keys[: len(buffers)], buffers) + [tier.get(k) for k in keys[len(buffers) :]]
+            sizes = []
+            for key, blob in zip(keys, blobs, strict=True):
+                try:
+                    ok = blob is not None and kv_blob.decode(blob, self.ident, key, self.pool.layout) is not None
+                except kv_blob.CorruptBlob:
+                    ok = False
+                sizes.append(len(blob) if ok and blob is not None else 0)
+            return sizes
+        finally:
+            for buffer in buffers:
+                self._read_buffers.give(buffer)
 
     def check(self) -> None:
         """Raise a bug of the writer or prefetcher thread here, on the engine's thread: a tier

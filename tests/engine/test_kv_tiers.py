@@ -617,6 +617,13 @@ def test_store_tier_round_trips_and_refuses_corrupt_objects(store_master: StoreM
     small = store.get_into(key(7), ReadBuffer(torch.zeros(len(got) - 1, dtype=torch.uint8)))
     assert isinstance(small, bytearray) and small == got
     assert store.get_into(key(6), buffer) is None
+    # several in one call (the client's batch read): a missing one None, one that does not fit as get reads
+    store.put(key(9), kv_blob.encode(IDENT, key(9), pages))
+    other = ReadBuffer(torch.zeros(len(got), dtype=torch.uint8))
+    tiny = ReadBuffer(torch.zeros(8, dtype=torch.uint8))
+    many = store.get_many_into([key(7), key(6), key(9)], [buffer, other, tiny])
+    assert isinstance(many[0], memoryview) and many[0].tobytes() == bytes(got) and many[1] is None
+    assert isinstance(many[2], bytearray) and torch.equal(kv_blob.decode(many[2], IDENT, key(9), LAYOUT), pages)
     store.put(key(8), kv_blob.encode(IDENT, key(7), pages))  # stored under a key it does not belong to
     with pytest.raises(kv_blob.CorruptBlob):
         kv_blob.decode(store.get(key(8)) or b"", IDENT, key(8), LAYOUT)
@@ -635,7 +642,12 @@ def test_a_second_engine_serves_a_prompt_first_seen_by_another_from_the_store(
     assert stored == 200 // 16 // 4 * 4
     first.close()  # the objects live in the store server's memory: they outlive the first worker
     second = tiered_engine(tiny_model_dir, group_pages=4, **tiers)
+    tier = second.tiers.tier("store")  # type: ignore[union-attr]
+    reads: list[int] = []
+    many = tier.get_many_into  # type: ignore[union-attr]
+    tier.get_many_into = lambda keys, buffers: reads.append(len(keys)) or many(keys, buffers)  # type: ignore[union-attr]
     assert serve(second, [prompts[1]]) == [expected[1]]
+    assert reads == [stored // 4]  # the prefix's groups read in one call to the client
     hits = second.tiers.stats.tiers["store"]  # type: ignore[union-attr]
     assert hits.hit_pages == stored and hits.corrupt == 0 and hits.unbuffered_reads == 0
     assert first.tiers.stats.write_errors == first.tiers.stats.write_drops == 0  # type: ignore[union-attr]
