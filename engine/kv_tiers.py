@@ -379,8 +379,15 @@ class KVTiers(WriteThrough, ReadAhead):
                     ahead += 1
                     continue
                 # a tier that reads several groups in one call (the store) takes the run of its
-                # spans here, up to READ_BATCH; others a span a read
+                # spans here, up to READ_BATCH, once there is room for them all (else the reads
+                # after the first two would go a group a call, as buffers come back one by one);
+                # others a span a read
                 most = READ_BATCH if hasattr(self.tier(name), "get_many_into") else 1
+                run = 1
+                while ahead + run < len(spans) and spans[ahead + run][0].tier == name and run < most:
+                    run += 1
+                if upto + self._read_buffers.count - ahead < run:
+                    break
                 batch: list[tuple[_Step, ReadBuffer | None]] = []
                 first = ahead
                 while (

@@ -655,6 +655,29 @@ def test_a_second_engine_serves_a_prompt_first_seen_by_another_from_the_store(
     second.close()
 
 
+def test_a_long_prefix_is_read_from_the_store_a_batch_of_groups_a_call(
+    tiny_model_dir: Path, prompts_and_expected, store_master: StoreMaster
+) -> None:
+    """A load's store groups go to the client READ_BATCH at a call all the way through, not a
+    group a call once the first reads' buffers come back one by one."""
+    from pdserve.engine import kv_tiers
+
+    prompts, expected = prompts_and_expected
+    tiers = dict(store_master=store_master.address, store_metadata=store_master.metadata_url)
+    first = tiered_engine(tiny_model_dir, group_pages=1, **tiers)
+    assert serve(first, prompts[:1]) == expected[:1]
+    first.close()
+    second = tiered_engine(tiny_model_dir, group_pages=1, **tiers)
+    tier = second.tiers.tier("store")  # type: ignore[union-attr]
+    reads: list[int] = []
+    many = tier.get_many_into  # type: ignore[union-attr]
+    tier.get_many_into = lambda keys, buffers: reads.append(len(keys)) or many(keys, buffers)  # type: ignore[union-attr]
+    assert serve(second, [prompts[1]]) == [expected[1]]
+    assert reads == [kv_tiers.READ_BATCH] * (200 // 16 // kv_tiers.READ_BATCH)  # 12 groups of a page
+    assert second.tiers.stats.tiers["store"].hit_pages == 200 // 16  # type: ignore[union-attr]
+    second.close()
+
+
 def test_a_store_is_measured_at_start_on_probe_groups_every_worker_shares(
     tiny_model_dir: Path, store_master: StoreMaster
 ) -> None:
