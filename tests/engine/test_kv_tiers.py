@@ -678,6 +678,43 @@ def test_a_long_prefix_is_read_from_the_store_a_batch_of_groups_a_call(
     second.close()
 
 
+def test_a_batch_of_store_groups_takes_read_ahead_ones_from_memory_and_reads_the_rest(
+    tiny_model_dir: Path, prompts_and_expected, store_master: StoreMaster
+) -> None:
+    """Of a batch of store groups, one read ahead comes from memory, one with a buffer is read in
+    the batch's one call, one without (every buffer out) as ``get`` reads it: each checked and
+    named by where it came from."""
+    from pdserve.engine.kv_tiers import _Step
+    from pdserve.engine.page_manager import page_hashes
+
+    prompts, expected = prompts_and_expected
+    config = dict(store_master=store_master.address, store_metadata=store_master.metadata_url)
+    first = tiered_engine(tiny_model_dir, group_pages=4, **config)
+    assert serve(first, prompts[:1]) == expected[:1]
+    first.close()
+    engine = tiered_engine(tiny_model_dir, group_pages=4, **config)
+    tiers = engine.tiers
+    assert tiers is not None
+    tier = tiers.tier("store")
+    assert tier is not None
+    hashes = page_hashes(prompts[0], 16, None)
+    keys = [hashes[end - 1] for end in (4, 8, 12)]
+    blobs = [tier.get(k) for k in keys]
+    assert all(b is not None for b in blobs)
+    tiers._keep_prefetched(keys[1], "store", blobs[1])  # type: ignore[arg-type]
+    reads: list[int] = []
+    many = tier.get_many_into  # type: ignore[attr-defined]
+    tier.get_many_into = lambda ks, bs: reads.append(len(ks)) or many(ks, bs)  # type: ignore[attr-defined]
+    buffer = tiers._read_buffers.take()
+    got = tiers._fetch_groups([(_Step("store", k, 0, 4), b) for k, b in zip(keys, (buffer, None, None), strict=True)])
+    assert reads == [1] and [g.source for g in got] == ["store", "prefetched", "store"]
+    for g, k, blob in zip(got, keys, blobs, strict=True):
+        assert g.group is not None and torch.equal(g.group, kv_blob.decode(blob, tiers.ident, k, tiers.pool.layout))
+    assert buffer is not None
+    tiers._read_buffers.give(buffer)
+    engine.close()
+
+
 def test_a_store_is_measured_at_start_on_probe_groups_every_worker_shares(
     tiny_model_dir: Path, store_master: StoreMaster
 ) -> None:
