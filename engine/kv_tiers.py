@@ -350,8 +350,9 @@ class KVTiers(WriteThrough, ReadAhead):
         page lost since :meth:`find`, or a corrupt blob, ends the run there). The groups'
         reads and checks run on :data:`LOAD_THREADS` threads at once (file reads and the
         CRC let go of the interpreter), each disk or store group into a reused read buffer
-        (:mod:`.kv_buffers`), up to as many groups ahead as there are buffers; their copies
-        into the pool run in order on this thread."""
+        (:mod:`.kv_buffers`), up to as many groups ahead as there are buffers (the store's
+        :data:`READ_BATCH` at a call to its client); their copies into the pool run in order
+        on this thread."""
         began = time.perf_counter()
         assert len(pages) <= plan.num_pages
         spans: list[tuple[_Step, int, int]] = []  # (step, first page, pages) of what is wanted
