@@ -98,7 +98,7 @@ kv_tiers)  # Mooncake Store included: the CUDA 13 Mooncake wheel and Debian's li
     timeout -k 15 ${LIMIT:-240} python3 bench/kv_tiers.py --device cuda --model /tmp/m7b --load-format dummy --users 4 \
       --turns ${TURNS:-3} --answer 4 --prefix "$prefix" --pool-tokens $((prefix * 3 / 2)) --host-bytes $((4 << 30)) --store-bytes $((8 << 30)) \
       --json "$out/kv_tiers_gpu_$prefix.json" ${ARGS:-} > "$out/kv_tiers_gpu_$prefix.log" 2>&1
-    echo "== prefix $prefix"; quiet < "$out/kv_tiers_gpu_$prefix.log" | grep "^none\|^host\|^disk\|^store\|Error" | cut -c1-220
+    echo "== prefix $prefix"; quiet < "$out/kv_tiers_gpu_$prefix.log" | grep "^none\|^host\|^disk\|^store\|^all\|Error" | cut -c1-220
   done
   (cd "$out" && tar -czf kv_tiers_logs.tgz *.log && rm -f *.log)
   ;;
