@@ -95,6 +95,10 @@ class ReadAhead:
     def _prefetch(self, hashes: list[bytes], start: int, ahead: int) -> None:
         g = self.group_pages
         i = start
+        # which tier holds each group of the range, asked once a tier (a store's lookup is a
+        # round trip to its master: one for the prefix, not one a group)
+        keys = [hashes[end - 1] for end in range((start // g + 1) * g, len(hashes) + 1, g)]
+        held = {t.name: {k for k, yes in zip(keys, t.contains_many(keys), strict=True) if yes} for t in self.groups}
         while i < len(hashes):
             if self.host is not None and self.host.contains(hashes[i]):
                 i += 1
@@ -106,7 +110,7 @@ class ReadAhead:
             with self._fetch_lock:
                 have = key in self._fetched
             if not have:
-                tier = next((t for t in self.groups if t.contains(key)), None)
+                tier = next((t for t in self.groups if key in held[t.name]), None)
                 if tier is None or not self._worth_reading_ahead(tier.name, ahead):
                     return
                 blob = tier.get(key)

@@ -541,9 +541,14 @@ def test_a_queued_request_finds_its_prefix_read_ahead(
     engine = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4, load="cost")
     assert engine.tiers is not None
     engine.tiers.estimates.bytes_per_s["disk"] = 1.0
+    tier = engine.tiers.tier("disk")
+    asked: list[int] = []
+    contains_many = tier.contains_many  # type: ignore[union-attr]
+    tier.contains_many = lambda keys: asked.append(len(keys)) or contains_many(keys)  # type: ignore[union-attr]
     engine.add_request("r0", [3, 1, 4, 1, 5], GREEDY)  # ahead of it (no full page: nothing to look up or write)
     engine.add_request("r1", prompts[1], GREEDY)
     engine.tiers.drain_prefetches()
+    assert asked == [groups]  # the read-ahead asked the tier about the prefix's groups once
     disk = engine.tiers.stats.tiers["disk"]
     assert disk.prefetched_groups == groups and disk.hit_pages == 0  # read ahead, nothing loaded yet
     assert run_all(engine)["r1"] == expected[1]
