@@ -65,10 +65,10 @@ def marginal_cost(readings: Sequence[tuple[int, float]]) -> float:
     return cheapest
 
 
-def _least_squares(columns: Sequence[Sequence[float]], y: Sequence[float]) -> tuple[list[float], float] | None:
-    """Coefficients of the least-squares fit of ``y`` by ``columns`` and its squared residual
-    (None where the columns are dependent). The normal equations, each column scaled to a
-    largest value of 1 first (tokens and pairs are orders of magnitude apart)."""
+def _least_squares(columns: Sequence[Sequence[float]], y: Sequence[float]) -> list[float] | None:
+    """Coefficients of the least-squares fit of ``y`` by ``columns`` (None where the columns
+    are dependent). The normal equations, each column scaled to a largest value of 1 first
+    (tokens and pairs are orders of magnitude apart)."""
     scales = [max(abs(v) for v in c) or 1.0 for c in columns]
     cols = [[v / s for v in c] for c, s in zip(columns, scales, strict=True)]
     k = len(cols)
@@ -86,20 +86,17 @@ def _least_squares(columns: Sequence[Sequence[float]], y: Sequence[float]) -> tu
     x = [0.0] * k
     for i in reversed(range(k)):
         x[i] = (r[i] - sum(m[i][j] * x[j] for j in range(i + 1, k))) / m[i][i]
-    fitted = [sum(x[j] * cols[j][n] for j in range(k)) for n in range(len(y))]
-    residual = sum((f - v) ** 2 for f, v in zip(fitted, y, strict=True))
-    return [v / s for v, s in zip(x, scales, strict=True)], residual
+    return [v / s for v, s in zip(x, scales, strict=True)]
 
 
 def prefill_model(readings: Sequence[tuple[int, float, float]]) -> tuple[float, float]:
     """``(seconds a prompt token, seconds a pair)`` from ``(tokens, seconds, pairs)`` prefill
     steps, ``pairs`` the (query, key) pairs their attention computed (a chunk of ``n`` tokens
     after ``c`` others: ``n * (c + n / 2)``): the least-squares fit of ``seconds = fixed +
-    a * tokens + b * pairs`` with no part negative (the best of the fits that leave out the
-    fixed part or set it to zero, where the full one has a negative part) where the steps tell
-    tokens and pairs apart; else, or where no such fit has an attention term,
-    ``(marginal_cost, 0.0)``. A prefix's later tokens cost more than its first (each attends
-    to all before it): on an H200 a 7B model's 2,048-token prompt took 24 us a token, an
+    a * tokens + b * pairs`` with no part negative (where the full fit has a negative part,
+    the fit through the origin: no fixed part) where the steps tell tokens and pairs apart;
+    else, or where no such fit has an attention term, ``(marginal_cost, 0.0)``. A prefix's
+    later tokens cost more than its first (each attends to all before it): on an H200 a 7B model's 2,048-token prompt took 24 us a token, an
     8,192-token one 30. Dropping the attention's term for a negative fixed part priced an
     8,192-token prefix's last pages at a third of their cost there, and a restarted worker
     declined its disk (2026-12-05)."""
@@ -119,20 +116,13 @@ def prefill_model(readings: Sequence[tuple[int, float, float]]) -> tuple[float, 
     tokens = [float(t) for t in sizes]
     pairs = [p for _, _, p in readings]
     seconds = [sec for _, sec, _ in readings]
-    best: tuple[float, float, float] | None = None  # (residual, a, b)
-    for fixed in (True, False):  # with a fixed part, then through the origin
-        fit = _least_squares([[1.0] * n, tokens, pairs] if fixed else [tokens, pairs], seconds)
-        if fit is None:
-            continue
-        coefficients, residual = fit
-        *rest, a, b = coefficients
-        if a > 0.0 and b > 0.0 and all(v >= 0.0 for v in rest) and (best is None or residual < best[0]):
-            best = (residual, a, b)
-        if best is not None:
-            break  # the full fit is the least-squares one where it is feasible
-    if best is None:
-        return linear, 0.0
-    return best[1], best[2]
+    for columns in ([[1.0] * n, tokens, pairs], [tokens, pairs]):  # with a fixed part, then through the origin
+        fit = _least_squares(columns, seconds)
+        if fit is not None:
+            *fixed, a, b = fit
+            if a > 0.0 and b > 0.0 and all(v >= 0.0 for v in fixed):
+                return a, b
+    return linear, 0.0
 
 
 @dataclass

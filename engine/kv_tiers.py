@@ -474,40 +474,34 @@ class KVTiers(WriteThrough, ReadAhead):
         ``prefetched``); no pages for a miss (gone, or corrupt: removed from its tier). Read
         into ``buffer`` where given (the pages returned then live there). Runs on any
         thread: the caller counts what it returns."""
-        tier = self.tier(step.tier)
-        assert tier is not None
-        source = "prefetched"
-        blob: bytes | bytearray | memoryview | None = self._take_prefetched(step.key)
-        if blob is None:
-            source = tier.name
-            blob = tier.get(step.key) if buffer is None else tier.get_into(step.key, buffer)
-        return self._checked(step, tier, source, blob, buffer)
+        return self._fetch_groups([(step, buffer)])[0]
 
     def _fetch_groups(self, batch: Sequence[tuple[_Step, ReadBuffer | None]]) -> list[_Fetched]:
-        """:meth:`_fetch_group` of each ``(step, buffer)`` of one tier; the groups read into
-        buffers in one call where the tier reads several at once (``get_many_into``)."""
-        if len(batch) == 1:
-            return [self._fetch_group(*batch[0])]
+        """:meth:`_fetch_group` of each ``(step, buffer)`` of one tier: a group read ahead from
+        memory, one with a buffer into it (several in one call where the tier reads several at
+        once, ``get_many_into``), one without (every buffer out) as ``get`` reads it."""
         tier = self.tier(batch[0][0].tier)
         assert tier is not None
         blobs: list[bytes | bytearray | memoryview | None] = [self._take_prefetched(step.key) for step, _ in batch]
         sources = ["prefetched" if blob is not None else tier.name for blob in blobs]
-        wanted = [
+        into = [
             j
             for j, (blob, (_, buffer)) in enumerate(zip(blobs, batch, strict=True))
             if blob is None and buffer is not None
         ]
-        if wanted:
-            many = tier.get_many_into  # type: ignore[attr-defined]
-            got = many([batch[j][0].key for j in wanted], [batch[j][1] for j in wanted])
-            for j, blob in zip(wanted, got, strict=True):
+        many = getattr(tier, "get_many_into", None)
+        batched = into if many is not None and len(batch) > 1 else []
+        if many is not None and batched:
+            keys = [batch[j][0].key for j in batched]
+            for j, blob in zip(batched, many(keys, [batch[j][1] for j in batched]), strict=True):
                 blobs[j] = blob
-        out = []
-        for j, ((step, buffer), blob) in enumerate(zip(batch, blobs, strict=True)):
-            if blob is None and sources[j] != "prefetched" and j not in wanted:  # no buffer was free
-                blob = tier.get(step.key)
-            out.append(self._checked(step, tier, sources[j], blob, buffer))
-        return out
+        for j, (step, buffer) in enumerate(batch):
+            if sources[j] == tier.name and j not in batched:
+                blobs[j] = tier.get(step.key) if buffer is None else tier.get_into(step.key, buffer)
+        return [
+            self._checked(step, tier, source, blob, buffer)
+            for (step, buffer), source, blob in zip(batch, sources, blobs, strict=True)
+        ]
 
     def _checked(
         self,

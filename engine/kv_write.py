@@ -359,13 +359,7 @@ class WriteThrough:
         def read(key: bytes) -> int:
             buffer = self._read_buffer(tier.name)  # as a load reads
             try:
-                blob = tier.get(key) if buffer is None else tier.get_into(key, buffer)
-                if blob is None:
-                    return 0
-                kv_blob.decode(blob, self.ident, key, self.pool.layout)
-                return len(blob)
-            except kv_blob.CorruptBlob:
-                return 0
+                return self._checked_size(key, tier.get(key) if buffer is None else tier.get_into(key, buffer))
             finally:
                 if buffer is not None:
                     self._read_buffers.give(buffer)
@@ -407,17 +401,20 @@ class WriteThrough:
         buffers = [b for b in (self._read_buffer(tier.name) for _ in keys) if b is not None]
         try:
             blobs = many(keys[: len(buffers)], buffers) + [tier.get(k) for k in keys[len(buffers) :]]
-            sizes = []
-            for key, blob in zip(keys, blobs, strict=True):
-                try:
-                    ok = blob is not None and kv_blob.decode(blob, self.ident, key, self.pool.layout) is not None
-                except kv_blob.CorruptBlob:
-                    ok = False
-                sizes.append(len(blob) if ok and blob is not None else 0)
-            return sizes
+            return [self._checked_size(key, blob) for key, blob in zip(keys, blobs, strict=True)]
         finally:
             for buffer in buffers:
                 self._read_buffers.give(buffer)
+
+    def _checked_size(self, key: bytes, blob: bytes | bytearray | memoryview | None) -> int:
+        """Bytes of group ``key``'s ``blob`` as read back, 0 where it is missing or corrupt."""
+        if blob is None:
+            return 0
+        try:
+            kv_blob.decode(blob, self.ident, key, self.pool.layout)
+        except kv_blob.CorruptBlob:
+            return 0
+        return len(blob)
 
     def check(self) -> None:
         """Raise a bug of the writer or prefetcher thread here, on the engine's thread: a tier

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -157,6 +158,19 @@ def tiered_engine(model_dir: Path, dtype: str = "auto", **tiers: object) -> Engi
     tiers.setdefault("load", "always")
     config = EngineConfig(max_total_tokens=POOL_TOKENS, kv_tiers=KVTierConfig(**tiers))  # type: ignore[arg-type]
     return build_engine(model_dir, config, dtype=dtype)
+
+
+def keys_asked(tier: object, method: str) -> list[int]:
+    """How many keys each call of ``tier``'s ``method`` (keys first) asks for, from now on."""
+    calls: list[int] = []
+    wrapped = getattr(tier, method)
+
+    def counted(keys: Sequence[bytes], *args: Any) -> Any:
+        calls.append(len(keys))
+        return wrapped(keys, *args)
+
+    setattr(tier, method, counted)
+    return calls
 
 
 def serve(engine: Engine, prompts: list[list[int]], first: int = 0) -> list[list[int]]:
@@ -542,9 +556,7 @@ def test_a_queued_request_finds_its_prefix_read_ahead(
     assert engine.tiers is not None
     engine.tiers.estimates.bytes_per_s["disk"] = 1.0
     tier = engine.tiers.tier("disk")
-    asked: list[int] = []
-    contains_many = tier.contains_many  # type: ignore[union-attr]
-    tier.contains_many = lambda keys: asked.append(len(keys)) or contains_many(keys)  # type: ignore[union-attr]
+    asked = keys_asked(tier, "contains_many")
     engine.add_request("r0", [3, 1, 4, 1, 5], GREEDY)  # ahead of it (no full page: nothing to look up or write)
     engine.add_request("r1", prompts[1], GREEDY)
     engine.tiers.drain_prefetches()
@@ -648,9 +660,7 @@ def test_a_second_engine_serves_a_prompt_first_seen_by_another_from_the_store(
     first.close()  # the objects live in the store server's memory: they outlive the first worker
     second = tiered_engine(tiny_model_dir, group_pages=4, **tiers)
     tier = second.tiers.tier("store")  # type: ignore[union-attr]
-    reads: list[int] = []
-    many = tier.get_many_into  # type: ignore[union-attr]
-    tier.get_many_into = lambda keys, buffers: reads.append(len(keys)) or many(keys, buffers)  # type: ignore[union-attr]
+    reads = keys_asked(tier, "get_many_into")
     assert serve(second, [prompts[1]]) == [expected[1]]
     assert reads == [stored // 4]  # the prefix's groups read in one call to the client
     hits = second.tiers.stats.tiers["store"]  # type: ignore[union-attr]
@@ -658,6 +668,18 @@ def test_a_second_engine_serves_a_prompt_first_seen_by_another_from_the_store(
     assert first.tiers.stats.write_errors == first.tiers.stats.write_drops == 0  # type: ignore[union-attr]
     assert second.stats.cached_tokens == stored * 16
     second.close()
+
+
+def after_another_on_the_store(
+    model_dir: Path, store_master: StoreMaster, prompt: list[int], expected: list[int], group_pages: int
+) -> Engine:
+    """An engine on ``store_master``'s store after another one (closed since) served ``prompt``
+    there, its groups of ``group_pages`` pages written."""
+    config = dict(store_master=store_master.address, store_metadata=store_master.metadata_url)
+    first = tiered_engine(model_dir, group_pages=group_pages, **config)
+    assert serve(first, [prompt]) == [expected]
+    first.close()
+    return tiered_engine(model_dir, group_pages=group_pages, **config)
 
 
 def test_a_long_prefix_is_read_from_the_store_a_batch_of_groups_a_call(
@@ -668,15 +690,9 @@ def test_a_long_prefix_is_read_from_the_store_a_batch_of_groups_a_call(
     from pdserve.engine import kv_tiers
 
     prompts, expected = prompts_and_expected
-    tiers = dict(store_master=store_master.address, store_metadata=store_master.metadata_url)
-    first = tiered_engine(tiny_model_dir, group_pages=1, **tiers)
-    assert serve(first, prompts[:1]) == expected[:1]
-    first.close()
-    second = tiered_engine(tiny_model_dir, group_pages=1, **tiers)
+    second = after_another_on_the_store(tiny_model_dir, store_master, prompts[0], expected[0], group_pages=1)
     tier = second.tiers.tier("store")  # type: ignore[union-attr]
-    reads: list[int] = []
-    many = tier.get_many_into  # type: ignore[union-attr]
-    tier.get_many_into = lambda keys, buffers: reads.append(len(keys)) or many(keys, buffers)  # type: ignore[union-attr]
+    reads = keys_asked(tier, "get_many_into")
     assert serve(second, [prompts[1]]) == [expected[1]]
     assert reads == [kv_tiers.READ_BATCH] * (200 // 16 // kv_tiers.READ_BATCH)  # 12 groups of a page
     assert second.tiers.stats.tiers["store"].hit_pages == 200 // 16  # type: ignore[union-attr]
@@ -693,11 +709,7 @@ def test_a_batch_of_store_groups_takes_read_ahead_ones_from_memory_and_reads_the
     from pdserve.engine.page_manager import page_hashes
 
     prompts, expected = prompts_and_expected
-    config = dict(store_master=store_master.address, store_metadata=store_master.metadata_url)
-    first = tiered_engine(tiny_model_dir, group_pages=4, **config)
-    assert serve(first, prompts[:1]) == expected[:1]
-    first.close()
-    engine = tiered_engine(tiny_model_dir, group_pages=4, **config)
+    engine = after_another_on_the_store(tiny_model_dir, store_master, prompts[0], expected[0], group_pages=4)
     tiers = engine.tiers
     assert tiers is not None
     tier = tiers.tier("store")
@@ -707,9 +719,7 @@ def test_a_batch_of_store_groups_takes_read_ahead_ones_from_memory_and_reads_the
     blobs = [tier.get(k) for k in keys]
     assert all(b is not None for b in blobs)
     tiers._keep_prefetched(keys[1], "store", blobs[1])  # type: ignore[arg-type]
-    reads: list[int] = []
-    many = tier.get_many_into  # type: ignore[attr-defined]
-    tier.get_many_into = lambda ks, bs: reads.append(len(ks)) or many(ks, bs)  # type: ignore[attr-defined]
+    reads = keys_asked(tier, "get_many_into")
     buffer = tiers._read_buffers.take()
     got = tiers._fetch_groups([(_Step("store", k, 0, 4), b) for k, b in zip(keys, (buffer, None, None), strict=True)])
     assert reads == [1] and [g.source for g in got] == ["store", "prefetched", "store"]
