@@ -112,15 +112,13 @@ def timed(fn: Any, reps: int = 5) -> float:
     return start.elapsed_time(end) * 1000 / reps / calls
 
 
-def with_split(rows: int, n: int, k: int, tiles: dict[str, Any]) -> dict[str, Any]:
-    """``tiles`` with split-K chosen by the table's rule for its channel and K tiles."""
-    tiles = dict(tiles)
+def with_split(rows: int, n: int, k: int, tiles: dict[str, Any], w8a8: bool = True) -> dict[str, Any]:
+    """``tiles`` with split-K chosen by the table's rule (:func:`fp8.split_k`, within one wave
+    where :func:`fp8.matmul_tiles` keeps a W8A8 decode batch's programs to one) for its channel
+    and K tiles."""
     programs = -(-rows // tiles["block_m"]) * -(-n // tiles["block_n"])
-    split = 1
-    while programs * split < fp8._SMS and split < 8 and k // (split * 2) >= 2 * tiles["block_k"]:
-        split *= 2
-    tiles["split_k"] = split
-    return tiles
+    one_wave = w8a8 and rows <= 64 and fp8.MATMUL_RULE == "one-wave"
+    return {**tiles, "split_k": fp8.split_k(programs, k, tiles["block_k"], one_wave)}
 
 
 def table(results: list[dict]) -> str:
@@ -383,7 +381,7 @@ def main() -> int:
                     record(shape, rows, "batched_mm", mm_swept, n * k, tiles="sweep", **cfg)
 
             for name, overrides in (("table", {}), ("n128", {"block_n": 128})):
-                cfg = with_split(rows, n, k, {**fp8.matmul_tiles(rows, n, k, tile_quant=True), **overrides})
+                cfg = with_split(rows, n, k, {**fp8.matmul_tiles(rows, n, k, tile_quant=True), **overrides}, w8a8=False)
 
                 def tileq(x: torch.Tensor = x, cfg: dict = cfg) -> int:
                     for w in q8:

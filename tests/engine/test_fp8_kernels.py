@@ -369,3 +369,22 @@ def test_rms_norm_hands_over_rows_quantized(dtype: torch.dtype, residual: bool) 
         assert rel_err(out, w8a8_reference(q_ref, scale_ref, w, bias)) < 1e-2
     with pytest.raises(AssertionError, match="not quantized per row"):
         fp8.linear(q[:1], w, x_scale=scale[:1])
+
+
+def test_the_probe_s_table_variant_times_the_rule_s_own_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/probes/fp8_probe.py re-splits other tiles along K as the rule would; its ``table``
+    variant, the sweep's yardstick, must then be the tiles the engine runs (it split W8A8 decode
+    batches by the rule before the one-wave one: qkv in 2, o in 4, where the engine runs 1, 2)."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench" / "probes"))
+    from fp8_probe import SHAPES, with_split
+
+    for rule in fp8.MATMUL_RULES:
+        monkeypatch.setattr(fp8, "MATMUL_RULE", rule)
+        for n, k in SHAPES.values():
+            for rows in (16, 64, 128):
+                tiles = fp8.matmul_tiles(rows, n, k)
+                assert with_split(rows, n, k, tiles) == tiles, (rule, n, k, rows)
+                grouped = fp8.matmul_tiles(rows, n, k, tile_quant=True)
+                assert with_split(rows, n, k, grouped, w8a8=False) == grouped, (rule, n, k, rows)
