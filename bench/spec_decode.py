@@ -106,8 +106,19 @@ def encode(tokenizer, text: str) -> list[int]:  # type: ignore[no-untyped-def]
     return tokenizer.encode(templated, add_special_tokens=False)
 
 
+def prompt_counts(engine: Engine, before: tuple[int, int]) -> dict:
+    """Prompt tokens, and of them cached ones, since ``before`` (:func:`counts_now`)."""
+    prompt, cached = counts_now(engine)
+    return {"prompt_tokens": prompt - before[0], "cached_tokens": cached - before[1]}
+
+
+def counts_now(engine: Engine) -> tuple[int, int]:
+    return engine.stats.prompt_tokens, engine.stats.cached_tokens
+
+
 def run_batch1(engine: Engine, prompts: list[list[int]], max_new: int, tag: str) -> dict:
     tpots, outputs, tokens = [], [], 0
+    before = counts_now(engine)
     started = time.perf_counter()
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", prompt, SamplingParams(max_new_tokens=max_new, temperature=0.0))
@@ -131,11 +142,13 @@ def run_batch1(engine: Engine, prompts: list[list[int]], max_new: int, tag: str)
         "tpot_ms_median": round(statistics.median(tpots) * 1e3, 2),
         "tpot_ms_mean": round(statistics.mean(tpots) * 1e3, 2),
         "seconds": round(time.perf_counter() - started, 2),
+        **prompt_counts(engine, before),
         "outputs": outputs,
     }
 
 
 def run_in_flight(engine: Engine, prompts: list[list[int]], max_new: int, tag: str) -> dict:
+    before = counts_now(engine)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", prompt, SamplingParams(max_new_tokens=max_new, temperature=0.0))
     outs: dict[str, list[int]] = {}
@@ -150,6 +163,7 @@ def run_in_flight(engine: Engine, prompts: list[list[int]], max_new: int, tag: s
         "output_tokens": tokens,
         "seconds": round(seconds, 2),
         "out_tok_s": round(tokens / seconds, 1),
+        **prompt_counts(engine, before),
         "outputs": [outs[f"{tag}-{i}"] for i in range(len(prompts))],
     }
 
@@ -254,6 +268,8 @@ def main() -> int:
             "seconds": round(seconds, 2),
             "out_tok_s": round(tokens / seconds, 1),
             "rounds_out_tok_s": [d["out_tok_s"] for d in done],
+            "prompt_tokens": sum(d["prompt_tokens"] for d in done),
+            "cached_tokens": sum(d["cached_tokens"] for d in done),
         }
     delta = spec_delta(engines["ngram"], before)
     delta.pop("_now")
