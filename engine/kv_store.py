@@ -10,6 +10,7 @@ every read like the disk tier's files. Puts run on the tiers' writer thread.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Sequence
@@ -17,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pdserve.engine.kv_buffers import ReadBuffer
+
+log = logging.getLogger(__name__)
 
 PREFIX = "pdserve"
 _NOT_FOUND = -704  # the client's get_into of a key it does not hold (OBJECT_NOT_FOUND)
@@ -86,7 +89,7 @@ class StoreTier:
         if got == _NOT_FOUND:
             return None
         if got < 0:
-            return self.get(key)
+            return self._read_again(key, got)
         return out[:got]
 
     def get_many_into(
@@ -104,11 +107,18 @@ class StoreTier:
         for key, buffer, n in zip(keys, buffers, got, strict=True):
             if n == _NOT_FOUND:
                 out.append(None)
-            elif n < 0:  # does not fit, or another failure of that read: as get reads it
-                out.append(self.get(key))
+            elif n < 0:
+                out.append(self._read_again(key, n))
             else:
                 out.append(buffer.view()[:n])
         return out
+
+    def _read_again(self, key: bytes, rc: int) -> bytearray | None:
+        """A read into a buffer that failed with ``rc`` (an object that does not fit: not a group
+        of this layout, which the blob's checks then call corrupt; or a transfer error), done
+        again as :meth:`get` reads, and logged."""
+        log.warning("Mooncake Store read into a buffer failed: read again", extra={"key": key.hex(), "rc": rc})
+        return self.get(key)
 
     def prepare(self, buffers: Sequence[ReadBuffer]) -> int:
         """Register ``buffers`` with the client (once each: a read into one must not pay it);

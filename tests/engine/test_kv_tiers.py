@@ -614,7 +614,9 @@ def store_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreMast
         yield master
 
 
-def test_store_tier_round_trips_and_refuses_corrupt_objects(store_master: StoreMaster) -> None:
+def test_store_tier_round_trips_and_refuses_corrupt_objects(
+    store_master: StoreMaster, caplog: pytest.LogCaptureFixture
+) -> None:
     from pdserve.engine.kv_store import StoreTier
 
     store = StoreTier(store_master.address, store_master.metadata_url, IDENT)
@@ -631,8 +633,10 @@ def test_store_tier_round_trips_and_refuses_corrupt_objects(store_master: StoreM
     assert store.prepare([buffer, buffer]) == 1 and store.prepare([buffer]) == 0  # registered once, before reads
     into = store.get_into(key(7), buffer)
     assert isinstance(into, memoryview) and into.tobytes() == bytes(got) == bytes(buffer.data.numpy())
-    small = store.get_into(key(7), ReadBuffer(torch.zeros(len(got) - 1, dtype=torch.uint8)))
+    with caplog.at_level("WARNING", logger="pdserve.engine.kv_store"):
+        small = store.get_into(key(7), ReadBuffer(torch.zeros(len(got) - 1, dtype=torch.uint8)))
     assert isinstance(small, bytearray) and small == got
+    assert [r.message for r in caplog.records] == ["Mooncake Store read into a buffer failed: read again"]
     assert store.get_into(key(6), buffer) is None
     # several in one call (the client's batch read): a missing one None, one that does not fit as get reads
     store.put(key(9), kv_blob.encode(IDENT, key(9), pages))
