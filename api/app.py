@@ -85,6 +85,10 @@ async def model_info(request: Request) -> Response:
             "generation_config": state_of(request).config.generation_config,
             # what a request that does not set them samples with (the model's generation config)
             "preferred_sampling_params": info.sampling_defaults,
+            # how tool calls are read (None: tool_choice auto is refused) and why
+            "tool_call_parser": info.tool_format.name,
+            "tool_call_parser_reason": info.tool_format.why,
+            "chat_template_takes_tools": info.tool_format.native,
         }
     )
 
@@ -225,6 +229,7 @@ def create_app(config: ApiConfig, info: ModelInfo | None = None, collectors: Seq
             config.trust_remote_code,
             config.context_length,
             config.generation_config,
+            config.tool_call_parser,
         )
         gateway = Gateway(
             config.nats_url,
@@ -241,7 +246,17 @@ def create_app(config: ApiConfig, info: ModelInfo | None = None, collectors: Seq
         for collector in collectors:
             gateway.metrics.registry.register(collector)
         app.state.pd = AppState(config, model, gateway, time.time())
-        log.info("api ready", extra={"model": model.name, "api_id": gateway.api_id, "api_keys": len(config.api_keys)})
+        tool = model.tool_format
+        log.info(
+            "api ready",
+            extra={
+                "model": model.name,
+                "api_id": gateway.api_id,
+                "api_keys": len(config.api_keys),
+                "tool_calls": tool.name or "none",
+                "tool_calls_why": tool.why,
+            },
+        )
         if model.sampling_defaults:
             log.info(
                 "sampling defaults from the model's generation config (a request's own values win)",

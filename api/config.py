@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 
 from pdserve.api.placement import PlacementConfig
+from pdserve.api.tools import PARSERS as TOOL_PARSERS
 from pdserve.broker.auth import NatsAuth
 from pdserve.broker.streams import BrokerConfig
 
@@ -26,7 +27,8 @@ class ApiConfig:
     turns on ``/flush_cache`` (benchmarks: every worker forgets its cached prefixes).
     ``generation_config`` ``auto``: the sampling values of the model's
     ``generation_config.json`` are the defaults of a request that does not set them
-    (``none``: pdserve's and OpenAI's defaults).
+    (``none``: pdserve's and OpenAI's defaults). ``tool_call_parser``: how tool calls are
+    read out of the model's text (``api/tools.py``; ``auto`` from its chat template).
     ``placement``: which path each request takes (``docs/placement.md``)."""
 
     nats_url: str
@@ -51,6 +53,7 @@ class ApiConfig:
     trust_remote_code: bool = False
     context_length: int | None = None
     generation_config: str = "auto"
+    tool_call_parser: str = "auto"
     broker: BrokerConfig = BrokerConfig()
     placement: PlacementConfig = PlacementConfig()
 
@@ -69,5 +72,7 @@ class ApiConfig:
             raise ValueError("max_batch_prompts must be at least 1 and max_concurrent_requests at least 0")
         if self.generation_config not in ("auto", "none"):
             raise ValueError("generation_config must be auto or none")
+        if self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}")
         if any(not key or key != key.strip() for key in self.api_keys):
             raise ValueError("an API key must be non-empty and hold no surrounding whitespace")

@@ -97,6 +97,15 @@ class ApiMetrics:
         for path in PLACEMENT_PATHS:
             self.placements.labels(path)
         self.output_tokens = Counter("pdserve_output_tokens", "tokens streamed to clients", registry=self.registry)
+        self.tool_calls = Counter(
+            "pdserve_tool_calls", "tool calls read out of the model's text and returned", registry=self.registry
+        )
+        self.tool_call_failures = Counter(
+            "pdserve_tool_call_parse_failures",
+            "text that began a tool call but did not read as one (unknown function, broken JSON, cut short): "
+            "returned as content",
+            registry=self.registry,
+        )
         self.ttft = Histogram(
             "pdserve_ttft_seconds", "publish to first token", buckets=LATENCY_BUCKETS, registry=self.registry
         )
@@ -128,6 +137,13 @@ class ApiMetrics:
             for _ in range(n):
                 self.itl.observe(gap)
             self.window.add("itl", now, gap, n)
+
+    def tool_reply(self, calls: int, failures: int) -> None:
+        """A chat reply's tool calls returned and the would-be calls returned as content."""
+        if calls:
+            self.tool_calls.inc(calls)
+        if failures:
+            self.tool_call_failures.inc(failures)
 
     def placed(self, path: str) -> None:
         self.placements.labels(path).inc()

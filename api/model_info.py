@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdserve.api.tools import ToolFormat, resolve_format
+
 log = logging.getLogger(__name__)
 
 
@@ -23,6 +25,8 @@ class ModelInfo:
     max_token_chars: int = 0  # the longest token's text; 0: unknown
     # What a request that does not set them samples with (``generation_config.json``'s).
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
+    # How tools are shown to the model and its calls read (``--tool-call-parser``).
+    tool_format: ToolFormat = field(default_factory=lambda: ToolFormat(None, False, "not resolved"))
 
     @property
     def max_prompt_chars(self) -> int:
@@ -83,6 +87,7 @@ def load_model_info(
     trust_remote_code: bool = False,
     context_length: int | None = None,
     generation_config: str = "auto",
+    tool_call_parser: str = "auto",
 ) -> ModelInfo:
     """Tokenizer, limits and sampling defaults of the model in the local directory ``path``
     (no weights are loaded); ``name`` is the served name (default: the directory's)."""
@@ -111,4 +116,5 @@ def load_model_info(
         created=int(path.stat().st_mtime),
         max_token_chars=max((len(t) for t in tokenizer.get_vocab()), default=0),
         sampling_defaults=sampling_defaults(path, generation_config),
+        tool_format=resolve_format(tokenizer, tool_call_parser),
     )

@@ -126,19 +126,66 @@ def chat_body(info: ModelInfo, config: ApiConfig) -> Schema:
     }
     roles = ["system", "user", "assistant", "tool", "developer"]
     content = {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}
+    call = {
+        "type": "object",
+        "required": ["function"],
+        "properties": {
+            "id": {"type": "string"},
+            "type": {"type": "string", "enum": ["function"]},
+            "function": {
+                "type": "object",
+                "required": ["name"],
+                "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}},
+            },
+        },
+    }
+    calls = {"type": "array", "items": call}
     message = {
         "anyOf": [
             {
                 "type": "object",
                 "required": ["role", "content"],
-                "properties": {"role": {"type": "string", "enum": roles}, "content": content},
+                "properties": {
+                    "role": {"type": "string", "enum": roles},
+                    "content": content,
+                    "tool_calls": calls,
+                    "tool_call_id": {"type": "string"},
+                },
             },
-            {  # an assistant turn may have no content
+            {  # an assistant turn may have no content (its tool calls instead)
                 "type": "object",
                 "required": ["role"],
-                "properties": {"role": {"type": "string", "enum": ["assistant"]}, "content": {"type": "null"}},
+                "properties": {
+                    "role": {"type": "string", "enum": ["assistant"]},
+                    "content": {"type": "null"},
+                    "tool_calls": calls,
+                },
             },
         ]
+    }
+    tool = {
+        "type": "object",
+        "required": ["type", "function"],
+        "properties": {
+            "type": {"type": "string", "enum": ["function"]},
+            "function": {
+                "type": "object",
+                "required": ["name"],
+                "properties": {
+                    "name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"},
+                    "description": {"type": "string"},
+                    "parameters": {"type": "object"},
+                },
+            },
+        },
+    }
+    named = {
+        "type": "object",
+        "required": ["type", "function"],
+        "properties": {
+            "type": {"type": "string", "enum": ["function"]},
+            "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}},
+        },
     }
     max_tokens = _max_tokens(info, config)
     return {
@@ -153,6 +200,11 @@ def chat_body(info: ModelInfo, config: ApiConfig) -> Schema:
             "top_logprobs": _integer(0, MAX_TOP_LOGPROBS),
             "user": _maybe({"type": "string"}),
             "response_format": RESPONSE_FORMAT,
+            "tools": _maybe({"type": "array", "items": tool}),
+            "tool_choice": {
+                "anyOf": [{"type": "string", "enum": ["none", "auto", "required"]}, named, {"type": "null"}]
+            },
+            "parallel_tool_calls": BOOL,
             "stream": BOOL,
             "stream_options": _maybe({"type": "object", "properties": {"include_usage": BOOL}}),
         },

@@ -6,12 +6,13 @@ anything is published.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from pdserve.api import constraints
+from pdserve.api import constraints, tools
 from pdserve.api.errors import bad_request
 from pdserve.api.model_info import ModelInfo
 from pdserve.schemas import SamplingParams
@@ -57,6 +58,7 @@ class Parsed:
     skip_special_tokens: bool = True
     rid: str | list[str] | None = None  # /generate: one id, or one per prompt of a batch
     batch: bool = False  # the client sent a list of prompts
+    tools: tools.ToolRequest | None = None  # chat: the tools shown, whose calls are read back
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -327,6 +329,8 @@ _ROLES = {"system", "user", "assistant", "tool", "developer"}
 
 
 def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The messages, checked, as chat templates take them: text content, an assistant's
+    ``tool_calls`` (arguments as objects), a tool result's ``tool_call_id`` and ``name``."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list", "messages")
@@ -349,18 +353,51 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             content = ""
         if not isinstance(content, str):
             raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        message: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
+        if role == "assistant":
+            calls = tools.message_tool_calls(m, i)
+            if calls:
+                message["tool_calls"] = calls
+        if role == "tool":
+            for key in ("tool_call_id", "name"):
+                if m.get(key) is not None:
+                    if not isinstance(m[key], str):
+                        raise bad_request(f"messages[{i}].{key} must be a string", "messages")
+                    message[key] = m[key]
+        out.append(message)
     return out
+
+
+def render_chat(
+    info: ModelInfo, messages: list[dict[str, Any]], request: tools.ToolRequest | None, generation: bool = True
+) -> str:
+    """The prompt: the chat template over the messages, given the tools where it takes them
+    (else pdserve's system message names them); a template's own refusal is a 400."""
+    from jinja2 import TemplateError
+
+    extra: dict[str, Any] = {}
+    if info.tool_format.native:
+        if request is not None and request.shown:
+            extra["tools"] = list(request.tools)
+    elif info.tool_format.name is not None:  # pdserve's system message and hermes calls
+        messages = tools.plain_messages(messages, request)
+    try:
+        text = info.tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tokenize=False, **extra)
+    except TemplateError as exc:
+        raise bad_request(f"the model's chat template refused these messages: {exc}", "messages") from None
+    assert isinstance(text, str)
+    return text
 
 
 def parse_chat(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Parsed:
     check_model(body, info, required=True)
     n = _n(body)
     _user(body)
+    tool_request = tools.parse_tools(body, info.tool_format)
     messages = chat_messages(body)
     if not info.has_chat_template:
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
-    text = info.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = render_chat(info, messages, tool_request)
     ids = _encode(info, text, "messages", special=False)
     ceiling = limits.max_output_tokens or info.context_length - 1  # both are checked, the first given is used
     max_tokens = _int(body, "max_completion_tokens", None, 1, ceiling)
@@ -373,10 +410,21 @@ def parse_chat(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Parsed:
     top = _int(body, "top_logprobs", 0, 0, 20) or 0
     if top and not logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    sampling = _sampling(body, max_tokens, info, limits, len(ids), logprobs, top, n)
+    if tool_request is not None and tool_request.forced:
+        if sampling.json_schema or sampling.regex or sampling.ebnf:
+            raise bad_request(
+                "tool_choice 'required' or a named function constrains the output itself: drop response_format",
+                "tool_choice",
+            )
+        schema = tool_request.schema()
+        constraints.check("json_schema", schema)
+        sampling = dataclasses.replace(sampling, json_schema=schema)
     return Parsed(
-        [Job(ids, _sampling(body, max_tokens, info, limits, len(ids), logprobs, top, n), text)],
+        [Job(ids, sampling, text)],
         stream=_bool(body, "stream", False),
         include_usage=_stream_usage(body),
+        tools=tool_request if tool_request is not None and tool_request.shown else None,
     )
 
 

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from pdserve.api import formats
+from pdserve.api import formats, tools
 from pdserve.api.completion import Delta, Result, collect, sample_deltas, total_usage
 from pdserve.api.config import ApiConfig
 from pdserve.api.errors import APIError
@@ -268,6 +268,93 @@ def _sum_usage(results: list[list[Result] | APIError]) -> dict[str, Any] | None:
 
 
 # ---- /v1/chat/completions -------------------------------------------------------
+class _ChatStream:
+    """Renders one chat stream's deltas; with tools, each sample's text goes through a
+    :class:`tools.CallReader` (content held back while it may begin a call, calls sent whole,
+    a forced function's arguments as they come)."""
+
+    def __init__(self, state: AppState, head: dict[str, Any], parsed: Parsed, usage: _Usage) -> None:
+        self.state, self.head, self.usage = state, head, usage
+        n = parsed.jobs[0].sampling.n
+        self.unsent_role = set(range(n))
+        request = parsed.tools
+        self.readers = [tools.CallReader(request) for _ in range(n)] if request is not None else None
+        self.sent_calls = [0] * n
+
+    def render(self, i: int, d: Delta) -> list[Any]:
+        self.usage.add(d)
+        delta: dict[str, Any] = {}
+        if i in self.unsent_role:
+            delta["role"] = "assistant"
+            self.unsent_role.discard(i)
+        reason = d.finish_reason
+        if self.readers is None:
+            if d.text:
+                delta["content"] = d.text
+        else:
+            reason = self._tools(i, d, delta)
+        choice = {
+            "index": i,
+            "delta": delta,
+            "logprobs": formats.chat_logprobs(self.state.info, d.token_ids, d.logprobs),
+            "finish_reason": formats.openai_finish(reason),
+        }
+        return [{**self.head, "choices": [choice]}]
+
+    def _tools(self, i: int, d: Delta, delta: dict[str, Any]) -> str | None:
+        assert self.readers is not None
+        reader = self.readers[i]
+        events = [reader.feed(d.text)]
+        if d.finish_reason is not None:
+            events.append(reader.finish())
+        content = "".join(ev.content for ev in events)
+        if content:
+            delta["content"] = content
+        calls: list[dict[str, Any]] = []
+        forced = reader.forced_call
+        arguments = "".join(ev.arguments for ev in events)
+        if forced is not None and (arguments or (d.finish_reason is not None and not self.sent_calls[i])):
+            entry: dict[str, Any] = {"index": 0, "function": {"arguments": arguments}}
+            if not self.sent_calls[i]:
+                entry = {
+                    "index": 0,
+                    "id": forced.id,
+                    "type": "function",
+                    "function": {"name": forced.name, "arguments": arguments},
+                }
+                self.sent_calls[i] = 1
+            calls.append(entry)
+        for ev in events:
+            for call in ev.calls:
+                calls.append({"index": self.sent_calls[i], **call.body()})
+                self.sent_calls[i] += 1
+        if calls:
+            delta["tool_calls"] = calls
+        self.state.gateway.metrics.tool_reply(
+            sum(len(ev.calls) for ev in events) + (1 if forced is not None and d.finish_reason is not None else 0),
+            sum(ev.failures for ev in events),
+        )
+        return tools.finish_reason(d.finish_reason, self.sent_calls[i])
+
+
+def _chat_choice(state: AppState, parsed: Parsed, k: int, r: Result) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": r.text}
+    reason: str | None = r.finish_reason
+    if parsed.tools is not None:
+        reply = tools.read_whole(parsed.tools, r.text)
+        message["content"] = reply.content
+        if reply.calls:
+            message["tool_calls"] = [c.body() for c in reply.calls]
+        state.gateway.metrics.tool_reply(len(reply.calls), reply.failures)
+        reason = tools.finish_reason(reason, len(reply.calls))
+    return {
+        "index": k,
+        "message": message,
+        "logprobs": formats.chat_logprobs(state.info, r.token_ids, r.logprobs),
+        "finish_reason": formats.openai_finish(reason),
+    }
+
+
 async def chat_completions(request: Request) -> Response:
     state, parsed = await _parse(request, parse_chat)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -277,26 +364,9 @@ async def chat_completions(request: Request) -> Response:
     if parsed.stream:
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name}
         first, rest = await _open_stream(request, state, job, rid)
-        unsent_role = set(range(job.sampling.n))
         usage = _Usage(job.sampling.n)
-
-        def render(i: int, d: Delta) -> list[Any]:
-            usage.add(d)
-            delta: dict[str, Any] = {}
-            if i in unsent_role:
-                delta["role"] = "assistant"
-                unsent_role.discard(i)
-            if d.text:
-                delta["content"] = d.text
-            choice = {
-                "index": i,
-                "delta": delta,
-                "logprobs": formats.chat_logprobs(state.info, d.token_ids, d.logprobs),
-                "finish_reason": formats.openai_finish(d.finish_reason),
-            }
-            return [{**head, "choices": [choice]}]
-
-        body = _sse_body(first, rest, render, _stream_end(head, usage, parsed.include_usage))
+        chat = _ChatStream(state, head, parsed, usage)
+        body = _sse_body(first, rest, chat.render, _stream_end(head, usage, parsed.include_usage))
         return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
     (samples,) = await _collect_all(request, state, parsed, rid)
     assert not isinstance(samples, APIError)  # a single job's failure is raised
@@ -306,15 +376,7 @@ async def chat_completions(request: Request) -> Response:
             "object": "chat.completion",
             "created": created,
             "model": name,
-            "choices": [
-                {
-                    "index": k,
-                    "message": {"role": "assistant", "content": r.text},
-                    "logprobs": formats.chat_logprobs(state.info, r.token_ids, r.logprobs),
-                    "finish_reason": formats.openai_finish(r.finish_reason),
-                }
-                for k, r in enumerate(samples)
-            ],
+            "choices": [_chat_choice(state, parsed, k, r) for k, r in enumerate(samples)],
             "usage": formats.usage_body(total_usage(samples)),
         }
     )

@@ -422,6 +422,7 @@ API_ONLY = (
     "max_concurrent_requests",
     "enable_flush_cache",
     "generation_config",
+    "tool_call_parser",
     "api_id",
 )
 

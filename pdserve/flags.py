@@ -18,6 +18,7 @@ from typing import Any
 from pdserve import settings
 from pdserve.api.config import ApiConfig
 from pdserve.api.placement import PlacementConfig
+from pdserve.api.tools import PARSERS as TOOL_PARSERS
 from pdserve.broker.streams import BrokerConfig
 from pdserve.engine.config import KV_CACHE_DTYPES, EngineConfig, KVTierConfig
 from pdserve.scaling import RolePolicy, ScalingConfig
@@ -482,6 +483,16 @@ GENERATION_CONFIG = Flag(
     "are the defaults of a request that does not set them (as vLLM's); none: pdserve's and OpenAI's defaults "
     "(default: %(default)s)",
 )
+TOOL_CALL_PARSER = Flag(
+    "--tool-call-parser",
+    ApiConfig.tool_call_parser,
+    choices=TOOL_PARSERS,
+    help="how tool calls are read out of the model's text on /v1/chat/completions (vLLM's flag): hermes "
+    "(<tool_call>...</tool_call>: Qwen2.5, Qwen3, Hermes), llama3_json (a reply that is one JSON call: Llama 3.1 "
+    "and later), none (tool_choice auto refused; required and a named function still work); auto: from the "
+    "chat template, and for a template that takes no tools pdserve's own system message in hermes format "
+    "(default: %(default)s)",
+)
 PREFIX_PLACEMENT = Flag(
     "--prefix-aware-placement",
     "auto",
@@ -687,6 +698,7 @@ def api_forwarded() -> tuple[Flag, ...]:
         *NATS_AUTH,
         *API,
         GENERATION_CONFIG,
+        TOOL_CALL_PARSER,
         API_KEY_FILE,
         *LIMITS,
         *PLACEMENT,

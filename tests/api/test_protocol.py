@@ -314,7 +314,8 @@ def test_chat_content_parts_and_roles(info: ModelInfo, name: str) -> None:
         {"role": "system", "content": "Be nice."},
         {"role": "user", "content": "Hello there"},
         {"role": "assistant", "content": ""},
-        {"role": "tool", "content": "42"},
+        # a template that takes no tools gets a tool's result as a user turn (api/tools.py)
+        {"role": "user", "content": "<tool_response>\n42\n</tool_response>"},
     ]
     assert parsed.jobs[0].prompt_ids == _chat_ids(info, expected)
     # the template renders list content the same way
