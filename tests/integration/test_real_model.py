@@ -203,6 +203,33 @@ async def test_json_schema_at_temperature_1_is_valid_json_every_time(system: Any
     assert len(set(finished)) > 1  # sampled, not one answer twenty times
 
 
+async def test_a_forced_tool_call_takes_its_argument_from_the_question(system: Any) -> None:
+    """The default model, told of a tool by pdserve's system message (its template takes none):
+    ``required`` and a named function give a call whose argument is the city asked about."""
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the current weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        body = {
+            "model": system.model_name,
+            "messages": [{"role": "user", "content": "What is the weather like in Paris today?"}],
+            "tools": [weather],
+            "tool_choice": choice,
+            "max_tokens": 40,
+            "temperature": 0,
+        }
+        choice_out = (await post(system, "/v1/chat/completions", body))["choices"][0]
+        assert choice_out["finish_reason"] == "tool_calls" and choice_out["message"]["content"] is None
+        (call,) = choice_out["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_weather"
+        assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}, call
+
+
 async def test_n_samples_logprobs_equal_transformers_log_softmax(system: Any, model: Any, tokenizer: Any) -> None:
     prompt = tokenizer.encode("The best thing about living in a big city is")
     params = {"max_new_tokens": 8, "temperature": 1.0, "n": 3}
