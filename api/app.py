@@ -89,6 +89,9 @@ async def model_info(request: Request) -> Response:
             "tool_call_parser": info.tool_format.name,
             "tool_call_parser_reason": info.tool_format.why,
             "chat_template_takes_tools": info.tool_format.native,
+            # whether chat replies' thinking goes to reasoning_content, and why
+            "reasoning_parser": "think" if info.reasoning.on else None,
+            "reasoning_parser_reason": info.reasoning.why,
         }
     )
 
@@ -230,6 +233,7 @@ def create_app(config: ApiConfig, info: ModelInfo | None = None, collectors: Seq
             config.context_length,
             config.generation_config,
             config.tool_call_parser,
+            config.reasoning_parser,
         )
         gateway = Gateway(
             config.nats_url,
@@ -255,6 +259,8 @@ def create_app(config: ApiConfig, info: ModelInfo | None = None, collectors: Seq
                 "api_keys": len(config.api_keys),
                 "tool_calls": tool.name or "none",
                 "tool_calls_why": tool.why,
+                "reasoning": model.reasoning.on,
+                "reasoning_why": model.reasoning.why,
             },
         )
         if model.sampling_defaults:

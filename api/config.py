@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 
 from pdserve.api.placement import PlacementConfig
+from pdserve.api.reasoning import PARSERS as REASONING_PARSERS
 from pdserve.api.tools import PARSERS as TOOL_PARSERS
 from pdserve.broker.auth import NatsAuth
 from pdserve.broker.streams import BrokerConfig
@@ -28,7 +29,8 @@ class ApiConfig:
     ``generation_config`` ``auto``: the sampling values of the model's
     ``generation_config.json`` are the defaults of a request that does not set them
     (``none``: pdserve's and OpenAI's defaults). ``tool_call_parser``: how tool calls are
-    read out of the model's text (``api/tools.py``; ``auto`` from its chat template).
+    read out of the model's text (``api/tools.py``; ``auto`` from its chat template);
+    ``reasoning_parser``: whether thinking goes to ``reasoning_content`` (``api/reasoning.py``).
     ``placement``: which path each request takes (``docs/placement.md``)."""
 
     nats_url: str
@@ -54,6 +56,7 @@ class ApiConfig:
     context_length: int | None = None
     generation_config: str = "auto"
     tool_call_parser: str = "auto"
+    reasoning_parser: str = "auto"
     broker: BrokerConfig = BrokerConfig()
     placement: PlacementConfig = PlacementConfig()
 
@@ -74,5 +77,7 @@ class ApiConfig:
             raise ValueError("generation_config must be auto or none")
         if self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}")
         if any(not key or key != key.strip() for key in self.api_keys):
             raise ValueError("an API key must be non-empty and hold no surrounding whitespace")

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdserve.api.reasoning import ReasoningFormat, resolve_reasoning
 from pdserve.api.tools import ToolFormat, resolve_format
 
 log = logging.getLogger(__name__)
@@ -27,6 +28,8 @@ class ModelInfo:
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
     # How tools are shown to the model and its calls read (``--tool-call-parser``).
     tool_format: ToolFormat = field(default_factory=lambda: ToolFormat(None, False, "not resolved"))
+    # Whether chat replies are split into thinking and answer (``--reasoning-parser``).
+    reasoning: ReasoningFormat = field(default_factory=lambda: ReasoningFormat(False, "not resolved"))
 
     @property
     def max_prompt_chars(self) -> int:
@@ -88,6 +91,7 @@ def load_model_info(
     context_length: int | None = None,
     generation_config: str = "auto",
     tool_call_parser: str = "auto",
+    reasoning_parser: str = "auto",
 ) -> ModelInfo:
     """Tokenizer, limits and sampling defaults of the model in the local directory ``path``
     (no weights are loaded); ``name`` is the served name (default: the directory's)."""
@@ -117,4 +121,5 @@ def load_model_info(
         max_token_chars=max((len(t) for t in tokenizer.get_vocab()), default=0),
         sampling_defaults=sampling_defaults(path, generation_config),
         tool_format=resolve_format(tokenizer, tool_call_parser),
+        reasoning=resolve_reasoning(tokenizer, reasoning_parser),
     )

@@ -205,6 +205,7 @@ def chat_body(info: ModelInfo, config: ApiConfig) -> Schema:
                 "anyOf": [{"type": "string", "enum": ["none", "auto", "required"]}, named, {"type": "null"}]
             },
             "parallel_tool_calls": BOOL,
+            "chat_template_kwargs": _maybe({"type": "object"}),
             "stream": BOOL,
             "stream_options": _maybe({"type": "object", "properties": {"include_usage": BOOL}}),
         },

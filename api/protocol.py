@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from pdserve.api import constraints, tools
+from pdserve.api import constraints, reasoning, tools
 from pdserve.api.errors import bad_request
 from pdserve.api.model_info import ModelInfo
 from pdserve.schemas import SamplingParams
@@ -59,6 +59,7 @@ class Parsed:
     rid: str | list[str] | None = None  # /generate: one id, or one per prompt of a batch
     batch: bool = False  # the client sent a list of prompts
     tools: tools.ToolRequest | None = None  # chat: the tools shown, whose calls are read back
+    thinking: bool | None = None  # chat: None, no reasoning split; else whether the prompt opened the thinking
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -368,14 +369,52 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+# apply_chat_template's own parameters and the template's inputs: not for a request to set
+_RESERVED_TEMPLATE_KEYS = {
+    "messages",
+    "conversation",
+    "tools",
+    "documents",
+    "chat_template",
+    "add_generation_prompt",
+    "continue_final_message",
+    "tokenize",
+    "padding",
+    "truncation",
+    "max_length",
+    "return_tensors",
+    "return_dict",
+    "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+}
+
+
+def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's ``chat_template_kwargs``: more variables for the chat template (Qwen3's
+    ``enable_thinking``, for one)."""
+    value = body.get("chat_template_kwargs")
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    taken = sorted(_RESERVED_TEMPLATE_KEYS & value.keys())
+    if taken:
+        raise bad_request(f"'chat_template_kwargs' may not set {', '.join(taken)}", "chat_template_kwargs")
+    return dict(value)
+
+
 def render_chat(
-    info: ModelInfo, messages: list[dict[str, Any]], request: tools.ToolRequest | None, generation: bool = True
+    info: ModelInfo,
+    messages: list[dict[str, Any]],
+    request: tools.ToolRequest | None,
+    generation: bool = True,
+    kwargs: dict[str, Any] | None = None,
 ) -> str:
     """The prompt: the chat template over the messages, given the tools where it takes them
-    (else pdserve's system message names them); a template's own refusal is a 400."""
+    (else pdserve's system message names them) and ``kwargs``; a template's own refusal is a 400."""
     from jinja2 import TemplateError
 
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = dict(kwargs or {})
     if info.tool_format.native:
         if request is not None and request.shown:
             extra["tools"] = list(request.tools)
@@ -385,6 +424,9 @@ def render_chat(
         text = info.tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tokenize=False, **extra)
     except TemplateError as exc:
         raise bad_request(f"the model's chat template refused these messages: {exc}", "messages") from None
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:  # a value the template cannot use
+        param = "chat_template_kwargs" if kwargs else "messages"
+        raise bad_request(f"the model's chat template failed on this request: {exc!r}", param) from None
     assert isinstance(text, str)
     return text
 
@@ -397,7 +439,7 @@ def parse_chat(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Parsed:
     messages = chat_messages(body)
     if not info.has_chat_template:
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
-    text = render_chat(info, messages, tool_request)
+    text = render_chat(info, messages, tool_request, kwargs=template_kwargs(body))
     ids = _encode(info, text, "messages", special=False)
     ceiling = limits.max_output_tokens or info.context_length - 1  # both are checked, the first given is used
     max_tokens = _int(body, "max_completion_tokens", None, 1, ceiling)
@@ -425,6 +467,8 @@ def parse_chat(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Parsed:
         stream=_bool(body, "stream", False),
         include_usage=_stream_usage(body),
         tools=tool_request if tool_request is not None and tool_request.shown else None,
+        # a reply held to a JSON Schema is all answer (the grammar leaves no room to think)
+        thinking=None if not info.reasoning.on or sampling.json_schema else reasoning.opens_thinking(text),
     )
 
 

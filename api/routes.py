@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from pdserve.api import formats, tools
+from pdserve.api import formats, reasoning, tools
 from pdserve.api.completion import Delta, Result, collect, sample_deltas, total_usage
 from pdserve.api.config import ApiConfig
 from pdserve.api.errors import APIError
@@ -268,17 +268,39 @@ def _sum_usage(results: list[list[Result] | APIError]) -> dict[str, Any] | None:
 
 
 # ---- /v1/chat/completions -------------------------------------------------------
+class _SampleReader:
+    """One chat sample's text, read as it streams: thinking split off where the model thinks
+    (:class:`reasoning.ThinkReader`), then tool calls read out of the answer
+    (:class:`tools.CallReader`)."""
+
+    def __init__(self, parsed: Parsed) -> None:
+        self.think = reasoning.ThinkReader(parsed.thinking) if parsed.thinking is not None else None
+        self.calls = tools.CallReader(parsed.tools) if parsed.tools is not None else None
+
+    def read(self, text: str, final: bool) -> tuple[str, list[tools.Events]]:
+        thinking = ""
+        if self.think is not None:
+            thinking, text = self.think.feed(text)
+            if final:
+                more, rest = self.think.finish()
+                thinking, text = thinking + more, text + rest
+        if self.calls is None:
+            return thinking, [tools.Events(content=text)]
+        events = [self.calls.feed(text)]
+        if final:
+            events.append(self.calls.finish())
+        return thinking, events
+
+
 class _ChatStream:
-    """Renders one chat stream's deltas; with tools, each sample's text goes through a
-    :class:`tools.CallReader` (content held back while it may begin a call, calls sent whole,
-    a forced function's arguments as they come)."""
+    """Renders one chat stream's deltas: thinking as ``reasoning_content``, content held back
+    while it may begin a tool call, calls sent whole, a forced function's arguments as they come."""
 
     def __init__(self, state: AppState, head: dict[str, Any], parsed: Parsed, usage: _Usage) -> None:
         self.state, self.head, self.usage = state, head, usage
         n = parsed.jobs[0].sampling.n
         self.unsent_role = set(range(n))
-        request = parsed.tools
-        self.readers = [tools.CallReader(request) for _ in range(n)] if request is not None else None
+        self.readers = [_SampleReader(parsed) for _ in range(n)]
         self.sent_calls = [0] * n
 
     def render(self, i: int, d: Delta) -> list[Any]:
@@ -287,12 +309,7 @@ class _ChatStream:
         if i in self.unsent_role:
             delta["role"] = "assistant"
             self.unsent_role.discard(i)
-        reason = d.finish_reason
-        if self.readers is None:
-            if d.text:
-                delta["content"] = d.text
-        else:
-            reason = self._tools(i, d, delta)
+        reason = self._read(i, d, delta)
         choice = {
             "index": i,
             "delta": delta,
@@ -301,19 +318,21 @@ class _ChatStream:
         }
         return [{**self.head, "choices": [choice]}]
 
-    def _tools(self, i: int, d: Delta, delta: dict[str, Any]) -> str | None:
-        assert self.readers is not None
+    def _read(self, i: int, d: Delta, delta: dict[str, Any]) -> str | None:
         reader = self.readers[i]
-        events = [reader.feed(d.text)]
-        if d.finish_reason is not None:
-            events.append(reader.finish())
+        final = d.finish_reason is not None
+        thinking, events = reader.read(d.text, final)
+        if thinking:
+            delta["reasoning_content"] = thinking
         content = "".join(ev.content for ev in events)
         if content:
             delta["content"] = content
+        if reader.calls is None:
+            return d.finish_reason
         calls: list[dict[str, Any]] = []
-        forced = reader.forced_call
+        forced = reader.calls.forced_call
         arguments = "".join(ev.arguments for ev in events)
-        if forced is not None and (arguments or (d.finish_reason is not None and not self.sent_calls[i])):
+        if forced is not None and (arguments or (final and not self.sent_calls[i])):
             entry: dict[str, Any] = {"index": 0, "function": {"arguments": arguments}}
             if not self.sent_calls[i]:
                 entry = {
@@ -331,7 +350,7 @@ class _ChatStream:
         if calls:
             delta["tool_calls"] = calls
         self.state.gateway.metrics.tool_reply(
-            sum(len(ev.calls) for ev in events) + (1 if forced is not None and d.finish_reason is not None else 0),
+            sum(len(ev.calls) for ev in events) + (1 if forced is not None and final else 0),
             sum(ev.failures for ev in events),
         )
         return tools.finish_reason(d.finish_reason, self.sent_calls[i])
@@ -340,8 +359,10 @@ class _ChatStream:
 def _chat_choice(state: AppState, parsed: Parsed, k: int, r: Result) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": r.text}
     reason: str | None = r.finish_reason
+    if parsed.thinking is not None:
+        message["reasoning_content"], message["content"] = reasoning.split_whole(r.text, parsed.thinking)
     if parsed.tools is not None:
-        reply = tools.read_whole(parsed.tools, r.text)
+        reply = tools.read_whole(parsed.tools, message["content"])
         message["content"] = reply.content
         if reply.calls:
             message["tool_calls"] = [c.body() for c in reply.calls]

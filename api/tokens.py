@@ -15,7 +15,7 @@ from pdserve.api import tools
 from pdserve.api.errors import APIError, bad_request
 from pdserve.api.http import ORJSONResponse, read_body, state_of
 from pdserve.api.model_info import ModelInfo
-from pdserve.api.protocol import _bool, _token_ids, chat_messages, check_model, parse_json, render_chat
+from pdserve.api.protocol import _bool, _token_ids, chat_messages, check_model, parse_json, render_chat, template_kwargs
 from pdserve.schemas import FlushCacheReply
 
 
@@ -56,7 +56,8 @@ async def tokenize(request: Request) -> Response:
             raise bad_request("this model has no chat template", "messages")
         generation = flags["add_generation_prompt"]
         shown = tools.parse_tools(body, info.tool_format)
-        prompt = render_chat(info, chat_messages(body), shown if shown and shown.shown else None, generation)
+        listed = shown if shown and shown.shown else None
+        prompt = render_chat(info, chat_messages(body), listed, generation, template_kwargs(body))
         special = _bool(body, "add_special_tokens", False)
     if info.max_prompt_chars and len(prompt) > info.max_prompt_chars:
         raise bad_request(f"the text has {len(prompt)} characters, more than any prompt can", "prompt")

@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add_flags(up, flags.common())
     flags.add_flags(up, flags.MODEL, "model")
     flags.add_flags(up, flags.ENGINE, "engine")
-    flags.add_flags(up, (*flags.HTTP, flags.GENERATION_CONFIG, flags.TOOL_CALL_PARSER))
+    flags.add_flags(up, (*flags.HTTP, flags.GENERATION_CONFIG, flags.TOOL_CALL_PARSER, flags.REASONING_PARSER))
     flags.add_flags(up, flags.GUARD, "access and limits")
     flags.add_flags(up, flags.RECOVERY, "recovery")
     flags.add_flags(up, flags.PLACEMENT, "placement")
@@ -84,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
             *flags.API,
             flags.GENERATION_CONFIG,
             flags.TOOL_CALL_PARSER,
+            flags.REASONING_PARSER,
             flags.API_ID,
             flags.REUSE_PORT,
             flags.EXIT_WITH_PARENT,

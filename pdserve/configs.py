@@ -423,6 +423,7 @@ API_ONLY = (
     "enable_flush_cache",
     "generation_config",
     "tool_call_parser",
+    "reasoning_parser",
     "api_id",
 )
 

@@ -18,6 +18,7 @@ from typing import Any
 from pdserve import settings
 from pdserve.api.config import ApiConfig
 from pdserve.api.placement import PlacementConfig
+from pdserve.api.reasoning import PARSERS as REASONING_PARSERS
 from pdserve.api.tools import PARSERS as TOOL_PARSERS
 from pdserve.broker.streams import BrokerConfig
 from pdserve.engine.config import KV_CACHE_DTYPES, EngineConfig, KVTierConfig
@@ -493,6 +494,14 @@ TOOL_CALL_PARSER = Flag(
     "chat template, and for a template that takes no tools pdserve's own system message in hermes format "
     "(default: %(default)s)",
 )
+REASONING_PARSER = Flag(
+    "--reasoning-parser",
+    ApiConfig.reasoning_parser,
+    choices=REASONING_PARSERS,
+    help="think: a chat reply's <think>...</think> goes to reasoning_content, the rest to content (Qwen3, QwQ, "
+    "DeepSeek-R1; vLLM's flag, one parser for their shared format); none: the text as the model wrote it; auto: "
+    "think where the chat template knows </think> (default: %(default)s)",
+)
 PREFIX_PLACEMENT = Flag(
     "--prefix-aware-placement",
     "auto",
@@ -699,6 +708,7 @@ def api_forwarded() -> tuple[Flag, ...]:
         *API,
         GENERATION_CONFIG,
         TOOL_CALL_PARSER,
+        REASONING_PARSER,
         API_KEY_FILE,
         *LIMITS,
         *PLACEMENT,

@@ -256,3 +256,112 @@ async def test_malformed_tools_are_openai_style_400s(system: Any, body: dict[str
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
+
+
+# ---- a thinking model: <think>...</think> goes to reasoning_content ----------------------
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def thinking(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, nats_for_module: Any, system_control: Any
+) -> Iterator[Any]:
+    """The tiny model with a chat template that knows </think> (as Qwen3's does)."""
+    import shutil
+
+    model_dir = tmp_path_factory.mktemp("thinking") / "pdserve-tiny-thinking"
+    shutil.copytree(tiny_model_dir, model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = THINKING_TEMPLATE
+    tokenizer.save_pretrained(model_dir)
+    start, stop = system_control
+    s = start(tmp_path_factory.mktemp("thinking-up"), model_dir, nats_for_module.url, "--mode", "unified")
+    yield s
+    stop(s)
+
+
+async def stream_parts(client: Any, **kwargs: Any) -> tuple[str, str, int]:
+    """A stream's reasoning_content and content, joined, and its tool calls' count."""
+    thinking, content, calls = "", "", 0
+    async for chunk in await client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            extra = choice.delta.model_extra or {}
+            thinking += extra.get("reasoning_content") or ""
+            content += choice.delta.content or ""
+            calls += len(choice.delta.tool_calls or ())
+    return thinking, content, calls
+
+
+async def test_thinking_goes_to_reasoning_content_streamed_or_whole(thinking: Any) -> None:
+    client = openai.AsyncOpenAI(base_url=thinking.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    regex = r"<think>\n[a-z]{3,8}( [a-z]{3,8}){2}\n</think>\n\nParis is [a-z]{3,8}\."
+    common = {
+        "model": thinking.model_name,
+        "messages": ASK,
+        "max_tokens": 80,
+        "temperature": 0,
+        "extra_body": {"guided_regex": regex},
+    }
+    reply = await client.chat.completions.create(**common)
+    message = reply.choices[0].message
+    reasoning = message.model_extra["reasoning_content"]
+    assert re.fullmatch("[a-z]{3,8}( [a-z]{3,8}){2}", reasoning), reasoning
+    assert re.fullmatch(r"Paris is [a-z]{3,8}\.", message.content), message.content
+    assert await stream_parts(client, **common) == (reasoning, message.content, 0)
+    async with httpx.AsyncClient(base_url=thinking.url, timeout=60) as http:
+        info = (await http.get("/get_model_info")).json()
+        off = {"messages": ASK, "chat_template_kwargs": {"enable_thinking": False}}
+        prompt = (await http.post("/tokenize", json=off)).json()
+        plain = (
+            await http.post(
+                "/v1/chat/completions",
+                json={"model": thinking.model_name, **off, "max_tokens": 20, "guided_regex": "Plain answer"},
+            )
+        ).json()
+        bad = await http.post("/tokenize", json={"messages": ASK, "chat_template_kwargs": {"tools": []}})
+    assert (info["reasoning_parser"], info["reasoning_parser_reason"]) == ("think", "the chat template knows </think>")
+    assert (
+        AutoTokenizer.from_pretrained(thinking.model_dir).decode(prompt["tokens"]).endswith("<think>\n\n</think>\n\n")
+    )
+    assert plain["choices"][0]["message"]["content"] == "Plain answer"
+    assert plain["choices"][0]["message"]["reasoning_content"] is None
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
+
+
+async def test_a_thinking_model_calls_tools_after_its_thinking(thinking: Any) -> None:
+    client = openai.AsyncOpenAI(base_url=thinking.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    regex = (
+        r"<think>\nthe user wants weather\n</think>\n\n<tool_call>\n"
+        r'\{"name": "get_time", "arguments": \{"zone": "CET"\}\}\n</tool_call>'
+    )
+    common = {
+        "model": thinking.model_name,
+        "messages": ASK,
+        "tools": TOOLS,
+        "max_tokens": 80,
+        "temperature": 0,
+        "extra_body": {"guided_regex": regex},
+    }
+    reply = await client.chat.completions.create(**common)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.message.model_extra["reasoning_content"] == "the user wants weather"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+        ("get_time", {"zone": "CET"})
+    ]
+    assert await stream_parts(client, **common) == ("the user wants weather", "", 1)
+    # a reply held to a JSON Schema is all answer
+    digit = {"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"], "additionalProperties": False}
+    shaped = await client.chat.completions.create(
+        model=thinking.model_name,
+        messages=ASK,
+        max_tokens=30,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "d", "schema": digit}},
+    )
+    assert shaped.choices[0].message.model_extra.get("reasoning_content") is None
+    assert json.loads(shaped.choices[0].message.content)["a"] in (1, 2)
