@@ -400,13 +400,14 @@ class CallReader:
                 return ev
             body, self.pending = self.pending[:at], self.pending[at + len(CLOSE) :]
             self.inside = False
-            call = _call(_loads(body.strip()), self.names)
-            if call is None:
+            found = _loads(body.strip())  # one call, or a list of them (SmolLM2's training format)
+            calls = [_call(c, self.names) for c in (found if isinstance(found, list) and found else [found])]
+            if any(c is None for c in calls):
                 ev.content += OPEN + body + CLOSE
                 ev.failures += 1
             else:
-                ev.calls.append(call)
-                self.calls += 1
+                ev.calls.extend(c for c in calls if c is not None)
+                self.calls += len(calls)
 
     def _shown(self, text: str) -> str:
         """Content between or after calls is dropped when it is only whitespace."""

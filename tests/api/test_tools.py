@@ -168,6 +168,20 @@ HERMES_TEXT = (
         ("hermes", "No tools needed <tool", "No tools needed <tool", [], 0),
         (
             "hermes",
+            '<tool_call>[{"name": "get_time", "arguments": {}}, {"name": "get_time", "arguments": {"z": 1}}]</tool_call>',
+            None,
+            [("get_time", {}), ("get_time", {"z": 1})],
+            0,
+        ),
+        (
+            "hermes",
+            '<tool_call>[{"name": "get_time"}, {"name": "rm"}]</tool_call>',
+            '<tool_call>[{"name": "get_time"}, {"name": "rm"}]</tool_call>',
+            [],
+            1,
+        ),
+        (
+            "hermes",
             '<tool_call>{"name": "rm", "arguments": {}}</tool_call>',
             '<tool_call>{"name": "rm", "arguments": {}}</tool_call>',
             [],
