@@ -7,9 +7,10 @@ import argparse
 import logging
 import os
 import socket
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from pdserve.configs import UsageError, api_config, check_worker_flags, pin_worker, resolve_model, worker_config
 from pdserve.telemetry import setup_tracing
@@ -270,10 +271,20 @@ def run_follower(config: WorkerConfig, tp: Any) -> int:
     try:
         serve_follower(config, runner)
     except RuntimeError:
-        return 1
+        # rank 0 is gone: end now, before the process group's threads are torn down under a
+        # live interpreter (which can abort the exit, status -6, where 1 is meant)
+        _exit_now(1)
     finally:
         tp.close()
     return 0
+
+
+def _exit_now(status: int) -> NoReturn:
+    """End the process with ``status`` at once, its logs and output flushed."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _exit_soon(status: int, seconds: float = 10.0) -> None:

@@ -321,9 +321,12 @@ async def test_queue_depth_counts_pending_and_ack_pending(
     for i in range(5):
         req = make_request(f"q{i}", model=model)
         await publish_work(nc, subjects.requests(model), req, req.rid)
-    depth = await queue_depth(js, stream, name)
-    assert depth == QueueDepth(pending=5, ack_pending=0)
-    assert depth.total == 5
+
+    async def all_pending() -> bool:  # the consumer's count follows the stream's a moment later
+        return await queue_depth(js, stream, name) == QueueDepth(pending=5, ack_pending=0)
+
+    await eventually(all_pending, what="five pending")
+    assert (await queue_depth(js, stream, name)).total == 5
 
     consumer = PullConsumer(nc, stream, name)
     await consumer.start()

@@ -46,6 +46,8 @@ def fast_model() -> Any:
 
 
 def main() -> int:
+    from pdserve.launch import _exit_now
+
     rank, size, store, model, out = sys.argv[1:6]
     crash, fast, spec = ("crash" in sys.argv[6:]), ("fast" in sys.argv[6:]), ("spec" in sys.argv[6:])
     tp = join_group(int(rank), int(size), connect_store(store), torch.device("cpu"))
@@ -57,8 +59,8 @@ def main() -> int:
         worker = WorkerConfig(role="unified", model_path=Path(model), model_name="m", nats_url="")
         try:
             serve_follower(worker, runner)
-        except RuntimeError:
-            return 1
+        except RuntimeError:  # rank 0 is gone: ends as pdserve's follower does (launch._exit_now)
+            _exit_now(1)
         tp.close()
         return 0
     if fast:
