@@ -49,6 +49,27 @@ def template_text(tokenizer: Any) -> str:
     return template or ""
 
 
+def template_in(model_dir: Any) -> Any:
+    """A stand-in tokenizer holding only the chat template of the model directory (its
+    ``chat_template.jinja``, or ``tokenizer_config.json``'s), for checking flags at start
+    without loading the tokenizer."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    folder = Path(model_dir)
+    template: Any = None
+    if (folder / "chat_template.jinja").exists():
+        template = (folder / "chat_template.jinja").read_text()
+    elif (folder / "tokenizer_config.json").exists():
+        try:
+            template = json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template")
+        except (OSError, json.JSONDecodeError, AttributeError):
+            template = None
+        if isinstance(template, list):  # named templates
+            template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+    return SimpleNamespace(chat_template=template, all_special_tokens=())
+
+
 def resolve_format(tokenizer: Any, parser: str = "auto") -> ToolFormat:
     """The tool format for ``parser`` (one of :data:`PARSERS`); ``auto`` reads the chat
     template: ``<tool_call>`` in it is hermes, ``ipython``/``<|python_tag|>`` llama3_json, a

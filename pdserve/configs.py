@@ -15,6 +15,8 @@ from pdserve import settings
 from pdserve.api.config import ApiConfig
 from pdserve.api.model_info import sampling_defaults
 from pdserve.api.placement import PlacementConfig
+from pdserve.api.reasoning import resolve_reasoning
+from pdserve.api.tools import resolve_format, template_in
 from pdserve.broker.auth import NatsAuth, read_password
 from pdserve.broker.streams import BrokerConfig
 from pdserve.engine.config import EngineConfig, KVTierConfig
@@ -429,11 +431,20 @@ API_ONLY = (
 
 
 def check_generation_config(args: argparse.Namespace, model_path: Path) -> None:
-    """Refuse a generation config the API could not read now, rather than in its start-up."""
+    """Refuse a generation config the API could not read now, rather than in its start-up;
+    likewise a tool-call or reasoning parser the model's chat template cannot serve."""
     try:
         sampling_defaults(model_path, getattr(args, "generation_config", ApiConfig.generation_config))
     except ValueError as exc:
         raise UsageError(f"--generation-config: {exc}") from None
+    if not (Path(model_path) / "config.json").exists():
+        return  # not a model directory yet (a dummy load): the API checks at its start
+    template = template_in(model_path)
+    try:
+        resolve_format(template, getattr(args, "tool_call_parser", ApiConfig.tool_call_parser))
+        resolve_reasoning(template, getattr(args, "reasoning_parser", ApiConfig.reasoning_parser))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def placement_config(args: argparse.Namespace) -> PlacementConfig:

@@ -121,6 +121,22 @@ def test_a_generation_config_the_api_cannot_use_is_refused_before_start(tmp_path
     assert api_config(args, args.nats_url, resolve_model(args)).generation_config == "none"
 
 
+def test_a_parser_the_chat_template_cannot_serve_is_refused_before_start(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0].content }}")  # takes no tools
+    for command in ("api", "up"):
+        args = build_parser().parse_args([command, "--model-path", str(tmp_path), "--tool-call-parser", "llama3_json"])
+        with pytest.raises(UsageError, match="llama3_json needs a chat template that takes tools"):
+            check_generation_config(args, resolve_model(args))
+    (tmp_path / "chat_template.jinja").unlink()
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "{% if tools %}{{ tools }}{% endif %}"}')
+    args = build_parser().parse_args(["api", "--model-path", str(tmp_path), "--tool-call-parser", "llama3_json"])
+    check_generation_config(args, resolve_model(args))  # a template that takes tools: served
+    assert api_config(args, args.nats_url, resolve_model(args)).tool_call_parser == "llama3_json"
+    args = build_parser().parse_args(["api", "--model-path", str(tmp_path), "--reasoning-parser", "none"])
+    assert api_config(args, args.nats_url, resolve_model(args)).reasoning_parser == "none"
+
+
 def test_up_plans_roles_and_forwards_engine_flags() -> None:
     args = build_parser().parse_args(
         ["up", "--prefill-workers", "2", "--decode-workers", "3", "--max-total-tokens", "8192"]
