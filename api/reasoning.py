@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.api.tools import template_text
+from pdserve.api.tools import partial_suffix, template_text
 
 PARSERS = ("auto", "think", "none")
 OPEN, CLOSE = "<think>", "</think>"
@@ -52,13 +52,6 @@ def opens_thinking(prompt: str) -> bool:
     return bool(re.search(re.escape(OPEN) + r"\s*$", prompt))
 
 
-def _partial_suffix(text: str, marker: str) -> int:
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
-
-
 class ThinkReader:
     """Splits one sample's text, as it streams, into (thinking, answer) pieces; reading a
     text whole gives what reading it in any pieces gives."""
@@ -91,7 +84,7 @@ class ThinkReader:
             if self.state == "inside":
                 at = self.pending.find(CLOSE)
                 if at < 0:  # hold back what may begin </think>, and the whitespace before it
-                    body = self.pending[: len(self.pending) - _partial_suffix(self.pending, CLOSE)]
+                    body = self.pending[: len(self.pending) - partial_suffix(self.pending, CLOSE)]
                     body = body.rstrip()
                     thinking += body
                     self.pending = self.pending[len(body) :]

@@ -409,7 +409,7 @@ class CallReader:
             if not self.inside:
                 at = self.pending.find(OPEN)
                 if at < 0:
-                    keep = _partial_suffix(self.pending, OPEN)
+                    keep = partial_suffix(self.pending, OPEN)
                     ev.content += self._shown(self.pending[: len(self.pending) - keep])
                     self.pending = self.pending[len(self.pending) - keep :]
                     return ev
@@ -460,7 +460,7 @@ class CallReader:
             ev.content, ev.failures = text, 1
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """The length of the longest end of ``text`` that begins ``marker``."""
     for n in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-n:]):

@@ -3,7 +3,6 @@ thinking when the prompt opened it), and the split the same whole or in any piec
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ from pdserve.api.errors import APIError
 from pdserve.api.model_info import ModelInfo
 from pdserve.api.protocol import Limits, parse_chat
 from pdserve.api.reasoning import ThinkReader, opens_thinking, resolve_reasoning, split_whole
+from tests.api.test_tools import splits
 
 # Generation prompts in the two shapes thinking models use: Qwen3's leaves the tag to the
 # model, DeepSeek-R1's opens the thinking itself.
@@ -54,13 +54,11 @@ def test_the_split_is_the_same_whole_or_in_any_pieces(
     text: str, inside: bool, thinking: str | None, answer: str
 ) -> None:
     assert split_whole(text, inside) == (thinking, answer)
-    rng = random.Random(3)
-    for _ in range(100):
-        cuts = sorted(rng.sample(range(1, len(text)), min(5, len(text) - 1)))
+    for pieces in splits(text):
         reader = ThinkReader(inside)
-        parts = [reader.feed(text[a:b]) for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        parts = [reader.feed(piece) for piece in pieces]
         parts.append(reader.finish())
-        assert "".join(p[0] for p in parts) == (thinking or "") and "".join(p[1] for p in parts) == answer, cuts
+        assert "".join(p[0] for p in parts) == (thinking or "") and "".join(p[1] for p in parts) == answer, pieces
 
 
 def test_thinking_is_given_out_as_it_comes() -> None:

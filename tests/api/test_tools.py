@@ -154,6 +154,16 @@ def test_a_template_refusing_the_messages_is_a_400(tokenizer: Any) -> None:
     assert refused.value.status == 400 and "begin with a user turn" in refused.value.message
 
 
+def splits(text: str, times: int = 100, seed: int = 7) -> list[list[str]]:
+    """``times`` random ways of cutting ``text`` into up to seven pieces."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(times):
+        cuts = sorted(rng.sample(range(1, len(text)), min(6, len(text) - 1)))
+        out.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)])
+    return out
+
+
 HERMES_TEXT = (
     "Let me look.\n<tool_call>\n"
     '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
@@ -220,14 +230,12 @@ def test_calls_are_read_the_same_whole_or_in_any_pieces(
     whole = read_whole(request, text)
     assert whole.content == content and whole.failures == failures
     assert [(c.name, json.loads(c.arguments)) for c in whole.calls] == calls
-    rng = random.Random(7)
-    for _ in range(100):
-        cuts = sorted(rng.sample(range(1, len(text)), min(6, len(text) - 1)))
+    for pieces in splits(text):
         reader = CallReader(request)
-        events = [reader.feed(text[a:b]) for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        events = [reader.feed(piece) for piece in pieces]
         events.append(reader.finish())
         streamed = "".join(e.content for e in events)
-        assert streamed == (content or ""), cuts
+        assert streamed == (content or ""), pieces
         assert [(c.name, c.arguments) for e in events for c in e.calls] == [(c.name, c.arguments) for c in whole.calls]
         assert sum(e.failures for e in events) == failures
 
