@@ -206,6 +206,8 @@ def chat_body(info: ModelInfo, config: ApiConfig) -> Schema:
             },
             "parallel_tool_calls": BOOL,
             "chat_template_kwargs": _maybe({"type": "object"}),
+            "add_generation_prompt": BOOL,
+            "continue_final_message": BOOL,
             "stream": BOOL,
             "stream_options": _maybe({"type": "object", "properties": {"include_usage": BOOL}}),
         },

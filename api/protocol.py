@@ -403,18 +403,37 @@ def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     return dict(value)
 
 
+def prompt_mode(body: dict[str, Any], messages: list[dict[str, Any]]) -> tuple[bool, bool]:
+    """vLLM's ``add_generation_prompt`` (default: on unless continuing) and
+    ``continue_final_message`` (the reply goes on with the last, assistant, message)."""
+    carry_on = _bool(body, "continue_final_message", False)
+    generation = _bool(body, "add_generation_prompt", not carry_on)
+    if carry_on and generation:
+        raise bad_request(
+            "give at most one of add_generation_prompt and continue_final_message", "continue_final_message"
+        )
+    if carry_on and messages[-1]["role"] != "assistant":
+        raise bad_request("continue_final_message needs an assistant message last", "continue_final_message")
+    return generation, carry_on
+
+
 def render_chat(
     info: ModelInfo,
     messages: list[dict[str, Any]],
     request: tools.ToolRequest | None,
     generation: bool = True,
     kwargs: dict[str, Any] | None = None,
+    carry_on: bool = False,
 ) -> str:
     """The prompt: the chat template over the messages, given the tools where it takes them
-    (else pdserve's system message names them) and ``kwargs``; a template's own refusal is a 400."""
+    (else pdserve's system message names them) and ``kwargs``, open at the end for the reply
+    (``generation``) or for more of the last message (``carry_on``); a template's own refusal
+    is a 400."""
     from jinja2 import TemplateError
 
     extra: dict[str, Any] = dict(kwargs or {})
+    if carry_on:
+        extra["continue_final_message"] = True
     if info.tool_format.native:
         if request is not None and request.shown:
             extra["tools"] = list(request.tools)
@@ -439,7 +458,8 @@ def parse_chat(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Parsed:
     messages = chat_messages(body)
     if not info.has_chat_template:
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
-    text = render_chat(info, messages, tool_request, kwargs=template_kwargs(body))
+    generation, carry_on = prompt_mode(body, messages)
+    text = render_chat(info, messages, tool_request, generation, template_kwargs(body), carry_on)
     ids = _encode(info, text, "messages", special=False)
     ceiling = limits.max_output_tokens or info.context_length - 1  # both are checked, the first given is used
     max_tokens = _int(body, "max_completion_tokens", None, 1, ceiling)

@@ -15,7 +15,16 @@ from pdserve.api import tools
 from pdserve.api.errors import APIError, bad_request
 from pdserve.api.http import ORJSONResponse, read_body, state_of
 from pdserve.api.model_info import ModelInfo
-from pdserve.api.protocol import _bool, _token_ids, chat_messages, check_model, parse_json, render_chat, template_kwargs
+from pdserve.api.protocol import (
+    _bool,
+    _token_ids,
+    chat_messages,
+    check_model,
+    parse_json,
+    prompt_mode,
+    render_chat,
+    template_kwargs,
+)
 from pdserve.schemas import FlushCacheReply
 
 
@@ -44,7 +53,7 @@ async def tokenize(request: Request) -> Response:
     info = state_of(request).info
     if ("prompt" in body) == ("messages" in body):
         raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
-    flags = {key: _bool(body, key, True) for key in ("add_special_tokens", "add_generation_prompt")}
+    flags = {"add_special_tokens": _bool(body, "add_special_tokens", True)}
     strs = _bool(body, "return_token_strs", False)
     if "prompt" in body:
         prompt = body["prompt"]
@@ -54,10 +63,11 @@ async def tokenize(request: Request) -> Response:
     else:
         if not info.has_chat_template:
             raise bad_request("this model has no chat template", "messages")
-        generation = flags["add_generation_prompt"]
+        messages = chat_messages(body)
+        generation, carry_on = prompt_mode(body, messages)
         shown = tools.parse_tools(body, info.tool_format)
         listed = shown if shown and shown.shown else None
-        prompt = render_chat(info, chat_messages(body), listed, generation, template_kwargs(body))
+        prompt = render_chat(info, messages, listed, generation, template_kwargs(body), carry_on)
         special = _bool(body, "add_special_tokens", False)
     if info.max_prompt_chars and len(prompt) > info.max_prompt_chars:
         raise bad_request(f"the text has {len(prompt)} characters, more than any prompt can", "prompt")

@@ -618,3 +618,21 @@ def test_sampling_defaults_read_only_the_sampling_keys_and_refuse_bad_values(tmp
         assert sampling_defaults(tmp_path, "none") == {}
     with pytest.raises(ValueError, match="auto, none"):
         sampling_defaults(tmp_path, "vllm")
+
+
+def test_continue_final_message_leaves_the_last_assistant_message_open(info: ModelInfo, name: str) -> None:
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+    body = {"model": name, "messages": messages, "max_tokens": 4, "continue_final_message": True}
+    parsed = parse_chat(body, info, Limits(DEFAULT_MAX))
+    text = parsed.jobs[0].prompt_text
+    want = info.tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=False)
+    assert text == want and text.endswith("The colour is")
+    closed = parse_chat({**body, "continue_final_message": False}, info, Limits(DEFAULT_MAX)).jobs[0].prompt_text
+    assert closed.endswith("<|im_start|>assistant\n")  # the default: a new reply after the last message
+    for bad in (
+        {**body, "add_generation_prompt": True},
+        {**body, "messages": messages[:1]},
+    ):
+        with pytest.raises(APIError) as refused:
+            parse_chat(bad, info, Limits(DEFAULT_MAX))
+        assert refused.value.param == "continue_final_message"
