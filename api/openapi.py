@@ -103,9 +103,9 @@ RESPONSE_FORMAT: Schema = _maybe(
 def completion_body(info: ModelInfo, config: ApiConfig) -> Schema:
     return {
         "type": "object",
-        "required": ["model", "prompt"],
+        "required": ["prompt"],
         "properties": {
-            "model": {"type": "string", "enum": [info.name]},
+            "model": {"anyOf": [{"type": "string", "enum": [info.name]}, {"type": "null"}]},
             "prompt": _prompt(info, config),
             **_sampling(100.0, _max_tokens(info, config)),
             "logprobs": _integer(0, MAX_COMPLETION_LOGPROBS),
@@ -190,9 +190,9 @@ def chat_body(info: ModelInfo, config: ApiConfig) -> Schema:
     max_tokens = _max_tokens(info, config)
     return {
         "type": "object",
-        "required": ["model", "messages"],
+        "required": ["messages"],
         "properties": {
-            "model": {"type": "string", "enum": [info.name]},
+            "model": {"anyOf": [{"type": "string", "enum": [info.name]}, {"type": "null"}]},
             "messages": {"type": "array", "items": message, "minItems": 1},
             **_sampling(2.0, max_tokens),
             "max_completion_tokens": max_tokens,

@@ -216,11 +216,11 @@ def _sampling(
         raise bad_request(str(exc)) from None
 
 
-def check_model(body: dict[str, Any], info: ModelInfo, required: bool) -> None:
+def check_model(body: dict[str, Any], info: ModelInfo) -> None:
+    """``model``, if given, must be the one served (a request without it gets that one, as
+    vLLM and SGLang take it)."""
     model = body.get("model")
     if model is None:
-        if required:
-            raise bad_request("'model' is required", "model")
         return
     if not isinstance(model, str):
         raise bad_request("'model' must be a string", "model")
@@ -291,7 +291,7 @@ def _prompts(
 
 # ---- /v1/completions ----------------------------------------------------------------
 def parse_completion(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Parsed:
-    check_model(body, info, required=True)
+    check_model(body, info)
     n = _n(body)
     _user(body)
     if "prompt" not in body:
@@ -451,7 +451,7 @@ def render_chat(
 
 
 def parse_chat(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Parsed:
-    check_model(body, info, required=True)
+    check_model(body, info)
     n = _n(body)
     _user(body)
     tool_request = tools.parse_tools(body, info.tool_format)
@@ -518,7 +518,7 @@ _SGLANG_SAMPLING = (
 def parse_generate(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Parsed:
     """SGLang's ``/generate``: ``text`` or ``input_ids``, ``sampling_params``; the
     sampling keys may also sit at the top level, as SGLang accepts them."""
-    check_model(body, info, required=False)
+    check_model(body, info)
     params = body.get("sampling_params", {})
     if params is None:
         params = {}

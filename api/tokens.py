@@ -38,7 +38,7 @@ def pdserve_version() -> str:
 async def _body(request: Request) -> dict[str, Any]:
     state = state_of(request)
     body = parse_json(await read_body(request, state.config.max_body_bytes))
-    check_model(body, state.info, required=False)
+    check_model(body, state.info)
     return body
 
 

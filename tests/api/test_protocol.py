@@ -245,9 +245,14 @@ def test_completion_rejects_invalid_sampling_value(info: ModelInfo, name: str) -
     assert "repetition_penalty" in exc.message
 
 
-def test_completion_requires_model_and_prompt(info: ModelInfo, name: str) -> None:
-    _bad(parse_completion, {"prompt": "x"}, info, param="model")
+def test_completion_requires_a_prompt_and_takes_the_served_model_without_one(info: ModelInfo, name: str) -> None:
     _bad(parse_completion, {"model": name}, info, param="prompt")
+    # no model: the one served (as vLLM and SGLang take it)
+    same = [
+        parse_completion(b, info, Limits(DEFAULT_MAX)).jobs[0].prompt_ids
+        for b in ({"prompt": "x"}, {"model": name, "prompt": "x"})
+    ]
+    assert same[0] == same[1]
 
 
 def test_completion_unknown_model(info: ModelInfo) -> None:
@@ -405,7 +410,7 @@ def test_chat_rejects(info: ModelInfo, name: str, changes: dict[str, Any], param
 def test_chat_unknown_model_and_missing_model(info: ModelInfo) -> None:
     messages = [{"role": "user", "content": "hi"}]
     _bad(parse_chat, {"model": "llama", "messages": messages}, info, code="model_not_found")
-    _bad(parse_chat, {"messages": messages}, info, param="model")
+    assert parse_chat({"messages": messages}, info, Limits(DEFAULT_MAX)).jobs  # no model: the one served
 
 
 def test_chat_max_tokens_beyond_context(info: ModelInfo, name: str) -> None:
