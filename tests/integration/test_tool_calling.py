@@ -222,6 +222,21 @@ async def test_the_prompt_shows_the_tools_earlier_calls_and_their_results(system
     assert "pdserve's system message" in model["tool_call_parser_reason"]
 
 
+def test_the_openai_client_example_runs_a_call_and_answers(system: Any) -> None:
+    """examples/tool_call.py, as a user runs it: the call, its result sent back, an answer."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).parents[2] / "examples" / "tool_call.py"
+    argv = [sys.executable, str(script), "--base-url", system.url + "/v1", "--tool-choice", "get_weather"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    (call,) = out["calls"]
+    assert call["name"] == "get_weather" and call["result"]["city"] == call["arguments"]["city"]
+    assert isinstance(out["answer"], str) and "call: get_weather(" in done.stderr
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
