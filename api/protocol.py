@@ -187,6 +187,13 @@ def _sampling(
             "max_tokens",
             "context_length_exceeded",
         )
+    for key in (
+        "min_tokens",
+        "min_new_tokens",
+        "prompt_logprobs",
+    ):  # vLLM's and SGLang's, not served: said, not ignored
+        if src.get(key) not in (None, 0):
+            raise bad_request(f"'{key}' is not supported by this server", key, "unsupported_parameter")
     stop_ids = src.get("stop_token_ids")
     body = src if body is None else body
     default = info.sampling_defaults  # the model's generation config, where the request is silent

@@ -641,3 +641,11 @@ def test_continue_final_message_leaves_the_last_assistant_message_open(info: Mod
         with pytest.raises(APIError) as refused:
             parse_chat(bad, info, Limits(DEFAULT_MAX))
         assert refused.value.param == "continue_final_message"
+
+
+@pytest.mark.parametrize("key", ["min_tokens", "min_new_tokens", "prompt_logprobs"])
+def test_known_parameters_pdserve_does_not_serve_are_refused_not_ignored(info: ModelInfo, name: str, key: str) -> None:
+    chat = {"model": name, "messages": [{"role": "user", "content": "hi"}], key: 4}
+    _bad(parse_chat, chat, info, code="unsupported_parameter", param=key)
+    _bad(parse_generate, {"text": "hi", "sampling_params": {key: 4}}, info, code="unsupported_parameter", param=key)
+    assert parse_chat({**chat, key: 0}, info, Limits(DEFAULT_MAX)).jobs  # the value that asks for nothing
