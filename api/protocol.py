@@ -148,6 +148,10 @@ def _token_ids(value: Any, key: str, vocab: int | None = None) -> list[int]:
     return list(value)
 
 
+# vLLM's and SGLang's sampling keys pdserve does not serve: a 400 where they ask for something, not ignored
+NOT_SERVED = ("min_tokens", "min_new_tokens", "prompt_logprobs")
+
+
 # ---- common sampling -------------------------------------------------------------
 def _sampling(
     src: dict[str, Any],
@@ -187,11 +191,7 @@ def _sampling(
             "max_tokens",
             "context_length_exceeded",
         )
-    for key in (
-        "min_tokens",
-        "min_new_tokens",
-        "prompt_logprobs",
-    ):  # vLLM's and SGLang's, not served: said, not ignored
+    for key in NOT_SERVED:
         if src.get(key) not in (None, 0):
             raise bad_request(f"'{key}' is not supported by this server", key, "unsupported_parameter")
     stop_ids = src.get("stop_token_ids")

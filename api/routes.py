@@ -301,6 +301,7 @@ class _ChatStream:
         n = parsed.jobs[0].sampling.n
         self.unsent_role = set(range(n))
         self.readers = [_SampleReader(parsed) for _ in range(n)]
+        self.plain = parsed.tools is None and parsed.thinking is None  # the text is the content as it comes
         self.sent_calls = [0] * n
 
     def render(self, i: int, d: Delta) -> list[Any]:
@@ -309,7 +310,12 @@ class _ChatStream:
         if i in self.unsent_role:
             delta["role"] = "assistant"
             self.unsent_role.discard(i)
-        reason = self._read(i, d, delta)
+        reason = d.finish_reason
+        if self.plain:
+            if d.text:
+                delta["content"] = d.text
+        else:
+            reason = self._read(i, d, delta)
         choice = {
             "index": i,
             "delta": delta,
@@ -333,16 +339,11 @@ class _ChatStream:
         forced = reader.calls.forced_call
         arguments = "".join(ev.arguments for ev in events)
         if forced is not None and (arguments or (final and not self.sent_calls[i])):
-            entry: dict[str, Any] = {"index": 0, "function": {"arguments": arguments}}
-            if not self.sent_calls[i]:
-                entry = {
-                    "index": 0,
-                    "id": forced.id,
-                    "type": "function",
-                    "function": {"name": forced.name, "arguments": arguments},
-                }
+            if self.sent_calls[i]:  # the call's later fragments: its arguments alone
+                calls.append({"index": 0, "function": {"arguments": arguments}})
+            else:
+                calls.append({**forced.body(), "index": 0, "function": {"name": forced.name, "arguments": arguments}})
                 self.sent_calls[i] = 1
-            calls.append(entry)
         for ev in events:
             for call in ev.calls:
                 calls.append({"index": self.sent_calls[i], **call.body()})

@@ -75,12 +75,14 @@ async def metric(system: Any, name: str) -> float:
     return float(found.group(1))
 
 
-async def streamed(client: Any, **kwargs: Any) -> tuple[str, list[dict[str, Any]], str | None]:
-    """A stream's content, its calls (argument fragments joined by index) and finish reason."""
-    content, calls, reason = "", {}, None
+async def read_stream(client: Any, **kwargs: Any) -> tuple[str, str, list[dict[str, Any]], str | None]:
+    """A stream's reasoning_content and content, joined, its calls (argument fragments joined
+    by index) and finish reason."""
+    thinking, content, calls, reason = "", "", {}, None
     async for chunk in await client.chat.completions.create(stream=True, **kwargs):
         for choice in chunk.choices:
             delta = choice.delta
+            thinking += (delta.model_extra or {}).get("reasoning_content") or ""
             content += delta.content or ""
             for part in delta.tool_calls or ():
                 call = calls.setdefault(part.index, {"id": None, "name": None, "arguments": ""})
@@ -88,7 +90,13 @@ async def streamed(client: Any, **kwargs: Any) -> tuple[str, list[dict[str, Any]
                 call["name"] = call["name"] or (part.function.name if part.function else None)
                 call["arguments"] += (part.function.arguments or "") if part.function else ""
             reason = choice.finish_reason or reason
-    return content, [calls[i] for i in sorted(calls)], reason
+    return thinking, content, [calls[i] for i in sorted(calls)], reason
+
+
+async def streamed(client: Any, **kwargs: Any) -> tuple[str, list[dict[str, Any]], str | None]:
+    """A stream's content, its calls and finish reason."""
+    _, content, calls, reason = await read_stream(client, **kwargs)
+    return content, calls, reason
 
 
 async def test_a_named_function_gets_arguments_that_follow_its_schema_streamed_or_not(system: Any, client: Any) -> None:
@@ -301,14 +309,8 @@ def thinking(
 
 async def stream_parts(client: Any, **kwargs: Any) -> tuple[str, str, int]:
     """A stream's reasoning_content and content, joined, and its tool calls' count."""
-    thinking, content, calls = "", "", 0
-    async for chunk in await client.chat.completions.create(stream=True, **kwargs):
-        for choice in chunk.choices:
-            extra = choice.delta.model_extra or {}
-            thinking += extra.get("reasoning_content") or ""
-            content += choice.delta.content or ""
-            calls += len(choice.delta.tool_calls or ())
-    return thinking, content, calls
+    thinking, content, calls, _ = await read_stream(client, **kwargs)
+    return thinking, content, len(calls)
 
 
 async def test_thinking_goes_to_reasoning_content_streamed_or_whole(thinking: Any) -> None:
