@@ -180,6 +180,7 @@ def _merge(a: TokenChunk, b: TokenChunk) -> TokenChunk:
         stop_reason=b.stop_reason,
         usage=b.usage,
         logprobs=logprobs if a.logprobs is not None else None,
+        prompt_logprobs=a.prompt_logprobs or b.prompt_logprobs,
         worker_id=b.worker_id or a.worker_id,
         timings={**(a.timings or {}), **(b.timings or {})} or None,
         attempt=b.attempt,

@@ -87,6 +87,10 @@ _COUNTERS = {
         "pdserve_grammar_refusals",
         "sampled tokens a structured-output request's grammar refused (a bug: logged)",
     ),
+    "scored_prompt_tokens": (
+        "pdserve_prompt_tokens_scored",
+        "prompt tokens whose log-probabilities requests asked for (computed in full: no prefix cache)",
+    ),
 }
 _STATS_GAUGES = {"waiting", "running", "prefill_tokens_waiting"}
 # TierCounts fields → (metric name, help); labels worker, role and tier.

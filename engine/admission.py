@@ -12,7 +12,7 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import RequestError
 from pdserve.engine.page_manager import OutOfPages, PageManager
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.sequence import Sequence, Status
+from pdserve.engine.sequence import PromptScores, Sequence, Status
 from pdserve.schemas import SamplingParams
 from pdserve.schemas.sampling import sample_rid
 
@@ -136,6 +136,8 @@ class Admission:
             seq = Sequence(
                 rid, list(prompt_ids), sampling, output_ids=outputs, num_resumed=len(outputs), prefill_only=prefill_only
             )
+            if sampling.prompt_logprobs is not None and not outputs:  # a resumed request's client has them
+                seq.prompt_scores = PromptScores(sampling.prompt_logprobs)
             self._with_matcher(seq)
         self.seqs[rid] = seq
         self.scheduler.add(seq)

@@ -36,11 +36,15 @@ class Appending:
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None, was_decode: bool) -> RequestOutput:
         first = not was_decode and seq.status is Status.WAITING
+        scores = None
         if first and seq.first_token_at is None:
             seq.first_token_at = time.monotonic()
             if not seq.forked:  # the samples of one request share its prompt
                 self.stats.prompt_tokens += len(seq.prompt_ids)
                 self.stats.cached_tokens += seq.num_cached
+            if seq.prompt_scores is not None:  # sent once; a recompute after preemption may use the cache
+                assert seq.prompt_scores.num == len(seq.prompt_ids) - 1, "prompt scored in part"
+                scores, seq.prompt_scores = seq.prompt_scores.wire(), None
         seq.output_ids.append(token)
         self.stats.generated_tokens += 1
         if seq.matcher is not None:
@@ -55,6 +59,7 @@ class Appending:
             completion_tokens=len(seq.output_ids),
             cached_tokens=seq.num_cached,
             group=seq.group,
+            prompt_logprobs=scores,
         )
         if first and seq.prefill_only and seq.forked:  # a sample's first token, for the hand-off
             out.finish_reason, out.stop_reason = reason, stop

@@ -43,9 +43,9 @@ from pdserve.engine.kv_tiers import KVTiers, create_tiers
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import EngineStats, ExecResult, Launched, RequestOutput, VerifyResult, with_forks
 from pdserve.engine.page_manager import PageManager
-from pdserve.engine.sampler import Sampler, SampleRequest, token_logprobs
+from pdserve.engine.sampler import Sampler, SampleRequest, score_prompt, token_logprobs
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.sequence import ScheduledBatch, Sequence, Status
+from pdserve.engine.sequence import ScheduledBatch, Sequence, Status, scored_rows
 from pdserve.engine.speculative import Speculator, verify
 from pdserve.schemas import SamplingParams
 
@@ -186,6 +186,7 @@ class Engine(Appending, Admission):
         """The next step's work; its requests count as in flight until :meth:`postprocess`."""
         batch = self.scheduler.schedule()
         if not batch.is_empty:
+            batch.scored = scored_rows(batch.prefills)
             self._serial += 1
             batch.serial = self._serial
             self._in_flight.append(batch)
@@ -229,8 +230,12 @@ class Engine(Appending, Admission):
         feed = self._feed(batch)
         seqs, logits = self.runner.execute(batch, feed)
         self._prefill_clock.end(batch, prefill)
+        if batch.scored and logits is not None:  # the prompt rows to score come last
+            num_rows = logits.shape[0] - sum(n for _, _, n in batch.scored)
+            self._score(batch.scored, logits[num_rows:])
+            logits = logits[:num_rows] if seqs or batch.verifies else None
         verify_logits = None
-        if batch.verifies and logits is not None:  # their rows come last
+        if batch.verifies and logits is not None:  # their rows come after the sampled ones
             num_rows = logits.shape[0] - sum(len(d) + 1 for _, d in batch.verifies)
             verify_logits = logits[num_rows:]
             logits = logits[:num_rows] if seqs else None
@@ -268,6 +273,15 @@ class Engine(Appending, Admission):
         for seq in seqs:
             seq.num_pending += 1
         return launched
+
+    def _score(self, scored: list[tuple[Sequence, int, int]], logits: torch.Tensor) -> None:
+        """Score prompt tokens on their rows' logits (row ``p`` of a prompt: token ``p + 1``)."""
+        start = 0
+        for seq, p, n in scored:
+            assert seq.prompt_scores is not None and seq.prompt_scores.num == p, "prompt rows scored out of order"
+            score_prompt(logits[start : start + n], seq.prompt_ids[p + 1 : p + 1 + n], seq.prompt_scores)
+            self.stats.scored_prompt_tokens += n
+            start += n
 
     def _verify(self, verifies: list[tuple[Sequence, list[int]]], logits: torch.Tensor) -> list[VerifyResult]:
         """Judge the drafts on their logits rows (``speculative.verify``): row ``t`` of a

@@ -247,7 +247,8 @@ class ModelRunner:
         self, batch: ScheduledBatch, feed: tuple[torch.Tensor, list[int]] | None = None
     ) -> tuple[list[Sequence], torch.Tensor | None]:
         """Run the batch; returns the sequences that get a next token and their logits rows,
-        followed by every row of each speculative verify (``batch.verifies``, in order).
+        followed by every row of each speculative verify (``batch.verifies``, in order), then
+        the prompt rows to score (``batch.scored``, in order).
 
         ``feed``: device tokens of the step before and, per decode, the row there that is
         its input token (-1: the sequence's own last token); the fast path only.
@@ -260,7 +261,7 @@ class ModelRunner:
             return self._execute_fast(batch, feed)
         assert feed is None, "only the fast path takes its input tokens from the device"
         meta, input_ids, positions, sample_index, sample_seqs = self._prepare(batch)
-        if not sample_seqs and not batch.verifies:
+        if not sample_seqs and not batch.verifies and not batch.scored:
             self.model(input_ids=input_ids, position_ids=positions, pd_attn=meta, use_cache=False, logits_to_keep=1)
             return [], None
         out = self.model(
@@ -302,7 +303,7 @@ class ModelRunner:
             src = torch.tensor(feed[1], dtype=torch.long).to(self.device, non_blocking=True)
             elementwise.feed(step.input_ids[: step.num_decodes], src, feed[0])
         logits = self.fast.forward(step)
-        return (seqs, logits) if seqs or batch.verifies else ([], None)
+        return (seqs, logits) if seqs or batch.verifies or batch.scored else ([], None)
 
     def copy_page(self, src: int, dst: int) -> None:
         """Copy page ``src`` into ``dst`` (every rank's share of it)."""
@@ -321,10 +322,10 @@ class ModelRunner:
         while True:
             kind, *rest = self.tp.receive()
             if kind == "step":
-                decodes, prefills, rows, verifies = rest
+                decodes, prefills, rows, verifies, scored = rest
                 feed = None if rows is None else (shared, rows)
                 with torch.inference_mode():
-                    self.execute(mirror_batch(decodes, prefills, verifies), feed)  # type: ignore[arg-type]
+                    self.execute(mirror_batch(decodes, prefills, verifies, scored), feed)  # type: ignore[arg-type]
             elif kind == "tokens":
                 shared = torch.empty(rest[0], dtype=torch.long, device=self.device)
                 self.tp.broadcast(shared)
@@ -369,9 +370,11 @@ class ModelRunner:
             sample_index.append(len(ids) - 1)
             sample_seqs.append(seq)
         spans: list[PrefillSpan] = []
+        first_row: dict[int, int] = {}  # a prefill's sequence (id) -> the row of its chunk's first token
         for seq, n in batch.prefills:
             start = seq.num_computed
             q_start = len(ids)
+            first_row[id(seq)] = q_start - start
             tokens = seq.tokens
             ids.extend(tokens[start : start + n])
             for p in range(start, start + n):
@@ -399,6 +402,8 @@ class ModelRunner:
             table = torch.tensor([seq.page_table[: -(-ctx // page)]], dtype=torch.long, device=self.device)
             spans.append(PrefillSpan(q_start, len(draft) + 1, ctx, page_rows(self.pool.kv, table)))
             sample_index.extend(range(q_start, ctx - start + q_start))
+        for seq, p, n in batch.scored:  # prompt rows to score come last
+            sample_index.extend(range(first_row[id(seq)] + p, first_row[id(seq)] + p + n))
         device = self.device
         meta = AttentionMetadata(
             kv_pool=self.pool.kv,

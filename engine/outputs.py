@@ -13,7 +13,7 @@ import torch
 
 from pdserve.engine.sampler import SamplerOutput
 from pdserve.engine.sequence import ScheduledBatch, Sequence
-from pdserve.schemas import TokenLogprob
+from pdserve.schemas import PromptLogprobs, TokenLogprob
 
 if TYPE_CHECKING:
     from pdserve.engine.speculative import SpecStats
@@ -40,6 +40,7 @@ class RequestOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     group: str = ""  # a sample of an n > 1 request: the request's id (``rid`` is the sample's)
+    prompt_logprobs: PromptLogprobs | None = None  # on the first output, when the request asks for them
 
 
 @dataclass
@@ -92,6 +93,7 @@ class EngineStats:
     turn_wait_seconds: float = 0.0  # steps' waits for other workers' steps on shared cores
     overlapped_steps: int = 0  # steps left queued on the device while the next was launched
     grammar_refusals: int = 0  # sampled tokens a sequence's own grammar refused (0 unless a bug)
+    scored_prompt_tokens: int = 0  # prompt tokens whose log-probabilities were asked for and computed
     spec: SpecStats | None = None  # speculative decoding's counters, when it is on
 
 

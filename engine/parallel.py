@@ -251,11 +251,16 @@ def step_command(batch: ScheduledBatch, feed_rows: list[int] | None) -> tuple[An
         for s, n in batch.prefills
     ]
     verifies = [(s.last_token, s.num_tokens, list(s.page_table), list(draft)) for s, draft in batch.verifies]
-    return ("step", decodes, prefills, feed_rows, verifies)
+    index = {id(s): i for i, (s, _) in enumerate(batch.prefills)}
+    scored = [(index[id(s)], p, n) for s, p, n in batch.scored]
+    return ("step", decodes, prefills, feed_rows, verifies, scored)
 
 
-def mirror_batch(decodes: list[Any], prefills: list[Any], verifies: list[Any]) -> ScheduledBatch:
-    """A follower's copy of rank 0's step (see :func:`step_command`)."""
+def mirror_batch(
+    decodes: list[Any], prefills: list[Any], verifies: list[Any], scored: list[Any] | None = None
+) -> ScheduledBatch:
+    """A follower's copy of rank 0's step (see :func:`step_command`): the same rows, the
+    prompt rows rank 0 scores included (past the last layer every rank computes the rows kept)."""
     rows = [MirrorSeq(f"d{i}", [t], n, n - 1, table) for i, (t, n, table) in enumerate(decodes)]
     chunks = [
         (MirrorSeq(f"p{i}", [0] * done + chunk, total, done, table), len(chunk))
@@ -268,4 +273,5 @@ def mirror_batch(decodes: list[Any], prefills: list[Any], verifies: list[Any]) -
         cast(list[Sequence], rows),
         cast(list[tuple[Sequence, int]], chunks),
         verifies=cast(list[tuple[Sequence, list[int]]], drafted),
+        scored=[(cast(Sequence, chunks[i][0]), p, n) for i, p, n in scored or ()],
     )

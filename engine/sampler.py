@@ -17,11 +17,15 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve.engine.grammar import apply_masks
 from pdserve.schemas import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from pdserve.engine.sequence import PromptScores
 
 _MASK = float("-inf")
 LOGPROB_FLOOR = -9999.0  # what OpenAI reports for impossible tokens
@@ -254,3 +258,24 @@ def token_logprobs(logits: torch.Tensor, rows: list[SampleRequest], tokens: list
     if not any(r.params.logprobs for r in rows):
         return [None] * len(rows)
     return _logprobs(torch.log_softmax(logits.float(), dim=-1), rows, tokens)
+
+
+SCORE_BLOCK = 256  # prompt rows scored at a time: a block's float32 log-probabilities stay small
+
+
+def score_prompt(logits: torch.Tensor, targets: list[int], scores: PromptScores) -> None:
+    """Append to ``scores`` each row's log-probability of its target token (the prompt's next
+    one), its rank (1: the most likely; ties count for it) and the ``scores.k`` most likely
+    tokens, from the raw distribution as :func:`token_logprobs` reports it."""
+    target = torch.tensor(targets, dtype=torch.long, device=logits.device)
+    for start in range(0, len(targets), SCORE_BLOCK):
+        raw = torch.log_softmax(logits[start : start + SCORE_BLOCK].float(), dim=-1)
+        t = target[start : start + SCORE_BLOCK, None]
+        chosen = raw.gather(1, t)
+        ranks = (raw > chosen).sum(dim=1) + 1
+        scores.logprobs += chosen.squeeze(1).clamp(min=LOGPROB_FLOOR).tolist()
+        scores.ranks += ranks.tolist()
+        if scores.k:
+            vals, ids = raw.topk(scores.k, dim=-1)
+            scores.top_ids += ids.flatten().tolist()
+            scores.top_logprobs += vals.clamp(min=LOGPROB_FLOOR).flatten().tolist()

@@ -33,7 +33,8 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
-        self.pages.prefetch(seq, len(self.waiting) - 1)  # the KV tiers read its cached prefix ahead while it waits
+        if seq.prompt_scores is None:  # the KV tiers read its cached prefix ahead while it waits
+            self.pages.prefetch(seq, len(self.waiting) - 1)
 
     def fits_ever(self, num_tokens: int) -> bool:
         """Whether a sequence of ``num_tokens`` (+1 to decode) could fit in an empty pool."""
@@ -118,7 +119,7 @@ class Scheduler:
                     blocked = True
                     continue
                 # at least one token left to compute; a slow tier's part may load while the part before it computes
-                self.pages.attach_prefix(seq, seq.num_tokens - 1, overlap_reserve=watermark)
+                self.pages.attach_prefix(seq, _reusable(seq), overlap_reserve=watermark)
             tail = seq.tail_load
             if tail is not None and seq.num_computed >= tail.head_end:
                 if not tail.future.done() and (prefills or self.running):
@@ -176,3 +177,10 @@ class Scheduler:
             self.running.remove(seq)
         if not keep_pages:
             self.pages.release(seq)
+
+
+def _reusable(seq: Sequence) -> int:
+    """How much of ``seq``'s prefix may come from the cache: all but its last token, or for a
+    prompt to score no more than it has scored (the cache keeps KV, not logits)."""
+    limit = seq.num_tokens - 1
+    return limit if seq.prompt_scores is None else min(limit, seq.prompt_scores.num)

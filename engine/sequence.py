@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.schemas import SamplingParams
+from pdserve.schemas import PromptLogprobs, SamplingParams
 
 
 class Status(enum.Enum):
@@ -56,6 +56,9 @@ class Sequence:
     # A part of its cached prefix loading from a KV tier while the part before it is computed
     # (engine.page_manager.TailLoad): its prefill stops where that load begins until it is done.
     tail_load: Any = None
+    # The prompt's own tokens scored as its prefill computes them (sampling.prompt_logprobs):
+    # ``None`` when not asked for (or for a request resumed or imported with its KV).
+    prompt_scores: PromptScores | None = None
 
     @property
     def out_rid(self) -> str:
@@ -90,6 +93,45 @@ class Sequence:
 
 
 @dataclass
+class PromptScores:
+    """A prompt's token log-probabilities so far: entry ``i`` is prompt token ``i + 1``'s
+    (see :class:`~pdserve.schemas.PromptLogprobs`), in the order its prefill computes them."""
+
+    k: int
+    logprobs: list[float] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+    @property
+    def num(self) -> int:
+        """Prompt positions scored: rows ``0 .. num - 1`` (row ``p`` scores token ``p + 1``)."""
+        return len(self.logprobs)
+
+    def wire(self) -> PromptLogprobs:
+        return PromptLogprobs(
+            tuple(self.logprobs), tuple(self.ranks), self.k, tuple(self.top_ids), tuple(self.top_logprobs)
+        )
+
+
+def scored_rows(prefills: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int, int]]:
+    """The prefill rows whose logits score their prompt's next token: ``(seq, first position,
+    count)`` per chunk of a sequence that asks for prompt log-probabilities, past the rows
+    it has scored already (a recompute after preemption) and short of the prompt's last row
+    (that one draws the first output token)."""
+    out = []
+    for seq, n in prefills:
+        scores = seq.prompt_scores
+        if scores is None:
+            continue
+        start = max(seq.num_computed, scores.num)
+        end = min(seq.num_computed + n, len(seq.prompt_ids) - 1)
+        if end > start:
+            out.append((seq, start, end - start))
+    return out
+
+
+@dataclass
 class ScheduledBatch:
     """One step's work: decode sequences (1 token each), prefill chunks, and verifies:
     decoding sequences with a speculative draft, each computed as its last token and the
@@ -100,6 +142,9 @@ class ScheduledBatch:
     serial: int = 0  # the engine's count of scheduled steps (orders what a step may still write)
     verifies: list[tuple[Sequence, list[int]]] = field(default_factory=list)
     held: bool = False  # left queued on the device while the next step was scheduled (overlap)
+    # Prefill rows that score their prompt (:func:`scored_rows`): their logits come after every
+    # other row's (``ModelRunner.execute``).
+    scored: list[tuple[Sequence, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

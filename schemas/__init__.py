@@ -7,7 +7,7 @@ from pdserve.schemas.kv_events import KVEvents, PlacementClaim
 from pdserve.schemas.link import KVLink, KVLinkReply, KVPush, KVPushReply
 from pdserve.schemas.request import GenerateRequest
 from pdserve.schemas.sampling import SamplingParams
-from pdserve.schemas.tokens import ErrorInfo, TokenBatch, TokenChunk, TokenLogprob, Usage
+from pdserve.schemas.tokens import ErrorInfo, PromptLogprobs, TokenBatch, TokenChunk, TokenLogprob, Usage
 from pdserve.schemas.worker import TierCounts, WorkerCounters, WorkerInfo, WorkerStats
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "Message",
     "MessageError",
     "PlacementClaim",
+    "PromptLogprobs",
     "SamplingParams",
     "TierCounts",
     "TokenBatch",

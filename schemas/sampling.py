@@ -33,6 +33,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: bool = False
     top_logprobs: int = 0
+    # The prompt's own tokens' log-probabilities (each given the tokens before it, from the
+    # second on), with this many alternatives each; ``None``: not wanted. Computed in full:
+    # such a request takes nothing from the prefix cache.
+    prompt_logprobs: int | None = None
     n: int = 1
     logit_bias: dict[str, float] | None = None
     json_schema: str | None = None
@@ -48,6 +52,11 @@ class SamplingParams:
         _require(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be between -2 and 2")
         _require(0.0 < self.repetition_penalty <= 10.0, "repetition_penalty must be in (0, 10]")
         _require(0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
+        _require(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS,
+            f"prompt_logprobs must be between 0 and {MAX_TOP_LOGPROBS}",
+        )
+        _require(self.prompt_logprobs is None or self.n == 1, "prompt_logprobs is served with n = 1 only")
         _require(len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings")
         _require(all(s for s in self.stop), "stop strings must not be empty")
         _require(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative")

@@ -37,6 +37,33 @@ class TokenLogprob:
             raise ValueError("logprobs must be finite")
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """The log-probabilities of a prompt's tokens from its second on (the first has nothing
+    before it): ``logprobs[i]`` of prompt token ``i + 1`` given the tokens before it, and its
+    ``ranks[i]`` among the vocabulary (1: the most likely). With ``k`` alternatives,
+    ``top_ids`` and ``top_logprobs`` hold ``k`` entries per token, one token's after another's
+    (flat: a long prompt's stay a small message). Finite values only, as :class:`TokenLogprob`."""
+
+    logprobs: tuple[float, ...]
+    ranks: tuple[int, ...]
+    k: int = 0
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        n = len(self.logprobs)
+        if len(self.ranks) != n or len(self.top_ids) != n * self.k or len(self.top_logprobs) != n * self.k:
+            raise ValueError("prompt logprobs: ranks and k alternatives per token expected")
+        if not all(math.isfinite(v) for v in self.logprobs) or not all(math.isfinite(v) for v in self.top_logprobs):
+            raise ValueError("logprobs must be finite")
+
+    def top(self, i: int) -> list[tuple[int, float]]:
+        """Token ``i``'s alternatives, most likely first."""
+        k = self.k
+        return list(zip(self.top_ids[i * k : (i + 1) * k], self.top_logprobs[i * k : (i + 1) * k], strict=True))
+
+
 # TokenChunk.state: what the sender says about the request besides its tokens.
 ALIVE = "alive"  # no tokens: the sender holds the request and works on it
 QUEUED = "queued"  # after this chunk the request waits in a queue (prefill's hand-off)
@@ -66,6 +93,7 @@ class TokenChunk(Message):
     usage: Usage | None = None
     error: ErrorInfo | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     worker_id: str = ""
     timings: dict[str, float] | None = None
     attempt: int = 0

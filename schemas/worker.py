@@ -124,7 +124,8 @@ class WorkerStats:
     ``up --core-sharing turns``); ``kv_pull_seconds``: time in
     KV pulls (decode); ``waiting``/``running``: sequences the scheduler holds now;
     ``prefill_tokens_waiting``: prompt tokens admitted but not computed yet;
-    ``grammar_refusals``: sampled tokens a constrained sequence's grammar refused (0 unless a bug).
+    ``grammar_refusals``: sampled tokens a constrained sequence's grammar refused (0 unless a bug);
+    ``scored_prompt_tokens``: prompt tokens whose log-probabilities a request asked for.
     """
 
     steps: int = 0
@@ -139,6 +140,7 @@ class WorkerStats:
     running: int = 0
     prefill_tokens_waiting: int = 0
     grammar_refusals: int = 0
+    scored_prompt_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

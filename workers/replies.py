@@ -117,13 +117,14 @@ class Replies:
 
     async def send_step(self, sent: list[tuple[Tracked, TokenChunk]]) -> None:
         """One step's chunks: those whose request names a ``batch_to`` go there in one
-        ``TokenBatch`` per subject (at most ``BATCH_CHUNKS`` chunks each), the rest one
-        message each to their ``reply_to``."""
+        ``TokenBatch`` per subject (at most ``BATCH_CHUNKS`` chunks each), the rest (and a chunk
+        with a prompt's log-probabilities, which can be large) one message each to their
+        ``reply_to``."""
         assert self._nc is not None, "connect() first"
         batches: dict[str, list[TokenChunk]] = {}
         now = time.monotonic()
         for t, chunk in sent:
-            if not t.batch_to:
+            if not t.batch_to or chunk.prompt_logprobs is not None:  # a prompt's scores: a message of its own
                 await self.send(t.reply_to, chunk, t)
                 continue
             _note_sent(t, chunk, now)
@@ -187,6 +188,7 @@ class Replies:
             stop_reason=out.stop_reason,
             usage=usage if out.finish_reason is not None else None,
             logprobs=tuple(out.logprobs) if out.logprobs else None,
+            prompt_logprobs=out.prompt_logprobs,
             worker_id=self.worker_id,
             timings=timings,
             attempt=tracked.attempt if tracked else 0,

@@ -247,6 +247,7 @@ class WorkerRuntime(Housekeeping):
             running=engine.num_running,
             prefill_tokens_waiting=engine.num_prefill_tokens_waiting,
             grammar_refusals=engine.stats.grammar_refusals,
+            scored_prompt_tokens=engine.stats.scored_prompt_tokens,
         )
         return WorkerInfo(
             worker_id=self.worker_id,

@@ -72,8 +72,9 @@ def build_step(
     """Pack ``batch`` for a fast model; returns it and the sequences that get a token.
 
     ``splits_for`` is the decode-attention split count to use for this step. Verifies are
-    packed as prefill chunks after the prompts' (over their own KV); their rows come last in
-    the sampled rows, every row of each, and are not in the returned sequences.
+    packed as prefill chunks after the prompts' (over their own KV); their rows come after the
+    sampled rows, every row of each, and are not in the returned sequences; the prompt rows to
+    score (``batch.scored``) come last.
     """
     ids: list[int] = []
     pos: list[int] = []
@@ -97,9 +98,11 @@ def build_step(
     chunk_pos: list[torch.Tensor] = []
     chunk_pages: list[torch.Tensor] = []
     fresh = True
+    first_row: dict[int, int] = {}  # a prefill's sequence (id) -> the row of its position 0
     for seq, n in batch.prefills:
         start = seq.num_computed
         q_start = len(ids) + sum(q for _, q in spans)
+        first_row[id(seq)] = q_start - start
         spans.append((q_start, n))
         end = start + n
         fresh = fresh and start == 0
@@ -127,6 +130,8 @@ def build_step(
         chunk_pages.append(torch.tensor(table, dtype=torch.long))
         sample_rows.extend(range(q_start, q_start + n))
         ids += [seq.last_token, *draft]
+    for seq, p, n in batch.scored:  # prompt rows to score come last
+        sample_rows.extend(range(first_row[id(seq)] + p, first_row[id(seq)] + p + n))
     ids_t = torch.tensor(ids, dtype=torch.long)
     pos_t = torch.tensor(pos, dtype=torch.long)
     slots_t = torch.tensor(slots, dtype=torch.long)
@@ -159,7 +164,7 @@ def build_step(
         decode_splits=splits_for,
         prefill=prefill,
         sample_index=None
-        if len(sample_rows) == num_tokens
+        if len(sample_rows) == num_tokens and not batch.scored
         else to_device(torch.tensor(sample_rows, dtype=torch.long), device),
     )
     return step, sample_seqs
