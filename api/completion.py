@@ -12,7 +12,7 @@ from pdserve.api.detokenizer import IncrementalDetokenizer, StopMatcher
 from pdserve.api.gateway import Gateway
 from pdserve.api.model_info import ModelInfo
 from pdserve.api.protocol import Job
-from pdserve.schemas import TokenChunk, TokenLogprob, Usage
+from pdserve.schemas import PromptLogprobs, TokenChunk, TokenLogprob, Usage
 from pdserve.schemas.sampling import sample_rid
 
 
@@ -27,6 +27,7 @@ class Delta:
     stop_reason: str | int | None = None
     usage: Usage | None = None
     timings: dict[str, float] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # on the first delta, when the request asks for them
 
 
 @dataclass
@@ -41,6 +42,7 @@ class Result:
     first_token_seconds: float = 0.0
     seconds: float = 0.0
     timings: dict[str, float] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 async def deltas(
@@ -67,6 +69,21 @@ async def _deltas(
 ) -> AsyncIterator[Delta]:
     num_tokens = 0
     async for chunk in chunks:
+        if not job.show_output:  # max_tokens 0: the prompt alone (the token drawn is not shown)
+            if chunk.finish_reason is None:
+                continue
+            usage = chunk.usage or Usage(len(job.prompt_ids), 0)
+            yield Delta(
+                "",
+                [],
+                [],
+                "length",
+                None,
+                Usage(usage.prompt_tokens, 0, usage.cached_tokens),
+                chunk.timings,
+                chunk.prompt_logprobs,
+            )
+            return
         num_tokens += len(chunk.token_ids)
         text = stop.feed(detok.add(chunk.token_ids))
         done = chunk.finish_reason is not None
@@ -75,7 +92,14 @@ async def _deltas(
         if stop.matched is not None:
             usage = chunk.usage or Usage(len(job.prompt_ids), num_tokens)
             yield Delta(
-                text, list(chunk.token_ids), list(chunk.logprobs or ()), "stop", stop.matched, usage, chunk.timings
+                text,
+                list(chunk.token_ids),
+                list(chunk.logprobs or ()),
+                "stop",
+                stop.matched,
+                usage,
+                chunk.timings,
+                chunk.prompt_logprobs,
             )
             return
         yield Delta(
@@ -86,6 +110,7 @@ async def _deltas(
             chunk.stop_reason,
             chunk.usage,
             chunk.timings,
+            chunk.prompt_logprobs,
         )
         if done:
             return
@@ -147,6 +172,7 @@ async def _collect(stream: AsyncIterator[Delta], job: Job, rid: str, started: fl
         parts.append(d.text)
         result.token_ids.extend(d.token_ids)
         result.logprobs.extend(d.logprobs)
+        result.prompt_logprobs = result.prompt_logprobs or d.prompt_logprobs
         if d.finish_reason is not None:
             result.finish_reason = d.finish_reason
             result.stop_reason = d.stop_reason

@@ -6,7 +6,7 @@ from typing import Any
 
 from pdserve.api.completion import Delta, Result
 from pdserve.api.model_info import ModelInfo
-from pdserve.schemas import TokenLogprob, Usage
+from pdserve.schemas import PromptLogprobs, TokenLogprob, Usage
 
 
 def usage_body(usage: Usage | None) -> dict[str, Any] | None:
@@ -30,17 +30,71 @@ def completion_logprobs(
     if not lps:
         return None
     tokens = [_piece(info, t) for t in ids]
-    offsets = []
-    pos = offset
-    for t in tokens:
-        offsets.append(pos)
-        pos += len(t)
+    offsets = _offsets(tokens, offset)
     return {
         "tokens": tokens,
         "token_logprobs": [lp.logprob for lp in lps],
         "top_logprobs": [{_piece(info, i): v for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)} for lp in lps],
         "text_offset": offsets,
     }
+
+
+def echo_logprobs(
+    info: ModelInfo, prompt_ids: list[int], scores: PromptLogprobs, ids: list[int], lps: list[TokenLogprob]
+) -> dict[str, Any]:
+    """Legacy completions with ``echo`` and ``logprobs``: the prompt's tokens first (the
+    first has no log-probability: ``null``, as OpenAI's), each one's alternatives with the
+    token itself among them, then the output's tokens as :func:`completion_logprobs`."""
+    tokens = [_piece(info, t) for t in prompt_ids]
+    top: list[dict[str, float] | None] = [None]
+    for i in range(len(prompt_ids) - 1):
+        alternatives = {_piece(info, a): v for a, v in scores.top(i)}
+        alternatives.setdefault(tokens[i + 1], scores.logprobs[i])
+        top.append(alternatives)
+    out = {
+        "tokens": tokens,
+        "token_logprobs": [None, *scores.logprobs],
+        "top_logprobs": top,
+        "text_offset": _offsets(tokens, 0),
+    }
+    rest = completion_logprobs(info, ids, lps, sum(len(t) for t in tokens))
+    if rest is not None:
+        for key in out:
+            out[key] += rest[key]
+    return out
+
+
+def _offsets(tokens: list[str], start: int) -> list[int]:
+    offsets = []
+    for t in tokens:
+        offsets.append(start)
+        start += len(t)
+    return offsets
+
+
+def vllm_prompt_logprobs(info: ModelInfo, prompt_ids: list[int], scores: PromptLogprobs) -> list[Any]:
+    """vLLM's ``prompt_logprobs``: ``null`` for the first token, then per token a map from
+    token id (a string) to its ``logprob``, ``rank`` and ``decoded_token``: the prompt's own
+    token, then the most likely ones."""
+    out: list[Any] = [None]
+    for i, t in enumerate(prompt_ids[1:]):
+        entry = {str(t): {"logprob": scores.logprobs[i], "rank": scores.ranks[i], "decoded_token": _piece(info, t)}}
+        for rank, (a, v) in enumerate(scores.top(i), start=1):
+            entry.setdefault(str(a), {"logprob": v, "rank": rank, "decoded_token": _piece(info, a)})
+        out.append(entry)
+    return out
+
+
+def sglang_input_logprobs(meta: dict[str, Any], prompt_ids: list[int], scores: PromptLogprobs, start: int) -> None:
+    """SGLang's ``input_token_logprobs`` (``[logprob, id, null]`` from ``logprob_start_len`` on;
+    the first token's logprob ``null``) and, with ``top_logprobs_num``, ``input_top_logprobs``."""
+    meta["input_token_logprobs"] = [
+        [scores.logprobs[p - 1] if p else None, prompt_ids[p], None] for p in range(start, len(prompt_ids))
+    ]
+    if scores.k:
+        meta["input_top_logprobs"] = [
+            [[v, a, None] for a, v in scores.top(p - 1)] if p else None for p in range(start, len(prompt_ids))
+        ]
 
 
 def chat_logprobs(info: ModelInfo, ids: list[int], lps: list[TokenLogprob]) -> dict[str, Any] | None:

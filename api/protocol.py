@@ -16,7 +16,8 @@ from pdserve.api import constraints, reasoning, tools
 from pdserve.api.errors import bad_request
 from pdserve.api.model_info import ModelInfo
 from pdserve.schemas import SamplingParams
-from pdserve.schemas.sampling import MAX_SAMPLES, MAX_STOP_STRINGS
+from pdserve.schemas.sampling import MAX_SAMPLES, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+from pdserve.schemas.tokens import prompt_logprobs_bytes
 
 MAX_COMPLETION_LOGPROBS = 5
 MAX_BATCH = 256  # prompts in one request, by default
@@ -34,6 +35,7 @@ class Limits:
     max_prompt_tokens: int | None = None
     max_output_tokens: int | None = None
     max_batch: int = MAX_BATCH
+    max_message_bytes: int | None = None  # the broker's largest message: bounds a prompt's log-probabilities
 
     def default_for(self, wanted: int) -> int:
         """``wanted`` new tokens, or fewer if the server allows fewer."""
@@ -47,6 +49,7 @@ class Job:
     prompt_ids: list[int]
     sampling: SamplingParams
     prompt_text: str | None = None
+    show_output: bool = True  # False: max_tokens 0 (scoring a prompt): the one token drawn is not shown
 
 
 @dataclass
@@ -60,6 +63,12 @@ class Parsed:
     batch: bool = False  # the client sent a list of prompts
     tools: tools.ToolRequest | None = None  # chat: the tools shown, whose calls are read back
     thinking: bool | None = None  # chat: None, no reasoning split; else whether the prompt opened the thinking
+    # The prompt's log-probabilities, as each API shows them: vLLM's ``prompt_logprobs`` field
+    # (completions and chat), the legacy completions' ``echo`` with ``logprobs`` (the prompt's
+    # tokens lead the choice's logprobs), SGLang's ``logprob_start_len`` (-1: none).
+    prompt_logprobs: int | None = None
+    echo_logprobs: bool = False
+    input_logprobs_from: int = -1
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -149,7 +158,7 @@ def _token_ids(value: Any, key: str, vocab: int | None = None) -> list[int]:
 
 
 # vLLM's and SGLang's sampling keys pdserve does not serve: a 400 where they ask for something, not ignored
-NOT_SERVED = ("min_tokens", "min_new_tokens", "prompt_logprobs")
+NOT_SERVED = ("min_tokens", "min_new_tokens")
 
 
 # ---- common sampling -------------------------------------------------------------
@@ -163,6 +172,7 @@ def _sampling(
     top_logprobs: int,
     n: int = 1,
     body: dict[str, Any] | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """``src``: where the sampling keys are (``/generate``: its merged ``sampling_params``);
     ``body``: the whole body (``response_format`` lives there)."""
@@ -194,6 +204,8 @@ def _sampling(
     for key in NOT_SERVED:
         if src.get(key) not in (None, 0):
             raise bad_request(f"'{key}' is not supported by this server", key, "unsupported_parameter")
+    if prompt_logprobs is not None:
+        _check_scoring(num_prompt, prompt_logprobs, n, limits)
     stop_ids = src.get("stop_token_ids")
     body = src if body is None else body
     default = info.sampling_defaults  # the model's generation config, where the request is silent
@@ -215,12 +227,28 @@ def _sampling(
             repetition_penalty=_f(src, "repetition_penalty", default.get("repetition_penalty", 1.0), 0.0, 10.0),
             logprobs=logprobs,
             top_logprobs=top_logprobs,
+            prompt_logprobs=prompt_logprobs,
             n=n,
             logit_bias=constraints.logit_bias(src, len(info.tokenizer)),
             **constraints.constraint(body, src),
         )
     except ValueError as exc:
         raise bad_request(str(exc)) from None
+
+
+def _check_scoring(num_prompt: int, k: int, n: int, limits: Limits) -> None:
+    """A prompt's log-probabilities are one sample's (``n`` 1) and travel in one message."""
+    if n > 1:
+        raise bad_request("the prompt's log-probabilities are served with n = 1 only", "n")
+    size = prompt_logprobs_bytes(num_prompt, k)
+    if limits.max_message_bytes is not None and size > limits.max_message_bytes:
+        raise bad_request(
+            f"the log-probabilities of a {num_prompt}-token prompt with {k} alternatives each would take about "
+            f"{size} bytes, more than the broker's messages hold ({limits.max_message_bytes}): ask for fewer "
+            "alternatives or a shorter prompt",
+            "prompt_logprobs",
+            "prompt_logprobs_too_large",
+        )
 
 
 def check_model(body: dict[str, Any], info: ModelInfo) -> None:
@@ -308,18 +336,29 @@ def parse_completion(body: dict[str, Any], info: ModelInfo, limits: Limits) -> P
     if batch and stream:
         raise bad_request("streaming takes a single prompt", "stream")
     logprobs = _int(body, "logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
+    echo = _bool(body, "echo", False)
+    shown = _int(body, "prompt_logprobs", None, 0, MAX_TOP_LOGPROBS)  # vLLM's
+    echo_logprobs = echo and logprobs is not None
+    scoring = max(logprobs or 0, shown or 0) if echo_logprobs or shown is not None else None
     jobs = []
     for ids, text in prompts:
-        max_tokens = _int(body, "max_tokens", limits.default_for(COMPLETION_MAX_TOKENS), 1)
+        # 0 (legacy OpenAI, vLLM): the prompt alone, echoed or scored
+        max_tokens = _int(
+            body, "max_tokens", limits.default_for(COMPLETION_MAX_TOKENS), 0 if echo or shown is not None else 1
+        )
         assert max_tokens is not None
-        sampling = _sampling(body, max_tokens, info, limits, len(ids), logprobs is not None, logprobs or 0, n)
-        jobs.append(Job(ids, sampling, text))
+        sampling = _sampling(
+            body, max(max_tokens, 1), info, limits, len(ids), logprobs is not None, logprobs or 0, n, None, scoring
+        )
+        jobs.append(Job(ids, sampling, text, show_output=max_tokens > 0))
     return Parsed(
         jobs,
         stream=stream,
         include_usage=_stream_usage(body),
-        echo=_bool(body, "echo", False),
+        echo=echo,
         batch=batch,
+        prompt_logprobs=shown,
+        echo_logprobs=echo_logprobs,
     )
 
 
@@ -479,7 +518,8 @@ def parse_chat(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Parsed:
     top = _int(body, "top_logprobs", 0, 0, 20) or 0
     if top and not logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    sampling = _sampling(body, max_tokens, info, limits, len(ids), logprobs, top, n)
+    shown = _int(body, "prompt_logprobs", None, 0, MAX_TOP_LOGPROBS)  # vLLM's
+    sampling = _sampling(body, max_tokens, info, limits, len(ids), logprobs, top, n, None, shown)
     if tool_request is not None and tool_request.forced:
         if sampling.json_schema or sampling.regex or sampling.ebnf:
             raise bad_request(
@@ -496,6 +536,7 @@ def parse_chat(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Parsed:
         tools=tool_request if tool_request is not None and tool_request.shown else None,
         # a reply held to a JSON Schema is all answer (the grammar leaves no room to think)
         thinking=None if not info.reasoning.on or sampling.json_schema else reasoning.opens_thinking(text),
+        prompt_logprobs=shown,
     )
 
 
@@ -542,12 +583,26 @@ def parse_generate(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Par
         raise bad_request("streaming takes a single prompt", "stream")
     want_logprobs = _bool(body, "return_logprob", False)
     top_num = _int(body, "top_logprobs_num", 0, 0, 20) or 0
+    start = _int(body, "logprob_start_len", -1, -1)  # SGLang's: the prompt's log-probabilities from there
+    assert start is not None
+    if start >= 0 and not want_logprobs:
+        raise bad_request("'logprob_start_len' needs 'return_logprob': true", "logprob_start_len")
+    if merged.get("prompt_logprobs") is not None:
+        raise bad_request("on /generate, ask with 'return_logprob' and 'logprob_start_len'", "prompt_logprobs")
 
     def job(src: dict[str, Any], ids: list[int], text: str | None) -> Job:
-        max_new = _int(src, "max_new_tokens", None, 1)
+        max_new = _int(src, "max_new_tokens", None, 0 if start >= 0 else 1)  # 0: the prompt scored alone
         if max_new is None:
             max_new = _default_max(info, len(ids), limits.default_for(min(limits.default_max_tokens, 128)))
-        return Job(ids, _sampling(src, max_new, info, limits, len(ids), want_logprobs, top_num, _n(src), body), text)
+        if start >= len(ids):
+            raise bad_request(
+                f"'logprob_start_len' {start} is past the prompt's {len(ids)} tokens", "logprob_start_len"
+            )
+        scoring = top_num if start >= 0 else None
+        sampling = _sampling(
+            src, max(max_new, 1), info, limits, len(ids), want_logprobs, top_num, _n(src), body, scoring
+        )
+        return Job(ids, sampling, text, show_output=max_new > 0)
 
     if top.keys() & params.keys():  # a top-level value that sampling_params overrides is still checked
         job({**merged, **top}, *prompts[0])
@@ -566,4 +621,5 @@ def parse_generate(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Par
         skip_special_tokens=_bool(merged, "skip_special_tokens", True),
         rid=rid,
         batch=batch,
+        input_logprobs_from=start,
     )

@@ -19,7 +19,7 @@ from pdserve.api.config import ApiConfig
 from pdserve.api.errors import APIError
 from pdserve.api.http import AppState, ORJSONResponse, read_body, state_of, translate, until_disconnect
 from pdserve.api.protocol import Job, Limits, Parsed, parse_chat, parse_completion, parse_generate, parse_json
-from pdserve.schemas import Usage
+from pdserve.schemas import TokenLogprob, Usage
 from pdserve.schemas.sampling import sample_rid
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -36,9 +36,13 @@ _DONE = b"data: [DONE]\n\n"
 INLINE_PARSE_BYTES = 64 << 10
 
 
-def limits(config: ApiConfig) -> Limits:
+def limits(config: ApiConfig, max_message_bytes: int | None = None) -> Limits:
     return Limits(
-        config.default_max_tokens, config.max_prompt_tokens, config.max_output_tokens, config.max_batch_prompts
+        config.default_max_tokens,
+        config.max_prompt_tokens,
+        config.max_output_tokens,
+        config.max_batch_prompts,
+        max_message_bytes,
     )
 
 
@@ -46,8 +50,11 @@ async def _parse(request: Request, parser: Callable[[dict[str, Any], Any, Limits
     state = state_of(request)
     raw = await read_body(request, state.config.max_body_bytes)
 
+    nc = state.gateway.nc
+    bound = limits(state.config, nc.max_payload if nc is not None and nc.is_connected else None)
+
     def parse() -> Parsed:
-        return parser(parse_json(raw), state.info, limits(state.config))
+        return parser(parse_json(raw), state.info, bound)
 
     return state, parse() if len(raw) <= INLINE_PARSE_BYTES else await asyncio.to_thread(parse)
 
@@ -220,17 +227,9 @@ async def completions(request: Request) -> Response:
 
         def render(i: int, d: Delta) -> list[Any]:
             usage.add(d)
-            text = d.text
-            if i in unsent:
-                unsent.discard(i)
-                text = _prompt_text(state, job) + text
-            choice = {
-                "index": i,
-                "text": text,
-                "logprobs": formats.completion_logprobs(state.info, d.token_ids, d.logprobs),
-                "finish_reason": formats.openai_finish(d.finish_reason),
-            }
-            return [{**head, "choices": [choice]}]
+            choice = _completion_choice(state, parsed, job, i, d.text, d.token_ids, d.logprobs, i in unsent, d)
+            unsent.discard(i)
+            return [{**head, "choices": [{**choice, "finish_reason": formats.openai_finish(d.finish_reason)}]}]
 
         body = _sse_body(first, rest, render, _stream_end(head, usage, parsed.include_usage))
         return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
@@ -245,16 +244,36 @@ async def completions(request: Request) -> Response:
                 )
             continue
         for k, r in enumerate(samples):
-            text = (_prompt_text(state, job) if parsed.echo else "") + r.text
-            choices.append(
-                {
-                    "index": i * n + k,
-                    "text": text,
-                    "logprobs": formats.completion_logprobs(state.info, r.token_ids, r.logprobs),
-                    "finish_reason": formats.openai_finish(r.finish_reason),
-                }
-            )
+            choice = _completion_choice(state, parsed, job, i * n + k, r.text, r.token_ids, r.logprobs, parsed.echo, r)
+            choices.append({**choice, "finish_reason": formats.openai_finish(r.finish_reason)})
     return ORJSONResponse({**head, "choices": choices, "usage": _sum_usage(results)})
+
+
+def _completion_choice(
+    state: AppState,
+    parsed: Parsed,
+    job: Job,
+    index: int,
+    text: str,
+    ids: list[int],
+    lps: list[TokenLogprob],
+    echo: bool,
+    got: Delta | Result,
+) -> dict[str, Any]:
+    """A completion choice (or a streamed piece of one): the prompt first where it is echoed
+    (``echo``: this is the choice's first piece), with its log-probabilities where asked."""
+    info = state.info
+    scores = got.prompt_logprobs
+    prefix = _prompt_text(state, job) if echo else ""
+    logprobs: dict[str, Any] | None
+    if echo and parsed.echo_logprobs and scores is not None:
+        logprobs = formats.echo_logprobs(info, job.prompt_ids, scores, ids, lps)
+    else:
+        logprobs = formats.completion_logprobs(info, ids, lps, len(prefix))
+    choice: dict[str, Any] = {"index": index, "text": prefix + text, "logprobs": logprobs}
+    if parsed.prompt_logprobs is not None and scores is not None:
+        choice["prompt_logprobs"] = formats.vllm_prompt_logprobs(info, job.prompt_ids, scores)
+    return choice
 
 
 def _sum_usage(results: list[list[Result] | APIError]) -> dict[str, Any] | None:
@@ -297,7 +316,7 @@ class _ChatStream:
     while it may begin a tool call, calls sent whole, a forced function's arguments as they come."""
 
     def __init__(self, state: AppState, head: dict[str, Any], parsed: Parsed, usage: _Usage) -> None:
-        self.state, self.head, self.usage = state, head, usage
+        self.state, self.head, self.usage, self.parsed = state, head, usage, parsed
         n = parsed.jobs[0].sampling.n
         self.unsent_role = set(range(n))
         self.readers = [_SampleReader(parsed) for _ in range(n)]
@@ -322,6 +341,9 @@ class _ChatStream:
             "logprobs": formats.chat_logprobs(self.state.info, d.token_ids, d.logprobs),
             "finish_reason": formats.openai_finish(reason),
         }
+        if self.parsed.prompt_logprobs is not None and d.prompt_logprobs is not None:  # on the first chunk
+            prompt = self.parsed.jobs[0].prompt_ids
+            choice["prompt_logprobs"] = formats.vllm_prompt_logprobs(self.state.info, prompt, d.prompt_logprobs)
         return [{**self.head, "choices": [choice]}]
 
     def _read(self, i: int, d: Delta, delta: dict[str, Any]) -> str | None:
@@ -369,12 +391,17 @@ def _chat_choice(state: AppState, parsed: Parsed, k: int, r: Result) -> dict[str
             message["tool_calls"] = [c.body() for c in reply.calls]
         state.gateway.metrics.tool_reply(len(reply.calls), reply.failures)
         reason = tools.finish_reason(reason, len(reply.calls))
-    return {
+    choice = {
         "index": k,
         "message": message,
         "logprobs": formats.chat_logprobs(state.info, r.token_ids, r.logprobs),
         "finish_reason": formats.openai_finish(reason),
     }
+    if parsed.prompt_logprobs is not None and r.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = formats.vllm_prompt_logprobs(
+            state.info, parsed.jobs[0].prompt_ids, r.prompt_logprobs
+        )
+    return choice
 
 
 async def chat_completions(request: Request) -> Response:
@@ -430,6 +457,8 @@ async def generate(request: Request) -> Response:
                 time.perf_counter() - started if done else None,
             )
             formats.sglang_logprobs(meta, d.token_ids, d.logprobs)
+            if parsed.input_logprobs_from >= 0 and d.prompt_logprobs is not None:
+                formats.sglang_input_logprobs(meta, job.prompt_ids, d.prompt_logprobs, parsed.input_logprobs_from)
             body = {"text": "".join(text[i]), "output_ids": list(ids[i]), "meta_info": meta}
             return [body if n == 1 else {"index": i, **body}]
 
@@ -452,6 +481,8 @@ async def generate(request: Request) -> Response:
                 r.rid, r, len(job.prompt_ids), len(r.token_ids), usage.cached_tokens if usage else 0, r.seconds
             )
             formats.sglang_logprobs(meta, r.token_ids, r.logprobs)
+            if parsed.input_logprobs_from >= 0 and r.prompt_logprobs is not None:
+                formats.sglang_input_logprobs(meta, job.prompt_ids, r.prompt_logprobs, parsed.input_logprobs_from)
             bodies.append({"text": r.text, "output_ids": r.token_ids, "meta_info": meta})
     return ORJSONResponse(bodies if parsed.batch or len(bodies) > 1 else bodies[0])
 

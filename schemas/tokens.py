@@ -64,6 +64,12 @@ class PromptLogprobs:
         return list(zip(self.top_ids[i * k : (i + 1) * k], self.top_logprobs[i * k : (i + 1) * k], strict=True))
 
 
+def prompt_logprobs_bytes(num_prompt: int, k: int) -> int:
+    """At most the bytes a chunk with a ``num_prompt``-token prompt's log-probabilities takes
+    (``k`` alternatives each; orjson's floats, 17 significant digits): it must fit one message."""
+    return 4096 + (num_prompt - 1) * (32 + 34 * k)
+
+
 # TokenChunk.state: what the sender says about the request besides its tokens.
 ALIVE = "alive"  # no tokens: the sender holds the request and works on it
 QUEUED = "queued"  # after this chunk the request waits in a queue (prefill's hand-off)

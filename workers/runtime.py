@@ -46,7 +46,7 @@ from pdserve.schemas import (
     WorkerStats,
 )
 from pdserve.schemas.sampling import sample_rid
-from pdserve.schemas.tokens import ALIVE, HANDED_BACK
+from pdserve.schemas.tokens import ALIVE, HANDED_BACK, prompt_logprobs_bytes
 from pdserve.workers.cancels import Cancels
 from pdserve.workers.config import WorkerConfig
 from pdserve.workers.housekeeping import Housekeeping
@@ -414,6 +414,12 @@ class WorkerRuntime(Housekeeping):
             return
         if req.model != self.config.model_name:
             await self.fail(t, f"model {req.model!r} is not served here", "invalid_request_error")
+            return
+        scoring = req.sampling.prompt_logprobs
+        assert self.nc is not None
+        if scoring is not None and prompt_logprobs_bytes(len(req.prompt_ids), scoring) > self.nc.max_payload:
+            message = f"the prompt's log-probabilities would not fit in one message of {self.nc.max_payload} bytes"
+            await self.fail(t, message, "invalid_request_error", "prompt_logprobs_too_large")
             return
         if not await self.make_room(t):
             return

@@ -120,6 +120,7 @@ def test_completion_maps_fields(info: ModelInfo, name: str) -> None:
     }
     parsed = parse_completion(body, info, Limits(DEFAULT_MAX))
     assert parsed.stream and parsed.include_usage and parsed.echo
+    assert parsed.echo_logprobs and parsed.prompt_logprobs is None  # the prompt's own logprobs lead the choice's
     assert parsed.jobs[0].sampling == SamplingParams(
         max_new_tokens=40,
         temperature=0.5,
@@ -135,6 +136,7 @@ def test_completion_maps_fields(info: ModelInfo, name: str) -> None:
         repetition_penalty=1.1,
         logprobs=True,
         top_logprobs=3,
+        prompt_logprobs=3,  # echo with logprobs: the prompt's too
     )
 
 
@@ -643,9 +645,43 @@ def test_continue_final_message_leaves_the_last_assistant_message_open(info: Mod
         assert refused.value.param == "continue_final_message"
 
 
-@pytest.mark.parametrize("key", ["min_tokens", "min_new_tokens", "prompt_logprobs"])
+@pytest.mark.parametrize("key", ["min_tokens", "min_new_tokens"])
 def test_known_parameters_pdserve_does_not_serve_are_refused_not_ignored(info: ModelInfo, name: str, key: str) -> None:
     chat = {"model": name, "messages": [{"role": "user", "content": "hi"}], key: 4}
     _bad(parse_chat, chat, info, code="unsupported_parameter", param=key)
     _bad(parse_generate, {"text": "hi", "sampling_params": {key: 4}}, info, code="unsupported_parameter", param=key)
     assert parse_chat({**chat, key: 0}, info, Limits(DEFAULT_MAX)).jobs  # the value that asks for nothing
+
+
+def test_prompt_logprobs_requests(info: ModelInfo, name: str) -> None:
+    """Each API's way to ask for the prompt's log-probabilities; max_tokens 0 only where the
+    prompt is shown; a request whose scores would not fit in one broker message is refused."""
+    ids = list(range(3, 203))
+    scored = parse_completion({"prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 0}, info, Limits(DEFAULT_MAX))
+    job = scored.jobs[0]
+    assert scored.echo_logprobs and job.sampling.prompt_logprobs == 1 and job.sampling.max_new_tokens == 1
+    assert not job.show_output  # max_tokens 0: the token drawn is not shown
+    vllm = parse_completion({"prompt": ids, "prompt_logprobs": 4, "logprobs": 2}, info, Limits(DEFAULT_MAX))
+    assert vllm.prompt_logprobs == 4 and not vllm.echo_logprobs and vllm.jobs[0].sampling.prompt_logprobs == 4
+    plain = parse_completion({"prompt": ids, "logprobs": 2}, info, Limits(DEFAULT_MAX))
+    assert plain.jobs[0].sampling.prompt_logprobs is None  # the output's alone, as before
+    chat = {"model": name, "messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 0}
+    assert parse_chat(chat, info, Limits(DEFAULT_MAX)).jobs[0].sampling.prompt_logprobs == 0
+    sglang = {"input_ids": ids, "return_logprob": True, "logprob_start_len": 10, "top_logprobs_num": 2}
+    parsed = parse_generate({**sglang, "sampling_params": {"max_new_tokens": 0}}, info, Limits(DEFAULT_MAX))
+    assert parsed.input_logprobs_from == 10 and parsed.jobs[0].sampling.prompt_logprobs == 2
+    assert not parsed.jobs[0].show_output
+    assert (
+        parse_generate({"input_ids": ids, "return_logprob": True}, info, Limits(DEFAULT_MAX))
+        .jobs[0]
+        .sampling.prompt_logprobs
+        is None
+    )  # logprob_start_len -1, SGLang's default: the output's alone
+    _bad(parse_completion, {"prompt": ids, "max_tokens": 0}, info, param="max_tokens")
+    _bad(parse_completion, {"prompt": ids, "prompt_logprobs": 1, "n": 3}, info, param="n")
+    _bad(parse_chat, {**chat, "prompt_logprobs": 21}, info, param="prompt_logprobs")
+    small = Limits(DEFAULT_MAX, max_message_bytes=1 << 14)
+    assert parse_completion({"prompt": ids, "prompt_logprobs": 0}, info, small).jobs  # 200 tokens fit
+    with pytest.raises(APIError) as refused:
+        parse_completion({"prompt": ids, "prompt_logprobs": 5}, info, small)
+    assert refused.value.code == "prompt_logprobs_too_large" and "5 alternatives" in refused.value.message

@@ -210,6 +210,68 @@ def test_logprobs_are_the_model_distribution(tiny_model_dir: Path) -> None:
     assert list(first.top_logprobs) == sorted(first.top_logprobs, reverse=True)
 
 
+def prompt_reference(model_dir: Path, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """``transformers``' log-softmax at every position of each prompt."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return [torch.log_softmax(model(torch.tensor([p])).logits[0].float(), dim=-1) for p in prompts]
+
+
+@pytest.mark.parametrize("impl", ["pdserve", "transformers"])
+def test_prompt_logprobs_equal_transformers_in_chunks_past_the_prefix_cache(tiny_model_dir: Path, impl: str) -> None:
+    """Scored over chunks of 64 tokens (several steps, beside other requests), each token's
+    log-probability, rank and alternatives are ``transformers``'; a prompt whose KV the prefix
+    cache holds is computed again (a request that does not score still takes the cache)."""
+    prompts = random_prompts(3, 4000, seed=3, low=2, high=300) + [[9, 10]]
+    engine = make_engine(tiny_model_dir, chunked_prefill_size=64, model_impl=impl)
+    engine.add_request("warm", prompts[1], SamplingParams(max_new_tokens=1, temperature=0.0))
+    run_all(engine)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"s{i}", p, SamplingParams(max_new_tokens=3, temperature=0.0, prompt_logprobs=2))
+    engine.add_request("plain", prompts[1], SamplingParams(max_new_tokens=3, temperature=0.0))
+    scored, cached = {}, {}
+    for o in iter_outputs(engine):
+        if o.prompt_logprobs is not None:
+            assert o.rid not in scored and o.index == 0  # once, with the first token
+            scored[o.rid], cached[o.rid] = o.prompt_logprobs, o.cached_tokens
+    assert "plain" not in scored
+    for i, (p, ref) in enumerate(zip(prompts, prompt_reference(tiny_model_dir, prompts), strict=True)):
+        got = scored[f"s{i}"]
+        want = ref[torch.arange(len(p) - 1), torch.tensor(p[1:])]
+        assert torch.allclose(torch.tensor(got.logprobs), want, atol=1e-4)
+        assert list(got.ranks) == ((ref[:-1] > want[:, None]).sum(-1) + 1).tolist()
+        top = ref[:-1].topk(2, dim=-1)
+        assert torch.equal(torch.tensor(got.top_ids).view(-1, 2), top.indices)
+        assert torch.allclose(torch.tensor(got.top_logprobs).view(-1, 2), top.values, atol=1e-4)
+        assert cached[f"s{i}"] == 0
+    assert engine.stats.scored_prompt_tokens == sum(len(p) - 1 for p in prompts)
+    assert engine.stats.cached_tokens > 0  # the request that does not score took the cached prefix
+
+
+def test_prompt_logprobs_survive_preemption(tiny_model_dir: Path) -> None:
+    """Under a pool too small for the batch, sequences are preempted and recomputed: each
+    prompt is still scored exactly once and right, and the outputs stay ``transformers``'."""
+    prompts = random_prompts(8, 4000, seed=5, low=40, high=80)
+    params = SamplingParams(max_new_tokens=90, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    expected = hf_greedy(tiny_model_dir, prompts, params.max_new_tokens)
+    engine = make_engine(tiny_model_dir, max_total_tokens=16 * 30, chunked_prefill_size=32)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    outs: dict[str, list[int]] = {}
+    scored: dict[str, list[float]] = {}
+    for o in iter_outputs(engine):
+        outs.setdefault(o.rid, []).extend(o.token_ids)
+        if o.prompt_logprobs is not None:
+            assert o.rid not in scored
+            scored[o.rid] = list(o.prompt_logprobs.logprobs)
+    assert engine.scheduler.num_preemptions > 0
+    assert [outs[f"r{i}"] for i in range(len(prompts))] == expected
+    for i, (p, ref) in enumerate(zip(prompts, prompt_reference(tiny_model_dir, prompts), strict=True)):
+        want = ref[torch.arange(len(p) - 1), torch.tensor(p[1:])]
+        assert torch.allclose(torch.tensor(scored[f"r{i}"]), want, atol=1e-4)
+    assert engine.pages.num_used_pages == 0
+
+
 def iter_outputs(engine: Engine):
     while engine.has_work():
         yield from engine.step()

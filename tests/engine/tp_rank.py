@@ -21,6 +21,7 @@ if __name__ == "__main__" and "fast" in sys.argv[6:]:
 
     use_interpreter()
 
+import pytest
 import torch
 
 from pdserve.engine.config import EngineConfig
@@ -90,18 +91,34 @@ def speculating(config: EngineConfig) -> EngineConfig:
     )
 
 
-def run(engine: object, cases: list[tuple[list[int], int, int]]) -> dict[str, list[int]]:
-    """Greedy outputs by rid (``i`` or, for a case of ``n`` samples, ``i#s``)."""
+def run(engine: object, cases: list[tuple[list[int], int, int]]) -> dict[str, list[Any]]:
+    """Greedy outputs by rid (``i`` or, for a case of ``n`` samples, ``i#s``); a case of one
+    sample also scores its prompt (the rows past the last layer then differ from the sampled
+    ones on every rank), its log-probabilities under ``i.prompt``."""
     from pdserve.engine.engine import Engine
 
     assert isinstance(engine, Engine)
     for i, (prompt, new, n) in enumerate(cases):
-        engine.add_request(str(i), prompt, SamplingParams(max_new_tokens=new, temperature=0, ignore_eos=True, n=n))
-    outputs: dict[str, list[int]] = {}
+        scoring = 0 if n == 1 else None
+        sampling = SamplingParams(max_new_tokens=new, temperature=0, ignore_eos=True, n=n, prompt_logprobs=scoring)
+        engine.add_request(str(i), prompt, sampling)
+    outputs: dict[str, list[Any]] = {}
     while engine.has_work():
         for o in engine.step():
             outputs.setdefault(o.rid, []).extend(o.token_ids)
+            if o.prompt_logprobs is not None:
+                outputs[f"{o.rid}.prompt"] = list(o.prompt_logprobs.logprobs)
     return outputs
+
+
+def assert_same(got: dict[str, list[Any]], want: dict[str, list[Any]]) -> None:
+    """The same tokens; the same prompt log-probabilities up to the order of the ranks' sums."""
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        if key.endswith(".prompt"):
+            assert value == pytest.approx(got[key], abs=1e-4), key
+        else:
+            assert got[key] == value, key
 
 
 if __name__ == "__main__":
