@@ -80,8 +80,9 @@ def _prompt(info: ModelInfo, config: ApiConfig, text: bool = True, ids: bool = T
     return {"oneOf": options}
 
 
-def _max_tokens(info: ModelInfo, config: ApiConfig) -> Schema:
-    return _integer(1, config.max_output_tokens or max(info.context_length - 1, 1))
+def _max_tokens(info: ModelInfo, config: ApiConfig, low: int = 1) -> Schema:
+    """``low`` 0: where the prompt alone may be asked for (echoed or scored)."""
+    return _integer(low, config.max_output_tokens or max(info.context_length - 1, 1))
 
 
 RESPONSE_FORMAT: Schema = _maybe(
@@ -107,9 +108,10 @@ def completion_body(info: ModelInfo, config: ApiConfig) -> Schema:
         "properties": {
             "model": {"anyOf": [{"type": "string", "enum": [info.name]}, {"type": "null"}]},
             "prompt": _prompt(info, config),
-            **_sampling(100.0, _max_tokens(info, config)),
+            **_sampling(100.0, _max_tokens(info, config, 0)),
             "logprobs": _integer(0, MAX_COMPLETION_LOGPROBS),
             "echo": BOOL,
+            "prompt_logprobs": _integer(0, MAX_TOP_LOGPROBS),
             "user": _maybe({"type": "string"}),
             "response_format": RESPONSE_FORMAT,
             "stream": BOOL,
@@ -198,6 +200,7 @@ def chat_body(info: ModelInfo, config: ApiConfig) -> Schema:
             "max_completion_tokens": max_tokens,
             "logprobs": BOOL,
             "top_logprobs": _integer(0, MAX_TOP_LOGPROBS),
+            "prompt_logprobs": _integer(0, MAX_TOP_LOGPROBS),
             "user": _maybe({"type": "string"}),
             "response_format": RESPONSE_FORMAT,
             "tools": _maybe({"type": "array", "items": tool}),
@@ -215,7 +218,7 @@ def chat_body(info: ModelInfo, config: ApiConfig) -> Schema:
 
 
 def generate_body(info: ModelInfo, config: ApiConfig) -> Schema:
-    sampling = _sampling(100.0, _max_tokens(info, config))
+    sampling = _sampling(100.0, _max_tokens(info, config, 0))
     sampling["max_new_tokens"] = sampling.pop("max_tokens")
     sampling["skip_special_tokens"] = BOOL
     sampling["json_schema"] = {"anyOf": [{"type": "string", "minLength": 1}, {"type": "object"}, {"type": "null"}]}
@@ -233,6 +236,7 @@ def generate_body(info: ModelInfo, config: ApiConfig) -> Schema:
             **sampling,
             "return_logprob": BOOL,
             "top_logprobs_num": _integer(0, MAX_TOP_LOGPROBS),
+            "logprob_start_len": _integer(-1, max(info.context_length - 1, 1)),
             "stream": BOOL,
             "rid": {"anyOf": [rid, {"type": "array", "items": rid}, {"type": "null"}]},
         },
