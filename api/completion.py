@@ -84,8 +84,14 @@ async def _deltas(
                 chunk.prompt_logprobs,
             )
             return
-        num_tokens += len(chunk.token_ids)
-        text = stop.feed(detok.add(chunk.token_ids))
+        ids = chunk.token_ids
+        unchecked = min(max(job.sampling.min_new_tokens - num_tokens, 0), len(ids))  # no stop string before that
+        num_tokens += len(ids)
+        text = (
+            detok.add(ids[:unchecked]) + stop.feed(detok.add(ids[unchecked:]))
+            if unchecked
+            else stop.feed(detok.add(ids))
+        )
         done = chunk.finish_reason is not None
         if done:
             text += stop.feed(detok.flush()) + stop.flush()

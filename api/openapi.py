@@ -63,6 +63,7 @@ def _sampling(temperature_max: float, max_tokens: Schema) -> dict[str, Schema]:
             {"type": "object", "additionalProperties": _number(-100.0, 100.0), "maxProperties": MAX_LOGIT_BIAS}
         ),
         "max_tokens": max_tokens,
+        "min_tokens": _integer(0),  # vLLM's; at most max_tokens
     }
 
 
@@ -220,6 +221,7 @@ def chat_body(info: ModelInfo, config: ApiConfig) -> Schema:
 def generate_body(info: ModelInfo, config: ApiConfig) -> Schema:
     sampling = _sampling(100.0, _max_tokens(info, config, 0))
     sampling["max_new_tokens"] = sampling.pop("max_tokens")
+    sampling["min_new_tokens"] = sampling.pop("min_tokens")  # SGLang's name
     sampling["skip_special_tokens"] = BOOL
     sampling["json_schema"] = {"anyOf": [{"type": "string", "minLength": 1}, {"type": "object"}, {"type": "null"}]}
     for key in ("regex", "ebnf"):

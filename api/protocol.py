@@ -157,10 +157,6 @@ def _token_ids(value: Any, key: str, vocab: int | None = None) -> list[int]:
     return list(value)
 
 
-# vLLM's and SGLang's sampling keys pdserve does not serve: a 400 where they ask for something, not ignored
-NOT_SERVED = ("min_tokens", "min_new_tokens")
-
-
 # ---- common sampling -------------------------------------------------------------
 def _sampling(
     src: dict[str, Any],
@@ -201,9 +197,8 @@ def _sampling(
             "max_tokens",
             "context_length_exceeded",
         )
-    for key in NOT_SERVED:
-        if src.get(key) not in (None, 0):
-            raise bad_request(f"'{key}' is not supported by this server", key, "unsupported_parameter")
+    floor_key = "min_new_tokens" if "min_new_tokens" in src else "min_tokens"  # SGLang's, vLLM's
+    floor = _int(src, floor_key, 0, 0, max_tokens)
     if prompt_logprobs is not None:
         _check_scoring(num_prompt, prompt_logprobs, n, limits)
     stop_ids = src.get("stop_token_ids")
@@ -212,6 +207,7 @@ def _sampling(
     try:
         return SamplingParams(
             max_new_tokens=max_tokens,
+            min_new_tokens=floor or 0,
             temperature=_f(
                 src, "temperature", default.get("temperature", 1.0), 0.0, 2.0 if "messages" in src else 100.0
             ),
@@ -528,6 +524,8 @@ def parse_chat(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Parsed:
             )
         schema = tool_request.schema()
         constraints.check("json_schema", schema)
+        if sampling.min_new_tokens:
+            raise bad_request("min_tokens does not go with a forced tool choice (structured output)", "min_tokens")
         sampling = dataclasses.replace(sampling, json_schema=schema)
     return Parsed(
         [Job(ids, sampling, text)],
@@ -543,6 +541,7 @@ def parse_chat(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Parsed:
 # ---- /generate (SGLang) ---------------------------------------------------------------
 _SGLANG_SAMPLING = (
     "max_new_tokens",
+    "min_new_tokens",
     "temperature",
     "top_p",
     "top_k",

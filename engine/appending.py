@@ -106,9 +106,10 @@ class Appending:
             return "stop", None
         if seq.matcher is not None and seq.matcher.is_terminated:
             return "stop", None  # the grammar is complete and took its end
-        if p.stop and self.detokenize is not None:
+        if p.stop and self.detokenize is not None and len(seq.output_ids) > p.min_new_tokens:
+            # the text after the first min_new_tokens tokens, as the API matches it
             longest = max(len(s.encode()) for s in p.stop)
-            tail = self.detokenize(seq.output_ids[-(longest + 2) :])
+            tail = self.detokenize(seq.output_ids[max(len(seq.output_ids) - longest - 2, p.min_new_tokens) :])
             for s in p.stop:
                 if s in tail:
                     return "stop", s

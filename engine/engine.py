@@ -103,7 +103,7 @@ class Engine(Appending, Admission):
             self.tiers = create_tiers(runner.pool, runner.model, config.kv_tiers)
             self.pages.tiers = self.tiers
         self.scheduler = Scheduler(config, self.pages, runner.max_model_len)
-        self.sampler = Sampler(runner.device)
+        self.sampler = Sampler(runner.device, self.eos_token_ids)
         assert runner.max_model_len is not None
         self.max_model_len: int = runner.max_model_len
         self.seqs: dict[str, Sequence] = {}

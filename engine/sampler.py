@@ -57,8 +57,10 @@ def seed_for(seed: int, index: int) -> int:
 
 
 class Sampler:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, end_ids: frozenset[int] = frozenset()) -> None:
+        """``end_ids``: the model's end-of-sequence tokens (masked below a row's ``min_new_tokens``)."""
         self.device = device
+        self.end_ids = end_ids
         self._generator = torch.Generator(device=device)  # unseeded rows
         self._generator.manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
         self._seeded = torch.Generator(device=device)  # re-seeded per seeded row and token
@@ -68,7 +70,7 @@ class Sampler:
     ) -> SamplerOutput:
         """``masks``: the rows' structured-output bitmasks (see :mod:`.grammar`), or ``None``."""
         assert logits.shape[0] == len(rows)
-        if masks is None and all(_plain_greedy(r.params) and not r.params.logprobs for r in rows):
+        if masks is None and all(_plain(r) and not r.params.logprobs for r in rows):
             return SamplerOutput(_argmax(logits).tolist(), [None] * len(rows))  # the common fast path
         tokens, raw_logprobs = self._tokens(logits, rows, masks)
         token_list = tokens.tolist()
@@ -81,7 +83,7 @@ class Sampler:
         wants log-probabilities (those are read on the host with the tokens)."""
         if any(r.params.logprobs for r in rows):
             return None
-        if masks is None and all(_plain_greedy(r.params) for r in rows):
+        if masks is None and all(_plain(r) for r in rows):
             return _argmax(logits)
         return self._tokens(logits, rows, masks)[0]
 
@@ -109,19 +111,29 @@ class Sampler:
         return tokens, raw_logprobs
 
     def processed(self, logits: torch.Tensor, rows: list[SampleRequest], copy: bool = False) -> torch.Tensor:
-        """The rows' logits in float32 after penalties and ``logit_bias`` (what greedy rows take
-        the argmax of; speculative verification's rows, whose histories differ per row); a
-        copy when any applies or ``copy`` (the caller writes into it), else ``logits`` as
-        float32."""
+        """The rows' logits in float32 after penalties, ``logit_bias`` and, below a row's
+        ``min_new_tokens``, its end tokens masked (what greedy rows take the argmax of;
+        speculative verification's rows, whose histories differ per row); a copy when any
+        applies or ``copy`` (the caller writes into it), else ``logits`` as float32."""
         logits = logits.float()
-        if copy or any(r.params.has_penalties or r.params.has_bias for r in rows):
+        if copy or any(r.params.has_penalties or r.params.has_bias or _below_floor(r) for r in rows):
             logits = logits.clone().contiguous()
             for i, r in enumerate(rows):
                 if r.params.has_penalties:
                     _apply_penalties(logits[i], r)
                 if r.params.has_bias:
                     _apply_bias(logits[i], r.params)
+                if _below_floor(r):
+                    self._mask_ends(logits[i], r.params)
         return logits
+
+    def _mask_ends(self, row: torch.Tensor, p: SamplingParams) -> None:
+        """In place: the tokens that would end the output (its stop tokens, and the model's end
+        of sequence unless ``ignore_eos``) made impossible."""
+        ends = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.end_ids))
+        ids = [t for t in ends if t < row.shape[0]]
+        if ids:
+            row[_tensor(ids, torch.long, row.device)] = _MASK
 
     def probs(self, logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
         """The distribution a sampled row draws from: temperature, top-k/top-p/min-p, softmax
@@ -184,6 +196,16 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 
 def _plain_greedy(p: SamplingParams) -> bool:
     return p.is_greedy and not p.has_penalties and not p.has_bias
+
+
+def _below_floor(r: SampleRequest) -> bool:
+    """The row draws a token its request's ``min_new_tokens`` forbids to be an end."""
+    return r.position < r.params.min_new_tokens
+
+
+def _plain(r: SampleRequest) -> bool:
+    """A row whose token is the raw logits' argmax."""
+    return _plain_greedy(r.params) and not _below_floor(r)
 
 
 def _apply_bias(row: torch.Tensor, p: SamplingParams) -> None:

@@ -59,6 +59,7 @@ _NON_NEGATIVE_INT = {"type": "integer", "minimum": 0}
 RULES: dict[type, dict[str, dict[str, Any]]] = {
     SamplingParams: {
         "max_new_tokens": {"minimum": 1},
+        "min_new_tokens": {"minimum": 0},
         "temperature": {"minimum": 0, "maximum": 100},
         "top_p": {"exclusiveMinimum": 0, "maximum": 1},
         "min_p": {"minimum": 0, "maximum": 1},
@@ -107,6 +108,7 @@ DESCRIPTIONS: dict[type, dict[str, str]] = {
     },
     SamplingParams: {
         "max_new_tokens": "Most tokens to generate.",
+        "min_new_tokens": "No end-of-sequence, stop token or stop string before this many tokens (their logits masked until then); at most max_new_tokens; not with structured output.",
         "temperature": "0: greedy.",
         "top_p": "Nucleus sampling; 1 disables it.",
         "top_k": "Keep the k most likely tokens; 0 or less disables it.",

@@ -20,6 +20,9 @@ class SamplingParams:
     """
 
     max_new_tokens: int = 128
+    # No end of sequence, stop token or stop string before this many output tokens (vLLM's
+    # min_tokens, SGLang's min_new_tokens): the end tokens' logits are masked until then.
+    min_new_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -45,6 +48,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _require(self.max_new_tokens >= 1, "max_new_tokens must be at least 1")
+        _require(0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens must be between 0 and max_new_tokens")
         _require(0.0 <= self.temperature <= 100.0, "temperature must be between 0 and 100")
         _require(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]")
         _require(0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]")
@@ -68,6 +72,7 @@ class SamplingParams:
         _require(all(-100.0 <= v <= 100.0 for v in bias.values()), "logit_bias values must be between -100 and 100")
         constraints = [c for c in (self.json_schema, self.regex, self.ebnf) if c is not None]
         _require(len(constraints) <= 1, "give at most one of json_schema, regex and ebnf")
+        _require(not (constraints and self.min_new_tokens), "min_new_tokens does not go with structured output")
         _require(all(constraints), "a constraint must not be empty")
 
     @property

@@ -645,12 +645,22 @@ def test_continue_final_message_leaves_the_last_assistant_message_open(info: Mod
         assert refused.value.param == "continue_final_message"
 
 
-@pytest.mark.parametrize("key", ["min_tokens", "min_new_tokens"])
-def test_known_parameters_pdserve_does_not_serve_are_refused_not_ignored(info: ModelInfo, name: str, key: str) -> None:
-    chat = {"model": name, "messages": [{"role": "user", "content": "hi"}], key: 4}
-    _bad(parse_chat, chat, info, code="unsupported_parameter", param=key)
-    _bad(parse_generate, {"text": "hi", "sampling_params": {key: 4}}, info, code="unsupported_parameter", param=key)
-    assert parse_chat({**chat, key: 0}, info, Limits(DEFAULT_MAX)).jobs  # the value that asks for nothing
+def test_min_tokens_vllm_and_sglang(info: ModelInfo, name: str) -> None:
+    """vLLM's min_tokens (completions, chat) and SGLang's min_new_tokens (/generate) set the
+    floor; more than the output may hold, or with structured output, is a 400."""
+    chat = {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "min_tokens": 4}
+    assert parse_chat(chat, info, Limits(DEFAULT_MAX)).jobs[0].sampling.min_new_tokens == 4
+    completion = parse_completion({"prompt": "x", "max_tokens": 5, "min_tokens": 5}, info, Limits(DEFAULT_MAX))
+    assert completion.jobs[0].sampling.min_new_tokens == 5
+    for where in ({"sampling_params": {"min_new_tokens": 3}}, {"min_new_tokens": 3}):
+        parsed = parse_generate({"text": "hi", **where}, info, Limits(DEFAULT_MAX))
+        assert parsed.jobs[0].sampling.min_new_tokens == 3
+    _bad(parse_chat, {**chat, "min_tokens": 9}, info, param="min_tokens")
+    _bad(parse_completion, {"prompt": "x", "min_tokens": -1}, info, param="min_tokens")
+    _bad(parse_generate, {"text": "hi", "max_new_tokens": 2, "min_new_tokens": 3}, info, param="min_new_tokens")
+    _bad(parse_chat, {**chat, "response_format": {"type": "json_object"}}, info)
+    weather = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    _bad(parse_chat, {**chat, "tools": [weather], "tool_choice": "required"}, info, param="min_tokens")
 
 
 def test_prompt_logprobs_requests(info: ModelInfo, name: str) -> None:

@@ -4,6 +4,7 @@ sharded safetensors checkpoints."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import shutil
@@ -270,6 +271,46 @@ def test_prompt_logprobs_survive_preemption(tiny_model_dir: Path) -> None:
         want = ref[torch.arange(len(p) - 1), torch.tensor(p[1:])]
         assert torch.allclose(torch.tensor(scored[f"r{i}"]), want, atol=1e-4)
     assert engine.pages.num_used_pages == 0
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_min_new_tokens_equals_transformers(mixing_model_dir: Path, spec: bool) -> None:
+    """A stop token the greedy output would take at once is held off for ``min_new_tokens``
+    tokens, as ``generate``'s ``min_new_tokens`` holds off its end tokens (the model's end
+    of sequence too); with n-gram speculation, the verified drafts the same. A stop string
+    found in the first ``min_new_tokens`` tokens' text does not end it."""
+    from pdserve.engine.loader import eos_ids
+
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 4000) for _ in range(n)] for n in (12, 40, 70)]
+    prompts += [p[:10] * 5 for p in prompts[1:]]  # repeated text: drafts that hit
+    overrides = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 3, "speculative_cost_ratio": 0.0}
+    engine = make_engine(mixing_model_dir, **(overrides if spec else {}))
+    free = hf_greedy(mixing_model_dir, prompts, 12)
+    ends = sorted(eos_ids(mixing_model_dir))
+    model = AutoModelForCausalLM.from_pretrained(mixing_model_dir, dtype=torch.float32).eval()
+    for i, (p, run) in enumerate(zip(prompts, free, strict=True)):
+        stop = run[1]  # taken at the second token (or the first) without a floor
+        params = SamplingParams(max_new_tokens=16, min_new_tokens=6, temperature=0.0, stop_token_ids=(stop,))
+        engine.add_request(f"m{i}", p, params)
+        with torch.inference_mode():
+            g = model.generate(
+                torch.tensor([p]), max_new_tokens=16, min_new_tokens=6, do_sample=False, eos_token_id=[stop, *ends]
+            )[0, len(p) :].tolist()
+        outs = run_all(engine)[f"m{i}"]
+        assert len(outs) >= 6 and stop not in outs[:6]
+        assert outs == g
+    # a stop string in the first tokens' text: it ends the output only once it comes after them
+    word = engine.detokenize(free[0][:1])  # type: ignore[misc]
+    assert word.strip()
+    floor = SamplingParams(max_new_tokens=10, min_new_tokens=4, temperature=0.0, ignore_eos=True, stop=(word,))
+    engine.add_request("s", prompts[0], floor)
+    engine.add_request("s0", prompts[0], dataclasses.replace(floor, min_new_tokens=0))
+    outs = run_all(engine)
+    assert outs["s0"] == free[0][:1]  # at once without the floor
+    assert len(outs["s"]) > 4 and outs["s"] == free[0][: len(outs["s"])]
+    if spec:
+        assert engine.speculator is not None and engine.speculator.stats.verifies > 0
 
 
 def iter_outputs(engine: Engine):

@@ -362,3 +362,31 @@ def test_no_logprobs_requested(sampler: Sampler) -> None:
     out = sampler(torch.randn(3, 10), [_row(), _row(temperature=0.0), _row(seed=1)])
     assert out.logprobs == [None, None, None]
     assert all(0 <= t < 10 for t in out.token_ids)
+
+
+def test_min_new_tokens_masks_the_end_tokens_below_the_floor() -> None:
+    """Below ``min_new_tokens`` the model's end tokens (unless ``ignore_eos``) and the stop
+    tokens cannot be drawn, greedy or sampled, on the host or the device path; from the floor
+    on they can; the reported log-probabilities stay the raw distribution's."""
+    sampler = Sampler(CPU, frozenset({2}))
+    logits = torch.tensor([[0.0, 1.0, 5.0, 4.0, 3.0]])  # 2 (end) > 3 > 4 > 1 > 0
+
+    def draw(output: tuple[int, ...], **params: Any) -> int:
+        row = _row(output=output, temperature=0.0, max_new_tokens=8, **params)
+        on_device = sampler.sample_on_device(logits.clone(), [row])
+        host = sampler(logits.clone(), [row]).token_ids
+        assert on_device is not None and on_device.tolist() == host
+        return host[0]
+
+    assert draw((), min_new_tokens=2) == 3
+    assert draw((7,), min_new_tokens=2) == 3
+    assert draw((7, 7), min_new_tokens=2) == 2  # the floor is reached
+    assert draw((), min_new_tokens=2, stop_token_ids=(3,)) == 4
+    assert draw((), min_new_tokens=2, ignore_eos=True) == 2  # the end does not end it: allowed
+    assert draw((), min_new_tokens=2, ignore_eos=True, stop_token_ids=(2,)) == 3
+    hot = _row(temperature=1.0, seed=5, max_new_tokens=8, min_new_tokens=1)
+    assert all(sampler(logits.clone(), [hot]).token_ids[0] != 2 for _ in range(50))
+    scored = _row(temperature=0.0, max_new_tokens=8, min_new_tokens=1, logprobs=True, top_logprobs=1)
+    out = sampler(logits.clone(), [scored])
+    assert out.token_ids == [3]
+    assert out.logprobs[0] is not None and out.logprobs[0].top_ids == (2,)  # the raw distribution's best

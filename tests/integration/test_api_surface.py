@@ -187,6 +187,41 @@ async def test_penalties_and_logit_bias_equal_transformers_logits_processors(sys
     assert "".join([c.choices[0].text async for c in stream if c.choices]) == out["text"]
 
 
+async def test_min_tokens_holds_off_stop_tokens_and_strings(system: Any, client: Any) -> None:
+    """vLLM's min_tokens and SGLang's min_new_tokens: the stop token the greedy output takes
+    first is held off for 5 tokens, as ``generate``'s ``min_new_tokens`` holds off an end token;
+    a stop string counts only in the text after the first min_tokens tokens, streamed or not."""
+    plain = hf(system.model_dir, PROMPT_IDS, 12)
+    stop = plain[0]
+    out = await generate(
+        system,
+        {"input_ids": PROMPT_IDS, "sampling_params": {"max_new_tokens": 12, "min_new_tokens": 5, "temperature": 0,
+                                                      "stop_token_ids": [stop], "ignore_eos": True}},
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(system.model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        held = model.generate(
+            torch.tensor([PROMPT_IDS]), max_new_tokens=12, min_new_tokens=5, do_sample=False, eos_token_id=[stop]
+        )[0, len(PROMPT_IDS) :].tolist()
+    assert out["output_ids"] == held and len(held) > 5 and stop not in held[:5]
+    quick = await generate(
+        system, {"input_ids": PROMPT_IDS, "max_new_tokens": 12, "stop_token_ids": [stop], "temperature": 0}
+    )
+    assert quick["output_ids"] == [stop]  # without the floor
+    tokenizer = AutoTokenizer.from_pretrained(system.model_dir)
+    word = tokenizer.decode(plain[:1])
+    body: dict[str, Any] = {"model": system.model_name, "prompt": PROMPT_IDS, "max_tokens": 12, "temperature": 0,
+                            "stop": [word], "extra_body": {"ignore_eos": True, "min_tokens": 3}}  # fmt: skip
+    whole = await client.completions.create(**body)
+    text = tokenizer.decode(plain[:3])
+    assert whole.choices[0].text.startswith(text) and len(whole.choices[0].text) >= len(text)
+    assert word not in whole.choices[0].text[len(text) :]  # cut at its first occurrence after the floor
+    stream = await client.completions.create(**body, stream=True)
+    assert "".join([c.choices[0].text async for c in stream if c.choices]) == whole.choices[0].text
+    none = await client.completions.create(**{**body, "extra_body": {"ignore_eos": True}})
+    assert none.choices[0].text == ""  # the first token's text is the stop string
+
+
 # ---- structured output -------------------------------------------------------------------
 async def test_json_schema_output_always_validates_100_samples_at_temperature_1(system: Any, client: Any) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
