@@ -98,7 +98,7 @@ async def _deltas(
         if stop.matched is not None:
             usage = chunk.usage or Usage(len(job.prompt_ids), num_tokens)
             yield Delta(
-                text,
+                text + stop.matched if job.keep_stop else text,
                 list(chunk.token_ids),
                 list(chunk.logprobs or ()),
                 "stop",

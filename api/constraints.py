@@ -81,6 +81,13 @@ def guided(src: dict[str, Any]) -> dict[str, str]:
     for key, field in (("json_schema", "json_schema"), ("guided_json", "json_schema")):
         if src.get(key) is not None:
             out[field] = _schema_text(src[key], key)
+    choices = src.get("guided_choice")  # vLLM's: the output is one of these strings
+    if choices is not None:
+        if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+            raise bad_request("'guided_choice' must be a non-empty list of non-empty strings", "guided_choice")
+        if src.get("regex") is not None or src.get("guided_regex") is not None:
+            raise bad_request("give at most one of guided_choice and a regex", "guided_choice")
+        out["regex"] = "(" + "|".join(_literal(c) for c in choices) + ")"
     for key, field in (("regex", "regex"), ("guided_regex", "regex"), ("ebnf", "ebnf"), ("guided_grammar", "ebnf")):
         value = src.get(key)
         if value is None:
@@ -89,6 +96,16 @@ def guided(src: dict[str, Any]) -> dict[str, str]:
             raise bad_request(f"'{key}' must be a non-empty string", key)
         out[field] = value
     return out
+
+
+def _literal(text: str) -> str:
+    """``text`` as a regular expression that matches it alone: the regex syntax's own characters
+    escaped, tab, newline and carriage return named, every other character as it is."""
+    named = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
+    return "".join(named.get(c) or ("\\" + c if c in _REGEX_SYNTAX else c) for c in text)
+
+
+_REGEX_SYNTAX = frozenset(".^$*+?()[]{}|\\/-")
 
 
 def constraint(body: dict[str, Any], src: dict[str, Any]) -> dict[str, str]:

@@ -102,6 +102,19 @@ RESPONSE_FORMAT: Schema = _maybe(
 )
 
 
+def _vllm_extras(info: ModelInfo) -> dict[str, Schema]:
+    """vLLM's request extensions pdserve serves on completions and chat."""
+    token = {"type": "integer", "minimum": 0, "maximum": len(info.tokenizer) - 1}
+    return {
+        "add_special_tokens": BOOL,
+        "skip_special_tokens": BOOL,
+        "include_stop_str_in_output": BOOL,
+        "truncate_prompt_tokens": _integer(-1),
+        "allowed_token_ids": _maybe({"type": "array", "items": token, "minItems": 1}),
+        "guided_choice": _maybe({"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1}),
+    }
+
+
 def completion_body(info: ModelInfo, config: ApiConfig) -> Schema:
     return {
         "type": "object",
@@ -113,6 +126,7 @@ def completion_body(info: ModelInfo, config: ApiConfig) -> Schema:
             "logprobs": _integer(0, MAX_COMPLETION_LOGPROBS),
             "echo": BOOL,
             "prompt_logprobs": _integer(0, MAX_TOP_LOGPROBS),
+            **_vllm_extras(info),
             "user": _maybe({"type": "string"}),
             "response_format": RESPONSE_FORMAT,
             "stream": BOOL,
@@ -202,6 +216,7 @@ def chat_body(info: ModelInfo, config: ApiConfig) -> Schema:
             "logprobs": BOOL,
             "top_logprobs": _integer(0, MAX_TOP_LOGPROBS),
             "prompt_logprobs": _integer(0, MAX_TOP_LOGPROBS),
+            **_vllm_extras(info),
             "user": _maybe({"type": "string"}),
             "response_format": RESPONSE_FORMAT,
             "tools": _maybe({"type": "array", "items": tool}),
@@ -223,6 +238,7 @@ def generate_body(info: ModelInfo, config: ApiConfig) -> Schema:
     sampling["max_new_tokens"] = sampling.pop("max_tokens")
     sampling["min_new_tokens"] = sampling.pop("min_tokens")  # SGLang's name
     sampling["skip_special_tokens"] = BOOL
+    sampling["no_stop_trim"] = BOOL
     sampling["json_schema"] = {"anyOf": [{"type": "string", "minLength": 1}, {"type": "object"}, {"type": "null"}]}
     for key in ("regex", "ebnf"):
         sampling[key] = _maybe({"type": "string", "minLength": 1})

@@ -7,6 +7,7 @@ anything is published.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +51,7 @@ class Job:
     sampling: SamplingParams
     prompt_text: str | None = None
     show_output: bool = True  # False: max_tokens 0 (scoring a prompt): the one token drawn is not shown
+    keep_stop: bool = False  # the stop string that ended the text stays in it (vLLM's include_stop_str_in_output)
 
 
 @dataclass
@@ -157,6 +159,69 @@ def _token_ids(value: Any, key: str, vocab: int | None = None) -> list[int]:
     return list(value)
 
 
+# ---- what other servers take and pdserve does not ------------------------------------
+def _set(value: Any) -> bool:
+    return value not in (None, False, 0, "", [], {})
+
+
+# vLLM's request extensions pdserve does not serve, each with whether a value asks for
+# something (then a 400 ``unsupported_parameter``, never ignored); the rest of vLLM's are served.
+VLLM_UNSERVED: tuple[tuple[str, Callable[[Any], bool]], ...] = (
+    ("use_beam_search", _set),
+    ("length_penalty", lambda v: v not in (None, 1, 1.0)),
+    ("bad_words", _set),
+    ("logits_processors", _set),
+    ("guided_whitespace_pattern", _set),
+    ("priority", _set),
+    ("spaces_between_special_tokens", lambda v: v is False),
+    ("return_tokens_as_token_ids", _set),
+    ("return_token_ids", _set),
+    ("cache_salt", _set),
+    ("kv_transfer_params", _set),
+    ("structural_tag", _set),
+    ("vllm_xargs", _set),
+)
+CHAT_UNSERVED: tuple[tuple[str, Callable[[Any], bool]], ...] = (
+    ("echo", _set),
+    ("chat_template", _set),  # a template in the request: vLLM takes it only when told to trust requests
+    ("documents", _set),
+    ("mm_processor_kwargs", _set),
+)
+SGLANG_UNSERVED: tuple[tuple[str, Callable[[Any], bool]], ...] = (
+    ("lora_path", _set),
+    ("image_data", _set),
+    ("audio_data", _set),
+    ("video_data", _set),
+    ("input_embeds", _set),
+    ("custom_logit_processor", _set),
+    ("return_hidden_states", _set),
+    ("session_params", _set),
+)
+
+
+def unserved(src: dict[str, Any], table: tuple[tuple[str, Callable[[Any], bool]], ...]) -> None:
+    """A 400 for the first key of ``table`` that ``src`` sets to a value asking for something."""
+    for key, asks in table:
+        if key in src and asks(src[key]):
+            raise bad_request(f"'{key}' is not supported by this server", key, "unsupported_parameter")
+
+
+def truncated(body: dict[str, Any], ids: list[int], text: str | None) -> tuple[list[int], str | None]:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last ``k`` tokens (the text then goes,
+    an echo shows those tokens)."""
+    k = _int(body, "truncate_prompt_tokens", None, -1)
+    if k is None or k == -1 or len(ids) <= k:  # -1: to the model's context, which any prompt here fits
+        return ids, text
+    if k == 0:
+        raise bad_request("'truncate_prompt_tokens' must be at least 1 (or -1)", "truncate_prompt_tokens")
+    return ids[-k:], None
+
+
+def _keep_stop(src: dict[str, Any]) -> bool:
+    """vLLM's ``include_stop_str_in_output``, SGLang's ``no_stop_trim``."""
+    return _bool(src, "include_stop_str_in_output", False) or _bool(src, "no_stop_trim", False)
+
+
 # ---- common sampling -------------------------------------------------------------
 def _sampling(
     src: dict[str, Any],
@@ -226,6 +291,7 @@ def _sampling(
             prompt_logprobs=prompt_logprobs,
             n=n,
             logit_bias=constraints.logit_bias(src, len(info.tokenizer)),
+            allowed_token_ids=_allowed(src, info),
             **constraints.constraint(body, src),
         )
     except ValueError as exc:
@@ -245,6 +311,16 @@ def _check_scoring(num_prompt: int, k: int, n: int, limits: Limits) -> None:
             "prompt_logprobs",
             "prompt_logprobs_too_large",
         )
+
+
+def _allowed(src: dict[str, Any], info: ModelInfo) -> tuple[int, ...]:
+    value = src.get("allowed_token_ids")
+    if value is None:
+        return ()
+    ids = _token_ids(value, "allowed_token_ids", len(info.tokenizer))
+    if not ids:
+        raise bad_request("'allowed_token_ids' must not be empty", "allowed_token_ids")
+    return tuple(sorted(set(ids)))
 
 
 def check_model(body: dict[str, Any], info: ModelInfo) -> None:
@@ -293,9 +369,10 @@ def _encode(info: ModelInfo, text: str, param: str, special: bool = True) -> lis
 
 
 def _prompts(
-    value: Any, info: ModelInfo, key: str, max_batch: int = MAX_BATCH
+    value: Any, info: ModelInfo, key: str, max_batch: int = MAX_BATCH, special: bool = True
 ) -> tuple[list[tuple[list[int], str | None]], bool]:
-    """A string, a list of ids, a list of strings or a list of id lists."""
+    """A string, a list of ids, a list of strings or a list of id lists; ``special``: texts
+    encoded with the tokenizer's special tokens (a BOS), as vLLM's ``add_special_tokens``."""
     vocab = len(info.tokenizer)
     if isinstance(value, list) and len(value) > max_batch and any(isinstance(v, (str, list)) for v in value[:1]):
         raise bad_request(
@@ -308,13 +385,13 @@ def _prompts(
     if isinstance(value, str):
         if not value:
             raise bad_request(f"'{key}' must not be empty", key)
-        return [(_encode(info, value, key), value)], False
+        return [(_encode(info, value, key, special), value)], False
     if isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         return [(_token_ids(value, key, vocab), None)], False
     if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
         if any(not v for v in value):
             raise bad_request(f"'{key}' must not hold empty strings", key)
-        return [(_encode(info, v, key), v) for v in value], True
+        return [(_encode(info, v, key, special), v) for v in value], True
     if isinstance(value, list) and value and all(isinstance(v, list) and v for v in value):
         return [(_token_ids(v, key, vocab), None) for v in value], True
     raise bad_request(f"'{key}' must be a non-empty string, list of strings, or list of token ids", key)
@@ -327,7 +404,10 @@ def parse_completion(body: dict[str, Any], info: ModelInfo, limits: Limits) -> P
     _user(body)
     if "prompt" not in body:
         raise bad_request("'prompt' is required", "prompt")
-    prompts, batch = _prompts(body["prompt"], info, "prompt", limits.max_batch)
+    unserved(body, VLLM_UNSERVED)
+    special = _bool(body, "add_special_tokens", True)
+    prompts, batch = _prompts(body["prompt"], info, "prompt", limits.max_batch, special)
+    prompts = [truncated(body, ids, text) for ids, text in prompts]
     stream = _bool(body, "stream", False)
     if batch and stream:
         raise bad_request("streaming takes a single prompt", "stream")
@@ -346,12 +426,13 @@ def parse_completion(body: dict[str, Any], info: ModelInfo, limits: Limits) -> P
         sampling = _sampling(
             body, max(max_tokens, 1), info, limits, len(ids), logprobs is not None, logprobs or 0, n, None, scoring
         )
-        jobs.append(Job(ids, sampling, text, show_output=max_tokens > 0))
+        jobs.append(Job(ids, sampling, text, show_output=max_tokens > 0, keep_stop=_keep_stop(body)))
     return Parsed(
         jobs,
         stream=stream,
         include_usage=_stream_usage(body),
         echo=echo,
+        skip_special_tokens=_bool(body, "skip_special_tokens", True),
         batch=batch,
         prompt_logprobs=shown,
         echo_logprobs=echo_logprobs,
@@ -502,7 +583,8 @@ def parse_chat(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Parsed:
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
     generation, carry_on = prompt_mode(body, messages)
     text = render_chat(info, messages, tool_request, generation, template_kwargs(body), carry_on)
-    ids = _encode(info, text, "messages", special=False)
+    unserved(body, VLLM_UNSERVED + CHAT_UNSERVED)
+    ids, _ = truncated(body, _encode(info, text, "messages", special=_bool(body, "add_special_tokens", False)), text)
     ceiling = limits.max_output_tokens or info.context_length - 1  # both are checked, the first given is used
     max_tokens = _int(body, "max_completion_tokens", None, 1, ceiling)
     legacy_max = _int(body, "max_tokens", None, 1, ceiling)
@@ -528,9 +610,10 @@ def parse_chat(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Parsed:
             raise bad_request("min_tokens does not go with a forced tool choice (structured output)", "min_tokens")
         sampling = dataclasses.replace(sampling, json_schema=schema)
     return Parsed(
-        [Job(ids, sampling, text)],
+        [Job(ids, sampling, text, keep_stop=_keep_stop(body))],
         stream=_bool(body, "stream", False),
         include_usage=_stream_usage(body),
+        skip_special_tokens=_bool(body, "skip_special_tokens", True),
         tools=tool_request if tool_request is not None and tool_request.shown else None,
         # a reply held to a JSON Schema is all answer (the grammar leaves no room to think)
         thinking=None if not info.reasoning.on or sampling.json_schema else reasoning.opens_thinking(text),
@@ -555,6 +638,7 @@ _SGLANG_SAMPLING = (
     "seed",
     "n",
     "skip_special_tokens",
+    "no_stop_trim",
     "json_schema",
     "regex",
     "ebnf",
@@ -573,6 +657,7 @@ def parse_generate(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Par
         raise bad_request("'sampling_params' must be an object", "sampling_params")
     top = {k: body[k] for k in _SGLANG_SAMPLING if k in body}
     merged = {**top, **params}
+    unserved(body, SGLANG_UNSERVED)
     if ("text" in body) == ("input_ids" in body):
         raise bad_request("give exactly one of 'text' and 'input_ids'", "text")
     key = "text" if "text" in body else "input_ids"
@@ -601,7 +686,7 @@ def parse_generate(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Par
         sampling = _sampling(
             src, max(max_new, 1), info, limits, len(ids), want_logprobs, top_num, _n(src), body, scoring
         )
-        return Job(ids, sampling, text, show_output=max_new > 0)
+        return Job(ids, sampling, text, show_output=max_new > 0, keep_stop=_keep_stop(src))
 
     if top.keys() & params.keys():  # a top-level value that sampling_params overrides is still checked
         job({**merged, **top}, *prompts[0])

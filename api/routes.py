@@ -221,7 +221,7 @@ async def completions(request: Request) -> Response:
     head = {"id": rid, "object": "text_completion", "created": created, "model": name}
     if parsed.stream:
         job = parsed.jobs[0]
-        first, rest = await _open_stream(request, state, job, rid)
+        first, rest = await _open_stream(request, state, job, rid, parsed.skip_special_tokens)
         unsent = set(range(job.sampling.n)) if parsed.echo else set()
         usage = _Usage(job.sampling.n)
 
@@ -233,7 +233,7 @@ async def completions(request: Request) -> Response:
 
         body = _sse_body(first, rest, render, _stream_end(head, usage, parsed.include_usage))
         return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
-    results = await _collect_all(request, state, parsed, rid)
+    results = await _collect_all(request, state, parsed, rid, parsed.skip_special_tokens)
     choices = []
     n = parsed.jobs[0].sampling.n
     for i, (job, samples) in enumerate(zip(parsed.jobs, results, strict=True)):
@@ -412,12 +412,12 @@ async def chat_completions(request: Request) -> Response:
     job = parsed.jobs[0]
     if parsed.stream:
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name}
-        first, rest = await _open_stream(request, state, job, rid)
+        first, rest = await _open_stream(request, state, job, rid, parsed.skip_special_tokens)
         usage = _Usage(job.sampling.n)
         chat = _ChatStream(state, head, parsed, usage)
         body = _sse_body(first, rest, chat.render, _stream_end(head, usage, parsed.include_usage))
         return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
-    (samples,) = await _collect_all(request, state, parsed, rid)
+    (samples,) = await _collect_all(request, state, parsed, rid, parsed.skip_special_tokens)
     assert not isinstance(samples, APIError)  # a single job's failure is raised
     return ORJSONResponse(
         {

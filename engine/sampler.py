@@ -116,7 +116,7 @@ class Sampler:
         speculative verification's rows, whose histories differ per row); a copy when any
         applies or ``copy`` (the caller writes into it), else ``logits`` as float32."""
         logits = logits.float()
-        if copy or any(r.params.has_penalties or r.params.has_bias or _below_floor(r) for r in rows):
+        if copy or any(_processes(r) for r in rows):
             logits = logits.clone().contiguous()
             for i, r in enumerate(rows):
                 if r.params.has_penalties:
@@ -125,6 +125,8 @@ class Sampler:
                     _apply_bias(logits[i], r.params)
                 if _below_floor(r):
                     self._mask_ends(logits[i], r.params)
+                if r.params.allowed_token_ids:
+                    _keep_only(logits[i], r.params.allowed_token_ids)
         return logits
 
     def _mask_ends(self, row: torch.Tensor, p: SamplingParams) -> None:
@@ -194,18 +196,28 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def _plain_greedy(p: SamplingParams) -> bool:
-    return p.is_greedy and not p.has_penalties and not p.has_bias
-
-
 def _below_floor(r: SampleRequest) -> bool:
     """The row draws a token its request's ``min_new_tokens`` forbids to be an end."""
     return r.position < r.params.min_new_tokens
 
 
+def _processes(r: SampleRequest) -> bool:
+    """The row's logits change before it draws (:meth:`Sampler.processed`)."""
+    p = r.params
+    return p.has_penalties or p.has_bias or bool(p.allowed_token_ids) or _below_floor(r)
+
+
 def _plain(r: SampleRequest) -> bool:
     """A row whose token is the raw logits' argmax."""
-    return _plain_greedy(r.params) and not _below_floor(r)
+    return r.params.is_greedy and not _processes(r)
+
+
+def _keep_only(row: torch.Tensor, allowed: tuple[int, ...]) -> None:
+    """In place: every token but ``allowed`` made impossible (ids past the vocabulary ignored)."""
+    ids = _tensor([t for t in allowed if t < row.shape[0]], torch.long, row.device)
+    kept = row[ids].clone()
+    row.fill_(_MASK)
+    row[ids] = kept
 
 
 def _apply_bias(row: torch.Tensor, p: SamplingParams) -> None:

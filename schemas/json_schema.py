@@ -71,6 +71,7 @@ RULES: dict[type, dict[str, dict[str, Any]]] = {
         "prompt_logprobs": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS},
         "stop": {"maxItems": MAX_STOP_STRINGS, "items": {"type": "string", "minLength": 1}},
         "stop_token_ids": {"items": _NON_NEGATIVE_INT},
+        "allowed_token_ids": {"items": _NON_NEGATIVE_INT},
         "n": {"minimum": 1, "maximum": MAX_SAMPLES},
         "logit_bias": {
             "maxProperties": MAX_LOGIT_BIAS,
@@ -125,6 +126,7 @@ DESCRIPTIONS: dict[type, dict[str, str]] = {
         "prompt_logprobs": "Send the prompt's tokens' log probabilities (from the second token on) with this many alternatives each, on the first chunk (null: none). n must be 1; the prompt is computed in full (no prefix cache).",
         "n": "Parallel samples of the prompt (one prefill, its KV shared): sample i streams as rid#i, with seed + i when seeded.",
         "logit_bias": "Token id (a decimal string) -> bias in [-100, 100] added to its logit before sampling (OpenAI's logit_bias).",
+        "allowed_token_ids": "Non-empty: only these tokens may be drawn (every other token's logit masked; vLLM's allowed_token_ids).",
         "json_schema": "Structured output: the output is JSON valid against this JSON Schema (a JSON text). At most one of json_schema, regex, ebnf.",
         "regex": "Structured output: the output matches this regular expression.",
         "ebnf": "Structured output: the output is a sentence of this EBNF grammar (GBNF dialect, start rule root).",

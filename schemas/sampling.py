@@ -42,6 +42,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     n: int = 1
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: tuple[int, ...] = ()  # non-empty: only these tokens may be drawn (vLLM's)
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
@@ -66,6 +67,7 @@ class SamplingParams:
         _require(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative")
         _require(self.seed is None or 0 <= self.seed < 2**63, "seed must be a non-negative 64-bit integer")
         _require(1 <= self.n <= MAX_SAMPLES, f"n must be between 1 and {MAX_SAMPLES}")
+        _require(all(t >= 0 for t in self.allowed_token_ids), "allowed_token_ids must be non-negative")
         bias = self.logit_bias or {}
         _require(len(bias) <= MAX_LOGIT_BIAS, f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries")
         _require(all(k.isdigit() for k in bias), "logit_bias keys must be token ids (non-negative integers)")

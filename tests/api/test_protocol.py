@@ -695,3 +695,77 @@ def test_prompt_logprobs_requests(info: ModelInfo, name: str) -> None:
     with pytest.raises(APIError) as refused:
         parse_completion({"prompt": ids, "prompt_logprobs": 5}, info, small)
     assert refused.value.code == "prompt_logprobs_too_large" and "5 alternatives" in refused.value.message
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "where"),
+    [
+        ("use_beam_search", True, "both"),
+        ("length_penalty", 0.5, "both"),
+        ("bad_words", ["no"], "both"),
+        ("logits_processors", ["x"], "both"),
+        ("guided_whitespace_pattern", " ", "both"),
+        ("priority", 3, "both"),
+        ("spaces_between_special_tokens", False, "both"),
+        ("return_tokens_as_token_ids", True, "both"),
+        ("cache_salt", "tenant-1", "both"),
+        ("kv_transfer_params", {"do_remote_decode": True}, "both"),
+        ("echo", True, "chat"),
+        ("chat_template", "{{ messages }}", "chat"),
+        ("documents", [{"text": "x"}], "chat"),
+        ("lora_path", "adapter", "generate"),
+        ("image_data", "http://x/y.png", "generate"),
+        ("return_hidden_states", True, "generate"),
+    ],
+)
+def test_what_vllm_and_sglang_serve_and_pdserve_does_not_is_refused_not_ignored(
+    info: ModelInfo, name: str, key: str, value: Any, where: str
+) -> None:
+    chat = {"model": name, "messages": [{"role": "user", "content": "hi"}]}
+    bodies = {
+        "both": [(parse_completion, {"prompt": "x"}), (parse_chat, chat)],
+        "chat": [(parse_chat, chat)],
+        "generate": [(parse_generate, {"text": "hi"})],
+    }[where]
+    for parse, body in bodies:
+        _bad(parse, {**body, key: value}, info, code="unsupported_parameter", param=key)
+    defaults = {"use_beam_search": False, "length_penalty": 1.0, "spaces_between_special_tokens": True, "echo": False}
+    if key in defaults:  # the value that asks for nothing is taken
+        for parse, body in bodies:
+            assert parse({**body, key: defaults[key]}, info, Limits(DEFAULT_MAX)).jobs
+
+
+def test_vllm_extensions_that_are_served(info: ModelInfo, name: str) -> None:
+    tokenizer = info.tokenizer
+    ids = list(range(10, 40))
+    cut = parse_completion({"prompt": ids, "truncate_prompt_tokens": 8, "echo": True}, info, Limits(DEFAULT_MAX))
+    assert cut.jobs[0].prompt_ids == ids[-8:] and cut.jobs[0].prompt_text is None  # the echo shows what was kept
+    whole = parse_completion({"prompt": ids, "truncate_prompt_tokens": -1}, info, Limits(DEFAULT_MAX))
+    assert whole.jobs[0].prompt_ids == ids
+    _bad(parse_completion, {"prompt": ids, "truncate_prompt_tokens": 0}, info, param="truncate_prompt_tokens")
+    chat = {"model": name, "messages": [{"role": "user", "content": "hello there"}], "truncate_prompt_tokens": 3}
+    assert len(parse_chat(chat, info, Limits(DEFAULT_MAX)).jobs[0].prompt_ids) == 3
+    plain = parse_completion({"prompt": "hello"}, info, Limits(DEFAULT_MAX)).jobs[0].prompt_ids
+    bare = parse_completion({"prompt": "hello", "add_special_tokens": False}, info, Limits(DEFAULT_MAX))
+    assert bare.jobs[0].prompt_ids == tokenizer.encode("hello", add_special_tokens=False)
+    assert plain == tokenizer.encode("hello", add_special_tokens=True)
+    kept = parse_completion(
+        {"prompt": "x", "stop": ["."], "include_stop_str_in_output": True}, info, Limits(DEFAULT_MAX)
+    )
+    assert kept.jobs[0].keep_stop
+    assert (
+        parse_generate({"text": "x", "sampling_params": {"no_stop_trim": True}}, info, Limits(DEFAULT_MAX))
+        .jobs[0]
+        .keep_stop
+    )
+    assert not parse_completion({"prompt": "x"}, info, Limits(DEFAULT_MAX)).jobs[0].keep_stop
+    special = parse_chat({**chat, "skip_special_tokens": False}, info, Limits(DEFAULT_MAX))
+    assert not special.skip_special_tokens
+    allowed = parse_completion({"prompt": "x", "allowed_token_ids": [9, 5, 9]}, info, Limits(DEFAULT_MAX))
+    assert allowed.jobs[0].sampling.allowed_token_ids == (5, 9)
+    _bad(parse_completion, {"prompt": "x", "allowed_token_ids": []}, info, param="allowed_token_ids")
+    _bad(parse_completion, {"prompt": "x", "allowed_token_ids": [10**9]}, info, param="allowed_token_ids")
+    choice = parse_chat({**chat, "guided_choice": ["yes", "no (maybe)"]}, info, Limits(DEFAULT_MAX))
+    assert choice.jobs[0].sampling.regex == r"(yes|no \(maybe\))"
+    _bad(parse_chat, {**chat, "guided_choice": ["a"], "guided_regex": "b"}, info, param="guided_choice")
+    _bad(parse_chat, {**chat, "guided_choice": []}, info, param="guided_choice")

@@ -129,6 +129,44 @@ def test_float32_greedy_equals_transformers_at_7b_dimensions() -> None:
     assert_greedy_equal(model, prompts, run(engine_for(model, 8, tokens=4096), prompts, 24), expected)
 
 
+def test_prompt_logprobs_and_min_new_tokens_on_the_fast_path() -> None:
+    """float32, CUDA graphs and the overlap on: a prompt scored over prefill chunks of 64 (the
+    rows past the last layer beside the sampled ones) equals ``transformers``' log-softmax; a
+    stop token held off by ``min_new_tokens`` as ``generate`` holds it off."""
+    model = build(SMALL, torch.float32)
+    config = EngineConfig(device="cuda", max_total_tokens=16384, cuda_graph_max_batch=8, chunked_prefill_size=64)
+    engine = Engine(ModelRunner(ModelSpec(Path("m")), config, model=model), config)
+    assert engine.overlap
+    rng = random.Random(13)
+    prompts = [[rng.randrange(5000) for _ in range(n)] for n in (3, 100, 300)]
+    for i, p in enumerate(prompts):
+        engine.add_request(f"s{i}", p, SamplingParams(max_new_tokens=20, temperature=0.0, prompt_logprobs=3))
+    scores = {}
+    while engine.has_work():
+        for o in engine.step():
+            if o.prompt_logprobs is not None:
+                scores[o.rid] = o.prompt_logprobs
+    with torch.inference_mode():
+        for i, p in enumerate(prompts):
+            ref = torch.log_softmax(model(torch.tensor([p], device="cuda")).logits[0].float(), dim=-1).cpu()
+            want = ref[torch.arange(len(p) - 1), torch.tensor(p[1:])]
+            assert torch.allclose(torch.tensor(scores[f"s{i}"].logprobs), want, atol=2e-3), i
+            assert torch.equal(torch.tensor(scores[f"s{i}"].top_ids).view(-1, 3), ref[:-1].topk(3).indices), i
+        p = prompts[1]
+        free = run(engine, [p], 12)[0]
+        stop = free[0]
+        params = SamplingParams(max_new_tokens=12, min_new_tokens=5, temperature=0.0, stop_token_ids=(stop,))
+        engine.add_request("floor", p, params)
+        got: list[int] = []
+        while engine.has_work():
+            got += [t for o in engine.step() for t in o.token_ids]
+        g = model.generate(
+            torch.tensor([p], device="cuda"), max_new_tokens=12, min_new_tokens=5, do_sample=False,
+            eos_token_id=[stop], pad_token_id=0,
+        )[0, len(p) :].tolist()  # fmt: skip
+    assert got == g and stop not in got[:5]
+
+
 def test_kv_tiers_on_the_gpu_serve_evicted_prefixes_with_equal_output(tmp_path: Path) -> None:
     """Host slots (pinned, copies on the stream) and disk files (snapshots behind an event)
     under the fast path with overlap: hits from either equal a run without tiers."""

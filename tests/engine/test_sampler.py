@@ -390,3 +390,20 @@ def test_min_new_tokens_masks_the_end_tokens_below_the_floor() -> None:
     out = sampler(logits.clone(), [scored])
     assert out.token_ids == [3]
     assert out.logprobs[0] is not None and out.logprobs[0].top_ids == (2,)  # the raw distribution's best
+
+
+def test_allowed_token_ids_keep_only_those() -> None:
+    """vLLM's allowed_token_ids: greedy and sampled rows draw among them only, on the host and
+    the device path; a row without them in the same batch is untouched."""
+    sampler = Sampler(CPU)
+    logits = torch.tensor([[0.0, 1.0, 5.0, 4.0, 3.0]] * 3)
+    rows = [
+        _row(temperature=0.0, allowed_token_ids=(0, 1)),
+        _row(temperature=0.0),
+        _row(temperature=1.0, seed=3, allowed_token_ids=(4,)),
+    ]
+    assert sampler(logits.clone(), rows).token_ids == [1, 2, 4]
+    on_device = sampler.sample_on_device(logits.clone(), rows)
+    assert on_device is not None and on_device.tolist() == [1, 2, 4]
+    many = [_row(temperature=2.0, seed=i, allowed_token_ids=(0, 3)) for i in range(40)]
+    assert set(sampler(logits[:1].expand(40, -1).clone(), many).token_ids) == {0, 3}

@@ -222,6 +222,47 @@ async def test_min_tokens_holds_off_stop_tokens_and_strings(system: Any, client:
     assert none.choices[0].text == ""  # the first token's text is the stop string
 
 
+async def test_vllm_extensions_through_the_system(system: Any, client: Any) -> None:
+    """guided_choice answers one of the choices; allowed_token_ids is ``generate`` with every
+    other token's logit masked; include_stop_str_in_output keeps the stop string;
+    truncate_prompt_tokens computes the prompt's last tokens only."""
+    choices = ["red", "green (dark)", "blue."]
+    for _ in range(3):
+        reply = await client.chat.completions.create(
+            model=system.model_name,
+            messages=[{"role": "user", "content": "A colour?"}],
+            temperature=1.0,
+            extra_body={"guided_choice": choices},
+        )
+        assert reply.choices[0].message.content in choices
+    allowed = [17, 400, 1234, 3000]
+    out = await client.completions.create(
+        model=system.model_name, prompt=PROMPT_IDS, max_tokens=8, temperature=0,
+        extra_body={"allowed_token_ids": allowed, "ignore_eos": True},
+    )  # fmt: skip
+    mask = torch.full((1, 5000), float("-inf"))
+    mask[0, allowed] = 0.0
+
+    class Only:
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            return scores + mask[:, : scores.shape[1]]
+
+    tokenizer = AutoTokenizer.from_pretrained(system.model_dir)
+    assert out.choices[0].text == tokenizer.decode(hf(system.model_dir, PROMPT_IDS, 8, [Only()]))
+    plain = hf(system.model_dir, PROMPT_IDS, 6)
+    word = tokenizer.decode(plain[2:3])
+    body = {"model": system.model_name, "prompt": PROMPT_IDS, "max_tokens": 6, "temperature": 0, "stop": [word]}
+    trimmed = await client.completions.create(**body)
+    kept = await client.completions.create(**body, extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == trimmed.choices[0].text + word and kept.choices[0].finish_reason == "stop"
+    cut = await client.completions.create(
+        model=system.model_name, prompt=PROMPT_IDS, max_tokens=4, temperature=0,
+        extra_body={"truncate_prompt_tokens": 10, "ignore_eos": True},
+    )  # fmt: skip
+    assert cut.usage.prompt_tokens == 10
+    assert cut.choices[0].text == tokenizer.decode(hf(system.model_dir, PROMPT_IDS[-10:], 4))
+
+
 # ---- structured output -------------------------------------------------------------------
 async def test_json_schema_output_always_validates_100_samples_at_temperature_1(system: Any, client: Any) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
