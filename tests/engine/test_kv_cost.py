@@ -233,3 +233,31 @@ def test_a_negative_fixed_part_keeps_the_attention_s_term() -> None:
     assert dearest == pytest.approx(16 * (A + B * 8192), rel=0.02)
     one_term = marginal_cost([(t, sec) for t, sec, _ in readings])
     assert 16 * one_term < dearest / 2
+
+
+def test_a_step_that_paid_one_time_costs_is_not_a_reading() -> None:
+    """A fresh process on an H100 (2026-12-06, 7B dimensions): probes of 96, 192 and 384 tokens,
+    then its first 544-token step at 60 ms (that shape's first kernels). Fitted with it, a token
+    cost 25 us and a 512-token prefix in a store at 2.8 GB/s looked cheaper to load than to
+    compute (the load took 1.58x the cold time); without it, 4.6 us, and the load is declined.
+    A steady step is kept however much larger it is, and of two steps alike the slower one goes."""
+    from pdserve.engine.kv_cost import steady
+
+    def fresh(tokens: int, ms: float) -> tuple[int, float, float]:
+        return tokens, ms / 1e3, tokens * tokens / 2
+
+    probes = [fresh(96, 8.519), fresh(192, 8.407), fresh(384, 9.735)]
+    first = fresh(544, 59.76)
+    assert steady([*probes, first]) == probes
+    a, b = prefill_model([*probes, first])
+    assert a == pytest.approx(4.6e-6, rel=0.05) and b == 0.0
+    page_bytes = 28 * 2 * 4 * 128 * 16 * 2  # a 16-token page of Qwen2.5-7B's KV in bf16
+    e = CostEstimates()
+    for r in (*probes, first):
+        e.note_prefill(*r)
+    e.note_load("store", page_bytes * 32, page_bytes * 32 / 2.8e9)
+    assert pages_worth_loading([("store", 32)], page_bytes, 16, e).pages == 0
+    big = [fresh(2048, 42.0), fresh(8192, 250.0)]  # 4x the tokens, 16x the pairs: 6x the time
+    assert steady(big) == big
+    twins = [(1024, 0.020, 0.0), (1024, 0.035, 0.0), (1024, 0.021, 0.0)]
+    assert steady(twins) == [twins[0], twins[2]]
