@@ -30,6 +30,7 @@ TMP_SUFFIX = ".tmp"
 
 class DiskTier:
     name = "disk"
+    local = True
 
     def __init__(self, root: Path, ident: bytes, max_bytes: int) -> None:
         assert max_bytes > 0

@@ -31,6 +31,7 @@ class StoreError(RuntimeError):
 
 class StoreTier:
     name = "store"
+    local = False  # its master is a round trip away
     shared = True  # other workers' groups may be here from the start: measured at start (kv_write)
 
     def __init__(

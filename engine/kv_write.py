@@ -47,6 +47,7 @@ class GroupTier(Protocol):
     """A tier of page-group blobs (disk, store). Methods may block."""
 
     name: str
+    local: bool  # asking it what it holds costs no round trip (a disk: a file's stat; a store: its master)
 
     def contains(self, key: bytes) -> bool: ...
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]: ...  # in one round trip where it can
@@ -85,7 +86,7 @@ class TierStats:
     write_drops: int = 0  # groups not written: the writer's queue was full
     snapshot_allocations: int = 0  # snapshot buffers pinned on the engine's thread: none was free
     write_errors: int = 0  # groups a tier failed to take (logged)
-    already_held: int = 0  # computed groups every tier already held: not copied off the device
+    already_held: int = 0  # computed groups every (local) tier already held: not copied off the device
     lookup_seconds: float = 0.0
     load_seconds: float = 0.0
 
@@ -222,8 +223,10 @@ class WriteThrough:
             if len(self._written) > _REMEMBERED_GROUPS:
                 self._written.popitem(last=False)
             fresh.append(group_end)
-        # Groups every tier already holds (a restarted worker computing what its disk has, a
-        # prefix another worker wrote to the store) are not copied off the device at all.
+        # Groups every tier already holds (a restarted worker computing what its disk has) are
+        # not copied off the device at all. Only where every tier is local: a store's master is
+        # a round trip, which here, on the engine's thread after the step that filled the
+        # groups, would delay that step's tokens (the writer asks it before writing instead).
         held = self._held_everywhere([hashes[e - 1] for e in fresh])
         for group_end, skip in zip(fresh, held, strict=True):
             if skip:
@@ -234,6 +237,8 @@ class WriteThrough:
     def _held_everywhere(self, keys: list[bytes]) -> list[bool]:
         """Whether every group tier holds each of ``keys`` (one round trip where a tier can)."""
         held = [True] * len(keys)
+        if not all(tier.local for tier in self.groups):
+            return [False] * len(keys)
         for tier in self.groups:
             held = [a and b for a, b in zip(held, tier.contains_many(keys), strict=True)]
         return held

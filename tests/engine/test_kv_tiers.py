@@ -510,6 +510,37 @@ def test_groups_every_tier_holds_are_not_copied_again(tiny_model_dir: Path, tmp_
     second.close()
 
 
+def test_a_tier_a_round_trip_away_is_not_asked_on_the_engines_thread(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """With a tier that is not local (a store: its master a round trip away), the groups a
+    step filled are not checked against the tiers on the engine's thread (that would delay
+    the step's tokens): they are snapshotted, and the writer asks each tier before writing,
+    so a group already held is still not written again."""
+    import threading
+
+    prompt = list(range(5, 205))
+    computed, second = restarted_over_disk(tiny_model_dir, tmp_path, prompt)
+    assert second.tiers is not None
+    second.tiers.drain()
+    second.tiers.estimates.bytes_per_s["disk"] = 1.0  # declined: computed
+    (disk,) = second.tiers.groups
+    disk.local = False  # type: ignore[misc]  # as a store is
+    asked: list[str] = []
+    contains_many = disk.contains_many
+
+    def recorded(keys: list[bytes]) -> list[bool]:
+        asked.append(threading.current_thread().name)
+        return contains_many(keys)
+
+    disk.contains_many = recorded  # type: ignore[method-assign]
+    engine_thread = threading.current_thread().name
+    assert serve(second, [prompt], first=1) == computed
+    second.tiers.drain()
+    stats = second.tiers.stats
+    assert engine_thread not in asked  # the lookups the cost rule makes aside, none from offer
+    assert stats.already_held == 0 and stats.tiers["disk"].stored_pages == 0  # the writer found them held
+    second.close()
+
+
 def test_a_tier_thread_bug_ends_the_engine_loudly(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
