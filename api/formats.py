@@ -85,16 +85,24 @@ def vllm_prompt_logprobs(info: ModelInfo, prompt_ids: list[int], scores: PromptL
     return out
 
 
-def sglang_input_logprobs(meta: dict[str, Any], prompt_ids: list[int], scores: PromptLogprobs, start: int) -> None:
-    """SGLang's ``input_token_logprobs`` (``[logprob, id, null]`` from ``logprob_start_len`` on;
-    the first token's logprob ``null``) and, with ``top_logprobs_num``, ``input_top_logprobs``."""
+def sglang_input_logprobs(
+    meta: dict[str, Any], prompt_ids: list[int], scores: PromptLogprobs, start: int, text: ModelInfo | None = None
+) -> None:
+    """SGLang's ``input_token_logprobs`` (``[logprob, id, text]`` from ``logprob_start_len`` on;
+    the first token's logprob ``null``; ``text`` each token's, with ``return_text_in_logprobs``
+    (the model's ``text``), else ``null``) and, with ``top_logprobs_num``, ``input_top_logprobs``."""
     meta["input_token_logprobs"] = [
-        [scores.logprobs[p - 1] if p else None, prompt_ids[p], None] for p in range(start, len(prompt_ids))
+        [scores.logprobs[p - 1] if p else None, prompt_ids[p], _text(text, prompt_ids[p])]
+        for p in range(start, len(prompt_ids))
     ]
     if scores.k:
         meta["input_top_logprobs"] = [
-            [[v, a, None] for a, v in scores.top(p - 1)] if p else None for p in range(start, len(prompt_ids))
+            [[v, a, _text(text, a)] for a, v in scores.top(p - 1)] if p else None for p in range(start, len(prompt_ids))
         ]
+
+
+def _text(info: ModelInfo | None, token_id: int) -> str | None:
+    return None if info is None else _piece(info, token_id)
 
 
 def chat_logprobs(info: ModelInfo, ids: list[int], lps: list[TokenLogprob]) -> dict[str, Any] | None:
@@ -150,10 +158,14 @@ def sglang_meta(
     return meta
 
 
-def sglang_logprobs(meta: dict[str, Any], ids: list[int], lps: list[TokenLogprob]) -> None:
+def sglang_logprobs(
+    meta: dict[str, Any], ids: list[int], lps: list[TokenLogprob], text: ModelInfo | None = None
+) -> None:
+    """SGLang's ``output_token_logprobs`` and ``output_top_logprobs``: ``[logprob, id, text]``,
+    ``text`` as :func:`sglang_input_logprobs` gives it."""
     if not lps:
         return
-    meta["output_token_logprobs"] = [[lp.logprob, t, None] for t, lp in zip(ids, lps, strict=True)]
+    meta["output_token_logprobs"] = [[lp.logprob, t, _text(text, t)] for t, lp in zip(ids, lps, strict=True)]
     meta["output_top_logprobs"] = [
-        [[v, i, None] for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)] for lp in lps
+        [[v, i, _text(text, i)] for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)] for lp in lps
     ]

@@ -255,6 +255,7 @@ def generate_body(info: ModelInfo, config: ApiConfig) -> Schema:
             "return_logprob": BOOL,
             "top_logprobs_num": _integer(0, MAX_TOP_LOGPROBS),
             "logprob_start_len": _integer(-1, max(info.context_length - 1, 1)),
+            "return_text_in_logprobs": BOOL,
             "stream": BOOL,
             "rid": {"anyOf": [rid, {"type": "array", "items": rid}, {"type": "null"}]},
         },

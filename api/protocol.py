@@ -71,6 +71,7 @@ class Parsed:
     prompt_logprobs: int | None = None
     echo_logprobs: bool = False
     input_logprobs_from: int = -1
+    text_in_logprobs: bool = False  # /generate: SGLang's return_text_in_logprobs
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -706,4 +707,5 @@ def parse_generate(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Par
         rid=rid,
         batch=batch,
         input_logprobs_from=start,
+        text_in_logprobs=_bool(body, "return_text_in_logprobs", False),
     )

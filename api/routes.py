@@ -456,9 +456,12 @@ async def generate(request: Request) -> Response:
                 usage.cached_tokens if usage else 0,
                 time.perf_counter() - started if done else None,
             )
-            formats.sglang_logprobs(meta, d.token_ids, d.logprobs)
+            words = state.info if parsed.text_in_logprobs else None
+            formats.sglang_logprobs(meta, d.token_ids, d.logprobs, words)
             if parsed.input_logprobs_from >= 0 and d.prompt_logprobs is not None:
-                formats.sglang_input_logprobs(meta, job.prompt_ids, d.prompt_logprobs, parsed.input_logprobs_from)
+                formats.sglang_input_logprobs(
+                    meta, job.prompt_ids, d.prompt_logprobs, parsed.input_logprobs_from, words
+                )
             body = {"text": "".join(text[i]), "output_ids": list(ids[i]), "meta_info": meta}
             return [body if n == 1 else {"index": i, **body}]
 
@@ -480,9 +483,12 @@ async def generate(request: Request) -> Response:
             meta = formats.sglang_meta(
                 r.rid, r, len(job.prompt_ids), len(r.token_ids), usage.cached_tokens if usage else 0, r.seconds
             )
-            formats.sglang_logprobs(meta, r.token_ids, r.logprobs)
+            words = state.info if parsed.text_in_logprobs else None
+            formats.sglang_logprobs(meta, r.token_ids, r.logprobs, words)
             if parsed.input_logprobs_from >= 0 and r.prompt_logprobs is not None:
-                formats.sglang_input_logprobs(meta, job.prompt_ids, r.prompt_logprobs, parsed.input_logprobs_from)
+                formats.sglang_input_logprobs(
+                    meta, job.prompt_ids, r.prompt_logprobs, parsed.input_logprobs_from, words
+                )
             bodies.append({"text": r.text, "output_ids": r.token_ids, "meta_info": meta})
     return ORJSONResponse(bodies if parsed.batch or len(bodies) > 1 else bodies[0])
 

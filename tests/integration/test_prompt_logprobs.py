@@ -173,10 +173,19 @@ async def test_sglang_input_logprobs(system: Any, reference: torch.Tensor) -> No
     assert_close([e[0] for e in entries], expected(reference)[4:])
     assert [len(t) for t in meta["input_top_logprobs"]] == [3] * (len(PROMPT_IDS) - 5)
     assert r.json()["output_ids"] == [] and meta["completion_tokens"] == 0
-    whole = await post(system, "/generate", {**body, "logprob_start_len": 0, "sampling_params": {"max_new_tokens": 2}})
+    assert all(e[2] is None for e in entries)  # no text unless asked
+    whole = await post(
+        system,
+        "/generate",
+        {**body, "logprob_start_len": 0, "sampling_params": {"max_new_tokens": 2}, "return_text_in_logprobs": True},
+    )
     meta = whole.json()["meta_info"]
     assert meta["input_token_logprobs"][0][0] is None and meta["input_top_logprobs"][0] is None
     assert len(meta["output_token_logprobs"]) == 2
+    tokenizer = AutoTokenizer.from_pretrained(system.model_dir)
+    for lp, token, text in meta["input_token_logprobs"] + meta["output_token_logprobs"]:
+        assert text == tokenizer.decode([token])  # SGLang's return_text_in_logprobs
+    assert all(text == tokenizer.decode([t]) for top in meta["input_top_logprobs"][1:] for _, t, text in top)
 
 
 @pytest.mark.parametrize(
