@@ -183,7 +183,7 @@ async def test_sglang_input_logprobs(system: Any, reference: torch.Tensor) -> No
     assert meta["input_token_logprobs"][0][0] is None and meta["input_top_logprobs"][0] is None
     assert len(meta["output_token_logprobs"]) == 2
     tokenizer = AutoTokenizer.from_pretrained(system.model_dir)
-    for lp, token, text in meta["input_token_logprobs"] + meta["output_token_logprobs"]:
+    for _, token, text in meta["input_token_logprobs"] + meta["output_token_logprobs"]:
         assert text == tokenizer.decode([token])  # SGLang's return_text_in_logprobs
     assert all(text == tokenizer.decode([t]) for top in meta["input_top_logprobs"][1:] for _, t, text in top)
 
