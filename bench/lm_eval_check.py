@@ -11,7 +11,7 @@ log-likelihood lm-eval computed, to ``--out``.
     python bench/lm_eval_check.py --model .pdserve/models/SmolLM2-135M-Instruct --out result.json
 
 Needs ``lm_eval`` (``pip install "lm-eval[api]"``) importable by ``--lm-eval-python``
-alongside torch and transformers (``hf``); nothing is downloaded.
+alongside torch and transformers (``hf``; docs/models.md shows one way); nothing is downloaded.
 """
 
 from __future__ import annotations
