@@ -16,6 +16,11 @@ from pdserve.engine.sequence import ScheduledBatch, Sequence, Status
 from pdserve.engine.speculative import Speculator
 
 
+# Prompt tokens a step computes of a prompt whose log-probabilities are asked for: each keeps
+# its row's logits (a 150,000-token vocabulary's 2,048 rows in float32 would be 1.2 GB).
+SCORED_ROWS = 512
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, pages: PageManager, max_model_len: int | None = None) -> None:
         self.config = config
@@ -126,6 +131,8 @@ class Scheduler:
                     continue  # its tail is still loading: the others go on meanwhile
                 self.num_tail_tokens += self.pages.finish_tail(seq)  # (waits, when nothing else can run)
             n = min(seq.num_uncomputed, budget)
+            if seq.prompt_scores is not None:  # every row's logits are kept: a bounded chunk
+                n = min(n, SCORED_ROWS)
             if seq.tail_load is not None:  # compute up to where its loading tail begins
                 n = min(n, seq.tail_load.head_end - seq.num_computed)
             if not self.pages.grow(seq, seq.num_computed + n, reserve=watermark):

@@ -9,6 +9,7 @@ import json
 import random
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -247,6 +248,31 @@ def test_prompt_logprobs_equal_transformers_in_chunks_past_the_prefix_cache(tiny
         assert cached[f"s{i}"] == 0
     assert engine.stats.scored_prompt_tokens == sum(len(p) - 1 for p in prompts)
     assert engine.stats.cached_tokens > 0  # the request that does not score took the cached prefix
+
+
+def test_a_prompt_to_score_is_computed_in_bounded_chunks(tiny_model_dir: Path) -> None:
+    """Every row of a scored prompt keeps its logits: its chunks are at most SCORED_ROWS
+    tokens whatever the step's budget (a prompt not scored beside it takes the budget)."""
+    from pdserve.engine.scheduler import SCORED_ROWS
+
+    prompts = random_prompts(2, 4000, seed=9, low=SCORED_ROWS * 2 + 50, high=SCORED_ROWS * 2 + 60)
+    engine = make_engine(tiny_model_dir, chunked_prefill_size=4096)
+    engine.add_request("scored", prompts[0], SamplingParams(max_new_tokens=2, temperature=0.0, prompt_logprobs=0))
+    engine.add_request("plain", prompts[1], SamplingParams(max_new_tokens=2, temperature=0.0))
+    chunks: dict[str, list[int]] = {"scored": [], "plain": []}
+    schedule = engine.scheduler.schedule
+
+    def recorded() -> Any:
+        batch = schedule()
+        for seq, n in batch.prefills:
+            chunks[seq.rid].append(n)
+        return batch
+
+    engine.scheduler.schedule = recorded  # type: ignore[method-assign]
+    scored = [o.prompt_logprobs for o in iter_outputs(engine) if o.prompt_logprobs is not None]
+    assert chunks["scored"] == [SCORED_ROWS, SCORED_ROWS, len(prompts[0]) - 2 * SCORED_ROWS]
+    assert chunks["plain"] == [len(prompts[1])]
+    assert len(scored) == 1 and len(scored[0].logprobs) == len(prompts[0]) - 1
 
 
 def test_prompt_logprobs_survive_preemption(tiny_model_dir: Path) -> None:
