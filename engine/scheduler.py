@@ -15,7 +15,6 @@ from pdserve.engine.page_manager import PageManager
 from pdserve.engine.sequence import ScheduledBatch, Sequence, Status
 from pdserve.engine.speculative import Speculator
 
-
 # Prompt tokens a step computes of a prompt whose log-probabilities are asked for: each keeps
 # its row's logits (a 150,000-token vocabulary's 2,048 rows in float32 would be 1.2 GB).
 SCORED_ROWS = 512
