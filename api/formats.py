@@ -20,13 +20,22 @@ def usage_body(usage: Usage | None) -> dict[str, Any] | None:
     }
 
 
-def _piece(info: ModelInfo, token_id: int) -> str:
+class TokenIdNames:
+    """vLLM's ``return_tokens_as_token_ids``: logprobs name each token ``token_id:N`` (a token
+    that is not text alone, a piece of a multi-byte character, stays exact)."""
+
+
+TOKEN_ID_NAMES = TokenIdNames()
+Names = ModelInfo | TokenIdNames  # how logprobs name tokens: the model's text, or their ids
+
+
+def _piece(info: Names, token_id: int) -> str:
+    if isinstance(info, TokenIdNames):
+        return f"token_id:{token_id}"
     return info.tokenizer.decode([token_id])
 
 
-def completion_logprobs(
-    info: ModelInfo, ids: list[int], lps: list[TokenLogprob], offset: int = 0
-) -> dict[str, Any] | None:
+def completion_logprobs(info: Names, ids: list[int], lps: list[TokenLogprob], offset: int = 0) -> dict[str, Any] | None:
     if not lps:
         return None
     tokens = [_piece(info, t) for t in ids]
@@ -40,7 +49,7 @@ def completion_logprobs(
 
 
 def echo_logprobs(
-    info: ModelInfo, prompt_ids: list[int], scores: PromptLogprobs, ids: list[int], lps: list[TokenLogprob]
+    info: Names, prompt_ids: list[int], scores: PromptLogprobs, ids: list[int], lps: list[TokenLogprob]
 ) -> dict[str, Any]:
     """Legacy completions with ``echo`` and ``logprobs``: the prompt's tokens first (the
     first has no log-probability: ``null``, as OpenAI's), each one's alternatives with the
@@ -72,7 +81,7 @@ def _offsets(tokens: list[str], start: int) -> list[int]:
     return offsets
 
 
-def vllm_prompt_logprobs(info: ModelInfo, prompt_ids: list[int], scores: PromptLogprobs) -> list[Any]:
+def vllm_prompt_logprobs(info: Names, prompt_ids: list[int], scores: PromptLogprobs) -> list[Any]:
     """vLLM's ``prompt_logprobs``: ``null`` for the first token, then per token a map from
     token id (a string) to its ``logprob``, ``rank`` and ``decoded_token``: the prompt's own
     token, then the most likely ones."""
@@ -105,7 +114,7 @@ def _text(info: ModelInfo | None, token_id: int) -> str | None:
     return None if info is None else _piece(info, token_id)
 
 
-def chat_logprobs(info: ModelInfo, ids: list[int], lps: list[TokenLogprob]) -> dict[str, Any] | None:
+def chat_logprobs(info: Names, ids: list[int], lps: list[TokenLogprob]) -> dict[str, Any] | None:
     if not lps:
         return None
 

@@ -111,6 +111,7 @@ def _vllm_extras(info: ModelInfo) -> dict[str, Schema]:
         "include_stop_str_in_output": BOOL,
         "truncate_prompt_tokens": _integer(-1),
         "allowed_token_ids": _maybe({"type": "array", "items": token, "minItems": 1}),
+        "return_tokens_as_token_ids": BOOL,
         "guided_choice": _maybe({"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1}),
     }
 

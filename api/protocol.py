@@ -72,6 +72,7 @@ class Parsed:
     echo_logprobs: bool = False
     input_logprobs_from: int = -1
     text_in_logprobs: bool = False  # /generate: SGLang's return_text_in_logprobs
+    tokens_as_ids: bool = False  # completions, chat: vLLM's return_tokens_as_token_ids
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -175,7 +176,6 @@ VLLM_UNSERVED: tuple[tuple[str, Callable[[Any], bool]], ...] = (
     ("guided_whitespace_pattern", _set),
     ("priority", _set),
     ("spaces_between_special_tokens", lambda v: v is False),
-    ("return_tokens_as_token_ids", _set),
     ("return_token_ids", _set),
     ("cache_salt", _set),
     ("kv_transfer_params", _set),
@@ -437,6 +437,7 @@ def parse_completion(body: dict[str, Any], info: ModelInfo, limits: Limits) -> P
         batch=batch,
         prompt_logprobs=shown,
         echo_logprobs=echo_logprobs,
+        tokens_as_ids=_bool(body, "return_tokens_as_token_ids", False),
     )
 
 
@@ -619,6 +620,7 @@ def parse_chat(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Parsed:
         # a reply held to a JSON Schema is all answer (the grammar leaves no room to think)
         thinking=None if not info.reasoning.on or sampling.json_schema else reasoning.opens_thinking(text),
         prompt_logprobs=shown,
+        tokens_as_ids=_bool(body, "return_tokens_as_token_ids", False),
     )
 
 

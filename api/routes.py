@@ -208,6 +208,12 @@ def _stream_end(head: dict[str, Any], usage: _Usage, include_usage: bool) -> Cal
     return end
 
 
+def _names(state: AppState, parsed: Parsed) -> formats.Names:
+    """How this request's logprobs name tokens: their text, or (vLLM's
+    ``return_tokens_as_token_ids``) ``token_id:N``."""
+    return formats.TOKEN_ID_NAMES if parsed.tokens_as_ids else state.info
+
+
 def _prompt_text(state: AppState, job: Job) -> str:
     return job.prompt_text or state.info.tokenizer.decode(job.prompt_ids)
 
@@ -262,7 +268,7 @@ def _completion_choice(
 ) -> dict[str, Any]:
     """A completion choice (or a streamed piece of one): the prompt first where it is echoed
     (``echo``: this is the choice's first piece), with its log-probabilities where asked."""
-    info = state.info
+    info = _names(state, parsed)
     scores = got.prompt_logprobs
     prefix = _prompt_text(state, job) if echo else ""
     logprobs: dict[str, Any] | None
@@ -338,12 +344,13 @@ class _ChatStream:
         choice = {
             "index": i,
             "delta": delta,
-            "logprobs": formats.chat_logprobs(self.state.info, d.token_ids, d.logprobs),
+            "logprobs": formats.chat_logprobs(_names(self.state, self.parsed), d.token_ids, d.logprobs),
             "finish_reason": formats.openai_finish(reason),
         }
         if self.parsed.prompt_logprobs is not None and d.prompt_logprobs is not None:  # on the first chunk
             prompt = self.parsed.jobs[0].prompt_ids
-            choice["prompt_logprobs"] = formats.vllm_prompt_logprobs(self.state.info, prompt, d.prompt_logprobs)
+            names = _names(self.state, self.parsed)
+            choice["prompt_logprobs"] = formats.vllm_prompt_logprobs(names, prompt, d.prompt_logprobs)
         return [{**self.head, "choices": [choice]}]
 
     def _read(self, i: int, d: Delta, delta: dict[str, Any]) -> str | None:
@@ -394,12 +401,12 @@ def _chat_choice(state: AppState, parsed: Parsed, k: int, r: Result) -> dict[str
     choice = {
         "index": k,
         "message": message,
-        "logprobs": formats.chat_logprobs(state.info, r.token_ids, r.logprobs),
+        "logprobs": formats.chat_logprobs(_names(state, parsed), r.token_ids, r.logprobs),
         "finish_reason": formats.openai_finish(reason),
     }
     if parsed.prompt_logprobs is not None and r.prompt_logprobs is not None:
         choice["prompt_logprobs"] = formats.vllm_prompt_logprobs(
-            state.info, parsed.jobs[0].prompt_ids, r.prompt_logprobs
+            _names(state, parsed), parsed.jobs[0].prompt_ids, r.prompt_logprobs
         )
     return choice
 

@@ -707,7 +707,6 @@ def test_prompt_logprobs_requests(info: ModelInfo, name: str) -> None:
         ("guided_whitespace_pattern", " ", "both"),
         ("priority", 3, "both"),
         ("spaces_between_special_tokens", False, "both"),
-        ("return_tokens_as_token_ids", True, "both"),
         ("cache_salt", "tenant-1", "both"),
         ("kv_transfer_params", {"do_remote_decode": True}, "both"),
         ("echo", True, "chat"),
@@ -761,6 +760,10 @@ def test_vllm_extensions_that_are_served(info: ModelInfo, name: str) -> None:
     assert not parse_completion({"prompt": "x"}, info, Limits(DEFAULT_MAX)).jobs[0].keep_stop
     special = parse_chat({**chat, "skip_special_tokens": False}, info, Limits(DEFAULT_MAX))
     assert not special.skip_special_tokens
+    assert parse_chat({**chat, "return_tokens_as_token_ids": True}, info, Limits(DEFAULT_MAX)).tokens_as_ids
+    assert parse_completion(
+        {"prompt": "x", "return_tokens_as_token_ids": True}, info, Limits(DEFAULT_MAX)
+    ).tokens_as_ids
     allowed = parse_completion({"prompt": "x", "allowed_token_ids": [9, 5, 9]}, info, Limits(DEFAULT_MAX))
     assert allowed.jobs[0].sampling.allowed_token_ids == (5, 9)
     _bad(parse_completion, {"prompt": "x", "allowed_token_ids": []}, info, param="allowed_token_ids")

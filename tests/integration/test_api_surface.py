@@ -261,6 +261,13 @@ async def test_vllm_extensions_through_the_system(system: Any, client: Any) -> N
     )  # fmt: skip
     assert cut.usage.prompt_tokens == 10
     assert cut.choices[0].text == tokenizer.decode(hf(system.model_dir, PROMPT_IDS[-10:], 4))
+    named = await client.completions.create(
+        model=system.model_name, prompt=PROMPT_IDS, max_tokens=4, temperature=0, logprobs=2, echo=True,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    ids = PROMPT_IDS + hf(system.model_dir, PROMPT_IDS, 4)
+    assert named.choices[0].logprobs.tokens == [f"token_id:{t}" for t in ids]
+    assert all(k.startswith("token_id:") for top in named.choices[0].logprobs.top_logprobs[1:] for k in top)
 
 
 # ---- structured output -------------------------------------------------------------------
