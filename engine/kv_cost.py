@@ -34,6 +34,8 @@ from collections import deque
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 # Weight of each new reading in the running estimates of the tiers (an exponential average).
 SMOOTHING = 0.2
 # Prefill steps kept for the marginal cost of a token; a fit needs sizes SPREAD times apart.
@@ -137,19 +139,16 @@ def steady(readings: Sequence[tuple[int, float, float]]) -> list[tuple[int, floa
     544-token step took 60 ms against 9.7 for 384 tokens before it, and its slope made a
     store's load of a 512-token prefix look cheaper than computing it: 1.58x the cold time
     (2026-12-06)."""
-    kept = []
-    for i, (t, sec, p) in enumerate(readings):
-        bound = min(
-            (
-                s2 * max(t / t2, p / p2 if p2 > 0.0 and p > 0.0 else 0.0) * ONE_TIME
-                for j, (t2, s2, p2) in enumerate(readings)
-                if j != i and t2 <= t and p2 <= p
-            ),
-            default=float("inf"),
-        )
-        if sec <= bound:
-            kept.append((t, sec, p))
-    return kept
+    if len(readings) < 2:
+        return list(readings)
+    t, sec, p = (np.array(c, dtype=np.float64) for c in zip(*readings, strict=True))
+    smaller = (t[None, :] <= t[:, None]) & (p[None, :] <= p[:, None])  # [i, j]: j no larger than i
+    np.fill_diagonal(smaller, False)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        pairs = np.where((p[:, None] > 0.0) & (p[None, :] > 0.0), p[:, None] / p[None, :], 0.0)
+        growth = np.maximum(t[:, None] / t[None, :], pairs)
+    bound = np.where(smaller, sec[None, :] * growth * ONE_TIME, np.inf).min(axis=1)
+    return [r for r, ok in zip(readings, sec <= bound, strict=True) if ok]
 
 
 @dataclass

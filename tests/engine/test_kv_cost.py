@@ -261,3 +261,32 @@ def test_a_step_that_paid_one_time_costs_is_not_a_reading() -> None:
     assert steady(big) == big
     twins = [(1024, 0.020, 0.0), (1024, 0.035, 0.0), (1024, 0.021, 0.0)]
     assert steady(twins) == [twins[0], twins[2]]
+
+
+def test_steady_is_the_rule_it_states_on_random_readings() -> None:
+    """Against the rule written out a reading at a time: kept unless a reading with no more
+    tokens and pairs, scaled by the larger growth and ONE_TIME, is faster still."""
+    import random
+
+    from pdserve.engine.kv_cost import ONE_TIME, steady
+
+    def by_hand(readings: list[tuple[int, float, float]]) -> list[tuple[int, float, float]]:
+        kept = []
+        for i, (t, s, p) in enumerate(readings):
+            bounds = [
+                s2 * max(t / t2, p / p2 if p > 0 and p2 > 0 else 0.0) * ONE_TIME
+                for j, (t2, s2, p2) in enumerate(readings)
+                if j != i and t2 <= t and p2 <= p
+            ]
+            if not bounds or s <= min(bounds):
+                kept.append((t, s, p))
+        return kept
+
+    rng = random.Random(3)
+    for _ in range(200):
+        readings = []
+        for _ in range(rng.randint(0, 12)):
+            t = rng.choice([16, 64, 256, 1024, 2048])
+            p = rng.choice([0.0, t * t / 2, t * (t / 2 + rng.randint(0, 4096))])
+            readings.append((t, (t * 1e-5 + 0.008) * rng.choice([1.0, 1.0, 1.2, 3.0, 8.0]), p))
+        assert steady(readings) == by_hand(readings)
