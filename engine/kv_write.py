@@ -87,6 +87,7 @@ class TierStats:
     snapshot_allocations: int = 0  # snapshot buffers pinned on the engine's thread: none was free
     write_errors: int = 0  # groups a tier failed to take (logged)
     already_held: int = 0  # computed groups every (local) tier already held: not copied off the device
+    held_at_write: int = 0  # groups copied off the device that every tier turned out to hold (a store's: asked there)
     lookup_seconds: float = 0.0
     load_seconds: float = 0.0
 
@@ -318,8 +319,10 @@ class WriteThrough:
         if item.ready is not None:
             item.ready.synchronize()
         parts: tuple[bytes, memoryview] | None = None
+        held = 0
         for tier in self.groups:
             if tier.contains(item.key):
+                held += 1
                 continue
             parts = parts or kv_blob.encode_parts(self.ident, item.key, item.pages)
             tier.put(item.key, *parts)
@@ -333,6 +336,8 @@ class WriteThrough:
             wider = self._width[tier.name] < len(recent) == LOAD_THREADS  # read now as a load reads
             if unmeasured or wider or self._writes_since_calibration[tier.name] >= RECALIBRATE_EVERY:
                 self.calibrate(tier, list(recent))
+        if held == len(self.groups):
+            self.stats.held_at_write += 1
         if item.ready is not None:  # a pinned snapshot, written by now: reusable
             self._release_pinned(item.pages)
 

@@ -538,6 +538,7 @@ def test_a_tier_a_round_trip_away_is_not_asked_on_the_engines_thread(tiny_model_
     stats = second.tiers.stats
     assert engine_thread not in asked  # the lookups the cost rule makes aside, none from offer
     assert stats.already_held == 0 and stats.tiers["disk"].stored_pages == 0  # the writer found them held
+    assert stats.held_at_write == 200 // 16 // 4  # and counted the copies made for nothing
     second.close()
 
 
