@@ -14,9 +14,11 @@ prefill does) in five variants, each with exact float8_e4m3fn rounding (``engine
     then both scales, then the bias; the embedding and the LM head (tied here) stay bf16;
   * ``fp8_weights_a16``: the same weights as the batch-1 GEMV computes them (W8A16: the bf16
     activations as they are);
-  * ``fp8_kv``: keys (after rotary) and values rounded through the KV scheme as they are
-    stored (:func:`quantize_kv_fp8`, a scale per token per KV head): every attention read,
-    the chunk's own tokens included, sees the FP8 values, as a paged kernel reading the pool does;
+  * ``fp8_kv``: keys (after rotary) and values stored through the KV scheme chunk by chunk
+    into pages as the pool stores them (:func:`store_kv_fp8_blocks`: blocks of a page's tokens
+    per KV head, one power-of-two scale each that grows as larger tokens arrive): every
+    attention read, the chunk's own tokens included, sees the FP8 values, as a paged kernel
+    reading the pool does;
   * ``fp8_both`` (W8A8 and the KV), ``fp8_both_a16`` (W8A16 and the KV);
   * asked for by name: ``fp8_k_only``, ``fp8_v_only`` (the keys alone, the values alone) and
     ``fp8_weights_g128``, ``fp8_both_g128`` (activation scales per 128 columns of a row, as the
@@ -25,7 +27,7 @@ prefill does) in five variants, each with exact float8_e4m3fn rounding (``engine
 Per variant: perplexity and its ratio to bf16, mean KL(bf16 || variant) of the next-token
 distributions in nats (and against float32), the max and mean absolute logit error against
 bf16 and how often the top token agrees. Also the KV pages per GiB of FP8 against bf16 at the
-default page size (arithmetic, scales included). Writes ``docs/data/fp8_quality.json``.
+default page size (arithmetic, scales included; a scale per token, the scheme before, beside it). Writes ``docs/data/fp8_quality.json``.
 
     python bench/fp8_quality.py                          # 3 minutes on 2 idle cores
     python bench/fp8_quality.py --tokens 512 --out /tmp/fp8_quality.json
@@ -60,13 +62,14 @@ sys.path.insert(0, str(ROOT))
 from pdserve.bench.shapes import QWEN2_5_7B  # noqa: E402
 from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.engine.quant import (  # noqa: E402
+    FP8,
     GROUP,
     dequantize_kv_fp8,
-    kv_bytes_per_token,
+    kv_bytes_per_page,
     quantize_fp8,
     quantize_groups_fp8,
-    quantize_kv_fp8,
     quantize_rows_fp8,
+    store_kv_fp8_blocks,
 )
 
 TEXT = ROOT / "engine" / "data" / "tiny_corpus.txt"
@@ -158,24 +161,62 @@ def quantize_weights(model: torch.nn.Module, keep: Sequence[str] = (), activatio
 
 
 class Fp8KVCache(DynamicCache):
-    """transformers' dynamic cache with each stored key and value (``fp8`` "kv"; "k" or "v":
-    only those) rounded through the FP8 KV scheme (:func:`quantize_kv_fp8`) and read back in
-    the model's dtype."""
+    """transformers' dynamic cache whose every read returns the keys and values (``fp8`` "kv";
+    "k" or "v": only those) as an FP8 page pool of ``page_size``-token pages holds them: each
+    update stored into the pages after the ones before (:class:`Fp8Pages`), read back in the
+    model's dtype."""
 
-    def __init__(self, config: Any, fp8: str = "kv") -> None:
+    def __init__(self, config: Any, fp8: str = "kv", page_size: int = EngineConfig.page_size) -> None:
         super().__init__(config=config)
         self.fp8 = fp8
+        self.page_size = page_size
+        self.pages: dict[tuple[int, str], Fp8Pages] = {}
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        keys = _round_kv(key_states) if "k" in self.fp8 else key_states
-        values = _round_kv(value_states) if "v" in self.fp8 else value_states
-        return super().update(keys, values, layer_idx, *args, **kwargs)
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        out = []
+        for kind, new, full in (("k", key_states, keys), ("v", value_states, values)):
+            if kind in self.fp8:
+                pages = self.pages.setdefault((layer_idx, kind), Fp8Pages(self.page_size))
+                full = pages.append(new)
+            out.append(full)
+        return out[0], out[1]
 
 
-def _round_kv(x: torch.Tensor) -> torch.Tensor:
-    return dequantize_kv_fp8(*quantize_kv_fp8(x), x.dtype)
+class Fp8Pages:
+    """One layer's keys or values ``[batch, heads, tokens, dim]`` in FP8 blocks of ``page_size``
+    tokens per (sequence, head), stored as the pool stores them."""
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self.tokens = 0
+        self.values = torch.zeros(0, dtype=torch.uint8)
+        self.scales = torch.zeros(0)
+
+    def append(self, x: torch.Tensor) -> torch.Tensor:
+        """Store ``x``'s tokens after the ones held; all of them back in ``x``'s dtype."""
+        batch, heads, n, dim = x.shape
+        page = self.page_size
+        pages = -(-(self.tokens + n) // page)
+        if self.values.numel() == 0 or self.values.shape[1] < pages:
+            grown = torch.zeros((batch * heads, 2 * pages, page, dim), dtype=torch.uint8)
+            scales = torch.zeros((batch * heads, 2 * pages))
+            if self.values.numel():
+                grown[:, : self.values.shape[1]] = self.values
+                scales[:, : self.scales.shape[1]] = self.scales
+            self.values, self.scales = grown, scales
+        width = self.values.shape[1]
+        pos = torch.arange(self.tokens, self.tokens + n)
+        blocks = torch.arange(batch * heads)[:, None] * width + pos[None, :] // page
+        offsets = (pos % page)[None, :].expand(batch * heads, n)
+        rows = x.reshape(batch * heads * n, dim)
+        store_kv_fp8_blocks(self.values.view(-1, page, dim), self.scales.view(-1), blocks.reshape(-1),
+                            offsets.reshape(-1), rows)  # fmt: skip
+        self.tokens += n
+        held = dequantize_kv_fp8(self.values[:, :pages].view(FP8), self.scales[:, :pages], x.dtype)
+        return held.reshape(batch, heads, pages * page, dim)[:, :, : self.tokens]
 
 
 @dataclass
@@ -282,19 +323,18 @@ def evaluate(
 
 
 def kv_capacity(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int) -> dict[str, Any]:
-    """Bytes a page takes and pages per GiB, bf16 against FP8 with its per-token scales, and
-    against FP8 with one float32 scale per (page, layer, K|V, head), the bound."""
-    bf16 = page_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, fp8=False)
-    fp8 = page_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, fp8=True)
-    per_page_scales = page_size * num_layers * 2 * num_kv_heads * head_dim + num_layers * 2 * num_kv_heads * 4
+    """Bytes a page takes and pages per GiB, bf16 against FP8 with one float32 scale per (page,
+    layer, K|V, head) block, and against FP8 with a float32 scale per token (the scheme before)."""
+    bf16 = kv_bytes_per_page(num_layers, num_kv_heads, head_dim, page_size, fp8=False)
+    fp8 = kv_bytes_per_page(num_layers, num_kv_heads, head_dim, page_size, fp8=True)
+    per_token_scales = page_size * num_layers * 2 * num_kv_heads * (head_dim + 4)
     gib = 1 << 30
     return {
         "page_size": page_size,
-        "bytes_per_token_per_layer": {"bf16": bf16 // page_size // num_layers, "fp8": fp8 // page_size // num_layers},
         "page_bytes": {"bf16": bf16, "fp8": fp8},
         "pages_per_gib": {"bf16": round(gib / bf16, 1), "fp8": round(gib / fp8, 1)},
         "ratio_fp8_to_bf16": round(bf16 / fp8, 4),
-        "ratio_with_one_scale_per_page_head": round(bf16 / per_page_scales, 4),
+        "ratio_with_a_scale_per_token": round(bf16 / per_token_scales, 4),
     }
 
 
@@ -418,7 +458,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "none": "W8A16: bf16 activations, as the batch-1 GEMV computes (variants ending _a16)",
             "group": f"W8A8 with a scale per {GROUP} columns of a row (variants ending _g128)",
         },
-        "kv_scheme": "float8_e4m3fn, one float32 scale (amax / 448) per token per KV head, keys after rotary",
+        "kv_scheme": (
+            f"float8_e4m3fn, one power-of-two float32 scale per {page_size}-token page per KV head (amax / 448 "
+            "rounded up, grown as larger tokens arrive), stored chunk by chunk, keys after rotary"
+        ),
         "kl": "mean over scored positions of KL(p_bf16 || p_variant) of the next-token distributions, nats",
         "variants": results,
         "kv_capacity": {

@@ -21,7 +21,7 @@ JSON records ``quantization`` and the weights' bytes before and after). The stoc
 
     python bench/gpu_engine.py --quantization fp8 --json /tmp/gpu_engine_fp8.json   # docs/data/gpu_engine_fp8.json: bench/gpu.sh fp8
 
-``--kv-cache-dtype fp8_e4m3``: the page pool in FP8 with a scale per token per KV head (the
+``--kv-cache-dtype fp8_e4m3``: the page pool in FP8 with a scale per page per KV head (the
 JSON records the pool's dtype, bytes per token and pages per GiB; the sizes of the runs are
 fixed, so the figures are the speed of FP8 attention, not of a larger pool):
 

@@ -224,7 +224,8 @@ def _prefill(
         k = k_new[sl].transpose(0, 1).unsqueeze(0)
         v = v_new[sl].transpose(0, 1).unsqueeze(0)
         if meta.kv_scales is not None:  # as the pool holds them, as every later read sees them
-            k, v = round_fp8(k), round_fp8(v)
+            page = meta.kv_pool.shape[4]
+            k, v = round_fp8(k, page, 2), round_fp8(v, page, 2)
     else:
         k, v = _gather(meta, layer, span.rows, "prefill", q)
         k = k[:, :, : span.ctx_len]

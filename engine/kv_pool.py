@@ -8,18 +8,19 @@ attention gathers a sequence's pages straight into ``[batch, heads, tokens, head
 
 FP8 pages (``--kv-cache-dtype fp8_e4m3``, layout dtype :data:`KV_FP8`): the same blocks in the
 same order, each ``[page_size, head_dim]`` float8_e4m3fn values (a token's ``head_dim`` bytes, as
-in 16 bits) followed at once by the block's ``page_size`` float32 scales, one per token
-(:func:`pdserve.engine.quant.quantize_kv_fp8`: ``x ~= q * scale``). A block is
-``page_size * (head_dim + 4)`` bytes, the scales start ``page_size * head_dim`` bytes in
+in 16 bits) followed at once by the block's one float32 scale, a power of two
+(:func:`pdserve.engine.quant.quantize_kv_fp8`: ``x ~= q * scale``; a store that brings a larger
+token re-encodes the block's earlier ones, :func:`pdserve.engine.quant.store_kv_fp8_blocks`). A
+block is ``page_size * head_dim + 4`` bytes, the scale ``page_size * head_dim`` bytes in
 (4-aligned); a page is still one contiguous byte range holding everything its tokens need, so
 every mover of whole pages (segments, copies, the transfer backends, the host, disk and store
-tiers) moves FP8 pages unchanged, and a head's block with its scales is one run (tensor-parallel
+tiers) moves FP8 pages unchanged, and a head's block with its scale is one run (tensor-parallel
 shard reads). :attr:`KVPool.tensor` is then the raw bytes (uint8 ``[num_pages, num_layers, 2,
 num_kv_heads, block bytes]``); :attr:`KVPool.kv` views the values as
 ``[num_pages, num_layers, 2, num_kv_heads, page_size, head_dim]`` (block stride
-``page_size * (head_dim + 4)``) and :attr:`KVPool.kv_scales` the scales as float32
-``[num_pages, num_layers, 2, num_kv_heads, page_size]``. At head_dim 128 a token takes 132 bytes
-a head against bf16's 256: 1.94x the pages per byte (1.88x at head_dim 64).
+``page_size * head_dim + 4``) and :attr:`KVPool.kv_scales` the scales as float32
+``[num_pages, num_layers, 2, num_kv_heads]``. At head_dim 128 and 16-token pages a block is
+2,052 bytes against bf16's 4,096: 1.996x the pages per byte (the same at head_dim 64).
 """
 
 from __future__ import annotations
@@ -33,10 +34,13 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.models.batch import to_device
-from pdserve.engine.quant import FP8, KV_SCALE_DTYPE, dequantize_kv_fp8, quantize_kv_fp8
+from pdserve.engine.quant import FP8, KV_SCALE_DTYPE, dequantize_kv_fp8, quantize_kv_fp8, store_kv_fp8_blocks
 from pdserve.schemas import KVLayout
 
-KV_FP8 = "float8_e4m3fn"  # the layout dtype of FP8 pages (values and their scales, above)
+# The layout dtype of FP8 pages (values and a scale per block, above). It names the scheme, not
+# only the values' dtype: pools of another FP8 layout (a scale per token, before 2026-12-06) are
+# refused at the transfer handshake and their tier blobs are not read (kv_blob.identity).
+KV_FP8 = "float8_e4m3fn/block"
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, KV_FP8: FP8}
 
 
@@ -93,7 +97,7 @@ def dtype_difference(prefill: KVLayout, decode: KVLayout) -> str | None:
 def block_bytes(layout: KVLayout) -> int:
     """Bytes of one (layer, K|V, head) block of a page: its values (and, FP8, their scales)."""
     if is_fp8(layout):
-        return layout.page_size * (layout.head_dim + KV_SCALE_DTYPE.itemsize)
+        return layout.page_size * layout.head_dim + KV_SCALE_DTYPE.itemsize
     return layout.page_size * layout.head_dim * dtype_from_name(layout.dtype).itemsize
 
 
@@ -101,10 +105,10 @@ def page_bytes(layout: KVLayout) -> int:
     return layout.num_layers * 2 * layout.num_kv_heads * block_bytes(layout)
 
 
-def bytes_per_token(layout: KVLayout) -> int:
-    """Bytes of the pool one token takes, all layers' K and V (FP8: with its scales); equals
-    :func:`pdserve.engine.quant.kv_bytes_per_token`."""
-    return page_bytes(layout) // layout.page_size
+def bytes_per_token(layout: KVLayout) -> float:
+    """Bytes of the pool one token takes, all layers' K and V (FP8: with its share of the
+    blocks' scales); a page's are :func:`pdserve.engine.quant.kv_bytes_per_page`'s."""
+    return page_bytes(layout) / layout.page_size
 
 
 def page_shape(layout: KVLayout) -> tuple[int, ...]:
@@ -122,32 +126,38 @@ def storage_dtype(layout: KVLayout) -> torch.dtype:
 def kv_views(tensor: torch.Tensor, layout: KVLayout) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(values, scales)`` of pages ``tensor`` (shaped ``[n, *page_shape(layout)]``): the values
     ``[n, layers, 2, heads, page_size, head_dim]`` and, FP8, the float32 scales
-    ``[n, layers, 2, heads, page_size]`` (views of the same bytes); 16 bits: ``(tensor, None)``."""
+    ``[n, layers, 2, heads]``, one per block (views of the same bytes); 16 bits: ``(tensor, None)``."""
     if not is_fp8(layout):
         return tensor, None
     page, dim = layout.page_size, layout.head_dim
     values = tensor[..., : page * dim].view(FP8).unflatten(-1, (page, dim))
-    first = page * dim // KV_SCALE_DTYPE.itemsize
-    scales = tensor.view(KV_SCALE_DTYPE)[..., first : first + page]
+    scales = tensor.view(KV_SCALE_DTYPE)[..., page * dim // KV_SCALE_DTYPE.itemsize]
     return values, scales
 
 
 def store_fp8(values: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor, x: torch.Tensor) -> None:
-    """Vectors ``x [N, head_dim]`` quantized (:func:`~pdserve.engine.quant.quantize_kv_fp8`) into
-    an FP8 pool's ``values`` and ``scales`` (:func:`kv_views`) at ``rows [N]``, numbered as a
-    16-bit pool's ``view(-1, head_dim)`` numbers them: ``block * page_size + offset``. The torch
-    passes' store (the Triton kernels store in :mod:`pdserve.engine.kernels.rope`)."""
+    """Vectors ``x [N, head_dim]`` quantized into an FP8 pool's ``values`` and ``scales``
+    (:func:`kv_views`) at ``rows [N]``, numbered as a 16-bit pool's ``view(-1, head_dim)`` numbers
+    them: ``block * page_size + offset`` (:func:`~pdserve.engine.quant.store_kv_fp8_blocks`: a
+    block's rows are consecutive offsets, the tokens before them the block's own). The torch
+    passes' store (the Triton kernels store in :mod:`pdserve.engine.kernels.rope` and
+    :mod:`pdserve.engine.kernels.paged`, the same bytes)."""
     page, dim = values.shape[4], values.shape[5]
-    q, scale = quantize_kv_fp8(x)
-    block, offset = rows // page, rows % page
-    values.view(torch.uint8).view(-1, page, dim)[block, offset] = q.view(torch.uint8)
-    scales.view(-1, page)[block, offset] = scale
+    store_kv_fp8_blocks(values.view(torch.uint8).view(-1, page, dim), scales.view(-1), rows // page, rows % page, x)
 
 
-def round_fp8(x: torch.Tensor) -> torch.Tensor:
-    """K or V vectors ``x [..., head_dim]`` as an FP8 pool holds them (quantized, then back in
-    ``x``'s dtype): what a fresh prompt attends over when it uses its own K/V, not the pool's."""
-    return dequantize_kv_fp8(*quantize_kv_fp8(x), dtype=x.dtype)
+def round_fp8(x: torch.Tensor, page_size: int, dim: int = 0) -> torch.Tensor:
+    """K or V vectors ``x [..., head_dim]`` of one prompt from its first token (along dimension
+    ``dim``), as an FP8 pool holds them once stored at once into empty pages (quantized per
+    ``page_size`` tokens of a head, then back in ``x``'s dtype): what a fresh prompt attends over
+    when it uses its own K/V, not the pool's."""
+    moved = x.movedim(dim, -2)
+    n = moved.shape[-2]
+    pages = -(-n // page_size)
+    padded = torch.nn.functional.pad(moved, (0, 0, 0, pages * page_size - n))
+    blocks = padded.unflatten(-2, (pages, page_size))
+    rounded = dequantize_kv_fp8(*quantize_kv_fp8(blocks), dtype=x.dtype).flatten(-3, -2)[..., :n, :]
+    return rounded.movedim(-2, dim)
 
 
 def gather_fp8(values: torch.Tensor, scales: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -156,7 +166,7 @@ def gather_fp8(values: torch.Tensor, scales: torch.Tensor, blocks: torch.Tensor,
     passes' read (the Triton kernels read in place)."""
     page, dim = values.shape[4], values.shape[5]
     q = values.view(torch.uint8).view(-1, page * dim).index_select(0, blocks).view(FP8)
-    scale = scales.view(-1, page).index_select(0, blocks)
+    scale = scales.view(-1).index_select(0, blocks)
     return dequantize_kv_fp8(q.view(-1, page, dim), scale, dtype).view(-1, page * dim)
 
 

@@ -19,7 +19,7 @@ from pdserve.engine.checkpoint import ModelSpec, load_model
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cuda_graph import DecodeGraphs
 from pdserve.engine.kernels import decode_splits
-from pdserve.engine.kv_pool import KVPool, bytes_per_token, dtype_name, kv_dtype_name
+from pdserve.engine.kv_pool import KVPool, bytes_per_token, dtype_name, kv_dtype_name, page_bytes
 from pdserve.engine.models import FP8_MIN_CAPABILITY, create_fast_model, fast_path_reason, fp8_reason
 from pdserve.engine.models.batch import build_step, rows_step, verify_rows
 from pdserve.engine.models.llama_cpu import LlamaFamilyCPU
@@ -234,13 +234,13 @@ class ModelRunner:
         page = self.config.page_size
         if self.config.max_total_tokens is not None:
             return self.config.max_total_tokens // page
-        per_token = bytes_per_token(self.layout)  # FP8: with its scales, 1.94x bf16's tokens at head_dim 128
+        per_page = page_bytes(self.layout)  # FP8: with its blocks' scales, 1.996x bf16's tokens
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * self.config.kv_memory_fraction)
         else:
             budget = self.config.cpu_kv_bytes
-        return max(budget // (per_token * page), 1)
+        return max(budget // per_page, 1)
 
     @torch.inference_mode()
     def execute(

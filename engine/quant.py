@@ -6,8 +6,8 @@ value, 448. Plain torch: the kernels that read ``q`` in place live in
 :mod:`pdserve.engine.kernels`, and the quality script (``bench/fp8_quality.py``) runs the
 same rounding on the CPU.
 
-Also here: the KV cache's FP8 scheme (:func:`quantize_kv_fp8`, one float32 scale per token per
-KV head) and FP8 checkpoints' weights turned into :class:`Fp8Weight`
+Also here: the KV cache's FP8 scheme (:func:`quantize_kv_fp8`, one power-of-two float32 scale
+per (page, layer, K|V, head) block) and FP8 checkpoints' weights turned into :class:`Fp8Weight`
 (:func:`fp8_weight_from_checkpoint`).
 """
 
@@ -106,51 +106,102 @@ def quantize_groups_fp8(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tens
     return q.contiguous(), _over_fp8_max(amax).contiguous()
 
 
-# --- The KV cache: one scale per token per KV head ------------------------------------------
+# --- The KV cache: one power-of-two scale per (page, layer, K|V, head) block ---------------
 
-# The dtype of the KV scales; the pool holds one beside each stored vector (see quantize_kv_fp8).
+# The dtype of the KV scales; each block of a page holds one after its values (see quantize_kv_fp8).
 KV_SCALE_DTYPE = torch.float32
 
 
-def quantize_kv_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys (after rotary) or values ``x [..., head_dim]`` as ``(q, scale)``: ``q`` float8_e4m3fn
-    of ``x``'s shape and ``scale`` float32 ``x.shape[:-1]``, one per vector (per token per KV
-    head), ``x ~= q * scale[..., None]`` with each vector's amax mapped to 448.
+def kv_block_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The scale of a KV block whose largest magnitude is ``amax`` (float32): ``amax / 448``
+    (correctly rounded, floored at 1e-12 / 448) rounded up to a power of two, so that every value
+    of the block divided by it lies within e4m3's +-448. The kernels compute the same bits
+    (``bits + 0x7FFFFF`` with the mantissa cleared: the next power of two of a positive normal)."""
+    t = _over_fp8_max(amax.to(torch.float32).clamp_min(_MIN_AMAX))
+    return ((t.view(torch.int32) + 0x7FFFFF) & -0x800000).view(torch.float32)
 
-    Why per token and head, not per (page, head): a token's scale depends on that token alone,
-    so the store kernel writes each new token's ``head_dim`` bytes and its scale once and never
-    touches the page's other tokens. A page filled over many decode steps stays exact without
-    a running max (a scale fixed at a page's first store would clip later, larger tokens;
-    raising it means re-quantizing, and double-rounding, the tokens already there), and a page
-    shared by prefix caching never changes. Reading in place is as simple: beside the pool's
-    ``[pages, layers, 2, kv_heads, page_size, head_dim]`` FP8 bytes lies a float32
-    ``[pages, layers, 2, kv_heads, page_size]`` scale tensor, and a paged attention kernel loads
-    a ``[page_size]`` row of scales with each ``[page_size, head_dim]`` tile, folding the key
-    scales into the score columns (``q . k_i = (q . kq_i) * ks_i``) and the value scales into
-    the probabilities (``sum_i p_i v_i = sum_i (p_i * vs_i) vq_i``): no tile is dequantized.
-    The cost is 4 bytes per ``head_dim`` bytes: 1.88x bf16's tokens per byte at head_dim 64,
-    1.94x at 128, against 2.0x for scales per page (see ``bench/fp8_quality.py``)."""
-    if x.dim() < 1 or x.shape[-1] == 0:
-        raise ValueError(f"KV vectors need a last (head_dim) dimension, got shape {list(x.shape)}")
+
+def quantize_kv_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks of keys (after rotary) or values ``x [..., tokens, head_dim]``, each stored at once
+    into an empty block, as ``(q, scale)``: ``q`` float8_e4m3fn of ``x``'s shape and ``scale``
+    float32 ``x.shape[:-2]``, one per block, ``x ~= q * scale[..., None, None]``, the scale
+    :func:`kv_block_scale` of the block's amax.
+
+    Why one scale per (page, layer, K|V, head) and a power of two: a block of ``page_size``
+    tokens takes ``page_size * head_dim`` bytes and one 4-byte scale, 1.996x bf16's tokens per
+    byte at head_dim 128 and 64 (a scale per token: 1.94x and 1.88x). A page fills a token (or
+    a chunk) at a time, so its scale grows as larger tokens arrive: the store takes the larger
+    of the block's scale and the new tokens' (:func:`store_kv_fp8_blocks`) and re-encodes the
+    tokens already there by the ratio, a power of two: an exponent shift, exact while a value
+    stays in e4m3's normal range (only values that fall below 2^-6 of the new scale round
+    again). The quality equals a scale per token's: e4m3's relative step is the same in every
+    binade, and a block of one head's tokens spans far less than the normal range's 2^15
+    (``bench/fp8_quality.py``). A block of a page shared by prefix caching is full and never
+    changes; a partly filled one belongs to one sequence."""
+    if x.dim() < 2 or x.shape[-1] == 0:
+        raise ValueError(f"KV blocks need [..., tokens, head_dim], got shape {list(x.shape)}")
     x32 = x.detach().to(torch.float32)
-    scale = _over_fp8_max(x32.abs().amax(dim=-1).clamp_min(_MIN_AMAX))
-    q = (x32 / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    scale = kv_block_scale(x32.abs().amax(dim=(-2, -1)))
+    q = (x32 / scale[..., None, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.contiguous(), scale.contiguous()
 
 
 def dequantize_kv_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """``q * scale[..., None]`` in ``dtype``: the inverse of :func:`quantize_kv_fp8`."""
+    """``q * scale[..., None, None]`` in ``dtype``: the inverse of :func:`quantize_kv_fp8`
+    (``q [..., tokens, head_dim]``, ``scale [...]``, one per block)."""
     if q.dtype != FP8:
         raise ValueError(f"FP8 KV is float8_e4m3fn, not {q.dtype}")
-    if scale.dtype != KV_SCALE_DTYPE or scale.shape != q.shape[:-1]:
-        raise ValueError(f"KV scales must be float32 {list(q.shape[:-1])}, got {scale.dtype} {list(scale.shape)}")
-    return (q.to(torch.float32) * scale[..., None]).to(dtype)
+    if scale.dtype != KV_SCALE_DTYPE or scale.shape != q.shape[:-2]:
+        raise ValueError(f"KV scales must be float32 {list(q.shape[:-2])}, got {scale.dtype} {list(scale.shape)}")
+    return (q.to(torch.float32) * scale[..., None, None]).to(dtype)
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, fp8: bool) -> int:
-    """Bytes of the page pool a token takes, all layers' K and V: bf16 or FP8 with its scales."""
-    per_vector = head_dim + KV_SCALE_DTYPE.itemsize if fp8 else 2 * head_dim
-    return num_layers * 2 * num_kv_heads * per_vector
+def store_kv_fp8_blocks(
+    values: torch.Tensor, scales: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, x: torch.Tensor
+) -> None:
+    """Vectors ``x [N, head_dim]`` stored into FP8 KV blocks, row ``i`` at ``offsets[i]`` of block
+    ``blocks[i]`` of ``values [num_blocks, page_size, head_dim]`` (float8_e4m3fn, or its bytes)
+    with ``scales [num_blocks]`` (float32): what the Triton stores write, bit for bit.
+
+    A block's rows in one call are consecutive offsets from its first, ``f``; the tokens at
+    offsets below ``f`` are the block's (a block written from offset 0 has none, whatever its
+    scale held). The block's scale becomes the larger of its scale (when it has tokens) and
+    :func:`kv_block_scale` of the new rows' amax; where that grew, the tokens below ``f`` are
+    re-encoded, ``q * old / new`` rounded to e4m3 (exact but for values that turn subnormal),
+    then the new rows are quantized by it."""
+    if x.dim() != 2 or blocks.shape != offsets.shape or blocks.shape[0] != x.shape[0]:
+        raise ValueError(f"rows [N, head_dim] with N blocks and offsets, got {list(x.shape)}")
+    if x.shape[0] == 0:
+        return
+    q_all = values.view(torch.uint8)
+    page = q_all.shape[1]
+    uniq, inv = torch.unique(blocks, return_inverse=True)
+    n = uniq.shape[0]
+    first = torch.full((n,), page, dtype=offsets.dtype, device=x.device).scatter_reduce(0, inv, offsets, "amin")
+    x32 = x.detach().to(torch.float32)
+    amax = torch.zeros(n, dtype=torch.float32, device=x.device).scatter_reduce(0, inv, x32.abs().amax(1), "amax")
+    had = first > 0
+    old = torch.where(had, scales[uniq], torch.zeros_like(amax))
+    new = torch.maximum(kv_block_scale(amax), old)
+    grow = (had & (new > old)).nonzero().view(-1)
+    if grow.numel():
+        ids = uniq[grow]
+        held = q_all[ids]  # [G, page, dim] bytes
+        below = (torch.arange(page, device=x.device)[None, :] < first[grow][:, None])[:, :, None]
+        f = old[grow][:, None, None]
+        t = new[grow][:, None, None]
+        again = ((held.view(FP8).to(torch.float32) * f) / t).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
+        q_all[ids] = torch.where(below, again, held)
+    q = (x32 / new[inv][:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    q_all[blocks, offsets] = q.view(torch.uint8)
+    scales[uniq] = new
+
+
+def kv_bytes_per_page(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, fp8: bool) -> int:
+    """Bytes of the pool one page of ``page_size`` tokens takes, all layers' K and V: bf16, or FP8
+    values with a 4-byte scale per (layer, K|V, head) block."""
+    per_block = page_size * head_dim + KV_SCALE_DTYPE.itemsize if fp8 else 2 * page_size * head_dim
+    return num_layers * 2 * num_kv_heads * per_block
 
 
 # --- FP8 checkpoints: their scales as per-output-channel ones ---------------------------------

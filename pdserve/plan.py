@@ -42,9 +42,12 @@ def plan_roles(args: argparse.Namespace) -> list[str]:
     return [role for role, n in counts.items() for _ in range(n)]
 
 
-def kv_bytes_per_token(model_path: Path | None, dtype: str, kv_cache_dtype: str = "auto") -> int | None:
-    """What one token's KV takes in a worker's pool, from the model's config (FP8 KV: a byte a
-    value and a float32 scale per vector); ``None`` when the config cannot be read."""
+def kv_bytes_per_token(
+    model_path: Path | None, dtype: str, kv_cache_dtype: str = "auto", page_size: int = 16
+) -> int | None:
+    """What one token's KV takes in a worker's pool, from the model's config, rounded up (FP8 KV:
+    a byte a value and a 4-byte scale per ``page_size`` tokens of a head); ``None`` when the
+    config cannot be read."""
     import json
 
     try:
@@ -54,13 +57,13 @@ def kv_bytes_per_token(model_path: Path | None, dtype: str, kv_cache_dtype: str 
         head_dim = config.get("head_dim") or config["hidden_size"] // heads
         kv_heads = config.get("num_key_value_heads") or heads
         size = {"float32": 4}.get(dtype if dtype != "auto" else str(config.get("torch_dtype") or "float32"), 2)
-        # engine.kv_pool.bytes_per_token's sum, without importing torch into `up`'s process
-        per_vector = int(head_dim) * size
+        # engine.kv_pool.page_bytes's sum, without importing torch into `up`'s process
+        per_block = page_size * int(head_dim) * size
         if kv_cache_dtype in ("fp8", "fp8_e4m3"):
-            per_vector = int(head_dim) + 4
+            per_block = page_size * int(head_dim) + 4
         elif kv_cache_dtype == "bf16":
-            per_vector = int(head_dim) * 2
-        return int(config["num_hidden_layers"]) * 2 * int(kv_heads) * per_vector
+            per_block = page_size * int(head_dim) * 2
+        return -(-int(config["num_hidden_layers"]) * 2 * int(kv_heads) * per_block // page_size)
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -100,7 +103,9 @@ def choose_backend(args: argparse.Namespace, shm_dir: str = SHM_DIR, model_path:
     if args.autoscale:
         workers = args.max_prefill + args.max_decode
     per_pool = EngineConfig.cpu_kv_bytes
-    per_token = kv_bytes_per_token(model_path, args.dtype, getattr(args, "kv_cache_dtype", "auto"))
+    per_token = kv_bytes_per_token(
+        model_path, args.dtype, getattr(args, "kv_cache_dtype", "auto"), getattr(args, "page_size", 16)
+    )
     if args.max_total_tokens is not None and per_token is not None:
         per_pool = (args.max_total_tokens + args.page_size) * per_token
     need = workers * per_pool

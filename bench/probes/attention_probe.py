@@ -8,7 +8,7 @@ memory, not L2) and reported as microseconds per layer and KV read bandwidth.
 
     python bench/probes/attention_probe.py [--json out.json] [--context 640] [--kv-fp8]
 
-``--kv-fp8``: the pool in FP8 with a scale per token per head (``--kv-cache-dtype fp8_e4m3``),
+``--kv-fp8``: the pool in FP8 with a scale per page per head (``--kv-cache-dtype fp8_e4m3``),
 read in place by the same kernel.
 """
 
@@ -49,7 +49,7 @@ def probe(batch: int, context: int, shapes: list[tuple[int, int, int, int, bool]
     q = qkv[:, : NUM_Q * DIM].view(batch, NUM_Q, DIM)
     out = torch.empty((batch, NUM_Q, DIM), dtype=torch.bfloat16, device=dev)
     counters = torch.zeros(batch * NUM_KV, dtype=torch.int32, device=dev)
-    kv_bytes = batch * context * 2 * NUM_KV * (DIM + 4 if kv_fp8 else DIM * 2)  # one layer's K and V
+    kv_bytes = batch * context * 2 * NUM_KV * (DIM + 4 / PAGE if kv_fp8 else DIM * 2)  # one layer's K and V
     ref = None
     rows = []
     for block_n, warps, stages, splits, fused in shapes:
@@ -104,7 +104,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json")
     parser.add_argument("--context", type=int, default=640)
-    parser.add_argument("--kv-fp8", action="store_true", help="an FP8 pool (values and per-token scales)")
+    parser.add_argument("--kv-fp8", action="store_true", help="an FP8 pool (values and a scale per block)")
     args = parser.parse_args()
     results = []
     small = itertools.product((32, 64), (4,), (2, 3), (8, 16, 32), (False, True))

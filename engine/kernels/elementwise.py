@@ -54,7 +54,8 @@ def round_e4m3(v):
     step = ((exponent - 3) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits: 2^(e - 3)
     r = tl.abs(v) / step  # exact: a power of two
     r = (r + 12582912.0) - 12582912.0  # 1.5 * 2^23: to the nearest integer, ties to even
-    return tl.where(v.to(tl.int32, bitcast=True) < 0, -r, r) * step  # the sign kept, -0 too
+    # the sign kept, -0 too (a product: the interpreter negates as 0 - r, which is +0)
+    return r * tl.where(v.to(tl.int32, bitcast=True) < 0, -1.0, 1.0) * step
 
 
 @triton.jit

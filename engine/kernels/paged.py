@@ -14,14 +14,18 @@ elements further. A token's *slot* is ``page * page_size + offset``.
   or earlier prefix in the pool plus the chunk itself (causal), on this module's helpers.
 
 FP8 pools (``kv_scales`` given, see :mod:`pdserve.engine.kv_pool`): K and V are read in place as
-float8_e4m3fn and converted to the query's dtype in registers (exact), with each token's float32
-scale loaded beside its row; the key scales multiply the score columns and the value scales the
-probabilities (:func:`pdserve.engine.quant.quantize_kv_fp8`), so no tile is dequantized. A block
-of a (page, layer, head) is then ``page_size * (head_dim + 4)`` bytes: the kernels take the
-block stride from the pool view's strides.
+float8_e4m3fn and converted to the query's dtype in registers (exact), each token's block scale
+(one float32 per (page, layer, K|V, head)) loaded beside its row; the key scales multiply the
+score columns and the value scales the probabilities (:func:`pdserve.engine.quant.quantize_kv_fp8`),
+so no tile is dequantized. A block of a (page, layer, head) is then ``page_size * head_dim + 4``
+bytes: the kernels take the block stride from the pool view's strides. A store into a block
+(:func:`store_fp8_rows`) may re-encode the block's earlier tokens, so a decode split that stores
+its sequence's new token owns that token's whole page: the splits start on page boundaries.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -65,10 +69,9 @@ def _load_kv(
     v = tl.load(pool_ptr + (k_off + NUM_KV * BLOCK)[:, None] + d[None, :], mask=valid[:, None], other=0.0)
     k_scale = valid
     v_scale = valid
-    if KV_FP8:
-        s_off = block * SCALE_BLOCK + tok % PAGE
-        k_scale = tl.load(scale_ptr + s_off, mask=valid, other=0.0)
-        v_scale = tl.load(scale_ptr + s_off + NUM_KV * SCALE_BLOCK, mask=valid, other=0.0)
+    if KV_FP8:  # one scale a block: the tokens of a page load the same one
+        k_scale = tl.load(scale_ptr + block * SCALE_BLOCK, mask=valid, other=0.0)
+        v_scale = tl.load(scale_ptr + (block + NUM_KV) * SCALE_BLOCK, mask=valid, other=0.0)
     return k, v, k_scale, v_scale
 
 
@@ -102,16 +105,52 @@ def _online_softmax(s, v, v_scale, m_i, l_i, acc, IEEE: tl.constexpr, KV_FP8: tl
 
 
 @triton.jit
-def store_kv(pool_ptr, scale_ptr, dst, scale_dst, x, rows_ok, EXACT: tl.constexpr, KV_FP8: tl.constexpr):
-    """Rows ``x [R, D]`` (float32) into the pool at ``dst [R, D]`` (pointers): FP8 with each row's
-    scale (amax / 448) at ``scale_dst [R]``, as :func:`pdserve.engine.quant.quantize_kv_fp8`
-    rounds (``EXACT``: in float32 arithmetic, for the interpreter); else in the pool's dtype."""
-    if KV_FP8:
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 1), 1e-12), 448.0)
-        tl.store(dst, to_fp8(x, scale[:, None], pool_ptr, EXACT), mask=rows_ok[:, None])
-        tl.store(scale_dst, scale, mask=rows_ok)
-    else:
-        tl.store(dst, x.to(pool_ptr.dtype.element_ty), mask=rows_ok[:, None])
+def store_kv(pool_ptr, dst, x, rows_ok):
+    """Rows ``x [R, D]`` (float32) into a 16-bit pool at ``dst [R, D]`` (pointers), in its dtype."""
+    tl.store(dst, x.to(pool_ptr.dtype.element_ty), mask=rows_ok[:, None])
+
+
+@triton.jit
+def block_scale(amax):
+    """:func:`pdserve.engine.quant.kv_block_scale`: ``amax / 448`` rounded up to a power of two."""
+    t = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
+    return ((t.to(tl.int32, bitcast=True) + 0x7FFFFF) & -8388608).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def store_fp8_rows(
+    pool_ptr,
+    scale_ptr,
+    block,
+    offset,
+    x,
+    rows_ok,
+    r,
+    d,
+    PAGE: tl.constexpr,
+    DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    EXACT: tl.constexpr,
+):
+    """Rows ``x [R, DIM]`` (float32; those of ``rows_ok``) into FP8 block ``block`` at offsets
+    ``offset + r`` (``r``: ``arange(R)``), as :func:`pdserve.engine.quant.store_kv_fp8_blocks`
+    stores them, bit for bit: the block's scale grows to cover them, its tokens below ``offset``
+    re-encoded where it does. One program stores all of a block's rows of a step."""
+    amax = tl.max(tl.max(tl.where(rows_ok[:, None], tl.abs(x), 0.0), 1), 0)
+    s_ptr = scale_ptr + block * SCALE_BLOCK
+    old = tl.load(s_ptr, mask=offset > 0, other=0.0)  # a block written from offset 0 has no tokens
+    new = tl.maximum(block_scale(amax), old)
+    base = pool_ptr + block * BLOCK
+    if (offset > 0) & (new > old):  # an exponent shift of the tokens already there
+        p = tl.arange(0, PAGE)
+        held = (p < offset)[:, None]
+        ptrs = base + p[:, None] * DIM + d[None, :]
+        q_old = tl.load(ptrs, mask=held, other=0.0).to(tl.float32)
+        tl.store(ptrs, to_fp8(q_old * old, new, pool_ptr, EXACT), mask=held)
+    dst = base + (offset + r)[:, None] * DIM + d[None, :]
+    tl.store(dst, to_fp8(x, new, pool_ptr, EXACT), mask=rows_ok[:, None])
+    tl.store(s_ptr, new)
 
 
 @triton.jit(do_not_specialize=["layer", "window", "stride_qt", "stride_table"])
@@ -142,6 +181,7 @@ def _decode_kernel(
     BLOCK: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    ALIGN: tl.constexpr,
     SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     IEEE: tl.constexpr,
@@ -160,8 +200,11 @@ def _decode_kernel(
     low = 0
     if window > 0:
         low = tl.maximum(ctx - window, 0)
-    per_split = tl.cdiv(tl.cdiv(ctx - low, SPLITS), BLOCK_N) * BLOCK_N
-    start = low + split * per_split
+    base = low
+    if KV_FP8:  # splits on page boundaries: the split that stores the new token owns its page
+        base = low - low % PAGE
+    per_split = tl.cdiv(tl.cdiv(ctx - base, SPLITS), ALIGN) * ALIGN
+    start = base + split * per_split
     end = tl.minimum(start + per_split, ctx)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, DIM)
@@ -188,12 +231,17 @@ def _decode_kernel(
             k_dst = pool_ptr + block * BLOCK + (slot % PAGE) * DIM
             if KV_FP8:  # the k a separate rope_store would quantize: rotated, rounded to q's dtype
                 one = tl.full([1], 1, tl.int1)
-                s_dst = scale_ptr + block * SCALE_BLOCK + slot % PAGE + tl.zeros([1], tl.int64)
+                r = tl.zeros([1], tl.int32)
+                offset = slot % PAGE
                 k_rows = k_new.to(q.dtype).to(tl.float32)[None, :]
-                store_kv(pool_ptr, scale_ptr, k_dst + d[None, :], s_dst, k_rows, one, EXACT, KV_FP8)
+                store_fp8_rows(
+                    pool_ptr, scale_ptr, block, offset, k_rows, one, r, d, PAGE, DIM, BLOCK, SCALE_BLOCK, EXACT
+                )
                 v_rows = v_new.to(tl.float32)[None, :]
-                v_dst = k_dst + NUM_KV * BLOCK + d[None, :]
-                store_kv(pool_ptr, scale_ptr, v_dst, s_dst + NUM_KV * SCALE_BLOCK, v_rows, one, EXACT, KV_FP8)
+                v_block = block + NUM_KV
+                store_fp8_rows(
+                    pool_ptr, scale_ptr, v_block, offset, v_rows, one, r, d, PAGE, DIM, BLOCK, SCALE_BLOCK, EXACT
+                )
             else:
                 tl.store(k_dst + d, k_new.to(pool_ptr.dtype.element_ty))
                 tl.store(k_dst + NUM_KV * BLOCK + d, v_new.to(pool_ptr.dtype.element_ty))
@@ -205,6 +253,8 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         valid = tok < end
+        if KV_FP8:
+            valid = valid & (tok >= low)
         block = _kv_block(table_row, tok, valid, layer, kv_head, NUM_KV, PAGE, LAYERS)
         k, v, ks, vs = _load_kv(
             pool_ptr, scale_ptr, block, tok, valid, d, NUM_KV, PAGE, DIM, BLOCK, SCALE_BLOCK, KV_FP8
@@ -352,6 +402,7 @@ def decode_attention(
         LAYERS=layers,
         **block_strides(pool, kv_scales),
         BLOCK_N=block_n,
+        ALIGN=math.lcm(block_n, page) if kv_scales is not None else block_n,
         SPLITS=splits,
         SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
         IEEE=q.dtype == torch.float32,
@@ -391,8 +442,8 @@ def block_strides(pool: torch.Tensor, kv_scales: torch.Tensor | None) -> dict[st
         return {"BLOCK": block, "SCALE_BLOCK": 0, "KV_FP8": False}
     assert pool.dtype == torch.float8_e4m3fn and kv_scales.dtype == torch.float32
     scale_block = kv_scales.stride(2) // heads
-    assert kv_scales.shape == pool.shape[:5] and (page == 1 or kv_scales.stride(4) == 1)
+    assert kv_scales.shape == pool.shape[:4] and (heads == 1 or kv_scales.stride(3) == scale_block)
     assert kv_scales.stride(2) == heads * scale_block and scale_block * kv_scales.element_size() == block, (
-        "the scales inside each block"
+        "a scale inside each block"
     )
     return {"BLOCK": block, "SCALE_BLOCK": scale_block, "KV_FP8": True}

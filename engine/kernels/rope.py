@@ -1,8 +1,8 @@
 """The rotary-embed + KV-store kernel: rotates q and k in place inside the fused qkv
 projection output and writes k, v into their slots of one layer of the page pool
-(layout in :mod:`pdserve.engine.kernels.paged`). Into an FP8 pool each k (as rotated into
-``qkv``, in its dtype) and v is quantized with its own scale, amax / 448, written beside it
-(:func:`pdserve.engine.quant.quantize_kv_fp8`, bit for bit)."""
+(layout in :mod:`pdserve.engine.kernels.paged`). Into an FP8 pool a second kernel stores each k
+(as rotated into ``qkv``, in its dtype) and v: one program a block of the step's tokens, whose
+scale it grows to cover them (:func:`pdserve.engine.quant.store_kv_fp8_blocks`, bit for bit)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import triton
 import triton.language as tl
 
 from pdserve.engine.kernels import interpreting
-from pdserve.engine.kernels.elementwise import to_fp8
-from pdserve.engine.kernels.paged import block_strides, store_kv
+from pdserve.engine.kernels.paged import block_strides, store_fp8_rows, store_kv
 
 
 # The layer and the row stride are not specialised on (see paged.py).
@@ -24,7 +23,6 @@ def _rope_store_kernel(
     pos_ptr,
     slot_ptr,
     pool_ptr,
-    scale_ptr,
     layer,
     stride_qkv,
     NUM_Q: tl.constexpr,
@@ -35,9 +33,7 @@ def _rope_store_kernel(
     PAGE: tl.constexpr,
     LAYERS: tl.constexpr,
     BLOCK: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr,
     KV_FP8: tl.constexpr,
-    EXACT: tl.constexpr,
 ):
     t = tl.program_id(0)
     half: tl.constexpr = DIM // 2
@@ -56,6 +52,8 @@ def _rope_store_kernel(
     new_hi = hi * cos[None, :] + lo * sin[None, :]
     tl.store(lo_ptr, new_lo.to(qkv_ptr.dtype.element_ty), mask=rot[:, None])
     tl.store(lo_ptr + half, new_hi.to(qkv_ptr.dtype.element_ty), mask=rot[:, None])
+    if KV_FP8:  # _fp8_store_kernel stores k and v, by blocks
+        return
     # rotated k, and v, into the pool
     slot = tl.load(slot_ptr + t).to(tl.int64)
     page_base = (slot // PAGE) * LAYERS + layer
@@ -64,25 +62,56 @@ def _rope_store_kernel(
     k_block = (page_base * 2) * NUM_KV + (h - NUM_Q)
     k_dst = pool_ptr + k_block * BLOCK + offset * DIM
     k_dst = k_dst[:, None] + d[None, :]
-    if KV_FP8:  # one scale over both halves of each k, as rounded into qkv
-        lo_k = new_lo.to(qkv_ptr.dtype.element_ty).to(tl.float32)
-        hi_k = new_hi.to(qkv_ptr.dtype.element_ty).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(lo_k), 1), tl.max(tl.abs(hi_k), 1))
-        k_scale = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
-        tl.store(k_dst, to_fp8(lo_k, k_scale[:, None], pool_ptr, EXACT), mask=is_k[:, None])
-        tl.store(k_dst + half, to_fp8(hi_k, k_scale[:, None], pool_ptr, EXACT), mask=is_k[:, None])
-        tl.store(scale_ptr + k_block * SCALE_BLOCK + offset, k_scale, mask=is_k)
-    else:
-        tl.store(k_dst, new_lo.to(pool_ptr.dtype.element_ty), mask=is_k[:, None])
-        tl.store(k_dst + half, new_hi.to(pool_ptr.dtype.element_ty), mask=is_k[:, None])
+    tl.store(k_dst, new_lo.to(pool_ptr.dtype.element_ty), mask=is_k[:, None])
+    tl.store(k_dst + half, new_hi.to(pool_ptr.dtype.element_ty), mask=is_k[:, None])
     j = tl.arange(0, KV_PAD)
     is_v = j < NUM_KV
     full = tl.arange(0, DIM)
     v = tl.load(row + (NUM_Q + NUM_KV + j)[:, None] * DIM + full[None, :], mask=is_v[:, None], other=0.0)
     v_block = (page_base * 2 + 1) * NUM_KV + j
     v_dst = pool_ptr + v_block * BLOCK + offset * DIM
-    v_scale_dst = scale_ptr + v_block * SCALE_BLOCK + offset
-    store_kv(pool_ptr, scale_ptr, v_dst[:, None] + full[None, :], v_scale_dst, v.to(tl.float32), is_v, EXACT, KV_FP8)
+    store_kv(pool_ptr, v_dst[:, None] + full[None, :], v.to(tl.float32), is_v)
+
+
+@triton.jit(do_not_specialize=["layer", "stride_qkv", "num_tokens"])
+def _fp8_store_kernel(
+    qkv_ptr,
+    slot_ptr,
+    pool_ptr,
+    scale_ptr,
+    layer,
+    stride_qkv,
+    num_tokens,
+    NUM_Q: tl.constexpr,
+    NUM_KV: tl.constexpr,
+    DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    LAYERS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    EXACT: tl.constexpr,
+):
+    """Program (t, j): if token ``t`` is the first of the step's tokens in its page (a sequence's
+    tokens are consecutive rows with consecutive slots), the rows of its run in that page of
+    head ``j`` of the k heads then the v heads (``qkv``'s columns from ``NUM_Q``), into one FP8
+    block (:func:`.paged.store_fp8_rows`); every other program returns at once."""
+    t = tl.program_id(0)
+    j = tl.program_id(1)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    prev = tl.load(slot_ptr + tl.maximum(t - 1, 0)).to(tl.int64)
+    offset = slot % PAGE
+    if (t > 0) & (offset > 0) & (prev == slot - 1):
+        return  # the run's first token stores it
+    r = tl.arange(0, PAGE)
+    rows = t + r
+    in_batch = rows < num_tokens
+    slots = tl.load(slot_ptr + rows, mask=in_batch, other=-1).to(tl.int64)
+    ok = in_batch & (slots == slot + r) & (offset + r < PAGE)
+    d = tl.arange(0, DIM)
+    src = qkv_ptr + rows.to(tl.int64)[:, None] * stride_qkv + (NUM_Q + j) * DIM + d[None, :]
+    x = tl.load(src, mask=ok[:, None], other=0.0).to(tl.float32)
+    block = ((slot // PAGE) * LAYERS + layer) * 2 * NUM_KV + j  # (K|V, head) of j
+    store_fp8_rows(pool_ptr, scale_ptr, block, offset, x, ok, r, d, PAGE, DIM, BLOCK, SCALE_BLOCK, EXACT)
 
 
 def rope_store(
@@ -108,6 +137,7 @@ def rope_store(
         return
     _, layers, _, heads, page, dim = pool.shape
     assert heads == num_kv and qkv.stride(1) == 1
+    strides = block_strides(pool, kv_scales)
     _rope_store_kernel[(num_tokens,)](
         qkv,
         cos,
@@ -115,7 +145,6 @@ def rope_store(
         positions,
         slots,
         pool,
-        kv_scales if kv_scales is not None else pool,
         layer,
         qkv.stride(0),
         NUM_Q=num_q,
@@ -125,7 +154,26 @@ def rope_store(
         DIM=dim,
         PAGE=page,
         LAYERS=layers,
-        **block_strides(pool, kv_scales),
-        EXACT=interpreting(),
+        BLOCK=strides["BLOCK"],
+        KV_FP8=strides["KV_FP8"],
         num_warps=4,
     )
+    if kv_scales is not None:
+        _fp8_store_kernel[(num_tokens, 2 * num_kv)](
+            qkv,
+            slots,
+            pool,
+            kv_scales,
+            layer,
+            qkv.stride(0),
+            num_tokens,
+            NUM_Q=num_q,
+            NUM_KV=num_kv,
+            DIM=dim,
+            PAGE=page,
+            LAYERS=layers,
+            BLOCK=strides["BLOCK"],
+            SCALE_BLOCK=strides["SCALE_BLOCK"],
+            EXACT=interpreting(),
+            num_warps=4,
+        )

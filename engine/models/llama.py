@@ -14,7 +14,7 @@ token, SiLU·up fused, then the batched W8A8 kernel or, for prefill, ``torch._sc
 the LM head stays in the model's dtype.
 
 With an FP8 KV pool (``--kv-cache-dtype fp8_e4m3``, ``kv_scales``) the rotary+KV store and the
-decode attention's own store quantize each k and v with its scale, and both attention kernels
+decode attention's own store quantize each k and v with its block's scale, and both attention kernels
 read the pool in place (:mod:`pdserve.engine.kernels.paged`). Whole prompts on a GPU
 (``sdpa_prefill``) attend over their own k, v rounded as the pool holds them: every attention
 sees the same K/V whichever path it takes.
@@ -305,7 +305,8 @@ class LlamaFamily(FusedDecoder):
         k = qkv[rows, nq * dim : (nq + nkv) * dim].view(-1, nkv, dim)
         v = qkv[rows, (nq + nkv) * dim :].view(-1, nkv, dim)
         if self.kv_scales is not None:  # as the pool holds them (one elementwise pass each)
-            k, v = round_fp8(k), round_fp8(v)
+            page = self.pool.shape[4]
+            k, v = round_fp8(k, page), round_fp8(v, page)
         return F.scaled_dot_product_attention(
             q[rows].transpose(0, 1)[None],
             k.transpose(0, 1)[None],

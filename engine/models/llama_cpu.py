@@ -26,7 +26,7 @@ Pool layout ``[num_pages, num_layers, 2, num_kv_heads, page_size, head_dim]`` (s
 (layer, head) is row ``(((page * L + layer) * 2) * H + head) * page_size + offset`` and its V
 ``H * page_size`` rows further; viewed as rows of ``page_size * head_dim``, a page's K block
 of (layer, head) is row ``((page * L + layer) * 2) * H + head``. An FP8 pool (``kv_scales``)
-keeps that numbering (:func:`pdserve.engine.kv_pool.store_fp8` quantizes as it stores,
+keeps that numbering (:func:`pdserve.engine.kv_pool.store_fp8` quantizes as it stores, a scale a block,
 :func:`~pdserve.engine.kv_pool.gather_fp8` dequantizes the gathered blocks to float32); a fresh
 prompt attending over its own k, v takes them rounded so too, as every later read sees them.
 """
@@ -423,7 +423,8 @@ class LlamaFamilyCPU(FusedDecoder):
             k = qkv[rows, nq * dim : (nq + nkv) * dim].view(n, nkv, dim).transpose(0, 1)[None]
             v = qkv[rows, (nq + nkv) * dim :].view(n, nkv, dim).transpose(0, 1)[None]
             if self.kv_scales is not None:  # as the pool holds them, as every later read sees them
-                k, v = round_fp8(k), round_fp8(v)
+                page = self.pool.shape[4]
+                k, v = round_fp8(k, page, 2), round_fp8(v, page, 2)
             k, v = k.float(), v.float()
         else:
             pages = -(-chunk.ctx_len // self.pool.shape[4])

@@ -192,7 +192,7 @@ class FusedDecoder:
     """What both forward passes hold of a Llama-family model: its shape (heads of this rank,
     head size, scale, norm epsilon), embedding, final norm, LM head, fused layers and rotary
     tables, over the page pool ``pool``. ``tp``: the weights are this rank's shard.
-    ``kv_scales``: ``pool`` is an FP8 pool's values and these its per-token scales
+    ``kv_scales``: ``pool`` is an FP8 pool's values and these its block scales
     (:class:`pdserve.engine.kv_pool.KVPool`'s ``kv`` and ``kv_scales``)."""
 
     def __init__(

@@ -12,11 +12,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from pdserve.engine.kv_pool import round_fp8
 from pdserve.engine.quant import (
-    dequantize_kv_fp8,
     quantize_fp8,
     quantize_groups_fp8,
-    quantize_kv_fp8,
     quantize_rows_fp8,
 )
 
@@ -67,11 +66,29 @@ def test_fp8_linear_is_the_kernels_arithmetic_and_keep_matches_whole_name_parts(
 def test_fp8_kv_cache_stores_the_rounded_keys_and_values_only_where_asked(
     fq: ModuleType, model: torch.nn.Module
 ) -> None:
-    k, v = torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
-    rounded = {name: dequantize_kv_fp8(*quantize_kv_fp8(t), t.dtype) for name, t in (("k", k), ("v", v))}
-    for fp8, want_k, want_v in (("kv", rounded["k"], rounded["v"]), ("k", rounded["k"], v), ("", k, v)):
-        keys, values = fq.Fp8KVCache(model.config, fp8).update(k, v, 0)
+    """Two updates (5 tokens, then 3) into 4-token pages: each read is the K/V so far as the
+    pool holds them, blocks of a page's tokens per head at the scale of their largest (values
+    within a factor 2 of their token's size: normal in e4m3 at every scale a block takes, so the
+    stores in two steps equal one store of them all)."""
+    g = torch.Generator().manual_seed(0)
+
+    def kv() -> torch.Tensor:
+        sizes = torch.tensor([1.0, 40, 0.5, 3, 300, 1, 8, 2])[:, None]
+        return (
+            (torch.randint(0, 2, (1, 2, 8, 16), generator=g) * 2 - 1)
+            * (1 + torch.rand(1, 2, 8, 16, generator=g))
+            * sizes
+        )
+
+    k, v = kv(), kv()
+    for fp8 in ("kv", "k", ""):
+        cache = fq.Fp8KVCache(model.config, fp8, page_size=4)
+        cache.update(k[:, :, :5], v[:, :, :5], 0)
+        keys, values = cache.update(k[:, :, 5:], v[:, :, 5:], 0)
+        want_k = round_fp8(k, 4, 2) if "k" in fp8 else k
+        want_v = round_fp8(v, 4, 2) if "v" in fp8 else v
         assert torch.equal(keys, want_k) and torch.equal(values, want_v), fp8
+    assert not torch.equal(round_fp8(k, 4, 2), k)
     assert isinstance(fq.Fp8KVCache(model.config), DynamicCache)
 
 
@@ -109,8 +126,8 @@ def test_main_writes_the_json_with_the_kv_capacity(fq: ModuleType, tiny_model_di
     assert report["model"] == tiny_model_dir.name and report["tokens"] == 40 and report["scored_positions"] == 31 + 7
     assert report["text_source"]["path"] == "engine/data/tiny_corpus.txt" and report["commit"] is not None
     assert list(report["variants"]) == ["bf16", "fp8_both"]
-    # SmolLM2's shapes: 30 layers, 3 KV heads of 64; FP8 with a float32 scale per token per head.
+    # SmolLM2's shapes: 30 layers, 3 KV heads of 64; FP8 with a float32 scale per 16-token block.
     smollm2 = fq.kv_capacity(30, 3, 64, 16)
-    assert smollm2["bytes_per_token_per_layer"] == {"bf16": 768, "fp8": 408}
-    assert smollm2["ratio_fp8_to_bf16"] == pytest.approx(128 / 68, abs=1e-4)
-    assert 1.99 < smollm2["ratio_with_one_scale_per_page_head"] < 2
+    assert smollm2["page_bytes"] == {"bf16": 30 * 2 * 3 * 2048, "fp8": 30 * 2 * 3 * 1028}
+    assert smollm2["ratio_fp8_to_bf16"] == pytest.approx(2048 / 1028, abs=1e-4)
+    assert smollm2["ratio_with_a_scale_per_token"] == pytest.approx(128 / 68, abs=1e-4)

@@ -1,5 +1,5 @@
 """FP8 KV pages (``--kv-cache-dtype fp8_e4m3``): the pool's layout and sizing, the stores bit
-for bit against :func:`quant.quantize_kv_fp8`, both attention kernels against float64 over the
+for bit against :func:`quant.store_kv_fp8_blocks` (blocks whose scale grows), both attention kernels against float64 over the
 dequantized K/V, the torch passes' store and read, whole pages moved as bytes.
 
 On the CPU the Triton kernels run in Triton's interpreter in float32 (``kernel_env``); on a GPU
@@ -42,8 +42,8 @@ CASES = [
 
 
 def fp8_pool(pages: int, layers: int, kv: int, page: int, dim: int) -> KVPool:
-    """An FP8 pool whose every vector is a random one quantized, magnitudes spread over 2^-6 to
-    2^6 so that the scales differ from token to token."""
+    """An FP8 pool whose every block is random vectors quantized, magnitudes spread over 2^-6 to
+    2^6 so that the scales differ from block to block and the tokens of a block differ in size."""
     pool = KVPool(KVLayout(layers, kv, dim, page, KV_FP8), pages, DEVICE)
     assert pool.kv_scales is not None
     shape = pool.kv.shape
@@ -67,74 +67,96 @@ def rope_tables(dim: int, dtype: torch.dtype, positions: int = 600) -> tuple[tor
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def test_a_page_is_one_byte_range_of_values_then_scales_per_block() -> None:
+def test_a_page_is_one_byte_range_of_values_then_a_scale_per_block() -> None:
     layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=16, page_size=4, dtype=KV_FP8)
     pool = KVPool(layout, 5, torch.device("cpu"))
     assert pool.tensor.dtype == torch.uint8 and pool.tensor.is_contiguous()
-    assert block_bytes(layout) == 4 * (16 + 4) and pool.page_bytes == 3 * 2 * 2 * 80 == page_bytes(layout)
+    assert block_bytes(layout) == 4 * 16 + 4 and pool.page_bytes == 3 * 2 * 2 * 68 == page_bytes(layout)
     assert pool.nbytes == 5 * pool.page_bytes and pool.page_address(3) == pool.data_ptr + 3 * pool.page_bytes
-    assert pool.segments([1, 2, 4]) == [(pool.page_address(1), 2 * pool.page_bytes), (pool.page_address(4), 960)]
-    assert pool.kv_scales is not None
-    # token 2 of (page 3, layer 1, V, head 1): its 16 bytes, and its scale after the block's values
+    assert pool.segments([1, 2, 4]) == [(pool.page_address(1), 2 * pool.page_bytes), (pool.page_address(4), 816)]
+    assert pool.kv_scales is not None and pool.kv_scales.shape == (5, 3, 2, 2)
+    # token 2 of (page 3, layer 1, V, head 1): its 16 bytes, and the block's scale after its values
     block = ((3 * 3 + 1) * 2 + 1) * 2 + 1
     pool.kv[3, 1, 1, 1, 2] = torch.arange(1, 17).to(torch.float8_e4m3fn)
-    pool.kv_scales[3, 1, 1, 1, 2] = 0.375
+    pool.kv_scales[3, 1, 1, 1] = 0.375
     raw = pool.tensor.view(-1)
-    values = raw[block * 80 + 2 * 16 : block * 80 + 3 * 16]
+    values = raw[block * 68 + 2 * 16 : block * 68 + 3 * 16]
     assert torch.equal(values.view(torch.float8_e4m3fn).float(), torch.arange(1, 17).float())
-    scale = raw[block * 80 + 64 + 2 * 4 : block * 80 + 64 + 3 * 4]
+    scale = raw[block * 68 + 64 : block * 68 + 68]
     assert scale.view(torch.float32).item() == 0.375
     assert int((raw != 0).sum()) == int((values != 0).sum()) + int((scale != 0).sum())
 
 
-def test_fp8_pages_hold_1_94x_bf16s_tokens_at_head_dim_128() -> None:
-    """Pool sizing: the pages per byte of Qwen2.5-7B's layout (28 layers, 4 KV heads of 128);
-    bench/fp8_quality.py's kv_capacity (docs/data/fp8_quality.json) says the same."""
+def test_fp8_pages_hold_1_996x_bf16s_tokens() -> None:
+    """Pool sizing: the pages per byte of Qwen2.5-7B's layout (28 layers, 4 KV heads of 128,
+    16-token pages); bench/fp8_quality.py's kv_capacity (docs/data/fp8_quality.json) says the same."""
     bf16 = KVLayout(num_layers=28, num_kv_heads=4, head_dim=128, page_size=16, dtype="bfloat16")
     fp8 = KVLayout(num_layers=28, num_kv_heads=4, head_dim=128, page_size=16, dtype=KV_FP8)
-    assert bytes_per_token(bf16) == quant.kv_bytes_per_token(28, 4, 128, fp8=False) == 28 * 2 * 4 * 256
-    assert bytes_per_token(fp8) == quant.kv_bytes_per_token(28, 4, 128, fp8=True) == 28 * 2 * 4 * 132
-    assert bytes_per_token(bf16) / bytes_per_token(fp8) == pytest.approx(1.9394, abs=1e-4)
-    assert (2**30 // page_bytes(bf16), 2**30 // page_bytes(fp8)) == (1170, 2269)
+    assert page_bytes(bf16) == quant.kv_bytes_per_page(28, 4, 128, 16, fp8=False) == 28 * 2 * 4 * 4096
+    assert page_bytes(fp8) == quant.kv_bytes_per_page(28, 4, 128, 16, fp8=True) == 28 * 2 * 4 * 2052
+    assert bytes_per_token(fp8) == 28 * 2 * 4 * 128.25
+    assert page_bytes(bf16) / page_bytes(fp8) == pytest.approx(1.9961, abs=1e-4)
+    assert (2**30 // page_bytes(bf16), 2**30 // page_bytes(fp8)) == (1170, 2336)
     smollm2 = [KVLayout(30, 3, 64, 16, dtype) for dtype in ("bfloat16", KV_FP8)]
-    assert bytes_per_token(smollm2[0]) / bytes_per_token(smollm2[1]) == pytest.approx(128 / 68)
+    assert page_bytes(smollm2[0]) / page_bytes(smollm2[1]) == pytest.approx(2048 / 1028)
+
+
+def run_slots(runs: list[tuple[int, int]]) -> list[int]:
+    """The slots of a step's sequences, each a run ``(first slot, tokens)`` of consecutive slots."""
+    return [first + i for first, n in runs for i in range(n)]
+
+
+def torch_stored(pool: KVPool, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """A copy of ``pool``'s bytes with ``k``, ``v`` ``[T, heads, dim]`` stored at ``slots`` by
+    :func:`store_fp8` (:func:`quant.store_kv_fp8_blocks`)."""
+    expected = pool.tensor.clone()
+    values, scales = kv_views(expected, pool.layout)
+    assert scales is not None
+    _, layers, _, heads, page, _ = pool.kv.shape
+    # rows numbered as a 16-bit pool's view(-1, head_dim): ((page, layer, k|v, head), offset)
+    blocks = ((slots // page) * layers + layer)[:, None, None] * 2 * heads + torch.arange(2 * heads).view(1, 2, heads)
+    rows = blocks * page + (slots % page)[:, None, None]
+    store_fp8(values, scales, rows.reshape(-1), torch.stack((k, v), 1).reshape(-1, k.shape[-1]))
+    return expected
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", [(4, 2, 32), (7, 1, 64), (28, 4, 128), (9, 3, 64)])
-def test_rope_store_into_fp8_is_quantize_kv_fp8_of_the_rotated_k_and_v(
+def test_rope_store_into_fp8_is_the_block_store_of_the_rotated_k_and_v(
     dtype: torch.dtype, heads: tuple[int, int, int]
 ) -> None:
+    """Runs of tokens into blocks that hold tokens already (their scales grow, the tokens there
+    re-encoded), blocks written from offset 0 (a reused page's scale ignored), runs across pages;
+    every byte as the torch store writes it."""
     num_q, num_kv, dim = heads
-    page, layers, layer, tokens = 4, 3, 2, 9
+    page, layers, layer = 4, 3, 2
     pool = fp8_pool(12, layers, num_kv, page, dim)
-    before = pool.tensor.clone()
+    # (first slot, tokens): from offset 1 across two pages; a whole page; one token at offset 3;
+    # one at offset 0; two from offset 2
+    slots_list = run_slots([(5, 6), (16, 4), (23, 1), (28, 1), (34, 2)])
+    tokens = len(slots_list)
     qkv = torch.randn((tokens, (num_q + 2 * num_kv) * dim), dtype=dtype, device=DEVICE)
-    qkv[3, num_q * dim : (num_q + 1) * dim] *= 1e3  # scales far apart
-    qkv[5, (num_q + num_kv) * dim :] *= 1e-3
-    qkv[7, (num_q + num_kv) * dim : (num_q + num_kv + 1) * dim] = 0.0  # a zero vector keeps the floor's scale
+    qkv[0, num_q * dim : (num_q + 1) * dim] *= 1e3  # a block's scale grows far
+    qkv[1, (num_q + num_kv) * dim :] *= 1e-3
+    qkv[12, (num_q + num_kv) * dim : (num_q + num_kv + 1) * dim] = 0.0  # a zero vector keeps the floor's scale
+    qkv[13:, num_q * dim :] *= 1e2
     plain_qkv = qkv.clone()
     positions = torch.tensor(random.Random(2).sample(range(100), tokens), device=DEVICE)
-    slots = torch.tensor(random.Random(3).sample(range(12 * page), tokens), device=DEVICE)
+    slots = torch.tensor(slots_list, device=DEVICE)
     cos, sin = rope_tables(dim, dtype, 100)
+    before = KVPool(pool.layout, 12, DEVICE)
+    before.tensor.copy_(pool.tensor)
     rope.rope_store(qkv, num_q, num_kv, cos, sin, positions, slots, pool.kv, layer, pool.kv_scales)
     plain_pool = torch.zeros((12, layers, 2, num_kv, page, dim), dtype=dtype, device=DEVICE)
     rope.rope_store(plain_qkv, num_q, num_kv, cos, sin, positions, slots, plain_pool, layer)
     assert torch.equal(qkv, plain_qkv), "q and k rotated in place as for a 16-bit pool"
     k = qkv[:, num_q * dim : (num_q + num_kv) * dim].view(tokens, num_kv, dim)
     v = qkv[:, (num_q + num_kv) * dim :].view(tokens, num_kv, dim)
-    kq, ks = quant.quantize_kv_fp8(k)
-    vq, vs = quant.quantize_kv_fp8(v)
-    expected = before.clone()
-    values, scales = kv_views(expected, pool.layout)
-    assert scales is not None
-    for t in range(tokens):
-        p, o = divmod(int(slots[t]), page)
-        values.view(torch.uint8)[p, layer, 0, :, o] = kq[t].view(torch.uint8)
-        values.view(torch.uint8)[p, layer, 1, :, o] = vq[t].view(torch.uint8)
-        scales[p, layer, 0, :, o] = ks[t]
-        scales[p, layer, 1, :, o] = vs[t]
-    assert torch.equal(pool.tensor, expected), "every byte: the new tokens' values and scales, nothing else"
+    expected = torch_stored(before, layer, slots, k, v)
+    assert torch.equal(pool.tensor, expected), "every byte: the new tokens, the grown blocks, nothing else"
+    assert not torch.equal(pool.tensor[1, layer, 0, 0, :dim], before.tensor[1, layer, 0, 0, :dim]), "re-encoded"
+    assert pool.kv_scales is not None and before.kv_scales is not None
+    assert pool.kv_scales[1, layer, 0, 0] > before.kv_scales[1, layer, 0, 0]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -218,6 +240,7 @@ def test_decode_attention_with_rope_stores_what_rope_store_stores(dtype: torch.d
     slots = slots.to(DEVICE)
     cos, sin = rope_tables(dim, dtype)
     qkv = torch.randn((len(lens), (num_q + 2 * num_kv) * dim), dtype=dtype, device=DEVICE)
+    qkv[-1, num_q * dim :] *= 1e3  # the last sequence's block scales grow, its page's tokens re-encoded
     ctx = torch.tensor(lens, dtype=torch.int64, device=DEVICE)
     separate_qkv, separate = qkv.clone(), KVPool(pool.layout, 96, DEVICE)
     separate.tensor.copy_(pool.tensor)
@@ -234,6 +257,9 @@ def test_decode_attention_with_rope_stores_what_rope_store_stores(dtype: torch.d
             assert torch.equal(fused.tensor, separate.tensor), splits
         else:  # a fused multiply-add may move a rotated k by a bit, and its FP8 rounding with it
             assert rel_err(dequantized(fused), dequantized(separate)) < 1e-2, splits
+        assert fused.kv_scales is not None and pool.kv_scales is not None
+        grown = fused.kv_scales[slots[-1] // page, layer] > pool.kv_scales[slots[-1] // page, layer]
+        assert grown.all() or lens[-1] % page == 1, "a larger token grows its blocks' scales"
         expected = torch.empty_like(out)
         paged.decode_attention(
             separate_qkv[:, : num_q * dim].view(len(lens), num_q, dim), separate.kv, layer, table_t, ctx,
@@ -247,12 +273,13 @@ def test_the_torch_store_writes_the_kernels_bytes_and_the_read_dequantizes() -> 
     :func:`rope.rope_store` writes for the same k, v: pools filled either way are
     interchangeable (PD between a CPU-pass worker and a Triton one); :func:`gather_fp8` reads
     blocks back as :func:`quant.dequantize_kv_fp8` does."""
-    num_q, num_kv, dim, page, layers, layer, tokens = 4, 2, 32, 4, 2, 1, 11
+    num_q, num_kv, dim, page, layers, layer = 4, 2, 32, 4, 2, 1
     layout = KVLayout(layers, num_kv, dim, page, KV_FP8)
     by_kernel, by_torch = KVPool(layout, 8, DEVICE), KVPool(layout, 8, DEVICE)
-    qkv = torch.randn((tokens, (num_q + 2 * num_kv) * dim), device=DEVICE)
+    slots = torch.tensor(run_slots([(2, 7), (13, 1), (20, 4)]), device=DEVICE)
+    tokens = len(slots)
+    qkv = torch.randn((tokens, (num_q + 2 * num_kv) * dim), device=DEVICE) * torch.rand(tokens, 1, device=DEVICE) * 9
     positions = torch.arange(tokens, device=DEVICE)
-    slots = torch.tensor(random.Random(5).sample(range(8 * page), tokens), device=DEVICE)
     cos, sin = rope_tables(dim, torch.float32, 16)
     rope.rope_store(qkv, num_q, num_kv, cos, sin, positions, slots, by_kernel.kv, layer, by_kernel.kv_scales)
     # rows of head_dim values, numbered as a 16-bit pool's view(-1, head_dim): (token, k|v, head)

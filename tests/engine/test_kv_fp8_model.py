@@ -1,7 +1,8 @@
 """``--kv-cache-dtype fp8_e4m3`` end to end: greedy tokens of each forward pass (the Triton one,
 interpreted on the CPU; pdserve's CPU pass; the stock ``transformers`` code) against
 ``transformers`` whose every attention sees K and V rounded as the FP8 pool holds them
-(:func:`quant.quantize_kv_fp8`, then back), prompts in chunks over cached prefixes; the pool's
+(:func:`kv_pool.round_fp8`: 16-token blocks of a head from the first token, each at its scale
+so far), prompts in chunks over cached prefixes; the pool's
 sizing and the refusals.
 """
 
@@ -17,10 +18,10 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from pdserve.bench import shapes
-from pdserve.engine import attention, quant
+from pdserve.engine import attention
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.kv_pool import KV_FP8, bytes_per_token
+from pdserve.engine.kv_pool import KV_FP8, page_bytes, round_fp8
 from pdserve.engine.loader import quiet_transformers
 from pdserve.engine.model_runner import ModelRunner, ModelSpec
 from pdserve.engine.models.llama_cpu import LlamaFamilyCPU
@@ -31,13 +32,15 @@ NEW = 6
 
 
 def rounded_kv(sdpa: Callable[..., Any]) -> Callable[..., Any]:
-    """``sdpa`` over K and V rounded to FP8 per token per head, as the pool stores them."""
+    """``sdpa`` over K and V rounded to FP8 as the pool holds them: the keys so far in blocks of
+    a page's tokens per head, each block at the scale of its tokens so far (a block filled over
+    several steps holds the bytes of one store of its tokens: its scale grew by powers of two)."""
+    page = EngineConfig().page_size
 
     def attend(
         module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kw: Any
     ) -> Any:
-        key = quant.dequantize_kv_fp8(*quant.quantize_kv_fp8(key), dtype=key.dtype)
-        value = quant.dequantize_kv_fp8(*quant.quantize_kv_fp8(value), dtype=value.dtype)
+        key, value = round_fp8(key, page, 2), round_fp8(value, page, 2)  # [batch, heads, tokens, dim]
         return sdpa(module, query, key, value, *args, **kw)
 
     return attend
@@ -98,18 +101,18 @@ def test_fp8_kv_greedy_equals_transformers_over_fp8_rounded_kv(
 
 
 def test_the_pool_holds_more_pages_in_fp8() -> None:
-    """The same bytes, more pages: the runner sizes the pool by FP8's bytes per token (values
-    and scales), 4 * head_dim / (head_dim + 4) times a float32 pool's."""
+    """The same bytes, more pages: the runner sizes the pool by FP8's bytes per page (values
+    and a scale per block), about 4x a float32 pool's."""
     model = shapes.small_model("qwen2", torch.device("cpu"))
     pages = {}
     for dtype in ("auto", "fp8_e4m3"):
         config = EngineConfig(device="cpu", cpu_kv_bytes=8 << 20, model_impl="pdserve", kv_cache_dtype=dtype)
         runner = ModelRunner(ModelSpec(Path("m")), config, model=model, allow_interpreter=False)
         pages[dtype] = runner.num_pages
-        assert runner.num_pages == (8 << 20) // (bytes_per_token(runner.layout) * config.page_size)
+        assert runner.num_pages == (8 << 20) // page_bytes(runner.layout)
         assert runner.pool.nbytes == (runner.num_pages + 1) * runner.pool.page_bytes
     dim = model.config.hidden_size // model.config.num_attention_heads
-    assert pages["fp8_e4m3"] / pages["auto"] == pytest.approx(4 * dim / (dim + 4), rel=0.01)
+    assert pages["fp8_e4m3"] / pages["auto"] == pytest.approx(4 * 16 * dim / (16 * dim + 4), rel=0.01)
 
 
 def test_bf16_kv_beside_a_float32_model_is_refused_naming_the_flag() -> None:

@@ -59,7 +59,7 @@ def test_host_tier_round_trips_pages_and_keeps_its_bound() -> None:
     assert not host.load(key(0), 0)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float8_e4m3fn"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float8_e4m3fn/block"])
 def test_blob_round_trips_pages_of_every_pool_dtype(dtype: str) -> None:
     """bfloat16 above all: the GPU's pool dtype, which numpy cannot hold (the disk and store
     tiers once failed every write of it)."""

@@ -1,5 +1,5 @@
-"""FP8 helpers of ``engine/quant.py``: the KV cache's per-token scales and FP8 checkpoints'
-weights as per-channel :class:`Fp8Weight`, on small synthetic tensors."""
+"""FP8 helpers of ``engine/quant.py``: the KV cache's block scales (and the store that grows
+them) and FP8 checkpoints' weights as per-channel :class:`Fp8Weight`, on small synthetic tensors."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ from pdserve.engine.quant import (
     dequantize_kv_fp8,
     fp8_weight_from_checkpoint,
     fp8_weight_from_scaled,
-    kv_bytes_per_token,
+    kv_block_scale,
+    kv_bytes_per_page,
     quantize_kv_fp8,
+    store_kv_fp8_blocks,
 )
 
 # e4m3 keeps 3 mantissa bits: rounding to nearest is within 2**-4 of a normal value.
@@ -22,57 +24,110 @@ REL = 2.0**-4
 
 def kv(*shape: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    # Heads of very different magnitudes, as real keys have: one scale each keeps them all.
+    # Tokens of very different magnitudes inside a block: one scale covers them all.
     magnitudes = torch.logspace(-3, 2, shape[-2])[:, None]
     return torch.randn(*shape, generator=g) * magnitudes
 
 
-def test_kv_round_trip_is_within_half_an_e4m3_step_of_each_vectors_amax() -> None:
-    x = kv(5, 3, 7, 64).to(torch.bfloat16)  # [tokens, heads, ..., head_dim]: any leading shape
+def test_the_block_scale_is_amax_over_448_rounded_up_to_a_power_of_two() -> None:
+    amax = torch.tensor([448.0, 449.0, 1.0, 3e-5, 0.0, 1e30, 896.0 * 1.5])
+    scale = kv_block_scale(amax)
+    assert scale.tolist() == [1.0, 2.0, 2.0**-8, 2.0**-23, 2.0**-48, 2.0**91, 4.0]
+    t = amax.clamp_min(1e-12) / 448
+    assert (scale >= t).all() and (scale < 2 * t).all()
+    mantissa, _ = torch.frexp(scale)
+    assert (mantissa == 0.5).all(), "powers of two"
+
+
+def test_kv_round_trip_is_within_half_an_e4m3_step_of_each_value() -> None:
+    x = kv(5, 3, 16, 64).to(torch.bfloat16)  # [..., tokens, head_dim]: any leading shape
     q, scale = quantize_kv_fp8(x)
     assert q.dtype == FP8 and q.shape == x.shape
-    assert scale.dtype == torch.float32 and scale.shape == x.shape[:-1]
+    assert scale.dtype == torch.float32 and scale.shape == x.shape[:-2]
     back = dequantize_kv_fp8(q, scale, torch.float32)
     x32 = x.float()
-    amax = x32.abs().amax(dim=-1, keepdim=True)
-    assert torch.allclose(scale, amax[..., 0] / FP8_MAX)
+    assert torch.equal(scale, kv_block_scale(x32.abs().amax(dim=(-2, -1))))
     # Normal values within 2**-4 relative; the smallest (e4m3 subnormals) within half its smallest step.
-    bound = torch.maximum(REL * x32.abs(), amax / FP8_MAX * 2.0**-10)
+    bound = torch.maximum(REL * x32.abs(), scale[..., None, None] * 2.0**-10)
     assert ((back - x32).abs() <= bound + 1e-30).all()
-    assert torch.equal(q.float().abs().amax(dim=-1), torch.full(x.shape[:-1], FP8_MAX)), "each amax maps to 448"
+    top = q.float().abs().amax(dim=(-2, -1))
+    assert (top > FP8_MAX / 2 - 16).all() and (top <= FP8_MAX).all(), "each block's amax maps into (224, 448]"
 
 
-def test_kv_scale_is_per_vector_so_appended_tokens_do_not_change_stored_ones() -> None:
-    first, later = kv(4, 3, 16), 1000 * kv(2, 3, 16, seed=1)
-    q_first, s_first = quantize_kv_fp8(first)
-    q_all, s_all = quantize_kv_fp8(torch.cat([first, later]))
-    assert torch.equal(q_all[:4].view(torch.uint8), q_first.view(torch.uint8)) and torch.equal(s_all[:4], s_first)
+def stored(blocks: int, page: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty blocks (garbage bytes and scales, as a reused page holds)."""
+    g = torch.Generator().manual_seed(7)
+    values = torch.randint(0, 120, (blocks, page, dim), dtype=torch.uint8, generator=g)
+    return values, torch.rand(blocks, generator=g) * 100
 
 
-def test_kv_zero_vectors_come_back_zero_with_finite_scales() -> None:
+def test_storing_a_block_token_by_token_equals_storing_it_at_once() -> None:
+    """The scale grows as larger tokens arrive and the earlier ones are shifted by the ratio, a
+    power of two: exact for normal values, so the order of stores does not matter."""
+    page, dim = 8, 16
+    g = torch.Generator().manual_seed(3)
+    # every value within a factor 2 of its token's magnitude: normal at every scale the block takes
+    signs = torch.randint(0, 2, (page, dim), generator=g) * 2 - 1
+    x = signs * (1 + torch.rand(page, dim, generator=g)) * torch.tensor([1, 0.5, 8, 2, 300, 1, 0.25, 40])[:, None]
+    at_once, one_by_one = stored(3, page, dim), stored(3, page, dim)
+    offsets = torch.arange(page)
+    store_kv_fp8_blocks(*at_once, torch.full((page,), 1), offsets, x)
+    for t in range(page):
+        store_kv_fp8_blocks(*one_by_one, torch.tensor([1]), offsets[t : t + 1], x[t : t + 1])
+        held = dequantize_kv_fp8(one_by_one[0][1, : t + 1].view(FP8), one_by_one[1][1], torch.float32)
+        assert torch.equal(held, dequantize_kv_fp8(*quantize_kv_fp8(x[: t + 1]), torch.float32)), t
+    q, scale = quantize_kv_fp8(x)
+    for values, scales in (at_once, one_by_one):
+        assert torch.equal(values[1].view(FP8).float(), q.float()) and scales[1] == scale
+    assert torch.equal(at_once[0][[0, 2]], stored(3, page, dim)[0][[0, 2]]), "other blocks untouched"
+    # in chunks (3 then 5 rows), two blocks in one call
+    chunks = stored(3, page, dim)
+    store_kv_fp8_blocks(*chunks, torch.tensor([1, 1, 1, 2]), torch.tensor([0, 1, 2, 0]), torch.cat([x[:3], x[:1]]))
+    store_kv_fp8_blocks(*chunks, torch.full((5,), 1), offsets[3:], x[3:])
+    assert torch.equal(chunks[0][1], at_once[0][1]) and chunks[1][1] == at_once[1][1]
+    assert torch.equal(chunks[0][2, 0].view(FP8).float(), quantize_kv_fp8(x[:1])[0][0].float())
+
+
+def test_a_block_written_from_offset_0_takes_no_scale_from_before() -> None:
+    values, scales = stored(2, 4, 8)
+    scales[0] = 2.0**20  # a freed page's old scale
+    x = torch.randn(2, 8)
+    store_kv_fp8_blocks(values, scales, torch.tensor([0, 0]), torch.tensor([0, 1]), x)
+    q, scale = quantize_kv_fp8(x)
+    assert scales[0] == scale and torch.equal(values[0, :2].view(FP8).float(), q.float())
+    # from offset 2 the block's scale stays where the new rows are smaller
+    small = x[:1] / 64
+    store_kv_fp8_blocks(values, scales, torch.tensor([0]), torch.tensor([2]), small)
+    assert scales[0] == scale and torch.equal(values[0, :2].view(FP8).float(), q.float())
+    assert torch.equal(values[0, 2].view(FP8).float(), (small[0] / scale).to(FP8).float())
+
+
+def test_kv_zero_blocks_come_back_zero_with_finite_scales() -> None:
     x = torch.zeros(2, 3, 8)
     x[1, 2] = torch.tensor([-4.0, -2.0, -1.0, 0.0, 0.5, 1.0, 2.0, 4.0])
     q, scale = quantize_kv_fp8(x)
     assert torch.isfinite(scale).all() and (scale > 0).all()
     back = dequantize_kv_fp8(q, scale, torch.float32)
     assert torch.equal(back[0], torch.zeros(3, 8)) and torch.equal(back[1, :2], torch.zeros(2, 8))
-    assert torch.allclose(back[1, 2], x[1, 2], rtol=1e-6, atol=0), "powers of two survive a scale of 4 / 448"
+    assert torch.equal(back[1, 2], x[1, 2]), "powers of two survive a power-of-two scale"
 
 
 def test_kv_errors_name_what_is_wrong() -> None:
-    with pytest.raises(ValueError, match=r"last \(head_dim\) dimension, got shape \[\]"):
-        quantize_kv_fp8(torch.tensor(1.0))
+    with pytest.raises(ValueError, match=r"\[\.\.\., tokens, head_dim\], got shape \[4\]"):
+        quantize_kv_fp8(torch.ones(4))
     q, scale = quantize_kv_fp8(kv(2, 3, 8))
     with pytest.raises(ValueError, match=r"not torch\.bfloat16"):
         dequantize_kv_fp8(q.to(torch.bfloat16), scale)
-    with pytest.raises(ValueError, match=r"float32 \[2, 3\], got torch.float32 \[3\]"):
+    with pytest.raises(ValueError, match=r"float32 \[2\], got torch.float32 \[\]"):
         dequantize_kv_fp8(q, scale[0])
+    with pytest.raises(ValueError, match=r"rows \[N, head_dim\] with N blocks and offsets"):
+        store_kv_fp8_blocks(*stored(1, 4, 8), torch.tensor([0]), torch.tensor([0, 1]), torch.ones(1, 8))
 
 
-def test_kv_bytes_per_token_counts_the_scales() -> None:
-    # SmolLM2-135M: 30 layers, 3 KV heads of 64: bf16 128 bytes a vector, FP8 64 + a 4-byte scale.
-    assert kv_bytes_per_token(30, 3, 64, fp8=False) == 30 * 2 * 3 * 128
-    assert kv_bytes_per_token(30, 3, 64, fp8=True) == 30 * 2 * 3 * 68
+def test_kv_bytes_per_page_counts_the_scales() -> None:
+    # SmolLM2-135M: 30 layers, 3 KV heads of 64: bf16 2 * 16 * 64 bytes a block, FP8 16 * 64 and a 4-byte scale.
+    assert kv_bytes_per_page(30, 3, 64, 16, fp8=False) == 30 * 2 * 3 * 2048
+    assert kv_bytes_per_page(30, 3, 64, 16, fp8=True) == 30 * 2 * 3 * 1028
 
 
 def scaled(n: int, k: int, seed: int = 0) -> torch.Tensor:

@@ -47,7 +47,7 @@ async def test_fp8_pages_move_between_workers_and_greedy_equals_the_offline_fp8_
     config = EngineConfig(kv_cache_dtype="fp8_e4m3", max_total_tokens=4096)
     offline = build_engine(fp8_system.model_dir, config)
     layout = offline.runner.layout
-    assert layout.dtype == "float8_e4m3fn"
+    assert layout.dtype == "float8_e4m3fn/block"
     with torch.inference_mode():
         for (prompt, n), ids in zip(cases, got, strict=True):
             assert ids == run(offline, [prompt], n)[0]
@@ -57,4 +57,4 @@ async def test_fp8_pages_move_between_workers_and_greedy_equals_the_offline_fp8_
     assert pushed["kv_send_bytes"] == pulled["kv_pull_bytes"] > 0
     assert pushed["kv_send_bytes"] % page_bytes(layout) == 0, "whole FP8 pages, scales inside"
     loaded = [line for line in fp8_system.log_path.read_text().splitlines() if "model loaded" in line]
-    assert len(loaded) == 2 and all("kv_dtype=float8_e4m3fn" in line for line in loaded), loaded
+    assert len(loaded) == 2 and all("kv_dtype=float8_e4m3fn/block" in line for line in loaded), loaded

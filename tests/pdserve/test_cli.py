@@ -294,10 +294,14 @@ def test_up_moves_kv_without_a_port_on_one_host_unless_told_otherwise(tmp_path: 
     assert backend == "mooncake" and "the pools need" in why
     from pdserve.plan import kv_bytes_per_token
 
-    # 4 layers, 2 KV heads of 64: float32 4 bytes a value; FP8 one, and a float32 scale per vector
+    # 4 layers, 2 KV heads of 64: float32 4 bytes a value; FP8 one, and a float32 scale per block of
+    # a page's tokens (16: a quarter byte a token, 8 pages: half a byte, rounded up)
     assert kv_bytes_per_token(model, "float32") == 4 * 2 * 2 * 64 * 4
     assert (
-        kv_bytes_per_token(model, "float32", "fp8_e4m3") == kv_bytes_per_token(model, "auto", "fp8") == 4 * 2 * 2 * 68
+        kv_bytes_per_token(model, "float32", "fp8_e4m3")
+        == kv_bytes_per_token(model, "auto", "fp8")
+        == 4 * 2 * 2 * 64 + 4
     )
+    assert kv_bytes_per_token(model, "auto", "fp8", page_size=8) == 4 * 2 * 2 * 64 + 8
     assert kv_bytes_per_token(model, "bfloat16", "bf16") == 4 * 2 * 2 * 128
     assert choose_backend(parser.parse_args(["up", "--mode", "unified"]))[0] == "mooncake"

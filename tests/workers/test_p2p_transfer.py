@@ -214,5 +214,5 @@ def test_layout_differences_say_a_mixed_fp8_pair_and_the_flag() -> None:
     fp8 = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, page_size=4, dtype=KV_FP8)
     assert layout_differences(fp8, fp8) == []
     (line,) = layout_differences(LAYOUT, fp8)
-    assert line.startswith("dtype: prefill float32, decode float8_e4m3fn (the decode pool holds FP8 KV pages")
+    assert line.startswith("dtype: prefill float32, decode float8_e4m3fn/block (the decode pool holds FP8 KV pages")
     assert line.endswith("run both with the same --kv-cache-dtype)")

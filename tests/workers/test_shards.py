@@ -89,7 +89,7 @@ def test_mismatch_names_both_sides() -> None:
     assert problem is not None and "page size: prefill 4, decode 16" in problem and "dtype: prefill float32" in problem
     problem = shard_mismatch(layout(2, "bfloat16"), 2, layout(2, KV_FP8), 2)
     assert problem == (
-        "dtype: prefill bfloat16, decode float8_e4m3fn (the decode pool holds FP8 KV pages, --kv-cache-dtype "
+        "dtype: prefill bfloat16, decode float8_e4m3fn/block (the decode pool holds FP8 KV pages, --kv-cache-dtype "
         "fp8_e4m3, the other 16-bit ones: run both with the same --kv-cache-dtype)"
     )
 
