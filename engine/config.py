@@ -85,7 +85,7 @@ class EngineConfig:
     capability 8.9 or above); anywhere else it is refused (``None``: the checkpoint's dtype).
     ``kv_cache_dtype``: the page pool's dtype: ``auto`` the model's, ``bf16`` (a bfloat16 model's),
     ``fp8_e4m3`` float8_e4m3fn with a power-of-two float32 scale per (page, layer, K|V, head) block
-    inside each page (``engine/kv_pool.py``): 1.996x the tokens per byte at 16-token pages.
+    inside each page (``engine/kv_pool.py``): 1.996x the tokens per byte at head_dim 128.
     """
 
     page_size: int = 16

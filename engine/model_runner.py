@@ -234,7 +234,7 @@ class ModelRunner:
         page = self.config.page_size
         if self.config.max_total_tokens is not None:
             return self.config.max_total_tokens // page
-        per_page = page_bytes(self.layout)  # FP8: with its blocks' scales, 1.996x bf16's tokens
+        per_page = page_bytes(self.layout)  # FP8: with its blocks' scales, 1.996x bf16's tokens at head_dim 128
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * self.config.kv_memory_fraction)

@@ -129,7 +129,7 @@ def quantize_kv_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Why one scale per (page, layer, K|V, head) and a power of two: a block of ``page_size``
     tokens takes ``page_size * head_dim`` bytes and one 4-byte scale, 1.996x bf16's tokens per
-    byte at head_dim 128 and 64 (a scale per token: 1.94x and 1.88x). A page fills a token (or
+    byte at head_dim 128, 1.992x at 64 (a scale per token: 1.94x and 1.88x). A page fills a token (or
     a chunk) at a time, so its scale grows as larger tokens arrive: the store takes the larger
     of the block's scale and the new tokens' (:func:`store_kv_fp8_blocks`) and re-encodes the
     tokens already there by the ratio, a power of two: an exponent shift, exact while a value

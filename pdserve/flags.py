@@ -175,7 +175,7 @@ ENGINE = (
         EngineConfig.kv_cache_dtype,
         choices=(*KV_CACHE_DTYPES, "fp8"),
         help="the KV page pool's dtype: auto (the model's), bf16, or fp8_e4m3 (fp8 is the same): float8_e4m3 with "
-        "a float32 scale per KV head of each page's layers, 1.996x bf16's tokens per byte at 16-token pages, "
+        "a float32 scale per KV head of each page's layers, 1.996x bf16's tokens per byte at head_dim 128, "
         "read in place by the attention kernels; prefill and decode pools must agree (default: %(default)s)",
     ),
     Flag(
