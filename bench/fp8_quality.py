@@ -14,9 +14,10 @@ prefill does) in five variants, each with exact float8_e4m3fn rounding (``engine
     then both scales, then the bias; the embedding and the LM head (tied here) stay bf16;
   * ``fp8_weights_a16``: the same weights as the batch-1 GEMV computes them (W8A16: the bf16
     activations as they are);
-  * ``fp8_kv``: keys (after rotary) and values stored through the KV scheme chunk by chunk
-    into pages as the pool stores them (:func:`store_kv_fp8_blocks`: blocks of a page's tokens
-    per KV head, one power-of-two scale each that grows as larger tokens arrive): every
+  * ``fp8_kv``: keys (after rotary, and rotated by :func:`kv_key_rotation` as the engine stores
+    them) and values stored through the KV scheme chunk by chunk into pages as the pool stores
+    them (:func:`store_kv_fp8_blocks`: blocks of a page's tokens per KV head, one power-of-two
+    scale each that grows as larger tokens arrive): every
     attention read, the chunk's own tokens included, sees the FP8 values, as a paged kernel
     reading the pool does;
   * ``fp8_both`` (W8A8 and the KV), ``fp8_both_a16`` (W8A16 and the KV);
@@ -66,9 +67,11 @@ from pdserve.engine.quant import (  # noqa: E402
     GROUP,
     dequantize_kv_fp8,
     kv_bytes_per_page,
+    kv_key_rotation,
     quantize_fp8,
     quantize_groups_fp8,
     quantize_rows_fp8,
+    rotate_queries_keys,
     store_kv_fp8_blocks,
 )
 
@@ -179,7 +182,7 @@ class Fp8KVCache(DynamicCache):
         out = []
         for kind, new, full in (("k", key_states, keys), ("v", value_states, values)):
             if kind in self.fp8:
-                pages = self.pages.setdefault((layer_idx, kind), Fp8Pages(self.page_size))
+                pages = self.pages.setdefault((layer_idx, kind), Fp8Pages(self.page_size, rotate=kind == "k"))
                 full = pages.append(new)
             out.append(full)
         return out[0], out[1]
@@ -187,10 +190,13 @@ class Fp8KVCache(DynamicCache):
 
 class Fp8Pages:
     """One layer's keys or values ``[batch, heads, tokens, dim]`` in FP8 blocks of ``page_size``
-    tokens per (sequence, head), stored as the pool stores them."""
+    tokens per (sequence, head), stored as the pool stores them; ``rotate`` (keys): stored as
+    ``k @ H`` (:func:`kv_key_rotation`) and read back as ``(k @ H) @ H / p``, so that a query
+    unrotated sees the scores a rotated one sees in the engine."""
 
-    def __init__(self, page_size: int) -> None:
+    def __init__(self, page_size: int, rotate: bool = False) -> None:
         self.page_size = page_size
+        self.rotate = rotate
         self.tokens = 0
         self.values = torch.zeros(0, dtype=torch.uint8)
         self.scales = torch.zeros(0)
@@ -212,11 +218,17 @@ class Fp8Pages:
         blocks = torch.arange(batch * heads)[:, None] * width + pos[None, :] // page
         offsets = (pos % page)[None, :].expand(batch * heads, n)
         rows = x.reshape(batch * heads * n, dim)
+        if self.rotate:
+            rows = rotate_queries_keys(None, rows)[1]
+            assert rows is not None
         store_kv_fp8_blocks(self.values.view(-1, page, dim), self.scales.view(-1), blocks.reshape(-1),
                             offsets.reshape(-1), rows)  # fmt: skip
         self.tokens += n
-        held = dequantize_kv_fp8(self.values[:, :pages].view(FP8), self.scales[:, :pages], x.dtype)
-        return held.reshape(batch, heads, pages * page, dim)[:, :, : self.tokens]
+        held = dequantize_kv_fp8(self.values[:, :pages].view(FP8), self.scales[:, :pages], torch.float32)
+        if self.rotate:
+            h, p = kv_key_rotation(dim, torch.float32, held.device)
+            held = (held @ h) / p
+        return held.to(x.dtype).reshape(batch, heads, pages * page, dim)[:, :, : self.tokens]
 
 
 @dataclass
@@ -460,7 +472,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "kv_scheme": (
             f"float8_e4m3fn, one power-of-two float32 scale per {page_size}-token page per KV head (amax / 448 "
-            "rounded up, grown as larger tokens arrive), stored chunk by chunk, keys after rotary"
+            "rounded up, grown as larger tokens arrive), stored chunk by chunk; keys after rotary and a "
+            "Hadamard rotation (queries rotated alike: scores unchanged)"
         ),
         "kl": "mean over scored positions of KL(p_bf16 || p_variant) of the next-token distributions, nats",
         "variants": results,

@@ -13,7 +13,9 @@ sequence), then prefill chunks. Pool layout (see :mod:`pdserve.engine.kv_pool`):
 head's K or V for one page, so one ``index_select`` per layer gathers a group's K and V
 directly in the ``[batch, heads, tokens, head_dim]`` order attention wants.
 
-An FP8 pool (``kv_scales`` set): the new K/V are quantized as they are stored and the gathered
+An FP8 pool (``kv_scales`` set): queries and keys are rotated first
+(:func:`pdserve.engine.quant.rotate_queries_keys`: the scores unchanged, the keys' outliers
+spread before FP8 rounds them), the new K/V quantized as they are stored and the gathered
 pages dequantized into the query's dtype (:func:`pdserve.engine.kv_pool.store_fp8`,
 :func:`~pdserve.engine.kv_pool.gather_fp8`); a fresh prompt attending over its own K/V takes
 them rounded so too (:func:`~pdserve.engine.kv_pool.round_fp8`): every attention sees the K/V as
@@ -29,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.kv_pool import gather_fp8, round_fp8, store_fp8
+from pdserve.engine.quant import rotate_queries_keys
 
 ATTN_IMPLEMENTATION = "pdserve_paged"
 
@@ -139,6 +142,8 @@ def paged_attention(
     layer = module.layer_idx
     pool = pd_attn.kv_pool
     _, _, _, heads, page_size, dim = pool.shape
+    if pd_attn.kv_scales is not None:  # an FP8 pool holds rotated keys: queries attend rotated too
+        query, key = rotate_queries_keys(query, key)  # type: ignore[assignment]
     new_kv = torch.stack((key[0], value[0]))  # [2, Hkv, T, D]
     rows = pd_attn.write_rows + layer * 2 * heads * page_size
     if pd_attn.kv_scales is not None:

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from pdserve.engine.kernels import interpreting
 from pdserve.engine.kernels.elementwise import to_fp8
+from pdserve.engine.quant import kv_key_rotation
 
 
 # Integer arguments that change between calls (the layer, a table's width) are not
@@ -73,6 +74,14 @@ def _load_kv(
         k_scale = tl.load(scale_ptr + block * SCALE_BLOCK, mask=valid, other=0.0)
         v_scale = tl.load(scale_ptr + (block + NUM_KV) * SCALE_BLOCK, mask=valid, other=0.0)
     return k, v, k_scale, v_scale
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """``a @ b`` accumulated in float32 (``IEEE``: float32 operands, no TF32)."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b).to(tl.float32)
 
 
 @triton.jit
@@ -172,6 +181,8 @@ def _decode_kernel(
     cos_ptr,
     sin_ptr,
     slot_ptr,
+    had_ptr,
+    inv_p,
     NUM_KV: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -222,6 +233,9 @@ def _decode_kernel(
         sign = tl.where(d < half, -1.0, 1.0)
         q_swap = tl.load(q_row + heads[:, None] * DIM + swap[None, :], mask=g[:, None] < GROUP, other=0.0)
         q = (q.to(tl.float32) * cos[None, :] + sign[None, :] * q_swap.to(tl.float32) * sin[None, :]).to(q.dtype)
+        if KV_FP8:  # then q @ H / p, as rope_store's rotate_qk_ (quant.kv_key_rotation)
+            hm = tl.load(had_ptr + d[:, None] * DIM + d[None, :])
+            q = (_dot(q, hm, IEEE) * inv_p).to(q.dtype)
         if (start <= ctx - 1) & (ctx - 1 < end):
             k_src = q_row + (NUM_KV * GROUP + kv_head) * DIM
             k_new = tl.load(k_src + d).to(tl.float32) * cos + sign * tl.load(k_src + swap).to(tl.float32) * sin
@@ -233,7 +247,9 @@ def _decode_kernel(
                 one = tl.full([1], 1, tl.int1)
                 r = tl.zeros([1], tl.int32)
                 offset = slot % PAGE
-                k_rows = k_new.to(q.dtype).to(tl.float32)[None, :]
+                # k @ H as one row of a tile (a dot needs 16), rounded to q's dtype as rope_store's
+                k_tile = tl.where(g[:, None] == 0, k_new.to(q.dtype).to(tl.float32)[None, :], 0.0).to(q.dtype)
+                k_rows = tl.sum(_dot(k_tile, hm, IEEE), 0).to(q.dtype).to(tl.float32)[None, :]
                 store_fp8_rows(
                     pool_ptr, scale_ptr, block, offset, k_rows, one, r, d, PAGE, DIM, BLOCK, SCALE_BLOCK, EXACT
                 )
@@ -347,8 +363,10 @@ def decode_attention(
     and stored with its v in ``slots[b]`` of ``layer``, position ``ctx_lens[b] - 1``).
 
     ``kv_scales``: ``pool`` is an FP8 pool's values and these its scales
-    (:attr:`pdserve.engine.kv_pool.KVPool.kv_scales`); read in place, and with ``rope`` the new
-    token's k (rounded to ``q``'s dtype) and v are stored quantized with their scales.
+    (:attr:`pdserve.engine.kv_pool.KVPool.kv_scales`); read in place, and with ``rope`` q and the
+    new token's k are rotated as :func:`.rope.rope_store` rotates them for an FP8 pool
+    (:func:`pdserve.engine.quant.rotate_qk_`), and k (rounded to ``q``'s dtype) and v stored
+    into their blocks.
 
     ``counters`` (int32, at least ``B * num_kv``, zero, left zero): the splits are merged
     inside the attention kernel by whichever finishes last, instead of by a second kernel.
@@ -376,6 +394,9 @@ def decode_attention(
         rows_ok = batch == 1 or q.stride(0) >= (num_q + 2 * num_kv) * dim  # (one row: any stride)
         assert rows_ok, "q must be rows of the fused qkv projection"
     cos, sin, slots = rope if rope is not None else (lse, lse, lse)
+    had, p = (lse, 1)
+    if rope is not None and kv_scales is not None:  # q and the new k rotated as rope_store rotates them
+        had, p = kv_key_rotation(dim, q.dtype, q.device)
     _decode_kernel[(batch, num_kv, splits)](
         q,
         pool,
@@ -394,6 +415,8 @@ def decode_attention(
         cos,
         sin,
         slots,
+        had,
+        1.0 / p,
         NUM_KV=num_kv,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),

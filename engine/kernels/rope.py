@@ -1,7 +1,8 @@
 """The rotary-embed + KV-store kernel: rotates q and k in place inside the fused qkv
 projection output and writes k, v into their slots of one layer of the page pool
-(layout in :mod:`pdserve.engine.kernels.paged`). Into an FP8 pool a second kernel stores each k
-(as rotated into ``qkv``, in its dtype) and v: one program a block of the step's tokens, whose
+(layout in :mod:`pdserve.engine.kernels.paged`). Into an FP8 pool q and k are then rotated once
+more (:func:`pdserve.engine.quant.rotate_qk_`: a Hadamard rotation that leaves every score as it
+was) and a second kernel stores each k (as rotated into ``qkv``, in its dtype) and v: one program a block of the step's tokens, whose
 scale it grows to cover them (:func:`pdserve.engine.quant.store_kv_fp8_blocks`, bit for bit)."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import triton.language as tl
 
 from pdserve.engine.kernels import interpreting
 from pdserve.engine.kernels.paged import block_strides, store_fp8_rows, store_kv
+from pdserve.engine.quant import rotate_qk_
 
 
 # The layer and the row stride are not specialised on (see paged.py).
@@ -158,7 +160,8 @@ def rope_store(
         KV_FP8=strides["KV_FP8"],
         num_warps=4,
     )
-    if kv_scales is not None:
+    if kv_scales is not None:  # into an FP8 pool q and k are rotated (quant.kv_key_rotation), then k stored
+        rotate_qk_(qkv[:, : (num_q + num_kv) * dim].view(num_tokens, num_q + num_kv, dim), num_q)
         _fp8_store_kernel[(num_tokens, 2 * num_kv)](
             qkv,
             slots,

@@ -13,7 +13,8 @@ GEMV up to its row limit, down reading SiLU·up fused; above it activations quan
 token, SiLU·up fused, then the batched W8A8 kernel or, for prefill, ``torch._scaled_mm``);
 the LM head stays in the model's dtype.
 
-With an FP8 KV pool (``--kv-cache-dtype fp8_e4m3``, ``kv_scales``) the rotary+KV store and the
+With an FP8 KV pool (``--kv-cache-dtype fp8_e4m3``, ``kv_scales``) q and k are rotated after the
+rotary embedding (:func:`pdserve.engine.quant.rotate_qk_`), the rotary+KV store and the
 decode attention's own store quantize each k and v with its block's scale, and both attention kernels
 read the pool in place (:mod:`pdserve.engine.kernels.paged`). Whole prompts on a GPU
 (``sdpa_prefill``) attend over their own k, v rounded as the pool holds them: every attention
@@ -32,7 +33,7 @@ from pdserve.engine.kernels import elementwise, fp8, gemv, paged, paged_prefill,
 from pdserve.engine.kv_pool import round_fp8
 from pdserve.engine.models.batch import StepBatch
 from pdserve.engine.models.llama_weights import FusedDecoder, Layer, Weight
-from pdserve.engine.quant import Fp8Weight
+from pdserve.engine.quant import Fp8Weight, kv_key_rotation
 
 if TYPE_CHECKING:
     from pdserve.engine.parallel import TPGroup
@@ -93,6 +94,8 @@ class LlamaFamily(FusedDecoder):
         super().__init__(model, pool, max_positions, tp, kv_scales)
         device = self.embed.device
         self._counters: torch.Tensor | None = None  # fused_merge's per-(sequence, kv head) counters
+        if self.kv_scales is not None:  # the FP8 pool's key rotation, made before any graph is captured
+            kv_key_rotation(self.head_dim, self.embed.dtype, device)
         if device.type == "cuda":
             gemv.reserve_counters(device)  # split-K counters, before any graph is captured
             self._side = torch.cuda.Stream(device)

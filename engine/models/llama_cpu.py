@@ -26,7 +26,8 @@ Pool layout ``[num_pages, num_layers, 2, num_kv_heads, page_size, head_dim]`` (s
 (layer, head) is row ``(((page * L + layer) * 2) * H + head) * page_size + offset`` and its V
 ``H * page_size`` rows further; viewed as rows of ``page_size * head_dim``, a page's K block
 of (layer, head) is row ``((page * L + layer) * 2) * H + head``. An FP8 pool (``kv_scales``)
-keeps that numbering (:func:`pdserve.engine.kv_pool.store_fp8` quantizes as it stores, a scale a block,
+keeps that numbering (q and k rotated first, :func:`pdserve.engine.quant.rotate_qk_`;
+:func:`pdserve.engine.kv_pool.store_fp8` quantizes as it stores, a scale a block,
 :func:`~pdserve.engine.kv_pool.gather_fp8` dequantizes the gathered blocks to float32); a fresh
 prompt attending over its own k, v takes them rounded so too, as every later read sees them.
 """
@@ -41,6 +42,7 @@ import torch.nn.functional as F
 
 from pdserve.engine.kernels import native
 from pdserve.engine.kv_pool import gather_fp8, round_fp8, store_fp8
+from pdserve.engine.quant import rotate_qk_
 from pdserve.engine.models.batch import StepBatch
 from pdserve.engine.models.cpu_plan import (
     MATMUL_MIN_BATCH,
@@ -270,6 +272,8 @@ class LlamaFamilyCPU(FusedDecoder):
             rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
             qk.mul_(plan.cos)
             qk.add_(rotated.mul_(plan.sin))  # q * cos + rotate_half(q) * sin, as transformers rounds it
+        if self.kv_scales is not None:  # an FP8 pool holds rotated keys (quant.kv_key_rotation)
+            rotate_qk_(qk, nq)
         kv = qkv[:, nq * dim :].reshape(-1, dim)  # [T * 2 * H, D]: (token, k|v, head) rows
         if self.kv_scales is not None:
             store_fp8(self.pool, self.kv_scales, plan.store[index], kv)

@@ -149,7 +149,8 @@ def test_rope_store_into_fp8_is_the_block_store_of_the_rotated_k_and_v(
     rope.rope_store(qkv, num_q, num_kv, cos, sin, positions, slots, pool.kv, layer, pool.kv_scales)
     plain_pool = torch.zeros((12, layers, 2, num_kv, page, dim), dtype=dtype, device=DEVICE)
     rope.rope_store(plain_qkv, num_q, num_kv, cos, sin, positions, slots, plain_pool, layer)
-    assert torch.equal(qkv, plain_qkv), "q and k rotated in place as for a 16-bit pool"
+    quant.rotate_qk_(plain_qkv[:, : (num_q + num_kv) * dim].view(tokens, num_q + num_kv, dim), num_q)
+    assert torch.equal(qkv, plain_qkv), "q and k rotated in place as for a 16-bit pool, then by the key rotation"
     k = qkv[:, num_q * dim : (num_q + num_kv) * dim].view(tokens, num_kv, dim)
     v = qkv[:, (num_q + num_kv) * dim :].view(tokens, num_kv, dim)
     expected = torch_stored(before, layer, slots, k, v)
@@ -266,6 +267,30 @@ def test_decode_attention_with_rope_stores_what_rope_store_stores(dtype: torch.d
             dim**-0.5, splits, expected, window, block_n=16, kv_scales=separate.kv_scales,
         )  # fmt: skip
         assert rel_err(out, expected) < TOL[dtype], splits
+
+
+@pytest.mark.parametrize("dim", [64, 128, 96, 24])
+def test_the_key_rotation_leaves_every_score_and_spreads_a_keys_outliers(dim: int) -> None:
+    h, p = quant.kv_key_rotation(dim, torch.float64, torch.device("cpu"))
+    assert p == dim & -dim and torch.equal(h @ h, p * torch.eye(dim, dtype=torch.float64)) and torch.equal(h, h.T)
+    assert set(h.unique().tolist()) <= {-1.0, 0.0, 1.0} and (h != 0).sum() == dim * p
+    g = torch.Generator().manual_seed(dim)
+    q, k = (
+        torch.randn(5, 3, dim, generator=g, dtype=torch.float64),
+        torch.randn(7, 3, dim, generator=g, dtype=torch.float64),
+    )
+    k[:, :, 1] *= 50  # an outlier channel
+    rq, rk = quant.rotate_queries_keys(q, k)
+    assert rq is not None and rk is not None
+    assert torch.allclose(torch.einsum("qhd,khd->hqk", rq, rk), torch.einsum("qhd,khd->hqk", q, k))
+    share = lambda x: (x.abs().amax(-1) / x.norm(dim=-1)).mean()  # noqa: E731
+    assert share(rk) < share(k) / 2, "the outlier's share of each key, spread over p channels"
+    qk = torch.cat((q, k[:5]), 1).to(torch.float32)
+    qk_rotated = qk.clone()
+    quant.rotate_qk_(qk_rotated, 3)
+    want_q, want_k = quant.rotate_queries_keys(qk[:, :3], qk[:, 3:])
+    assert want_q is not None and want_k is not None
+    assert torch.equal(qk_rotated, torch.cat((want_q, want_k), 1))
 
 
 def test_the_torch_store_writes_the_kernels_bytes_and_the_read_dequantizes() -> None:

@@ -1,8 +1,8 @@
 """``--kv-cache-dtype fp8_e4m3`` end to end: greedy tokens of each forward pass (the Triton one,
 interpreted on the CPU; pdserve's CPU pass; the stock ``transformers`` code) against
 ``transformers`` whose every attention sees K and V rounded as the FP8 pool holds them
-(:func:`kv_pool.round_fp8`: 16-token blocks of a head from the first token, each at its scale
-so far), prompts in chunks over cached prefixes; the pool's
+(keys rotated, :func:`quant.kv_key_rotation`, then :func:`kv_pool.round_fp8`: 16-token blocks
+of a head from the first token, each at its scale so far, and rotated back), prompts in chunks over cached prefixes; the pool's
 sizing and the refusals.
 """
 
@@ -18,13 +18,14 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from pdserve.bench import shapes
-from pdserve.engine import attention
+from pdserve.engine import attention, quant
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.kv_pool import KV_FP8, page_bytes, round_fp8
 from pdserve.engine.loader import quiet_transformers
 from pdserve.engine.model_runner import ModelRunner, ModelSpec
 from pdserve.engine.models.llama_cpu import LlamaFamilyCPU
+from pdserve.engine.quant import rotate_queries_keys
 from tests.engine.kernel_env import DEVICE, llama
 from tests.engine.reference import assert_greedy_equal, hf_greedy, run
 
@@ -40,7 +41,12 @@ def rounded_kv(sdpa: Callable[..., Any]) -> Callable[..., Any]:
     def attend(
         module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kw: Any
     ) -> Any:
-        key, value = round_fp8(key, page, 2), round_fp8(value, page, 2)  # [batch, heads, tokens, dim]
+        # [batch, heads, tokens, dim]; keys as the pool holds them, k @ H, read back as (k @ H) @ H / p
+        h, p = quant.kv_key_rotation(key.shape[-1], key.dtype, key.device)
+        rotated = rotate_queries_keys(None, key)[1]
+        assert rotated is not None
+        key = (round_fp8(rotated, page, 2) @ h) / p
+        value = round_fp8(value, page, 2)
         return sdpa(module, query, key, value, *args, **kw)
 
     return attend
