@@ -42,7 +42,6 @@ import torch.nn.functional as F
 
 from pdserve.engine.kernels import native
 from pdserve.engine.kv_pool import gather_fp8, round_fp8, store_fp8
-from pdserve.engine.quant import rotate_qk_
 from pdserve.engine.models.batch import StepBatch
 from pdserve.engine.models.cpu_plan import (
     MATMUL_MIN_BATCH,
@@ -57,6 +56,7 @@ from pdserve.engine.models.cpu_plan import (
     page_rows,
 )
 from pdserve.engine.models.llama_weights import FusedDecoder, Layer
+from pdserve.engine.quant import rotate_qk_
 
 if TYPE_CHECKING:
     from pdserve.engine.parallel import TPGroup
