@@ -228,7 +228,20 @@ def serve_one(model: Path, tiers: KVTierConfig, args: argparse.Namespace, seed: 
     before = rule_inputs(engine)
     prompt = tokens(random.Random(seed), args.prefix + args.message)
     steps: list[float] = []
-    ttft, answer, cached = one_turn(engine, "p", prompt, args.answer, steps)
+    trace = ""
+    with contextlib.ExitStack() as stack:
+        if getattr(args, "profile_dir", None):  # the measured prompt's host and device timeline
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+            prof = stack.enter_context(profile(activities=acts, with_stack=False))
+        ttft, answer, cached = one_turn(engine, "p", prompt, args.answer, steps)
+    if getattr(args, "profile_dir", None):
+        args.profile_dir.mkdir(parents=True, exist_ok=True)
+        named = {"host": tiers.host_bytes, "disk": tiers.disk_dir, "store": tiers.store_master}
+        kinds = "+".join(k for k, on in named.items() if on) or "none"
+        trace = str(args.profile_dir / f"prompt_{kinds}_{os.getpid()}.json")
+        prof.export_chrome_trace(trace)
     if engine.tiers is not None:
         engine.tiers.drain()
     reading = {
@@ -237,6 +250,8 @@ def serve_one(model: Path, tiers: KVTierConfig, args: argparse.Namespace, seed: 
         "step_ms": [round(s * 1000, 2) for s in steps],  # up to the first token: where the time went
         "tiers": tier_counts(engine),
     }
+    if trace:
+        reading["trace"] = trace
     if before:
         reading["rule_before"] = before
     return engine, reading | {"answer": answer}
@@ -273,6 +288,7 @@ def in_new_process(args: argparse.Namespace, model: Path, seed: int, tiers: dict
         args.load_format,
         "--num-threads",
         str(args.num_threads),
+        *(["--profile-dir", str(args.profile_dir)] if args.profile_dir else []),
     ]
     env = {"MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2", "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
@@ -324,6 +340,9 @@ def main() -> None:
     )
     p.add_argument("--no-chat", action="store_true", help="only the fresh processes (restart, second worker)")
     p.add_argument("--json", type=Path)
+    p.add_argument(
+        "--profile-dir", type=Path, default=None, help="a fresh process's measured prompt traced (torch profiler) here"
+    )
     p.add_argument("--one-prompt", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--tiers-json", default="{}", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -386,7 +405,7 @@ def main() -> None:
     print(json.dumps({k: results.get(k) for k in ("restart", "store_shared")}, indent=1))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=1) + "\n")
+        args.json.write_text(json.dumps(results, indent=1, default=str) + "\n")
 
 
 if __name__ == "__main__":

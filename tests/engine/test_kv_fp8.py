@@ -114,7 +114,9 @@ def torch_stored(pool: KVPool, layer: int, slots: torch.Tensor, k: torch.Tensor,
     assert scales is not None
     _, layers, _, heads, page, _ = pool.kv.shape
     # rows numbered as a 16-bit pool's view(-1, head_dim): ((page, layer, k|v, head), offset)
-    blocks = ((slots // page) * layers + layer)[:, None, None] * 2 * heads + torch.arange(2 * heads).view(1, 2, heads)
+    blocks = ((slots // page) * layers + layer)[:, None, None] * 2 * heads + torch.arange(
+        2 * heads, device=slots.device
+    ).view(1, 2, heads)
     rows = blocks * page + (slots % page)[:, None, None]
     store_fp8(values, scales, rows.reshape(-1), torch.stack((k, v), 1).reshape(-1, k.shape[-1]))
     return expected
