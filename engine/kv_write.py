@@ -229,11 +229,13 @@ class WriteThrough:
         # a round trip, which here, on the engine's thread after the step that filled the
         # groups, would delay that step's tokens (the writer asks it before writing instead).
         held = self._held_everywhere([hashes[e - 1] for e in fresh])
+        todo: list[tuple[bytes, Sequence[int]]] = []
         for group_end, skip in zip(fresh, held, strict=True):
             if skip:
                 self.stats.already_held += 1
             else:
-                self._enqueue(hashes[group_end - 1], page_table[group_end - g : group_end])
+                todo.append((hashes[group_end - 1], page_table[group_end - g : group_end]))
+        self._enqueue(todo)
 
     def _held_everywhere(self, keys: list[bytes]) -> list[bool]:
         """Whether every group tier holds each of ``keys`` (one round trip where a tier can)."""
@@ -260,10 +262,17 @@ class WriteThrough:
             if len(self._pinned_free) < _PINNED_KEPT:
                 self._pinned_free.append(buf)
 
-    def _enqueue(self, key: bytes, pages: Sequence[int]) -> None:
-        ready = None
+    def _enqueue(self, groups: Sequence[tuple[bytes, Sequence[int]]]) -> None:
+        """Snapshot the pages of ``groups`` (key, pages) for the writer: one gather of all of
+        them, then a host copy of each group (on a GPU, per group a launch or two on the engine's
+        thread, where a gather, an event and an index of its own each had cost a 512-token prompt
+        of a 7B model 1.4 ms with a disk tier on an H100, 2026-12-06)."""
+        if not groups:
+            return
+        index = page_index([page for _, pages in groups for page in pages], self.pool.device)
+        items: list[_Write] = []
         if self.pool.device.type == "cuda":
-            # The group is gathered on a side stream (after the work queued so far) and copied
+            # The groups are gathered on a side stream (after the work queued so far) and copied
             # to the host from there: the compute stream waits only for the gather, not for the
             # copy over PCIe (on the compute stream, a chat turn's writes delayed the next
             # turn's prefill by 60 ms at 8,192 tokens on an H200).
@@ -273,22 +282,32 @@ class WriteThrough:
             side = self._copy_stream
             side.wait_stream(main)
             with torch.cuda.stream(side):
-                index = page_index(pages, self.pool.device)  # the host does not wait for the device
-                gathered = self.pool.tensor.index_select(0, index)
+                gathered = self.pool.tensor.index_select(0, index)  # (the host does not wait for the device)
                 gathered_event = torch.cuda.Event()
                 gathered_event.record(side)
-                snap = self._pinned(len(pages))
-                snap.copy_(gathered, non_blocking=True)
+                snaps = []
+                start = 0
+                for _, pages in groups:
+                    snap = self._pinned(len(pages))
+                    snap.copy_(gathered[start : start + len(pages)], non_blocking=True)
+                    snaps.append(snap)
+                    start += len(pages)
                 ready = torch.cuda.Event()
                 ready.record(side)
             main.wait_event(gathered_event)  # later writes to these pages come after the gather
+            items = [_Write(key, snap, ready) for (key, _), snap in zip(groups, snaps, strict=True)]
         else:
-            snap = self.pool.tensor.index_select(0, page_index(pages, self.pool.device))
-        try:
-            self._queue.put_nowait(_Write(key, snap, ready))
-        except queue.Full:
-            self.stats.write_drops += 1
-            self._written.pop(key, None)  # offered again next time it is computed
+            gathered = self.pool.tensor.index_select(0, index)
+            start = 0
+            for key, pages in groups:
+                items.append(_Write(key, gathered[start : start + len(pages)], None))
+                start += len(pages)
+        for item in items:
+            try:
+                self._queue.put_nowait(item)
+            except queue.Full:
+                self.stats.write_drops += 1
+                self._written.pop(item.key, None)  # offered again next time it is computed
 
     def _write_loop(self) -> None:
         while True:

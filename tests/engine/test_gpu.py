@@ -196,7 +196,7 @@ def test_kv_tiers_on_the_gpu_serve_evicted_prefixes_with_equal_output(tmp_path: 
 
 
 def test_a_kv_tier_write_s_snapshot_does_not_make_the_host_wait_for_the_device(tmp_path: Path) -> None:
-    """A group's snapshot is queued, its page index included: built from pageable memory the
+    """A step's group snapshots are queued, their page index included: built from pageable memory the
     index's copy waited until all the work queued before it had run, holding the step of a
     first process's prompt until its whole prefill was done (1.6x a cold one at 2,048 tokens
     on an H100, 2026-12-05). CUDA's sync check raises on that old way and not on this one."""
@@ -221,14 +221,15 @@ def test_a_kv_tier_write_s_snapshot_does_not_make_the_host_wait_for_the_device(t
         with pytest.raises(RuntimeError, match="synchroniz"):
             torch.tensor([1, 2, 3], device="cuda")
         assert page_index([1, 2, 3], torch.device("cuda")).device.type == "cuda"
-        engine.tiers._enqueue(bytes(range(16)), [0, 1, 2, 3])
+        engine.tiers._enqueue([(bytes(range(16)), [0, 1, 2, 3]), (bytes(range(1, 17)), [4, 5, 6, 7])])
     finally:
         torch.cuda.set_sync_debug_mode(0)
         engine.tiers._queue.put_nowait = put  # type: ignore[method-assign]
-    assert len(queued) == 1
-    put(queued[0])  # type: ignore[arg-type]
+    assert len(queued) == 2, "a group each, from one gather"
+    for item in queued:
+        put(item)  # type: ignore[arg-type]
     engine.tiers.drain()
-    assert engine.tiers.stats.tiers["disk"].stored_pages == written + 4 and engine.tiers.stats.write_errors == 0
+    assert engine.tiers.stats.tiers["disk"].stored_pages == written + 8 and engine.tiers.stats.write_errors == 0
     engine.close()
 
 
