@@ -132,6 +132,10 @@ _TIER_COUNTERS = {
         "pdserve_kv_tier_skipped_lookups",
         "prefix lookups not asked of the tier: measured slower than computing even the prompt's dearest page",
     ),
+    "unwritten_groups": (
+        "pdserve_kv_tier_unwritten_groups",
+        "page groups computed and not written to the tier: measured slower than computing them where they stand",
+    ),
     "saved_seconds": (
         "pdserve_kv_tier_saved_seconds",
         "seconds the tier's loads were expected to save against computing their pages (the cost rule's estimates)",

@@ -35,6 +35,7 @@ from pdserve.engine.kv_store import StoreError
 from pdserve.engine.threads import helper_pool, helper_thread
 
 if TYPE_CHECKING:
+    from pdserve.engine.config import KVTierConfig
     from pdserve.engine.kv_cost import CostEstimates
     from pdserve.engine.kv_pool import KVPool
 
@@ -76,6 +77,7 @@ class TierCounters:
     unbuffered_reads: int = 0  # group reads into a fresh buffer: every reused one was out (kv_buffers)
     saved_seconds: float = 0.0  # what its loads were expected to save against computing (the rule's estimates)
     skipped_lookups: int = 0  # prefix lookups not asked of it: slower than computing even the dearest page
+    unwritten_groups: int = 0  # computed groups not written to it: loading them back could not beat computing them
 
 
 @dataclass
@@ -109,6 +111,7 @@ class _Write:
     key: bytes
     pages: torch.Tensor  # on the host
     ready: torch.cuda.Event | None
+    tiers: tuple[str, ...] = ()  # the group tiers to write it to (those where a load of it could pay)
 
 
 @dataclass
@@ -124,6 +127,7 @@ class WriteThrough:
     attributes below are the tiers')."""
 
     pool: KVPool
+    config: KVTierConfig
     ident: bytes
     group_pages: int
     groups: list[GroupTier]
@@ -152,6 +156,7 @@ class WriteThrough:
             shape = (PINNED_AT_START, self.group_pages, *self.pool.tensor.shape[1:])
             self._pinned_free = list(torch.empty(shape, dtype=self.pool.tensor.dtype, pin_memory=True).unbind(0))
         self._writes_since_calibration = dict.fromkeys((t.name for t in self.groups), 0)  # when to measure again
+        self._unwritten = dict.fromkeys((t.name for t in self.groups), 0)  # groups not given a tier since it took one
         self._measuring: set[str] = set()  # tiers with a measurement queued by measure_soon
         self._recent = {t.name: deque[bytes](maxlen=LOAD_THREADS) for t in self.groups}  # groups written last
         self._width = dict.fromkeys((t.name for t in self.groups), 0)  # groups read at once by the rate's reading
@@ -229,13 +234,44 @@ class WriteThrough:
         # a round trip, which here, on the engine's thread after the step that filled the
         # groups, would delay that step's tokens (the writer asks it before writing instead).
         held = self._held_everywhere([hashes[e - 1] for e in fresh])
-        todo: list[tuple[bytes, Sequence[int]]] = []
+        todo: list[tuple[bytes, Sequence[int], tuple[str, ...]]] = []
         for group_end, skip in zip(fresh, held, strict=True):
             if skip:
                 self.stats.already_held += 1
-            else:
-                todo.append((hashes[group_end - 1], page_table[group_end - g : group_end]))
+                continue
+            tiers = self._tiers_worth_writing(group_end)
+            if tiers:
+                todo.append((hashes[group_end - 1], page_table[group_end - g : group_end], tiers))
         self._enqueue(todo)
+
+    def _tiers_worth_writing(self, group_end: int) -> tuple[str, ...]:
+        """The group tiers a computed group ending at page ``group_end`` goes to: those whose
+        load of it could beat computing it where it stands in its prompt (a later prompt sharing
+        it has it at the same place, after the same pages), by the measured rates; every tier
+        while a rate or the prefill is unmeasured, with ``--kv-tier-load always`` and with
+        overlap on (a slower tier's pages still load beside the computing). Neither the copy off
+        the device nor the write is paid for a group no load would take (a store at 512 tokens
+        of a 7B model on an H100: a first worker's prompt 1.08x a cold one, writing).
+        Every :data:`RECALIBRATE_EVERY` groups a tier is not given, it takes one anyway and is
+        measured again (its rate, read once at a busy moment, would otherwise keep it idle)."""
+        g = self.group_pages
+        tokens = self.pool.layout.page_size
+        always = self.config.load == "always" or self.config.overlap
+        compute = self.estimates.recompute_seconds(g * tokens, (group_end - g) * tokens)
+        tiers: list[str] = []
+        for tier in self.groups:
+            load = self.estimates.load_seconds(tier.name, g * self.pool.page_bytes)
+            if always or load is None or compute is None or load < compute:
+                tiers.append(tier.name)
+                continue
+            self._unwritten[tier.name] += 1
+            if self._unwritten[tier.name] >= RECALIBRATE_EVERY:
+                self._unwritten[tier.name] = 0
+                self._writes_since_calibration[tier.name] = RECALIBRATE_EVERY  # measured after this write
+                tiers.append(tier.name)
+            else:
+                self.stats.tiers[tier.name].unwritten_groups += 1
+        return tuple(tiers)
 
     def _held_everywhere(self, keys: list[bytes]) -> list[bool]:
         """Whether every group tier holds each of ``keys`` (one round trip where a tier can)."""
@@ -262,14 +298,14 @@ class WriteThrough:
             if len(self._pinned_free) < _PINNED_KEPT:
                 self._pinned_free.append(buf)
 
-    def _enqueue(self, groups: Sequence[tuple[bytes, Sequence[int]]]) -> None:
+    def _enqueue(self, groups: Sequence[tuple[bytes, Sequence[int], tuple[str, ...]]]) -> None:
         """Snapshot the pages of ``groups`` (key, pages) for the writer: one gather of all of
         them, then a host copy of each group (on a GPU, per group a launch or two on the engine's
         thread, where a gather, an event and an index of its own each had cost a 512-token prompt
         of a 7B model 1.4 ms with a disk tier on an H100, 2026-12-06)."""
         if not groups:
             return
-        index = page_index([page for _, pages in groups for page in pages], self.pool.device)
+        index = page_index([page for _, pages, _ in groups for page in pages], self.pool.device)
         items: list[_Write] = []
         if self.pool.device.type == "cuda":
             # The groups are gathered on a side stream (after the work queued so far) and copied
@@ -287,7 +323,7 @@ class WriteThrough:
                 gathered_event.record(side)
                 snaps = []
                 start = 0
-                for _, pages in groups:
+                for _, pages, _ in groups:
                     snap = self._pinned(len(pages))
                     snap.copy_(gathered[start : start + len(pages)], non_blocking=True)
                     snaps.append(snap)
@@ -295,12 +331,12 @@ class WriteThrough:
                 ready = torch.cuda.Event()
                 ready.record(side)
             main.wait_event(gathered_event)  # later writes to these pages come after the gather
-            items = [_Write(key, snap, ready) for (key, _), snap in zip(groups, snaps, strict=True)]
+            items = [_Write(key, snap, ready, tiers) for (key, _, tiers), snap in zip(groups, snaps, strict=True)]
         else:
             gathered = self.pool.tensor.index_select(0, index)
             start = 0
-            for key, pages in groups:
-                items.append(_Write(key, gathered[start : start + len(pages)], None))
+            for key, pages, tiers in groups:
+                items.append(_Write(key, gathered[start : start + len(pages)], None, tiers))
                 start += len(pages)
         for item in items:
             try:
@@ -339,7 +375,8 @@ class WriteThrough:
             item.ready.synchronize()
         parts: tuple[bytes, memoryview] | None = None
         held = 0
-        for tier in self.groups:
+        targets = [tier for tier in self.groups if tier.name in item.tiers]
+        for tier in targets:
             if tier.contains(item.key):
                 held += 1
                 continue
@@ -355,7 +392,7 @@ class WriteThrough:
             wider = self._width[tier.name] < len(recent) == LOAD_THREADS  # read now as a load reads
             if unmeasured or wider or self._writes_since_calibration[tier.name] >= RECALIBRATE_EVERY:
                 self.calibrate(tier, list(recent))
-        if held == len(self.groups):
+        if held == len(targets):
             self.stats.held_at_write += 1
         if item.ready is not None:  # a pinned snapshot, written by now: reusable
             self._release_pinned(item.pages)

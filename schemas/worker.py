@@ -89,7 +89,9 @@ class TierCounts:
     a fresh one (slower; :mod:`pdserve.engine.kv_buffers`); ``saved_seconds``: what the loads taken from it were expected to save against computing
     their pages, by the rule's estimates when it took them; ``skipped_lookups``: prefix lookups
     not asked of it, its measured rate slower than computing even the prompt's dearest page
-    (then no part of a prefix there could be worth loading)."""
+    (then no part of a prefix there could be worth loading); ``unwritten_groups``: page groups
+    computed and not written to it, its measured rate slower than computing them where they
+    stand in their prompt (no load of them could pay)."""
 
     tier: str
     hit_pages: int = 0
@@ -110,6 +112,7 @@ class TierCounts:
     unbuffered_reads: int = 0
     saved_seconds: float = 0.0
     skipped_lookups: int = 0
+    unwritten_groups: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -494,6 +494,46 @@ def test_a_tier_measured_slow_once_is_measured_again(
     engine.close()
 
 
+def test_a_group_no_load_could_take_is_not_copied_or_written(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A computed group goes only to the tiers whose load of it could beat computing it where
+    it stands: a disk measured slower takes none of a prompt's groups (not copied off the
+    device either: nothing is queued), counted per tier; every RECALIBRATE_EVERY groups it
+    takes one anyway and is measured again; measured fast, or with ``load='always'``, it
+    takes them all."""
+    from pdserve.engine import kv_write
+
+    monkeypatch.setattr(kv_write, "RECALIBRATE_EVERY", 4)
+    engine = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4, load="cost", prefetch_bytes=0)
+    tiers = engine.tiers
+    assert tiers is not None
+    disk = tiers.stats.tiers["disk"]
+    queued: list[object] = []
+    put = tiers._queue.put_nowait
+    monkeypatch.setattr(tiers._queue, "put_nowait", lambda item: (queued.append(item), put(item)))
+    tiers.estimates.bytes_per_s["disk"] = 1.0  # a byte a second: no load of a group could pay
+    serve(engine, [list(range(5, 205))])  # 12 full pages: 3 groups
+    tiers.drain()
+    assert disk.unwritten_groups == 3 and disk.stored_pages == 0 and queued == []
+    (counts,) = [c for c in tiers.counts() if c.tier == "disk"]
+    assert counts.unwritten_groups == 3
+    serve(engine, [list(range(300, 500))])  # 3 more: the fourth since the disk took one is written
+    tiers.drain()
+    assert disk.unwritten_groups == 5 and disk.stored_pages == 4 and len(queued) == 1
+    assert disk.calibrations == 1 and tiers.estimates.bytes_per_s["disk"] > 1e3, "measured again"
+    tiers.estimates.bytes_per_s["disk"] = 1e15  # fast: every group
+    serve(engine, [list(range(600, 800))])
+    tiers.drain()
+    assert disk.unwritten_groups == 5 and disk.stored_pages == 4 + 12
+    tiers.estimates.bytes_per_s["disk"] = 1.0
+    tiers.config = dataclasses.replace(tiers.config, load="always")  # saves compute whatever it costs: every group
+    serve(engine, [list(range(900, 1100))])
+    tiers.drain()
+    assert disk.unwritten_groups == 5 and disk.stored_pages == 4 + 24
+    engine.close()
+
+
 def test_groups_every_tier_holds_are_not_copied_again(tiny_model_dir: Path, tmp_path: Path) -> None:
     """A worker that computes a prefix its disk already holds (declined as slower than
     computing) copies none of it off the device for the writer."""
@@ -510,7 +550,9 @@ def test_groups_every_tier_holds_are_not_copied_again(tiny_model_dir: Path, tmp_
     second.close()
 
 
-def test_a_tier_a_round_trip_away_is_not_asked_on_the_engines_thread(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_a_tier_a_round_trip_away_is_not_asked_on_the_engines_thread(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With a tier that is not local (a store: its master a round trip away), the groups a
     step filled are not checked against the tiers on the engine's thread (that would delay
     the step's tokens): they are snapshotted, and the writer asks each tier before writing,
@@ -522,6 +564,9 @@ def test_a_tier_a_round_trip_away_is_not_asked_on_the_engines_thread(tiny_model_
     assert second.tiers is not None
     second.tiers.drain()
     second.tiers.estimates.bytes_per_s["disk"] = 1.0  # declined: computed
+    # (and, by that rate, not written either: here every group is offered to it, as to a tier
+    # that could pay for some, to see where the check is made)
+    monkeypatch.setattr(second.tiers, "_tiers_worth_writing", lambda group_end: ("disk",))
     (disk,) = second.tiers.groups
     disk.local = False  # type: ignore[misc]  # as a store is
     asked: list[str] = []
