@@ -147,7 +147,8 @@ class WriteThrough:
         return buffer
 
     def start_writer(self, max_pending: int) -> None:
-        self._written: OrderedDict[bytes, None] = OrderedDict()  # groups offered lately
+        self._written: OrderedDict[bytes, frozenset[str]] = OrderedDict()  # groups lately given to tiers
+        self._forced: list[tuple[int, str]] = []  # (group end, tier): written for a measurement
         self._queue: queue.Queue[_Write | _Calibrate | None] = queue.Queue(maxsize=max_pending)
         self._copy_stream: torch.cuda.Stream | None = None  # a GPU pool's group snapshots (see _enqueue)
         self._pinned_free: list[torch.Tensor] = []  # their pinned buffers, for reuse
@@ -213,74 +214,99 @@ class WriteThrough:
         return True
 
     def offer(self, hashes: Sequence[bytes], page_table: Sequence[int], old_full: int, new_full: int) -> None:
-        """Pages ``old_full..new_full`` of a sequence became full and indexed: queue each
-        page group they complete for the group tiers."""
+        """Pages ``old_full..new_full`` of a sequence became full and indexed: queue the page
+        groups of the sequence each tier should take and does not have yet.
+
+        A tier takes a sequence's groups once a leading run of them could be worth loading
+        from it (:meth:`_tiers_worth_writing`, by the measured rates: a load takes a prefix's
+        groups from its first, so a group is only ever loaded with all those before it). Until
+        then none is copied off the device for it, and the groups stay unmarked for it, so that
+        the sequence's later pages (or a longer prompt sharing them) bring them all."""
         self.check()
         if not self.groups:
             return
         g = self.group_pages
-        fresh: list[int] = []
-        for group_end in range((old_full // g + 1) * g, new_full + 1, g):
-            key = hashes[group_end - 1]
-            if key in self._written:
-                self._written.move_to_end(key)
+        ends = range(g, new_full + 1, g)
+        if not ends:
+            return
+        wanted = self._tiers_worth_writing(len(ends))
+        fresh_from = (old_full // g + 1) * g
+        for tier in self.groups:
+            if tier.name in wanted:
                 continue
-            self._written[key] = None
-            if len(self._written) > _REMEMBERED_GROUPS:
-                self._written.popitem(last=False)
-            fresh.append(group_end)
-        # Groups every tier already holds (a restarted worker computing what its disk has) are
-        # not copied off the device at all. Only where every tier is local: a store's master is
+            for e in ends:  # every RECALIBRATE_EVERY of them one is written anyway: measured again
+                if e < fresh_from or tier.name in self._written.get(hashes[e - 1], ()):
+                    continue
+                self._unwritten[tier.name] += 1
+                if self._unwritten[tier.name] >= RECALIBRATE_EVERY:
+                    self._unwritten[tier.name] = 0
+                    self._writes_since_calibration[tier.name] = RECALIBRATE_EVERY  # measured after its write
+                    self._forced.append((e, tier.name))
+                else:
+                    self.stats.tiers[tier.name].unwritten_groups += 1
+        needs: dict[int, set[str]] = {}
+        for e in ends:
+            have = self._written.get(hashes[e - 1], frozenset())
+            missing = {name for name in wanted if name not in have}
+            if missing:
+                needs[e] = missing
+        for e, name in self._forced:
+            needs.setdefault(e, set()).add(name)
+        self._forced.clear()
+        # Groups a local tier already holds (a restarted worker computing what its disk has)
+        # are not copied off the device for it. Only local tiers are asked: a store's master is
         # a round trip, which here, on the engine's thread after the step that filled the
         # groups, would delay that step's tokens (the writer asks it before writing instead).
-        held = self._held_everywhere([hashes[e - 1] for e in fresh])
+        for tier in self.groups:
+            asked = [e for e, names in needs.items() if tier.name in names] if tier.local else []
+            if asked:
+                for e, held in zip(asked, tier.contains_many([hashes[e - 1] for e in asked]), strict=True):
+                    if held:
+                        needs[e].discard(tier.name)
+                        self._mark(hashes[e - 1], (tier.name,))
         todo: list[tuple[bytes, Sequence[int], tuple[str, ...]]] = []
-        for group_end, skip in zip(fresh, held, strict=True):
-            if skip:
+        for e, names in needs.items():
+            key = hashes[e - 1]
+            if not names:
                 self.stats.already_held += 1
                 continue
-            tiers = self._tiers_worth_writing(group_end)
-            if tiers:
-                todo.append((hashes[group_end - 1], page_table[group_end - g : group_end], tiers))
+            self._mark(key, tuple(names))
+            todo.append((key, page_table[e - g : e], tuple(t.name for t in self.groups if t.name in names)))
         self._enqueue(todo)
 
-    def _tiers_worth_writing(self, group_end: int) -> tuple[str, ...]:
-        """The group tiers a computed group ending at page ``group_end`` goes to: those whose
-        load of it could beat computing it where it stands in its prompt (a later prompt sharing
-        it has it at the same place, after the same pages), by the measured rates; every tier
-        while a rate or the prefill is unmeasured, with ``--kv-tier-load always`` and with
-        overlap on (a slower tier's pages still load beside the computing). Neither the copy off
-        the device nor the write is paid for a group no load would take (a store at 512 tokens
-        of a 7B model on an H100: a first worker's prompt 1.08x a cold one, writing).
-        Every :data:`RECALIBRATE_EVERY` groups a tier is not given, it takes one anyway and is
-        measured again (its rate, read once at a busy moment, would otherwise keep it idle)."""
+    def _mark(self, key: bytes, tiers: tuple[str, ...]) -> None:
+        """Remember ``key`` as given to (or found in) ``tiers`` (the most recent groups)."""
+        self._written[key] = self._written.get(key, frozenset()) | frozenset(tiers)
+        self._written.move_to_end(key)
+        if len(self._written) > _REMEMBERED_GROUPS:
+            self._written.popitem(last=False)
+
+    def _tiers_worth_writing(self, groups: int) -> set[str]:
+        """The group tiers a sequence of ``groups`` full page groups should be written to: those
+        for which some leading run of them could be worth loading, a run's saving (each
+        group's computing where it stands in the prompt, less its load at the tier's rate)
+        being what :func:`~pdserve.engine.kv_cost.pages_worth_loading` weighs; every tier while
+        its rate or the prefill is unmeasured, with ``--kv-tier-load always`` and with overlap on
+        (a slower tier's pages still load beside the computing). A group no load would take is
+        neither copied off the device nor written (a first or second worker with a store at 512
+        tokens of a 7B model on an H100: 1.08x a cold one, writing, 2026-12-06)."""
         g = self.group_pages
-        tokens = self.pool.layout.page_size
+        tokens = g * self.pool.layout.page_size
         always = self.config.load == "always" or self.config.overlap
-        compute = self.estimates.recompute_seconds(g * tokens, (group_end - g) * tokens)
-        tiers: list[str] = []
+        measured = self.estimates.recompute_seconds(tokens) is not None
+        out: set[str] = set()
         for tier in self.groups:
             load = self.estimates.load_seconds(tier.name, g * self.pool.page_bytes)
-            if always or load is None or compute is None or load < compute:
-                tiers.append(tier.name)
+            if always or load is None or not measured:
+                out.add(tier.name)
                 continue
-            self._unwritten[tier.name] += 1
-            if self._unwritten[tier.name] >= RECALIBRATE_EVERY:
-                self._unwritten[tier.name] = 0
-                self._writes_since_calibration[tier.name] = RECALIBRATE_EVERY  # measured after this write
-                tiers.append(tier.name)
-            else:
-                self.stats.tiers[tier.name].unwritten_groups += 1
-        return tuple(tiers)
-
-    def _held_everywhere(self, keys: list[bytes]) -> list[bool]:
-        """Whether every group tier holds each of ``keys`` (one round trip where a tier can)."""
-        held = [True] * len(keys)
-        if not all(tier.local for tier in self.groups):
-            return [False] * len(keys)
-        for tier in self.groups:
-            held = [a and b for a, b in zip(held, tier.contains_many(keys), strict=True)]
-        return held
+            saved = 0.0
+            for i in range(groups):
+                saved += (self.estimates.recompute_seconds(tokens, i * tokens) or 0.0) - load
+                if saved > 0.0:
+                    out.add(tier.name)
+                    break
+        return out
 
     def _pinned(self, pages: int) -> torch.Tensor:
         """A pinned host buffer for a group's snapshot, reused once the writer is done with

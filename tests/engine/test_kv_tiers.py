@@ -497,11 +497,10 @@ def test_a_tier_measured_slow_once_is_measured_again(
 def test_a_group_no_load_could_take_is_not_copied_or_written(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A computed group goes only to the tiers whose load of it could beat computing it where
-    it stands: a disk measured slower takes none of a prompt's groups (not copied off the
-    device either: nothing is queued), counted per tier; every RECALIBRATE_EVERY groups it
-    takes one anyway and is measured again; measured fast, or with ``load='always'``, it
-    takes them all."""
+    """A sequence's groups go only to the tiers from which a leading run of them could be worth
+    loading: a disk measured slower takes none of a prompt's groups (not copied off the device
+    either: nothing is queued), counted per tier; every RECALIBRATE_EVERY groups it takes one
+    anyway and is measured again; measured fast, or with ``load='always'``, it takes them all."""
     from pdserve.engine import kv_write
 
     monkeypatch.setattr(kv_write, "RECALIBRATE_EVERY", 4)
@@ -534,7 +533,48 @@ def test_a_group_no_load_could_take_is_not_copied_or_written(
     engine.close()
 
 
-def test_groups_every_tier_holds_are_not_copied_again(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_a_tier_that_comes_to_pay_takes_the_sequence_s_earlier_groups_too(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The leading-run rule: a load takes a prefix's groups from the first, so where a longer
+    prompt makes a tier pay, the groups of its start that a shorter one left unwritten are
+    written then (a prefix with a gap could never be loaded past it)."""
+    engine = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4, load="cost", prefetch_bytes=0)
+    tiers = engine.tiers
+    assert tiers is not None
+    disk = tiers.stats.tiers["disk"]
+    tiers.estimates.prefill_readings.clear()
+    tiers.note_prefill(1000, 1e-3)  # a microsecond a token
+    tiers.estimates.prefill_s_per_pair = 1e-7  # and a tenth of one a (query, key) pair
+    group = 4 * tiers.pool.page_bytes
+    # computing group i where it stands: 64 us + 0.1 us * 64 * (64 i + 32) = 269, 678, 1088 us;
+    # a group's load 600 us: one group or two do not pay (269 < 600, 947 < 1,200), three do
+    tiers.estimates.bytes_per_s["disk"] = group / 6e-4
+    assert tiers._tiers_worth_writing(1) == set() and tiers._tiers_worth_writing(2) == set()
+    assert tiers._tiers_worth_writing(3) == {"disk"}
+    short, long = list(range(5, 5 + 16 * 8)), list(range(5, 5 + 16 * 16))  # 2 groups, then 4 sharing them
+    saved_rate = dict(tiers.estimates.bytes_per_s)
+
+    def keep_estimates() -> None:  # the steps' own readings would move the rule; these are the test's
+        tiers.estimates.prefill_readings.clear()
+        tiers.note_prefill(1000, 1e-3)
+        tiers.estimates.prefill_s_per_pair = 1e-7
+        tiers.estimates.bytes_per_s.update(saved_rate)
+
+    original = tiers.note_prefill
+    tiers.note_prefill = lambda *a, **k: None  # type: ignore[method-assign]
+    serve(engine, [short])
+    tiers.drain()
+    assert disk.stored_pages == 0 and disk.unwritten_groups == 2
+    keep_estimates()
+    serve(engine, [long])
+    tiers.drain()
+    assert disk.stored_pages == 4 * 4, "all four, the two the short prompt left among them"
+    tiers.note_prefill = original  # type: ignore[method-assign]
+    engine.close()
+
+
+def test_groups_every_tier_holds_are_not_copied_again(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A worker that computes a prefix its disk already holds (declined as slower than
     computing) copies none of it off the device for the writer."""
     prompt = list(range(5, 205))
@@ -542,6 +582,8 @@ def test_groups_every_tier_holds_are_not_copied_again(tiny_model_dir: Path, tmp_
     assert second.tiers is not None
     second.tiers.drain()
     second.tiers.estimates.bytes_per_s["disk"] = 1.0  # a byte a second (over its calibration): declined
+    # (and, by that rate, not written either: here the groups are offered to it, to see them found held)
+    monkeypatch.setattr(second.tiers, "_tiers_worth_writing", lambda groups: {"disk"})
     assert serve(second, [prompt], first=1) == computed
     second.tiers.drain()
     stats = second.tiers.stats
@@ -566,7 +608,7 @@ def test_a_tier_a_round_trip_away_is_not_asked_on_the_engines_thread(
     second.tiers.estimates.bytes_per_s["disk"] = 1.0  # declined: computed
     # (and, by that rate, not written either: here every group is offered to it, as to a tier
     # that could pay for some, to see where the check is made)
-    monkeypatch.setattr(second.tiers, "_tiers_worth_writing", lambda group_end: ("disk",))
+    monkeypatch.setattr(second.tiers, "_tiers_worth_writing", lambda groups: {"disk"})
     (disk,) = second.tiers.groups
     disk.local = False  # type: ignore[misc]  # as a store is
     asked: list[str] = []
