@@ -134,7 +134,7 @@ _TIER_COUNTERS = {
     ),
     "unwritten_groups": (
         "pdserve_kv_tier_unwritten_groups",
-        "page groups computed and not written to the tier: measured slower than computing them where they stand",
+        "page groups computed and not written to the tier: no leading run of them could be worth loading from it",
     ),
     "saved_seconds": (
         "pdserve_kv_tier_saved_seconds",

@@ -90,8 +90,8 @@ class TierCounts:
     their pages, by the rule's estimates when it took them; ``skipped_lookups``: prefix lookups
     not asked of it, its measured rate slower than computing even the prompt's dearest page
     (then no part of a prefix there could be worth loading); ``unwritten_groups``: page groups
-    computed and not written to it, its measured rate slower than computing them where they
-    stand in their prompt (no load of them could pay)."""
+    computed and not written to it, no leading run of them worth loading from it by the
+    measured rates (a load takes a prefix's groups from its first)."""
 
     tier: str
     hit_pages: int = 0
