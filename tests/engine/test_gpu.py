@@ -221,7 +221,9 @@ def test_a_kv_tier_write_s_snapshot_does_not_make_the_host_wait_for_the_device(t
         with pytest.raises(RuntimeError, match="synchroniz"):
             torch.tensor([1, 2, 3], device="cuda")
         assert page_index([1, 2, 3], torch.device("cuda")).device.type == "cuda"
-        engine.tiers._enqueue([(bytes(range(16)), [0, 1, 2, 3]), (bytes(range(1, 17)), [4, 5, 6, 7])])
+        engine.tiers._enqueue(
+            [(bytes(range(16)), [0, 1, 2, 3], ("disk",)), (bytes(range(1, 17)), [4, 5, 6, 7], ("disk",))]
+        )
     finally:
         torch.cuda.set_sync_debug_mode(0)
         engine.tiers._queue.put_nowait = put  # type: ignore[method-assign]
