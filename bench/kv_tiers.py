@@ -234,10 +234,10 @@ def serve_one(model: Path, tiers: KVTierConfig, args: argparse.Namespace, seed: 
     # several prompts, each measured alone (the writes of one land before the next): a single
     # 512-token step of a 7B model on an H100 is mostly the host's launches, and one reading of
     # it ranged from 14 to 35 ms between processes doing the same work (2026-12-06)
-    for i in range(max(1, getattr(args, "prompts", 1))):
+    for i in range(max(1, args.prompts)):
         prompt = tokens(random.Random(seed if i == 0 else f"{seed}-{i}"), args.prefix + args.message)
         with contextlib.ExitStack() as stack:
-            if getattr(args, "profile_dir", None) and i == 0:  # the first prompt's host and device timeline
+            if args.profile_dir and i == 0:  # the first prompt's host and device timeline
                 from torch.profiler import ProfilerActivity, profile
 
                 acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
@@ -248,7 +248,7 @@ def serve_one(model: Path, tiers: KVTierConfig, args: argparse.Namespace, seed: 
         answers.append(answer)
         if engine.tiers is not None:
             engine.tiers.drain()
-        if getattr(args, "profile_dir", None) and i == 0:
+        if args.profile_dir and i == 0:
             args.profile_dir.mkdir(parents=True, exist_ok=True)
             named = {"host": tiers.host_bytes, "disk": tiers.disk_dir, "store": tiers.store_master}
             kinds = "+".join(k for k, on in named.items() if on) or "none"

@@ -111,7 +111,7 @@ class _Write:
     key: bytes
     pages: torch.Tensor  # on the host
     ready: torch.cuda.Event | None
-    tiers: tuple[str, ...] = ()  # the group tiers to write it to (those where a load of it could pay)
+    tiers: tuple[str, ...]  # the group tiers to write it to (those where a load of it could pay)
 
 
 @dataclass
@@ -148,7 +148,6 @@ class WriteThrough:
 
     def start_writer(self, max_pending: int) -> None:
         self._written: OrderedDict[bytes, frozenset[str]] = OrderedDict()  # groups lately given to tiers
-        self._forced: list[tuple[int, str]] = []  # (group end, tier): written for a measurement
         self._queue: queue.Queue[_Write | _Calibrate | None] = queue.Queue(maxsize=max_pending)
         self._copy_stream: torch.cuda.Stream | None = None  # a GPU pool's group snapshots (see _enqueue)
         self._pinned_free: list[torch.Tensor] = []  # their pinned buffers, for reuse
@@ -226,22 +225,23 @@ class WriteThrough:
         if not self.groups:
             return
         g = self.group_pages
-        ends = range(g, new_full + 1, g)
-        if not ends:
-            return
-        wanted = self._tiers_worth_writing(len(ends))
         fresh_from = (old_full // g + 1) * g
+        if fresh_from > new_full:  # no group completed (most decode steps' pages): nothing changed
+            return
+        ends = range(g, new_full + 1, g)
+        wanted = self._tiers_worth_writing(len(ends))
+        forced: list[tuple[int, str]] = []  # (group end, tier): written for a measurement
         for tier in self.groups:
             if tier.name in wanted:
                 continue
-            for e in ends:  # every RECALIBRATE_EVERY of them one is written anyway: measured again
-                if e < fresh_from or tier.name in self._written.get(hashes[e - 1], ()):
+            for e in range(fresh_from, new_full + 1, g):  # every RECALIBRATE_EVERY one is written anyway
+                if tier.name in self._written.get(hashes[e - 1], ()):
                     continue
                 self._unwritten[tier.name] += 1
                 if self._unwritten[tier.name] >= RECALIBRATE_EVERY:
                     self._unwritten[tier.name] = 0
                     self._writes_since_calibration[tier.name] = RECALIBRATE_EVERY  # measured after its write
-                    self._forced.append((e, tier.name))
+                    forced.append((e, tier.name))
                 else:
                     self.stats.tiers[tier.name].unwritten_groups += 1
         needs: dict[int, set[str]] = {}
@@ -250,9 +250,8 @@ class WriteThrough:
             missing = {name for name in wanted if name not in have}
             if missing:
                 needs[e] = missing
-        for e, name in self._forced:
+        for e, name in forced:
             needs.setdefault(e, set()).add(name)
-        self._forced.clear()
         # Groups a local tier already holds (a restarted worker computing what its disk has)
         # are not copied off the device for it. Only local tiers are asked: a store's master is
         # a round trip, which here, on the engine's thread after the step that filled the
