@@ -169,6 +169,7 @@ class Run:
             "mean_ttft_ms": round(statistics.mean(self.ttfts) * 1000, 2),
             "mean_ttft_later_turns_ms": round(statistics.mean(later) * 1000, 2) if later else None,
             "p50_ttft_ms": round(statistics.median(self.ttfts) * 1000, 2),
+            "later_turns_ttft_ms": [round(t * 1000, 2) for t in later],  # in the same order on every engine
             "turns": len(self.ttfts),
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": sum(self.cached),
@@ -398,6 +399,10 @@ def main() -> None:
                 reading = results["chat"][name]
                 reading["speedup_mean_ttft"] = round(base["mean_ttft_ms"] / reading["mean_ttft_ms"], 2)
                 reading["outputs_equal_to_none"] = reading["outputs"] == base["outputs"]
+                # each later turn against the same turn without tiers (run beside it), the median:
+                # a slow spell of the machine or an outlier turn weighs on no configuration alone
+                pairs = zip(reading["later_turns_ttft_ms"], base["later_turns_ttft_ms"], strict=True)
+                reading["later_turns_vs_none_paired"] = round(statistics.median(t / b for t, b in pairs), 3)
             for reading in results["chat"].values():
                 del reading["outputs"]
         disk = {"disk_dir": str(Path(tmp) / "disk-restart"), **overlap}
@@ -413,13 +418,18 @@ def main() -> None:
                 "second_worker_store": in_new_process(args, model, seed + 1, store),
                 "fresh_process_no_tiers": dict(cold),
             }
+        # a second cold process after the others: how far two processes doing the same work
+        # differ (a short prompt's step is mostly the host's launches, which vary by process)
+        again = in_new_process(args, model, seed + 1, {})
+        del again["answer"]
+        results["cold_again"] = again
     for part in ("restart", "store_shared"):
         if part in results:
             readings = list(results[part].values())
             results[part]["answers_equal"] = all(r["answer"] == readings[0]["answer"] for r in readings)
             for r in readings:
                 del r["answer"]
-    print(json.dumps({k: results.get(k) for k in ("restart", "store_shared")}, indent=1))
+    print(json.dumps({k: results.get(k) for k in ("restart", "store_shared", "cold_again")}, indent=1))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=1, default=str) + "\n")

@@ -878,6 +878,50 @@ def test_a_store_is_measured_at_start_on_probe_groups_every_worker_shares(
         engine.close()
 
 
+def test_a_store_is_measured_as_a_long_load_reads_it_two_batch_reads_at_once(
+    tiny_model_dir: Path, store_master: StoreMaster
+) -> None:
+    """A load of a long prefix keeps two batch reads of the store in flight; a calibration
+    reads the same way (its keys once by each call, both calls at once: a barrier of two
+    that a lone call would time out on), its reading every byte of both."""
+    import hashlib
+    import threading
+
+    from pdserve.engine import kv_write
+
+    keys = [hashlib.blake2b(b"pdserve-probe" + bytes([i]), digest_size=16).digest() for i in range(4)]
+    engine = tiered_engine(
+        tiny_model_dir, group_pages=4, store_master=store_master.address, store_metadata=store_master.metadata_url
+    )
+    tiers = engine.tiers
+    assert tiers is not None
+    tier = tiers.tier("store")
+    assert tier is not None
+    both = threading.Barrier(kv_write.CALIBRATION_CALLS, timeout=10)
+    wrapped = tier.get_many_into
+    calls: list[int] = []
+
+    def at_once(asked: Sequence[bytes], buffers: Any) -> Any:
+        calls.append(len(asked))
+        both.wait()  # BrokenBarrierError (raised by calibrate) unless the other call is in flight
+        return wrapped(asked, buffers)
+
+    tier.get_many_into = at_once  # type: ignore[method-assign]
+    noted: list[int] = []
+    note_load = tiers.estimates.note_load
+
+    def noting(name: str, nbytes: int, seconds: float) -> None:
+        noted.append(nbytes)
+        note_load(name, nbytes, seconds)
+
+    tiers.estimates.note_load = noting  # type: ignore[method-assign]
+    assert tiers.calibrate(tier, keys)
+    assert calls == [len(keys)] * kv_write.CALIBRATION_CALLS
+    blob_bytes = len(tier.get(keys[0]) or b"")
+    assert noted == [blob_bytes * len(keys) * kv_write.CALIBRATION_CALLS] and tiers._width["store"] == len(keys)
+    engine.close()
+
+
 def test_writes_a_store_cannot_take_are_counted_errors(
     tiny_model_dir: Path, prompts_and_expected, tmp_path: Path
 ) -> None:
