@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -151,16 +151,50 @@ def steady(readings: Sequence[tuple[int, float, float]]) -> list[tuple[int, floa
     return [r for r, ok in zip(readings, sec <= bound, strict=True) if ok]
 
 
-@dataclass
 class CostEstimates:
     """One worker's running estimates: ``bytes_per_s`` of each tier's loads, and
     ``prefill_s_per_token``, the marginal cost of a prompt token in its own prefill (0: not
-    measured yet; :func:`marginal_cost` of ``prefill_readings``)."""
+    measured yet), with ``prefill_s_per_pair``, a (query, key) pair of the prefill's attention:
+    :func:`prefill_model` of ``prefill_readings``, fitted when next read (a fit is ~0.1 ms of
+    the interpreter: at every prefill step, on the engine's thread, it was part of what a tier
+    that loads nothing costs a request)."""
 
-    bytes_per_s: dict[str, float] = field(default_factory=dict)
-    prefill_s_per_token: float = 0.0
-    prefill_s_per_pair: float = 0.0  # a (query, key) pair of the prefill's attention (prefill_model)
-    prefill_readings: deque[tuple[int, float, float]] = field(default_factory=lambda: deque(maxlen=READINGS))
+    def __init__(
+        self,
+        bytes_per_s: dict[str, float] | None = None,
+        prefill_s_per_token: float = 0.0,
+        prefill_s_per_pair: float = 0.0,
+    ) -> None:
+        self.bytes_per_s: dict[str, float] = dict(bytes_per_s or {})
+        self.prefill_readings: deque[tuple[int, float, float]] = deque(maxlen=READINGS)
+        self._per_token = prefill_s_per_token
+        self._per_pair = prefill_s_per_pair
+        self._unfitted = False  # readings came since the last fit
+
+    def _fit(self) -> None:
+        if self._unfitted:  # (a heartbeat may read beside the engine's thread: a copy is fitted)
+            self._unfitted = False
+            self._per_token, self._per_pair = prefill_model(tuple(self.prefill_readings))
+
+    @property
+    def prefill_s_per_token(self) -> float:
+        self._fit()
+        return self._per_token
+
+    @prefill_s_per_token.setter
+    def prefill_s_per_token(self, value: float) -> None:
+        self._fit()
+        self._per_token = value
+
+    @property
+    def prefill_s_per_pair(self) -> float:
+        self._fit()
+        return self._per_pair
+
+    @prefill_s_per_pair.setter
+    def prefill_s_per_pair(self, value: float) -> None:
+        self._fit()
+        self._per_pair = value
 
     def note_load(self, tier: str, nbytes: int, seconds: float) -> None:
         if nbytes > 0 and seconds > 0.0:
@@ -171,7 +205,7 @@ class CostEstimates:
         (:func:`prefill_model`; 0: not known)."""
         if tokens > 0 and seconds > 0.0:
             self.prefill_readings.append((tokens, seconds, pairs))
-            self.prefill_s_per_token, self.prefill_s_per_pair = prefill_model(self.prefill_readings)
+            self._unfitted = True
 
     def load_seconds(self, tier: str, nbytes: int) -> float | None:
         """Expected time to load ``nbytes`` from ``tier``; None before its first load."""

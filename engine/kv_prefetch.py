@@ -66,10 +66,17 @@ class ReadAhead:
     def prefetch(self, hashes: Sequence[bytes], start: int, ahead: int = 0) -> bool:
         """Read ahead, on the prefetch thread, the groups of ``hashes[start:]`` (a prompt's
         full pages past those the device holds) that only the group tiers have, into host
-        memory: from a tier the cost rule would load from, or from any while ``ahead``
-        requests wait before this one (its wait pays for the read). Returns whether it was
-        queued (a full queue drops it: counted nowhere, the load then reads the tier itself)."""
+        memory, while ``ahead`` requests wait before this one (its wait pays for the read) and
+        from a tier whose direct loads are not faster than loads from memory. Returns whether
+        it was queued (a full queue drops it: counted nowhere, the load then reads the tier
+        itself); never where nothing would be read."""
         if self._prefetcher is None or start >= len(hashes):
+            return False
+        if not any(self._worth_reading_ahead(t.name, ahead) for t in self.groups):
+            # nothing would be read (a request scheduled at once): not even asked, since the
+            # asking (a store's round trip to its master, a disk's stats) ran beside the
+            # engine's thread for every request (a 512-token prompt of a 7B model with a store
+            # that declined every lookup: 1.05x no tier on an H100, 2026-12-06)
             return False
         try:
             self._prefetches.put_nowait((list(hashes), start, ahead))

@@ -103,6 +103,7 @@ LOAD_THREADS = 4  # a load's group reads at once (kv_tiers.KVTiers.load), and a 
 # A load keeps two batch reads of a store in flight (its read buffers: 2 x LOAD_THREADS groups):
 # a calibration of a tier that reads in batches makes as many calls at once.
 CALIBRATION_CALLS = 2
+CALIBRATION_ROUNDS = 3  # ... each made this many times, one after another (see calibrate)
 _PINNED_KEPT = 64  # pinned snapshot buffers kept for reuse (a GPU pool's group writes)
 # Snapshot buffers pinned at the writer's start, in one allocation: a process's first request
 # otherwise pinned each of its groups' buffers on the engine's thread, on its own path.
@@ -473,13 +474,19 @@ class WriteThrough:
         began = time.perf_counter()
         if many is not None:
             # as a long load reads the store: a batch of groups a call to the client, two such
-            # calls in flight (the keys read twice, once by each). One call alone, its latency
-            # not overlapped, read 1.7-1.9 GB/s on an H100 where the loads it was to predict ran
-            # at 3.1-3.8, and the rule then declined (and stopped writing) a store that paid
-            # (0.54x at 8,192 tokens), 2026-12-06.
+            # calls in flight, each made CALIBRATION_ROUNDS times (the keys read again and
+            # again): a load's checks of one batch run beside the next batch's transfer, which
+            # a single round of calls cannot show. One call alone read 1.7-1.9 GB/s on an H100
+            # where the loads it was to predict ran at 3.1-4.1 (two calls at once: 2.0-2.4),
+            # and the rule then declined (and stopped writing) a store that paid (0.54x at
+            # 8,192 tokens), 2026-12-06.
             assert self._calibrator is not None
-            calls = [self._calibrator.submit(self._read_many, tier, many, keys) for _ in range(CALIBRATION_CALLS)]
-            sizes_each = [call.result() for call in calls]
+
+            def rounds() -> list[list[int]]:  # one of the calls in flight, made again and again
+                return [self._read_many(tier, many, keys) for _ in range(CALIBRATION_ROUNDS)]
+
+            calls = [self._calibrator.submit(rounds) for _ in range(CALIBRATION_CALLS)]
+            sizes_each = [sizes for call in calls for sizes in call.result()]
             sizes = [n if all(each[i] for each in sizes_each) else 0 for i, n in enumerate(sizes_each[0])]
             total = sum(sum(each) for each in sizes_each)
         else:

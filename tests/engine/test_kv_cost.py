@@ -290,3 +290,22 @@ def test_steady_is_the_rule_it_states_on_random_readings() -> None:
             p = rng.choice([0.0, t * t / 2, t * (t / 2 + rng.randint(0, 4096))])
             readings.append((t, (t * 1e-5 + 0.008) * rng.choice([1.0, 1.0, 1.2, 3.0, 8.0]), p))
         assert steady(readings) == by_hand(readings)
+
+
+def test_the_prefill_is_fitted_when_read_not_at_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's reading is only kept; the fit (~0.1 ms of the interpreter) runs once, when the
+    rule next reads the estimate, over every reading since, and gives what fitting each gives."""
+    from pdserve.engine import kv_cost
+
+    fits: list[int] = []
+    fit = kv_cost.prefill_model
+    monkeypatch.setattr(kv_cost, "prefill_model", lambda readings: (fits.append(len(readings)), fit(readings))[1])
+    e = CostEstimates()
+    steps = [(36, 0.015, 36 * 18.0), (2048, 0.05, 2048 * 1024.0), (8224, 0.25, 8224 * 4112.0), (512, 0.02, 512 * 256.0)]
+    for tokens, seconds, pairs in steps:
+        e.note_prefill(tokens, seconds, pairs)
+    assert fits == []
+    assert (e.prefill_s_per_token, e.prefill_s_per_pair) == fit(steps) and fits == [len(steps)]
+    assert e.recompute_seconds(16) is not None and fits == [len(steps)]  # fitted once until a new reading
+    e.prefill_s_per_pair = 0.0  # a value set stays (the readings before it were fitted first)
+    assert e.prefill_s_per_pair == 0.0 and fits == [len(steps)]

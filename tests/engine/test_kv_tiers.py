@@ -666,9 +666,11 @@ def test_a_queued_request_finds_its_prefix_read_ahead(
     alone = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4, load="cost")
     assert alone.tiers is not None
     alone.tiers.estimates.bytes_per_s["disk"] = 1.0  # a byte a second: reading it on the step's path loses
+    not_asked = keys_asked(alone.tiers.tier("disk"), "contains_many")
     alone.add_request("r1", prompts[1], GREEDY)
     alone.tiers.drain_prefetches()
     assert alone.tiers.stats.tiers["disk"].prefetched_groups == 0
+    assert not_asked == []  # nor was the tier asked what it holds beside the engine's thread
     alone.close()
 
     engine = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4, load="cost")
@@ -882,8 +884,8 @@ def test_a_store_is_measured_as_a_long_load_reads_it_two_batch_reads_at_once(
     tiny_model_dir: Path, store_master: StoreMaster
 ) -> None:
     """A load of a long prefix keeps two batch reads of the store in flight; a calibration
-    reads the same way (its keys once by each call, both calls at once: a barrier of two
-    that a lone call would time out on), its reading every byte of both."""
+    reads the same way (its keys by each call, both calls at once: a barrier of two that a
+    lone call would time out on, each call made several times), its reading every byte."""
     import hashlib
     import threading
 
@@ -916,9 +918,10 @@ def test_a_store_is_measured_as_a_long_load_reads_it_two_batch_reads_at_once(
 
     tiers.estimates.note_load = noting  # type: ignore[method-assign]
     assert tiers.calibrate(tier, keys)
-    assert calls == [len(keys)] * kv_write.CALIBRATION_CALLS
+    made = kv_write.CALIBRATION_CALLS * kv_write.CALIBRATION_ROUNDS
+    assert calls == [len(keys)] * made
     blob_bytes = len(tier.get(keys[0]) or b"")
-    assert noted == [blob_bytes * len(keys) * kv_write.CALIBRATION_CALLS] and tiers._width["store"] == len(keys)
+    assert noted == [blob_bytes * len(keys) * made] and tiers._width["store"] == len(keys)
     engine.close()
 
 
