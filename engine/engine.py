@@ -158,7 +158,7 @@ class Engine(Appending, Admission):
         self.pages.enable_prefix_cache = False
         try:
             for round_ in range(2):
-                tiers.estimates.prefill_readings.clear()
+                tiers.estimates.clear_prefill()
                 for n in sizes:
                     self.add_request(
                         f"prefill-probe-{round_}-{n}", [rng.randrange(self.runner.vocab_size) for _ in range(n)], greedy

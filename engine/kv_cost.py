@@ -131,6 +131,13 @@ def prefill_model(readings: Sequence[tuple[int, float, float]]) -> tuple[float, 
     return linear, 0.0
 
 
+def spreads(readings: Sequence[tuple[int, float, float]]) -> bool:
+    """Whether the steady ``(tokens, seconds, pairs)`` prefill steps of ``readings`` differ
+    enough in size (:data:`SPREAD`) for a slope: a marginal cost, not a step's whole rate."""
+    sizes = [t for t, _, _ in steady(readings)]
+    return len(sizes) >= 2 and max(sizes) >= SPREAD * min(sizes)
+
+
 def steady(readings: Sequence[tuple[int, float, float]]) -> list[tuple[int, float, float]]:
     """The ``(tokens, seconds, pairs)`` prefill steps that paid no one-time costs: a step is
     dropped where another with no more tokens and pairs, scaled by the larger of the two
@@ -157,7 +164,13 @@ class CostEstimates:
     measured yet), with ``prefill_s_per_pair``, a (query, key) pair of the prefill's attention:
     :func:`prefill_model` of ``prefill_readings``, fitted when next read (a fit is ~0.1 ms of
     the interpreter: at every prefill step, on the engine's thread, it was part of what a tier
-    that loads nothing costs a request)."""
+    that loads nothing costs a request). Once the readings have spread in size, readings that
+    no longer do (a chat's turns, all of one length, pushing the worker's start-up probes out)
+    keep the last fit that had a spread rather than fall back to the cheapest step's rate: that
+    rate has the step's fixed part in it, and on an H100 it priced a 512-token prompt of a 7B
+    model at 24 us a token where its slope was 0.4 (a step there is mostly the host's
+    launches), so that a store and a disk were written and loaded where neither could pay
+    (1.04x no tier, 2026-12-06)."""
 
     def __init__(
         self,
@@ -170,11 +183,18 @@ class CostEstimates:
         self._per_token = prefill_s_per_token
         self._per_pair = prefill_s_per_pair
         self._unfitted = False  # readings came since the last fit
+        self._spread_fit: tuple[float, float] | None = None  # the last fit of readings that spread
 
     def _fit(self) -> None:
         if self._unfitted:  # (a heartbeat may read beside the engine's thread: a copy is fitted)
             self._unfitted = False
-            self._per_token, self._per_pair = prefill_model(tuple(self.prefill_readings))
+            readings = tuple(self.prefill_readings)
+            fit = prefill_model(readings)
+            if spreads(readings):
+                self._spread_fit = fit
+            elif self._spread_fit is not None:
+                fit = self._spread_fit
+            self._per_token, self._per_pair = fit
 
     @property
     def prefill_s_per_token(self) -> float:
@@ -199,6 +219,13 @@ class CostEstimates:
     def note_load(self, tier: str, nbytes: int, seconds: float) -> None:
         if nbytes > 0 and seconds > 0.0:
             self.bytes_per_s[tier] = _ema(self.bytes_per_s.get(tier, 0.0), nbytes / seconds)
+
+    def clear_prefill(self) -> None:
+        """Forget the prefill's readings and fits (the next readings start afresh)."""
+        self.prefill_readings.clear()
+        self._spread_fit = None
+        self._unfitted = False
+        self._per_token = self._per_pair = 0.0
 
     def note_prefill(self, tokens: int, seconds: float, pairs: float = 0.0) -> None:
         """A prefill step: ``tokens`` prompt tokens in ``seconds``, its attention ``pairs``

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.engine import kv_cost
 from pdserve.engine.kv_cost import (
     CostEstimates,
     Decision,
@@ -309,3 +310,24 @@ def test_the_prefill_is_fitted_when_read_not_at_every_step(monkeypatch: pytest.M
     assert e.recompute_seconds(16) is not None and fits == [len(steps)]  # fitted once until a new reading
     e.prefill_s_per_pair = 0.0  # a value set stays (the readings before it were fitted first)
     assert e.prefill_s_per_pair == 0.0 and fits == [len(steps)]
+
+
+def test_readings_of_one_size_keep_the_marginal_cost_measured_when_they_spread() -> None:
+    """A worker's start-up probes spread in size and give a slope; a chat's turns, all of one
+    length, then push them out: the slope stays, not the turns' whole rate (its fixed part in
+    it), which would make loading look cheaper than computing where it is not. A worker that
+    never saw sizes spread still has the cheapest rate, its upper bound."""
+    e = CostEstimates()
+    probes = [(96, 0.0159, 0.0), (192, 0.0159, 0.0), (384, 0.0160, 0.0), (544, 0.0162, 0.0)]  # mostly fixed
+    for tokens, seconds, pairs in probes:
+        e.note_prefill(tokens, seconds, pairs)
+    slope = e.prefill_s_per_token
+    assert 0.0 < slope < 2e-6
+    for _ in range(kv_cost.READINGS):
+        e.note_prefill(548, 0.015)
+    assert e.prefill_s_per_token == slope  # the cheapest turn's rate would be 27 us a token
+    fresh = CostEstimates()
+    fresh.note_prefill(548, 0.015)
+    assert fresh.prefill_s_per_token == pytest.approx(0.015 / 548)
+    e.note_prefill(4096, 0.06)  # sizes spread again: a new fit
+    assert e.prefill_s_per_token != slope

@@ -453,7 +453,7 @@ def test_a_tier_slower_than_computing_any_page_is_not_asked(tiny_model_dir: Path
     hashes = page_hashes(prompt, 16, None)
     disk = tiers.stats.tiers["disk"]
     page_bytes = tiers.pool.page_bytes
-    tiers.estimates.prefill_readings.clear()
+    tiers.estimates.clear_prefill()
     tiers.note_prefill(1000, 1e-3)  # a microsecond a token: a page of 16 tokens, 16 us
     tiers.estimates.bytes_per_s["disk"] = page_bytes / 1e-3  # a page a millisecond: slower
     plan = tiers.find(hashes, 0, len(hashes))
@@ -541,7 +541,7 @@ def test_a_tier_that_comes_to_pay_takes_the_sequence_s_earlier_groups_too(tiny_m
     tiers = engine.tiers
     assert tiers is not None
     disk = tiers.stats.tiers["disk"]
-    tiers.estimates.prefill_readings.clear()
+    tiers.estimates.clear_prefill()
     tiers.note_prefill(1000, 1e-3)  # a microsecond a token
     tiers.estimates.prefill_s_per_pair = 1e-7  # and a tenth of one a (query, key) pair
     group = 4 * tiers.pool.page_bytes
@@ -554,7 +554,7 @@ def test_a_tier_that_comes_to_pay_takes_the_sequence_s_earlier_groups_too(tiny_m
     saved_rate = dict(tiers.estimates.bytes_per_s)
 
     def keep_estimates() -> None:  # the steps' own readings would move the rule; these are the test's
-        tiers.estimates.prefill_readings.clear()
+        tiers.estimates.clear_prefill()
         tiers.note_prefill(1000, 1e-3)
         tiers.estimates.prefill_s_per_pair = 1e-7
         tiers.estimates.bytes_per_s.update(saved_rate)
