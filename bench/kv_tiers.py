@@ -7,14 +7,19 @@ sends the conversation so far plus ``--message`` new tokens, waits for its first
 (TTFT) and its ``--answer`` tokens, which join the conversation. The device pool holds
 ``--pool-tokens`` tokens, fewer than the conversations together, so by a user's next
 turn the device's prefix cache has lost that user's pages: without tiers they are
-computed again; with a tier they are loaded from it.
+computed again; with a tier they are loaded from it. Each configuration's reading: the mean
+TTFT of the later turns, its ratio to none's, and the median of each later turn against the
+same turn without tiers (``later_turns_vs_none_paired``: an outlier turn or a slow spell of
+the machine weighs on no configuration alone).
 
 **Restart** (separate processes): a prefill process computes a prompt with the disk tier
 and exits; a new process (a restarted worker) serves the same prompt from the disk
 tier; a third, without tiers, computes it (the baseline). **Store**: a process computes
 a prompt with the Mooncake Store tier (the benchmark starts ``mooncake_master`` and a
 store server, as ``pdserve up --kv-store`` does) and exits; a second process (another
-worker) serves it from the store.
+worker) serves it from the store. A second process without tiers runs after them all
+(``cold_again``): how far two processes doing the same work differ. Each fresh process
+serves ``--prompts`` prompts, each timed alone, its reading the median.
 
     python bench/kv_tiers.py --json docs/data/kv_tiers.json
 """
