@@ -17,6 +17,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -70,24 +71,47 @@ def gptq_(linear: torch.nn.Linear, H: torch.Tensor, damp: float = 0.01, block: i
 
 
 @torch.inference_mode()
+def feed(
+    model: torch.nn.Module, tokens: list[int], hooked: list[tuple[torch.nn.Module, Any]], chunk: int = 512
+) -> None:
+    """``tokens`` through ``model`` in windows of ``chunk``, each ``(module, hook)`` of ``hooked``
+    a forward hook on its module meanwhile."""
+    hooks = [m.register_forward_hook(fn) for m, fn in hooked]
+    try:
+        ids = torch.tensor(tokens)
+        for s in range(0, len(ids), chunk):
+            model(ids[None, s : s + chunk])
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def hessians(model: torch.nn.Module, tokens: list[int], chunk: int = 512) -> dict[str, torch.Tensor]:
     """Each decoder linear's ``X^T X`` over ``tokens``, fed in windows of ``chunk``."""
-    layers = model.get_decoder().layers
-    H, hooks = {}, []
-    for name, m in layers.named_modules():
+    H: dict[str, torch.Tensor] = {}
+    hooked = []
+    for name, m in model.get_decoder().layers.named_modules():
         if isinstance(m, torch.nn.Linear):
 
             def hook(mod, inp, out, name=name):
                 x = inp[0].reshape(-1, inp[0].shape[-1]).to(torch.float64)
                 H[name] = H.get(name, 0) + x.T @ x
 
-            hooks.append(m.register_forward_hook(hook))
-    ids = torch.tensor(tokens)
-    for s in range(0, len(ids), chunk):
-        model(ids[None, s : s + chunk])
-    for h in hooks:
-        h.remove()
+            hooked.append((m, hook))
+    feed(model, tokens, hooked, chunk)
     return H
+
+
+def model_and_text() -> tuple[str, torch.nn.Module, list[int], list[int]]:
+    """The default model in float32, the 4,096 tokens the quality figures score, and the corpus'
+    tokens after them (the calibration text)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    name, model_dir = fq.resolve_model("smollm2", Path("/tmp/pdserve-bench"))
+    scored = fq.load_tokens(model_dir, 4096)
+    ids = AutoTokenizer.from_pretrained(model_dir)(fq.TEXT.read_text(encoding="utf-8"), add_special_tokens=False)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return name, model, scored, list(ids["input_ids"][4096:])
 
 
 def main() -> None:
@@ -95,14 +119,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--variants", default="bf16,fp8_weights,fp8_weights_a16,fp8_both")
     args = p.parse_args()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     names = args.variants.split(",")
-    name, model_dir = fq.resolve_model("smollm2", Path("/tmp/pdserve-bench"))
-    scored = fq.load_tokens(model_dir, 4096)
-    ids = AutoTokenizer.from_pretrained(model_dir)(fq.TEXT.read_text(encoding="utf-8"), add_special_tokens=False)
-    calib = ids["input_ids"][4096:]
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    name, model, scored, calib = model_and_text()
     t0 = time.time()
     h = hessians(model, calib)
     rounded = copy.deepcopy(model)

@@ -31,13 +31,15 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 import fp8_quality as fq  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "bench" / "probes"))
+from fp8_gptq_probe import feed, model_and_text  # noqa: E402
 
-@torch.inference_mode()
+
 def channel_maxima(model: torch.nn.Module, tokens: list[int], chunk: int = 512) -> dict[tuple[int, str], torch.Tensor]:
     """Per decoder layer, each input channel's largest magnitude into q/k/v ("attn") and
     gate/up ("mlp") over ``tokens``, fed in windows of ``chunk``."""
     amax: dict[tuple[int, str], torch.Tensor] = {}
-    hooks = []
+    hooked = []
     for i, layer in enumerate(model.get_decoder().layers):
         for part, proj in (("attn", layer.self_attn.q_proj), ("mlp", layer.mlp.gate_proj)):
 
@@ -45,12 +47,8 @@ def channel_maxima(model: torch.nn.Module, tokens: list[int], chunk: int = 512) 
                 x = inp[0].reshape(-1, inp[0].shape[-1]).abs().amax(0)
                 amax[key] = torch.maximum(amax[key], x) if key in amax else x
 
-            hooks.append(proj.register_forward_hook(hook))
-    ids = torch.tensor(tokens)
-    for s in range(0, len(ids), chunk):
-        model(ids[None, s : s + chunk])
-    for h in hooks:
-        h.remove()
+            hooked.append((proj, hook))
+    feed(model, tokens, hooked, chunk)
     return amax
 
 
@@ -77,14 +75,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--alphas", default="0.3,0.5,0.7", help="migration strengths to measure")
     args = p.parse_args()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     alphas = [float(a) for a in args.alphas.split(",")]
-    name, model_dir = fq.resolve_model("smollm2", Path("/tmp/pdserve-bench"))
-    scored = fq.load_tokens(model_dir, 4096)
-    ids = AutoTokenizer.from_pretrained(model_dir)(fq.TEXT.read_text(encoding="utf-8"), add_special_tokens=False)
-    calib = ids["input_ids"][4096:]
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    name, model, scored, calib = model_and_text()
     t0 = time.time()
     amax = channel_maxima(model, calib)
     print(f"calibration {len(calib)} tokens in {time.time() - t0:.0f} s", flush=True)
