@@ -130,7 +130,7 @@ _TIER_COUNTERS = {
     ),
     "skipped_lookups": (
         "pdserve_kv_tier_skipped_lookups",
-        "prefix lookups not asked of the tier: measured slower than computing even the prompt's dearest page",
+        "prefix lookups not asked of the tier: no run of the prompt's pages measured worth loading from it",
     ),
     "unwritten_groups": (
         "pdserve_kv_tier_unwritten_groups",

@@ -214,9 +214,12 @@ class KVTiers(WriteThrough, ReadAhead):
         keys = [hashes[e - 1] for e in range((start // g + 1) * g, min(len(hashes), end + g - 1) + 1, g)]
         with self._fetch_lock:
             read_ahead = any(k in self._fetched for k in keys)
+        first = start  # where a group tier's run could begin: after the pages host memory holds
+        while first < end and self.host is not None and self.host.contains(hashes[first]):
+            first += 1
         held: dict[str, set[bytes]] = {}
         for t in self.groups:
-            if keys and not read_ahead and self._cannot_pay(t.name, end):
+            if keys and not read_ahead and self._cannot_pay(t.name, first, end):
                 self.stats.tiers[t.name].skipped_lookups += 1
                 held[t.name] = set()
             else:
@@ -242,19 +245,29 @@ class KVTiers(WriteThrough, ReadAhead):
         self._timed("lookup", began)
         return Plan(hashes, start, steps)
 
-    def _cannot_pay(self, name: str, end: int) -> bool:
-        """Whether group tier ``name`` is measured slower than computing even the dearest page of
-        a prefix that ends at page ``end`` (its last: each page attends to all before it), so
-        that no run of its pages could be worth loading: then :meth:`find` does not ask it (a
-        store's lookup is a round trip to its master on the engine's thread, every request).
-        Never with ``load='always'`` or overlap on (a slower tier's pages can still load beside
-        the computing), nor while the tier or the prefill is unmeasured."""
+    def _cannot_pay(self, name: str, first: int, end: int) -> bool:
+        """Whether no run of group tier ``name``'s pages that begins at page ``first`` (the
+        first one a load could take from it) and ends by page ``end`` is measured worth
+        loading: a load takes a prefix's pages in order, so a run that pays only past its first
+        pages (each page attends to all before it: the later ones are the dearer to compute)
+        pays only if it is long enough. Then :meth:`find` does not ask it (a store's lookup is
+        a round trip to its master on the engine's thread, every request: a 2,048-token prompt
+        of a 7B model on an H100, whose last pages cost more to compute than to load from the
+        store but no leading run of them did, paid it at every turn, 1.02x no tier,
+        2026-12-06). Never with ``load='always'`` or overlap on (a slower tier's pages can still
+        load beside the computing), nor while the tier or the prefill is unmeasured."""
         if self.config.load == "always" or self.config.overlap:
             return False
         tokens = self.pool.layout.page_size
         load = self.estimates.load_seconds(name, self.pool.page_bytes)
-        compute = self.estimates.recompute_seconds(tokens, (end - 1) * tokens)
-        return load is not None and compute is not None and load >= compute
+        if load is None or self.estimates.recompute_seconds(tokens) is None or first >= end:
+            return False
+        # the saving of the run's first k pages, k * (its first page's) + a quadratic term, is
+        # convex in k and 0 at k = 0: its largest over 1..n is at k = 1 or k = n
+        for k in (1, end - first):
+            if (self.estimates.recompute_seconds(k * tokens, first * tokens) or 0.0) > k * load:
+                return False
+        return True
 
     def worth_loading(self, plan: Plan, overlap: bool = False) -> Loads:
         """What to do with ``plan``: the leading pages whose loading beats computing them

@@ -76,7 +76,7 @@ class TierCounters:
     overlapped_pages: int = 0  # pages loaded beside the computing of the prefix before them (KVTiers.load_behind)
     unbuffered_reads: int = 0  # group reads into a fresh buffer: every reused one was out (kv_buffers)
     saved_seconds: float = 0.0  # what its loads were expected to save against computing (the rule's estimates)
-    skipped_lookups: int = 0  # prefix lookups not asked of it: slower than computing even the dearest page
+    skipped_lookups: int = 0  # prefix lookups not asked of it: no run of the prefix from it could pay
     unwritten_groups: int = 0  # computed groups not written to it: no leading run of them could be worth loading
 
 

@@ -88,8 +88,8 @@ class TierCounts:
     ``unbuffered_reads``: group reads that found every reused read buffer out and read into
     a fresh one (slower; :mod:`pdserve.engine.kv_buffers`); ``saved_seconds``: what the loads taken from it were expected to save against computing
     their pages, by the rule's estimates when it took them; ``skipped_lookups``: prefix lookups
-    not asked of it, its measured rate slower than computing even the prompt's dearest page
-    (then no part of a prefix there could be worth loading); ``unwritten_groups``: page groups
+    not asked of it, no run of the prompt's pages from the first a load would take measured
+    worth loading from it; ``unwritten_groups``: page groups
     computed and not written to it, no leading run of them worth loading from it by the
     measured rates (a load takes a prefix's groups from its first)."""
 

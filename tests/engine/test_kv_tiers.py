@@ -438,12 +438,13 @@ def test_a_tier_found_holding_a_prefix_before_it_was_measured_is_timed_on_one_gr
     second.close()
 
 
-def test_a_tier_slower_than_computing_any_page_is_not_asked(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """A group tier measured slower than computing even the prompt's dearest page (its last)
-    is not looked up (a store's lookup is a round trip to its master, every request): counted,
-    and the prefix is computed. It is asked while unmeasured, where it is faster than that
-    page, with ``load='always'``, with overlap on, and when a group of the prefix was read
-    ahead into memory."""
+def test_a_tier_no_run_of_which_could_pay_is_not_asked(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A group tier from which no run of the prompt's pages that begins where a load would
+    begin is measured worth loading (slower than computing even its dearest page, or only its
+    last pages dearer to compute than to load) is not looked up (a store's lookup is a round
+    trip to its master, every request): counted, and the prefix is computed. It is asked
+    while unmeasured, where it is faster, with ``load='always'``, with overlap on, and when a
+    group of the prefix was read ahead into memory."""
     from pdserve.engine.page_manager import page_hashes
 
     prompt = list(range(5, 205))
@@ -469,10 +470,19 @@ def test_a_tier_slower_than_computing_any_page_is_not_asked(tiny_model_dir: Path
     tiers._fetched[hashes[3]] = ("disk", b"")  # a group of the prefix read ahead: asked
     assert tiers.find(hashes, 0, len(hashes)).num_pages == 12
     tiers._fetched.clear()
+    assert disk.skipped_lookups == 1
+    # a tier whose last pages are dearer to compute than to load, but no run from the first:
+    # computing page i costs 16 us + 0.01 us * 16 * (16 i + 8), its last (i = 11) 45.4 us; a
+    # page's load 40 us. The whole run of 12 pages: 376 us to compute, 480 to load; not asked
+    tiers.estimates.prefill_s_per_pair = 1e-8
+    tiers.estimates.bytes_per_s["disk"] = page_bytes / 40e-6
+    assert tiers.find(hashes, 0, len(hashes)).num_pages == 0 and disk.skipped_lookups == 2
+    # a run from page 8 (the pages before it in host memory, say): 4 pages, 166 us against 160
+    assert tiers._cannot_pay("disk", 0, 12) and not tiers._cannot_pay("disk", 8, 12)
     del tiers.estimates.bytes_per_s["disk"]  # unmeasured: asked (then timed by the rule)
-    assert tiers.find(hashes, 0, len(hashes)).num_pages == 12 and disk.skipped_lookups == 1
+    assert tiers.find(hashes, 0, len(hashes)).num_pages == 12 and disk.skipped_lookups == 2
     (counts,) = tiers.counts()
-    assert counts.skipped_lookups == 1
+    assert counts.skipped_lookups == 2
     engine.close()
 
 
