@@ -442,9 +442,10 @@ class WriteThrough:
     def calibrate(self, tier: GroupTier, keys: Sequence[bytes]) -> bool:
         """Time reading groups ``keys`` (up to :data:`LOAD_THREADS`) back from ``tier`` and
         checking them, at once on as many threads as a load uses (off the engine's path; a
-        tier that reads in batches, :data:`CALIBRATION_CALLS` batch reads at once, as a long
-        load keeps in flight), as a load-rate reading of that tier, so that the cost rule does not have to load a whole
-        prefix on a request's path to learn a tier is slower than computing. A reading of
+        tier that reads in batches: :data:`CALIBRATION_CALLS` batch reads at once, as a long
+        load keeps in flight, each made :data:`CALIBRATION_ROUNDS` times), as a load-rate
+        reading of that tier, so that the cost rule does not have to load a whole prefix on a
+        request's path to learn a tier is slower than computing. A reading of
         more groups at once than the last replaces it (a single group read on one thread
         understates what a load's parallel reads deliver); others join the running average.
         The copy to the device, a small part beside a disk or a store, is not in it: real
@@ -463,14 +464,12 @@ class WriteThrough:
         # what a first read pays once (pinning the buffers, a store registering them, the
         # threads) is paid before the clock starts: it is no part of a load's rate
         tier.prepare(self._read_buffers.allocate())
+        many = getattr(tier, "get_many_into", None)
         threads = None
-        if len(keys) > 1:
+        if len(keys) > 1 or many is not None:
             if self._calibrator is None:
                 self._calibrator = helper_pool(LOAD_THREADS, "kv-tier-calibrate")
             threads = self._calibrator
-        many = getattr(tier, "get_many_into", None)
-        if many is not None and self._calibrator is None:
-            self._calibrator = helper_pool(LOAD_THREADS, "kv-tier-calibrate")
         began = time.perf_counter()
         if many is not None:
             # as a long load reads the store: a batch of groups a call to the client, two such
@@ -480,17 +479,17 @@ class WriteThrough:
             # where the loads it was to predict ran at 3.1-4.1 (two calls at once: 2.0-2.4),
             # and the rule then declined (and stopped writing) a store that paid (0.54x at
             # 8,192 tokens), 2026-12-06.
-            assert self._calibrator is not None
+            assert threads is not None
 
             def rounds() -> list[list[int]]:  # one of the calls in flight, made again and again
                 return [self._read_many(tier, many, keys) for _ in range(CALIBRATION_ROUNDS)]
 
-            calls = [self._calibrator.submit(rounds) for _ in range(CALIBRATION_CALLS)]
+            calls = [threads.submit(rounds) for _ in range(CALIBRATION_CALLS)]
             sizes_each = [sizes for call in calls for sizes in call.result()]
             sizes = [n if all(each[i] for each in sizes_each) else 0 for i, n in enumerate(sizes_each[0])]
             total = sum(sum(each) for each in sizes_each)
         else:
-            sizes = list(threads.map(read, keys)) if threads is not None else [read(k) for k in keys]
+            sizes = list(threads.map(read, keys)) if len(keys) > 1 and threads is not None else [read(k) for k in keys]
             total = sum(sizes)
         seconds = time.perf_counter() - began
         width = sum(1 for n in sizes if n)
