@@ -247,6 +247,26 @@ class CostEstimates:
         return tokens * self.prefill_s_per_token + self.prefill_s_per_pair * tokens * (start + tokens / 2)
 
 
+def some_run_pays(
+    estimates: CostEstimates, tier: str, unit_bytes: int, unit_tokens: int, first: int, units: int
+) -> bool:
+    """Whether loading some leading run of ``units`` units (pages, or groups of pages) from
+    ``tier``, the run beginning at unit ``first`` of the prompt, is measured cheaper than
+    computing it: a load takes a prefix in order, and a unit costs more to compute the later it
+    stands (it attends to all before it), so a run that pays only past its first units pays
+    only if long enough. The saving of the run's first ``k`` units (computing them, less ``k``
+    loads) is convex in ``k`` and 0 at ``k = 0``: the run's first unit and the whole run decide.
+    True while the tier or the prefill is unmeasured (there is no telling)."""
+    if units < 1:
+        return False
+    load = estimates.load_seconds(tier, unit_bytes)
+    if load is None or estimates.recompute_seconds(unit_tokens) is None:
+        return True
+    return any(
+        (estimates.recompute_seconds(k * unit_tokens, first * unit_tokens) or 0.0) > k * load for k in {1, units}
+    )
+
+
 @dataclass(frozen=True)
 class Decision:
     """How many of a prefix's found pages to load (a leading run), and the expected

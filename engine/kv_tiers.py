@@ -42,7 +42,7 @@ import torch
 from pdserve.engine import kv_blob
 from pdserve.engine.config import KVTierConfig
 from pdserve.engine.kv_buffers import ReadBuffer, ReadBuffers
-from pdserve.engine.kv_cost import CostEstimates, Decision, overlap_split, pages_worth_loading
+from pdserve.engine.kv_cost import CostEstimates, Decision, overlap_split, pages_worth_loading, some_run_pays
 from pdserve.engine.kv_host import HostTier
 from pdserve.engine.kv_pool import KVPool, page_index
 from pdserve.engine.kv_prefetch import ReadAhead
@@ -256,18 +256,10 @@ class KVTiers(WriteThrough, ReadAhead):
         store but no leading run of them did, paid it at every turn, 1.02x no tier,
         2026-12-06). Never with ``load='always'`` or overlap on (a slower tier's pages can still
         load beside the computing), nor while the tier or the prefill is unmeasured."""
-        if self.config.load == "always" or self.config.overlap:
+        if self.config.load == "always" or self.config.overlap or first >= end:
             return False
-        tokens = self.pool.layout.page_size
-        load = self.estimates.load_seconds(name, self.pool.page_bytes)
-        if load is None or self.estimates.recompute_seconds(tokens) is None or first >= end:
-            return False
-        # the saving of the run's first k pages, k * (its first page's) + a quadratic term, is
-        # convex in k and 0 at k = 0: its largest over 1..n is at k = 1 or k = n
-        for k in (1, end - first):
-            if (self.estimates.recompute_seconds(k * tokens, first * tokens) or 0.0) > k * load:
-                return False
-        return True
+        page_tokens = self.pool.layout.page_size
+        return not some_run_pays(self.estimates, name, self.pool.page_bytes, page_tokens, first, end - first)
 
     def worth_loading(self, plan: Plan, overlap: bool = False) -> Loads:
         """What to do with ``plan``: the leading pages whose loading beats computing them

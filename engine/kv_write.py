@@ -30,6 +30,7 @@ import torch
 
 from pdserve.engine import kv_blob
 from pdserve.engine.kv_buffers import ReadBuffer, ReadBuffers
+from pdserve.engine.kv_cost import some_run_pays
 from pdserve.engine.kv_pool import page_index
 from pdserve.engine.kv_store import StoreError
 from pdserve.engine.threads import helper_pool, helper_thread
@@ -294,22 +295,12 @@ class WriteThrough:
         neither copied off the device nor written (a first or second worker with a store at 512
         tokens of a 7B model on an H100: 1.08x a cold one, writing, 2026-12-06)."""
         g = self.group_pages
-        tokens = g * self.pool.layout.page_size
-        always = self.config.load == "always" or self.config.overlap
-        measured = self.estimates.recompute_seconds(tokens) is not None
-        out: set[str] = set()
-        for tier in self.groups:
-            load = self.estimates.load_seconds(tier.name, g * self.pool.page_bytes)
-            if always or load is None or not measured:
-                out.add(tier.name)
-                continue
-            saved = 0.0
-            for i in range(groups):
-                saved += (self.estimates.recompute_seconds(tokens, i * tokens) or 0.0) - load
-                if saved > 0.0:
-                    out.add(tier.name)
-                    break
-        return out
+        if self.config.load == "always" or self.config.overlap:
+            return {t.name for t in self.groups}
+        unit_bytes, unit_tokens = g * self.pool.page_bytes, g * self.pool.layout.page_size
+        return {
+            t.name for t in self.groups if some_run_pays(self.estimates, t.name, unit_bytes, unit_tokens, 0, groups)
+        }
 
     def _pinned(self, pages: int) -> torch.Tensor:
         """A pinned host buffer for a group's snapshot, reused once the writer is done with

@@ -331,3 +331,35 @@ def test_readings_of_one_size_keep_the_marginal_cost_measured_when_they_spread()
     assert fresh.prefill_s_per_token == pytest.approx(0.015 / 548)
     e.note_prefill(4096, 0.06)  # sizes spread again: a new fit
     assert e.prefill_s_per_token != slope
+
+
+def test_some_run_pays_is_the_leading_runs_weighed_one_by_one() -> None:
+    """Whether some leading run of units pays, decided by its first unit and the whole run
+    (the saving is convex in the run's length), equals weighing every leading run in turn;
+    unmeasured: True (no telling); no units: False."""
+    import random
+
+    from pdserve.engine.kv_cost import some_run_pays
+
+    assert some_run_pays(CostEstimates(), "disk", PAGE_BYTES, PAGE_TOKENS, 0, 4)
+    e = CostEstimates(bytes_per_s={"disk": 1.0}, prefill_s_per_token=1e-6)
+    assert not some_run_pays(e, "disk", PAGE_BYTES, PAGE_TOKENS, 0, 0)
+    rng = random.Random(7)
+    checked = {True: 0, False: 0}
+    for _ in range(400):
+        e = CostEstimates(
+            bytes_per_s={"disk": PAGE_BYTES / rng.uniform(10e-6, 200e-6)},
+            prefill_s_per_token=rng.uniform(0.2e-6, 4e-6),
+            prefill_s_per_pair=rng.choice([0.0, rng.uniform(1e-10, 2e-8)]),
+        )
+        first, units = rng.randrange(0, 400), rng.randrange(1, 600)
+        load = e.load_seconds("disk", PAGE_BYTES)
+        assert load is not None
+        saved, brute = 0.0, False
+        for i in range(units):
+            saved += (e.recompute_seconds(PAGE_TOKENS, (first + i) * PAGE_TOKENS) or 0.0) - load
+            brute = brute or saved > 1e-12
+        got = some_run_pays(e, "disk", PAGE_BYTES, PAGE_TOKENS, first, units)
+        assert got == brute, (first, units, e.prefill_s_per_token, e.prefill_s_per_pair, load)
+        checked[got] += 1
+    assert min(checked.values()) > 50  # both answers met often
