@@ -232,6 +232,7 @@ def serve_one(model: Path, tiers: KVTierConfig, args: argparse.Namespace, seed: 
     # after that, 2026-12-05)
     warm_up(engine, args.prefix + args.message)
     before = rule_inputs(engine)
+    timed = StepTimes(engine) if args.step_times else None
     ttfts: list[float] = []
     cached_each: list[int] = []
     answers: list[list[int]] = []
@@ -248,7 +249,11 @@ def serve_one(model: Path, tiers: KVTierConfig, args: argparse.Namespace, seed: 
 
                 acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
                 prof = stack.enter_context(profile(activities=acts, with_stack=False))
+            if timed is not None:
+                timed.start()
             ttft, answer, cached = one_turn(engine, f"p{i}", prompt, args.answer, steps if i == 0 else None)
+            if timed is not None:
+                timed.stop()
         ttfts.append(ttft)
         cached_each.append(cached)
         answers.append(answer)
@@ -270,9 +275,47 @@ def serve_one(model: Path, tiers: KVTierConfig, args: argparse.Namespace, seed: 
     }
     if trace:
         reading["trace"] = trace
+    if timed is not None:
+        reading["step_times"] = timed.prompts
     if before:
         reading["rule_before"] = before
     return engine, reading | {"answer": answers}
+
+
+class StepTimes:
+    """Each timed prompt's steps up to its first token (``--step-times``): ``wall_ms`` as the
+    engine's thread saw them and, on a GPU, ``device_ms``, the device's own time between the
+    step's first launch and its last kernel (:attr:`Engine.time_steps`). A step whose wall time
+    exceeds its device time by more in one process than in another is held up on the host."""
+
+    def __init__(self, engine: Engine) -> None:
+        engine.time_steps = True
+        engine.observer = self
+        self.prompts: list[dict[str, list[float]]] = []
+        self._on = False
+
+    def start(self) -> None:
+        self.prompts.append({"wall_ms": [], "device_ms": []})
+        self._on = True
+
+    def stop(self) -> None:
+        self._on = False
+
+    def before_launch(self, batch: Any) -> None:
+        pass
+
+    def after_launch(self, launched: Any) -> None:
+        pass
+
+    def after_collect(self, launched: Any, result: Any) -> None:
+        if not self._on:
+            return
+        steps = self.prompts[-1]
+        steps["wall_ms"].append(round(result.seconds * 1e3, 3))
+        if result.gpu_seconds is not None:
+            steps["device_ms"].append(round(result.gpu_seconds * 1e3, 3))
+        if result.token_ids:  # the step that sampled (the first token): the prompt's TTFT ends here
+            self._on = False
 
 
 def one_prompt(args: argparse.Namespace) -> None:
@@ -309,6 +352,7 @@ def in_new_process(args: argparse.Namespace, model: Path, seed: int, tiers: dict
         "--prompts",
         str(args.prompts),
         *(["--profile-dir", str(args.profile_dir)] if args.profile_dir else []),
+        *(["--step-times"] if args.step_times else []),
     ]
     env = {"MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2", "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
@@ -365,6 +409,12 @@ def main() -> None:
     p.add_argument("--json", type=Path)
     p.add_argument(
         "--profile-dir", type=Path, default=None, help="a fresh process's measured prompt traced (torch profiler) here"
+    )
+    p.add_argument(
+        "--step-times",
+        action="store_true",
+        help="each fresh process also records every prompt's steps up to its first token: wall time, and on a "
+        "GPU the device's own time (two CUDA events a step, in every process alike)",
     )
     p.add_argument("--one-prompt", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--tiers-json", default="{}", help=argparse.SUPPRESS)
