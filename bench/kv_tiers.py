@@ -283,9 +283,10 @@ def serve_one(model: Path, tiers: KVTierConfig, args: argparse.Namespace, seed: 
 
 
 class StepTimes:
-    """Each timed prompt's steps up to its first token (``--step-times``): ``wall_ms`` as the
-    engine's thread saw them and, on a GPU, ``device_ms``, the device's own time between the
-    step's first launch and its last kernel (:attr:`Engine.time_steps`). A step whose wall time
+    """Each timed prompt's steps up to its first token (``--step-times``): ``wall_ms`` from the
+    step's launch to its tokens collected, on the engine's thread, and on a GPU ``device_ms``,
+    the device's own time between the step's first launch and its last kernel
+    (:attr:`Engine.time_steps`). A step whose wall time
     exceeds its device time by more in one process than in another is held up on the host."""
 
     def __init__(self, engine: Engine) -> None:

@@ -226,7 +226,7 @@ class KVTiers(WriteThrough, ReadAhead):
                 held[t.name] = {k for k, yes in zip(keys, t.contains_many(keys), strict=True) if yes}
 
         while i < end:
-            if self.host is not None and self.host.contains(hashes[i]):
+            if i < first or (self.host is not None and self.host.contains(hashes[i])):  # before first: held there
                 steps.append(_Step("host", hashes[i], 0, 1))
                 i += 1
                 continue

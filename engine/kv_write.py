@@ -287,9 +287,9 @@ class WriteThrough:
 
     def _tiers_worth_writing(self, groups: int) -> set[str]:
         """The group tiers a sequence of ``groups`` full page groups should be written to: those
-        for which some leading run of them could be worth loading, a run's saving (each
-        group's computing where it stands in the prompt, less its load at the tier's rate)
-        being what :func:`~pdserve.engine.kv_cost.pages_worth_loading` weighs; every tier while
+        for which some leading run of them could be worth loading
+        (:func:`~pdserve.engine.kv_cost.some_run_pays`: each group's computing where it stands
+        in the prompt, less its load at the tier's rate, as the loads weigh it); every tier while
         its rate or the prefill is unmeasured, with ``--kv-tier-load always`` and with overlap on
         (a slower tier's pages still load beside the computing). A group no load would take is
         neither copied off the device nor written (a first or second worker with a store at 512
@@ -480,7 +480,7 @@ class WriteThrough:
             sizes = [n if all(each[i] for each in sizes_each) else 0 for i, n in enumerate(sizes_each[0])]
             total = sum(sum(each) for each in sizes_each)
         else:
-            sizes = list(threads.map(read, keys)) if len(keys) > 1 and threads is not None else [read(k) for k in keys]
+            sizes = list(threads.map(read, keys)) if threads is not None else [read(k) for k in keys]
             total = sum(sizes)
         seconds = time.perf_counter() - began
         width = sum(1 for n in sizes if n)

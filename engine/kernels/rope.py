@@ -2,8 +2,9 @@
 projection output and writes k, v into their slots of one layer of the page pool
 (layout in :mod:`pdserve.engine.kernels.paged`). Into an FP8 pool q and k are then rotated once
 more (:func:`pdserve.engine.quant.rotate_qk_`: a Hadamard rotation that leaves every score as it
-was) and a second kernel stores each k (as rotated into ``qkv``, in its dtype) and v: one program a block of the step's tokens, whose
-scale it grows to cover them (:func:`pdserve.engine.quant.store_kv_fp8_blocks`, bit for bit)."""
+was) and a second kernel stores each k (as rotated into ``qkv``, in its dtype) and v: one
+program a block of the step's tokens, whose scale it grows to cover them
+(:func:`pdserve.engine.quant.store_kv_fp8_blocks`, bit for bit)."""
 
 from __future__ import annotations
 
