@@ -38,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,10 +94,16 @@ def rule_inputs(engine: Engine) -> dict[str, Any]:
 
 
 def one_turn(
-    engine: Engine, rid: str, prompt: list[int], answer: int, steps: list[float] | None = None
+    engine: Engine,
+    rid: str,
+    prompt: list[int],
+    answer: int,
+    steps: list[float] | None = None,
+    first_token: Callable[[], None] | None = None,
 ) -> tuple[float, list[int], int]:
     """TTFT (seconds), the answer's tokens, and the prompt's cached tokens; each step's wall
-    time (seconds) appended to ``steps`` where given, up to the first token."""
+    time (seconds) appended to ``steps`` where given, up to the first token; ``first_token``
+    called as it comes."""
     sampling = SamplingParams(max_new_tokens=answer, temperature=0.0, ignore_eos=True)
     started = time.perf_counter()
     engine.add_request(rid, prompt, sampling)
@@ -115,6 +121,8 @@ def one_turn(
             if ttft is None:
                 ttft = time.perf_counter() - started
                 cached = o.cached_tokens
+                if first_token is not None:
+                    first_token()
             out += o.token_ids
     assert ttft is not None
     return ttft, out, cached
@@ -251,7 +259,9 @@ def serve_one(model: Path, tiers: KVTierConfig, args: argparse.Namespace, seed: 
                 prof = stack.enter_context(profile(activities=acts, with_stack=False))
             if timed is not None:
                 timed.start()
-            ttft, answer, cached = one_turn(engine, f"p{i}", prompt, args.answer, steps if i == 0 else None)
+            ttft, answer, cached = one_turn(
+                engine, f"p{i}", prompt, args.answer, steps if i == 0 else None, timed.stop if timed else None
+            )
             if timed is not None:
                 timed.stop()
         ttfts.append(ttft)
@@ -289,14 +299,42 @@ class StepTimes:
     (:attr:`Engine.time_steps`). A step whose wall time
     exceeds its device time by more in one process than in another is held up on the host."""
 
+    # the host's work around the steps, timed a call each (``host_ms``: milliseconds a part
+    # took during the prompt, up to its first token): the engine's, the page manager's, the
+    # tiers' (where they are on)
+    TIMED = {
+        "engine": ("add_request", "schedule", "launch", "collect", "postprocess"),
+        "pages": ("register_full_pages", "promote", "prefetch"),
+        "tiers": ("find", "worth_loading", "load", "offer", "note_prefill", "prefetch", "demote"),
+    }
+
     def __init__(self, engine: Engine) -> None:
         engine.time_steps = True
         engine.observer = self
-        self.prompts: list[dict[str, list[float]]] = []
+        self.prompts: list[dict[str, Any]] = []
         self._on = False
+        owners = {"engine": engine, "pages": engine.pages, "tiers": engine.tiers}
+        for owner_name, names in self.TIMED.items():
+            owner = owners[owner_name]
+            for name in names if owner is not None else ():
+                if callable(getattr(owner, name, None)):
+                    setattr(owner, name, self._timed(f"{owner_name}.{name}", getattr(owner, name)))
+
+    def _timed(self, label: str, fn: Any) -> Any:
+        def call(*a: Any, **k: Any) -> Any:
+            if not self._on:
+                return fn(*a, **k)
+            began = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                host = self.prompts[-1]["host_ms"]
+                host[label] = round(host.get(label, 0.0) + (time.perf_counter() - began) * 1e3, 3)
+
+        return call
 
     def start(self) -> None:
-        self.prompts.append({"wall_ms": [], "device_ms": []})
+        self.prompts.append({"wall_ms": [], "device_ms": [], "host_ms": {}})
         self._on = True
 
     def stop(self) -> None:
@@ -312,11 +350,13 @@ class StepTimes:
         if not self._on:
             return
         steps = self.prompts[-1]
+        if steps.get("sampled"):
+            return
         steps["wall_ms"].append(round(result.seconds * 1e3, 3))
         if result.gpu_seconds is not None:
             steps["device_ms"].append(round(result.gpu_seconds * 1e3, 3))
-        if result.token_ids:  # the step that sampled (the first token): the prompt's TTFT ends here
-            self._on = False
+        if result.token_ids:  # the step that sampled: its postprocess ends the prompt's TTFT (stop)
+            steps["sampled"] = True
 
 
 def one_prompt(args: argparse.Namespace) -> None:

@@ -45,6 +45,14 @@ COLLINEAR = 1e-3  # tokens and pairs this close to proportional (1 - correlation
 # A step slower than a smaller one scaled up by this (after its tokens' and pairs' growth) paid
 # one-time costs (a shape's first kernels, the allocator growing): not a reading of the rate.
 ONE_TIME = 1.5
+# A page group from a disk or store is weighed at this many times its expected load: its rate
+# varies from load to load and its calls cost what its bytes do not show, while a load that
+# barely pays by the estimate makes the request slower where the estimate is a little off.
+GROUP_LOAD_MARGIN = 1.25
+# Steps within this fraction of the fastest one, of sizes SPREAD times apart, show the floor a
+# step does not go below however few its tokens (on a GPU the host's launches of every layer's
+# kernels; the weights read once): the prefill's floor, measured.
+FLAT = 0.1
 
 
 def _ema(old: float, new: float) -> float:
@@ -95,22 +103,33 @@ def _least_squares(columns: Sequence[Sequence[float]], y: Sequence[float]) -> li
 
 
 def prefill_model(readings: Sequence[tuple[int, float, float]]) -> tuple[float, float]:
-    """``(seconds a prompt token, seconds a pair)`` from ``(tokens, seconds, pairs)`` prefill
-    steps, ``pairs`` the (query, key) pairs their attention computed (a chunk of ``n`` tokens
-    after ``c`` others: ``n * (c + n / 2)``): the least-squares fit of ``seconds = fixed +
-    a * tokens + b * pairs`` with no part negative (where the full fit has a negative part,
-    the fit through the origin: no fixed part) where the steps tell tokens and pairs apart;
-    else, or where no such fit has an attention term, ``(marginal_cost, 0.0)``. A prefix's
+    """``(seconds a prompt token, seconds a pair)`` of :func:`prefill_line`."""
+    return prefill_line(readings)[1:]
+
+
+def prefill_line(readings: Sequence[tuple[int, float, float]]) -> tuple[float, float, float]:
+    """``(fixed seconds, seconds a prompt token, seconds a pair)`` from ``(tokens, seconds,
+    pairs)`` prefill steps, ``pairs`` the (query, key) pairs their attention computed (a chunk
+    of ``n`` tokens after ``c`` others: ``n * (c + n / 2)``): the least-squares fit of ``seconds
+    = fixed + a * tokens + b * pairs`` with no part negative (where the full fit has a negative
+    part, the fit through the origin: no fixed part) where the steps tell tokens and pairs apart;
+    else, or where no such fit has an attention term, ``(fixed, marginal_cost, 0.0)``, the
+    fixed part what the slope leaves of the steps' mean (0 where the slope is the cheapest
+    step's rate). A prefix's
     later tokens cost more than its first (each attends to all before it): on an H200 a 7B model's 2,048-token prompt took 24 us a token, an
     8,192-token one 30. Dropping the attention's term for a negative fixed part priced an
     8,192-token prefix's last pages at a third of their cost there, and a restarted worker
     declined its disk (2026-12-05)."""
     readings = steady(readings)
-    linear = marginal_cost([(t, sec) for t, sec, _ in readings])
+    if not readings:
+        return 0.0, 0.0, 0.0
+    slope = marginal_cost([(t, sec) for t, sec, _ in readings])
     n = len(readings)
     sizes = [t for t, _, _ in readings]
+    fixed = max(0.0, sum(sec for _, sec, _ in readings) / n - slope * sum(sizes) / n)
+    linear = (0.0 if slope >= min(sec / t for t, sec, _ in readings) else fixed, slope, 0.0)
     if n < 3 or max(sizes) < SPREAD * min(sizes):
-        return linear, 0.0
+        return linear
     mt = sum(sizes) / n
     mp = sum(p for _, _, p in readings) / n
     stt = sum((t - mt) ** 2 for t in sizes)
@@ -118,17 +137,39 @@ def prefill_model(readings: Sequence[tuple[int, float, float]]) -> tuple[float, 
     stp = sum((t - mt) * (p - mp) for t, _, p in readings)
     det = stt * spp - stp * stp
     if spp <= 0.0 or det <= COLLINEAR * stt * spp:  # pairs that only follow tokens: no second term
-        return linear, 0.0
+        return linear
     tokens = [float(t) for t in sizes]
     pairs = [p for _, _, p in readings]
     seconds = [sec for _, sec, _ in readings]
     for columns in ([[1.0] * n, tokens, pairs], [tokens, pairs]):  # with a fixed part, then through the origin
         fit = _least_squares(columns, seconds)
         if fit is not None:
-            *fixed, a, b = fit
-            if a > 0.0 and b > 0.0 and all(v >= 0.0 for v in fixed):
-                return a, b
-    return linear, 0.0
+            *part, a, b = fit
+            if a > 0.0 and b > 0.0 and all(v >= 0.0 for v in part):
+                return (part[0] if part else 0.0), a, b
+    return linear
+
+
+def prefill_floor(readings: Sequence[tuple[int, float, float]]) -> tuple[float, float] | None:
+    """``(seconds, seconds a token)``: the floor of a prefill step, where the steady steps show
+    one: the line through the steps within :data:`FLAT` of the fastest, if their sizes are
+    :data:`SPREAD` times apart (a step that many times larger took about as long; its slope no
+    less than 0); None where they do not show one. On an H100 a 7B model's steps of 96 to 384
+    tokens took 10.0 to 10.6 ms (the host launching each layer's kernels), 544 tokens 14.8:
+    loading 480 of a prompt's 544 tokens saves ~4.8 ms, where a line through all those steps
+    priced it at 0.3 and the rule declined even host memory (2026-12-06)."""
+    readings = steady(readings)
+    if len(readings) < 2:
+        return None
+    fastest = min(sec for _, sec, _ in readings)
+    flat = [(t, sec) for t, sec, _ in readings if sec <= fastest * (1.0 + FLAT)]
+    sizes = [t for t, _ in flat]
+    if len(flat) < 2 or max(sizes) < SPREAD * min(sizes):
+        return None
+    mean_t = sum(sizes) / len(flat)
+    mean_s = sum(sec for _, sec in flat) / len(flat)
+    slope = max(0.0, sum((t - mean_t) * (sec - mean_s) for t, sec in flat) / sum((t - mean_t) ** 2 for t in sizes))
+    return max(0.0, mean_s - slope * mean_t), slope
 
 
 def spreads(readings: Sequence[tuple[int, float, float]]) -> bool:
@@ -177,24 +218,35 @@ class CostEstimates:
         bytes_per_s: dict[str, float] | None = None,
         prefill_s_per_token: float = 0.0,
         prefill_s_per_pair: float = 0.0,
+        prefill_floor_s: float = 0.0,
+        prefill_fixed_s: float = 0.0,
+        prefill_floor_s_per_token: float = 0.0,
     ) -> None:
         self.bytes_per_s: dict[str, float] = dict(bytes_per_s or {})
         self.prefill_readings: deque[tuple[int, float, float]] = deque(maxlen=READINGS)
         self._per_token = prefill_s_per_token
         self._per_pair = prefill_s_per_pair
+        self._floor = prefill_floor_s
+        self._floor_per_token = prefill_floor_s_per_token
+        self._fixed = prefill_fixed_s
         self._unfitted = False  # readings came since the last fit
-        self._spread_fit: tuple[float, float] | None = None  # the last fit of readings that spread
+        self._spread_fit: tuple[float, float, float] | None = None  # the last line of readings that spread
 
     def _fit(self) -> None:
         if self._unfitted:  # (a heartbeat may read beside the engine's thread: a copy is fitted)
             self._unfitted = False
             readings = tuple(self.prefill_readings)
-            fit = prefill_model(readings)
-            if spreads(readings):
-                self._spread_fit = fit
+            floor = prefill_floor(readings)
+            if floor is not None:  # else the last one measured stays (a chat's turns: all above it)
+                self._floor, self._floor_per_token = floor
+            # the line through the steps above the floor (those at it say nothing of a token's cost)
+            above = [r for r in readings if r[1] > self.floor_seconds(r[0]) * (1.0 + FLAT)]
+            line = prefill_line(above) if above else (0.0, min(sec / t for t, sec, _ in readings), 0.0)
+            if above and spreads(above):
+                self._spread_fit = line
             elif self._spread_fit is not None:
-                fit = self._spread_fit
-            self._per_token, self._per_pair = fit
+                line = self._spread_fit
+            self._fixed, self._per_token, self._per_pair = line
 
     @property
     def prefill_s_per_token(self) -> float:
@@ -211,6 +263,28 @@ class CostEstimates:
         self._fit()
         return self._per_pair
 
+    @property
+    def prefill_floor_s(self) -> float:
+        """The least a prefill step takes, however few its tokens (0: not seen)."""
+        self._fit()
+        return self._floor
+
+    @property
+    def prefill_floor_s_per_token(self) -> float:
+        """What a token adds to a step at the floor (the floor's own slope)."""
+        self._fit()
+        return self._floor_per_token
+
+    def floor_seconds(self, tokens: int) -> float:
+        """A step of ``tokens`` tokens at the floor (0 where none was seen)."""
+        return self._floor + self._floor_per_token * tokens if self._floor > 0.0 else 0.0
+
+    @property
+    def prefill_fixed_s(self) -> float:
+        """The fixed part of the line the steps above the floor follow."""
+        self._fit()
+        return self._fixed
+
     @prefill_s_per_pair.setter
     def prefill_s_per_pair(self, value: float) -> None:
         self._fit()
@@ -225,7 +299,7 @@ class CostEstimates:
         self.prefill_readings.clear()
         self._spread_fit = None
         self._unfitted = False
-        self._per_token = self._per_pair = 0.0
+        self._per_token = self._per_pair = self._floor = self._fixed = self._floor_per_token = 0.0
 
     def note_prefill(self, tokens: int, seconds: float, pairs: float = 0.0) -> None:
         """A prefill step: ``tokens`` prompt tokens in ``seconds``, its attention ``pairs``
@@ -241,30 +315,64 @@ class CostEstimates:
 
     def recompute_seconds(self, tokens: int, start: int = 0) -> float | None:
         """Expected time to compute ``tokens`` prompt tokens after ``start`` others (their
-        attention grows with it); None before the first prefill."""
+        attention grows with it) above a step's fixed part; None before the first prefill."""
         if self.prefill_s_per_token <= 0.0:
             return None
         return tokens * self.prefill_s_per_token + self.prefill_s_per_pair * tokens * (start + tokens / 2)
 
+    def headroom_seconds(self, begin: int, end: int | None, loaded: int = 0) -> float:
+        """The most that not computing ``loaded`` of prompt tokens ``begin..end`` (its first
+        ones) can save: the step's expected time above the floor's for the tokens still
+        computed (:func:`prefill_floor`: a step of a few tokens takes that anyway), the tokens
+        after a loaded prefix computed in one step. Unbounded where no floor was seen or the
+        prompt's end is not given."""
+        if end is None or self.prefill_floor_s <= 0.0 or end <= begin:
+            return float("inf")
+        line = self.prefill_fixed_s + (self.recompute_seconds(end - begin, begin) or 0.0)
+        return max(0.0, line - self.floor_seconds(max(0, end - begin - loaded)))
+
 
 def some_run_pays(
-    estimates: CostEstimates, tier: str, unit_bytes: int, unit_tokens: int, first: int, units: int
+    estimates: CostEstimates,
+    tier: str,
+    unit_bytes: int,
+    unit_tokens: int,
+    first: int,
+    units: int,
+    end_tokens: int | None = None,
 ) -> bool:
     """Whether loading some leading run of ``units`` units (pages, or groups of pages) from
-    ``tier``, the run beginning at unit ``first`` of the prompt, is measured cheaper than
-    computing it: a load takes a prefix in order, and a unit costs more to compute the later it
-    stands (it attends to all before it), so a run that pays only past its first units pays
-    only if long enough. The saving of the run's first ``k`` units (computing them, less ``k``
-    loads) is convex in ``k`` and 0 at ``k = 0``: the run's first unit and the whole run decide.
-    True while the tier or the prefill is unmeasured (there is no telling)."""
+    ``tier``, the run beginning at unit ``first`` of a prompt of ``end_tokens`` tokens, is
+    measured cheaper than computing it: a load takes a prefix in order, and a unit costs more to
+    compute the later it stands (it attends to all before it), so a run that pays only past its
+    first units pays only if long enough. Computing the run's first ``k`` units costs an amount
+    convex in ``k``, 0 at ``k = 0``, of which at most the step's time above its floor is saved
+    (:meth:`CostEstimates.headroom_seconds`): the saving less ``k`` loads is convex up to the
+    ``k`` whose computing reaches that bound and falls after it, so the run's first unit, the
+    units either side of that ``k`` and the whole run decide. True while the tier or the
+    prefill is unmeasured (there is no telling)."""
     if units < 1:
         return False
     load = estimates.load_seconds(tier, unit_bytes)
     if load is None or estimates.recompute_seconds(unit_tokens) is None:
         return True
-    return any(
-        (estimates.recompute_seconds(k * unit_tokens, first * unit_tokens) or 0.0) > k * load for k in {1, units}
-    )
+    load *= GROUP_LOAD_MARGIN  # (only a disk's or store's runs are weighed here)
+    begin = first * unit_tokens
+
+    def compute(k: int) -> float:
+        return estimates.recompute_seconds(k * unit_tokens, begin) or 0.0
+
+    def bound(k: int) -> float:
+        return estimates.headroom_seconds(begin, end_tokens, k * unit_tokens)
+
+    ks = {1, units}
+    if compute(units) > bound(units):  # the smallest k whose computing reaches the bound
+        lo, hi = 1, units
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if compute(mid) > bound(mid) else (mid + 1, hi)
+        ks |= {lo, max(1, lo - 1)}
+    return any(min(compute(k), bound(k)) > k * load for k in ks)
 
 
 @dataclass(frozen=True)
@@ -286,19 +394,23 @@ def pages_worth_loading(
     estimates: CostEstimates,
     measure_first: Collection[str] = (),
     start_tokens: int = 0,
+    end_tokens: int | None = None,
 ) -> Decision:
     """``runs``: the found prefix in prompt order, as (tier, pages) runs, from prompt token
-    ``start_tokens`` on. Returns the leading number of pages whose loading saves the most time
-    against computing them (ties: fewer pages, so a break-even load is declined). A run of a
-    ``measure_first`` tier without a rate ends the prefix there (named in the decision's
-    ``unmeasured``)."""
+    ``start_tokens`` on, of a prompt of ``end_tokens`` tokens (its step saves at most its time
+    above the floor: :meth:`CostEstimates.headroom_seconds`). Returns the leading number of
+    pages whose loading saves the most time against computing them (ties: fewer pages, so a
+    break-even load is declined). The ``measure_first`` tiers (a disk, a store) are weighed at
+    :data:`GROUP_LOAD_MARGIN` times their expected load; a run of one without a rate ends the
+    prefix there (named in the decision's ``unmeasured``)."""
     total = sum(n for _, n in runs)
     if total == 0:
         return Decision(0, 0.0)
     if estimates.recompute_seconds(1) is None:
         return Decision(total, None)
     best_pages, best_saved = 0, 0.0
-    done, saved = 0, 0.0
+    done = 0
+    computed = loaded = 0.0  # of the pages before the run
     unmeasured = False
     for tier, n in runs:
         load = estimates.load_seconds(tier, n * page_bytes)
@@ -308,12 +420,37 @@ def pages_worth_loading(
             if best_pages != done:
                 break
             load, unmeasured = 0.0, True  # and so are its later runs (a prefix's groups come a run each)
-        compute = estimates.recompute_seconds(n * page_tokens, start_tokens + done * page_tokens)
-        assert compute is not None
-        saved += compute - load
+        if tier in measure_first:
+            load *= GROUP_LOAD_MARGIN
+        at = start_tokens + done * page_tokens
+        whole = estimates.recompute_seconds(n * page_tokens, at) or 0.0
+
+        def over(
+            k: int, n: int = n, whole: float = whole, before: float = computed, done: int = done
+        ) -> tuple[float, float]:
+            """The computing the run's first k pages and those before it save, and its bound."""
+            part = whole if k == n else estimates.recompute_seconds(k * page_tokens, start_tokens + done * page_tokens)
+            bound = estimates.headroom_seconds(start_tokens, end_tokens, (done + k) * page_tokens)
+            return before + (part or 0.0), bound
+
+        ks = [n]
+        if over(n)[0] > over(n)[1]:
+            # past the page whose computing reaches the bound, the saving grows by the floor's
+            # slope a page, less its load: that page (or the one before it) may be its peak
+            lo, hi = 1, n
+            while lo < hi:
+                mid = (lo + hi) // 2
+                c, b = over(mid)
+                lo, hi = (lo, mid) if c > b else (mid + 1, hi)
+            ks = sorted({max(1, lo - 1), lo, n})
+        for k in ks:
+            c, b = over(k)
+            saved = min(c, b) - loaded - load * k / n
+            if saved > best_saved:
+                best_pages, best_saved = done + k, saved
+        computed += whole
+        loaded += load
         done += n
-        if saved > best_saved:
-            best_pages, best_saved = done, saved
     return Decision(best_pages, None if unmeasured and best_pages else best_saved)
 
 

@@ -219,7 +219,7 @@ class KVTiers(WriteThrough, ReadAhead):
             first += 1
         held: dict[str, set[bytes]] = {}
         for t in self.groups:
-            if keys and not read_ahead and self._cannot_pay(t.name, first, end):
+            if keys and not read_ahead and self._cannot_pay(t.name, first, end, len(hashes)):
                 self.stats.tiers[t.name].skipped_lookups += 1
                 held[t.name] = set()
             else:
@@ -245,7 +245,7 @@ class KVTiers(WriteThrough, ReadAhead):
         self._timed("lookup", began)
         return Plan(hashes, start, steps)
 
-    def _cannot_pay(self, name: str, first: int, end: int) -> bool:
+    def _cannot_pay(self, name: str, first: int, end: int, prompt_pages: int) -> bool:
         """Whether no run of group tier ``name``'s pages that begins at page ``first`` (the
         first one a load could take from it) and ends by page ``end`` is measured worth
         loading: a load takes a prefix's pages in order, so a run that pays only past its first
@@ -255,11 +255,15 @@ class KVTiers(WriteThrough, ReadAhead):
         of a 7B model on an H100, whose last pages cost more to compute than to load from the
         store but no leading run of them did, paid it at every turn, 1.02x no tier,
         2026-12-06). Never with ``load='always'`` or overlap on (a slower tier's pages can still
-        load beside the computing), nor while the tier or the prefill is unmeasured."""
+        load beside the computing), nor while the tier or the prefill is unmeasured. The
+        prompt's ``prompt_pages`` full pages bound what computing fewer of them saves (a step's
+        floor)."""
         if self.config.load == "always" or self.config.overlap or first >= end:
             return False
         page_tokens = self.pool.layout.page_size
-        return not some_run_pays(self.estimates, name, self.pool.page_bytes, page_tokens, first, end - first)
+        return not some_run_pays(
+            self.estimates, name, self.pool.page_bytes, page_tokens, first, end - first, prompt_pages * page_tokens
+        )
 
     def worth_loading(self, plan: Plan, overlap: bool = False) -> Loads:
         """What to do with ``plan``: the leading pages whose loading beats computing them
@@ -279,7 +283,13 @@ class KVTiers(WriteThrough, ReadAhead):
 
         def decide() -> Decision:
             return pages_worth_loading(
-                runs, self.pool.page_bytes, page_tokens, self.estimates, group_tiers, plan.start * page_tokens
+                runs,
+                self.pool.page_bytes,
+                page_tokens,
+                self.estimates,
+                group_tiers,
+                plan.start * page_tokens,
+                len(plan.hashes) * page_tokens,  # the prompt's full pages: the step a load shortens
             )
 
         decision = decide()
@@ -308,13 +318,9 @@ class KVTiers(WriteThrough, ReadAhead):
             later = Plan(plan.hashes, plan.start + keep + head, _cut(plan.steps, keep + head, plan.num_pages))
         for step in _cut(plan.steps, keep, keep + head if split is not None else plan.num_pages):
             self.stats.tiers[step.tier].declined_pages += step.count
-        at = plan.start * page_tokens
-        for step, (priced, _) in zip(_cut(plan.steps, 0, keep), runs, strict=False):  # the time saved, as expected
-            load = self.estimates.load_seconds(priced, step.count * self.pool.page_bytes)
-            compute = self.estimates.recompute_seconds(step.count * page_tokens, at)
-            at += step.count * page_tokens
-            if load is not None and compute is not None:
-                self.stats.tiers[step.tier].saved_seconds += compute - load
+        if decision.saved_seconds and keep:  # the time saved, as expected, shared by the pages loaded
+            for step in _cut(plan.steps, 0, keep):
+                self.stats.tiers[step.tier].saved_seconds += decision.saved_seconds * step.count / keep
         if later is not None and split is not None:
             for step in later.steps:
                 self.stats.tiers[step.tier].saved_seconds += split.saved * step.count / split.tail

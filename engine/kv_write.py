@@ -299,7 +299,9 @@ class WriteThrough:
             return {t.name for t in self.groups}
         unit_bytes, unit_tokens = g * self.pool.page_bytes, g * self.pool.layout.page_size
         return {
-            t.name for t in self.groups if some_run_pays(self.estimates, t.name, unit_bytes, unit_tokens, 0, groups)
+            t.name
+            for t in self.groups
+            if some_run_pays(self.estimates, t.name, unit_bytes, unit_tokens, 0, groups, groups * unit_tokens)
         }
 
     def _pinned(self, pages: int) -> torch.Tensor:

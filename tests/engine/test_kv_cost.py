@@ -240,8 +240,10 @@ def test_a_step_that_paid_one_time_costs_is_not_a_reading() -> None:
     """A fresh process on an H100 (2026-12-06, 7B dimensions): probes of 96, 192 and 384 tokens,
     then its first 544-token step at 60 ms (that shape's first kernels). Fitted with it, a token
     cost 25 us and a 512-token prefix in a store at 2.8 GB/s looked cheaper to load than to
-    compute (the load took 1.58x the cold time); without it, 4.6 us, and the load is declined.
-    A steady step is kept however much larger it is, and of two steps alike the slower one goes."""
+    compute (the load took 1.58x the cold time); without it, 4.6 us, and the load is declined
+    (the two faster probes show the step's floor, which bounds what computing 32 fewer of the
+    prompt's 544 tokens saves). A steady step is kept however much larger it is, and of two
+    steps alike the slower one goes."""
     from pdserve.engine.kv_cost import steady
 
     def fresh(tokens: int, ms: float) -> tuple[int, float, float]:
@@ -257,7 +259,7 @@ def test_a_step_that_paid_one_time_costs_is_not_a_reading() -> None:
     for r in (*probes, first):
         e.note_prefill(*r)
     e.note_load("store", page_bytes * 32, page_bytes * 32 / 2.8e9)
-    assert pages_worth_loading([("store", 32)], page_bytes, 16, e).pages == 0
+    assert pages_worth_loading([("store", 32)], page_bytes, 16, e, {"store"}, end_tokens=544).pages == 0
     big = [fresh(2048, 42.0), fresh(8192, 250.0)]  # 4x the tokens, 16x the pairs: 6x the time
     assert steady(big) == big
     twins = [(1024, 0.020, 0.0), (1024, 0.035, 0.0), (1024, 0.021, 0.0)]
@@ -299,38 +301,99 @@ def test_the_prefill_is_fitted_when_read_not_at_every_step(monkeypatch: pytest.M
     from pdserve.engine import kv_cost
 
     fits: list[int] = []
-    fit = kv_cost.prefill_model
-    monkeypatch.setattr(kv_cost, "prefill_model", lambda readings: (fits.append(len(readings)), fit(readings))[1])
+    fit = kv_cost.prefill_line
+    monkeypatch.setattr(kv_cost, "prefill_line", lambda readings: (fits.append(len(readings)), fit(readings))[1])
     e = CostEstimates()
     steps = [(36, 0.015, 36 * 18.0), (2048, 0.05, 2048 * 1024.0), (8224, 0.25, 8224 * 4112.0), (512, 0.02, 512 * 256.0)]
     for tokens, seconds, pairs in steps:
         e.note_prefill(tokens, seconds, pairs)
     assert fits == []
-    assert (e.prefill_s_per_token, e.prefill_s_per_pair) == fit(steps) and fits == [len(steps)]
+    assert (e.prefill_fixed_s, e.prefill_s_per_token, e.prefill_s_per_pair) == fit(steps) and fits == [len(steps)]
     assert e.recompute_seconds(16) is not None and fits == [len(steps)]  # fitted once until a new reading
     e.prefill_s_per_pair = 0.0  # a value set stays (the readings before it were fitted first)
     assert e.prefill_s_per_pair == 0.0 and fits == [len(steps)]
 
 
-def test_readings_of_one_size_keep_the_marginal_cost_measured_when_they_spread() -> None:
-    """A worker's start-up probes spread in size and give a slope; a chat's turns, all of one
-    length, then push them out: the slope stays, not the turns' whole rate (its fixed part in
-    it), which would make loading look cheaper than computing where it is not. A worker that
-    never saw sizes spread still has the cheapest rate, its upper bound."""
+def test_readings_of_one_size_keep_the_line_measured_when_they_spread() -> None:
+    """A worker's start-up probes spread in size and give a line; a chat's turns, all of one
+    length, then push them out: the line stays, not the turns' whole rate (their fixed part
+    in it). A worker that never saw sizes spread has the cheapest step's rate, its upper bound."""
     e = CostEstimates()
-    probes = [(96, 0.0159, 0.0), (192, 0.0159, 0.0), (384, 0.0160, 0.0), (544, 0.0162, 0.0)]  # mostly fixed
-    for tokens, seconds, pairs in probes:
-        e.note_prefill(tokens, seconds, pairs)
-    slope = e.prefill_s_per_token
-    assert 0.0 < slope < 2e-6
+    for tokens, ms in ((256, 12.0), (1024, 26.0), (4096, 90.0)):
+        e.note_prefill(tokens, ms / 1e3)
+    line = (e.prefill_fixed_s, e.prefill_s_per_token)
+    assert line[1] == pytest.approx(20.5e-6, rel=0.02) and line[0] == pytest.approx(6.0e-3, rel=0.02)
     for _ in range(kv_cost.READINGS):
-        e.note_prefill(548, 0.015)
-    assert e.prefill_s_per_token == slope  # the cheapest turn's rate would be 27 us a token
+        e.note_prefill(2080, 0.05)
+    assert (e.prefill_fixed_s, e.prefill_s_per_token) == line  # the turns' own rate: 24 us a token
     fresh = CostEstimates()
-    fresh.note_prefill(548, 0.015)
-    assert fresh.prefill_s_per_token == pytest.approx(0.015 / 548)
-    e.note_prefill(4096, 0.06)  # sizes spread again: a new fit
-    assert e.prefill_s_per_token != slope
+    fresh.note_prefill(2080, 0.05)
+    assert (fresh.prefill_fixed_s, fresh.prefill_s_per_token) == (0.0, pytest.approx(0.05 / 2080))
+    e.note_prefill(8224, 0.25)  # sizes spread again: a new line
+    assert e.prefill_s_per_token != line[1]
+
+
+def test_the_floor_of_a_step_bounds_what_a_load_saves() -> None:
+    """On an H100 a 7B model's prefill steps of 96 to 384 tokens all took ~10 ms (the host's
+    launches), one of 544 tokens 14-15: loading 480 of a chat turn's 548 tokens saves the ~5 ms
+    above that floor, not 480 tokens at a line's rate. Probes at the floor gave a line of
+    0.3 us a token, and the rule declined even host memory; the turns' own rate (27 us) would
+    load a disk's 480 tokens as if they saved 13 ms. Measured once, the floor stays while the
+    turns push the probes out (none of them is at it), and bounds the saving: host memory loads
+    all 480 tokens; the disk only its first 160, which bring the step down to the 384-token
+    probe's 10.6 ms (a token past it saves the floor's 2 ns, not its load)."""
+    e = CostEstimates()
+    for tokens, ms in ((96, 10.0), (192, 10.1), (384, 10.6)):
+        e.note_prefill(tokens, ms / 1e3, tokens * tokens / 2)
+    floor = (e.prefill_floor_s, e.prefill_floor_s_per_token)
+    assert floor[0] == pytest.approx(9.83e-3, rel=0.01) and floor[1] == pytest.approx(2.0e-9 * 1000, rel=0.1)
+    for _ in range(kv_cost.READINGS):
+        e.note_prefill(548, 0.0148, 548 * 274)
+    assert (e.prefill_floor_s, e.prefill_floor_s_per_token) == floor
+    # computing 64 of the 544 tokens takes the floor's 9.96 ms: loading 480 saves ~4.7 ms
+    assert e.headroom_seconds(0, 544, 480) == pytest.approx(0.0148 * 544 / 548 - e.floor_seconds(64), rel=0.02)
+    assert e.headroom_seconds(0, None) == float("inf")
+    page = 28 * 2 * 4 * 128 * 16 * 2  # a 16-token page of Qwen2.5-7B's KV in bf16
+    e.note_load("host", page * 30, page * 30 / 60e9)
+    e.note_load("disk", page * 30, page * 30 / 6.3e9)
+    host = pages_worth_loading([("host", 30)], page, 16, e, {"disk"}, 0, 544)
+    assert host.pages == 30 and host.saved_seconds == pytest.approx(e.headroom_seconds(0, 544, 480) - page * 30 / 60e9)
+    disk = pages_worth_loading([("disk", 30)], page, 16, e, {"disk"}, 0, 544)
+    load = page / 6.3e9 * kv_cost.GROUP_LOAD_MARGIN
+    assert disk.pages == 10 and disk.saved_seconds == pytest.approx(e.headroom_seconds(0, 544, 160) - 10 * load)
+    assert pages_worth_loading([("disk", 30)], page, 16, e, {"disk"}).pages == 30  # unbounded: 13 ms "saved"
+    assert kv_cost.some_run_pays(e, "disk", page * 4, 64, 0, 8, 544)
+    e.bytes_per_s["disk"] = 1.5e9  # a slower disk: no part of it pays
+    assert pages_worth_loading([("disk", 30)], page, 16, e, {"disk"}, 0, 544).pages == 0
+    assert not kv_cost.some_run_pays(e, "disk", page * 4, 64, 0, 8, 544)
+
+
+def test_a_load_past_the_floor_is_cut_where_it_stops_paying() -> None:
+    """Once the pages loaded leave the step at its floor, each further page only adds its load:
+    a slow tier's long run is loaded up to there (the page where the saving peaks), the rest
+    computed; as weighing every leading part of the run finds."""
+    e = CostEstimates(
+        bytes_per_s={"disk": PAGE_BYTES / 0.0002}, prefill_s_per_token=2e-5, prefill_floor_s=0.01, prefill_fixed_s=0.0
+    )
+    end = 100 * PAGE_TOKENS  # 32 ms computed whole: 22 above the floor, 68.75 pages' worth
+    d = pages_worth_loading([("disk", 100)], PAGE_BYTES, PAGE_TOKENS, e, end_tokens=end)
+    best = max(range(101), key=lambda k: (min(k * 16 * 2e-5, 0.022) - k * 0.0002, -k))
+    assert d.pages == best == 69 and d.saved_seconds == pytest.approx(0.022 - 69 * 0.0002)
+    # a floor that rises 1 us a token: past the bound a page saves 16 us more computing, less its
+    # load (200 us): still cut there; at 5 us a page's load, every page is loaded
+    e = CostEstimates(
+        bytes_per_s={"disk": PAGE_BYTES / 0.0002, "host": PAGE_BYTES / 0.000005},
+        prefill_s_per_token=2e-5,
+        prefill_floor_s=0.01,
+        prefill_floor_s_per_token=1e-6,
+    )
+    for tier, load in (("disk", 0.0002), ("host", 0.000005)):
+
+        def saved(k: int, load: float = load) -> float:
+            return min(k * 16 * 2e-5, e.headroom_seconds(0, end, k * 16)) - k * load
+
+        d = pages_worth_loading([(tier, 100)], PAGE_BYTES, PAGE_TOKENS, e, end_tokens=end)
+        assert d.pages == max(range(101), key=lambda k: (saved(k), -k)) == (67 if tier == "disk" else 100)
 
 
 def test_some_run_pays_is_the_leading_runs_weighed_one_by_one() -> None:
@@ -346,20 +409,25 @@ def test_some_run_pays_is_the_leading_runs_weighed_one_by_one() -> None:
     assert not some_run_pays(e, "disk", PAGE_BYTES, PAGE_TOKENS, 0, 0)
     rng = random.Random(7)
     checked = {True: 0, False: 0}
-    for _ in range(400):
+    for _ in range(600):
         e = CostEstimates(
             bytes_per_s={"disk": PAGE_BYTES / rng.uniform(10e-6, 200e-6)},
             prefill_s_per_token=rng.uniform(0.2e-6, 4e-6),
             prefill_s_per_pair=rng.choice([0.0, rng.uniform(1e-10, 2e-8)]),
+            prefill_floor_s=rng.choice([0.0, rng.uniform(1e-3, 20e-3)]),
+            prefill_fixed_s=rng.choice([0.0, rng.uniform(0.0, 10e-3)]),
         )
+        e._floor_per_token = rng.choice([0.0, e.prefill_s_per_token * rng.uniform(0.0, 0.5)])  # slower than the line
         first, units = rng.randrange(0, 400), rng.randrange(1, 600)
+        end = rng.choice([None, (first + units + rng.randrange(0, 50)) * PAGE_TOKENS])
         load = e.load_seconds("disk", PAGE_BYTES)
         assert load is not None
-        saved, brute = 0.0, False
+        computed, brute = 0.0, False
         for i in range(units):
-            saved += (e.recompute_seconds(PAGE_TOKENS, (first + i) * PAGE_TOKENS) or 0.0) - load
-            brute = brute or saved > 1e-12
-        got = some_run_pays(e, "disk", PAGE_BYTES, PAGE_TOKENS, first, units)
-        assert got == brute, (first, units, e.prefill_s_per_token, e.prefill_s_per_pair, load)
+            computed += e.recompute_seconds(PAGE_TOKENS, (first + i) * PAGE_TOKENS) or 0.0
+            bound = e.headroom_seconds(first * PAGE_TOKENS, end, (i + 1) * PAGE_TOKENS)
+            brute = brute or min(computed, bound) - (i + 1) * load * kv_cost.GROUP_LOAD_MARGIN > 1e-12
+        got = some_run_pays(e, "disk", PAGE_BYTES, PAGE_TOKENS, first, units, end)
+        assert got == brute, (first, units, end, e.prefill_s_per_token, e.prefill_s_per_pair, load)
         checked[got] += 1
     assert min(checked.values()) > 50  # both answers met often

@@ -473,12 +473,13 @@ def test_a_tier_no_run_of_which_could_pay_is_not_asked(tiny_model_dir: Path, tmp
     assert disk.skipped_lookups == 1
     # a tier whose last pages are dearer to compute than to load, but no run from the first:
     # computing page i costs 16 us + 0.01 us * 16 * (16 i + 8), its last (i = 11) 45.4 us; a
-    # page's load 40 us. The whole run of 12 pages: 376 us to compute, 480 to load; not asked
+    # page's load 32 us, weighed at 40 (GROUP_LOAD_MARGIN). The whole run of 12 pages: 376 us to
+    # compute, 480 to load; not asked
     tiers.estimates.prefill_s_per_pair = 1e-8
-    tiers.estimates.bytes_per_s["disk"] = page_bytes / 40e-6
+    tiers.estimates.bytes_per_s["disk"] = page_bytes / 32e-6
     assert tiers.find(hashes, 0, len(hashes)).num_pages == 0 and disk.skipped_lookups == 2
     # a run from page 8 (the pages before it in host memory, say): 4 pages, 166 us against 160
-    assert tiers._cannot_pay("disk", 0, 12) and not tiers._cannot_pay("disk", 8, 12)
+    assert tiers._cannot_pay("disk", 0, 12, 12) and not tiers._cannot_pay("disk", 8, 12, 12)
     del tiers.estimates.bytes_per_s["disk"]  # unmeasured: asked (then timed by the rule)
     assert tiers.find(hashes, 0, len(hashes)).num_pages == 12 and disk.skipped_lookups == 2
     (counts,) = tiers.counts()
@@ -556,8 +557,9 @@ def test_a_tier_that_comes_to_pay_takes_the_sequence_s_earlier_groups_too(tiny_m
     tiers.estimates.prefill_s_per_pair = 1e-7  # and a tenth of one a (query, key) pair
     group = 4 * tiers.pool.page_bytes
     # computing group i where it stands: 64 us + 0.1 us * 64 * (64 i + 32) = 269, 678, 1088 us;
-    # a group's load 600 us: one group or two do not pay (269 < 600, 947 < 1,200), three do
-    tiers.estimates.bytes_per_s["disk"] = group / 6e-4
+    # a group's load 480 us, weighed at 600 (GROUP_LOAD_MARGIN): one group or two do not pay
+    # (269 < 600, 947 < 1,200), three do
+    tiers.estimates.bytes_per_s["disk"] = group / 4.8e-4
     assert tiers._tiers_worth_writing(1) == set() and tiers._tiers_worth_writing(2) == set()
     assert tiers._tiers_worth_writing(3) == {"disk"}
     short, long = list(range(5, 5 + 16 * 8)), list(range(5, 5 + 16 * 16))  # 2 groups, then 4 sharing them
