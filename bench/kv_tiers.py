@@ -88,6 +88,9 @@ def rule_inputs(engine: Engine) -> dict[str, Any]:
     return {
         "prefill_us_per_token": round(e.prefill_s_per_token * 1e6, 3),
         "prefill_ns_per_pair": round(e.prefill_s_per_pair * 1e9, 4),
+        "prefill_fixed_ms": round(e.prefill_fixed_s * 1e3, 3),
+        "prefill_floor_ms": round(e.prefill_floor_s * 1e3, 3),
+        "prefill_floor_us_per_token": round(e.prefill_floor_s_per_token * 1e6, 4),
         "load_gb_s": {k: round(v / 1e9, 3) for k, v in e.bytes_per_s.items()},
         "prefill_readings": [(t, round(sec * 1e3, 3)) for t, sec, _ in e.prefill_readings],
     }
@@ -151,6 +154,9 @@ def tier_counts(engine: Engine) -> dict[str, Any]:
         "load_gb_s": {tier: round(rate / 1e9, 3) for tier, rate in engine.tiers.estimates.bytes_per_s.items()},
         "prefill_us_per_token": round(engine.tiers.estimates.prefill_s_per_token * 1e6, 2),
         "prefill_ns_per_pair": round(engine.tiers.estimates.prefill_s_per_pair * 1e9, 4),
+        "prefill_fixed_ms": round(engine.tiers.estimates.prefill_fixed_s * 1e3, 3),
+        "prefill_floor_ms": round(engine.tiers.estimates.prefill_floor_s * 1e3, 3),
+        "prefill_floor_us_per_token": round(engine.tiers.estimates.prefill_floor_s_per_token * 1e6, 4),
     }
 
 
