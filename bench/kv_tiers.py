@@ -310,7 +310,7 @@ class StepTimes:
     # tiers' (where they are on)
     TIMED = {
         "engine": ("add_request", "schedule", "launch", "collect", "postprocess"),
-        "pages": ("register_full_pages", "promote", "prefetch"),
+        "pages": ("register_full_pages", "offer_computed", "promote", "prefetch"),
         "tiers": ("find", "worth_loading", "load", "offer", "note_prefill", "prefetch", "demote"),
     }
 

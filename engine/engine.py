@@ -450,6 +450,9 @@ class Engine(Appending, Admission):
         outputs: list[RequestOutput] = []
         batch = self.schedule()
         launched = None if batch.is_empty else self.launch(batch)
+        if launched is not None and self.tiers is not None:  # while the device computes them
+            for seq, n in batch.prefills:
+                self.pages.offer_computed(seq, seq.num_computed + n)
         if self._pending is not None:
             outputs += self.complete(self._pending, self.collect(self._pending))
         if launched is not None and not self.hold(launched):

@@ -285,6 +285,12 @@ class WriteThrough:
         if len(self._written) > _REMEMBERED_GROUPS:
             self._written.popitem(last=False)
 
+    def _unmark(self, key: bytes, tier: str) -> None:
+        """Forget that ``tier`` holds ``key`` (it was found missing there)."""
+        have = self._written.get(key)
+        if have is not None and tier in have:
+            self._written[key] = have - {tier}
+
     def _tiers_worth_writing(self, groups: int) -> set[str]:
         """The group tiers a sequence of ``groups`` full page groups should be written to: those
         for which some leading run of them could be worth loading

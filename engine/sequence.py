@@ -34,6 +34,7 @@ class Sequence:
     num_computed: int = 0
     num_cached: int = 0
     num_registered_pages: int = 0
+    num_offered_pages: int = 0  # full pages the KV tiers were offered while the step computing them ran
     status: Status = Status.WAITING
     finish_reason: str | None = None
     stop_reason: str | int | None = None

@@ -5,6 +5,7 @@ bound, refuses corrupt or foreign entries; greedy output served from any tier eq
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -23,6 +24,7 @@ from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.loader import build_engine
 from pdserve.kv_store import StoreMaster, plan_master, running_store, start
 from pdserve.schemas import KVLayout, SamplingParams, WorkerCounters, WorkerInfo
+from pdserve.schemas.kv_events import page_hashes
 from pdserve.workers.metrics import WorkerMetrics
 from tests.engine.test_engine import hf_greedy, random_prompts, run_all
 
@@ -1046,3 +1048,64 @@ def test_read_buffers_are_allocated_once_and_lent_from_those() -> None:
     assert taken[3] is None and {id(b) for b in taken[:3]} == {id(b) for b in every}
     buffers.give(every[0])
     assert buffers.free == 1 and buffers.take() is every[0]
+
+
+def test_a_prefill_s_pages_are_offered_while_its_step_runs_and_once(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The tiers are offered a prefill's full pages right after its step is launched (their
+    snapshot queues on the device behind it: on a GPU the host's part of it runs while the
+    device computes, not after the first token), and never again when the step is done; the
+    decode steps' pages after them the usual way. What the disk then holds answers a restarted
+    engine as the computing one answered."""
+    engine = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4)
+    assert engine.tiers is not None
+    events: list[tuple[str, int, int]] = []
+    offer, collect = engine.tiers.offer, engine.collect
+
+    def offered(hashes: Sequence[bytes], table: Sequence[int], old: int, new: int) -> None:
+        events.append(("offer", old, new))
+        offer(hashes, table, old, new)
+
+    def collected(launched: Any) -> Any:
+        events.append(("collect", len(launched.batch.prefills), 0))
+        return collect(launched)
+
+    engine.tiers.offer = offered  # type: ignore[method-assign]
+    engine.collect = collected  # type: ignore[method-assign]
+    prompt = list(range(5, 205))  # 12 full pages, then 8 tokens
+    sampling = SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True)
+    engine.add_request("r", prompt, sampling)
+    out = run_all(engine)["r"]
+    assert events[:2] == [("offer", 0, 12), ("collect", 1, 0)]  # before the prefill's tokens were collected
+    ranges = [(old, new) for kind, old, new in events if kind == "offer"]
+    assert ranges[0] == (0, 12) and all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+    assert ranges[-1][1] == (200 + 60 - 1) // 16  # the decode steps' pages after, each offered once
+    engine.close()
+    restarted = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4)
+    restarted.add_request("again", prompt, sampling)
+    assert run_all(restarted)["again"] == out and restarted.stats.cached_tokens >= 12 * 16
+    restarted.close()
+
+
+def test_groups_a_lookup_found_in_a_tier_are_not_snapshotted_for_it(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A worker that found a prefix's groups in a tier (a second worker on a shared store) and
+    computed them anyway does not copy them off the device for that tier again; a group found
+    missing when loaded (gone, or corrupt and removed) is written again."""
+    prompt = list(range(5, 205))
+    _, second = restarted_over_disk(tiny_model_dir, tmp_path, prompt)
+    tiers = second.tiers
+    assert tiers is not None
+    hashes = page_hashes(prompt, 16)
+    plan = tiers.find(hashes, 0, len(hashes))
+    assert plan.num_pages == 12 and all("disk" in tiers._written[hashes[e - 1]] for e in (4, 8, 12))
+    queued: list[int] = []
+    enqueue = tiers._enqueue
+    tiers._enqueue = lambda groups: (queued.append(len(groups)), enqueue(groups))[1]  # type: ignore[method-assign]
+    tiers.offer(hashes, list(range(12)), 0, 12)
+    assert sum(queued) == 0
+    for f in Path(tmp_path).rglob("*.kv"):
+        f.unlink()  # gone before the load
+    assert tiers.load(plan, list(range(12))) == 0
+    assert "disk" not in tiers._written[hashes[3]]
+    tiers.offer(hashes, list(range(12)), 0, 12)
+    assert sum(queued) == 1  # the first group again (the others stay marked as held)
+    second.close()
