@@ -434,34 +434,14 @@ def pages_worth_loading(
             load *= GROUP_LOAD_MARGIN
         at = start_tokens + done * page_tokens
         whole = estimates.recompute_seconds(n * page_tokens, at) or 0.0
-
-        def over(
-            k: int, n: int = n, whole: float = whole, before: float = computed, done: int = done
-        ) -> tuple[float, float]:
-            """The computing the run's first k pages and those before it save, and its bound."""
-            part = whole if k == n else estimates.recompute_seconds(k * page_tokens, start_tokens + done * page_tokens)
-            bound = estimates.headroom_seconds(start_tokens, end_tokens, (done + k) * page_tokens)
-            return before + (part or 0.0), bound
-
-        ks = [n]
-        if tier not in measure_first and over(n)[0] > over(n)[1]:
-            # past the page whose computing reaches the bound, the saving grows by the floor's
-            # slope a page, less its load: that page (or the one before it) may be its peak. Not
-            # for a disk's or store's run, loaded whole or not at all: there a part cut where the
-            # step nears its floor, where neither the step's time nor a short load's is well
-            # measured, saved less than its load (a 7B model's 600-token chat turns on an H100,
-            # three groups of a disk: 1.09x computing them, 2026-12-06)
-            lo, hi = 1, n
-            while lo < hi:
-                mid = (lo + hi) // 2
-                c, b = over(mid)
-                lo, hi = (lo, mid) if c > b else (mid + 1, hi)
-            ks = sorted({max(1, lo - 1), lo, n})
-        for k in ks:
-            c, b = over(k)
-            saved = min(c, b) - loaded - load * k / n
-            if saved > best_saved:
-                best_pages, best_saved = done + k, saved
+        # a run whole or not at all: a part of it cut where the step nears its floor, where
+        # neither the step's time nor a short load's is well measured, saved less than its load
+        # (a 7B model's 600-token chat turns on an H100: three groups of a disk, 1.09x computing
+        # them; host memory's pages cut where a noisy floor said, 1.09x, 2026-12-06)
+        saved = min(computed + whole, estimates.headroom_seconds(start_tokens, end_tokens, (done + n) * page_tokens))
+        saved -= loaded + load
+        if saved > best_saved:
+            best_pages, best_saved = done + n, saved
         computed += whole
         loaded += load
         done += n
