@@ -57,15 +57,17 @@ log = logging.getLogger(__name__)
 # the pool (else a quarter, a half and all of that: with one size only the rule priced a page by
 # a step's fixed part too and loaded a store slower than computing, 1.3x at 512 tokens on an
 # H200, 2026-12-05), random tokens; on a GPU the last in chunks after others, to tell the
-# attention's growing share apart (kv_cost.prefill_model; 13 s on 2 cores).
-PREFILL_PROBES = (256, 1024, 4096)
+# attention's growing share apart (kv_cost.prefill_model; 13 s on 2 cores). The shortest shows,
+# with the next, the floor a step does not go below (kv_cost.prefill_floor: on a GPU the host's
+# launches), which bounds what loading part of a prompt saves.
+PREFILL_PROBES = (64, 256, 1024, 4096)
 
 
 def probe_sizes(limit: int, gpu: bool) -> list[int]:
     """The prompt lengths :meth:`Engine.measure_prefill` times, none above ``limit`` tokens:
-    :data:`PREFILL_PROBES` (off a GPU the first two), or as many as far apart within ``limit``
+    :data:`PREFILL_PROBES` (off a GPU the first three), or as many as far apart within ``limit``
     where they do not all fit (none under 64)."""
-    probes = PREFILL_PROBES if gpu else PREFILL_PROBES[:2]
+    probes = PREFILL_PROBES if gpu else PREFILL_PROBES[:3]
     if probes[-1] <= limit:
         return list(probes)
     if limit < 64:
@@ -142,8 +144,8 @@ class Engine(Appending, Admission):
 
     def measure_prefill(self) -> bool:
         """Time two prefills of :data:`PREFILL_PROBES` tokens for the KV tiers' cost rule (the
-        second round's: the first compiles kernels), where a disk or store tier decides by
-        cost and nothing has run yet. Nothing of them is cached, offered to the tiers or
+        second round's: the first compiles kernels; the floor too, where they show one), where
+        a disk or store tier decides by cost and nothing has run yet. Nothing of them is cached, offered to the tiers or
         counted in :attr:`stats`. Returns whether it measured."""
         tiers = self.tiers
         if tiers is None or not tiers.groups or tiers.config.load != "cost" or self.has_work():
@@ -165,6 +167,7 @@ class Engine(Appending, Admission):
                     )
                     while self.has_work():
                         self.step()
+            tiers.estimates.measure_floor()  # the second round's steps
         finally:
             self.pages.enable_prefix_cache = True
             self.stats = saved
@@ -174,6 +177,7 @@ class Engine(Appending, Admission):
                 "tokens": sizes,
                 "us_per_token": round(tiers.estimates.prefill_s_per_token * 1e6, 2),
                 "ns_per_pair": round(tiers.estimates.prefill_s_per_pair * 1e9, 4),
+                "floor_ms": round(tiers.estimates.prefill_floor_s * 1e3, 3),
             },
         )
         return tiers.estimates.prefill_s_per_token > 0.0

@@ -239,9 +239,6 @@ class CostEstimates:
             # step, 64 ms against 14, alone above the floor priced a token at 117 us, and a
             # restarted worker loaded a 512-token prefix from its disk at 1.18x computing it)
             readings = steady(tuple(self.prefill_readings))
-            floor = prefill_floor(readings)
-            if floor is not None:  # else the last one measured stays (a chat's turns: all above it)
-                self._floor, self._floor_per_token = floor
             # the line through the steps above the floor (those at it say nothing of a token's cost)
             above = [r for r in readings if r[1] > self.floor_seconds(r[0]) * (1.0 + FLAT)]
             line = prefill_line(above) if above else (0.0, min(sec / t for t, sec, _ in readings), 0.0)
@@ -277,6 +274,19 @@ class CostEstimates:
         """What a token adds to a step at the floor (the floor's own slope)."""
         self._fit()
         return self._floor_per_token
+
+    def measure_floor(self) -> bool:
+        """Take the floor the readings show (:func:`prefill_floor`), if they show one: a worker's
+        start-up probes, of sizes chosen apart on a quiet engine. Only theirs: read from a chat's
+        steps (chunks, a noisy spell, sizes near one another) a floor came out at a whole turn's
+        time, 14.6 ms at 512 tokens on an H100, and host memory was declined (1.04x no tier,
+        2026-12-06). Returns whether one was found (the last one found stays otherwise)."""
+        floor = prefill_floor(tuple(self.prefill_readings))
+        if floor is not None:
+            self._floor, self._floor_per_token = floor
+            self._spread_fit = None  # a line fitted through steps at the floor goes
+            self._unfitted = bool(self.prefill_readings)  # refitted above it
+        return floor is not None
 
     def floor_seconds(self, tokens: int) -> float:
         """A step of ``tokens`` tokens at the floor (0 where none was seen)."""

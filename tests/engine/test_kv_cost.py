@@ -209,10 +209,10 @@ def test_the_prefill_probes_spread_within_a_small_pool() -> None:
     from pdserve.engine.engine import PREFILL_PROBES, probe_sizes
 
     assert probe_sizes(6144, gpu=True) == list(PREFILL_PROBES)
-    assert probe_sizes(6144, gpu=False) == list(PREFILL_PROBES[:2])
+    assert probe_sizes(6144, gpu=False) == list(PREFILL_PROBES[:3])
     assert probe_sizes(384, gpu=True) == [96, 192, 384]
     assert probe_sizes(1536, gpu=True) == [384, 768, 1536]
-    assert probe_sizes(1536, gpu=False) == [256, 1024]
+    assert probe_sizes(1536, gpu=False) == [64, 256, 1024]
     assert probe_sizes(512, gpu=False) == [128, 512]
     assert probe_sizes(63, gpu=True) == []
     for limit in (64, 384, 1536, 4095):
@@ -259,6 +259,7 @@ def test_a_step_that_paid_one_time_costs_is_not_a_reading() -> None:
     for r in (*probes, first):
         e.note_prefill(*r)
     e.note_load("store", page_bytes * 32, page_bytes * 32 / 2.8e9)
+    assert e.measure_floor()  # (the probes', as a worker takes it at start)
     assert pages_worth_loading([("store", 32)], page_bytes, 16, e, {"store"}, end_tokens=544).pages == 0
     # nor for the estimates' line: alone above the floor, that step priced a token at 117 us (a
     # restarted worker's disk, 2026-12-06), where the 384-token probe's rate is 25
@@ -347,6 +348,8 @@ def test_the_floor_of_a_step_bounds_what_a_load_saves() -> None:
     e = CostEstimates()
     for tokens, ms in ((96, 10.0), (192, 10.1), (384, 10.6)):
         e.note_prefill(tokens, ms / 1e3, tokens * tokens / 2)
+    assert e.prefill_floor_s == 0.0  # read from the start-up probes only, when asked
+    assert e.measure_floor()
     floor = (e.prefill_floor_s, e.prefill_floor_s_per_token)
     assert floor[0] == pytest.approx(9.83e-3, rel=0.01) and floor[1] == pytest.approx(2.0e-9 * 1000, rel=0.1)
     for _ in range(kv_cost.READINGS):
@@ -355,6 +358,13 @@ def test_the_floor_of_a_step_bounds_what_a_load_saves() -> None:
     # computing 64 of the 544 tokens takes the floor's 9.96 ms: loading 480 saves ~4.7 ms
     assert e.headroom_seconds(0, 544, 480) == pytest.approx(0.0148 * 544 / 548 - e.floor_seconds(64), rel=0.02)
     assert e.headroom_seconds(0, None) == float("inf")
+    # a chat's steps that look flat (a chunk, a noisy spell) set no floor: one at a whole turn's
+    # time declined host memory (1.04x no tier on an H100)
+    chat = CostEstimates()
+    turns = [(270, 0.0146, 270 * 135.0), (560, 0.0147, 560 * 280.0), (600, 0.0150, 600 * 300.0)]
+    for r in turns:
+        chat.note_prefill(*r)
+    assert kv_cost.prefill_floor(turns) is not None and chat.prefill_floor_s == 0.0
     page = 28 * 2 * 4 * 128 * 16 * 2  # a 16-token page of Qwen2.5-7B's KV in bf16
     e.note_load("host", page * 30, page * 30 / 60e9)
     e.note_load("disk", page * 30, page * 30 / 6.3e9)
