@@ -263,6 +263,11 @@ class CostEstimates:
         self._fit()
         return self._per_pair
 
+    @prefill_s_per_pair.setter
+    def prefill_s_per_pair(self, value: float) -> None:
+        self._fit()
+        self._per_pair = value
+
     @property
     def prefill_floor_s(self) -> float:
         """The least a prefill step takes, however few its tokens (0: not seen)."""
@@ -297,11 +302,6 @@ class CostEstimates:
         """The fixed part of the line the steps above the floor follow."""
         self._fit()
         return self._fixed
-
-    @prefill_s_per_pair.setter
-    def prefill_s_per_pair(self, value: float) -> None:
-        self._fit()
-        self._per_pair = value
 
     def note_load(self, tier: str, nbytes: int, seconds: float) -> None:
         if nbytes > 0 and seconds > 0.0:
