@@ -152,6 +152,14 @@ _TIER_GAUGES = {
         "pdserve_kv_tier_recompute_seconds_per_pair",
         "what each (query, key) pair of the prefill's attention adds to computing it (later pages cost more)",
     ),
+    "load_s_per_call": (
+        "pdserve_kv_tier_load_seconds_per_call",
+        "a round trip to the tier (its lookups'): each load's fixed part",
+    ),
+    "recompute_floor_s": (
+        "pdserve_kv_tier_recompute_floor_seconds",
+        "the least a prefill step takes however few its tokens (0: none seen): bounds what a load saves",
+    ),
 }
 _TOTALS = [f.name for cls in (WorkerCounters, WorkerStats) for f in dataclasses.fields(cls)]
 assert set(_TOTALS) == set(_COUNTERS) | _STATS_GAUGES, "every worker total has a metric"

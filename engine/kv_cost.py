@@ -223,6 +223,7 @@ class CostEstimates:
         prefill_floor_s_per_token: float = 0.0,
     ) -> None:
         self.bytes_per_s: dict[str, float] = dict(bytes_per_s or {})
+        self.call_seconds: dict[str, float] = {}  # a round trip to each tier (its lookups')
         self.prefill_readings: deque[tuple[int, float, float]] = deque(maxlen=READINGS)
         self._per_token = prefill_s_per_token
         self._per_pair = prefill_s_per_pair
@@ -321,10 +322,21 @@ class CostEstimates:
             self.prefill_readings.append((tokens, seconds, pairs))
             self._unfitted = True
 
-    def load_seconds(self, tier: str, nbytes: int) -> float | None:
-        """Expected time to load ``nbytes`` from ``tier``; None before its first load."""
+    def note_call(self, tier: str, seconds: float) -> None:
+        """A round trip to ``tier`` (a lookup of a prompt's groups) took ``seconds``."""
+        if seconds > 0.0:
+            self.call_seconds[tier] = _ema(self.call_seconds.get(tier, 0.0), seconds)
+
+    def load_seconds(self, tier: str, nbytes: int, calls: int = 1) -> float | None:
+        """Expected time to load ``nbytes`` from ``tier`` in ``calls`` round trips (each as
+        long as its lookups took: a load of a store's groups asks its master first, as a
+        lookup does); None before its first load. Short loads are what the round trip
+        weighs on: a store's single group at 512 tokens of a 7B model on an H100 looked
+        worth loading by its bytes alone, and the store was asked at every turn (1.07x)."""
         rate = self.bytes_per_s.get(tier, 0.0)
-        return nbytes / rate if rate > 0.0 else None
+        if rate <= 0.0:
+            return None
+        return nbytes / rate + calls * self.call_seconds.get(tier, 0.0)
 
     def recompute_seconds(self, tokens: int, start: int = 0) -> float | None:
         """Expected time to compute ``tokens`` prompt tokens after ``start`` others (their
@@ -366,11 +378,12 @@ def some_run_pays(
     prefill is unmeasured (there is no telling)."""
     if units < 1:
         return False
-    load = estimates.load_seconds(tier, unit_bytes)
-    if load is None or estimates.recompute_seconds(unit_tokens) is None:
+    if estimates.load_seconds(tier, unit_bytes) is None or estimates.recompute_seconds(unit_tokens) is None:
         return True
-    load *= GROUP_LOAD_MARGIN  # (only a disk's or store's runs are weighed here)
     begin = first * unit_tokens
+
+    def load(k: int) -> float:  # (only a disk's or store's runs are weighed here)
+        return (estimates.load_seconds(tier, k * unit_bytes) or 0.0) * GROUP_LOAD_MARGIN
 
     def compute(k: int) -> float:
         return estimates.recompute_seconds(k * unit_tokens, begin) or 0.0
@@ -385,7 +398,7 @@ def some_run_pays(
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if compute(mid) > bound(mid) else (mid + 1, hi)
         ks |= {lo, max(1, lo - 1)}
-    return any(min(compute(k), bound(k)) > k * load for k in ks)
+    return any(min(compute(k), bound(k)) > load(k) for k in ks)
 
 
 @dataclass(frozen=True)
@@ -490,7 +503,7 @@ def overlap_split(
         return None
     per_page: list[float] = []  # each page's load time, in prompt order
     for tier, n in runs:
-        one = estimates.load_seconds(tier, page_bytes)
+        one = estimates.load_seconds(tier, page_bytes, calls=0)  # (the tail's one round trip: in ``queued``'s noise)
         if one is None:
             return None
         per_page += [one] * n

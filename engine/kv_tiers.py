@@ -171,9 +171,11 @@ class KVTiers(WriteThrough, ReadAhead):
                 name,
                 **dataclasses.asdict(self.stats.tiers[name]),
                 held_bytes=getattr(tier, "num_bytes", 0),
-                load_s_per_page=self.estimates.load_seconds(name, page) or 0.0,
+                load_s_per_page=self.estimates.load_seconds(name, page, calls=0) or 0.0,
                 recompute_s_per_page=recompute,
                 recompute_s_per_pair=self.estimates.prefill_s_per_pair,
+                load_s_per_call=self.estimates.call_seconds.get(name, 0.0),
+                recompute_floor_s=self.estimates.prefill_floor_s,
             )
             for name, tier in present.items()
             if tier is not None
@@ -223,7 +225,9 @@ class KVTiers(WriteThrough, ReadAhead):
                 self.stats.tiers[t.name].skipped_lookups += 1
                 held[t.name] = set()
             else:
+                asked = time.perf_counter()
                 held[t.name] = {k for k, yes in zip(keys, t.contains_many(keys), strict=True) if yes}
+                self.estimates.note_call(t.name, time.perf_counter() - asked)
                 for k in held[t.name]:  # not snapshotted for it when this prompt's pages are computed
                     self._mark(k, (t.name,))  # (a second worker on a shared store: 0.4 ms a prompt)
 

@@ -79,7 +79,11 @@ class TierCounts:
     (:mod:`pdserve.engine.kv_cost`); the rule's inputs now: ``load_s_per_page`` (this tier's
     measured rate) against ``recompute_s_per_page`` (the worker's prefill, a page at the prompt's
     start) and ``recompute_s_per_pair`` (what each (query, key) pair of its attention adds: a
-    page after ``c`` tokens costs ``page_size * c`` of them more), 0 until measured;
+    page after ``c`` tokens costs ``page_size * c`` of them more), ``load_s_per_call`` (a round
+    trip to the tier, as its lookups took: each load's fixed part) and ``recompute_floor_s``
+    (the least a prefill step takes however few its tokens, where the worker's start-up probes
+    showed one: what loading part of a prompt saves is bounded by the step's time above it), 0
+    until measured;
     ``prefetched_groups``: groups read ahead into host memory while their request waited,
     ``prefetch_hits`` of them then loaded from memory, ``prefetch_wasted`` dropped unused;
     ``calibrations``: groups read back off the request path to measure the tier's rate (its
@@ -104,6 +108,8 @@ class TierCounts:
     load_s_per_page: float = 0.0
     recompute_s_per_page: float = 0.0
     recompute_s_per_pair: float = 0.0
+    load_s_per_call: float = 0.0
+    recompute_floor_s: float = 0.0
     prefetched_groups: int = 0
     prefetch_hits: int = 0
     prefetch_wasted: int = 0

@@ -421,6 +421,8 @@ def test_some_run_pays_is_the_leading_runs_weighed_one_by_one() -> None:
             prefill_fixed_s=rng.choice([0.0, rng.uniform(0.0, 10e-3)]),
         )
         e._floor_per_token = rng.choice([0.0, e.prefill_s_per_token * rng.uniform(0.0, 0.5)])  # slower than the line
+        if rng.random() < 0.5:
+            e.note_call("disk", rng.uniform(0.0, 2e-4))  # a round trip a load
         first, units = rng.randrange(0, 400), rng.randrange(1, 600)
         end = rng.choice([None, (first + units + rng.randrange(0, 50)) * PAGE_TOKENS])
         load = e.load_seconds("disk", PAGE_BYTES)
@@ -429,8 +431,26 @@ def test_some_run_pays_is_the_leading_runs_weighed_one_by_one() -> None:
         for i in range(units):
             computed += e.recompute_seconds(PAGE_TOKENS, (first + i) * PAGE_TOKENS) or 0.0
             bound = e.headroom_seconds(first * PAGE_TOKENS, end, (i + 1) * PAGE_TOKENS)
-            brute = brute or min(computed, bound) - (i + 1) * load * kv_cost.GROUP_LOAD_MARGIN > 1e-12
+            loads = (e.load_seconds("disk", (i + 1) * PAGE_BYTES) or 0.0) * kv_cost.GROUP_LOAD_MARGIN
+            brute = brute or min(computed, bound) - loads > 1e-12
         got = some_run_pays(e, "disk", PAGE_BYTES, PAGE_TOKENS, first, units, end)
         assert got == brute, (first, units, end, e.prefill_s_per_token, e.prefill_s_per_pair, load)
         checked[got] += 1
     assert min(checked.values()) > 50  # both answers met often
+
+
+def test_a_round_trip_weighs_on_short_loads() -> None:
+    """A load from a store asks its master first, as its lookups do: each load is priced one
+    lookup's time more than its bytes. A single group that its bytes alone would load (1.5 ms
+    computed, 0.8 loaded: the store at 512 tokens of a 7B model on an H100, asked at every turn
+    and then declined whole) does not pay with a 0.5 ms round trip; a long run still does."""
+    group = 4 * 28 * 2 * 4 * 128 * 16 * 2  # four 16-token pages of Qwen2.5-7B's KV in bf16
+    e = CostEstimates(bytes_per_s={"store": group / 0.0008}, prefill_s_per_token=23e-6)
+    assert kv_cost.some_run_pays(e, "store", group, 64, 0, 1, 544)
+    e.note_call("store", 0.0005)
+    assert e.load_seconds("store", group) == pytest.approx(0.0013)
+    assert e.load_seconds("store", group, calls=0) == pytest.approx(0.0008)
+    assert not kv_cost.some_run_pays(e, "store", group, 64, 0, 1, 544)
+    assert kv_cost.some_run_pays(e, "store", group, 64, 0, 8, 544)  # 8 groups: 11.8 ms against 6.9
+    d = pages_worth_loading([("store", 4)] * 8, group // 4, 16, e, {"store"}, 0, 544)
+    assert d.pages == 32 and d.saved_seconds == pytest.approx(512 * 23e-6 - 1.25 * (8 * 0.0008 + 0.0005))

@@ -479,6 +479,7 @@ def test_a_tier_no_run_of_which_could_pay_is_not_asked(tiny_model_dir: Path, tmp
     # compute, 480 to load; not asked
     tiers.estimates.prefill_s_per_pair = 1e-8
     tiers.estimates.bytes_per_s["disk"] = page_bytes / 32e-6
+    tiers.estimates.call_seconds.clear()  # (the lookups' round trips, timed above, aside)
     assert tiers.find(hashes, 0, len(hashes)).num_pages == 0 and disk.skipped_lookups == 2
     # a run from page 8 (the pages before it in host memory, say): 4 pages, 166 us against 160
     assert tiers._cannot_pay("disk", 0, 12, 12) and not tiers._cannot_pay("disk", 8, 12, 12)
@@ -1097,6 +1098,7 @@ def test_groups_a_lookup_found_in_a_tier_are_not_snapshotted_for_it(tiny_model_d
     hashes = page_hashes(prompt, 16)
     plan = tiers.find(hashes, 0, len(hashes))
     assert plan.num_pages == 12 and all("disk" in tiers._written[hashes[e - 1]] for e in (4, 8, 12))
+    assert tiers.estimates.call_seconds["disk"] > 0.0  # the lookup's round trip, a load's fixed part
     queued: list[int] = []
     enqueue = tiers._enqueue
     tiers._enqueue = lambda groups: (queued.append(len(groups)), enqueue(groups))[1]  # type: ignore[method-assign]
