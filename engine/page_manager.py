@@ -389,7 +389,10 @@ class PageManager:
         just launched computes (its hashes known: :meth:`hash_pages`): their snapshot is queued
         on the device after that step, so the host's part of it runs while the device computes
         rather than after the step's tokens come (0.4-1.0 ms of a 512-token prompt's TTFT with
-        a disk or store on an H100, 2026-12-06). :meth:`register_full_pages` offers them no more."""
+        a disk or store on an H100, 2026-12-06). :meth:`register_full_pages` offers them no more.
+        Called by :meth:`Engine.step` only: a worker launches in its engine thread (colocated
+        prefill on a stream of its own) and offers on its event loop, where the snapshot would
+        not be ordered after the step on the device."""
         if self.tiers is None or not self.enable_prefix_cache:
             return
         full = min(num_tokens // self.page_size, len(seq.page_hashes), len(seq.page_table))
