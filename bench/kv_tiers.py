@@ -402,11 +402,36 @@ def in_new_process(args: argparse.Namespace, model: Path, seed: int, tiers: dict
         *(["--step-times"] if args.step_times else []),
     ]
     env = {"MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2", "TOKENIZERS_PARALLELISM": "false"}
+    before = helpers_cpu()
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
+    after = helpers_cpu()
     if done.returncode != 0:  # kept in the results (the other parts still count), and said
         print(done.stderr[-3000:], file=sys.stderr, flush=True)
         return {"error": f"exit {done.returncode}: {done.stderr.strip().splitlines()[-1:]}", "answer": None}
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+    reading = dict(json.loads(done.stdout.strip().splitlines()[-1]))
+    # what this run's other processes (the store's master and server) used meanwhile: on an
+    # H100 a cold process after the store's part launched its steps twice as slowly (2026-12-06)
+    reading["helpers_cpu_s"] = {
+        name: round(after[pid][1] - cpu, 2) for pid, (name, cpu) in before.items() if pid in after
+    }
+    return reading
+
+
+def helpers_cpu() -> dict[int, tuple[str, float]]:
+    """This process's children (the store's master and server; not the fresh processes, which
+    have ended): name and CPU seconds so far, from ``/proc`` (empty where there is none)."""
+    out: dict[int, tuple[str, float]] = {}
+    me = os.getpid()
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == me:
+                name = (entry / "comm").read_text().strip()
+                out[int(entry.name)] = (name, (int(fields[11]) + int(fields[12])) / tick)
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
 
 
 @contextlib.contextmanager
