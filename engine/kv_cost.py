@@ -21,6 +21,14 @@ so it does from a memory tier not measured yet, but a tier named in ``measure_fi
 or a store, which can be several times slower than computing) is not loaded before its rate
 is known: its pages are computed while the caller measures it off the request's path.
 
+A step also has a floor it does not go below however few its tokens (on a GPU the host
+launching each layer's kernels: a 7B model's steps of 96 to 384 tokens all took ~10 ms on an
+H100): loading part of a prompt saves at most the step's time above the floor for the tokens
+still computed (:meth:`CostEstimates.headroom_seconds`), the floor read from a worker's
+start-up probes (:meth:`CostEstimates.measure_floor`). A tier's run is loaded whole or not at
+all; a disk's or store's load is weighed at :data:`GROUP_LOAD_MARGIN` times its estimate, and
+every load at one round trip to its tier (as its lookups took) more than its bytes.
+
 Where a tier is slower than computing, its pages can still save time beside the computing:
 the leading part of them is computed on the device while the rest is loaded from the tier at
 the same time (the later pages' KV is only data: computing the earlier ones does not need it).
@@ -68,14 +76,19 @@ def marginal_cost(readings: Sequence[tuple[int, float]]) -> float:
     cheapest = min(s / t for t, s in readings)
     sizes = [t for t, _ in readings]
     if max(sizes) >= SPREAD * min(sizes):
-        n = len(readings)
-        mean_t = sum(sizes) / n
-        mean_s = sum(s for _, s in readings) / n
-        var = sum((t - mean_t) ** 2 for t in sizes)
-        slope = sum((t - mean_t) * (s - mean_s) for t, s in readings) / var
+        slope, _ = _slope(readings)
         if slope > 0.0:
             return min(slope, cheapest)
     return cheapest
+
+
+def _slope(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """The least-squares ``(slope, intercept)`` of seconds against tokens (sizes that differ)."""
+    n = len(points)
+    mean_t = sum(t for t, _ in points) / n
+    mean_s = sum(s for _, s in points) / n
+    slope = sum((t - mean_t) * (s - mean_s) for t, s in points) / sum((t - mean_t) ** 2 for t, _ in points)
+    return slope, mean_s - slope * mean_t
 
 
 def _least_squares(columns: Sequence[Sequence[float]], y: Sequence[float]) -> list[float] | None:
@@ -166,10 +179,10 @@ def prefill_floor(readings: Sequence[tuple[int, float, float]]) -> tuple[float, 
     sizes = [t for t, _ in flat]
     if len(flat) < 2 or max(sizes) < SPREAD * min(sizes):
         return None
-    mean_t = sum(sizes) / len(flat)
-    mean_s = sum(sec for _, sec in flat) / len(flat)
-    slope = max(0.0, sum((t - mean_t) * (sec - mean_s) for t, sec in flat) / sum((t - mean_t) ** 2 for t in sizes))
-    return max(0.0, mean_s - slope * mean_t), slope
+    slope, intercept = _slope(flat)
+    if slope < 0.0:  # flat within the noise: its mean
+        return sum(sec for _, sec in flat) / len(flat), 0.0
+    return max(0.0, intercept), slope
 
 
 def spreads(readings: Sequence[tuple[int, float, float]]) -> bool:

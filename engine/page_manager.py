@@ -379,10 +379,16 @@ class PageManager:
         self.hash_pages(seq, full * self.page_size)
         for i in range(seq.num_registered_pages, full):
             self.register(seq.page_table[i], seq.page_hashes[i])
-        offered = max(seq.num_registered_pages, seq.num_offered_pages)
-        if self.tiers is not None and self.enable_prefix_cache and full > offered:
-            self.tiers.offer(seq.page_hashes, seq.page_table, offered, full)
+        self._offer(seq, full)
         seq.num_registered_pages = max(seq.num_registered_pages, full)
+
+    def _offer(self, seq: Seq, full: int) -> bool:
+        """Offer the tiers ``seq``'s full pages up to ``full`` not offered yet; whether any."""
+        offered = max(seq.num_registered_pages, seq.num_offered_pages)
+        if self.tiers is None or not self.enable_prefix_cache or full <= offered:
+            return False
+        self.tiers.offer(seq.page_hashes, seq.page_table, offered, full)
+        return True
 
     def offer_computed(self, seq: Seq, num_tokens: int) -> None:
         """Offer the tiers the full pages of ``seq``'s first ``num_tokens`` tokens that a step
@@ -393,12 +399,8 @@ class PageManager:
         Called by :meth:`Engine.step` only: a worker launches in its engine thread (colocated
         prefill on a stream of its own) and offers on its event loop, where the snapshot would
         not be ordered after the step on the device."""
-        if self.tiers is None or not self.enable_prefix_cache:
-            return
         full = min(num_tokens // self.page_size, len(seq.page_hashes), len(seq.page_table))
-        offered = max(seq.num_registered_pages, seq.num_offered_pages)
-        if full > offered:
-            self.tiers.offer(seq.page_hashes, seq.page_table, offered, full)
+        if self._offer(seq, full):
             seq.num_offered_pages = full
 
     def check_invariants(self) -> None:

@@ -413,14 +413,17 @@ def test_some_run_pays_is_the_leading_runs_weighed_one_by_one() -> None:
     rng = random.Random(7)
     checked = {True: 0, False: 0}
     for _ in range(600):
+        rate, per_token = PAGE_BYTES / rng.uniform(10e-6, 200e-6), rng.uniform(0.2e-6, 4e-6)
+        per_pair = rng.choice([0.0, rng.uniform(1e-10, 2e-8)])
+        floor, fixed = rng.choice([0.0, rng.uniform(1e-3, 20e-3)]), rng.choice([0.0, rng.uniform(0.0, 10e-3)])
         e = CostEstimates(
-            bytes_per_s={"disk": PAGE_BYTES / rng.uniform(10e-6, 200e-6)},
-            prefill_s_per_token=rng.uniform(0.2e-6, 4e-6),
-            prefill_s_per_pair=rng.choice([0.0, rng.uniform(1e-10, 2e-8)]),
-            prefill_floor_s=rng.choice([0.0, rng.uniform(1e-3, 20e-3)]),
-            prefill_fixed_s=rng.choice([0.0, rng.uniform(0.0, 10e-3)]),
+            bytes_per_s={"disk": rate},
+            prefill_s_per_token=per_token,
+            prefill_s_per_pair=per_pair,
+            prefill_floor_s=floor,
+            prefill_fixed_s=fixed,
+            prefill_floor_s_per_token=rng.choice([0.0, per_token * rng.uniform(0.0, 0.5)]),  # slower than the line
         )
-        e._floor_per_token = rng.choice([0.0, e.prefill_s_per_token * rng.uniform(0.0, 0.5)])  # slower than the line
         if rng.random() < 0.5:
             e.note_call("disk", rng.uniform(0.0, 2e-4))  # a round trip a load
         first, units = rng.randrange(0, 400), rng.randrange(1, 600)
