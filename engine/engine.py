@@ -26,6 +26,7 @@ it runs), and such a step is never left queued (the next mask needs this token).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
@@ -140,6 +141,14 @@ class Engine(Appending, Admission):
         self._pinned = [torch.empty(capacity, dtype=torch.long, pin_memory=True) for _ in range(3)] if on_gpu else []
         self._next_pinned = 0
         self._prefill_clock = outputs.PrefillClock(runner.device.type == "cuda")  # the KV tiers' recompute rate
+        # The stream the steps run on: the launching thread's, taken at each launch (a co-located
+        # prefill's is its own, and its SM share switches it). Scheduling and postprocessing run
+        # on it wherever they are called from (a worker's event loop), so that the device work
+        # they queue (the KV tiers' loads, host-memory demotions, write snapshots) is ordered
+        # with the steps around it.
+        self.stream: torch.cuda.Stream | None = None
+        if runner.device.type == "cuda":
+            self.stream = torch.cuda.current_stream(runner.device)
         self.measure_prefill()
 
     def measure_prefill(self) -> bool:
@@ -188,7 +197,8 @@ class Engine(Appending, Admission):
 
     def schedule(self) -> ScheduledBatch:
         """The next step's work; its requests count as in flight until :meth:`postprocess`."""
-        batch = self.scheduler.schedule()
+        with self._on_stream():
+            batch = self.scheduler.schedule()
         if not batch.is_empty:
             batch.scored = scored_rows(batch.prefills)
             self._serial += 1
@@ -217,12 +227,21 @@ class Engine(Appending, Admission):
         pending (sampled by the step in flight before this one) is fed it on the device.
         Touches only tensors and the prefills' page hashes (``PageManager.hash_pages``,
         computed while the device runs them); safe to run in a worker thread."""
-        if self.observer is None:
-            return self._launch(batch)
-        self.observer.before_launch(batch)
+        if self.observer is not None:
+            self.observer.before_launch(batch)
         launched = self._launch(batch)
-        self.observer.after_launch(launched)
+        if self.observer is not None:
+            self.observer.after_launch(launched)
+        if self.stream is not None:
+            self.stream = torch.cuda.current_stream(self.runner.device)
+        if self.tiers is not None:  # snapshots for the writer, queued behind the step
+            for seq, n in batch.prefills:
+                self.pages.offer_computed(seq, seq.num_computed + n)
         return launched
+
+    def _on_stream(self) -> contextlib.AbstractContextManager[object]:
+        """The steps' stream made current (see ``stream``); off a GPU, nothing."""
+        return contextlib.nullcontext() if self.stream is None else torch.cuda.stream(self.stream)
 
     def _launch(self, batch: ScheduledBatch) -> Launched:
         started = time.perf_counter()
@@ -373,6 +392,11 @@ class Engine(Appending, Admission):
         return self.collect(self.launch(batch))
 
     def postprocess(self, batch: ScheduledBatch, result: ExecResult) -> list[RequestOutput]:
+        """Account a step's tokens: pages indexed (and offered to the tiers), outputs made."""
+        with self._on_stream():
+            return self._postprocess(batch, result)
+
+    def _postprocess(self, batch: ScheduledBatch, result: ExecResult) -> list[RequestOutput]:
         self._retire(batch)
         self.stats.steps += 1
         self.stats.batch_rows += len(batch.decodes) + len(batch.prefills) + len(batch.verifies)
@@ -454,9 +478,6 @@ class Engine(Appending, Admission):
         outputs: list[RequestOutput] = []
         batch = self.schedule()
         launched = None if batch.is_empty else self.launch(batch)
-        if launched is not None and self.tiers is not None:  # while the device computes them
-            for seq, n in batch.prefills:
-                self.pages.offer_computed(seq, seq.num_computed + n)
         if self._pending is not None:
             outputs += self.complete(self._pending, self.collect(self._pending))
         if launched is not None and not self.hold(launched):

@@ -396,9 +396,7 @@ class PageManager:
         on the device after that step, so the host's part of it runs while the device computes
         rather than after the step's tokens come (0.4-1.0 ms of a 512-token prompt's TTFT with
         a disk or store on an H100, 2026-12-06). :meth:`register_full_pages` offers them no more.
-        Called by :meth:`Engine.step` only: a worker launches in its engine thread (colocated
-        prefill on a stream of its own) and offers on its event loop, where the snapshot would
-        not be ordered after the step on the device."""
+        Called by :meth:`Engine.launch`, on the thread and stream that launched the step."""
         full = min(num_tokens // self.page_size, len(seq.page_hashes), len(seq.page_table))
         if self._offer(seq, full):
             seq.num_offered_pages = full

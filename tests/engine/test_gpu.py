@@ -195,6 +195,55 @@ def test_kv_tiers_on_the_gpu_serve_evicted_prefixes_with_equal_output(tmp_path: 
     restarted.close()
 
 
+def test_kv_tiers_copies_queued_off_the_engine_thread_run_on_the_steps_stream(tmp_path: Path) -> None:
+    """A worker schedules and postprocesses on its event loop and launches on its engine
+    thread, whose stream is its own in a co-located prefill. The tiers' device work queued
+    from the loop (host-memory demotions and loads while scheduling, write snapshots after a
+    step) goes on the steps' stream, ordered with them: here the loop thread's own stream is
+    held busy before each step, and copies queued on it would land after the steps that read
+    or overwrite their pages."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pdserve.engine.config import KVTierConfig
+
+    model = build(SMALL, torch.float32)
+    rng = random.Random(11)
+    base = [rng.randrange(5000) for _ in range(300)]
+    prompts = [base, *([rng.randrange(5000) for _ in range(320)] for _ in range(2)), base + [1, 2, 3]]
+    reference = [run(engine_for(model, 0), [p], 12)[0] for p in prompts]
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+
+    def own_stream() -> torch.cuda.Stream:
+        stream = torch.cuda.Stream()
+        torch.cuda.set_stream(stream)
+        return stream
+
+    def make() -> Engine:
+        tiers = KVTierConfig(host_bytes=64 << 20, disk_dir=str(tmp_path), group_pages=4, load="always")
+        config = EngineConfig(device="cuda", max_total_tokens=512, max_num_seqs=8, kv_tiers=tiers)
+        return Engine(ModelRunner(ModelSpec(Path("m")), config, model=model), config)
+
+    with ThreadPoolExecutor(1) as thread:
+        stream = thread.submit(own_stream).result()
+        engine = thread.submit(make).result()
+        assert engine.stream == stream and torch.cuda.current_stream() != stream
+        got = []
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, params)
+            tokens: list[int] = []
+            while engine.has_work():
+                torch.cuda._sleep(20_000_000)  # this thread's stream busy for ~10 ms
+                batch = engine.schedule()
+                launched = thread.submit(engine.launch, batch).result()
+                result = thread.submit(engine.collect, launched).result()
+                tokens += [t for o in engine.complete(launched, result) for t in o.token_ids]
+            got.append(tokens)
+        torch.cuda.synchronize()
+    assert got == reference
+    assert engine.tiers is not None and engine.tiers.stats.tiers["host"].hit_pages >= 300 // 16 - 2
+    engine.close()
+
+
 def test_a_kv_tier_write_s_snapshot_does_not_make_the_host_wait_for_the_device(tmp_path: Path) -> None:
     """A step's group snapshots are queued, their page index included: built from pageable memory the
     index's copy waited until all the work queued before it had run, holding the step of a

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -1086,6 +1088,32 @@ def test_a_prefill_s_pages_are_offered_while_its_step_runs_and_once(tiny_model_d
     restarted.add_request("again", prompt, sampling)
     assert run_all(restarted)["again"] == out and restarted.stats.cached_tokens >= 12 * 16
     restarted.close()
+
+
+def test_a_worker_s_engine_thread_offers_a_prefill_s_pages_as_it_launches(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A worker schedules on its event loop and launches and collects on its engine thread:
+    the prefill's pages are offered by the launch, on the thread (and so the stream) that
+    queued the step, and not again when the step completes on the loop."""
+    engine = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4)
+    assert engine.tiers is not None
+    offers: list[tuple[int, int, int]] = []
+    offer = engine.tiers.offer
+
+    def offered(hashes: Sequence[bytes], table: Sequence[int], old: int, new: int) -> None:
+        offers.append((threading.get_ident(), old, new))
+        offer(hashes, table, old, new)
+
+    engine.tiers.offer = offered  # type: ignore[method-assign]
+    engine.add_request("r", list(range(5, 205)), SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True))
+    with ThreadPoolExecutor(1) as thread:
+        launcher = thread.submit(threading.get_ident).result()
+        assert launcher != threading.get_ident()
+        batch = engine.schedule()
+        launched = thread.submit(engine.launch, batch).result()
+        assert offers == [(launcher, 0, 12)]
+        outputs = engine.complete(launched, thread.submit(engine.collect, launched).result())
+    assert offers == [(launcher, 0, 12)] and [len(o.token_ids) for o in outputs] == [1]
+    engine.close()
 
 
 def test_groups_a_lookup_found_in_a_tier_are_not_snapshotted_for_it(tiny_model_dir: Path, tmp_path: Path) -> None:
