@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from pdserve.engine.engine import Engine
-from pdserve.engine.kernels import fp8
+from pdserve.engine.kernels import fp8, paged
 from pdserve.schemas import SamplingParams
 
 
@@ -46,6 +46,12 @@ def add_fp8_flags(parser: argparse.ArgumentParser) -> None:
         choices=("fast", "exact"),
         help="FP8: prefill's GEMMs (torch._scaled_mm) with Hopper's fast accumulation or without "
         f"(default {'fast' if fp8.SCALED_MM_FAST_ACCUM else 'exact'})",
+    )
+    parser.add_argument(
+        "--fp8-kv-tiles",
+        choices=("bf16", "f16"),
+        help="FP8 KV: the attention kernels convert the pool's tiles to bf16 or to float16, the queries with "
+        f"them (default {'f16' if paged.FP8_F16_TILES else 'bf16'}; paged.FP8_F16_TILES)",
     )
     parser.add_argument(
         "--fp8-logit-error",
@@ -125,6 +131,8 @@ def configure_fp8(args: argparse.Namespace) -> dict[str, object]:
                     fp8.GEMV_SILU_FUSED = best["variant"] != "gemv_sep"
     if args.fp8_mm_rule:
         fp8.MATMUL_RULE = args.fp8_mm_rule
+    if args.fp8_kv_tiles:
+        paged.FP8_F16_TILES = args.fp8_kv_tiles == "f16"
     if args.fp8_mm_tiles:
         fp8.MATMUL_TILES.update(measured_mm_tiles(json.loads(args.fp8_mm_tiles.read_text())))
     return {
@@ -144,4 +152,5 @@ def configure_fp8(args: argparse.Namespace) -> dict[str, object]:
             }.items()
         },
         "scaled_mm_fast_accum": fp8.SCALED_MM_FAST_ACCUM,
+        "kv_f16_tiles": paged.FP8_F16_TILES,
     }

@@ -9,7 +9,8 @@ memory, not L2) and reported as microseconds per layer and KV read bandwidth.
     python bench/probes/attention_probe.py [--json out.json] [--context 640] [--kv-fp8]
 
 ``--kv-fp8``: the pool in FP8 with a scale per page per head (``--kv-cache-dtype fp8_e4m3``),
-read in place by the same kernel.
+read in place by the same kernel; ``--f16-tiles`` with it: its tiles converted to float16, the
+queries with them, rather than to bfloat16 (``paged.FP8_F16_TILES``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from pdserve.schemas import KVLayout
 LAYERS, NUM_Q, NUM_KV, DIM, PAGE = 28, 28, 4, 128, 16
 
 
-def probe(batch: int, context: int, shapes: list[tuple[int, int, int, int, bool]], kv_fp8: bool = False) -> dict:
+def probe(
+    batch: int, context: int, shapes: list[tuple[int, int, int, int, bool]], kv_fp8: bool = False, f16: bool = False
+) -> dict:
     dev = torch.device("cuda")
     pages_per_seq = -(-context // PAGE)
     num_pages = batch * pages_per_seq + 1
@@ -57,7 +60,7 @@ def probe(batch: int, context: int, shapes: list[tuple[int, int, int, int, bool]
         def call(i: int, bn=block_n, w=warps, st=stages, sp=splits, fu=fused) -> None:
             paged.decode_attention(
                 q, pool, i % LAYERS, tables, ctx, DIM**-0.5, sp, out, None, block_n=bn,
-                counters=counters if fu else None, num_warps=w, num_stages=st, kv_scales=scales,
+                counters=counters if fu else None, num_warps=w, num_stages=st, kv_scales=scales, f16=f16,
             )  # fmt: skip
 
         try:
@@ -82,7 +85,7 @@ def probe(batch: int, context: int, shapes: list[tuple[int, int, int, int, bool]
         )
     rows.sort(key=lambda r: r["us_per_layer"])
     default = decode_splits(batch, NUM_KV)
-    kind = "FP8" if kv_fp8 else "bf16"
+    kind = ("FP8 in float16 tiles" if f16 else "FP8") if kv_fp8 else "bf16"
     print(f"batch {batch}, context {context} ({kv_bytes / 1e6:.1f} MB of {kind} KV a layer), default splits {default}")
     for r in rows[:8]:
         print(
@@ -95,6 +98,7 @@ def probe(batch: int, context: int, shapes: list[tuple[int, int, int, int, bool]
         "context": context,
         "kv_mb_per_layer": kv_bytes / 1e6,
         "kv": "fp8_e4m3" if kv_fp8 else "bfloat16",
+        "f16_tiles": f16,
         "default_splits": default,
         "rows": rows,
     }
@@ -105,12 +109,13 @@ def main() -> int:
     parser.add_argument("--json")
     parser.add_argument("--context", type=int, default=640)
     parser.add_argument("--kv-fp8", action="store_true", help="an FP8 pool (values and a scale per block)")
+    parser.add_argument("--f16-tiles", action="store_true", help="with --kv-fp8: its tiles read as float16")
     args = parser.parse_args()
     results = []
     small = itertools.product((32, 64), (4,), (2, 3), (8, 16, 32), (False, True))
-    results.append(probe(1, args.context, list(small), args.kv_fp8))
+    results.append(probe(1, args.context, list(small), args.kv_fp8, args.f16_tiles))
     large = itertools.product((32, 64, 128), (4, 8), (1, 2, 3, 4), (1, 2, 4), (False,))
-    results.append(probe(64, args.context, list(large), args.kv_fp8))
+    results.append(probe(64, args.context, list(large), args.kv_fp8, args.f16_tiles))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -104,13 +104,27 @@ def _online_softmax(s, v, v_scale, m_i, l_i, acc, IEEE: tl.constexpr, KV_FP8: tl
     alpha = tl.exp(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     pv = p
-    if KV_FP8:  # sum_i p_i v_i = sum_i (p_i * vs_i) vq_i
-        pv = p * v_scale[None, :]
+    top = 1.0
+    if KV_FP8:
+        # sum_i p_i v_i = top * sum_i (p_i * vs_i / top) vq_i, top the block's largest value
+        # scale: the weights stay within [0, 1] as p does (in float16 tiles p * vs alone
+        # would fall below its normal range), and the powers of two change no rounding
+        top = tl.max(v_scale, 0)
+        top = tl.where(top > 0, top, 1.0)
+        pv = p * (v_scale / top)[None, :]
     if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision="ieee") * top
     else:
-        acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v).to(tl.float32) * top
     return m_new, l_i, acc
+
+
+@triton.jit
+def f16_queries(q):
+    """``q`` for float16 tiles of an FP8 pool (``F16``: e4m3 converts to float16 in one
+    instruction a pair, to bfloat16 through float16 in three), clamped to float16's range (a
+    bfloat16 value within it converts exactly)."""
+    return tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
 
 @triton.jit
@@ -201,6 +215,7 @@ def _decode_kernel(
     ROPE: tl.constexpr,
     KV_FP8: tl.constexpr,
     EXACT: tl.constexpr,
+    F16: tl.constexpr,
 ):
     if PDL:  # the o projection after this may be scheduled now (it waits for the output)
         tl.extra.cuda.gdc_launch_dependents()
@@ -262,6 +277,8 @@ def _decode_kernel(
                 tl.store(k_dst + d, k_new.to(pool_ptr.dtype.element_ty))
                 tl.store(k_dst + NUM_KV * BLOCK + d, v_new.to(pool_ptr.dtype.element_ty))
         tl.debug_barrier()  # the stores are seen by this program's loads below
+    if F16:
+        q = f16_queries(q)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM], tl.float32)
@@ -275,7 +292,7 @@ def _decode_kernel(
         k, v, ks, vs = _load_kv(
             pool_ptr, scale_ptr, block, tok, valid, d, NUM_KV, PAGE, DIM, BLOCK, SCALE_BLOCK, KV_FP8
         )
-        if KV_FP8:  # e4m3 values are exact in q's dtype
+        if KV_FP8:  # e4m3 values are exact in q's dtype (16 bits)
             k = k.to(q.dtype)
             v = v.to(q.dtype)
         s = tl.where(valid[None, :], _scores(q, k, scale, ks, IEEE, KV_FP8), float("-inf"))
@@ -353,6 +370,7 @@ def decode_attention(
     pdl: bool = False,
     rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     kv_scales: torch.Tensor | None = None,
+    f16: bool | None = None,
 ) -> torch.Tensor:
     """``q [B, Hq, D]`` (rows may be strided) attends each sequence's ``ctx_lens[b]`` tokens
     in pages ``page_tables[b]``; writes ``out [B, Hq, D]``. Graph-safe: no host sync.
@@ -366,7 +384,8 @@ def decode_attention(
     (:attr:`pdserve.engine.kv_pool.KVPool.kv_scales`); read in place, and with ``rope`` q and the
     new token's k are rotated as :func:`.rope.rope_store` rotates them for an FP8 pool
     (:func:`pdserve.engine.quant.rotate_qk_`), and k (rounded to ``q``'s dtype) and v stored
-    into their blocks.
+    into their blocks. ``f16``: a bfloat16 ``q`` attends an FP8 pool in float16 tiles (see
+    :func:`f16_tiles`; default :data:`FP8_F16_TILES`).
 
     ``counters`` (int32, at least ``B * num_kv``, zero, left zero): the splits are merged
     inside the attention kernel by whichever finishes last, instead of by a second kernel.
@@ -433,6 +452,7 @@ def decode_attention(
         PDL=pdl and (splits == 1 or counters is not None),
         ROPE=rope is not None,
         EXACT=interpreting(),
+        F16=f16_tiles(q, kv_scales, f16),
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -448,6 +468,21 @@ def decode_attention(
             num_warps=4,
         )
     return out
+
+
+# Whether a bfloat16 model's attention over an FP8 pool converts the pool's tiles to float16
+# (and its queries with them) rather than to bfloat16: Triton converts e4m3 to float16 in one
+# instruction a pair and to bfloat16 through float16 in three, once for every element of every
+# tile read. Off until timed on a GPU (``bench/probes/attention_probe.py --kv-fp8`` times both).
+FP8_F16_TILES = False
+
+
+def f16_tiles(q: torch.Tensor, kv_scales: torch.Tensor | None, f16: bool | None = None) -> bool:
+    """Whether the kernels read an FP8 pool's tiles as float16 for a ``q`` of its dtype:
+    bfloat16 queries, an FP8 pool, and ``f16`` (default :data:`FP8_F16_TILES`); a float16
+    ``q`` reads them so anyway, a float32 one (the CPU's) as float32."""
+    on = FP8_F16_TILES if f16 is None else f16
+    return on and kv_scales is not None and q.dtype == torch.bfloat16
 
 
 def block_strides(pool: torch.Tensor, kv_scales: torch.Tensor | None) -> dict[str, int | bool]:

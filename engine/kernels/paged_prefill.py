@@ -8,7 +8,15 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.engine.kernels.paged import _kv_block, _load_kv, _online_softmax, _scores, block_strides
+from pdserve.engine.kernels.paged import (
+    _kv_block,
+    _load_kv,
+    _online_softmax,
+    _scores,
+    block_strides,
+    f16_queries,
+    f16_tiles,
+)
 
 # chunks of up to this many rows take query tiles of 16 rows, longer ones 64: two compiled
 # kernels a dtype (what the fast path's warm-up compiles)
@@ -41,6 +49,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
     KV_FP8: tl.constexpr,
+    F16: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     head = tl.program_id(1)
@@ -58,6 +67,8 @@ def _prefill_kernel(
     d = tl.arange(0, DIM)
     q_rows = (q_start + i).to(tl.int64)
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head * DIM + d[None, :], mask=valid_q[:, None], other=0.0)
+    if F16:
+        q = f16_queries(q)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM], tl.float32)
@@ -104,11 +115,13 @@ def prefill_attention(
     out: torch.Tensor,
     window: int | None = None,
     kv_scales: torch.Tensor | None = None,
+    f16: bool | None = None,
 ) -> torch.Tensor:
     """Spans of ``q [T, Hq, D]`` (span ``s``: rows ``q_starts[s]`` onwards, ``q_lens[s]`` of
     them, the last at position ``ctx_lens[s] - 1``) attend causally to their sequence's
     pages ``page_tables[s]``, which already hold the span's own K/V; writes ``out [T, Hq, D]``.
-    ``kv_scales``: ``pool`` is an FP8 pool's values and these its scales, read in place."""
+    ``kv_scales``: ``pool`` is an FP8 pool's values and these its scales, read in place (``f16``:
+    in float16 tiles, :func:`.paged.f16_tiles`)."""
     _, num_q, dim = q.shape
     _, layers, _, num_kv, page, _ = pool.shape
     assert q.stride(2) == 1 and q.stride(1) == dim and out.is_contiguous()
@@ -137,6 +150,7 @@ def prefill_attention(
         BLOCK_M=block_m,
         BLOCK_N=64,
         IEEE=q.dtype == torch.float32,
+        F16=f16_tiles(q, kv_scales, f16),
         num_warps=4,
     )
     return out

@@ -10,6 +10,7 @@ in bf16 and float32, where the rotary of the fused decode store may round apart 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import random
 
 import pytest
@@ -226,6 +227,50 @@ def test_prefill_attention_over_fp8_matches_float64_over_the_dequantized_kv(
         qs = q[q_starts[i] : q_starts[i] + n].transpose(0, 1)
         ref = ref_attention(qs, k, v, torch.arange(prefix, prefix + n, device=DEVICE), window)
         assert rel_err(out[q_starts[i] : q_starts[i] + n].transpose(0, 1), ref) < TOL[dtype], i
+
+
+# float16 queries: the tiles a bfloat16 model reads with paged.FP8_F16_TILES (on a GPU: bfloat16
+# queries converted, f16=True); the CPU's interpreter runs float16 but not bfloat16 dots
+F16_CASES = [(torch.float16, None)] + ([(torch.bfloat16, True)] if DEVICE.type == "cuda" else [])
+
+
+@pytest.mark.parametrize(("dtype", "f16"), F16_CASES)
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[4]])
+def test_attention_over_fp8_in_float16_tiles_matches_float64(dtype: torch.dtype, f16: bool | None, case: tuple) -> None:
+    """Decode (one split and four) and prefill over an FP8 pool read in float16 tiles, its value
+    scales made small (2^-17 to 2^-12, where p times a scale would leave float16's normal range:
+    each block's weights are taken relative to its largest value scale), against float64."""
+    page, num_q, num_kv, dim, lens, window = case
+    pool = fp8_pool(96, 3, num_kv, page, dim)
+    assert pool.kv_scales is not None
+    pool.kv_scales[:, :, 1] *= 2.0**-12
+    assert pool.kv_scales[:, :, 1].min().item() <= 2.0**-17
+    tol = 1e-3 if dtype == torch.float16 else TOL[dtype]
+    kv64 = dequantized(pool)
+    tables, table_t = scattered_tables(lens, page, 96, random.Random(str(case)), spare=2)
+    q = torch.randn((len(lens), num_q, dim), dtype=dtype, device=DEVICE) * 4
+    ctx = torch.tensor(lens, dtype=torch.int64, device=DEVICE)
+    refs = []
+    for i, n in enumerate(lens):
+        k, v = gather(kv64, 1, tables[i], n)
+        refs.append(ref_attention(q[i][:, None], k, v, torch.tensor([n - 1], device=DEVICE), window)[:, 0])
+    for splits in (1, 4):
+        out = torch.full((len(lens), num_q, dim), float("nan"), dtype=dtype, device=DEVICE)
+        paged.decode_attention(
+            q, pool.kv, 1, table_t, ctx, dim**-0.5, splits, out, window, block_n=16, kv_scales=pool.kv_scales, f16=f16
+        )
+        for i in range(len(lens)):
+            assert rel_err(out[i], refs[i]) < tol, (splits, i)
+    ints = {"dtype": torch.int32, "device": DEVICE}
+    rows = torch.tensor([0, *itertools.accumulate(lens)], **ints)
+    out = torch.full((int(rows[-1]), num_q, dim), float("nan"), dtype=dtype, device=DEVICE)
+    lens_t = torch.tensor(lens, **ints)
+    qs = torch.cat([q[i : i + 1].expand(n, -1, -1) for i, n in enumerate(lens)])  # each row: the last position's q
+    paged_prefill.prefill_attention(
+        qs, pool.kv, 1, table_t, rows[:-1], lens_t, lens_t, max(lens), dim**-0.5, out, window, pool.kv_scales, f16
+    )
+    for i in range(len(lens)):
+        assert rel_err(out[int(rows[i + 1]) - 1], refs[i]) < tol, i
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
