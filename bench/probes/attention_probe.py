@@ -110,11 +110,16 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=640)
     parser.add_argument("--kv-fp8", action="store_true", help="an FP8 pool (values and a scale per block)")
     parser.add_argument("--f16-tiles", action="store_true", help="with --kv-fp8: its tiles read as float16")
+    parser.add_argument("--defaults", action="store_true", help="only the engine's launch settings at each batch")
     args = parser.parse_args()
     results = []
     small = itertools.product((32, 64), (4,), (2, 3), (8, 16, 32), (False, True))
-    results.append(probe(1, args.context, list(small), args.kv_fp8, args.f16_tiles))
     large = itertools.product((32, 64, 128), (4, 8), (1, 2, 3, 4), (1, 2, 4), (False,))
+    if args.defaults:  # decode_attention's own block and stages for the splits the engine picks
+        splits1, splits64 = decode_splits(1, NUM_KV), decode_splits(64, NUM_KV)
+        small = [(32 if splits1 >= 32 else 64, 4, 2, splits1, False)]
+        large = [(128 if splits64 == 1 else 64, 4, 3 if splits64 == 1 else 2, splits64, False)]
+    results.append(probe(1, args.context, list(small), args.kv_fp8, args.f16_tiles))
     results.append(probe(64, args.context, list(large), args.kv_fp8, args.f16_tiles))
     if args.json:
         with open(args.json, "w") as f:
