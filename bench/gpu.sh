@@ -16,7 +16,8 @@
 #                                    # bf16 and FP8 variants in one call (gpu_engine_NAME.json; logs in fp8_logs.tgz)
 #   bash bench/gpu.sh probes         # the probes in PROBES (default "diag gemv attention"; also fp32, reading, ipc,
 #                                    # verify: speculative verify steps against plain decode, quant: FP8 row quantization,
-#                                    # attention_fp8: the decode attention over an FP8 pool)
+#                                    # attention_fp8: the decode attention over an FP8 pool; attention_tiles: at the
+#                                    # engine's launch settings, bf16 KV, FP8 KV, and FP8 KV read in float16 tiles)
 #   bash bench/gpu.sh two_gpu_pd     # 2 GPUs: the p2p tests, then bench/two_gpu_pd.py (NCCL KV, PD against 2 unified)
 #   bash bench/gpu.sh two_tp         # 2 GPUs: the TP tests, then bench/tensor_parallel.py (TP 1 against TP 2)
 #   bash bench/gpu.sh xpyd           # 4 GPUs: bench/xpyd.py, some systems a call (ARGS="--configs 2P2D,4U"; XPYD_JSON:
@@ -147,12 +148,16 @@ probes)
     gemv) timeout -k 10 300 python3 bench/probes/gemv_probe.py --json "$out/gemv_probe.json" ;;
     attention) timeout -k 10 150 python3 bench/probes/attention_probe.py --json "$out/attention_probe.json" ;;
     attention_fp8) timeout -k 10 200 python3 bench/probes/attention_probe.py --kv-fp8 --json "$out/attention_probe_fp8.json" ;;
+    attention_tiles)
+      for kv in "bf16|" "fp8|--kv-fp8" "fp8_f16|--kv-fp8 --f16-tiles"; do
+        timeout -k 5 60 python3 bench/probes/attention_probe.py --defaults ${kv#*|} --json "$out/attention_tiles_${kv%%|*}.json"
+      done ;;
     fp32) timeout -k 10 240 python3 bench/probes/gpu_fp32_check.py ;;
     reading) timeout -k 10 420 python3 bench/probes/gpu_reading.py --device cuda --json "$out/gpu_reading.json" ;;
     ipc) timeout -k 10 360 python3 bench/probes/ipc_probe.py --out "$out/ipc_probe.json" ;;
     verify) timeout -k 10 300 python3 bench/probes/verify_probe.py --out "$out/verify_probe.json" ${VERIFY_ARGS:-} ;;
     quant) timeout -k 10 120 python3 bench/probes/quant_probe.py --out "$out/quant_probe.json" ;;
-    *) echo "unknown probe: $probe (diag, gemv, attention, attention_fp8, fp32, reading, ipc, verify, quant)" ;;
+    *) echo "unknown probe: $probe (diag, gemv, attention, attention_fp8, attention_tiles, fp32, reading, ipc, verify, quant)" ;;
     esac > "$out/probe_$probe.log" 2>&1
     echo "== $probe"; grep -v "^  " "$out/probe_$probe.log" | tail -14
   done
