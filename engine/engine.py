@@ -147,8 +147,10 @@ class Engine(Appending, Admission):
         # they queue (the KV tiers' loads, host-memory demotions, write snapshots) is ordered
         # with the steps around it.
         self.stream: torch.cuda.Stream | None = None
+        self._default_stream: torch.cuda.Stream | None = None  # every thread's unless it set another
         if runner.device.type == "cuda":
             self.stream = torch.cuda.current_stream(runner.device)
+            self._default_stream = torch.cuda.default_stream(runner.device)
         self.measure_prefill()
 
     def measure_prefill(self) -> bool:
@@ -240,8 +242,12 @@ class Engine(Appending, Admission):
         return launched
 
     def _on_stream(self) -> contextlib.AbstractContextManager[object]:
-        """The steps' stream made current (see ``stream``); off a GPU, nothing."""
-        return contextlib.nullcontext() if self.stream is None else torch.cuda.stream(self.stream)
+        """The steps' stream made current (see ``stream``) where it is one of their own; on the
+        default stream, which every thread has unless it set another, or off a GPU, nothing
+        (no stream switch on every step of a decode loop for nothing)."""
+        if self.stream is None or self.stream == self._default_stream:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self.stream)
 
     def _launch(self, batch: ScheduledBatch) -> Launched:
         started = time.perf_counter()

@@ -105,13 +105,16 @@ def _online_softmax(s, v, v_scale, m_i, l_i, acc, IEEE: tl.constexpr, KV_FP8: tl
     l_i = l_i * alpha + tl.sum(p, 1)
     pv = p
     top = 1.0
-    if KV_FP8:
-        # sum_i p_i v_i = top * sum_i (p_i * vs_i / top) vq_i, top the block's largest value
-        # scale: the weights stay within [0, 1] as p does (in float16 tiles p * vs alone
-        # would fall below its normal range), and the powers of two change no rounding
-        top = tl.max(v_scale, 0)
-        top = tl.where(top > 0, top, 1.0)
-        pv = p * (v_scale / top)[None, :]
+    if KV_FP8:  # sum_i p_i v_i = sum_i (p_i * vs_i) vq_i
+        if v.dtype == tl.float16:
+            # = top * sum_i (p_i * vs_i / top) vq_i, top the block's largest value scale: the
+            # weights stay within [0, 1] as p does (p * vs alone would fall below float16's
+            # normal range), and the powers of two change no rounding
+            top = tl.max(v_scale, 0)
+            top = tl.where(top > 0, top, 1.0)
+            pv = p * (v_scale / top)[None, :]
+        else:
+            pv = p * v_scale[None, :]
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision="ieee") * top
     else:
