@@ -61,6 +61,11 @@ GROUP_LOAD_MARGIN = 1.25
 # step does not go below however few its tokens (on a GPU the host's launches of every layer's
 # kernels; the weights read once): the prefill's floor, measured.
 FLAT = 0.1
+# Round trips kept for a tier's call time (their median: a client's first calls set up its
+# connection, 8 and 4 ms against 0.1 for a store's lookups on this CPU; an average seeded by
+# the first one priced every later load of a 2,048-token prefix on an H100 that much dearer,
+# and the disk and the store were never asked again, 1.00x no tier, 2026-12-06).
+CALLS = 9
 
 
 def _ema(old: float, new: float) -> float:
@@ -236,7 +241,8 @@ class CostEstimates:
         prefill_floor_s_per_token: float = 0.0,
     ) -> None:
         self.bytes_per_s: dict[str, float] = dict(bytes_per_s or {})
-        self.call_seconds: dict[str, float] = {}  # a round trip to each tier (its lookups')
+        self.call_seconds: dict[str, float] = {}  # a round trip to each tier (its lookups'): the median of
+        self._calls: dict[str, deque[float]] = {}  # the last CALLS
         self.prefill_readings: deque[tuple[int, float, float]] = deque(maxlen=READINGS)
         self._per_token = prefill_s_per_token
         self._per_pair = prefill_s_per_pair
@@ -330,15 +336,26 @@ class CostEstimates:
 
     def note_prefill(self, tokens: int, seconds: float, pairs: float = 0.0) -> None:
         """A prefill step: ``tokens`` prompt tokens in ``seconds``, its attention ``pairs``
-        (:func:`prefill_model`; 0: not known)."""
+        (:func:`prefill_model`; 0: not known). A step faster than the floor says shows the floor
+        too high (the start-up probes ran in a slow spell): the floor comes down to it."""
         if tokens > 0 and seconds > 0.0:
             self.prefill_readings.append((tokens, seconds, pairs))
             self._unfitted = True
+            if 0.0 < seconds < self.floor_seconds(tokens):
+                # (on an H100 a worker's probes of 96 to 384 tokens took 17-22 ms, its 512-token
+                # turns 15: the headroom left by that floor was none, and host memory was declined
+                # at every turn, 2026-12-06)
+                slope = self._floor_per_token if self._floor_per_token * tokens < seconds else 0.0
+                self._floor, self._floor_per_token = seconds - slope * tokens, slope
 
     def note_call(self, tier: str, seconds: float) -> None:
-        """A round trip to ``tier`` (a lookup of a prompt's groups) took ``seconds``."""
+        """A round trip to ``tier`` (a lookup of a prompt's groups) took ``seconds``: the tier's
+        ``call_seconds`` is the median of the last :data:`CALLS` (one slow call, a connection's
+        first, does not price every later load)."""
         if seconds > 0.0:
-            self.call_seconds[tier] = _ema(self.call_seconds.get(tier, 0.0), seconds)
+            calls = self._calls.setdefault(tier, deque(maxlen=CALLS))
+            calls.append(seconds)
+            self.call_seconds[tier] = float(np.median(calls))
 
     def load_seconds(self, tier: str, nbytes: int, calls: int = 1) -> float | None:
         """Expected time to load ``nbytes`` from ``tier`` in ``calls`` round trips (each as

@@ -111,6 +111,7 @@ def main() -> int:
     parser.add_argument("--kv-fp8", action="store_true", help="an FP8 pool (values and a scale per block)")
     parser.add_argument("--f16-tiles", action="store_true", help="with --kv-fp8: its tiles read as float16")
     parser.add_argument("--defaults", action="store_true", help="only the engine's launch settings at each batch")
+    parser.add_argument("--batches", default="1,64", help="the batches timed, of 1 and 64 (default both)")
     args = parser.parse_args()
     results = []
     small = itertools.product((32, 64), (4,), (2, 3), (8, 16, 32), (False, True))
@@ -119,8 +120,11 @@ def main() -> int:
         splits1, splits64 = decode_splits(1, NUM_KV), decode_splits(64, NUM_KV)
         small = [(32 if splits1 >= 32 else 64, 4, 2, splits1, False)]
         large = [(128 if splits64 == 1 else 64, 4, 3 if splits64 == 1 else 2, splits64, False)]
-    results.append(probe(1, args.context, list(small), args.kv_fp8, args.f16_tiles))
-    results.append(probe(64, args.context, list(large), args.kv_fp8, args.f16_tiles))
+    batches = {int(b) for b in args.batches.split(",")}
+    if 1 in batches:
+        results.append(probe(1, args.context, list(small), args.kv_fp8, args.f16_tiles))
+    if 64 in batches:
+        results.append(probe(64, args.context, list(large), args.kv_fp8, args.f16_tiles))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -457,3 +457,47 @@ def test_a_round_trip_weighs_on_short_loads() -> None:
     assert kv_cost.some_run_pays(e, "store", group, 64, 0, 8, 544)  # 8 groups: 11.8 ms against 6.9
     d = pages_worth_loading([("store", 4)] * 8, group // 4, 16, e, {"store"}, 0, 544)
     assert d.pages == 32 and d.saved_seconds == pytest.approx(512 * 23e-6 - 1.25 * (8 * 0.0008 + 0.0005))
+
+
+def test_a_tier_s_round_trip_is_the_median_of_its_recent_calls() -> None:
+    """A client's first call sets up its connection (a store's lookups on this CPU: 8 and 4 ms,
+    then 0.1): the round trip a load is priced at is the median of the last CALLS, so those
+    first calls do not price every later load (an average seeded by them declined a disk and a
+    store on an H100 for good); a lasting change shows once it is most of them."""
+    e = CostEstimates(bytes_per_s={"store": 1e9})
+    for seconds in (0.050, 0.004):
+        e.note_call("store", seconds)
+    assert e.call_seconds["store"] == pytest.approx(0.027)  # two calls: their median
+    for _ in range(3):
+        e.note_call("store", 0.0001)
+    assert e.call_seconds["store"] == pytest.approx(0.0001)
+    assert e.load_seconds("store", 10**6) == pytest.approx(0.001 + 0.0001)
+    for _ in range(kv_cost.CALLS // 2 + 1):  # the master moved further away
+        e.note_call("store", 0.002)
+    assert e.call_seconds["store"] == pytest.approx(0.002)
+    e.note_call("store", 0.0)  # (no time: no reading)
+    assert len(e._calls["store"]) == kv_cost.CALLS
+
+
+def test_a_step_below_the_floor_brings_the_floor_down_to_it() -> None:
+    """The floor is what no step goes below: a step seen faster than it (the start-up probes ran
+    in a slow spell: 96 to 384 tokens in 17-22 ms on an H100, the worker's 512-token steps 15)
+    brings it down to that step, so that what a load saves is not bounded at nothing. Steps at or
+    above it leave it; the probes' own rounds (the readings cleared) set none."""
+    e = CostEstimates(prefill_s_per_token=20e-6, prefill_floor_s=0.021)
+    assert e.headroom_seconds(0, 544, 480) == 0.0  # 544 tokens' line: 10.9 ms, under the floor
+    e.note_prefill(544, 0.030)
+    assert e.prefill_floor_s == pytest.approx(0.021)
+    e.note_prefill(520, 0.015)
+    assert e.prefill_floor_s == pytest.approx(0.015) and e.floor_seconds(64) == pytest.approx(0.015)
+    # a floor with a slope: the step less the slope's part
+    e = CostEstimates(prefill_s_per_token=20e-6, prefill_floor_s=0.020, prefill_floor_s_per_token=1e-6)
+    e.note_prefill(500, 0.016)
+    assert e.prefill_floor_s == pytest.approx(0.0155) and e.floor_seconds(500) == pytest.approx(0.016)
+    # a slope that alone says more than the step: flat at the step's time
+    e = CostEstimates(prefill_floor_s=0.001, prefill_floor_s_per_token=1e-4)
+    e.note_prefill(500, 0.010)
+    assert (e.prefill_floor_s, e.prefill_floor_s_per_token) == (pytest.approx(0.010), 0.0)
+    e.clear_prefill()
+    e.note_prefill(64, 0.005)
+    assert e.prefill_floor_s == 0.0  # no floor: nothing to bring down

@@ -231,6 +231,13 @@ def test_prefill_attention_over_fp8_matches_float64_over_the_dequantized_kv(
 
 # float16 queries: the tiles a bfloat16 model reads with paged.FP8_F16_TILES (on a GPU: bfloat16
 # queries converted, f16=True); the CPU's interpreter runs float16 but not bfloat16 dots
+def off_by(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``rel_err`` less what float16's subnormals cannot tell apart (a spacing of 2^-24 an
+    element): a sequence of one small token has an output below float16's normal range."""
+    err = (out.double() - ref.double()).norm() - 2.0**-24 * ref.numel() ** 0.5
+    return max(0.0, err.item()) / max(ref.double().norm().item(), 1e-30)
+
+
 F16_CASES = [(torch.float16, None)] + ([(torch.bfloat16, True)] if DEVICE.type == "cuda" else [])
 
 
@@ -238,13 +245,13 @@ F16_CASES = [(torch.float16, None)] + ([(torch.bfloat16, True)] if DEVICE.type =
 @pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[4]])
 def test_attention_over_fp8_in_float16_tiles_matches_float64(dtype: torch.dtype, f16: bool | None, case: tuple) -> None:
     """Decode (one split and four) and prefill over an FP8 pool read in float16 tiles, its value
-    scales made small (2^-17 to 2^-12, where p times a scale would leave float16's normal range:
+    scales made small (2^-15 to 2^-20, where p times a scale would leave float16's normal range:
     each block's weights are taken relative to its largest value scale), against float64."""
     page, num_q, num_kv, dim, lens, window = case
     pool = fp8_pool(96, 3, num_kv, page, dim)
     assert pool.kv_scales is not None
-    pool.kv_scales[:, :, 1] *= 2.0**-12
-    assert pool.kv_scales[:, :, 1].min().item() <= 2.0**-17
+    v_scales = pool.kv_scales[:, :, 1]  # 2^-15 to 2^-20 from block to block
+    v_scales.copy_(torch.exp2(-15.0 - torch.arange(v_scales.numel(), device=DEVICE) % 6).view_as(v_scales))
     tol = 1e-3 if dtype == torch.float16 else TOL[dtype]
     kv64 = dequantized(pool)
     tables, table_t = scattered_tables(lens, page, 96, random.Random(str(case)), spare=2)
@@ -260,7 +267,7 @@ def test_attention_over_fp8_in_float16_tiles_matches_float64(dtype: torch.dtype,
             q, pool.kv, 1, table_t, ctx, dim**-0.5, splits, out, window, block_n=16, kv_scales=pool.kv_scales, f16=f16
         )
         for i in range(len(lens)):
-            assert rel_err(out[i], refs[i]) < tol, (splits, i)
+            assert off_by(out[i], refs[i]) < tol, (splits, i)
     ints = {"dtype": torch.int32, "device": DEVICE}
     rows = torch.tensor([0, *itertools.accumulate(lens)], **ints)
     out = torch.full((int(rows[-1]), num_q, dim), float("nan"), dtype=dtype, device=DEVICE)
@@ -270,7 +277,7 @@ def test_attention_over_fp8_in_float16_tiles_matches_float64(dtype: torch.dtype,
         qs, pool.kv, 1, table_t, rows[:-1], lens_t, lens_t, max(lens), dim**-0.5, out, window, pool.kv_scales, f16
     )
     for i in range(len(lens)):
-        assert rel_err(out[int(rows[i + 1]) - 1], refs[i]) < tol, i
+        assert off_by(out[int(rows[i + 1]) - 1], refs[i]) < tol, i
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
