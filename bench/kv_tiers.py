@@ -49,7 +49,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig, KVTierConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.loader import build_engine
+from pdserve.engine.loader import build_engine, freeze_heap
 from pdserve.engine.tiny_model import ensure_default_model
 from pdserve.schemas import SamplingParams
 
@@ -66,6 +66,31 @@ def _machine(device: str) -> str:
 
         return f"one {torch.cuda.get_device_name()} (7B dimensions, dummy weights)"
     return f"CPU, {os.cpu_count()} cores (a shared machine: other work may run)"
+
+
+class GcPauses:
+    """The garbage collector's collections of generation 2 while the block runs, each one's
+    milliseconds (a full collection stops whichever thread set it off, an engine's too)."""
+
+    def __init__(self) -> None:
+        self.ms: list[float] = []
+        self._began = 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.ms.append(round((time.perf_counter() - self._began) * 1e3, 2))
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[GcPauses]:
+        gc.callbacks.append(self._callback)
+        try:
+            yield self
+        finally:
+            gc.callbacks.remove(self._callback)
 
 
 def warm_up(engine: Engine, length: int = 50) -> None:
@@ -212,6 +237,10 @@ def chat(model: Path, configs: dict[str, KVTierConfig], args: argparse.Namespace
         warm_up(engine)
         runs[name] = Run(engine, [list(o) for o in openings])
     names = list(runs)
+    frozen = freeze_heap() if args.gc_freeze else 0  # as a worker does once its engine is built
+    pauses = GcPauses()
+    stack = contextlib.ExitStack()
+    stack.enter_context(pauses.watching())
     for turn in range(args.turns):
         for user in range(args.users):
             message = tokens(rng, args.message)
@@ -223,10 +252,13 @@ def chat(model: Path, configs: dict[str, KVTierConfig], args: argparse.Namespace
             {n: round(statistics.mean(r.ttfts[-args.users :]) * 1000) for n, r in runs.items()},
             flush=True,
         )
+    stack.close()
     for run in runs.values():
         run.engine.close()
     readings = {name: run.reading(args.users) for name, run in runs.items()}
+    args.chat_gc = {"frozen_objects": frozen, "full_collections_ms": pauses.ms}
     del runs  # the engines' models and pools, before a fresh process needs the device
+    gc.unfreeze()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -245,6 +277,8 @@ def serve_one(model: Path, tiers: KVTierConfig, args: argparse.Namespace, seed: 
     # in the prefill it times at start (on an H200 its first 2,048-token step took 97 ms, 11
     # after that, 2026-12-05)
     warm_up(engine, args.prefix + args.message)
+    if args.gc_freeze:
+        freeze_heap()
     before = rule_inputs(engine)
     timed = StepTimes(engine) if args.step_times else None
     ttfts: list[float] = []
@@ -400,6 +434,7 @@ def in_new_process(args: argparse.Namespace, model: Path, seed: int, tiers: dict
         str(args.prompts),
         *(["--profile-dir", str(args.profile_dir)] if args.profile_dir else []),
         *(["--step-times"] if args.step_times else []),
+        *([] if args.gc_freeze else ["--no-gc-freeze"]),
     ]
     env = {"MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2", "TOKENIZERS_PARALLELISM": "false"}
     before = helpers_cpu()
@@ -476,6 +511,12 @@ def main() -> None:
     )
     p.add_argument("--no-chat", action="store_true", help="only the fresh processes (restart, second worker)")
     p.add_argument(
+        "--no-gc-freeze",
+        dest="gc_freeze",
+        action="store_false",
+        help="leave the heap to the garbage collector once the engines are built (a worker freezes it)",
+    )
+    p.add_argument(
         "--prompts", type=int, default=5, help="prompts each fresh process serves and times (its reading: the median)"
     )
     p.add_argument("--json", type=Path)
@@ -532,6 +573,8 @@ def main() -> None:
                 reading["later_turns_vs_none_paired"] = round(statistics.median(t / b for t, b in pairs), 3)
             for reading in results["chat"].values():
                 del reading["outputs"]
+            results["chat_gc"] = args.chat_gc  # the process's full collections during the turns
+            print("gc", json.dumps(args.chat_gc), flush=True)
         disk = {"disk_dir": str(Path(tmp) / "disk-restart"), **overlap}
         cold = in_new_process(args, model, seed + 1, {})
         results["restart"] = {

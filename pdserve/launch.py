@@ -249,6 +249,10 @@ def _serve_process(args: argparse.Namespace, role: str, health_of: Any, serve: C
             if health is not None:
                 health.close()
 
+    from pdserve.engine.loader import freeze_heap
+
+    frozen = freeze_heap()  # the model and engine built: out of the collector's full walks
+    log.debug("heap frozen", extra={"role": role, "objects": frozen})
     try:
         asyncio.run(main())
     except WorkerCrashed as exc:
