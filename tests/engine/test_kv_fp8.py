@@ -230,7 +230,8 @@ def test_prefill_attention_over_fp8_matches_float64_over_the_dequantized_kv(
 
 
 # float16 queries: the tiles a bfloat16 model reads with paged.FP8_F16_TILES (on a GPU: bfloat16
-# queries converted, f16=True); the CPU's interpreter runs float16 but not bfloat16 dots
+# queries converted, f16=True, and bfloat16 tiles, f16=False); the CPU's interpreter runs
+# float16 but not bfloat16 dots
 def off_by(out: torch.Tensor, ref: torch.Tensor) -> float:
     """``rel_err`` less what float16's subnormals cannot tell apart (a spacing of 2^-24 an
     element): a sequence of one small token has an output below float16's normal range."""
@@ -238,7 +239,9 @@ def off_by(out: torch.Tensor, ref: torch.Tensor) -> float:
     return max(0.0, err.item()) / max(ref.double().norm().item(), 1e-30)
 
 
-F16_CASES = [(torch.float16, None)] + ([(torch.bfloat16, True)] if DEVICE.type == "cuda" else [])
+F16_CASES = [(torch.float16, None)] + (
+    [(torch.bfloat16, True), (torch.bfloat16, False)] if DEVICE.type == "cuda" else []
+)
 
 
 @pytest.mark.parametrize(("dtype", "f16"), F16_CASES)
