@@ -228,16 +228,21 @@ def chat(model: Path, configs: dict[str, KVTierConfig], args: argparse.Namespace
     machine falls on all of them alike."""
     rng = random.Random(seed)
     openings = [tokens(rng, args.prefix) for _ in range(args.users)]
-    runs = {}
+    runs: dict[str, Run] = {}
     for name, tiers in configs.items():
         config = EngineConfig(
             max_total_tokens=args.pool_tokens, kv_tiers=tiers, device=args.device, num_threads=args.num_threads
         )
-        engine = build_engine(model, config, load_format=args.load_format)
+        # one set of weights for all of them (as a co-located process's two engines share it):
+        # five 7B models took 76 of an H100's 80 GB (a suspect for a turn 50-100 ms slower at the
+        # start of a round: the caching allocator freeing its blocks to retry; counted below)
+        shared = next(iter(runs.values())).engine.runner.model if runs else None
+        engine = build_engine(model, config, load_format=args.load_format, model=shared)
         warm_up(engine)
         runs[name] = Run(engine, [list(o) for o in openings])
     names = list(runs)
     frozen = freeze_heap() if args.gc_freeze else 0  # as a worker does once its engine is built
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if torch.cuda.is_available() else 0
     pauses = GcPauses()
     stack = contextlib.ExitStack()
     stack.enter_context(pauses.watching())
@@ -256,7 +261,14 @@ def chat(model: Path, configs: dict[str, KVTierConfig], args: argparse.Namespace
     for run in runs.values():
         run.engine.close()
     readings = {name: run.reading(args.users) for name, run in runs.items()}
-    args.chat_gc = {"frozen_objects": frozen, "full_collections_ms": pauses.ms}
+    args.chat_process = {
+        "frozen_objects": frozen,
+        "full_collections_ms": pauses.ms,  # the garbage collector's full walks during the turns
+        # the CUDA caching allocator's frees and retries of a failed allocation during the turns
+        "cuda_alloc_retries": (
+            torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries if torch.cuda.is_available() else 0
+        ),
+    }
     del runs  # the engines' models and pools, before a fresh process needs the device
     gc.unfreeze()
     gc.collect()
@@ -573,8 +585,8 @@ def main() -> None:
                 reading["later_turns_vs_none_paired"] = round(statistics.median(t / b for t, b in pairs), 3)
             for reading in results["chat"].values():
                 del reading["outputs"]
-            results["chat_gc"] = args.chat_gc  # the process's full collections during the turns
-            print("gc", json.dumps(args.chat_gc), flush=True)
+            results["chat_process"] = args.chat_process  # what the process's runtime did during the turns
+            print("process", json.dumps(args.chat_process), flush=True)
         disk = {"disk_dir": str(Path(tmp) / "disk-restart"), **overlap}
         cold = in_new_process(args, model, seed + 1, {})
         results["restart"] = {

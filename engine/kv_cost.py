@@ -27,7 +27,7 @@ H100): loading part of a prompt saves at most the step's time above the floor fo
 still computed (:meth:`CostEstimates.headroom_seconds`), the floor read from a worker's
 start-up probes (:meth:`CostEstimates.measure_floor`). A tier's run is loaded whole or not at
 all; a disk's or store's load is weighed at :data:`GROUP_LOAD_MARGIN` times its estimate, and
-every load at one round trip to its tier (as its lookups took) more than its bytes.
+every load at one round trip to its tier (the median of its last lookups) more than its bytes.
 
 Where a tier is slower than computing, its pages can still save time beside the computing:
 the leading part of them is computed on the device while the rest is loaded from the tier at
