@@ -53,6 +53,11 @@ from pdserve.schemas import TierCounts
 # Groups a load reads from the store in one call (its client's batch read), two such reads in
 # flight at once (the read buffers: 2 x LOAD_THREADS); the disk reads a group a thread.
 READ_BATCH = LOAD_THREADS
+# A tier the rule stopped asking is asked again at every this many skipped lookups, and a group
+# it holds re-timed off the request's path: its rate and round trip are measured only where it is
+# asked, and one slow spell (a store read at 2.3 GB/s where it reads 3-4) would otherwise keep it
+# unasked for good.
+RECHECK_EVERY = 16
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +158,7 @@ class KVTiers(WriteThrough, ReadAhead):
         self._behind: ThreadPoolExecutor | None = None  # loads beside the engine's steps (load_behind)
         self._behind_until = 0.0  # when the loads queued there are expected to be done (perf_counter)
         self._behind_stream: torch.cuda.Stream | None = None  # a GPU pool's copies of those loads
+        self._skips: dict[str, int] = {}  # each group tier's lookups skipped in a row (RECHECK_EVERY)
 
     @property
     def enabled(self) -> bool:
@@ -221,15 +227,23 @@ class KVTiers(WriteThrough, ReadAhead):
             first += 1
         held: dict[str, set[bytes]] = {}
         for t in self.groups:
+            recheck = False
             if keys and not read_ahead and self._cannot_pay(t.name, first, end, len(hashes)):
-                self.stats.tiers[t.name].skipped_lookups += 1
-                held[t.name] = set()
+                self._skips[t.name] = self._skips.get(t.name, 0) + 1
+                recheck = self._skips[t.name] % RECHECK_EVERY == 0
+                if not recheck:
+                    self.stats.tiers[t.name].skipped_lookups += 1
+                    held[t.name] = set()
+                    continue
             else:
-                asked = time.perf_counter()
-                held[t.name] = {k for k, yes in zip(keys, t.contains_many(keys), strict=True) if yes}
-                self.estimates.note_call(t.name, time.perf_counter() - asked)
-                for k in held[t.name]:  # not snapshotted for it when this prompt's pages are computed
-                    self._mark(k, (t.name,))  # (a second worker on a shared store: 0.4 ms a prompt)
+                self._skips[t.name] = 0
+            asked = time.perf_counter()
+            held[t.name] = {k for k, yes in zip(keys, t.contains_many(keys), strict=True) if yes}
+            self.estimates.note_call(t.name, time.perf_counter() - asked)
+            for k in held[t.name]:  # not snapshotted for it when this prompt's pages are computed
+                self._mark(k, (t.name,))  # (a second worker on a shared store: 0.4 ms a prompt)
+            if recheck and held[t.name]:  # its rate read again on the writer's thread
+                self.measure_soon(t.name, [k for k in keys if k in held[t.name]])
 
         while i < end:
             if i < first or (self.host is not None and self.host.contains(hashes[i])):  # before first: held there
@@ -260,7 +274,8 @@ class KVTiers(WriteThrough, ReadAhead):
         a round trip to its master on the engine's thread, every request: a 2,048-token prompt
         of a 7B model on an H100, whose last pages cost more to compute than to load from the
         store but no leading run of them did, paid it at every turn, 1.02x no tier,
-        2026-12-06). Never with ``load='always'`` or overlap on (a slower tier's pages can still
+        2026-12-06); :meth:`find` asks it anyway at every :data:`RECHECK_EVERY`-th skip in a row,
+        and times a group it holds again. Never with ``load='always'`` or overlap on (a slower tier's pages can still
         load beside the computing), nor while the tier or the prefill is unmeasured. The
         prompt's ``prompt_pages`` full pages bound what computing fewer of them saves (a step's
         floor)."""

@@ -1090,6 +1090,32 @@ def test_a_prefill_s_pages_are_offered_while_its_step_runs_and_once(tiny_model_d
     restarted.close()
 
 
+def test_a_tier_not_asked_is_asked_again_and_re_timed_at_every_recheck(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A tier whose rate was read in a slow spell is skipped by the rule, and then never asked
+    nor read, so nothing would correct it: at every RECHECK_EVERY-th skip in a row it is asked
+    anyway (not counted skipped), and a group it holds is timed again on the writer's thread."""
+    from pdserve.engine.kv_tiers import RECHECK_EVERY
+
+    prompt = list(range(5, 205))
+    _, engine = restarted_over_disk(tiny_model_dir, tmp_path, prompt)
+    tiers = engine.tiers
+    assert tiers is not None
+    hashes = page_hashes(prompt, 16, None)
+    disk = tiers.stats.tiers["disk"]
+    tiers.estimates.clear_prefill()
+    tiers.note_prefill(1000, 1e-3)  # a microsecond a token: a page of 16 tokens, 16 us
+    slow = tiers.pool.page_bytes / 1e-3  # a page a millisecond: slower
+    tiers.estimates.bytes_per_s["disk"] = slow
+    for _ in range(RECHECK_EVERY - 1):
+        assert tiers.find(hashes, 0, len(hashes)).num_pages == 0
+    assert disk.skipped_lookups == RECHECK_EVERY - 1 and tiers.estimates.bytes_per_s["disk"] == slow
+    assert tiers.find(hashes, 0, len(hashes)).num_pages == 12  # asked
+    assert disk.skipped_lookups == RECHECK_EVERY - 1
+    tiers.drain()  # the writer's thread timed a group
+    assert tiers.estimates.bytes_per_s["disk"] > slow
+    engine.close()
+
+
 def test_a_worker_s_engine_thread_offers_a_prefill_s_pages_as_it_launches(tiny_model_dir: Path, tmp_path: Path) -> None:
     """A worker schedules on its event loop and launches and collects on its engine thread:
     the prefill's pages are offered by the launch, on the thread (and so the stream) that
