@@ -83,6 +83,7 @@ def probe(
                 "max_diff_vs_first": (got - ref).abs().max().item(),
             }
         )
+        print(f"  (batch {batch} {block_n}/{warps}/{stages}/{splits}: {us:.2f} us)", file=sys.stderr, flush=True)
     rows.sort(key=lambda r: r["us_per_layer"])
     default = decode_splits(batch, NUM_KV)
     kind = ("FP8 in float16 tiles" if f16 else "FP8") if kv_fp8 else "bf16"
@@ -112,10 +113,13 @@ def main() -> int:
     parser.add_argument("--f16-tiles", action="store_true", help="with --kv-fp8: its tiles read as float16")
     parser.add_argument("--defaults", action="store_true", help="only the engine's launch settings at each batch")
     parser.add_argument("--batches", default="1,64", help="the batches timed, of 1 and 64 (default both)")
+    parser.add_argument("--quick", action="store_true", help="batch 64's sweep over 16 shapes, not 72")
     args = parser.parse_args()
     results = []
     small = itertools.product((32, 64), (4,), (2, 3), (8, 16, 32), (False, True))
     large = itertools.product((32, 64, 128), (4, 8), (1, 2, 3, 4), (1, 2, 4), (False,))
+    if args.quick:
+        large = itertools.product((64, 128), (4, 8), (2, 3), (1, 2), (False,))
     if args.defaults:  # decode_attention's own block and stages for the splits the engine picks
         splits1, splits64 = decode_splits(1, NUM_KV), decode_splits(64, NUM_KV)
         small = [(32 if splits1 >= 32 else 64, 4, 2, splits1, False)]
