@@ -23,6 +23,7 @@ from pdserve.engine.kv_buffers import ReadBuffer, ReadBuffers
 from pdserve.engine.kv_disk import DiskTier
 from pdserve.engine.kv_host import HostTier
 from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.kv_tiers import KVTiers
 from pdserve.engine.loader import build_engine
 from pdserve.kv_store import StoreMaster, plan_master, running_store, start
 from pdserve.schemas import KVLayout, SamplingParams, WorkerCounters, WorkerInfo
@@ -443,6 +444,20 @@ def test_a_tier_found_holding_a_prefix_before_it_was_measured_is_timed_on_one_gr
     second.close()
 
 
+def over_a_slow_disk(tiny_model_dir: Path, tmp_path: Path) -> tuple[Engine, KVTiers, list[bytes]]:
+    """A restarted engine over a disk holding a 200-token prompt's 12 pages, measured slower
+    than computing them (a prompt token a microsecond, a page of 16 tokens 16 us; a page's load
+    a millisecond), and the prompt's page hashes."""
+    prompt = list(range(5, 205))
+    _, engine = restarted_over_disk(tiny_model_dir, tmp_path, prompt)
+    tiers = engine.tiers
+    assert tiers is not None
+    tiers.estimates.clear_prefill()
+    tiers.note_prefill(1000, 1e-3)
+    tiers.estimates.bytes_per_s["disk"] = tiers.pool.page_bytes / 1e-3
+    return engine, tiers, page_hashes(prompt, 16, None)
+
+
 def test_a_tier_no_run_of_which_could_pay_is_not_asked(tiny_model_dir: Path, tmp_path: Path) -> None:
     """A group tier from which no run of the prompt's pages that begins where a load would
     begin is measured worth loading (slower than computing even its dearest page, or only its
@@ -450,18 +465,9 @@ def test_a_tier_no_run_of_which_could_pay_is_not_asked(tiny_model_dir: Path, tmp
     trip to its master, every request): counted, and the prefix is computed. It is asked
     while unmeasured, where it is faster, with ``load='always'``, with overlap on, and when a
     group of the prefix was read ahead into memory."""
-    from pdserve.engine.page_manager import page_hashes
-
-    prompt = list(range(5, 205))
-    _, engine = restarted_over_disk(tiny_model_dir, tmp_path, prompt)
-    tiers = engine.tiers
-    assert tiers is not None
-    hashes = page_hashes(prompt, 16, None)
+    engine, tiers, hashes = over_a_slow_disk(tiny_model_dir, tmp_path)
     disk = tiers.stats.tiers["disk"]
     page_bytes = tiers.pool.page_bytes
-    tiers.estimates.clear_prefill()
-    tiers.note_prefill(1000, 1e-3)  # a microsecond a token: a page of 16 tokens, 16 us
-    tiers.estimates.bytes_per_s["disk"] = page_bytes / 1e-3  # a page a millisecond: slower
     plan = tiers.find(hashes, 0, len(hashes))
     assert plan.num_pages == 0 and disk.skipped_lookups == 1
     tiers.estimates.bytes_per_s["disk"] = page_bytes / 1e-6  # a page a microsecond: asked, found
@@ -1096,16 +1102,9 @@ def test_a_tier_not_asked_is_asked_again_and_re_timed_at_every_recheck(tiny_mode
     anyway (not counted skipped), and a group it holds is timed again on the writer's thread."""
     from pdserve.engine.kv_tiers import RECHECK_EVERY
 
-    prompt = list(range(5, 205))
-    _, engine = restarted_over_disk(tiny_model_dir, tmp_path, prompt)
-    tiers = engine.tiers
-    assert tiers is not None
-    hashes = page_hashes(prompt, 16, None)
+    engine, tiers, hashes = over_a_slow_disk(tiny_model_dir, tmp_path)
     disk = tiers.stats.tiers["disk"]
-    tiers.estimates.clear_prefill()
-    tiers.note_prefill(1000, 1e-3)  # a microsecond a token: a page of 16 tokens, 16 us
-    slow = tiers.pool.page_bytes / 1e-3  # a page a millisecond: slower
-    tiers.estimates.bytes_per_s["disk"] = slow
+    slow = tiers.estimates.bytes_per_s["disk"]
     for _ in range(RECHECK_EVERY - 1):
         assert tiers.find(hashes, 0, len(hashes)).num_pages == 0
     assert disk.skipped_lookups == RECHECK_EVERY - 1 and tiers.estimates.bytes_per_s["disk"] == slow
