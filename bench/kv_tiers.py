@@ -93,6 +93,41 @@ class GcPauses:
             gc.callbacks.remove(self._callback)
 
 
+class KernelCompiles:
+    """The Triton kernels compiled (or loaded from Triton's cache on disk) while the block runs,
+    each one's name, milliseconds and argument types: a shape met first in a turn pays it there
+    (a process's kernels are shared by its engines: the first engine to meet it pays)."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, Any]] = []
+        self._began: dict[str, float] = {}
+        self.at = ""  # what was running (the bench's label), recorded with each
+
+    def _before(self, *, key: Any, repr: str, **_: Any) -> bool:
+        self._began[str(key)] = time.perf_counter()
+        return False  # (True would skip the compile)
+
+    def _after(self, *, key: Any, repr: str, fn: Any, **_: Any) -> None:
+        began = self._began.pop(str(key), time.perf_counter())
+        ms = round((time.perf_counter() - began) * 1e3, 2)
+        self.seen.append({"at": self.at, "kernel": getattr(fn, "name", "?"), "ms": ms, "signature": repr[:300]})
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[KernelCompiles]:
+        try:
+            from triton import knobs
+        except ImportError:  # no Triton: nothing compiles
+            yield self
+            return
+        runtime = knobs.runtime
+        saved = runtime.jit_cache_hook, runtime.jit_post_compile_hook
+        runtime.jit_cache_hook, runtime.jit_post_compile_hook = self._before, self._after
+        try:
+            yield self
+        finally:
+            runtime.jit_cache_hook, runtime.jit_post_compile_hook = saved
+
+
 def warm_up(engine: Engine, length: int = 50) -> None:
     """One unrelated request of ``length`` tokens: the first forward passes of its shapes pay
     one-time costs (a long one: random tokens, fresh each process, found in no tier). The
@@ -244,13 +279,16 @@ def chat(model: Path, configs: dict[str, KVTierConfig], args: argparse.Namespace
     frozen = freeze_heap() if args.gc_freeze else 0  # as a worker does once its engine is built
     retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if torch.cuda.is_available() else 0
     pauses = GcPauses()
+    compiles = KernelCompiles()
     stack = contextlib.ExitStack()
     stack.enter_context(pauses.watching())
+    stack.enter_context(compiles.watching())
     for turn in range(args.turns):
         for user in range(args.users):
             message = tokens(rng, args.message)
             shift = (turn * args.users + user) % len(names)
             for name in names[shift:] + names[:shift]:
+                compiles.at = f"{name} u{user}t{turn}"
                 runs[name].turn(f"u{user}t{turn}", user, message, args.answer)
         print(
             f"turn {turn}:",
@@ -264,6 +302,7 @@ def chat(model: Path, configs: dict[str, KVTierConfig], args: argparse.Namespace
     args.chat_process = {
         "frozen_objects": frozen,
         "full_collections_ms": pauses.ms,  # the garbage collector's full walks during the turns
+        "kernel_compiles": compiles.seen,  # Triton's compiles and cache loads during the turns
         # the CUDA caching allocator's frees and retries of a failed allocation during the turns
         "cuda_alloc_retries": (
             torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries if torch.cuda.is_available() else 0
