@@ -60,8 +60,8 @@ class StoreTier:
         self._registered: set[int] = set()  # read buffers registered with the client (get_into)
         self._closed = False
         # The client's first calls to the master set up its connection (8 and 4 ms against 0.1
-        # for later lookups on this CPU; a request's first lookup on an H100 took 45-85 ms more
-        # than a turn, 2026-12-06): made here, at start, not in a request's time to first token.
+        # for later lookups on this CPU, 2026-12-06): made here, at start, not in a request's
+        # time to first token, nor as the first readings of the tier's round trip.
         for _ in range(WARM_CALLS):
             self._store.batch_is_exist([self._prefix + "warm"])
 

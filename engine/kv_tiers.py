@@ -274,9 +274,10 @@ class KVTiers(WriteThrough, ReadAhead):
         a round trip to its master on the engine's thread, every request: a 2,048-token prompt
         of a 7B model on an H100, whose last pages cost more to compute than to load from the
         store but no leading run of them did, paid it at every turn, 1.02x no tier,
-        2026-12-06); :meth:`find` asks it anyway at every :data:`RECHECK_EVERY`-th skip in a row,
-        and times a group it holds again. Never with ``load='always'`` or overlap on (a slower tier's pages can still
-        load beside the computing), nor while the tier or the prefill is unmeasured. The
+        2026-12-06); :meth:`find` asks it anyway at every :data:`RECHECK_EVERY`-th skip in a
+        row, and times a group it holds again. Never with ``load='always'`` or overlap on (a
+        slower tier's pages can still load beside the computing), nor while the tier or the
+        prefill is unmeasured. The
         prompt's ``prompt_pages`` full pages bound what computing fewer of them saves (a step's
         floor)."""
         if self.config.load == "always" or self.config.overlap or first >= end:

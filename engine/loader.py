@@ -46,11 +46,10 @@ def eos_ids(model_path: Path, trust_remote_code: bool = False) -> set[int]:
 def freeze_heap() -> int:
     """Every object alive now (the model's modules and parameters, the engine's tables, the
     libraries' modules) moved out of the garbage collector's reach, once a process has built
-    its engine: a full collection walks every object it tracks, on whichever thread allocated
-    last (the engine's too), however little of it is garbage (vLLM freezes its heap after
-    start-up for the same reason; bench/kv_tiers.py's process of five 7B engines on an H100 had
-    one turn 50-90 ms slower, at the same turn in two runs, 2026-12-06). Returns how
-    many objects were frozen. Objects frozen are never collected: a process that drops an
+    its engine: a full collection walks every object it tracks (some 400k in a process of the
+    default model's engines), on whichever thread allocated last, the engine's too, however
+    little of it is garbage (vLLM freezes its heap after start-up for the same reason). Returns
+    how many objects were frozen. Objects frozen are never collected: a process that drops an
     engine it froze and wants its memory back calls :func:`gc.unfreeze` first."""
     gc.collect()
     gc.freeze()
