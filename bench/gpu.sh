@@ -101,7 +101,9 @@ kv_tiers)  # Mooncake Store included: the CUDA 13 Mooncake wheel and Debian's li
       --json "$out/kv_tiers_gpu_$prefix.json" ${ARGS:-} > "$out/kv_tiers_gpu_$prefix.log" 2>&1
     echo "== prefix $prefix"; quiet < "$out/kv_tiers_gpu_$prefix.log" | grep "^none\|^host\|^disk\|^store\|^all\|Error" | cut -c1-220
   done
-  (cd "$out" && tar -czf kv_tiers_logs.tgz *.log && rm -f *.log)
+  # its own logs only (a caller's logs in the same folder stay as they are)
+  (cd "$out" && logs=$(ls kv_tiers_gpu_*.log test_gpu_kv_tiers.log make_dummy_model.log 2> /dev/null || true) \
+    && [ -n "$logs" ] && tar -czf kv_tiers_logs.tgz $logs && rm -f $logs)
   ;;
 serve)  # MODES (default "pd unified"), each a fresh pdserve up on port 8050 for at most SERVE_LIMIT seconds
   timeout 60 python3 bench/make_dummy_model.py --dims qwen2.5-7b --out /tmp/qwen7b > "$out/make_dummy_model.log" 2>&1
@@ -139,7 +141,8 @@ fp8)  # FP8_RUNS: "name|gpu_engine flags" runs separated by ";" (default: bf16; 
       > "$out/gpu_engine_$name.log" 2>&1
     echo "== $name"; quiet < "$out/gpu_engine_$name.log" | grep -v scaled_dot_product | tail -9
   done
-  (cd "$out" && tar -czf fp8_logs.tgz *.log *.txt && rm -f gpu_engine_*.log fp8_probe.log test_fp8.txt)
+  (cd "$out" && logs=$(ls gpu_engine_*.log fp8_probe.log test_fp8.txt 2> /dev/null || true) \
+    && [ -n "$logs" ] && tar -czf fp8_logs.tgz $logs && rm -f $logs)
   ;;
 probes)
   for probe in ${PROBES:-diag gemv attention}; do
