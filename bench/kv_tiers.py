@@ -128,6 +128,12 @@ class KernelCompiles:
             runtime.jit_cache_hook, runtime.jit_post_compile_hook = saved
 
 
+def alloc_retries() -> int:
+    """The CUDA caching allocator's frees and retries of a failed allocation so far (each frees
+    its cached blocks and synchronizes the device); 0 without a GPU."""
+    return int(torch.cuda.memory_stats().get("num_alloc_retries", 0)) if torch.cuda.is_available() else 0
+
+
 def warm_up(engine: Engine, length: int = 50) -> None:
     """One unrelated request of ``length`` tokens: the first forward passes of its shapes pay
     one-time costs (a long one: random tokens, fresh each process, found in no tier). The
@@ -257,10 +263,13 @@ class Run:
         }
 
 
-def chat(model: Path, configs: dict[str, KVTierConfig], args: argparse.Namespace, seed: int) -> dict[str, Any]:
+def chat(
+    model: Path, configs: dict[str, KVTierConfig], args: argparse.Namespace, seed: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Every configuration's engine, each cold, serving the same turns interleaved: each
     turn runs on every engine in turn (the order rotating), so a slow spell of this shared
-    machine falls on all of them alike."""
+    machine falls on all of them alike. Returns each configuration's reading, and what the
+    process's runtime did during the turns (the collector, Triton, the CUDA allocator)."""
     rng = random.Random(seed)
     openings = [tokens(rng, args.prefix) for _ in range(args.users)]
     runs: dict[str, Run] = {}
@@ -277,43 +286,37 @@ def chat(model: Path, configs: dict[str, KVTierConfig], args: argparse.Namespace
         runs[name] = Run(engine, [list(o) for o in openings])
     names = list(runs)
     frozen = freeze_heap() if args.gc_freeze else 0  # as a worker does once its engine is built
-    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if torch.cuda.is_available() else 0
+    retries = alloc_retries()
     pauses = GcPauses()
     compiles = KernelCompiles()
-    stack = contextlib.ExitStack()
-    stack.enter_context(pauses.watching())
-    stack.enter_context(compiles.watching())
-    for turn in range(args.turns):
-        for user in range(args.users):
-            message = tokens(rng, args.message)
-            shift = (turn * args.users + user) % len(names)
-            for name in names[shift:] + names[:shift]:
-                compiles.at = f"{name} u{user}t{turn}"
-                runs[name].turn(f"u{user}t{turn}", user, message, args.answer)
-        print(
-            f"turn {turn}:",
-            {n: round(statistics.mean(r.ttfts[-args.users :]) * 1000) for n, r in runs.items()},
-            flush=True,
-        )
-    stack.close()
+    with pauses.watching(), compiles.watching():
+        for turn in range(args.turns):
+            for user in range(args.users):
+                message = tokens(rng, args.message)
+                shift = (turn * args.users + user) % len(names)
+                for name in names[shift:] + names[:shift]:
+                    compiles.at = f"{name} u{user}t{turn}"
+                    runs[name].turn(f"u{user}t{turn}", user, message, args.answer)
+            print(
+                f"turn {turn}:",
+                {n: round(statistics.mean(r.ttfts[-args.users :]) * 1000) for n, r in runs.items()},
+                flush=True,
+            )
     for run in runs.values():
         run.engine.close()
     readings = {name: run.reading(args.users) for name, run in runs.items()}
-    args.chat_process = {
+    process = {
         "frozen_objects": frozen,
         "full_collections_ms": pauses.ms,  # the garbage collector's full walks during the turns
         "kernel_compiles": compiles.seen,  # Triton's compiles and cache loads during the turns
-        # the CUDA caching allocator's frees and retries of a failed allocation during the turns
-        "cuda_alloc_retries": (
-            torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries if torch.cuda.is_available() else 0
-        ),
+        "cuda_alloc_retries": alloc_retries() - retries,
     }
     del runs  # the engines' models and pools, before a fresh process needs the device
     gc.unfreeze()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return readings
+    return readings, process
 
 
 # ---- one prompt in a fresh process (restart, second worker) -------------------------------
@@ -610,7 +613,7 @@ def main() -> None:
             # find the "store" engine's groups there; later turns find their own in host memory)
             configs["all"] = KVTierConfig(host_bytes=args.host_bytes, disk_dir=str(Path(tmp) / "disk-all"), **store)
         if not args.no_chat:
-            results["chat"] = chat(model, configs, args, seed)
+            results["chat"], results["chat_process"] = chat(model, configs, args, seed)
             for name, reading in results["chat"].items():
                 print(name, json.dumps({k: v for k, v in reading.items() if k != "outputs"}), flush=True)
             base = results["chat"]["none"]
@@ -624,8 +627,7 @@ def main() -> None:
                 reading["later_turns_vs_none_paired"] = round(statistics.median(t / b for t, b in pairs), 3)
             for reading in results["chat"].values():
                 del reading["outputs"]
-            results["chat_process"] = args.chat_process  # what the process's runtime did during the turns
-            print("process", json.dumps(args.chat_process), flush=True)
+            print("process", json.dumps(results["chat_process"]), flush=True)
         disk = {"disk_dir": str(Path(tmp) / "disk-restart"), **overlap}
         cold = in_new_process(args, model, seed + 1, {})
         results["restart"] = {
