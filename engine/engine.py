@@ -104,6 +104,7 @@ class Engine(Appending, Admission):
         self.tiers: KVTiers | None = None
         if config.kv_tiers.enabled and config.enable_prefix_cache:
             self.tiers = create_tiers(runner.pool, runner.model, config.kv_tiers)
+            self.tiers.estimates.chunk_tokens = config.chunked_prefill_size
             self.pages.tiers = self.tiers
         self.scheduler = Scheduler(config, self.pages, runner.max_model_len)
         self.sampler = Sampler(runner.device, self.eos_token_ids)

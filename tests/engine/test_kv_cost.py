@@ -501,3 +501,36 @@ def test_a_step_below_the_floor_brings_the_floor_down_to_it() -> None:
     e.clear_prefill()
     e.note_prefill(64, 0.005)
     assert e.prefill_floor_s == 0.0  # no floor: nothing to bring down
+
+
+def test_a_load_saves_the_fixed_part_of_each_step_it_leaves_out() -> None:
+    """A prompt longer than a step's budget is computed in several steps, each with the line's
+    fixed part (every weight read again): an 8,192-token prompt of a 7B model in four steps of
+    2,048 on an H100 took 256 ms where its line through one step priced it at 205, and a store
+    that loads it in ~150 ms looked break-even (the first worker stopped writing it, a second one
+    found nothing to load). Loading the prompt leaves one step: three fixed parts saved."""
+    page = 28 * 2 * 4 * 128 * 16 * 2  # a 16-token page of Qwen2.5-7B's KV in bf16
+    e = CostEstimates(
+        bytes_per_s={"store": 3.0e9}, prefill_s_per_token=12.6e-6, prefill_s_per_pair=2.68e-9, prefill_fixed_s=12.3e-3
+    )
+    e.note_call("store", 2e-3)
+    end = 8192 + 16
+    unchunked = pages_worth_loading([("store", 512)], page, 16, e, {"store"}, 0, end)
+    group = 8 * page
+    assert unchunked.pages == 0 and not kv_cost.some_run_pays(e, "store", group, 128, 0, 64, 8192)
+    e.chunk_tokens = 2048
+    assert [e.steps(n) for n in (0, 1, 2048, 2049, end)] == [1, 1, 1, 2, 5]
+    assert e.steps_seconds(0, end, 8192) == pytest.approx(4 * 12.3e-3)  # five steps to one
+    assert e.steps_seconds(0, end, 2048) == pytest.approx(12.3e-3)  # 8,208 tokens to 6,160: five steps to four
+    assert e.steps_seconds(0, end, 15) == 0.0 and e.steps_seconds(0, None, 8192) == 0.0
+    chunked = pages_worth_loading([("store", 512)], page, 16, e, {"store"}, 0, end)
+    load = (512 * page / 3.0e9 + 2e-3) * kv_cost.GROUP_LOAD_MARGIN
+    assert chunked.pages == 512
+    assert chunked.saved_seconds == pytest.approx(e.recompute_seconds(8192) + 4 * 12.3e-3 - load)
+    assert kv_cost.some_run_pays(e, "store", group, 128, 0, 64, 8192)
+    # a run that pays only through the step it saves: a prompt of two steps whose first 2,048
+    # tokens cost less to compute than to load, but loading 2,064 of its 2,100 leaves one step
+    cheap = CostEstimates(bytes_per_s={"store": 3.0e9}, prefill_s_per_token=2e-6, prefill_fixed_s=20e-3)
+    assert not kv_cost.some_run_pays(cheap, "store", group, 128, 0, 17, 2100)
+    cheap.chunk_tokens = 2048
+    assert kv_cost.some_run_pays(cheap, "store", group, 128, 0, 17, 2100)
