@@ -179,6 +179,48 @@ def store_fp8_rows(
     tl.store(s_ptr, new)
 
 
+@triton.jit(do_not_specialize=["n"])
+def _round_kv_fp8_kernel(
+    x_ptr, out_ptr, fp8_ptr, n, stride_x, k_col,
+    NUM_KV: tl.constexpr, PAGE: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr, EXACT: tl.constexpr,
+):  # fmt: skip
+    """Program (block, head, K|V): the ``PAGE`` rows of one block of a fresh prompt's keys or
+    values, quantized as the pool stores them and read back in ``out``'s dtype."""
+    r = tl.program_id(0) * PAGE + tl.arange(0, PAGE)
+    head = tl.program_id(1)
+    kv = tl.program_id(2)
+    d = tl.arange(0, BLOCK_D)
+    ok = (r < n)[:, None] & (d < DIM)[None, :]
+    col = k_col + (kv * NUM_KV + head) * DIM
+    x = tl.load(x_ptr + r.to(tl.int64)[:, None] * stride_x + col + d[None, :], mask=ok, other=0.0).to(tl.float32)
+    scale = block_scale(tl.max(tl.max(tl.abs(x), 1), 0))
+    y = to_fp8(x, scale, fp8_ptr, EXACT).to(tl.float32) * scale
+    dst = out_ptr + ((kv * n + r.to(tl.int64))[:, None] * NUM_KV + head) * DIM + d[None, :]
+    tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def round_kv_fp8(
+    rows: torch.Tensor, k_col: int, num_kv: int, head_dim: int, page_size: int, pool: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values of one fresh prompt's ``rows`` (qkv ``[n, ...]``, its K heads from
+    column ``k_col``, its V heads after them) as an FP8 ``pool`` holds them once stored
+    (``page_size``-token blocks from its first token, each quantized with its own scale), in
+    ``rows``' dtype: ``(k, v)``, each ``[n, num_kv, head_dim]``, bit for bit
+    :func:`pdserve.engine.kv_pool.round_fp8` of each, in one launch (that function's torch
+    passes, a dozen launches a call for K and again for V, every layer, every prompt of a step:
+    64 prompts of 512 tokens reached their first tokens in 0.81 s against 0.46 over a bf16 pool
+    on an H100, 2026-12-06)."""
+    n = rows.shape[0]
+    assert rows.stride(1) == 1 and page_size & (page_size - 1) == 0
+    out = torch.empty((2, n, num_kv, head_dim), dtype=rows.dtype, device=rows.device)
+    if n:
+        _round_kv_fp8_kernel[(triton.cdiv(n, page_size), num_kv, 2)](
+            rows, out, pool, n, rows.stride(0), k_col,
+            NUM_KV=num_kv, PAGE=page_size, DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), EXACT=interpreting(),
+        )  # fmt: skip
+    return out[0], out[1]
+
+
 @triton.jit(do_not_specialize=["layer", "window", "stride_qt", "stride_table"])
 def _decode_kernel(
     q_ptr,

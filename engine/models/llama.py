@@ -30,7 +30,6 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.kernels import elementwise, fp8, gemv, paged, paged_prefill, rope
-from pdserve.engine.kv_pool import round_fp8
 from pdserve.engine.models.batch import StepBatch
 from pdserve.engine.models.llama_weights import FusedDecoder, Layer, Weight
 from pdserve.engine.quant import Fp8Weight, kv_key_rotation
@@ -305,11 +304,11 @@ class LlamaFamily(FusedDecoder):
     def _sdpa(self, q: torch.Tensor, qkv: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
         """Causal attention of ``rows`` (one whole prompt) over themselves: ``[1, heads, rows, dim]``."""
         nq, nkv, dim = self.num_q, self.num_kv, self.head_dim
-        k = qkv[rows, nq * dim : (nq + nkv) * dim].view(-1, nkv, dim)
-        v = qkv[rows, (nq + nkv) * dim :].view(-1, nkv, dim)
-        if self.kv_scales is not None:  # as the pool holds them (one elementwise pass each)
-            page = self.pool.shape[4]
-            k, v = round_fp8(k, page), round_fp8(v, page)
+        if self.kv_scales is not None:  # as the pool holds them (one launch for both)
+            k, v = paged.round_kv_fp8(qkv[rows], nq * dim, nkv, dim, self.pool.shape[4], self.pool)
+        else:
+            k = qkv[rows, nq * dim : (nq + nkv) * dim].view(-1, nkv, dim)
+            v = qkv[rows, (nq + nkv) * dim :].view(-1, nkv, dim)
         return F.scaled_dot_product_attention(
             q[rows].transpose(0, 1)[None],
             k.transpose(0, 1)[None],

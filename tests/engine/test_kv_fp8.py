@@ -350,6 +350,34 @@ def test_the_key_rotation_leaves_every_score_and_spreads_a_keys_outliers(dim: in
     assert torch.equal(qk_rotated, torch.cat((want_q, want_k), 1))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("n", "num_q", "num_kv", "dim", "page"),
+    [(1, 4, 2, 64, 16), (37, 6, 2, 32, 8), (300, 28, 4, 128, 16), (20, 3, 1, 80, 16)],
+)
+def test_a_fresh_prompt_s_kv_rounded_in_one_launch_is_round_fp8_s(
+    dtype: torch.dtype, n: int, num_q: int, num_kv: int, dim: int, page: int
+) -> None:
+    """A whole prompt attending over its own keys and values (the GPU's ``sdpa_prefill``)
+    sees them as an FP8 pool holds them: :func:`paged.round_kv_fp8` reads them out of the
+    step's qkv rows (K heads after the queries, V after them; blocks of ``page`` tokens from
+    the prompt's first, magnitudes 2^-8 to 2^8 so that every block's scale differs) and gives
+    back :func:`kv_pool.round_fp8` of each, bit for bit, for a head_dim no power of two too."""
+    from pdserve.engine.kv_pool import round_fp8
+
+    gen = torch.Generator().manual_seed(n * 7 + dim)
+    width = (num_q + 2 * num_kv) * dim
+    big = torch.randn(n, width + 8, generator=gen) * torch.exp2(torch.randint(-8, 9, (n, 1), generator=gen))
+    rows = big.to(dtype).to(DEVICE)[:, :width]  # a row stride wider than the row, as a view of the step's qkv
+    pool = torch.empty(1, dtype=quant.FP8, device=DEVICE)
+    k, v = paged.round_kv_fp8(rows, num_q * dim, num_kv, dim, page, pool)
+    want_k = round_fp8(rows[:, num_q * dim : (num_q + num_kv) * dim].reshape(n, num_kv, dim), page)
+    want_v = round_fp8(rows[:, (num_q + num_kv) * dim :].reshape(n, num_kv, dim), page)
+    assert k.dtype == dtype and k.shape == (n, num_kv, dim)
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)
+    assert not torch.equal(k, rows[:, num_q * dim : (num_q + num_kv) * dim].reshape(n, num_kv, dim))  # rounded
+
+
 def test_the_torch_store_writes_the_kernels_bytes_and_the_read_dequantizes() -> None:
     """:func:`store_fp8` (the CPU pass and the stock-code path) writes the bytes
     :func:`rope.rope_store` writes for the same k, v: pools filled either way are
