@@ -459,6 +459,27 @@ def one_prompt(args: argparse.Namespace) -> None:
     print(json.dumps(reading))
 
 
+SDPA_BACKENDS = {
+    "auto": None,
+    "flash": "FLASH_ATTENTION",
+    "cudnn": "CUDNN_ATTENTION",
+    "efficient": "EFFICIENT_ATTENTION",
+}
+
+
+def sdpa_backend(name: str) -> contextlib.AbstractContextManager[object]:
+    """``torch.nn.attention.sdpa_kernel`` with the one backend ``name`` names (of
+    :data:`SDPA_BACKENDS`; "auto": torch's own pick). The turn 50-100 ms slower that comes at a
+    round's start on an H100 is suspected to be cuDNN building an execution plan for a shape it
+    meets first: run with ``flash`` to tell."""
+    backend = SDPA_BACKENDS[name]
+    if backend is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, backend)])
+
+
 def in_new_process(args: argparse.Namespace, model: Path, seed: int, tiers: dict[str, Any]) -> dict[str, Any]:
     cmd = [
         sys.executable,
@@ -489,6 +510,8 @@ def in_new_process(args: argparse.Namespace, model: Path, seed: int, tiers: dict
         *(["--profile-dir", str(args.profile_dir)] if args.profile_dir else []),
         *(["--step-times"] if args.step_times else []),
         *([] if args.gc_freeze else ["--no-gc-freeze"]),
+        "--sdpa-backend",
+        args.sdpa_backend,
     ]
     env = {"MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2", "TOKENIZERS_PARALLELISM": "false"}
     before = helpers_cpu()
@@ -583,11 +606,19 @@ def main() -> None:
         help="each fresh process also records every prompt's steps up to its first token: wall time, and on a "
         "GPU the device's own time (two CUDA events a step, in every process alike)",
     )
+    p.add_argument(
+        "--sdpa-backend",
+        default="auto",
+        choices=sorted(SDPA_BACKENDS),
+        help="the library attention a whole prompt's prefill may use on a GPU (auto: torch's pick, cuDNN's on an "
+        "H100; flash: torch's own kernels, no execution plan built per new shape)",
+    )
     p.add_argument("--one-prompt", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--tiers-json", default="{}", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one_prompt:
-        one_prompt(args)
+        with sdpa_backend(args.sdpa_backend):
+            one_prompt(args)
         return
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     model = args.model or ensure_default_model(Path(tempfile.gettempdir()) / "pdserve-bench-data")
@@ -613,7 +644,8 @@ def main() -> None:
             # find the "store" engine's groups there; later turns find their own in host memory)
             configs["all"] = KVTierConfig(host_bytes=args.host_bytes, disk_dir=str(Path(tmp) / "disk-all"), **store)
         if not args.no_chat:
-            results["chat"], results["chat_process"] = chat(model, configs, args, seed)
+            with sdpa_backend(args.sdpa_backend):
+                results["chat"], results["chat_process"] = chat(model, configs, args, seed)
             for name, reading in results["chat"].items():
                 print(name, json.dumps({k: v for k, v in reading.items() if k != "outputs"}), flush=True)
             base = results["chat"]["none"]
