@@ -388,7 +388,7 @@ class CostEstimates:
         (its first ones) saves: a prompt longer than a step's budget is computed in several
         steps, each reading every weight again (an 8,192-token prompt of a 7B model in four
         steps of 2,048 on an H100, the line's fixed part 12 ms: the rule priced computing it
-        at 205 ms against 256 taken, and a store that loads it in 128 was declined and not
+        at 205 ms against 256 taken, and a store that loads it in 128 ms was declined and not
         written, 2026-12-06). 0 where the prompt's end is not given."""
         if end is None or end <= begin:
             return 0.0
@@ -452,6 +452,7 @@ def some_run_pays(
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if compute(mid) > bound(mid) else (mid + 1, hi)
         ks |= {lo, max(1, lo - 1)}
+    # (the steps saved cancel out of compute(k) - bound(k): the search above stands)
     if end_tokens is not None and estimates.chunk_tokens > 0:  # where a step fewer is left to compute
         span, chunk = end_tokens - begin, estimates.chunk_tokens
         ks |= {k for m in range(1, estimates.steps(span)) if 1 <= (k := -(-(span - m * chunk) // unit_tokens)) <= units}
@@ -519,8 +520,8 @@ def pages_worth_loading(
         # (a 7B model's 600-token chat turns on an H100: three groups of a disk, 1.09x computing
         # them; host memory's pages cut where a noisy floor said, 1.09x, 2026-12-06)
         taken = (done + n) * page_tokens
-        steps = estimates.steps_seconds(start_tokens, end_tokens, taken)  # the fixed parts of the steps saved
-        saved = min(computed + whole + steps, estimates.headroom_seconds(start_tokens, end_tokens, taken))
+        fixed = estimates.steps_seconds(start_tokens, end_tokens, taken)  # the fixed parts of the steps saved
+        saved = min(computed + whole + fixed, estimates.headroom_seconds(start_tokens, end_tokens, taken))
         saved -= loaded + load
         if saved > best_saved:
             best_pages, best_saved = done + n, saved
