@@ -125,7 +125,7 @@ def prefill_model(readings: Sequence[tuple[int, float, float]]) -> tuple[float, 
     return prefill_line(readings)[1:]
 
 
-def prefill_line(readings: Sequence[tuple[int, float, float]]) -> tuple[float, float, float]:
+def prefill_line(readings: Sequence[tuple[int, float, float]], is_steady: bool = False) -> tuple[float, float, float]:
     """``(fixed seconds, seconds a prompt token, seconds a pair)`` from ``(tokens, seconds,
     pairs)`` prefill steps, ``pairs`` the (query, key) pairs their attention computed (a chunk
     of ``n`` tokens after ``c`` others: ``n * (c + n / 2)``): the least-squares fit of ``seconds
@@ -137,8 +137,9 @@ def prefill_line(readings: Sequence[tuple[int, float, float]]) -> tuple[float, f
     later tokens cost more than its first (each attends to all before it): on an H200 a 7B model's 2,048-token prompt took 24 us a token, an
     8,192-token one 30. Dropping the attention's term for a negative fixed part priced an
     8,192-token prefix's last pages at a third of their cost there, and a restarted worker
-    declined its disk (2026-12-05)."""
-    readings = steady(readings)
+    declined its disk (2026-12-05). ``is_steady``: ``readings`` are :func:`steady`'s already
+    (it keeps its own output whole: dropping a reading only loosens the others' bounds)."""
+    readings = list(readings) if is_steady else steady(readings)
     if not readings:
         return 0.0, 0.0, 0.0
     slope = marginal_cost([(t, sec) for t, sec, _ in readings])
@@ -190,10 +191,10 @@ def prefill_floor(readings: Sequence[tuple[int, float, float]]) -> tuple[float, 
     return max(0.0, intercept), slope
 
 
-def spreads(readings: Sequence[tuple[int, float, float]]) -> bool:
+def spreads(readings: Sequence[tuple[int, float, float]], is_steady: bool = False) -> bool:
     """Whether the steady ``(tokens, seconds, pairs)`` prefill steps of ``readings`` differ
     enough in size (:data:`SPREAD`) for a slope: a marginal cost, not a step's whole rate."""
-    sizes = [t for t, _, _ in steady(readings)]
+    sizes = [t for t, _, _ in (readings if is_steady else steady(readings))]
     return len(sizes) >= 2 and max(sizes) >= SPREAD * min(sizes)
 
 
@@ -264,8 +265,10 @@ class CostEstimates:
             readings = steady(tuple(self.prefill_readings))
             # the line through the steps above the floor (those at it say nothing of a token's cost)
             above = [r for r in readings if r[1] > self.floor_seconds(r[0]) * (1.0 + FLAT)]
-            line = prefill_line(above) if above else (0.0, min(sec / t for t, sec, _ in readings), 0.0)
-            if above and spreads(above):
+            # (steady once: a fit is on the engine's thread before a request's lookup, ~0.2 ms of
+            # this CPU's interpreter with steady three times over, two thirds of it)
+            line = prefill_line(above, True) if above else (0.0, min(sec / t for t, sec, _ in readings), 0.0)
+            if above and spreads(above, True):
                 self._spread_fit = line
             elif self._spread_fit is not None:
                 line = self._spread_fit

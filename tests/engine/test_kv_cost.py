@@ -272,7 +272,8 @@ def test_a_step_that_paid_one_time_costs_is_not_a_reading() -> None:
 
 def test_steady_is_the_rule_it_states_on_random_readings() -> None:
     """Against the rule written out a reading at a time: kept unless a reading with no more
-    tokens and pairs, scaled by the larger growth and ONE_TIME, is faster still."""
+    tokens and pairs, scaled by the larger growth and ONE_TIME, is faster still; and steady
+    again on its own output changes nothing."""
     import random
 
     from pdserve.engine.kv_cost import ONE_TIME, steady
@@ -296,7 +297,13 @@ def test_steady_is_the_rule_it_states_on_random_readings() -> None:
             t = rng.choice([16, 64, 256, 1024, 2048])
             p = rng.choice([0.0, t * t / 2, t * (t / 2 + rng.randint(0, 4096))])
             readings.append((t, (t * 1e-5 + 0.008) * rng.choice([1.0, 1.0, 1.2, 3.0, 8.0]), p))
-        assert steady(readings) == by_hand(readings)
+        kept = steady(readings)
+        assert kept == by_hand(readings)
+        # its own output it keeps whole (a dropped reading only loosens the others' bounds), so a
+        # fit of readings already steady need not ask again
+        assert steady(kept) == kept
+        assert kv_cost.prefill_line(readings) == kv_cost.prefill_line(kept, is_steady=True)
+        assert kv_cost.spreads(readings) == kv_cost.spreads(kept, is_steady=True)
 
 
 def test_the_prefill_is_fitted_when_read_not_at_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -306,7 +313,9 @@ def test_the_prefill_is_fitted_when_read_not_at_every_step(monkeypatch: pytest.M
 
     fits: list[int] = []
     fit = kv_cost.prefill_line
-    monkeypatch.setattr(kv_cost, "prefill_line", lambda readings: (fits.append(len(readings)), fit(readings))[1])
+    monkeypatch.setattr(
+        kv_cost, "prefill_line", lambda readings, *steady: (fits.append(len(readings)), fit(readings, *steady))[1]
+    )
     e = CostEstimates()
     steps = [(36, 0.015, 36 * 18.0), (2048, 0.05, 2048 * 1024.0), (8224, 0.25, 8224 * 4112.0), (512, 0.02, 512 * 256.0)]
     for tokens, seconds, pairs in steps:
