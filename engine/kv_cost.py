@@ -274,6 +274,11 @@ class CostEstimates:
                 line = self._spread_fit
             self._fixed, self._per_token, self._per_pair = line
 
+    def refresh(self) -> None:
+        """Fit the readings noted since the last fit now (a caller with time to spare: the
+        engine, once a step is launched), not at the next read of an estimate."""
+        self._fit()
+
     @property
     def prefill_s_per_token(self) -> float:
         self._fit()

@@ -20,6 +20,7 @@ from pdserve.engine import kv_blob
 from pdserve.engine.config import EngineConfig, KVTierConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.kv_buffers import ReadBuffer, ReadBuffers
+from pdserve.engine.kv_cost import CostEstimates
 from pdserve.engine.kv_disk import DiskTier
 from pdserve.engine.kv_host import HostTier
 from pdserve.engine.kv_pool import KVPool
@@ -614,6 +615,35 @@ def test_groups_every_tier_holds_are_not_copied_again(
     assert stats.tiers["disk"].skipped_lookups == 1 and stats.tiers["disk"].hit_pages == 0  # not asked: computed
     assert stats.already_held == 200 // 16 // 4 and stats.tiers["disk"].stored_pages == 0
     second.close()
+
+
+def test_the_rule_is_fitted_as_a_step_launches_not_in_a_requests_lookup(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The prefill steps' readings are fitted once the next step is launched (while the device
+    runs it), so a request's lookup finds the rule's line fitted and fits nothing before its
+    own step; the line is the one a fit at the lookup would give."""
+    engine = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path / "disk"), group_pages=4, load="cost")
+    tiers = engine.tiers
+    assert tiers is not None
+    unfitted_at_lookup: list[bool] = []
+    find = tiers.find
+
+    def recorded(*args: Any) -> Any:
+        unfitted_at_lookup.append(tiers.estimates._unfitted)
+        return find(*args)
+
+    tiers.find = recorded  # type: ignore[method-assign]
+    prompts = random_prompts(4, 4000, seed=21, low=120, high=200)
+    serve(engine, prompts)
+    readings = list(tiers.estimates.prefill_readings)
+    assert len(unfitted_at_lookup) == len(prompts) and len(readings) >= len(prompts)
+    assert not any(unfitted_at_lookup), unfitted_at_lookup
+    fitted = (tiers.estimates.prefill_fixed_s, tiers.estimates.prefill_s_per_token, tiers.estimates.prefill_s_per_pair)
+    again = CostEstimates()
+    for r in readings:
+        again.note_prefill(*r)
+    again._floor, again._floor_per_token = tiers.estimates._floor, tiers.estimates._floor_per_token
+    assert (again.prefill_fixed_s, again.prefill_s_per_token, again.prefill_s_per_pair) == fitted
+    engine.close()
 
 
 def test_a_tier_a_round_trip_away_is_not_asked_on_the_engines_thread(
