@@ -107,7 +107,7 @@ def chat(model: Path, rounds: int, refresh: bool, seed: int) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--repeats", type=int, default=2, help="runs of each, alternating")
+    p.add_argument("--repeats", type=int, default=4, help="runs of each, in alternating order")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     sys.path.insert(0, str(ROOT / "bench"))
@@ -117,7 +117,7 @@ def main() -> None:
     seed = random.randrange(1 << 30)
     runs: dict[str, list[dict[str, Any]]] = {"fit_at_launch": [], "fit_in_lookup": []}
     for i in range(args.repeats):
-        for name in runs:
+        for name in list(runs) if i % 2 == 0 else reversed(list(runs)):  # the order alternating
             runs[name].append(chat(model, args.rounds, name == "fit_at_launch", seed + i))
             print(name, json.dumps(runs[name][-1]), flush=True)
     result = {
