@@ -265,8 +265,8 @@ class CostEstimates:
             readings = steady(tuple(self.prefill_readings))
             # the line through the steps above the floor (those at it say nothing of a token's cost)
             above = [r for r in readings if r[1] > self.floor_seconds(r[0]) * (1.0 + FLAT)]
-            # (steady once: a fit is on the engine's thread before a request's lookup, ~0.2 ms of
-            # this CPU's interpreter with steady three times over, two thirds of it)
+            # (steady once: a fit runs on the engine's thread, ~0.2 ms of this CPU's interpreter
+            # with steady three times over, two thirds of it)
             line = prefill_line(above, True) if above else (0.0, min(sec / t for t, sec, _ in readings), 0.0)
             if above and spreads(above, True):
                 self._spread_fit = line
