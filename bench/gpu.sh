@@ -160,7 +160,8 @@ probes)
     ipc) timeout -k 10 360 python3 bench/probes/ipc_probe.py --out "$out/ipc_probe.json" ;;
     verify) timeout -k 10 300 python3 bench/probes/verify_probe.py --out "$out/verify_probe.json" ${VERIFY_ARGS:-} ;;
     quant) timeout -k 10 120 python3 bench/probes/quant_probe.py --out "$out/quant_probe.json" ;;
-    *) echo "unknown probe: $probe (diag, gemv, attention, attention_fp8, attention_tiles, fp32, reading, ipc, verify, quant)" ;;
+    rope) timeout -k 10 120 python3 bench/probes/rope_store_probe.py --out "$out/rope_store_probe.json" ;;
+    *) echo "unknown probe: $probe (diag, gemv, attention, attention_fp8, attention_tiles, fp32, reading, ipc, verify, quant, rope)" ;;
     esac > "$out/probe_$probe.log" 2>&1
     echo "== $probe"; grep -v "^  " "$out/probe_$probe.log" | tail -14
   done
