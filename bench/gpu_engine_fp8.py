@@ -42,6 +42,11 @@ def add_fp8_flags(parser: argparse.ArgumentParser) -> None:
         "rule before 2026-12-05, for a baseline in the same run)",
     )
     parser.add_argument(
+        "--fp8-mm-tma",
+        action="store_true",
+        help="FP8: the batched kernel reads its tiles by TMA (fp8.MATMUL_TMA, default off: not measured yet)",
+    )
+    parser.add_argument(
         "--fp8-accum",
         choices=("fast", "exact"),
         help="FP8: prefill's GEMMs (torch._scaled_mm) with Hopper's fast accumulation or without "
@@ -105,7 +110,9 @@ def measured_mm_tiles(probe: dict) -> dict[tuple[int, int, int], dict[str, int]]
             best = min(tried, key=lambda r: r["us"])
             table = [r for r in tried if r["tiles"] == "table"]
             if best["tiles"] == "sweep" and (not table or best["us"] < table[0]["us"]):
-                out[(best["block_m"], n, k)] = {key: best[key] for key in keys}
+                out[(best["block_m"], n, k)] = {key: best[key] for key in keys} | (
+                    {"tma": True} if best.get("tma") else {}
+                )
     return out
 
 
@@ -131,6 +138,8 @@ def configure_fp8(args: argparse.Namespace) -> dict[str, object]:
                     fp8.GEMV_SILU_FUSED = best["variant"] != "gemv_sep"
     if args.fp8_mm_rule:
         fp8.MATMUL_RULE = args.fp8_mm_rule
+    if args.fp8_mm_tma:
+        fp8.MATMUL_TMA = True
     if args.fp8_kv_tiles:
         paged.FP8_F16_TILES = args.fp8_kv_tiles == "f16"
     if args.fp8_mm_tiles:
@@ -142,6 +151,7 @@ def configure_fp8(args: argparse.Namespace) -> dict[str, object]:
         "matmul_block_n": fp8.matmul_tiles(64, 3584, 3584)["block_n"],
         "matmul_tiles": {f"{m}x{n}x{k}": t for (m, n, k), t in fp8.MATMUL_TILES.items()},
         "matmul_rule": fp8.MATMUL_RULE,
+        "matmul_tma": fp8.MATMUL_TMA,
         "matmul_tiles_64_rows": {
             name: fp8.matmul_tiles(64, n, k)
             for name, (n, k) in {

@@ -10,7 +10,8 @@ and each row count, times (microseconds a call; ``tb_s``: weight bytes over that
   (:func:`fp8.quantize_rows` + :func:`fp8.matmul` at :func:`fp8.matmul_tiles`), what
   :func:`fp8.linear` runs between its thresholds; ``batched_mm``: the kernel alone, at the
   table's tiles and a few others (wider or narrower channel tiles, Hopper's fast FP8
-  accumulation) to correct the table; ``batched_a16``: the same kernel on the bf16
+  accumulation; its weight and activation tiles read by TMA, ``tma``, with the K loop
+  warp-specialized or not, ``tma_ws`` and ``ws``) to correct the table; ``batched_a16``: the same kernel on the bf16
   activations as they are (W8A16, down reading SiLU·up on the fly; ``batched_a16_sep``:
   ``silu_mul`` first); up to 256 rows;
 - ``tileq``: the batched kernel quantizing each K tile of the bf16 activations in registers
@@ -53,6 +54,9 @@ MM_ALTS: list[tuple[str, dict[str, Any]]] = [
     ("fast_accum", {"precise": False}),
     ("n64", {"block_n": 64}),
     ("n256", {"block_n": 256, "block_k": 128, "num_warps": 8, "num_stages": 3}),
+    ("tma", {"tma": True}),
+    ("tma_ws", {"tma": True, "warp_specialize": True}),
+    ("ws", {"warp_specialize": True}),
 ]
 # the FP8 GEMV's tiles tried at one row: (block_n, block_k, split_k, num_warps)
 GEMV_SWEEP = [(bn, bk, sk, 4, 3) for bn in (8, 16, 32) for bk in (1024, 2048) for sk in (1, 2, 4) if bn * bk <= 32768]
@@ -163,7 +167,7 @@ def sweep_best(results: list[dict]) -> dict[tuple[str, int], dict]:
         if r["tiles"] == "table":
             entry["table_us"] = r["us"]
         if "us" not in entry or r["us"] < entry["us"]:
-            keys = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "split_k")
+            keys = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "split_k", "tma")
             entry |= {"us": r["us"], "tb_s": r["tb_s"], "tiles": {k: r[k] for k in keys if k in r}}
     return {key: entry for key, entry in out.items() if entry.pop("swept")}
 
@@ -182,6 +186,11 @@ def main() -> int:
         type=float,
         default=0.0,
         help="seconds a shape and row count to sweep the batched kernel's tiles (MM_SWEEP; 0: none)",
+    )
+    parser.add_argument(
+        "--mm-sweep-tma",
+        action="store_true",
+        help="with --mm-sweep: each swept tile also with its tiles read by TMA (fp8.MATMUL_TMA)",
     )
     parser.add_argument("--only", default="", help="time only these variants (comma-separated; default: all)")
     args = parser.parse_args()
@@ -265,6 +274,11 @@ def main() -> int:
                     tiles = fp8.matmul_tiles(rows, n, k)
                     out = fp8.matmul(xq, w0, None, xs, torch.float32, **tiles)  # type: ignore[arg-type]
                     check["batched_rel_err_vs_scaled_mm"] = ((out - ref).norm() / ref.norm()).item()
+                    try:  # (a TMA that does not compile here leaves the other checks to run)
+                        by_tma = fp8.matmul(xq, w0, None, xs, torch.float32, **{**tiles, "tma": True})  # type: ignore[arg-type]
+                        check["tma_same_bits"] = bool(torch.equal(by_tma, out))
+                    except Exception as exc:
+                        check["tma_error"] = repr(exc)[:300]
                     dense = F.linear(act.float(), w0.dequantize(torch.float32))
                     out = fp8.matmul(x, w0, None, silu_mul_input=silu, **tiles).float()  # type: ignore[arg-type]
                     check["a16_rel_err_vs_dequantized"] = ((out - dense).norm() / dense.norm()).item()
@@ -371,14 +385,15 @@ def main() -> int:
                 for split in sorted({base["split_k"], base["split_k"] * 2, max(1, base["split_k"] // 2)}):
                     if k // split < bk or time.monotonic() > swept_until or over("mm_sweep"):
                         continue
-                    cfg = {**base, "split_k": split}
+                    for tma in (False, True) if args.mm_sweep_tma else (False,):
+                        cfg = {**base, "split_k": split, **({"tma": True} if tma else {})}
 
-                    def mm_swept(xq: torch.Tensor = xq, xs: torch.Tensor = xs, cfg: dict = cfg) -> int:
-                        for w in q8:
-                            fp8.matmul(xq, w, None, xs, torch.bfloat16, **cfg)
-                        return len(q8)
+                        def mm_swept(xq: torch.Tensor = xq, xs: torch.Tensor = xs, cfg: dict = cfg) -> int:
+                            for w in q8:
+                                fp8.matmul(xq, w, None, xs, torch.bfloat16, **cfg)
+                            return len(q8)
 
-                    record(shape, rows, "batched_mm", mm_swept, n * k, tiles="sweep", **cfg)
+                        record(shape, rows, "batched_mm", mm_swept, n * k, tiles="sweep", **cfg)
 
             for name, overrides in (("table", {}), ("n128", {"block_n": 128})):
                 cfg = with_split(rows, n, k, {**fp8.matmul_tiles(rows, n, k, tile_quant=True), **overrides}, w8a8=False)
@@ -430,6 +445,8 @@ def main() -> int:
         or c.get("batched_rel_err_vs_scaled_mm", 0) > 1e-3
         or c.get("a16_rel_err_vs_dequantized", 0) > 1e-2
         or c.get("tileq_rel_err_vs_groups", 0) > 1e-3
+        or c.get("tma_same_bits") is False
+        or "tma_error" in c
     ]
     print(f"checks: {len(checks)}, failing: {len(bad)}", *(json.dumps(c) for c in bad), sep="\n")
     return 0

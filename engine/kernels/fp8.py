@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from pdserve.engine.kernels import elementwise, gemv, interpreting
 from pdserve.engine.kernels.fp8_quant import quantize_rows
@@ -59,6 +60,12 @@ MATMUL_TILES: dict[tuple[int, int, int], dict[str, int]] = {}
 MATMUL_RULES = ("one-wave", "fill")
 MATMUL_RULE = "one-wave"
 GEMV_SILU_FUSED = True
+# Whether the batched W8A8 kernel reads its weight and activation tiles through Hopper's tensor
+# memory accelerator (TMA: one bulk copy a tile, no per-thread addresses or masks) rather than
+# per-thread loads: off until measured (bench/probes/fp8_probe.py's ``tma`` alternatives,
+# bench/gpu_engine.py --fp8-mm-tma). ``warp_specialize`` (a tile setting): its K loop split
+# between warps that load and warps that multiply (Triton's automatic warp specialization).
+MATMUL_TMA = False
 _SMS = 132
 HOPPER_SHARED_MEMORY = 232448
 _SHARED_MEMORY: dict[int, int] = {}
@@ -109,6 +116,8 @@ def _matmul_kernel(
     x_ptr,
     xs_ptr,
     w_ptr,
+    x_desc,
+    w_desc,
     ws_ptr,
     b_ptr,
     out_ptr,
@@ -132,6 +141,8 @@ def _matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    TMA: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     # axis 0: row blocks, so that the programs sharing a tile of weights run side by side
     pid_m = tl.program_id(0)
@@ -149,9 +160,12 @@ def _matmul_kernel(
         k_start = tl.program_id(2) * per_split
         k_end = tl.minimum(k_start + per_split, K)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # out.T: channels by rows
-    for k0 in range(k_start, k_end, BLOCK_K):
+    for k0 in tl.range(k_start, k_end, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
         rk = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:
+        if TMA:  # whole tiles, zeros past the tensors' ends (a split's range is whole K tiles)
+            w = w_desc.load([pid_n * BLOCK_N, k0])
+            x = x_desc.load([pid_m * BLOCK_M, k0])
+        elif EVEN_K:
             if EVEN_N:
                 w = tl.load(w_rows + rk[None, :])
             else:
@@ -240,10 +254,13 @@ def matmul_tiles(rows: int, n: int, k: int, tile_quant: bool = False, x_bytes: i
     sums and shallow pipelines cost them 20-30 %). Else
     (16-bit activations ``x_bytes`` 2, more rows, ``tile_quant``: K tiles of
     :data:`quant.GROUP`): K tiles of 256 while the row tile is small, 128 above, and cut along
-    K until the programs fill the SMs once."""
+    K until the programs fill the SMs once. With :data:`MATMUL_TMA`, W8A8's tiles are read by
+    TMA where the rows are whole 16-byte units (``k`` a multiple of 16)."""
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    # TMA where asked (MATMUL_TMA) for W8A8 over rows of whole 16-byte units (a tile setting)
+    tma = {"tma": True} if MATMUL_TMA and x_bytes == 1 and not tile_quant and k % 16 == 0 else {}
     if not tile_quant and (block_m, n, k) in MATMUL_TILES:
-        return {"block_m": block_m, **MATMUL_TILES[(block_m, n, k)]}
+        return {"block_m": block_m, **tma, **MATMUL_TILES[(block_m, n, k)]}
     block_n = 64  # 64 beat 128 and 256 from 1 to 128 rows on every 7B projection (fp8_probe, 2026-12-04)
     programs = -(-rows // block_m) * -(-n // block_n)
     if rows <= 64 and not tile_quant and x_bytes == 1 and MATMUL_RULE == "one-wave":
@@ -254,11 +271,11 @@ def matmul_tiles(rows: int, n: int, k: int, tile_quant: bool = False, x_bytes: i
         most = 5 if programs * split <= _SMS else 3
         stages = max(2, min(most, (shared_memory() - 16384) // ((block_m + block_n) * 256)))
         tiles = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": 4, "num_stages": stages}
-        return tiles | {"split_k": split}
+        return tiles | {"split_k": split} | tma
     block_k = GROUP if tile_quant else 256 if block_m <= 32 else 128
     tiles = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": 4}
     tiles["num_stages"] = 3 if block_k == 256 else 4
-    return tiles | {"split_k": split_k(programs, k, block_k)}
+    return tiles | {"split_k": split_k(programs, k, block_k)} | tma
 
 
 def split_k(programs: int, k: int, block_k: int, one_wave: bool = False) -> int:
@@ -299,6 +316,8 @@ def matmul(
     split_k: int = 1,
     precise: bool = True,
     tile_quant: bool = False,
+    tma: bool = False,
+    warp_specialize: bool = False,
 ) -> torch.Tensor:
     """``x @ (w.q * w.scale[:, None]).T (+ bias)`` for a few to a few hundred rows, one program
     per tile of ``block_n`` output channels and ``block_m`` rows (``x``'s tile loaded once per
@@ -315,7 +334,9 @@ def matmul(
     into a fresh float32 sum each tile, times those scales: W8A8 with no quantization launch
     and no pass over whole rows first. Otherwise W8A16: the weights converted to ``x``'s
     dtype in registers.
-    ``out_dtype``: by default ``x``'s (bf16 for FP8 ``x``)."""
+    ``out_dtype``: by default ``x``'s (bf16 for FP8 ``x``). ``tma`` (W8A8 only): the tiles of
+    ``w`` and ``x`` read by the tensor memory accelerator (:data:`MATMUL_TMA`); both need rows
+    16-byte aligned. ``warp_specialize``: the K loop's loads and products on separate warps."""
     m = x.shape[0]
     k = w.shape[1]
     fp8_x = x_scale is not None
@@ -329,8 +350,14 @@ def matmul(
     assert block_m >= 16 and block_n >= 16 and block_k >= 32, "tl.dot's smallest FP8 tiles"
     if out_dtype is None:
         out_dtype = torch.bfloat16 if fp8_x else x.dtype
+    if tma:
+        assert fp8_x, "TMA reads FP8 rows (W8A8)"
+        for t, name in ((x, "x"), (w.q, "w")):
+            if t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+                raise ValueError(f"TMA needs {name}'s rows 16-byte aligned: stride {t.stride(0)}, at {t.data_ptr():#x}")
     tiles = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "split_k": split_k}
     tiles |= {"num_warps": num_warps, "num_stages": num_stages}
+    tiles |= {name: True for name, on in (("tma", tma), ("warp_specialize", warp_specialize)) if on}
     return _launch(x, x_scale, w.q, w.scale, bias, out_dtype, silu_mul_input, tiles, precise, tile_quant)
 
 
@@ -357,10 +384,17 @@ def _launch(
         counters = gemv.split_counters(x.device, grid[0] * grid[1])
     else:
         part, counters = out, out
+    x_desc: object = x
+    w_desc: object = w
+    if t.get("tma"):  # (built a call: a descriptor holds its tensor's address)
+        x_desc = TensorDescriptor.from_tensor(x, [t["block_m"], t["block_k"]])
+        w_desc = TensorDescriptor.from_tensor(w, [t["block_n"], t["block_k"]])
     _matmul_kernel[grid](
         x,
         x_scale if x_scale is not None else out,
         w,
+        x_desc,
+        w_desc,
         w_scale if w_scale is not None else out,
         bias if bias is not None else out,
         out,
@@ -384,6 +418,8 @@ def _launch(
         BLOCK_N=t["block_n"],
         BLOCK_K=t["block_k"],
         SPLIT_K=t["split_k"],
+        TMA=bool(t.get("tma")),
+        WARP_SPECIALIZE=bool(t.get("warp_specialize")),
         num_warps=t["num_warps"],
         num_stages=t["num_stages"],
     )

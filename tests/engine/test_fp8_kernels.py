@@ -95,7 +95,13 @@ def w8a8_reference(xq: torch.Tensor, xs: torch.Tensor, w: quant.Fp8Weight, b: to
     ],
 )
 @pytest.mark.parametrize("bias", [False, True])
-def test_matmul_matches_float64_on_the_same_fp8_values(rows: int, n: int, k: int, tiles: dict, bias: bool) -> None:
+@pytest.mark.parametrize("tma", [False, True])
+def test_matmul_matches_float64_on_the_same_fp8_values(
+    rows: int, n: int, k: int, tiles: dict, bias: bool, tma: bool
+) -> None:
+    """W8A8 against float64 over the same FP8 values, split along K or not, the tiles read by
+    per-thread loads or by TMA (zeros past the rows, channels and columns the tensors have)."""
+    tiles = {**tiles, "tma": tma}
     x = torch.randn((rows, k), device=DEVICE)
     w = quant.quantize_fp8(torch.randn((n, k), device=DEVICE) * torch.rand((n, 1), device=DEVICE) * 4)
     b = torch.randn(n, device=DEVICE) if bias else None
@@ -313,6 +319,29 @@ def test_matmul_takes_measured_tiles_for_their_row_block_only(monkeypatch: pytes
     assert rel_err(out, w8a8_reference(*quant.quantize_rows_fp8(x), w, None)) < 1e-2
 
 
+def test_tma_is_a_tile_setting_of_w8a8_asked_for_and_refused_where_rows_are_not_aligned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``fp8.MATMUL_TMA`` (off by default) makes the rule's W8A8 tiles read by TMA where each
+    row is whole 16-byte units; 16-bit activations and ``tile_quant`` keep their loads; a
+    product asked for TMA over rows that are not aligned is refused, not read another way."""
+    assert "tma" not in fp8.matmul_tiles(64, 4608, 3584)
+    monkeypatch.setattr(fp8, "MATMUL_TMA", True)
+    assert fp8.matmul_tiles(64, 4608, 3584)["tma"] and fp8.matmul_tiles(3, 48, 128)["tma"]
+    assert "tma" not in fp8.matmul_tiles(64, 4608, 3584, x_bytes=2)
+    assert "tma" not in fp8.matmul_tiles(64, 4608, 3584, tile_quant=True)
+    assert "tma" not in fp8.matmul_tiles(3, 48, 100)  # rows of 100 bytes
+    w = quant.quantize_fp8(torch.randn((48, 128), device=DEVICE))
+    xq, xs = fp8.quantize_rows(torch.randn((3, 129), device=DEVICE))
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        fp8.matmul(xq[:, 1:], w, None, xs, tma=True, block_k=32)  # rows 129 bytes apart
+    x = torch.randn((3, 128), dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(AssertionError, match="TMA reads FP8 rows"):
+        fp8.matmul(x, w, tma=True, block_k=32)
+    out = fp8.linear(x, w, gemv_max_rows=1, batched_max_rows=8)  # the rule's tiles, by TMA
+    assert rel_err(out, w8a8_reference(*quant.quantize_rows_fp8(x), w, None)) < 1e-2
+
+
 def test_the_probe_s_swept_tiles_become_the_table_only_where_faster() -> None:
     from bench.gpu_engine_fp8 import measured_mm_tiles
 
@@ -328,11 +357,16 @@ def test_the_probe_s_swept_tiles_become_the_table_only_where_faster() -> None:
             row("o", 64, "table", 10.8, 64),
             row("o", 64, "sweep", 11.0, 32),  # slower than the rule: not taken
             row("down", 64, "table", 27.0, 64),  # not swept
+            row("gate_up", 64, "table", 56.0, 64),
+            row("gate_up", 64, "sweep", 55.0, 64),
+            {**row("gate_up", 64, "sweep", 50.0, 64), "tma": True},  # read by TMA: kept so
             {"shape": "gate_up", "rows": 64, "variant": "cublas", "us": 1.0},
         ]
     }
+    tiles = {"block_k": 256, "split_k": 1, "num_warps": 4, "num_stages": 3}
     assert measured_mm_tiles(probe) == {
-        (64, 4608, 3584): {"block_n": 32, "block_k": 256, "split_k": 1, "num_warps": 4, "num_stages": 3}
+        (64, 4608, 3584): {"block_n": 32, **tiles},
+        (64, 37888, 3584): {"block_n": 64, **tiles, "tma": True},
     }
 
 
