@@ -1,7 +1,9 @@
 """The rotary + KV store of one layer on a GPU (Qwen2.5-7B's heads, 16-token pages): into a bf16
 pool, and into an FP8 pool with the key rotation inside the rotary kernel (the default) or as
-torch's passes after it (``rope.FUSED_KEY_ROTATION`` off), at decode and prefill row counts.
-Each call is timed on a fresh copy of the rows (the store rotates them in place), less the copy.
+torch's passes after it (``rope.FUSED_KEY_ROTATION`` off), at decode and prefill row counts;
+from 1,024 rows also the fused kernel with a program a token (``fp8_fused_one``: the rotation's
+matrix read by every program, against ``rope.rotation_tokens``' share). Each call is timed on a
+fresh copy of the rows (the store rotates them in place), less the copy.
 
     python bench/probes/rope_store_probe.py --out rope_store_probe.json
 """
@@ -37,6 +39,7 @@ def main() -> None:
     emb = torch.cat((emb, emb), -1)
     cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
     readings = []
+    share = rope.rotation_tokens
     for rows in (int(r) for r in args.rows.split(",")):
         pages = rows // PAGE + 2
         positions = torch.arange(rows, device=device)
@@ -45,10 +48,13 @@ def main() -> None:
         qkv = fresh.clone()
         copy_ms = launched_ms(lambda qkv=qkv, fresh=fresh: qkv.copy_(fresh), reps=50)
         out: dict[str, torch.Tensor] = {}
-        for name, dtype, fused in (("bf16_pool", torch.bfloat16, True), ("fp8_fused", KV_FP8, True),
-                                   ("fp8_torch", KV_FP8, False)):  # fmt: skip
+        variants = [("bf16_pool", torch.bfloat16, True), ("fp8_fused", KV_FP8, True), ("fp8_torch", KV_FP8, False)]
+        if rows >= 1024:
+            variants.append(("fp8_fused_one", KV_FP8, True))
+        for name, dtype, fused in variants:
             pool = KVPool(KVLayout(LAYERS, NUM_KV, DIM, PAGE, dtype), pages, device)
             rope.FUSED_KEY_ROTATION = fused
+            rope.rotation_tokens = (lambda tokens: 1) if name == "fp8_fused_one" else share
 
             def call(qkv=qkv, fresh=fresh, pool=pool, positions=positions, slots=slots) -> None:
                 qkv.copy_(fresh)
@@ -59,7 +65,7 @@ def main() -> None:
             out[name] = qkv.clone()
             readings.append({"rows": rows, "variant": name, "us": round(us, 2)})
             print(f"rows {rows:5d} {name:10s} {us:9.2f} us", flush=True)
-        rope.FUSED_KEY_ROTATION = True
+        rope.FUSED_KEY_ROTATION, rope.rotation_tokens = True, share
         diff = (out["fp8_fused"].float() - out["fp8_torch"].float()).abs()
         readings.append(
             {"rows": rows, "fused_vs_torch_max_abs": diff.max().item(), "same_bits": diff.max().item() == 0}

@@ -171,6 +171,32 @@ def test_rope_store_into_fp8_is_the_block_store_of_the_rotated_k_and_v(
     assert pool.kv_scales[1, layer, 0, 0] > before.kv_scales[1, layer, 0, 0]
 
 
+@pytest.mark.parametrize("per_program", [3, 64])
+def test_the_fused_rotation_takes_several_tokens_a_program_alike(
+    per_program: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Programs of the fused rotation that take several tokens each (a long prefill's, the
+    matrix read once a program), the last one short or the only one: the same bytes as a
+    program a token."""
+    num_q, num_kv, dim, page = 7, 1, 64, 4
+    pool = fp8_pool(12, 2, num_kv, page, dim)
+    slots_list = run_slots([(5, 6), (16, 4), (28, 1)])
+    qkv = torch.randn((len(slots_list), (num_q + 2 * num_kv) * dim), device=DEVICE)
+    positions = torch.tensor(random.Random(3).sample(range(100), len(slots_list)), device=DEVICE)
+    slots = torch.tensor(slots_list, device=DEVICE)
+    cos, sin = rope_tables(dim, qkv.dtype, 100)
+    results = []
+    for n in (1, per_program):
+        monkeypatch.setattr(rope, "rotation_tokens", lambda tokens, n=n: n)
+        into, rows = KVPool(pool.layout, 12, DEVICE), qkv.clone()
+        into.tensor.copy_(pool.tensor)
+        rope.rope_store(rows, num_q, num_kv, cos, sin, positions, slots, into.kv, 1, into.kv_scales)
+        results.append((rows, into.tensor))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    monkeypatch.undo()
+    assert [rope.rotation_tokens(t) for t in (1, 511, 1024, 4096, 65536)] == [1, 1, 2, 8, 8]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES)
 def test_decode_attention_over_fp8_matches_float64_over_the_dequantized_kv(dtype: torch.dtype, case: tuple) -> None:
