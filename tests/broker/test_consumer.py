@@ -119,7 +119,7 @@ async def test_fetch_timeouts_do_not_leak_into_later_fetches(
 async def test_fetch_zero_returns_at_once(consumer: PullConsumer) -> None:
     start = time.monotonic()
     assert await consumer.fetch(0, timeout=5.0) == []
-    assert time.monotonic() - start < 0.5
+    assert time.monotonic() - start < 2.5  # at once: well inside the timeout, on a loaded runner too
 
 
 async def test_fetch_requires_start(nc: Client, js: JetStreamContext, model: str) -> None:

@@ -107,4 +107,4 @@ async def test_ask_gets_the_typed_answer_and_fails_fast_with_nobody_listening(nc
     started = time.monotonic()
     with pytest.raises(contract.Unanswered, match="nobody answers"):
         await contract.ask(nc, contract.KV_LEASE, KVLease("r", "gone", 7, 5.0), "gone", timeout=5)
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 2.5  # no responders: at once, not at the 5 s timeout

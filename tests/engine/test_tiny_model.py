@@ -242,7 +242,7 @@ def test_second_call_reuses_directory(model_dir: pathlib.Path, monkeypatch: pyte
     messages: list[str] = []
     start = time.perf_counter()
     assert ensure_default_model(model_dir.parent.parent, progress=messages.append) == model_dir
-    assert time.perf_counter() - start < 0.5
+    assert time.perf_counter() - start < 2.0  # (a loaded CI runner: far from a rebuild's minute)
     assert (model_dir.stat().st_mtime_ns, marker.stat().st_mtime_ns) == before
     assert messages == []
 
