@@ -48,7 +48,7 @@ def main() -> None:
         qkv = fresh.clone()
         copy_ms = launched_ms(lambda qkv=qkv, fresh=fresh: qkv.copy_(fresh), reps=50)
         out: dict[str, torch.Tensor] = {}
-        variants = [("bf16_pool", torch.bfloat16, True), ("fp8_fused", KV_FP8, True), ("fp8_torch", KV_FP8, False)]
+        variants = [("bf16_pool", "bfloat16", True), ("fp8_fused", KV_FP8, True), ("fp8_torch", KV_FP8, False)]
         if rows >= 1024:
             variants.append(("fp8_fused_one", KV_FP8, True))
         for name, dtype, fused in variants:
