@@ -613,6 +613,12 @@ def main() -> None:
         help="the library attention a whole prompt's prefill may use on a GPU (auto: torch's pick, cuDNN's on an "
         "H100; flash: torch's own kernels, no execution plan built per new shape)",
     )
+    p.add_argument(
+        "--cut-runs",
+        action="store_true",
+        help="the chat also runs a disk whose rule may load a found run's leading groups alone (disk_cut: "
+        "--kv-tier-cut-runs), beside the disk as it is by default",
+    )
     p.add_argument("--one-prompt", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--tiers-json", default="{}", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -637,6 +643,8 @@ def main() -> None:
             "host": KVTierConfig(host_bytes=args.host_bytes, **overlap),
             "disk": KVTierConfig(disk_dir=str(Path(tmp) / "disk-chat"), **overlap),
         }
+        if args.cut_runs:  # (a disk of its own: a shared store would hand one engine's groups to the other)
+            configs["disk_cut"] = KVTierConfig(disk_dir=str(Path(tmp) / "disk-cut"), cut_runs=True, **overlap)
         if store is not None:
             store = {**store, **overlap}
             configs["store"] = KVTierConfig(**store)

@@ -23,6 +23,10 @@ class KVTierConfig:
     prefix's part in a disk or store slower than computing may load while the part before it
     is computed (``kv_cost.overlap_split``); off by default: on an H200 it helped a restarted
     worker's 8,192-token prompt (0.89x cold) but slowed chat turns (1.08x at 8,192, 1.8x at 2,048).
+    ``cut_runs``: the ``cost`` rule may load a tier's leading groups of a prefix and compute the
+    rest, where that saves more than loading all it holds; off by default (a run is loaded whole
+    or not at all: cut near a step's floor, three groups of a disk cost an H100 1.09x computing
+    them, 2026-12-06).
     """
 
     host_bytes: int = 0
@@ -37,6 +41,7 @@ class KVTierConfig:
     load: str = "cost"
     prefetch_bytes: int = 512 << 20
     overlap: bool = False
+    cut_runs: bool = False
 
     def __post_init__(self) -> None:
         if self.load not in ("cost", "always"):

@@ -487,6 +487,7 @@ def pages_worth_loading(
     measure_first: Collection[str] = (),
     start_tokens: int = 0,
     end_tokens: int | None = None,
+    cut_runs: bool = False,
 ) -> Decision:
     """``runs``: the found prefix in prompt order, as (tier, pages) runs, from prompt token
     ``start_tokens`` on, of a prompt of ``end_tokens`` tokens (its step saves at most its time
@@ -494,47 +495,59 @@ def pages_worth_loading(
     pages whose loading saves the most time against computing them (ties: fewer pages, so a
     break-even load is declined). The ``measure_first`` tiers (a disk, a store) are weighed at
     :data:`GROUP_LOAD_MARGIN` times their expected load; a run of one without a rate ends the
-    prefix there (named in the decision's ``unmeasured``)."""
+    prefix there (named in the decision's ``unmeasured``). A tier's consecutive runs are one,
+    taken whole or not at all, unless ``cut_runs``: then its leading runs alone may be taken
+    (``runs`` as given: a group, or a page, each), as :func:`some_run_pays` and the writer
+    assume a load can."""
     total = sum(n for _, n in runs)
     if total == 0:
         return Decision(0, 0.0)
     if estimates.recompute_seconds(1) is None:
         return Decision(total, None)
-    merged: list[tuple[str, int]] = []  # a tier's consecutive groups: one run, loaded whole or not at all
+    merged: list[tuple[str, list[int]]] = []  # a tier's consecutive groups: one run
     for tier, n in runs:
         if merged and merged[-1][0] == tier:
-            merged[-1] = (tier, merged[-1][1] + n)
+            merged[-1][1].append(n)
         elif n > 0:
-            merged.append((tier, n))
-    runs = merged
+            merged.append((tier, [n]))
     best_pages, best_saved = 0, 0.0
     done = 0
     computed = loaded = 0.0  # of the pages before the run
     unmeasured = False
-    for tier, n in runs:
+
+    def saving(tier: str, m: int, load: float) -> float:
+        """Loading the pages before this run and ``m`` of it, against computing them."""
+        whole = estimates.recompute_seconds(m * page_tokens, start_tokens + done * page_tokens) or 0.0
+        taken = (done + m) * page_tokens
+        fixed = estimates.steps_seconds(start_tokens, end_tokens, taken)  # the fixed parts of the steps saved
+        saved = min(computed + whole + fixed, estimates.headroom_seconds(start_tokens, end_tokens, taken))
+        return saved - loaded - load * (GROUP_LOAD_MARGIN if tier in measure_first else 1.0)
+
+    for tier, sizes in merged:
+        n = sum(sizes)
         load = estimates.load_seconds(tier, n * page_bytes)
+        if cut_runs and load is not None:  # its leading parts, shortest first (ties: fewer pages)
+            m = 0
+            for size in sizes[:-1]:
+                m += size
+                saved = saving(tier, m, estimates.load_seconds(tier, m * page_bytes) or 0.0)
+                if saved > best_saved:
+                    best_pages, best_saved = done + m, saved
         if load is None and tier in measure_first:  # computed until the caller has measured it
             return Decision(best_pages, None if unmeasured and best_pages else best_saved, (tier,))
         if load is None:  # a tier not measured yet: loaded (that measures it) if all before it pays
             if best_pages != done:
                 break
             load, unmeasured = 0.0, True  # and so are its later runs (a prefix's groups come a run each)
-        if tier in measure_first:
-            load *= GROUP_LOAD_MARGIN
-        at = start_tokens + done * page_tokens
-        whole = estimates.recompute_seconds(n * page_tokens, at) or 0.0
-        # a run whole or not at all: a part of it cut where the step nears its floor, where
-        # neither the step's time nor a short load's is well measured, saved less than its load
-        # (a 7B model's 600-token chat turns on an H100: three groups of a disk, 1.09x computing
-        # them; host memory's pages cut where a noisy floor said, 1.09x, 2026-12-06)
-        taken = (done + n) * page_tokens
-        fixed = estimates.steps_seconds(start_tokens, end_tokens, taken)  # the fixed parts of the steps saved
-        saved = min(computed + whole + fixed, estimates.headroom_seconds(start_tokens, end_tokens, taken))
-        saved -= loaded + load
+        # by default a run whole or not at all: a part of it cut where the step nears its floor,
+        # where neither the step's time nor a short load's is well measured, saved less than its
+        # load (a 7B model's 600-token chat turns on an H100: three groups of a disk, 1.09x
+        # computing them; host memory's pages cut where a noisy floor said, 1.09x, 2026-12-06)
+        saved = saving(tier, n, load)
         if saved > best_saved:
             best_pages, best_saved = done + n, saved
-        computed += whole
-        loaded += load
+        computed += estimates.recompute_seconds(n * page_tokens, start_tokens + done * page_tokens) or 0.0
+        loaded += load * (GROUP_LOAD_MARGIN if tier in measure_first else 1.0)
         done += n
     return Decision(best_pages, None if unmeasured and best_pages else best_saved)
 

@@ -312,6 +312,7 @@ class KVTiers(WriteThrough, ReadAhead):
                 group_tiers,
                 plan.start * page_tokens,
                 len(plan.hashes) * page_tokens,  # the prompt's full pages: the step a load shortens
+                self.config.cut_runs,
             )
 
         decision = decide()

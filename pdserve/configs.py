@@ -227,6 +227,7 @@ def tier_config(args: argparse.Namespace) -> KVTierConfig:
             load=args.kv_tier_load,
             prefetch_bytes=args.kv_tier_prefetch_bytes,
             overlap=args.kv_tier_overlap,
+            cut_runs=args.kv_tier_cut_runs,
         )
     except ValueError as exc:
         raise UsageError(f"--kv-*: {exc}") from None

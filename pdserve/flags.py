@@ -304,6 +304,12 @@ ENGINE = (
         "and to slow multi-turn chat; default: off)",
     ),
     Flag(
+        "--kv-tier-cut-runs",
+        switch=True,
+        help="the cost rule may load a tier's leading page groups of a prefix and compute the rest where "
+        "that saves more than loading all the tier holds (default: off, a tier's groups load whole or not at all)",
+    ),
+    Flag(
         "--kv-tier-prefetch-bytes",
         KVTierConfig.prefetch_bytes,
         int,

@@ -408,6 +408,48 @@ def test_a_run_is_loaded_whole_or_not_at_all() -> None:
     assert d.pages == 50
 
 
+def test_with_cut_runs_a_tier_s_leading_groups_load_where_they_save_the_most() -> None:
+    """``cut_runs``: a tier's groups in a row may be taken in part, the leading ones, at the
+    part that saves the most (ties: fewer); where the whole saves the most, the whole; a part
+    of a later tier only after the earlier tiers' pages whole; the same saving as
+    :func:`some_run_pays` finds for the groups' leading run."""
+    from pdserve.engine.kv_cost import some_run_pays
+
+    e = CostEstimates(
+        bytes_per_s={"disk": PAGE_BYTES / 0.0002, "host": PAGE_BYTES / 0.000005},
+        prefill_s_per_token=2e-5,
+        prefill_floor_s=0.01,
+    )
+    end = 100 * PAGE_TOKENS  # 32 ms computed whole: 22 above the floor
+    groups = [("disk", 4)] * 25
+    whole = pages_worth_loading(groups, PAGE_BYTES, PAGE_TOKENS, e, {"disk"}, end_tokens=end)
+    cut = pages_worth_loading(groups, PAGE_BYTES, PAGE_TOKENS, e, {"disk"}, end_tokens=end, cut_runs=True)
+    assert whole.pages == 0 and cut.pages > 0 and cut.pages % 4 == 0 and cut.saved_seconds > 0
+    # the part that saves the most, of every leading part (a group a step)
+    savings = {}
+    for g in range(1, 26):
+        pages = 4 * g
+        computed = min(pages * PAGE_TOKENS * 2e-5, e.headroom_seconds(0, end, pages * PAGE_TOKENS))
+        savings[pages] = computed - (e.load_seconds("disk", pages * PAGE_BYTES) or 0.0) * kv_cost.GROUP_LOAD_MARGIN
+    best = max(savings, key=lambda pages: (savings[pages], -pages))
+    assert cut.pages == best and cut.saved_seconds == pytest.approx(savings[best])
+    assert some_run_pays(e, "disk", 4 * PAGE_BYTES, 4 * PAGE_TOKENS, 0, 25, end)
+    # host memory's pages as far as the step's floor (69 leave 31 computed: 10 ms), not past it
+    host = pages_worth_loading([("host", 1)] * 100, PAGE_BYTES, PAGE_TOKENS, e, {"disk"}, end_tokens=end, cut_runs=True)
+    assert host.pages == 69 and host.saved_seconds > 0.022 - 0.0005  # more than the whole's
+    # the host's pages, then the disk's: the host's whole, then a part of the disk's
+    mixed = [("host", 1)] * 20 + [("disk", 4)] * 20
+    d = pages_worth_loading(mixed, PAGE_BYTES, PAGE_TOKENS, e, {"disk"}, end_tokens=end, cut_runs=True)
+    assert d.pages > 20 and (d.pages - 20) % 4 == 0
+    assert pages_worth_loading(mixed, PAGE_BYTES, PAGE_TOKENS, e, {"disk"}, end_tokens=end).pages == 20
+    # a tier not measured yet: no part of it weighed (loaded whole to measure it, as without)
+    blind = CostEstimates(prefill_s_per_token=2e-5, prefill_floor_s=0.01)
+    assert (
+        pages_worth_loading([("mem", 4)] * 3, PAGE_BYTES, PAGE_TOKENS, blind, (), end_tokens=end, cut_runs=True).pages
+        == 12
+    )
+
+
 def test_some_run_pays_is_the_leading_runs_weighed_one_by_one() -> None:
     """Whether some leading run of units pays, decided by its first unit and the whole run
     (the saving is convex in the run's length), equals weighing every leading run in turn;

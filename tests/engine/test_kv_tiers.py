@@ -1004,6 +1004,31 @@ def test_writes_a_store_cannot_take_are_counted_errors(
         process.wait(10)
 
 
+@pytest.mark.parametrize("cut_runs", [False, True])
+def test_with_cut_runs_the_leading_group_of_a_found_run_loads_where_the_whole_would_not_pay(
+    tiny_model_dir: Path, tmp_path: Path, cut_runs: bool
+) -> None:
+    """A prompt whose step is little above its floor: a group of the disk's three saves more
+    than it costs, the three do not. By default the run is declined whole (all 12 pages
+    computed); with ``cut_runs`` its first group loads and the rest is computed. The output is
+    the computed one either way."""
+    prompt = list(range(5, 205))
+    computed, engine = restarted_over_disk(tiny_model_dir, tmp_path, prompt, cut_runs=cut_runs)
+    tiers = engine.tiers
+    assert tiers is not None
+    tiers.estimates.clear_prefill()
+    tiers.note_prefill(1000, 0.1)  # 100 us a token: a group of 64 tokens 6.4 ms, the prompt 20 ms
+    tiers.estimates._floor, tiers.estimates._floor_per_token = 0.01, 0.0  # 10 ms above the floor at most
+    group_bytes = 4 * tiers.pool.page_bytes
+    tiers.estimates.bytes_per_s["disk"] = group_bytes / 4e-3  # a group in 4 ms, weighed at 5: one pays, two do not
+    assert serve(engine, [prompt], first=1) == computed
+    disk = tiers.stats.tiers["disk"]
+    assert (disk.hit_pages, disk.declined_pages) == ((4, 8) if cut_runs else (0, 12))
+    assert engine.stats.cached_tokens == (4 * 16 if cut_runs else 0)
+    engine.pages.check_invariants()
+    engine.close()
+
+
 def split_rates(engine: Engine, load_over_compute: float) -> None:
     """Price the disk's page at ``load_over_compute`` times the engine's measured cost of
     computing one (the prefill as the restarted engine measured it at start)."""
