@@ -450,6 +450,47 @@ def test_with_cut_runs_a_tier_s_leading_groups_load_where_they_save_the_most() -
     )
 
 
+def test_cut_runs_weigh_a_few_parts_and_find_what_every_part_weighed_finds() -> None:
+    """With ``cut_runs`` the rule weighs a few leading parts of each run (the first, those
+    either side of where the computing reaches the step's floor, those past each chunk
+    boundary, the whole), not every one; on random estimates and runs (host pages one by one,
+    groups of a disk, a store's) it finds the same best part as weighing every part does:
+    the decision for each leading part, taken whole, compared."""
+    import random
+
+    rng = random.Random(11)
+    checked = 0
+    for _ in range(400):
+        e = CostEstimates(
+            bytes_per_s={
+                "disk": PAGE_BYTES / rng.uniform(20e-6, 400e-6),
+                "host": PAGE_BYTES / rng.uniform(2e-6, 20e-6),
+            },
+            prefill_s_per_token=rng.uniform(0.2e-6, 4e-6),
+            prefill_s_per_pair=rng.choice([0.0, rng.uniform(1e-10, 1e-8)]),
+            prefill_floor_s=rng.choice([0.0, rng.uniform(1e-3, 20e-3)]),
+            prefill_fixed_s=rng.choice([0.0, rng.uniform(0.0, 10e-3)]),
+        )
+        e.chunk_tokens = rng.choice([0, 256, 1024])
+        if rng.random() < 0.5:
+            e.note_call("disk", rng.uniform(0.0, 2e-4))
+        runs: list[tuple[str, int]] = [("host", 1)] * rng.randrange(0, 40) + [("disk", 4)] * rng.randrange(1, 40)
+        pages = sum(n for _, n in runs)
+        start, end = rng.randrange(0, 64), None
+        end = rng.choice([None, (start + pages + rng.randrange(0, 64)) * PAGE_TOKENS])
+        args = (PAGE_BYTES, PAGE_TOKENS, e, {"disk"}, start * PAGE_TOKENS, end)
+        got = pages_worth_loading(runs, *args, cut_runs=True)
+        best_pages, best_saved = 0, 0.0
+        for j in range(1, len(runs) + 1):  # every leading part, weighed as a whole
+            d = pages_worth_loading(runs[:j], *args)
+            part = sum(n for _, n in runs[:j])
+            if d.pages == part and d.saved_seconds is not None and d.saved_seconds > best_saved + 1e-12:
+                best_pages, best_saved = part, d.saved_seconds
+        assert got.saved_seconds == pytest.approx(best_saved, abs=1e-12), (got, best_pages, best_saved)
+        checked += got.pages > 0
+    assert checked > 100
+
+
 def test_some_run_pays_is_the_leading_runs_weighed_one_by_one() -> None:
     """Whether some leading run of units pays, decided by its first unit and the whole run
     (the saving is convex in the run's length), equals weighing every leading run in turn;
