@@ -47,6 +47,18 @@ def test_an_sglang_prefill_command_parses_and_passes_the_checks() -> None:
     assert engine_config(args).kv_cache_dtype == "auto"
 
 
+def test_the_kv_tier_switches_reach_the_tiers_and_up_forwards_them() -> None:
+    args = build_parser().parse_args(["prefill", "--model-path", "/m", "--kv-disk-dir", "/kv"])
+    tiers = engine_config(args).kv_tiers
+    assert tiers.disk_dir == "/kv" and not tiers.cut_runs and not tiers.overlap and tiers.load == "cost"
+    both = ["--kv-disk-dir", "/kv", "--kv-tier-cut-runs", "--kv-tier-overlap"]
+    tiers = engine_config(build_parser().parse_args(["decode", "--model-path", "/m", *both])).kv_tiers
+    assert tiers.cut_runs and tiers.overlap
+    up = build_parser().parse_args(["up", *both])
+    argv = worker_argv(up, "prefill", Path("/m"), "nats://127.0.0.1:1", 1)
+    assert "--kv-tier-cut-runs" in argv and "--kv-tier-overlap" in argv
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
