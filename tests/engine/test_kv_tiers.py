@@ -1021,6 +1021,8 @@ def test_with_cut_runs_the_leading_group_of_a_found_run_loads_where_the_whole_wo
     tiers.estimates._floor, tiers.estimates._floor_per_token = 0.01, 0.0  # 10 ms above the floor at most
     group_bytes = 4 * tiers.pool.page_bytes
     tiers.estimates.bytes_per_s["disk"] = group_bytes / 4e-3  # a group in 4 ms, weighed at 5: one pays, two do not
+    tiers.estimates.call_seconds["disk"] = 0.0  # and no round trip priced (a loaded runner's would be noise here)
+    tiers.estimates.note_call = lambda *args: None  # type: ignore[method-assign]
     assert serve(engine, [prompt], first=1) == computed
     disk = tiers.stats.tiers["disk"]
     assert (disk.hit_pages, disk.declined_pages) == ((4, 8) if cut_runs else (0, 12))
