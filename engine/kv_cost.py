@@ -417,6 +417,41 @@ class CostEstimates:
         return max(0.0, line - self.prefill_fixed_s * (self.steps(rest) - 1) - self.floor_seconds(rest))
 
 
+def _cuts(
+    parts: Sequence[int],
+    computing: Callable[[int], float],
+    bound: Callable[[int], float],
+    estimates: CostEstimates,
+    end_tokens: int | None,
+    at_tokens: int,
+    unit_tokens: int,
+) -> list[int]:
+    """Of a run's leading parts (``parts``: its length in units of ``unit_tokens`` tokens after
+    each of its steps, in order, the run beginning at prompt token ``at_tokens``), those where
+    the best saving can lie, shortest first: what a part saves is its computing, bounded by
+    ``bound``, less its load; the computing is convex in the part's length between the chunk
+    boundaries (where it leaves a step out and jumps up), the load linear, so the first part,
+    the parts either side of where the computing reaches the bound, and the first part past each
+    chunk boundary decide (the steps saved cancel out of computing less bound: the search
+    stands): a few loads weighed, not one a page (a host run of 512 pages, 6 ms of this CPU's
+    interpreter)."""
+    last = len(parts) - 1
+    chosen = {0, last}
+    if computing(parts[last]) > bound(parts[last]):  # the first part whose computing reaches the bound
+        lo, hi = 0, last
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if computing(parts[mid]) > bound(parts[mid]) else (mid + 1, hi)
+        chosen |= {lo, max(0, lo - 1)}
+    if end_tokens is not None and estimates.chunk_tokens > 0:  # where one step fewer is left to compute
+        span, chunk = end_tokens - at_tokens, estimates.chunk_tokens
+        for k in range(1, estimates.steps(span)):
+            j = bisect.bisect_left(parts, -(-(span - k * chunk) // unit_tokens))
+            if j <= last:
+                chosen.add(j)
+    return [parts[j] for j in sorted(chosen)]
+
+
 def some_run_pays(
     estimates: CostEstimates,
     tier: str,
@@ -455,17 +490,7 @@ def some_run_pays(
     def bound(k: int) -> float:
         return estimates.headroom_seconds(begin, end_tokens, k * unit_tokens)
 
-    ks = {1, units}
-    if compute(units) > bound(units):  # the smallest k whose computing reaches the bound
-        lo, hi = 1, units
-        while lo < hi:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if compute(mid) > bound(mid) else (mid + 1, hi)
-        ks |= {lo, max(1, lo - 1)}
-    # (the steps saved cancel out of compute(k) - bound(k): the search above stands)
-    if end_tokens is not None and estimates.chunk_tokens > 0:  # where a step fewer is left to compute
-        span, chunk = end_tokens - begin, estimates.chunk_tokens
-        ks |= {k for m in range(1, estimates.steps(span)) if 1 <= (k := -(-(span - m * chunk) // unit_tokens)) <= units}
+    ks = _cuts(range(1, units + 1), compute, bound, estimates, end_tokens, begin, unit_tokens)
     return any(min(compute(k), bound(k)) > load(k) for k in ks)
 
 
@@ -533,8 +558,10 @@ def pages_worth_loading(
         n = sum(sizes)
         load = estimates.load_seconds(tier, n * page_bytes)
         if cut_runs and load is not None and len(sizes) > 1:  # its leading parts (ties: fewer pages)
-            for m in _cuts(list(itertools.accumulate(sizes[:-1])), computing, bound, estimates, end_tokens,
-                           start_tokens + done * page_tokens, page_tokens):  # fmt: skip
+            parts = list(itertools.accumulate(sizes[:-1]))  # (pages)
+            for m in _cuts(
+                parts, computing, bound, estimates, end_tokens, start_tokens + done * page_tokens, page_tokens
+            ):
                 saved = saving(tier, m, estimates.load_seconds(tier, m * page_bytes) or 0.0)
                 if saved > best_saved:
                     best_pages, best_saved = done + m, saved
@@ -555,39 +582,6 @@ def pages_worth_loading(
         loaded += load * (GROUP_LOAD_MARGIN if tier in measure_first else 1.0)
         done += n
     return Decision(best_pages, None if unmeasured and best_pages else best_saved)
-
-
-def _cuts(
-    parts: list[int],
-    computing: Callable[[int], float],
-    bound: Callable[[int], float],
-    estimates: CostEstimates,
-    end_tokens: int | None,
-    at_tokens: int,
-    page_tokens: int,
-) -> list[int]:
-    """Of a run's leading parts (``parts``: its pages after each of its runs but the last, in
-    order), those where the best saving can lie, shortest first: what a part saves is its
-    computing, bounded by ``bound``, less its load; the computing is convex in the part's length
-    between the chunk boundaries (where it leaves a step out and jumps up), the load linear, so
-    the first part, the parts either side of where the computing reaches the bound, and the
-    first part past each chunk boundary decide (as in :func:`some_run_pays`): a few loads
-    weighed, not one a page (a host run of 512 pages, 6 ms of this CPU's interpreter)."""
-    last = len(parts) - 1
-    chosen = {0, last}
-    if computing(parts[last]) > bound(parts[last]):  # the first part whose computing reaches the bound
-        lo, hi = 0, last
-        while lo < hi:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if computing(parts[mid]) > bound(parts[mid]) else (mid + 1, hi)
-        chosen |= {lo, max(0, lo - 1)}
-    if end_tokens is not None and estimates.chunk_tokens > 0:  # where one step fewer is left to compute
-        span, chunk = end_tokens - at_tokens, estimates.chunk_tokens
-        for k in range(1, estimates.steps(span)):
-            j = bisect.bisect_left(parts, -(-(span - k * chunk) // page_tokens))
-            if j <= last:
-                chosen.add(j)
-    return [parts[j] for j in sorted(chosen)]
 
 
 @dataclass(frozen=True)
