@@ -161,6 +161,7 @@ class ModelRunner:
             assert not isinstance(self.fast, LlamaFamilyCPU)
             self.fast.warm_up_decode(self._splits(n) for n in range(1, config.max_num_seqs + 1))
             self.fast.warm_up_prefill()
+            self.fast.warm_up_sdpa(config.chunked_prefill_size)
         log.info(
             "model loaded",
             extra={

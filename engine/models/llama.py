@@ -46,13 +46,62 @@ GEMV_GATE_UP = {"block_n": 8, "block_k": 512, "num_warps": 4}
 GEMV_DOWN = {"block_n": 8, "block_k": 512, "num_warps": 4, "split_k": 2}  # 36.2 us, split 1: 38.2 (2026-12-01)
 GEMV_LM_HEAD = {"block_n": 8, "block_k": 512, "num_warps": 4}
 PREFILL_WARM_ROWS = (1, paged_prefill.SHORT_CHUNK + 1)  # a chunk of each of the prefill kernel's row tiles
+# Whole prompts attend through the library's SDPA, which on Hopper (torch 2.11) takes cuDNN's
+# attention: cuDNN builds an execution plan for every shape it has not met, and the first prompt
+# of each new length paid it (a 544-token prompt of a 7B model on an H100: 58.9 ms against ~14;
+# the "slow turns" of bench/kv_tiers.py's chats, 2026-12-06). A prompt is padded up to one of a
+# few lengths (:func:`sdpa_length`: SDPA_BUCKETS a doubling, at least SDPA_MIN_BUCKET tokens
+# apart), whose plans the runner builds at start (:meth:`LlamaFamily.warm_up_sdpa`).
+SDPA_BUCKETS = 16
+SDPA_MIN_BUCKET = 64
+
+
+def sdpa_length(n: int) -> int:
+    """The length a whole prompt of ``n`` tokens attends at: ``n`` rounded up to a multiple of
+    1/:data:`SDPA_BUCKETS` of the power of two at or above it (at least :data:`SDPA_MIN_BUCKET`),
+    fewer than 64 rows more up to 1,024 tokens, under an eighth more above (24 lengths up to 2,048
+    tokens, 40 up to 8,192)."""
+    if n <= 0:
+        return n
+    step = max(SDPA_MIN_BUCKET, (1 << (n - 1).bit_length()) // SDPA_BUCKETS)
+    return -(-n // step) * step
+
+
+def sdpa_lengths(max_tokens: int) -> list[int]:
+    """Every length :func:`sdpa_length` gives for 1 to ``max_tokens`` tokens, ascending."""
+    lengths = []
+    n = 1
+    while n <= max_tokens:
+        lengths.append(sdpa_length(n))
+        n = lengths[-1] + 1
+    return lengths
+
+
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of one whole prompt over itself, ``q`` ``[n, heads, dim]`` and ``k``,
+    ``v`` ``[n, kv_heads, dim]``, through the library's SDPA: ``[1, heads, n, dim]`` (a view of
+    ``[length, heads, dim]`` memory). The rows are copied into fresh buffers of
+    :func:`sdpa_length` rows, the rest zeros, so that the library meets few shapes, all laid out
+    alike; a query attends only to the keys at or before it, so the rows past ``n`` change
+    nothing of the first ``n``."""
+    n = q.shape[0]
+    length = sdpa_length(n)
+
+    def padded(x: torch.Tensor) -> torch.Tensor:
+        out = x.new_empty((length, *x.shape[1:]))
+        out[:n] = x
+        out[n:].zero_()  # finite: a masked score must not be NaN where the mask is added
+        return out.transpose(0, 1)[None]
+
+    out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), is_causal=True, scale=scale, enable_gqa=True)
+    return out[:, :, :n]
 
 
 class LlamaFamily(FusedDecoder):
     """Forward pass over a :class:`StepBatch`; the KV pool is written and read in place.
 
-    ``sdpa_prefill``: whole prompts (no cached prefix) attend with the library's flash
-    attention over their own q, k, v; otherwise with the paged prefill kernel.
+    ``sdpa_prefill``: whole prompts (no cached prefix) attend with the library's SDPA over
+    their own q, k, v (:func:`causal_sdpa`); otherwise with the paged prefill kernel.
     ``use_gemv``: a step of one token multiplies with the GEMV kernels. ``fused_merge``:
     decode attention merges its context splits itself (measured slower on an H200: off).
     ``l2_prefetch``: in a one-token step on a GPU, the o projection's weights are read into
@@ -133,6 +182,19 @@ class LlamaFamily(FusedDecoder):
                         rope=rotary,
                         kv_scales=self.kv_scales,
                     )
+
+    @torch.inference_mode()
+    def warm_up_sdpa(self, max_tokens: int) -> None:
+        """Whole prompts' attention once at each length :func:`causal_sdpa` pads to, up to
+        ``max_tokens`` (a step's token budget): the library's per-shape set-up (cuDNN's
+        execution plans, ~45 ms each on an H100) is paid here, not by a request's first token."""
+        if not self.sdpa_prefill:
+            return
+        dtype, device = self.embed.dtype, self.embed.device
+        for length in sdpa_lengths(max_tokens):
+            q = torch.zeros((length, self.num_q, self.head_dim), dtype=dtype, device=device)
+            kv = torch.zeros((length, self.num_kv, self.head_dim), dtype=dtype, device=device)
+            causal_sdpa(q, kv, kv, self.scale)
 
     @torch.inference_mode()
     def warm_up_prefill(self) -> None:
@@ -280,7 +342,7 @@ class LlamaFamily(FusedDecoder):
             )
         if chunks is None:
             return out
-        if sdpa:  # each chunk is a whole prompt: the library's flash attention on its own q, k, v
+        if sdpa:  # each chunk is a whole prompt: the library's attention on its own q, k, v
             for start, n in chunks.spans:
                 sl = slice(start, start + n)
                 out[sl] = self._sdpa(q, qkv, sl)[0].transpose(0, 1)
@@ -309,14 +371,7 @@ class LlamaFamily(FusedDecoder):
         else:
             k = qkv[rows, nq * dim : (nq + nkv) * dim].view(-1, nkv, dim)
             v = qkv[rows, (nq + nkv) * dim :].view(-1, nkv, dim)
-        return F.scaled_dot_product_attention(
-            q[rows].transpose(0, 1)[None],
-            k.transpose(0, 1)[None],
-            v.transpose(0, 1)[None],
-            is_causal=True,
-            scale=self.scale,
-            enable_gqa=True,
-        )
+        return causal_sdpa(q[rows], k, v, self.scale)
 
 
 def _tensor(w: Weight) -> torch.Tensor:

@@ -114,6 +114,77 @@ def test_prefill_warm_up_runs_each_row_tile_and_leaves_the_pool_alone(monkeypatc
     assert run(engine, prompts, NEW) == first
 
 
+def test_whole_prompts_attend_at_few_lengths_and_the_padding_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole prompt's attention (the GPU's ``sdpa_prefill``) runs at :func:`sdpa_length`'s
+    lengths only (the library builds a plan per shape it meets: cuDNN's took ~45 ms a new
+    length on an H100), and the rows it pads with change none of the prompt's: equal to the
+    unpadded attention for prompts at, below and above a length, queries grouped over keys."""
+    import torch.nn.functional as F
+
+    from pdserve.engine.models import llama as fast
+
+    lengths = fast.sdpa_lengths(2048)
+    assert len(lengths) == 24 and lengths == sorted({fast.sdpa_length(n) for n in range(1, 2049)})
+    for n in range(1, 9000):
+        length = fast.sdpa_length(n)
+        assert n <= length < n + (64 if n <= 1024 else n / 8) and fast.sdpa_length(length) == length
+    met: list[int] = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        met.append(q.shape[2])
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    gen = torch.Generator().manual_seed(3)
+    num_q, num_kv, dim = 4, 2, 16
+    for n in (1, 5, 64, 65, 130, 513):
+        qkv = torch.randn(n, (num_q + 2 * num_kv) * dim + 8, generator=gen)  # a step's rows, wider than q, k, v
+        q = qkv[:, : num_q * dim].view(n, num_q, dim)
+        k = qkv[:, num_q * dim : (num_q + num_kv) * dim].view(n, num_kv, dim)
+        v = qkv[:, (num_q + num_kv) * dim : (num_q + 2 * num_kv) * dim].view(n, num_kv, dim)
+        got = fast.causal_sdpa(q, k, v, 0.25)
+        want = real(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            is_causal=True, scale=0.25, enable_gqa=True,
+        )  # fmt: skip
+        assert got.shape == (1, num_q, n, dim)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert met == [64, 64, 64, 128, 192, 576]
+
+
+def test_the_whole_prompt_warm_up_meets_each_length_once_and_leaves_the_pool_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch.nn.functional as F
+
+    from pdserve.engine.models import llama as fast
+
+    quiet_transformers()
+    model = small_model("qwen2")
+    config = EngineConfig(device=str(DEVICE), max_total_tokens=256, model_impl="pdserve", cuda_graph_max_batch=0)
+    runner = ModelRunner(ModelSpec(Path("w")), config, model=model)
+    assert runner.fast is not None
+    engine = Engine(runner, config)
+    prompts = [[5, 9, 11, 200, 7]]
+    first = run(engine, prompts, NEW)
+    pool = runner.pool.tensor.clone()
+    met: list[int] = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        met.append(q.shape[2])
+        out = real(q, *args, **kwargs)
+        assert torch.isfinite(out).all()
+        return out
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    runner.fast.warm_up_sdpa(300)
+    assert met == fast.sdpa_lengths(300) == [64, 128, 192, 256, 320]
+    assert torch.equal(runner.pool.tensor, pool)
+    assert run(engine, prompts, NEW) == first
+
+
 def test_auto_keeps_transformers_for_unknown_architectures_and_pdserve_refuses_them() -> None:
     from transformers import GPT2Config
 
