@@ -460,10 +460,11 @@ def some_run_pays(
     first: int,
     units: int,
     end_tokens: int | None = None,
+    shortest: int = 1,
 ) -> bool:
-    """Whether loading some leading run of ``units`` units (pages, or groups of pages) from
-    ``tier``, the run beginning at unit ``first`` of a prompt of ``end_tokens`` tokens, is
-    measured cheaper than computing it: a load takes a prefix in order, and a unit costs more to
+    """Whether loading some leading run of ``units`` units (pages, or groups of pages), at least
+    ``shortest`` long, from ``tier``, the run beginning at unit ``first`` of a prompt of
+    ``end_tokens`` tokens, is measured cheaper than computing it: a load takes a prefix in order, and a unit costs more to
     compute the later it stands (it attends to all before it), so a run that pays only past its
     first units pays only if long enough. Computing the run's first ``k`` units costs an amount
     convex in ``k``, 0 at ``k = 0``, of which at most the step's time above its floor is saved
@@ -474,7 +475,8 @@ def some_run_pays(
     it leaves out (:meth:`CostEstimates.steps_seconds`, a step up at each ``k`` that leaves one
     step fewer to compute), so those ``k`` decide too. True while the tier or the prefill is
     unmeasured (there is no telling)."""
-    if units < 1:
+    shortest = max(1, shortest)
+    if units < shortest:
         return False
     if estimates.load_seconds(tier, unit_bytes) is None or estimates.recompute_seconds(unit_tokens) is None:
         return True
@@ -490,7 +492,7 @@ def some_run_pays(
     def bound(k: int) -> float:
         return estimates.headroom_seconds(begin, end_tokens, k * unit_tokens)
 
-    ks = _cuts(range(1, units + 1), compute, bound, estimates, end_tokens, begin, unit_tokens)
+    ks = _cuts(range(shortest, units + 1), compute, bound, estimates, end_tokens, begin, unit_tokens)
     return any(min(compute(k), bound(k)) > load(k) for k in ks)
 
 

@@ -228,7 +228,7 @@ class KVTiers(WriteThrough, ReadAhead):
         held: dict[str, set[bytes]] = {}
         for t in self.groups:
             recheck = False
-            if keys and not read_ahead and self._cannot_pay(t.name, first, end, len(hashes)):
+            if keys and not read_ahead and self._cannot_pay(t.name, first, end, len(hashes), hashes):
                 self._skips[t.name] = self._skips.get(t.name, 0) + 1
                 recheck = self._skips[t.name] % RECHECK_EVERY == 0
                 if not recheck:
@@ -265,7 +265,7 @@ class KVTiers(WriteThrough, ReadAhead):
         self._timed("lookup", began)
         return Plan(hashes, start, steps)
 
-    def _cannot_pay(self, name: str, first: int, end: int, prompt_pages: int) -> bool:
+    def _cannot_pay(self, name: str, first: int, end: int, prompt_pages: int, hashes: Sequence[bytes] = ()) -> bool:
         """Whether no run of group tier ``name``'s pages that begins at page ``first`` (the
         first one a load could take from it) and ends by page ``end`` is measured worth
         loading: a load takes a prefix's pages in order, so a run that pays only past its first
@@ -279,13 +279,37 @@ class KVTiers(WriteThrough, ReadAhead):
         slower tier's pages can still load beside the computing), nor while the tier or the
         prefill is unmeasured. The
         prompt's ``prompt_pages`` full pages bound what computing fewer of them saves (a step's
-        floor)."""
+        floor). Unless the decision may cut a run (``cut_runs``), it takes the run a lookup finds
+        whole or not at all, and that run is at least as long as what this worker knows the tier
+        holds of ``hashes`` (written there, or found there before: :meth:`_held_pages`): only runs
+        that long are weighed (a 7B model's 512-token chat on an H100 asked its store at every
+        turn, where one group would have paid and the decision, taking the context whole,
+        declined it: 1.05x no tier, 2026-12-06)."""
         if self.config.load == "always" or self.config.overlap or first >= end:
             return False
         page_tokens = self.pool.layout.page_size
+        shortest = 1 if self.config.cut_runs else self._held_pages(name, hashes, first, end)
         return not some_run_pays(
-            self.estimates, name, self.pool.page_bytes, page_tokens, first, end - first, prompt_pages * page_tokens
+            self.estimates,
+            name,
+            self.pool.page_bytes,
+            page_tokens,
+            first,
+            end - first,
+            prompt_pages * page_tokens,
+            shortest,
         )
+
+    def _held_pages(self, name: str, hashes: Sequence[bytes], first: int, end: int) -> int:
+        """How many pages from ``first`` on (up to ``end``) group tier ``name`` is known to hold
+        in one run: its groups this worker wrote there or found there (the writer's record)."""
+        g = self.group_pages
+        held = first
+        group_end = (first // g + 1) * g
+        while held < end and group_end <= len(hashes) and name in self._written.get(hashes[group_end - 1], ()):
+            held = min(group_end, end)
+            group_end += g
+        return held - first
 
     def worth_loading(self, plan: Plan, overlap: bool = False) -> Loads:
         """What to do with ``plan``: the leading pages whose loading beats computing them

@@ -463,6 +463,32 @@ def over_a_slow_disk(tiny_model_dir: Path, tmp_path: Path) -> tuple[Engine, KVTi
     return engine, tiers, page_hashes(prompt, 16, None)
 
 
+def test_a_tier_known_to_hold_a_run_too_long_to_pay_whole_is_not_asked(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Without ``cut_runs`` the decision takes a tier's run whole or not at all, and the run a
+    lookup finds is at least what this worker knows the tier holds (written there, or found
+    there by a lookup): once a lookup found the prompt's 12 pages, where one group would pay
+    but the whole run cannot (a page 16 us to compute, 12.5 to load as weighed; the step's
+    floor leaves 70 us to save), the tier is not asked again; with ``cut_runs`` it is."""
+    engine, tiers, hashes = over_a_slow_disk(tiny_model_dir, tmp_path)
+    disk = tiers.stats.tiers["disk"]
+    tiers.estimates.bytes_per_s["disk"] = tiers.pool.page_bytes / 10e-6
+    tiers.estimates.call_seconds.clear()
+    tiers.estimates._floor = 130e-6  # of the 200-token step's 200 us, 70 above the floor
+    assert tiers._held_pages("disk", hashes, 0, 12) == 0  # a restarted worker: nothing known
+    assert not tiers._cannot_pay("disk", 0, 12, 12, hashes)  # a run of one group would pay
+    plan = tiers.find(hashes, 0, len(hashes))
+    assert plan.num_pages == 12 and disk.skipped_lookups == 0  # asked: found whole
+    assert tiers.worth_loading(plan).now.num_pages == 0  # the whole run: 192 us of computing, 70 saved, 150 to load
+    assert tiers._held_pages("disk", hashes, 0, 12) == 12 and tiers._held_pages("disk", hashes, 5, 12) == 7
+    tiers.estimates.call_seconds.clear()  # (the lookup's round trip, timed, aside)
+    assert tiers._cannot_pay("disk", 0, 12, 12, hashes)
+    assert tiers.find(hashes, 0, len(hashes)).num_pages == 0 and disk.skipped_lookups == 1
+    tiers.config = dataclasses.replace(tiers.config, cut_runs=True)  # a cut may take the first group: asked
+    assert not tiers._cannot_pay("disk", 0, 12, 12, hashes)
+    assert tiers.find(hashes, 0, len(hashes)).num_pages == 12 and disk.skipped_lookups == 1
+    engine.close()
+
+
 def test_a_tier_no_run_of_which_could_pay_is_not_asked(tiny_model_dir: Path, tmp_path: Path) -> None:
     """A group tier from which no run of the prompt's pages that begins where a load would
     begin is measured worth loading (slower than computing even its dearest page, or only its
