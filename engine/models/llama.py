@@ -47,11 +47,12 @@ GEMV_DOWN = {"block_n": 8, "block_k": 512, "num_warps": 4, "split_k": 2}  # 36.2
 GEMV_LM_HEAD = {"block_n": 8, "block_k": 512, "num_warps": 4}
 PREFILL_WARM_ROWS = (1, paged_prefill.SHORT_CHUNK + 1)  # a chunk of each of the prefill kernel's row tiles
 # Whole prompts attend through the library's SDPA, which on Hopper (torch 2.11) takes cuDNN's
-# attention: cuDNN builds an execution plan for every shape it has not met, and the first prompt
-# of each new length paid it (a 544-token prompt of a 7B model on an H100: 58.9 ms against ~14;
-# the "slow turns" of bench/kv_tiers.py's chats, 2026-12-06). A prompt is padded up to one of a
-# few lengths (:func:`sdpa_length`: SDPA_BUCKETS a doubling, at least SDPA_MIN_BUCKET tokens
-# apart), whose plans the runner builds at start (:meth:`LlamaFamily.warm_up_sdpa`).
+# attention (4,096 tokens of a 7B model on an H100: 58.5 ms, as cuDNN's 57.6; flash 64.8): cuDNN
+# builds a graph for every shape it meets first, cached per thread, so every new prompt length
+# built one on a request's path (the suspect, not timed alone, of a fresh process's first
+# 544-token prompt taking 58.9 ms against ~14 on an H100, 2026-12-06). A prompt is padded up to
+# one of a few lengths (:func:`sdpa_length`: SDPA_BUCKETS a doubling, at least SDPA_MIN_BUCKET
+# tokens apart), each met once at start (:meth:`LlamaFamily.warm_up_sdpa`).
 SDPA_BUCKETS = 16
 SDPA_MIN_BUCKET = 64
 
@@ -186,8 +187,9 @@ class LlamaFamily(FusedDecoder):
     @torch.inference_mode()
     def warm_up_sdpa(self, max_tokens: int) -> None:
         """Whole prompts' attention once at each length :func:`causal_sdpa` pads to, up to
-        ``max_tokens`` (a step's token budget): the library's per-shape set-up (cuDNN's
-        execution plans, ~45 ms each on an H100) is paid here, not by a request's first token."""
+        ``max_tokens`` (a step's token budget), in the thread that will run the steps (a
+        worker's engine thread builds the runner): the library's set-up for a shape (cuDNN's
+        graph, cached per thread) is made here, not on a request's path."""
         if not self.sdpa_prefill:
             return
         dtype, device = self.embed.dtype, self.embed.device

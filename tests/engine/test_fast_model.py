@@ -116,8 +116,8 @@ def test_prefill_warm_up_runs_each_row_tile_and_leaves_the_pool_alone(monkeypatc
 
 def test_whole_prompts_attend_at_few_lengths_and_the_padding_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     """A whole prompt's attention (the GPU's ``sdpa_prefill``) runs at :func:`sdpa_length`'s
-    lengths only (the library builds a plan per shape it meets: cuDNN's took ~45 ms a new
-    length on an H100), and the rows it pads with change none of the prompt's: equal to the
+    lengths only (cuDNN's attention builds a graph for each shape it meets first), and the
+    rows it pads with change none of the prompt's: equal to the
     unpadded attention for prompts at, below and above a length, queries grouped over keys."""
     import torch.nn.functional as F
 
