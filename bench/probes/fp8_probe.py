@@ -10,8 +10,8 @@ and each row count, times (microseconds a call; ``tb_s``: weight bytes over that
   (:func:`fp8.quantize_rows` + :func:`fp8.matmul` at :func:`fp8.matmul_tiles`), what
   :func:`fp8.linear` runs between its thresholds; ``batched_mm``: the kernel alone, at the
   table's tiles and a few others (wider or narrower channel tiles, Hopper's fast FP8
-  accumulation; its weight and activation tiles read by TMA, ``tma``, with the K loop
-  warp-specialized or not, ``tma_ws`` and ``ws``) to correct the table; ``batched_a16``: the same kernel on the bf16
+  accumulation; its weight and activation tiles read by TMA, ``tma``) to correct the table;
+  ``batched_a16``: the same kernel on the bf16
   activations as they are (W8A16, down reading SiLU·up on the fly; ``batched_a16_sep``:
   ``silu_mul`` first); up to 256 rows;
 - ``tileq``: the batched kernel quantizing each K tile of the bf16 activations in registers
@@ -55,8 +55,6 @@ MM_ALTS: list[tuple[str, dict[str, Any]]] = [
     ("n64", {"block_n": 64}),
     ("n256", {"block_n": 256, "block_k": 128, "num_warps": 8, "num_stages": 3}),
     ("tma", {"tma": True}),
-    ("tma_ws", {"tma": True, "warp_specialize": True}),
-    ("ws", {"warp_specialize": True}),
 ]
 # the FP8 GEMV's tiles tried at one row: (block_n, block_k, split_k, num_warps)
 GEMV_SWEEP = [(bn, bk, sk, 4, 3) for bn in (8, 16, 32) for bk in (1024, 2048) for sk in (1, 2, 4) if bn * bk <= 32768]

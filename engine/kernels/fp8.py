@@ -62,9 +62,9 @@ MATMUL_RULE = "one-wave"
 GEMV_SILU_FUSED = True
 # Whether the batched W8A8 kernel reads its weight and activation tiles through Hopper's tensor
 # memory accelerator (TMA: one bulk copy a tile, no per-thread addresses or masks) rather than
-# per-thread loads: off until measured (bench/probes/fp8_probe.py's ``tma`` alternatives,
-# bench/gpu_engine.py --fp8-mm-tma). ``warp_specialize`` (a tile setting): its K loop split
-# between warps that load and warps that multiply (Triton's automatic warp specialization).
+# per-thread loads: off, measured no faster (an H100 at 64 rows, 2026-12-06: the four products
+# within 3% either way, the engine +0.7%, docs/data/fp8_mm_tma_h100.json; Triton's warp
+# specialization of the K loop slower with it and not compiled without it).
 MATMUL_TMA = False
 _SMS = 132
 HOPPER_SHARED_MEMORY = 232448
@@ -142,7 +142,6 @@ def _matmul_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     TMA: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
 ):
     # axis 0: row blocks, so that the programs sharing a tile of weights run side by side
     pid_m = tl.program_id(0)
@@ -160,7 +159,7 @@ def _matmul_kernel(
         k_start = tl.program_id(2) * per_split
         k_end = tl.minimum(k_start + per_split, K)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # out.T: channels by rows
-    for k0 in tl.range(k_start, k_end, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
+    for k0 in tl.range(k_start, k_end, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         if TMA:  # whole tiles, zeros past the tensors' ends (a split's range is whole K tiles)
             w = w_desc.load([pid_n * BLOCK_N, k0])
@@ -317,7 +316,6 @@ def matmul(
     precise: bool = True,
     tile_quant: bool = False,
     tma: bool = False,
-    warp_specialize: bool = False,
 ) -> torch.Tensor:
     """``x @ (w.q * w.scale[:, None]).T (+ bias)`` for a few to a few hundred rows, one program
     per tile of ``block_n`` output channels and ``block_m`` rows (``x``'s tile loaded once per
@@ -336,7 +334,7 @@ def matmul(
     dtype in registers.
     ``out_dtype``: by default ``x``'s (bf16 for FP8 ``x``). ``tma`` (W8A8 only): the tiles of
     ``w`` and ``x`` read by the tensor memory accelerator (:data:`MATMUL_TMA`); both need rows
-    16-byte aligned. ``warp_specialize``: the K loop's loads and products on separate warps."""
+    16-byte aligned."""
     m = x.shape[0]
     k = w.shape[1]
     fp8_x = x_scale is not None
@@ -357,7 +355,8 @@ def matmul(
                 raise ValueError(f"TMA needs {name}'s rows 16-byte aligned: stride {t.stride(0)}, at {t.data_ptr():#x}")
     tiles = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "split_k": split_k}
     tiles |= {"num_warps": num_warps, "num_stages": num_stages}
-    tiles |= {name: True for name, on in (("tma", tma), ("warp_specialize", warp_specialize)) if on}
+    if tma:
+        tiles["tma"] = True
     return _launch(x, x_scale, w.q, w.scale, bias, out_dtype, silu_mul_input, tiles, precise, tile_quant)
 
 
@@ -419,7 +418,6 @@ def _launch(
         BLOCK_K=t["block_k"],
         SPLIT_K=t["split_k"],
         TMA=bool(t.get("tma")),
-        WARP_SPECIALIZE=bool(t.get("warp_specialize")),
         num_warps=t["num_warps"],
         num_stages=t["num_stages"],
     )
