@@ -81,20 +81,35 @@ def sdpa_lengths(max_tokens: int) -> list[int]:
 def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of one whole prompt over itself, ``q`` ``[n, heads, dim]`` and ``k``,
     ``v`` ``[n, kv_heads, dim]``, through the library's SDPA: ``[1, heads, n, dim]`` (a view of
-    ``[length, heads, dim]`` memory). The rows are copied into fresh buffers of
-    :func:`sdpa_length` rows, the rest zeros, so that the library meets few shapes, all laid out
-    alike; a query attends only to the keys at or before it, so the rows past ``n`` change
+    ``[length, heads, dim]``-strided memory). The library meets :func:`sdpa_length` rows, always
+    laid out as a step's qkv rows (q's heads, then k's, then v's): a prompt of that length whose
+    q, k, v are such rows already is read in place; any other is copied into such rows, the
+    rest zeros. A query attends only to the keys at or before it, so the rows past ``n`` change
     nothing of the first ``n``."""
-    n = q.shape[0]
+    n, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    width = (heads + 2 * kv_heads) * dim
     length = sdpa_length(n)
-
-    def padded(x: torch.Tensor) -> torch.Tensor:
-        out = x.new_empty((length, *x.shape[1:]))
-        out[:n] = x
-        out[n:].zero_()  # finite: a masked score must not be NaN where the mask is added
-        return out.transpose(0, 1)[None]
-
-    out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), is_causal=True, scale=scale, enable_gqa=True)
+    rows_of_one = all(t.stride() == (width, dim, 1) for t in (q, k, v))
+    size = dim * q.element_size()
+    adjacent = k.data_ptr() == q.data_ptr() + heads * size and v.data_ptr() == k.data_ptr() + kv_heads * size
+    if length != n or not rows_of_one or not adjacent:
+        rows = q.new_empty((length, width))
+        rows[:n, : heads * dim] = q.reshape(n, -1)
+        rows[:n, heads * dim : (heads + kv_heads) * dim] = k.reshape(n, -1)
+        rows[:n, (heads + kv_heads) * dim :] = v.reshape(n, -1)
+        rows[n:].zero_()  # finite: a masked score must not be NaN where the mask is added
+        q = rows[:, : heads * dim].view(length, heads, dim)
+        k = rows[:, heads * dim : (heads + kv_heads) * dim].view(length, kv_heads, dim)
+        v = rows[:, (heads + kv_heads) * dim :].view(length, kv_heads, dim)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        is_causal=True,
+        scale=scale,
+        enable_gqa=True,
+    )
     return out[:, :, :n]
 
 
@@ -192,11 +207,12 @@ class LlamaFamily(FusedDecoder):
         graph, cached per thread) is made here, not on a request's path."""
         if not self.sdpa_prefill:
             return
-        dtype, device = self.embed.dtype, self.embed.device
+        nq, nkv, dim = self.num_q, self.num_kv, self.head_dim
         for length in sdpa_lengths(max_tokens):
-            q = torch.zeros((length, self.num_q, self.head_dim), dtype=dtype, device=device)
-            kv = torch.zeros((length, self.num_kv, self.head_dim), dtype=dtype, device=device)
-            causal_sdpa(q, kv, kv, self.scale)
+            rows = torch.zeros((length, (nq + 2 * nkv) * dim), dtype=self.embed.dtype, device=self.embed.device)
+            q = rows[:, : nq * dim].view(length, nq, dim)
+            k = rows[:, nq * dim : (nq + nkv) * dim].view(length, nkv, dim)
+            causal_sdpa(q, k, rows[:, (nq + nkv) * dim :].view(length, nkv, dim), self.scale)
 
     @torch.inference_mode()
     def warm_up_prefill(self) -> None:

@@ -128,18 +128,20 @@ def test_whole_prompts_attend_at_few_lengths_and_the_padding_changes_nothing(mon
     for n in range(1, 9000):
         length = fast.sdpa_length(n)
         assert n <= length < n + (64 if n <= 1024 else n / 8) and fast.sdpa_length(length) == length
-    met: list[int] = []
+    met: list[tuple[int, int]] = []
     real = F.scaled_dot_product_attention
 
     def spy(q: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        met.append(q.shape[2])
+        met.append((q.shape[2], q.data_ptr()))
         return real(q, *args, **kwargs)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     gen = torch.Generator().manual_seed(3)
     num_q, num_kv, dim = 4, 2, 16
-    for n in (1, 5, 64, 65, 130, 513):
-        qkv = torch.randn(n, (num_q + 2 * num_kv) * dim + 8, generator=gen)  # a step's rows, wider than q, k, v
+    rows_at = []
+    for n, extra in ((1, 0), (5, 0), (64, 0), (64, 8), (65, 0), (130, 8), (513, 0)):
+        qkv = torch.randn(n, (num_q + 2 * num_kv) * dim + extra, generator=gen)  # a step's rows (or wider)
+        rows_at.append(qkv.data_ptr())
         q = qkv[:, : num_q * dim].view(n, num_q, dim)
         k = qkv[:, num_q * dim : (num_q + num_kv) * dim].view(n, num_kv, dim)
         v = qkv[:, (num_q + num_kv) * dim : (num_q + 2 * num_kv) * dim].view(n, num_kv, dim)
@@ -150,7 +152,9 @@ def test_whole_prompts_attend_at_few_lengths_and_the_padding_changes_nothing(mon
         )  # fmt: skip
         assert got.shape == (1, num_q, n, dim)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    assert met == [64, 64, 64, 128, 192, 576]
+    assert [length for length, _ in met] == [64, 64, 64, 64, 128, 192, 576]
+    # read in place only where the prompt is a length's own and its q, k, v a step's rows
+    assert [at == rows for (_, at), rows in zip(met, rows_at, strict=True)] == [False, False, True] + [False] * 4
 
 
 def test_the_whole_prompt_warm_up_meets_each_length_once_and_leaves_the_pool_alone(
