@@ -86,8 +86,15 @@ def test_decode_warm_up_leaves_the_pool_and_the_output_alone() -> None:
     assert run(engine, prompts, NEW) == first
 
 
-def test_prefill_warm_up_runs_each_row_tile_and_leaves_the_pool_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prefill_warm_ups_run_each_row_tile_and_length_and_leave_the_pool_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The paged prefill kernel once per row tile; a whole prompt's attention once per length
+    it is padded to (:func:`sdpa_lengths`); neither touches the pool or what is served after."""
+    import torch.nn.functional as F
+
     from pdserve.engine.kernels import paged_prefill
+    from pdserve.engine.models import llama as fast
 
     quiet_transformers()
     model = small_model("qwen2")
@@ -110,6 +117,18 @@ def test_prefill_warm_up_runs_each_row_tile_and_leaves_the_pool_alone(monkeypatc
     monkeypatch.setattr(paged_prefill, "prefill_attention", spy)
     runner.fast.warm_up_prefill()
     assert sorted(seen) == [1, paged_prefill.SHORT_CHUNK + 1]  # both row tiles of the kernel
+    met: list[int] = []
+    library = F.scaled_dot_product_attention
+
+    def sdpa(q: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        met.append(q.shape[2])
+        out = library(q, *args, **kwargs)
+        assert torch.isfinite(out).all()
+        return out
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+    runner.fast.warm_up_sdpa(300)
+    assert met == fast.sdpa_lengths(300) == [64, 128, 192, 256, 320]
     assert torch.equal(runner.pool.tensor, pool)
     assert run(engine, prompts, NEW) == first
 
@@ -155,38 +174,6 @@ def test_whole_prompts_attend_at_few_lengths_and_the_padding_changes_nothing(mon
     assert [length for length, _ in met] == [64, 64, 64, 64, 128, 192, 576]
     # read in place only where the prompt is a length's own and its q, k, v a step's rows
     assert [at == rows for (_, at), rows in zip(met, rows_at, strict=True)] == [False, False, True] + [False] * 4
-
-
-def test_the_whole_prompt_warm_up_meets_each_length_once_and_leaves_the_pool_alone(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    import torch.nn.functional as F
-
-    from pdserve.engine.models import llama as fast
-
-    quiet_transformers()
-    model = small_model("qwen2")
-    config = EngineConfig(device=str(DEVICE), max_total_tokens=256, model_impl="pdserve", cuda_graph_max_batch=0)
-    runner = ModelRunner(ModelSpec(Path("w")), config, model=model)
-    assert runner.fast is not None
-    engine = Engine(runner, config)
-    prompts = [[5, 9, 11, 200, 7]]
-    first = run(engine, prompts, NEW)
-    pool = runner.pool.tensor.clone()
-    met: list[int] = []
-    real = F.scaled_dot_product_attention
-
-    def spy(q: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        met.append(q.shape[2])
-        out = real(q, *args, **kwargs)
-        assert torch.isfinite(out).all()
-        return out
-
-    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
-    runner.fast.warm_up_sdpa(300)
-    assert met == fast.sdpa_lengths(300) == [64, 128, 192, 256, 320]
-    assert torch.equal(runner.pool.tensor, pool)
-    assert run(engine, prompts, NEW) == first
 
 
 def test_auto_keeps_transformers_for_unknown_architectures_and_pdserve_refuses_them() -> None:
