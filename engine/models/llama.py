@@ -384,11 +384,16 @@ class LlamaFamily(FusedDecoder):
     def _sdpa(self, q: torch.Tensor, qkv: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
         """Causal attention of ``rows`` (one whole prompt) over themselves: ``[1, heads, rows, dim]``."""
         nq, nkv, dim = self.num_q, self.num_kv, self.head_dim
-        if self.kv_scales is not None:  # as the pool holds them (one launch for both)
+        if self.kv_scales is not None:
+            # as the pool holds them (one launch for both), written over the step's own k, v
+            # (which the pool already has: nothing reads them after), so that the prompt's q, k,
+            # v stay one step's rows and attend in place (a copy of q is ~37 MB a layer at 4,096)
             k, v = paged.round_kv_fp8(qkv[rows], nq * dim, nkv, dim, self.pool.shape[4], self.pool)
-        else:
-            k = qkv[rows, nq * dim : (nq + nkv) * dim].view(-1, nkv, dim)
-            v = qkv[rows, (nq + nkv) * dim :].view(-1, nkv, dim)
+            n = k.shape[0]
+            qkv[rows, nq * dim : (nq + nkv) * dim] = k.reshape(n, -1)
+            qkv[rows, (nq + nkv) * dim :] = v.reshape(n, -1)
+        k = qkv[rows, nq * dim : (nq + nkv) * dim].view(-1, nkv, dim)
+        v = qkv[rows, (nq + nkv) * dim :].view(-1, nkv, dim)
         return causal_sdpa(q[rows], k, v, self.scale)
 
 

@@ -106,6 +106,45 @@ def test_fp8_kv_greedy_equals_transformers_over_fp8_rounded_kv(
     assert all(0 <= t < model.config.vocab_size for out in ours for t in out)
 
 
+@pytest.mark.parametrize("n", [40, 64])
+def test_a_whole_prompt_attends_over_its_fp8_rounded_kv_in_the_step_s_rows(
+    n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU's whole-prompt attention over an FP8 pool (``sdpa_prefill``): k and v rounded as
+    the pool holds them are written over the step's own (the pool already has them), so that a
+    prompt at one of :func:`llama.sdpa_length`'s lengths attends in place, its q not copied;
+    equal to the library's attention over the rounded k, v either way."""
+    import torch.nn.functional as F
+
+    from pdserve.engine.kernels import paged
+
+    quiet_transformers()
+    fast = engine_for(shapes.small_model("qwen2", DEVICE), "triton").runner.fast
+    assert isinstance(fast, llama.LlamaFamily) and fast.kv_scales is not None
+    nq, nkv, dim = fast.num_q, fast.num_kv, fast.head_dim
+    gen = torch.Generator().manual_seed(n)
+    qkv = (torch.randn(n, (nq + 2 * nkv) * dim, generator=gen) * 3).to(fast.embed.dtype).to(DEVICE)
+    q = qkv[:, : nq * dim].view(n, nq, dim)
+    k, v = paged.round_kv_fp8(qkv, nq * dim, nkv, dim, fast.pool.shape[4], fast.pool)
+    want = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        is_causal=True, scale=fast.scale, enable_gqa=True,
+    )  # fmt: skip
+    read: list[int] = []
+    library = F.scaled_dot_product_attention
+
+    def spy(query: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        read.append(query.data_ptr())
+        return library(query, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    got = fast._sdpa(q, qkv)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(qkv[:, nq * dim :], torch.cat((k.reshape(n, -1), v.reshape(n, -1)), 1))  # written over
+    in_place = read == [qkv.data_ptr()]
+    assert in_place == (n == llama.sdpa_length(n))  # 64: a length's own; 40: padded into a copy
+
+
 def test_the_pool_holds_more_pages_in_fp8() -> None:
     """The same bytes, more pages: the runner sizes the pool by FP8's bytes per page (values
     and a scale per block), about 4x a float32 pool's."""
