@@ -466,8 +466,9 @@ def some_run_pays(
     ``shortest`` long, from ``tier``, the run beginning at unit ``first`` of a prompt of
     ``end_tokens`` tokens, is measured cheaper than computing it: a load takes a prefix in
     order, and a unit costs more to compute the later it stands (it attends to all before it),
-    so a run that pays only past its first units pays only if long enough. Computing the run's first ``k`` units costs an amount
-    convex in ``k``, 0 at ``k = 0``, of which at most the step's time above its floor is saved
+    so a run that pays only past its first units pays only if long enough. Computing the run's
+    first ``k`` units costs an amount convex in ``k``, 0 at ``k = 0``, of which at most the
+    step's time above its floor is saved
     (:meth:`CostEstimates.headroom_seconds`): the saving less ``k`` loads is convex up to the
     ``k`` whose computing reaches that bound and falls after it, so the run's first unit, the
     units either side of that ``k`` and the whole run decide; in a prompt longer than a step's

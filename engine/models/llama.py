@@ -78,30 +78,23 @@ def sdpa_lengths(max_tokens: int) -> list[int]:
     return lengths
 
 
-def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of one whole prompt over itself, ``q`` ``[n, heads, dim]`` and ``k``,
-    ``v`` ``[n, kv_heads, dim]``, through the library's SDPA: ``[1, heads, n, dim]`` (a view of
-    ``[length, heads, dim]``-strided memory). The library meets :func:`sdpa_length` rows, always
-    laid out as a step's qkv rows (q's heads, then k's, then v's): a prompt of that length whose
-    q, k, v are such rows already is read in place; any other is copied into such rows, the
-    rest zeros. A query attends only to the keys at or before it, so the rows past ``n`` change
-    nothing of the first ``n``."""
-    n, heads, dim = q.shape
-    kv_heads = k.shape[1]
-    width = (heads + 2 * kv_heads) * dim
+def causal_sdpa(rows: torch.Tensor, heads: int, kv_heads: int, dim: int, scale: float) -> torch.Tensor:
+    """Causal attention of one whole prompt over itself, from its step's qkv ``rows`` (``[n,
+    (heads + 2 * kv_heads) * dim]``: q's heads, then k's, then v's), through the library's SDPA:
+    ``[1, heads, n, dim]``. The library meets :func:`sdpa_length` rows, always laid out as a
+    step's: rows of that length with no gap between them are read in place, any others copied
+    into such rows, the rest zeros. A query attends only to the keys at or before it, so the
+    rows past ``n`` change nothing of the first ``n``."""
+    n, width = rows.shape
     length = sdpa_length(n)
-    rows_of_one = all(t.stride() == (width, dim, 1) for t in (q, k, v))
-    size = dim * q.element_size()
-    adjacent = k.data_ptr() == q.data_ptr() + heads * size and v.data_ptr() == k.data_ptr() + kv_heads * size
-    if length != n or not rows_of_one or not adjacent:
-        rows = q.new_empty((length, width))
-        rows[:n, : heads * dim] = q.reshape(n, -1)
-        rows[:n, heads * dim : (heads + kv_heads) * dim] = k.reshape(n, -1)
-        rows[:n, (heads + kv_heads) * dim :] = v.reshape(n, -1)
-        rows[n:].zero_()  # finite: a masked score must not be NaN where the mask is added
-        q = rows[:, : heads * dim].view(length, heads, dim)
-        k = rows[:, heads * dim : (heads + kv_heads) * dim].view(length, kv_heads, dim)
-        v = rows[:, (heads + kv_heads) * dim :].view(length, kv_heads, dim)
+    if length != n or rows.stride() != (width, 1):
+        padded = rows.new_empty((length, width))
+        padded[:n] = rows
+        padded[n:].zero_()  # finite: a masked score must not be NaN where the mask is added
+        rows = padded
+    q = rows[:, : heads * dim].view(length, heads, dim)
+    k = rows[:, heads * dim : (heads + kv_heads) * dim].view(length, kv_heads, dim)
+    v = rows[:, (heads + kv_heads) * dim :].view(length, kv_heads, dim)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None],
         k.transpose(0, 1)[None],
@@ -210,9 +203,7 @@ class LlamaFamily(FusedDecoder):
         nq, nkv, dim = self.num_q, self.num_kv, self.head_dim
         for length in sdpa_lengths(max_tokens):
             rows = torch.zeros((length, (nq + 2 * nkv) * dim), dtype=self.embed.dtype, device=self.embed.device)
-            q = rows[:, : nq * dim].view(length, nq, dim)
-            k = rows[:, nq * dim : (nq + nkv) * dim].view(length, nkv, dim)
-            causal_sdpa(q, k, rows[:, (nq + nkv) * dim :].view(length, nkv, dim), self.scale)
+            causal_sdpa(rows, nq, nkv, dim, self.scale)
 
     @torch.inference_mode()
     def warm_up_prefill(self) -> None:
@@ -335,7 +326,7 @@ class LlamaFamily(FusedDecoder):
         sdpa = self.sdpa_prefill and chunks is not None and chunks.is_fresh and layer.window is None and q.is_cuda
         if sdpa and nd == 0 and len(chunks.spans) == 1:  # type: ignore[union-attr]
             # the library writes [tokens, heads, dim] memory: no copy (was 28 of 29 MB at 4,096 tokens)
-            return self._sdpa(q, qkv)[0].transpose(0, 1).contiguous()
+            return self._sdpa(qkv)[0].transpose(0, 1).contiguous()
         out = torch.empty((q.shape[0], nq, dim), dtype=qkv.dtype, device=qkv.device)
         if nd:
             counters = None
@@ -363,7 +354,7 @@ class LlamaFamily(FusedDecoder):
         if sdpa:  # each chunk is a whole prompt: the library's attention on its own q, k, v
             for start, n in chunks.spans:
                 sl = slice(start, start + n)
-                out[sl] = self._sdpa(q, qkv, sl)[0].transpose(0, 1)
+                out[sl] = self._sdpa(qkv, sl)[0].transpose(0, 1)
             return out
         paged_prefill.prefill_attention(
             q,
@@ -381,20 +372,18 @@ class LlamaFamily(FusedDecoder):
         )
         return out
 
-    def _sdpa(self, q: torch.Tensor, qkv: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
+    def _sdpa(self, qkv: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
         """Causal attention of ``rows`` (one whole prompt) over themselves: ``[1, heads, rows, dim]``."""
         nq, nkv, dim = self.num_q, self.num_kv, self.head_dim
         if self.kv_scales is not None:
             # as the pool holds them (one launch for both), written over the step's own k, v
-            # (which the pool already has: nothing reads them after), so that the prompt's q, k,
-            # v stay one step's rows and attend in place (a copy of q is ~37 MB a layer at 4,096)
+            # (which the pool already has: nothing reads them after), so that the prompt's rows
+            # attend in place (a copy of q is ~37 MB a layer at 4,096 tokens)
             k, v = paged.round_kv_fp8(qkv[rows], nq * dim, nkv, dim, self.pool.shape[4], self.pool)
             n = k.shape[0]
             qkv[rows, nq * dim : (nq + nkv) * dim] = k.reshape(n, -1)
             qkv[rows, (nq + nkv) * dim :] = v.reshape(n, -1)
-        k = qkv[rows, nq * dim : (nq + nkv) * dim].view(-1, nkv, dim)
-        v = qkv[rows, (nq + nkv) * dim :].view(-1, nkv, dim)
-        return causal_sdpa(q[rows], k, v, self.scale)
+        return causal_sdpa(qkv[rows], nq, nkv, dim, self.scale)
 
 
 def _tensor(w: Weight) -> torch.Tensor:

@@ -164,7 +164,7 @@ def test_whole_prompts_attend_at_few_lengths_and_the_padding_changes_nothing(mon
         q = qkv[:, : num_q * dim].view(n, num_q, dim)
         k = qkv[:, num_q * dim : (num_q + num_kv) * dim].view(n, num_kv, dim)
         v = qkv[:, (num_q + num_kv) * dim : (num_q + 2 * num_kv) * dim].view(n, num_kv, dim)
-        got = fast.causal_sdpa(q, k, v, 0.25)
+        got = fast.causal_sdpa(qkv[:, : (num_q + 2 * num_kv) * dim], num_q, num_kv, dim, 0.25)
         want = real(
             q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
             is_causal=True, scale=0.25, enable_gqa=True,

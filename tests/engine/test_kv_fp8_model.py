@@ -138,7 +138,7 @@ def test_a_whole_prompt_attends_over_its_fp8_rounded_kv_in_the_step_s_rows(
         return library(query, *args, **kwargs)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
-    got = fast._sdpa(q, qkv)
+    got = fast._sdpa(qkv)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(qkv[:, nq * dim :], torch.cat((k.reshape(n, -1), v.reshape(n, -1)), 1))  # written over
     in_place = read == [qkv.data_ptr()]
