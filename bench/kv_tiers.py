@@ -10,7 +10,8 @@ turn the device's prefix cache has lost that user's pages: without tiers they ar
 computed again; with a tier they are loaded from it. Each configuration's reading: the mean
 TTFT of the later turns, its ratio to none's, and the median of each later turn against the
 same turn without tiers (``later_turns_vs_none_paired``: an outlier turn or a slow spell of
-the machine weighs on no configuration alone).
+the machine weighs on no configuration alone); ``none_again``, a second engine without tiers,
+reads how far two engines doing the same work differ (the noise under those ratios).
 
 **Restart** (separate processes): a prefill process computes a prompt with the disk tier
 and exits; a new process (a restarted worker) serves the same prompt from the disk
@@ -223,6 +224,8 @@ def tier_counts(engine: Engine) -> dict[str, Any]:
         "prefill_fixed_ms": round(engine.tiers.estimates.prefill_fixed_s * 1e3, 3),
         "prefill_floor_ms": round(engine.tiers.estimates.prefill_floor_s * 1e3, 3),
         "prefill_floor_us_per_token": round(engine.tiers.estimates.prefill_floor_s_per_token * 1e6, 4),
+        # the steps the line was fitted on: (tokens, ms, attention pairs)
+        "prefill_readings": [(t, round(sec * 1e3, 3), p) for t, sec, p in engine.tiers.estimates.prefill_readings],
     }
 
 
@@ -640,6 +643,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, store_master(args, Path(tmp)) as store:
         configs = {
             "none": KVTierConfig(),
+            # a second engine without tiers: how far two engines doing the same work differ
+            # here (the noise under every paired ratio)
+            "none_again": KVTierConfig(),
             "host": KVTierConfig(host_bytes=args.host_bytes, **overlap),
             "disk": KVTierConfig(disk_dir=str(Path(tmp) / "disk-chat"), **overlap),
         }

@@ -252,6 +252,7 @@ class CostEstimates:
         self._floor = prefill_floor_s
         self._floor_per_token = prefill_floor_s_per_token
         self._fixed = prefill_fixed_s
+        self._floor_tokens = 0  # the widest step the floor was measured at (0: none)
         self._unfitted = False  # readings came since the last fit
         self._spread_fit: tuple[float, float, float] | None = None  # the last line of readings that spread
         # a prompt's tokens computed in steps of at most this many (the engine's chunked prefill;
@@ -266,7 +267,19 @@ class CostEstimates:
             # restarted worker loaded a 512-token prefix from its disk at 1.18x computing it)
             readings = steady(tuple(self.prefill_readings))
             # the line through the steps above the floor (those at it say nothing of a token's cost)
-            above = [r for r in readings if r[1] > self.floor_seconds(r[0]) * (1.0 + FLAT)]
+            # and wider than the floor's widest step, in tokens or attention pairs: a step no
+            # larger than that took the floor's time when measured, whatever a noisy spell makes
+            # of it (a 512-token prompt of a 7B model on an H100, chunks of 512 and tails of
+            # 32-104 tokens after them a little above the floor, fitted 10.3 ms + 7.3 us a token
+            # where the probes' 384 tokens took 10 ms; loading 512 of a 576-token turn was then
+            # priced at 3.7 ms, where host memory's saved ~6, and a disk that had read 0.86x no
+            # tier was declined, 2026-12-06)
+            knee, knee_pairs = self._floor_tokens, self._floor_tokens * self._floor_tokens / 2.0
+            above = [
+                r
+                for r in readings
+                if r[1] > self.floor_seconds(r[0]) * (1.0 + FLAT) and (r[0] > knee or r[2] > knee_pairs)
+            ]
             # (steady once: a fit runs on the engine's thread, ~0.2 ms of this CPU's interpreter
             # with steady three times over, two thirds of it)
             line = prefill_line(above, True) if above else (0.0, min(sec / t for t, sec, _ in readings), 0.0)
@@ -322,6 +335,10 @@ class CostEstimates:
         floor = prefill_floor(tuple(self.prefill_readings))
         if floor is not None:
             self._floor, self._floor_per_token = floor
+            # its widest step: where a line above the floor must meet it (_fit)
+            steps = steady(tuple(self.prefill_readings))
+            fastest = min(sec for _, sec, _ in steps)
+            self._floor_tokens = max(t for t, sec, _ in steps if sec <= fastest * (1.0 + FLAT))
             self._spread_fit = None  # a line fitted through steps at the floor goes
             self._unfitted = bool(self.prefill_readings)  # refitted above it
         return floor is not None
@@ -346,6 +363,7 @@ class CostEstimates:
         self._spread_fit = None
         self._unfitted = False
         self._per_token = self._per_pair = self._floor = self._fixed = self._floor_per_token = 0.0
+        self._floor_tokens = 0
 
     def note_prefill(self, tokens: int, seconds: float, pairs: float = 0.0) -> None:
         """A prefill step: ``tokens`` prompt tokens in ``seconds``, its attention ``pairs``

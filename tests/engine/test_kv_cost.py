@@ -626,3 +626,34 @@ def test_a_load_saves_the_fixed_part_of_each_step_it_leaves_out() -> None:
     assert not kv_cost.some_run_pays(cheap, "store", group, 128, 0, 17, 2100)
     cheap.chunk_tokens = 2048
     assert kv_cost.some_run_pays(cheap, "store", group, 128, 0, 17, 2100)
+
+
+def test_a_step_no_larger_than_the_floor_s_widest_is_no_reading_of_the_line() -> None:
+    """On an H100 a 7B model's probes of 96 to 384 tokens took ~9.6-9.9 ms (the floor), a chat's
+    whole turns of 544 to 616 tokens ~15. One short step a little above the floor (a warm-up of
+    50 tokens at 10.9 ms) spread the sizes: the line through it and the turns, 10.5 ms + 8 us a
+    token, priced loading 512 of a 576-token turn at 4.2 ms where host memory saved ~6, and a
+    disk that had read 0.86x no tier was declined (2026-12-06). A step no wider than the floor's
+    widest, in tokens and attention pairs, is the floor's: the turns alone give the line."""
+    e = CostEstimates()
+    for tokens, ms in ((96, 9.6), (192, 9.7), (384, 9.9)):
+        e.note_prefill(tokens, ms / 1e3, tokens * tokens / 2)
+    assert e.measure_floor()
+    turns = ((544, 15.0), (580, 15.2), (616, 15.5))
+    for tokens, ms in ((50, 10.9), *turns):
+        e.note_prefill(tokens, ms / 1e3, tokens * tokens / 2)
+    # the turns' sizes do not spread: their cheapest rate, bounded by the floor (the headroom)
+    assert (e.prefill_fixed_s, e.prefill_s_per_pair) == (0.0, 0.0)
+    assert e.prefill_s_per_token == pytest.approx(min(ms / 1e3 / t for t, ms in turns))
+    page = 28 * 2 * 4 * 128 * 16 * 2  # a 16-token page of Qwen2.5-7B's KV in bf16
+    e.note_load("disk", page * 32, page * 32 / 9.24e9)
+    e.note_load("store", page * 32, page * 32 / 3.3e9)
+    disk = pages_worth_loading([("disk", 32)], page, 16, e, {"disk", "store"}, 0, 576)
+    assert disk.pages == 32
+    expected = e.headroom_seconds(0, 576, 512) - page * 32 / 9.24e9 * kv_cost.GROUP_LOAD_MARGIN
+    assert disk.saved_seconds == pytest.approx(expected)
+    assert pages_worth_loading([("store", 32)], page, 16, e, {"disk", "store"}, 0, 576).pages == 0
+    # a short step after a long context attends to more pairs than the floor's widest: a reading
+    line = (e.prefill_fixed_s, e.prefill_s_per_token, e.prefill_s_per_pair)
+    e.note_prefill(64, 0.0125, 64 * (8000 + 32))
+    assert (e.prefill_fixed_s, e.prefill_s_per_token, e.prefill_s_per_pair) != line
