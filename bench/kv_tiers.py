@@ -211,12 +211,16 @@ def tier_counts(engine: Engine) -> dict[str, Any]:
             "skipped_lookups": c.skipped_lookups,
             "stored_pages": c.stored_pages,
             "corrupt": c.corrupt,
+            "calibrations": c.calibrations,
+            "unwritten_groups": c.unwritten_groups,
         }
         for name, c in s.tiers.items()
     } | {
         "lookup_seconds": round(s.lookup_seconds, 4),
         "load_seconds": round(s.load_seconds, 4),
         "write_errors": s.write_errors,
+        "write_drops": s.write_drops,
+        "snapshot_allocations": s.snapshot_allocations,
         # the load-or-compute rule's inputs as the run left them
         "load_gb_s": {tier: round(rate / 1e9, 3) for tier, rate in engine.tiers.estimates.bytes_per_s.items()},
         "prefill_us_per_token": round(engine.tiers.estimates.prefill_s_per_token * 1e6, 2),
@@ -349,7 +353,7 @@ def serve_one(model: Path, tiers: KVTierConfig, args: argparse.Namespace, seed: 
     for i in range(max(1, args.prompts)):
         prompt = tokens(random.Random(seed if i == 0 else f"{seed}-{i}"), args.prefix + args.message)
         with contextlib.ExitStack() as stack:
-            if args.profile_dir and i == 0:  # the first prompt's host and device timeline
+            if args.profile_dir and i == args.profile_prompt:  # that prompt's host and device timeline
                 from torch.profiler import ProfilerActivity, profile
 
                 acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
@@ -366,7 +370,7 @@ def serve_one(model: Path, tiers: KVTierConfig, args: argparse.Namespace, seed: 
         answers.append(answer)
         if engine.tiers is not None:
             engine.tiers.drain()
-        if args.profile_dir and i == 0:
+        if args.profile_dir and i == args.profile_prompt:
             args.profile_dir.mkdir(parents=True, exist_ok=True)
             named = {"host": tiers.host_bytes, "disk": tiers.disk_dir, "store": tiers.store_master}
             kinds = "+".join(k for k, on in named.items() if on) or "none"
@@ -510,7 +514,11 @@ def in_new_process(args: argparse.Namespace, model: Path, seed: int, tiers: dict
         str(args.num_threads),
         "--prompts",
         str(args.prompts),
-        *(["--profile-dir", str(args.profile_dir)] if args.profile_dir else []),
+        *(
+            ["--profile-dir", str(args.profile_dir), "--profile-prompt", str(args.profile_prompt)]
+            if args.profile_dir
+            else []
+        ),
         *(["--step-times"] if args.step_times else []),
         *([] if args.gc_freeze else ["--no-gc-freeze"]),
         "--sdpa-backend",
@@ -602,6 +610,9 @@ def main() -> None:
     p.add_argument("--json", type=Path)
     p.add_argument(
         "--profile-dir", type=Path, default=None, help="a fresh process's measured prompt traced (torch profiler) here"
+    )
+    p.add_argument(
+        "--profile-prompt", type=int, default=0, help="which of its prompts --profile-dir traces (0: the first)"
     )
     p.add_argument(
         "--step-times",
