@@ -18,7 +18,8 @@
 #                                    # verify: speculative verify steps against plain decode, quant: FP8 row quantization,
 #                                    # attention_fp8: the decode attention over an FP8 pool; attention_tiles: at the
 #                                    # engine's launch settings, bf16 KV, FP8 KV, and FP8 KV read in float16 tiles;
-#                                    # sdpa: a whole prompt's attention the first time its length is met, per backend)
+#                                    # sdpa: a whole prompt's attention the first time its length is met, per backend;
+#                                    # mlp_act: a 7B layer's FP8 MLP with down's input quantized in gate/up's epilogue)
 #   bash bench/gpu.sh two_gpu_pd     # 2 GPUs: the p2p tests, then bench/two_gpu_pd.py (NCCL KV, PD against 2 unified)
 #   bash bench/gpu.sh two_tp         # 2 GPUs: the TP tests, then bench/tensor_parallel.py (TP 1 against TP 2)
 #   bash bench/gpu.sh xpyd           # 4 GPUs: bench/xpyd.py, some systems a call (ARGS="--configs 2P2D,4U"; XPYD_JSON:
@@ -163,7 +164,8 @@ probes)
     quant) timeout -k 10 120 python3 bench/probes/quant_probe.py --out "$out/quant_probe.json" ;;
     rope) timeout -k 10 120 python3 bench/probes/rope_store_probe.py --out "$out/rope_store_probe.json" ;;
     sdpa) timeout -k 10 120 python3 bench/probes/sdpa_shapes_probe.py --out "$out/sdpa_shapes_probe.json" ;;
-    *) echo "unknown probe: $probe (diag, gemv, attention, attention_fp8, attention_tiles, fp32, reading, ipc, verify, quant, rope, sdpa)" ;;
+    mlp_act) timeout -k 10 150 python3 bench/probes/mlp_act_probe.py --out "$out/mlp_act_probe.json" ;;
+    *) echo "unknown probe: $probe (diag, gemv, attention, attention_fp8, attention_tiles, fp32, reading, ipc, verify, quant, rope, sdpa, mlp_act)" ;;
     esac > "$out/probe_$probe.log" 2>&1
     echo "== $probe"; grep -v "^  " "$out/probe_$probe.log" | tail -14
   done
