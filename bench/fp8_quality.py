@@ -23,7 +23,9 @@ prefill does) in five variants, each with exact float8_e4m3fn rounding (``engine
   * ``fp8_both`` (W8A8 and the KV), ``fp8_both_a16`` (W8A16 and the KV);
   * asked for by name: ``fp8_k_only``, ``fp8_v_only`` (the keys alone, the values alone) and
     ``fp8_weights_g128``, ``fp8_both_g128`` (activation scales per 128 columns of a row, as the
-    batched kernel's ``tile`` mode computes them: a lever measured, not the default).
+    batched kernel's ``tile`` mode computes them: a lever measured, not the default), and
+    ``fp8_weights_down_g128``, ``fp8_both_down_g128`` (down's input alone so, as
+    ``fp8_act.FUSED`` computes decode batches).
 
 Per variant: perplexity and its ratio to bf16, mean KL(bf16 || variant) of the next-token
 distributions in nats (and against float32), the max and mean absolute logit error against
@@ -93,6 +95,8 @@ VARIANTS: dict[str, tuple[torch.dtype, str, str]] = {
     "fp8_v_only": (torch.bfloat16, "", "v"),
     "fp8_weights_g128": (torch.bfloat16, "group", ""),
     "fp8_both_g128": (torch.bfloat16, "group", "kv"),
+    "fp8_weights_down_g128": (torch.bfloat16, "down_group", ""),
+    "fp8_both_down_g128": (torch.bfloat16, "down_group", "kv"),
 }
 DEFAULT_VARIANTS = ["float32", "bf16", "fp8_weights", "fp8_weights_a16", "fp8_kv", "fp8_both", "fp8_both_a16"]
 REFERENCE = "bf16"
@@ -152,13 +156,16 @@ def quantize_weights(model: torch.nn.Module, keep: Sequence[str] = (), activatio
             continue
         parent, _, attr = name.rpartition(".")
         owner = layers.get_submodule(parent)
-        setattr(owner, attr, Fp8Linear(getattr(owner, attr), activations))
+        mode = activations
+        if activations == "down_group":  # down's input by blocks (fp8_act.FUSED), the others per row
+            mode = "group" if attr == "down_proj" else "token"
+        setattr(owner, attr, Fp8Linear(getattr(owner, attr), mode))
         count += 1
     if QUANTIZE_LM_HEAD:
         head = model.get_output_embeddings()
         untied = torch.nn.Linear(head.in_features, head.out_features, bias=False)
         untied.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
-        model.lm_head = Fp8Linear(untied, activations)
+        model.lm_head = Fp8Linear(untied, "token" if activations == "down_group" else activations)
         count += 1
     return count
 
@@ -469,6 +476,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "token": "W8A8: each row rounded to float8_e4m3fn with its own scale, as prefill and batched decode compute",
             "none": "W8A16: bf16 activations, as the batch-1 GEMV computes (variants ending _a16)",
             "group": f"W8A8 with a scale per {GROUP} columns of a row (variants ending _g128)",
+            "down_group": f"W8A8, down's input with a scale per {GROUP} columns of a row (as fp8_act.FUSED "
+            "computes decode batches), the others per row (variants ending _down_g128)",
         },
         "kv_scheme": (
             f"float8_e4m3fn, one power-of-two float32 scale per {page_size}-token page per KV head (amax / 448 "
