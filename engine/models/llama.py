@@ -271,29 +271,29 @@ class LlamaFamily(FusedDecoder):
                 self.tp.all_reduce(h)
             if self._fused_act(layer, rows):  # down's input quantized in gate/up's epilogue
                 h, residual = self._mlp_fused_act(h, residual, layer, rows)
-                if self.tp is not None:
-                    self.tp.all_reduce(h)
-                continue
-            if isinstance(layer.gate_up_weight, Fp8Weight):
-                gate_up, residual = self._norm_fp8(
-                    h, residual, layer.post_norm, layer.gate_up_weight, layer.gate_up_bias
-                )
             else:
-                x, residual = elementwise.add_rms_norm(h, residual, layer.post_norm, self.eps, pdl)
-                gate_up = self._linear(x, layer.gate_up_weight, layer.gate_up_bias, GEMV_GATE_UP, pdl)
-            down = layer.down_weight
-            if isinstance(down, Fp8Weight):
-                h = self._fp8(gate_up, down, layer.down_bias, silu_mul_input=True)
-            elif rows == 1 and self.use_gemv:
-                h = gemv.gemv(
-                    gate_up, down, layer.down_bias, silu_mul_input=True, pdl=pdl, **gemv.model_tiles(GEMV_DOWN)
-                )
-            else:
-                h = F.linear(elementwise.silu_mul(gate_up), down, layer.down_bias)
+                h, residual = self._mlp(h, residual, layer, rows, pdl)
             if self.tp is not None:
                 self.tp.all_reduce(h)
         h, _ = elementwise.add_rms_norm(h, residual, self.norm, self.eps, pdl)
         return self._linear(h, self.lm_head, None, GEMV_LM_HEAD, pdl)
+
+    def _mlp(
+        self, h: torch.Tensor, residual: torch.Tensor | None, layer: Layer, rows: int, pdl: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp(add_rms_norm(h, residual)), h + residual)``: gate/up, then down over SiLU·up."""
+        if isinstance(layer.gate_up_weight, Fp8Weight):
+            gate_up, residual = self._norm_fp8(h, residual, layer.post_norm, layer.gate_up_weight, layer.gate_up_bias)
+        else:
+            x, residual = elementwise.add_rms_norm(h, residual, layer.post_norm, self.eps, pdl)
+            gate_up = self._linear(x, layer.gate_up_weight, layer.gate_up_bias, GEMV_GATE_UP, pdl)
+        down = layer.down_weight
+        if isinstance(down, Fp8Weight):
+            return self._fp8(gate_up, down, layer.down_bias, silu_mul_input=True), residual
+        if rows == 1 and self.use_gemv:
+            out = gemv.gemv(gate_up, down, layer.down_bias, silu_mul_input=True, pdl=pdl, **gemv.model_tiles(GEMV_DOWN))
+            return out, residual
+        return F.linear(elementwise.silu_mul(gate_up), down, layer.down_bias), residual
 
     def _fused_act(self, layer: Layer, rows: int) -> bool:
         """Whether this layer's MLP over ``rows`` takes :mod:`.fp8_act` (down's input quantized in
