@@ -130,6 +130,7 @@ def _matmul_kernel(
     stride_om,
     X_FP8: tl.constexpr,
     X_GROUPS: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
     TILE_QUANT: tl.constexpr,
     SILU_MUL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -211,38 +212,12 @@ def _matmul_kernel(
             for j in tl.static_range(SPLIT_K):  # in split order: the sum does not depend on who came last
                 acc += tl.load(part + j * M * N, mask=keep, other=0.0, cache_modifier=".cg")
             _matmul_store(
-                acc,
-                xs_ptr,
-                ws_ptr,
-                b_ptr,
-                out_ptr,
-                rm,
-                rn,
-                m_ok,
-                n_ok,
-                keep,
-                stride_om,
-                X_FP8 and not X_GROUPS,
-                HAS_BIAS,
-                HAS_SCALE,
+                acc, xs_ptr, ws_ptr, b_ptr, out_ptr, rm, rn, m_ok, n_ok, keep, stride_om, ROW_SCALE, HAS_BIAS, HAS_SCALE
             )
             tl.atomic_xchg(counter, 0)  # ready for the next launch (and the next graph replay)
     else:
         _matmul_store(
-            acc,
-            xs_ptr,
-            ws_ptr,
-            b_ptr,
-            out_ptr,
-            rm,
-            rn,
-            m_ok,
-            n_ok,
-            keep,
-            stride_om,
-            X_FP8 and not X_GROUPS,
-            HAS_BIAS,
-            HAS_SCALE,
+            acc, xs_ptr, ws_ptr, b_ptr, out_ptr, rm, rn, m_ok, n_ok, keep, stride_om, ROW_SCALE, HAS_BIAS, HAS_SCALE
         )
 
 
@@ -453,6 +428,7 @@ def _launch(
         out.stride(0),
         X_FP8=x_scale is not None,
         X_GROUPS=x_groups,
+        ROW_SCALE=x_scale is not None and not x_groups,  # (blocks' scales: applied per K tile)
         TILE_QUANT=tile_quant,
         SILU_MUL=silu_mul_input,
         HAS_BIAS=bias is not None,

@@ -56,6 +56,19 @@ def fp8_reference(model: torch.nn.Module, quantize_activations: bool) -> torch.n
     return ref
 
 
+def counted(monkeypatch: pytest.MonkeyPatch, **targets: tuple[object, str]) -> dict[str, int]:
+    """Each of ``targets`` (a key: its module and function name) wrapped to count its calls."""
+    calls = dict.fromkeys(targets, 0)
+    for key, (module, name) in targets.items():
+
+        def call(*args: object, _fn: object = getattr(module, name), _key: str = key, **kwargs: object) -> object:
+            calls[_key] += 1
+            return _fn(*args, **kwargs)  # type: ignore[operator]
+
+        monkeypatch.setattr(module, name, call)
+    return calls
+
+
 def fp8_config(**overrides: object) -> EngineConfig:
     values: dict = dict(
         device=str(DEVICE),
@@ -85,14 +98,7 @@ def test_fp8_greedy_equals_transformers_on_fp8_rounded_weights(
     runner = ModelRunner(ModelSpec(Path(kind)), config, model=model)
     assert runner.model_impl == "pdserve" and isinstance(runner.fast, llama.LlamaFamily)
     runner.fast.use_gemv = use_gemv  # with GEMVs every step here has at most 16 + 2 rows
-    calls = {"norm": 0, "rows": 0}
-    for module, name, key in ((elementwise, "add_rms_norm_fp8", "norm"), (fp8, "quantize_rows", "rows")):
-
-        def counted(*args: object, _fn: object = getattr(module, name), _key: str = key, **kwargs: object) -> object:
-            calls[_key] += 1
-            return _fn(*args, **kwargs)  # type: ignore[operator]
-
-        monkeypatch.setattr(module, name, counted)
+    calls = counted(monkeypatch, norm=(elementwise, "add_rms_norm_fp8"), rows=(fp8, "quantize_rows"))
     ours = run(Engine(runner, config), prompts, NEW)
     assert_greedy_equal(reference, prompts, ours, expected)
     if use_gemv:
@@ -194,14 +200,7 @@ def test_fp8_mlp_with_down_s_input_quantized_in_gate_up_equals_transformers(monk
     runner = ModelRunner(ModelSpec(Path("qwen2")), config, model=model)
     assert isinstance(runner.fast, llama.LlamaFamily)
     runner.fast.use_gemv = False
-    calls = {"act": 0, "rows": 0}
-    for module, name, key in ((fp8_act, "gate_up_act", "act"), (fp8, "quantize_rows", "rows")):
-
-        def counted(*args: object, _fn: object = getattr(module, name), _key: str = key, **kwargs: object) -> object:
-            calls[_key] += 1
-            return _fn(*args, **kwargs)  # type: ignore[operator]
-
-        monkeypatch.setattr(module, name, counted)
+    calls = counted(monkeypatch, act=(fp8_act, "gate_up_act"), rows=(fp8, "quantize_rows"))
     ours = run(Engine(runner, config), prompts, NEW)
     assert_greedy_equal(reference, prompts, ours, expected)
     # every layer's MLP of every step took it; o alone quantizes its own rows (qkv's come from the norm)
