@@ -13,7 +13,8 @@ over enough copies of the weights that none is read from L2):
 
 Before timing, each row count checks the fused path: its FP8 blocks bit for bit against
 ``quant.quantize_groups_fp8`` of the two-launch path's bf16 SiLU·up, and both outputs' error
-against float32 over the unquantized SiLU·up (``checks``).
+against float32 over the unquantized SiLU·up (``checks``). After: each compiled variant of the
+batched kernel and of gate_up_act, its registers, spills and shared memory (``kernels``).
 
     python bench/probes/mlp_act_probe.py --out mlp_act_probe.json
 """
@@ -38,6 +39,33 @@ from pdserve.engine import quant
 from pdserve.engine.kernels import elementwise, fp8, fp8_act, gemv
 
 HIDDEN, INTER = 3584, 18944
+
+
+def kernel_report(dev: torch.device) -> list[dict[str, Any]]:
+    """Each compiled variant of the batched W8A8 kernel and of gate_up_act on this GPU: its
+    registers a thread, spills (bytes) and shared memory, with its tile constants (a compile
+    for sm_90 off the GPU pipelined nothing, not even Triton's textbook matmul: these are read
+    here)."""
+    out = []
+    for name, fn in (("matmul", fp8._matmul_kernel), ("gate_up_act", fp8_act._gate_up_act_kernel)):
+        caches = getattr(fn, "device_caches", {}).get(dev.index or 0)
+        for kernel in caches[0].values() if caches else []:
+            consts = {k: v for k, v in getattr(kernel, "constants", {}).items() if isinstance(v, (int, bool))}
+            meta = kernel.metadata
+            out.append(
+                {
+                    "kernel": name,
+                    "n_regs": getattr(kernel, "n_regs", None),
+                    "n_spills": getattr(kernel, "n_spills", None),
+                    "shared": getattr(meta, "shared", None),
+                    "num_warps": getattr(meta, "num_warps", None),
+                    "num_stages": getattr(meta, "num_stages", None),
+                    "constants": {str(k): v for k, v in consts.items()},
+                }
+            )
+    for row in out:
+        print("kernel", json.dumps(row), flush=True)
+    return out
 
 
 def main() -> None:
@@ -107,6 +135,7 @@ def main() -> None:
             rows_out.append(row)
             print(json.dumps(row), flush=True)
     result = {
+        "kernels": kernel_report(dev),
         "date": datetime.date.today().isoformat(),
         "gpu": torch.cuda.get_device_name(0),
         "command": "python bench/probes/mlp_act_probe.py " + " ".join(sys.argv[1:]),
