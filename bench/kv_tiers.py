@@ -233,6 +233,18 @@ def tier_counts(engine: Engine) -> dict[str, Any]:
     }
 
 
+def tier_events(engine: Engine) -> dict[str, int]:
+    """The tiers' cumulative counts that tell a turn's work apart (``tier.count``), flat."""
+    if engine.tiers is None:
+        return {}
+    s = engine.tiers.stats
+    out = {"lookups": s.lookups, "snapshot_allocations": s.snapshot_allocations, "write_drops": s.write_drops}
+    for name, c in s.tiers.items():
+        for count in ("hit_pages", "stored_pages", "declined_pages", "skipped_lookups", "calibrations"):
+            out[f"{name}.{count}"] = getattr(c, count)
+    return out
+
+
 @dataclass
 class Run:
     """One configuration's engine and what its turns measured."""
@@ -243,10 +255,12 @@ class Run:
     cached: list[int] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
     prompt_tokens: int = 0
+    events: list[dict[str, int]] = field(default_factory=list)  # what each turn's tiers did
 
     def turn(self, rid: str, user: int, message: list[int], answer: int) -> None:
         prompt = self.contexts[user] + message
         self.prompt_tokens += len(prompt)
+        before = tier_events(self.engine)
         ttft, out, hit = one_turn(self.engine, rid, prompt, answer)
         self.ttfts.append(ttft)
         self.cached.append(hit)
@@ -254,6 +268,8 @@ class Run:
         self.contexts[user] = prompt + out
         if self.engine.tiers is not None:
             self.engine.tiers.drain()  # the writes of this turn land before the next (a user's think time)
+        after = tier_events(self.engine)
+        self.events.append({k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)})
 
     def reading(self, users: int) -> dict[str, Any]:
         later = self.ttfts[users:]
@@ -262,6 +278,8 @@ class Run:
             "mean_ttft_later_turns_ms": round(statistics.mean(later) * 1000, 2) if later else None,
             "p50_ttft_ms": round(statistics.median(self.ttfts) * 1000, 2),
             "later_turns_ttft_ms": [round(t * 1000, 2) for t in later],  # in the same order on every engine
+            # each later turn's tier work (counts that moved: pages written, loaded, declined, ...)
+            "later_turns_events": self.events[users:],
             "turns": len(self.ttfts),
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": sum(self.cached),
