@@ -630,6 +630,12 @@ def main() -> None:
         "--profile-dir", type=Path, default=None, help="a fresh process's measured prompt traced (torch profiler) here"
     )
     p.add_argument(
+        "--tmp-dir",
+        default=None,
+        help="where the run's files go, the disk tiers' included (default: the system's temporary directory; "
+        "/dev/shm: memory, no writeback to a device)",
+    )
+    p.add_argument(
         "--profile-prompt", type=int, default=0, help="which of its prompts --profile-dir traces (0: the first)"
     )
     p.add_argument(
@@ -669,7 +675,8 @@ def main() -> None:
         "params": {k: v for k, v in vars(args).items() if k not in ("json", "one_prompt", "tiers_json", "model")},
     }
     overlap = {"overlap": True} if args.overlap else {}  # every tiered configuration
-    with tempfile.TemporaryDirectory() as tmp, store_master(args, Path(tmp)) as store:
+    # (the disk tiers' files under it: --tmp-dir /dev/shm takes the OS's writeback of them off the host)
+    with tempfile.TemporaryDirectory(dir=args.tmp_dir) as tmp, store_master(args, Path(tmp)) as store:
         configs = {
             "none": KVTierConfig(),
             # a second engine without tiers: how far two engines doing the same work differ
