@@ -156,7 +156,13 @@ class StoreTier:
         self._store.remove(self._key(key))
 
     def close(self) -> None:
+        """Close the client and let go of it here: its transfer engine is torn down now, while
+        the master is still there, not whenever the garbage collector reaches this object (a
+        test run hung there for good, 2026-12-07: a closed tier's client collected in a later
+        test, after its master had gone, its destructor joining a connection thread that spun)."""
         with self._lock:
             if not self._closed:
                 self._closed = True
-                self._store.close()
+                store, self._store = self._store, None
+                store.close()
+                del store
