@@ -171,9 +171,10 @@ def prefill_line(readings: Sequence[tuple[int, float, float]], is_steady: bool =
     return linear
 
 
-def prefill_floor(readings: Sequence[tuple[int, float, float]]) -> tuple[float, float] | None:
-    """``(seconds, seconds a token)``: the floor of a prefill step, where the steady steps show
-    one: the line through the steps within :data:`FLAT` of the fastest, if their sizes are
+def prefill_floor(readings: Sequence[tuple[int, float, float]]) -> tuple[float, float, int] | None:
+    """``(seconds, seconds a token, widest step's tokens)``: the floor of a prefill step, where
+    the steady steps show one: the line through the steps within :data:`FLAT` of the fastest (the
+    widest of them: where the steps above the floor begin), if their sizes are
     :data:`SPREAD` times apart (a step that many times larger took about as long; its slope no
     less than 0); None where they do not show one. On an H100 a 7B model's steps of 96 to 384
     tokens took 10.0 to 10.6 ms (the host launching each layer's kernels), 544 tokens 14.8:
@@ -189,8 +190,8 @@ def prefill_floor(readings: Sequence[tuple[int, float, float]]) -> tuple[float, 
         return None
     slope, intercept = _slope(flat)
     if slope < 0.0:  # flat within the noise: its mean
-        return sum(sec for _, sec in flat) / len(flat), 0.0
-    return max(0.0, intercept), slope
+        return sum(sec for _, sec in flat) / len(flat), 0.0, max(sizes)
+    return max(0.0, intercept), slope, max(sizes)
 
 
 def spreads(readings: Sequence[tuple[int, float, float]], is_steady: bool = False) -> bool:
@@ -334,11 +335,8 @@ class CostEstimates:
         2026-12-06). Returns whether one was found (the last one found stays otherwise)."""
         floor = prefill_floor(tuple(self.prefill_readings))
         if floor is not None:
-            self._floor, self._floor_per_token = floor
-            # its widest step: where a line above the floor must meet it (_fit)
-            steps = steady(tuple(self.prefill_readings))
-            fastest = min(sec for _, sec, _ in steps)
-            self._floor_tokens = max(t for t, sec, _ in steps if sec <= fastest * (1.0 + FLAT))
+            # (its widest step: steps no larger are no reading of the line above it, _fit)
+            self._floor, self._floor_per_token, self._floor_tokens = floor
             self._spread_fit = None  # a line fitted through steps at the floor goes
             self._unfitted = bool(self.prefill_readings)  # refitted above it
         return floor is not None

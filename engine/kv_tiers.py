@@ -228,7 +228,7 @@ class KVTiers(WriteThrough, ReadAhead):
         held: dict[str, set[bytes]] = {}
         for t in self.groups:
             recheck = False
-            if keys and not read_ahead and self._cannot_pay(t.name, first, end, len(hashes), hashes):
+            if keys and not read_ahead and self._cannot_pay(t.name, first, end, hashes):
                 self._skips[t.name] = self._skips.get(t.name, 0) + 1
                 recheck = self._skips[t.name] % RECHECK_EVERY == 0
                 if not recheck:
@@ -265,7 +265,7 @@ class KVTiers(WriteThrough, ReadAhead):
         self._timed("lookup", began)
         return Plan(hashes, start, steps)
 
-    def _cannot_pay(self, name: str, first: int, end: int, prompt_pages: int, hashes: Sequence[bytes] = ()) -> bool:
+    def _cannot_pay(self, name: str, first: int, end: int, hashes: Sequence[bytes]) -> bool:
         """Whether no run of group tier ``name``'s pages that begins at page ``first`` (the
         first one a load could take from it) and ends by page ``end`` is measured worth
         loading: a load takes a prefix's pages in order, so a run that pays only past its first
@@ -278,7 +278,7 @@ class KVTiers(WriteThrough, ReadAhead):
         row, and times a group it holds again. Never with ``load='always'`` or overlap on (a
         slower tier's pages can still load beside the computing), nor while the tier or the
         prefill is unmeasured. The
-        prompt's ``prompt_pages`` full pages bound what computing fewer of them saves (a step's
+        prompt's full pages (``hashes``) bound what computing fewer of them saves (a step's
         floor). Unless the decision may cut a run (``cut_runs``), it takes the run a lookup finds
         whole or not at all, and that run is at least as long as what this worker knows the tier
         holds of ``hashes`` (written there, or found there before: :meth:`_held_pages`): only runs
@@ -296,7 +296,7 @@ class KVTiers(WriteThrough, ReadAhead):
             page_tokens,
             first,
             end - first,
-            prompt_pages * page_tokens,
+            len(hashes) * page_tokens,
             shortest,
         )
 

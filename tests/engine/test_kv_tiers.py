@@ -475,16 +475,16 @@ def test_a_tier_known_to_hold_a_run_too_long_to_pay_whole_is_not_asked(tiny_mode
     tiers.estimates.call_seconds.clear()
     tiers.estimates._floor = 130e-6  # of the 200-token step's 200 us, 70 above the floor
     assert tiers._held_pages("disk", hashes, 0, 12) == 0  # a restarted worker: nothing known
-    assert not tiers._cannot_pay("disk", 0, 12, 12, hashes)  # a run of one group would pay
+    assert not tiers._cannot_pay("disk", 0, 12, hashes)  # a run of one group would pay
     plan = tiers.find(hashes, 0, len(hashes))
     assert plan.num_pages == 12 and disk.skipped_lookups == 0  # asked: found whole
     assert tiers.worth_loading(plan).now.num_pages == 0  # the whole run: 192 us of computing, 70 saved, 150 to load
     assert tiers._held_pages("disk", hashes, 0, 12) == 12 and tiers._held_pages("disk", hashes, 5, 12) == 7
     tiers.estimates.call_seconds.clear()  # (the lookup's round trip, timed, aside)
-    assert tiers._cannot_pay("disk", 0, 12, 12, hashes)
+    assert tiers._cannot_pay("disk", 0, 12, hashes)
     assert tiers.find(hashes, 0, len(hashes)).num_pages == 0 and disk.skipped_lookups == 1
     tiers.config = dataclasses.replace(tiers.config, cut_runs=True)  # a cut may take the first group: asked
-    assert not tiers._cannot_pay("disk", 0, 12, 12, hashes)
+    assert not tiers._cannot_pay("disk", 0, 12, hashes)
     assert tiers.find(hashes, 0, len(hashes)).num_pages == 12 and disk.skipped_lookups == 1
     engine.close()
 
@@ -522,7 +522,7 @@ def test_a_tier_no_run_of_which_could_pay_is_not_asked(tiny_model_dir: Path, tmp
     tiers.estimates.call_seconds.clear()  # (the lookups' round trips, timed above, aside)
     assert tiers.find(hashes, 0, len(hashes)).num_pages == 0 and disk.skipped_lookups == 2
     # a run from page 8 (the pages before it in host memory, say): 4 pages, 166 us against 160
-    assert tiers._cannot_pay("disk", 0, 12, 12) and not tiers._cannot_pay("disk", 8, 12, 12)
+    assert tiers._cannot_pay("disk", 0, 12, hashes) and not tiers._cannot_pay("disk", 8, 12, hashes)
     del tiers.estimates.bytes_per_s["disk"]  # unmeasured: asked (then timed by the rule)
     assert tiers.find(hashes, 0, len(hashes)).num_pages == 12 and disk.skipped_lookups == 2
     (counts,) = tiers.counts()
