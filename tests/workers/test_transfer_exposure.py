@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 
 from pdserve.workers.transfer import create_transfer
-from pdserve.workers.transfer.base import advertised_host
+from pdserve.workers.transfer.base import TransferError, advertised_host
 from pdserve.workers.transfer.mooncake import MooncakeTransfer
 from tests.workers.listening import listening_ports
 
@@ -98,3 +98,23 @@ def test_an_unregistered_address_is_refused(engine) -> None:  # type: ignore[no-
     finally:
         peer.close()
     assert b"NOT-REGISTERED" not in landing.raw
+
+
+def test_close_tears_the_engine_down_then_and_there() -> None:
+    """Closing lets go of the engine, so its ports close at once rather than whenever the garbage
+    collector reaches it (a collected store client's engine, its master gone, hung a test run);
+    a closed engine refuses work clearly and a second close does nothing."""
+    before = listening_ports(os.getpid())
+    transfer = create_transfer("mooncake", host="127.0.0.1", protocol="tcp")
+    page = ctypes.create_string_buffer(4096)
+    transfer.register(ctypes.addressof(page), len(page))
+    opened = set(listening_ports(os.getpid())) - set(before)
+    assert len(opened) == 2  # its rpc and data ports
+    transfer.close()
+    deadline = time.monotonic() + 5
+    while opened & set(listening_ports(os.getpid())) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not opened & set(listening_ports(os.getpid()))
+    with pytest.raises(TransferError, match="closed"):
+        transfer.read("127.0.0.1:1", [(ctypes.addressof(page), 0, 64)])
+    transfer.close()

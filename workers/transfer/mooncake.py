@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from pdserve.workers.transfer.base import TransferError, advertised_host
 
 if TYPE_CHECKING:
+    from mooncake.engine import TransferEngine
     from nats.aio.client import Client
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ class MooncakeTransfer:
                 "Mooncake is not installed or cannot load: install pdserve[cpu] (needs Debian's libibverbs1) "
                 f"or pdserve[gpu]: {exc}"
             ) from None
-        self._engine = TransferEngine()
+        self._engine: TransferEngine | None = TransferEngine()
         rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
         if rc != 0:
             raise TransferError(f"Mooncake initialize({host}, {protocol}, {device_name!r}) returned {rc}")
@@ -42,8 +43,13 @@ class MooncakeTransfer:
         self.endpoint = f"{host}:{self._engine.get_rpc_port()}"
         self._registered: list[tuple[int, int]] = []
 
+    def _live(self) -> TransferEngine:
+        if self._engine is None:
+            raise TransferError("this Mooncake transfer engine is closed")
+        return self._engine
+
     def register(self, address: int, nbytes: int) -> None:
-        rc = self._engine.register_memory(address, nbytes)
+        rc = self._live().register_memory(address, nbytes)
         if rc != 0:
             raise TransferError(f"Mooncake register_memory returned {rc}")
         self._registered.append((address, nbytes))
@@ -57,7 +63,7 @@ class MooncakeTransfer:
         local = [r[0] for r in reads]
         remote = [r[1] for r in reads]
         lengths = [r[2] for r in reads]
-        rc = self._engine.batch_transfer_sync_read(endpoint, local, remote, lengths)
+        rc = self._live().batch_transfer_sync_read(endpoint, local, remote, lengths)
         if rc != 0:
             raise TransferError(f"Mooncake read of {len(reads)} segments from {endpoint} returned {rc}")
         return len(reads)
@@ -69,6 +75,13 @@ class MooncakeTransfer:
         return {}
 
     def close(self) -> None:
+        """Unregisters the memory and lets go of the engine, so that it is torn down here, while its
+        peers may still be up, rather than whenever the garbage collector reaches it (a closed store
+        client's engine torn down by the collector after its master had gone hung a test run for good
+        in its connection threads' shutdown; see ``StoreTier.close``). A second close does nothing."""
+        engine, self._engine = self._engine, None
+        if engine is None:
+            return
         for address, _ in self._registered:
-            self._engine.unregister_memory(address)
+            engine.unregister_memory(address)
         self._registered.clear()
