@@ -412,10 +412,7 @@ class LlamaFamily(FusedDecoder):
             # as the pool holds them (one launch for both), written over the step's own k, v
             # (which the pool already has: nothing reads them after), so that the prompt's rows
             # attend in place (a copy of q is ~37 MB a layer at 4,096 tokens)
-            k, v = paged.round_kv_fp8(qkv[rows], nq * dim, nkv, dim, self.pool.shape[4], self.pool)
-            n = k.shape[0]
-            qkv[rows, nq * dim : (nq + nkv) * dim] = k.reshape(n, -1)
-            qkv[rows, (nq + nkv) * dim :] = v.reshape(n, -1)
+            paged.round_kv_fp8(qkv[rows], nq * dim, nkv, dim, self.pool.shape[4], self.pool, in_place=True)
         return causal_sdpa(qkv[rows], nq, nkv, dim, self.scale)
 
 

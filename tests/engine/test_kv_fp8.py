@@ -396,7 +396,8 @@ def test_a_fresh_prompt_s_kv_rounded_in_one_launch_is_round_fp8_s(
     sees them as an FP8 pool holds them: :func:`paged.round_kv_fp8` reads them out of the
     step's qkv rows (K heads after the queries, V after them; blocks of ``page`` tokens from
     the prompt's first, magnitudes 2^-8 to 2^8 so that every block's scale differs) and gives
-    back :func:`kv_pool.round_fp8` of each, bit for bit, for a head_dim no power of two too."""
+    back :func:`kv_pool.round_fp8` of each, bit for bit, for a head_dim no power of two too, into
+    a buffer of its own or in place."""
     from pdserve.engine.kv_pool import round_fp8
 
     gen = torch.Generator().manual_seed(n * 7 + dim)
@@ -410,6 +411,17 @@ def test_a_fresh_prompt_s_kv_rounded_in_one_launch_is_round_fp8_s(
     assert k.dtype == dtype and k.shape == (n, num_kv, dim)
     assert torch.equal(k, want_k) and torch.equal(v, want_v)
     assert not torch.equal(k, rows[:, num_q * dim : (num_q + num_kv) * dim].reshape(n, num_kv, dim))  # rounded
+    # in place: the same bits over the rows' own K and V columns, the queries and the columns
+    # beyond the row untouched, and k, v views of them
+    before = big.to(dtype).to(DEVICE)
+    k_in, v_in = paged.round_kv_fp8(before[:, :width], num_q * dim, num_kv, dim, page, pool, in_place=True)
+    assert torch.equal(k_in, want_k) and torch.equal(v_in, want_v)
+    assert k_in.data_ptr() == before[:, num_q * dim :].data_ptr()
+    assert torch.equal(before[:, num_q * dim : (num_q + num_kv) * dim], want_k.reshape(n, -1))
+    assert torch.equal(before[:, (num_q + num_kv) * dim : width], want_v.reshape(n, -1))
+    untouched = big.to(dtype).to(DEVICE)
+    assert torch.equal(before[:, : num_q * dim], untouched[:, : num_q * dim])
+    assert torch.equal(before[:, width:], untouched[:, width:])
 
 
 def test_the_torch_store_writes_the_kernels_bytes_and_the_read_dequantizes() -> None:
