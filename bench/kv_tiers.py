@@ -345,6 +345,44 @@ def chat(
 
 
 # ---- one prompt in a fresh process (restart, second worker) -------------------------------
+def _vmstat(*names: str) -> dict[str, int]:
+    """The system's counters ``names`` from /proc/vmstat (Linux; empty elsewhere)."""
+    try:
+        lines = Path("/proc/vmstat").read_text().split("\n")
+    except OSError:
+        return {}
+    return {k: int(v) for k, v in (line.split() for line in lines if line) if k in names}
+
+
+class OsCounters:
+    """What the OS did around one prompt (``--step-times``): the engine thread's page faults and
+    context switches (getrusage of the thread), and the system's dirty and writeback pages at
+    the prompt's start and end (/proc/vmstat): a step slowed by the OS writing earlier prompts'
+    files back, or by faults, shows here."""
+
+    THREAD = ("ru_minflt", "ru_majflt", "ru_nvcsw", "ru_nivcsw")
+    SYSTEM = ("nr_dirty", "nr_writeback")
+
+    def __init__(self) -> None:
+        import resource
+
+        self._who = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+        self._getrusage = resource.getrusage
+        self._began: tuple[Any, dict[str, int]] | None = None
+
+    def start(self) -> None:
+        self._began = (self._getrusage(self._who), _vmstat(*self.SYSTEM))
+
+    def stop(self) -> dict[str, Any]:
+        assert self._began is not None
+        usage, system = self._began
+        now = self._getrusage(self._who)
+        out: dict[str, Any] = {k.removeprefix("ru_"): getattr(now, k) - getattr(usage, k) for k in self.THREAD}
+        out |= {f"{k}_before": v for k, v in system.items()}
+        out |= {f"{k}_after": v for k, v in _vmstat(*self.SYSTEM).items()}
+        return out
+
+
 def serve_one(model: Path, tiers: KVTierConfig, args: argparse.Namespace, seed: int) -> tuple[Engine, dict[str, Any]]:
     """A fresh engine serving the seeded prompt: the engine (still open) and its reading."""
     config = EngineConfig(
@@ -360,6 +398,8 @@ def serve_one(model: Path, tiers: KVTierConfig, args: argparse.Namespace, seed: 
         freeze_heap()
     before = rule_inputs(engine)
     timed = StepTimes(engine) if args.step_times else None
+    os_counters = OsCounters() if args.step_times else None
+    os_each: list[dict[str, Any]] = []
     ttfts: list[float] = []
     cached_each: list[int] = []
     answers: list[list[int]] = []
@@ -378,11 +418,15 @@ def serve_one(model: Path, tiers: KVTierConfig, args: argparse.Namespace, seed: 
                 prof = stack.enter_context(profile(activities=acts, with_stack=False))
             if timed is not None:
                 timed.start()
+            if os_counters is not None:
+                os_counters.start()
             ttft, answer, cached = one_turn(
                 engine, f"p{i}", prompt, args.answer, steps if i == 0 else None, timed.stop if timed else None
             )
             if timed is not None:
                 timed.stop()
+            if os_counters is not None:
+                os_each.append(os_counters.stop())
         ttfts.append(ttft)
         cached_each.append(cached)
         answers.append(answer)
@@ -406,6 +450,8 @@ def serve_one(model: Path, tiers: KVTierConfig, args: argparse.Namespace, seed: 
         reading["trace"] = trace
     if timed is not None:
         reading["step_times"] = timed.prompts
+    if os_counters is not None:
+        reading["os_each"] = os_each  # a prompt each, through its first answer's end
     if before:
         reading["rule_before"] = before
     return engine, reading | {"answer": answers}
@@ -642,7 +688,8 @@ def main() -> None:
         "--step-times",
         action="store_true",
         help="each fresh process also records every prompt's steps up to its first token: wall time, and on a "
-        "GPU the device's own time (two CUDA events a step, in every process alike)",
+        "GPU the device's own time (two CUDA events a step, in every process alike); and around each prompt "
+        "the engine thread's page faults and context switches, the system's dirty and writeback pages (os_each)",
     )
     p.add_argument(
         "--sdpa-backend",

@@ -1,0 +1,24 @@
+"""bench/kv_tiers.py's reading of what the OS did around a prompt (``--step-times``'s ``os_each``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from kv_tiers import OsCounters
+
+
+@pytest.mark.skipif(not Path("/proc/vmstat").exists(), reason="Linux' /proc/vmstat")
+def test_a_prompt_s_os_counters_see_the_thread_s_faults_and_the_system_s_dirty_pages() -> None:
+    """The engine thread's page faults count the memory it first touched in the window; the
+    system's dirty and writeback pages are read at its start and end."""
+    counters = OsCounters()
+    counters.start()
+    block = bytearray(16 << 20)  # fresh pages, faulted in on first touch
+    for i in range(0, len(block), 4096):
+        block[i] = 1
+    reading = counters.stop()
+    assert reading["minflt"] >= (16 << 20) // 4096 // 2  # most of the block's pages
+    assert {"majflt", "nvcsw", "nivcsw"} <= reading.keys()
+    for name in ("nr_dirty", "nr_writeback"):
+        assert isinstance(reading[f"{name}_before"], int) and isinstance(reading[f"{name}_after"], int)
