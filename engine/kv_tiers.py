@@ -284,7 +284,9 @@ class KVTiers(WriteThrough, ReadAhead):
         holds of ``hashes`` (written there, or found there before: :meth:`_held_pages`): only runs
         that long are weighed (a 7B model's 512-token chat on an H100 asked its store at every
         turn, where one group would have paid and the decision, taking the context whole,
-        declined it: 1.05x no tier, 2026-12-06)."""
+        declined it: 1.05x no tier, 2026-12-06). A run must save more than the lookup itself
+        costs (the tier's measured round trip): one that would save less, at the rule's margin,
+        cannot repay asking."""
         if self.config.load == "always" or self.config.overlap or first >= end:
             return False
         page_tokens = self.pool.layout.page_size
@@ -298,6 +300,7 @@ class KVTiers(WriteThrough, ReadAhead):
             end - first,
             len(hashes) * page_tokens,
             shortest,
+            self.estimates.call_seconds.get(name, 0.0),  # the lookup's own round trip
         )
 
     def _held_pages(self, name: str, hashes: Sequence[bytes], first: int, end: int) -> int:

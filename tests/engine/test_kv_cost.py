@@ -534,6 +534,23 @@ def test_some_run_pays_is_the_leading_runs_weighed_one_by_one() -> None:
     assert min(checked.values()) > 50  # both answers met often
 
 
+def test_a_lookup_is_worth_asking_only_for_a_run_that_saves_more_than_it_costs() -> None:
+    """Finding out whether a tier holds a prefix is itself a round trip (a store's master, on the
+    engine's thread): a run whose load saves less than that, at the rule's margin, cannot repay
+    the asking, even where the tier holds it whole. 8 groups of a 7B model's KV computed in 11.8
+    ms and loaded in 8.6 as weighed (6.9 x the margin) save 3.2 ms: worth a 0.7 ms lookup, not a 4 ms one."""
+    group = 4 * 28 * 2 * 4 * 128 * 16 * 2  # four 16-token pages of Qwen2.5-7B's KV in bf16
+    e = CostEstimates(bytes_per_s={"store": group / 0.0008}, prefill_s_per_token=23e-6)
+    e.note_call("store", 0.0005)
+    saved = 512 * 23e-6 - kv_cost.GROUP_LOAD_MARGIN * (8 * 0.0008 + 0.0005)
+    assert saved == pytest.approx(0.00315, abs=1e-5)
+    assert kv_cost.some_run_pays(e, "store", group, 64, 0, 8, 544)
+    assert kv_cost.some_run_pays(e, "store", group, 64, 0, 8, 544, ask_seconds=0.0007)
+    assert kv_cost.some_run_pays(e, "store", group, 64, 0, 8, 544, ask_seconds=saved * 0.99)
+    assert not kv_cost.some_run_pays(e, "store", group, 64, 0, 8, 544, ask_seconds=saved * 1.01)
+    assert not kv_cost.some_run_pays(e, "store", group, 64, 0, 8, 544, ask_seconds=0.004)
+
+
 def test_a_round_trip_weighs_on_short_loads() -> None:
     """A load from a store asks its master first, as its lookups do: each load is priced one
     lookup's time more than its bytes. A single group that its bytes alone would load (1.5 ms

@@ -523,6 +523,14 @@ def test_a_tier_no_run_of_which_could_pay_is_not_asked(tiny_model_dir: Path, tmp
     assert tiers.find(hashes, 0, len(hashes)).num_pages == 0 and disk.skipped_lookups == 2
     # a run from page 8 (the pages before it in host memory, say): 4 pages, 166 us against 160
     assert tiers._cannot_pay("disk", 0, 12, hashes) and not tiers._cannot_pay("disk", 8, 12, hashes)
+    # a lookup must repay itself: with a 4 us round trip that run saves 166.4 - 1.25 * (128 + 4)
+    # = 1.4 us, less than asking costs (it paid, by 1.4 us, before the lookup was weighed); with
+    # a 1 us one it saves 5.2
+    tiers.estimates.call_seconds["disk"] = 4e-6
+    assert tiers._cannot_pay("disk", 8, 12, hashes)
+    tiers.estimates.call_seconds["disk"] = 1e-6
+    assert not tiers._cannot_pay("disk", 8, 12, hashes)
+    tiers.estimates.call_seconds.clear()
     del tiers.estimates.bytes_per_s["disk"]  # unmeasured: asked (then timed by the rule)
     assert tiers.find(hashes, 0, len(hashes)).num_pages == 12 and disk.skipped_lookups == 2
     (counts,) = tiers.counts()
