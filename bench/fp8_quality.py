@@ -97,6 +97,12 @@ VARIANTS: dict[str, tuple[torch.dtype, str, str]] = {
     "fp8_both_g128": (torch.bfloat16, "group", "kv"),
     "fp8_weights_down_g128": (torch.bfloat16, "down_group", ""),
     "fp8_both_down_g128": (torch.bfloat16, "down_group", "kv"),
+    # W8A8 and FP8 KV but one product's input left in 16 bits (W8A16 there): which activations'
+    # rounding costs the most
+    "fp8_both_a16_qkv": (torch.bfloat16, "a16:q_proj,k_proj,v_proj", "kv"),
+    "fp8_both_a16_o": (torch.bfloat16, "a16:o_proj", "kv"),
+    "fp8_both_a16_gate_up": (torch.bfloat16, "a16:gate_proj,up_proj", "kv"),
+    "fp8_both_a16_down": (torch.bfloat16, "a16:down_proj", "kv"),
 }
 DEFAULT_VARIANTS = ["float32", "bf16", "fp8_weights", "fp8_weights_a16", "fp8_kv", "fp8_both", "fp8_both_a16"]
 REFERENCE = "bf16"
@@ -159,13 +165,15 @@ def quantize_weights(model: torch.nn.Module, keep: Sequence[str] = (), activatio
         mode = activations
         if activations == "down_group":  # down's input by blocks (fp8_act.FUSED), the others per row
             mode = "group" if attr == "down_proj" else "token"
+        elif activations.startswith("a16:"):  # those projections' inputs as they are, the others per row
+            mode = "none" if attr in activations.removeprefix("a16:").split(",") else "token"
         setattr(owner, attr, Fp8Linear(getattr(owner, attr), mode))
         count += 1
     if QUANTIZE_LM_HEAD:
         head = model.get_output_embeddings()
         untied = torch.nn.Linear(head.in_features, head.out_features, bias=False)
         untied.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
-        model.lm_head = Fp8Linear(untied, "token" if activations == "down_group" else activations)
+        model.lm_head = Fp8Linear(untied, "token" if activations not in ("none", "token", "group") else activations)
         count += 1
     return count
 
@@ -478,6 +486,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "group": f"W8A8 with a scale per {GROUP} columns of a row (variants ending _g128)",
             "down_group": f"W8A8, down's input with a scale per {GROUP} columns of a row (as fp8_act.FUSED "
             "computes decode batches), the others per row (variants ending _down_g128)",
+            "a16:NAMES": "W8A8 but the inputs of the projections NAMES in 16 bits (W8A16 there; variants "
+            "fp8_both_a16_qkv, _o, _gate_up, _down)",
         },
         "kv_scheme": (
             f"float8_e4m3fn, one power-of-two float32 scale per {page_size}-token page per KV head (amax / 448 "

@@ -62,6 +62,12 @@ def test_fp8_linear_is_the_kernels_arithmetic_and_keep_matches_whole_name_parts(
     assert type(first.up_proj) is torch.nn.Linear and type(second.down_proj) is torch.nn.Linear
     assert isinstance(second.up_proj, fq.Fp8Linear) and type(some.lm_head) is torch.nn.Linear
     assert next(model.parameters()).dtype == torch.float32, "the model measured is copied, not changed"
+    # "a16:NAMES": those projections read their inputs as they are, the others round them per row
+    parts = fq.build_variants(model, ["bf16"])["bf16"][0]
+    assert fq.quantize_weights(parts, activations="a16:gate_proj,up_proj") == 7 * layers
+    mlp, attn = parts.model.layers[1].mlp, parts.model.layers[1].self_attn
+    assert mlp.gate_proj.activations == mlp.up_proj.activations == "none"
+    assert mlp.down_proj.activations == attn.q_proj.activations == attn.o_proj.activations == "token"
 
 
 def test_fp8_kv_cache_stores_the_rounded_keys_and_values_only_where_asked(
