@@ -299,7 +299,9 @@ class WriteThrough:
         its rate or the prefill is unmeasured, with ``--kv-tier-load always`` and with overlap on
         (a slower tier's pages still load beside the computing). A group no load would take is
         neither copied off the device nor written (a first or second worker with a store at 512
-        tokens of a 7B model on an H100: 1.08x a cold one, writing, 2026-12-06)."""
+        tokens of a 7B model on an H100: 1.08x a cold one, writing, 2026-12-06). A load is asked
+        for first (a lookup's round trip): a run that would save less than that is not worth
+        writing either, as it is not worth asking for (:meth:`KVTiers._cannot_pay`)."""
         g = self.group_pages
         if self.config.load == "always" or self.config.overlap:
             return {t.name for t in self.groups}
@@ -307,7 +309,16 @@ class WriteThrough:
         return {
             t.name
             for t in self.groups
-            if some_run_pays(self.estimates, t.name, unit_bytes, unit_tokens, 0, groups, groups * unit_tokens)
+            if some_run_pays(
+                self.estimates,
+                t.name,
+                unit_bytes,
+                unit_tokens,
+                0,
+                groups,
+                groups * unit_tokens,
+                ask_seconds=self.estimates.call_seconds.get(t.name, 0.0),  # a load's lookup first
+            )
         }
 
     def _pinned(self, pages: int) -> torch.Tensor:
