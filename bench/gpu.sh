@@ -11,6 +11,9 @@
 #                                    # host's grammar work per step (bench/probes/grammar_host.py)
 #   bash bench/gpu.sh kv_tiers       # the tier tests on the GPU, then bench/kv_tiers.py at 7B dimensions, a run per
 #                                    # context length (PREFIXES, default "8192 2048 512"; logs in kv_tiers_logs.tgz)
+#   bash bench/gpu.sh tiers_writes   # why a first process writing its disk at 512 tokens read 1.55x cold: the fresh
+#                                    # processes alone (kv_tiers --no-chat --no-store --step-times, the OS counters, a
+#                                    # trace of the third prompt) with the files on the disk, then on /dev/shm (no writeback)
 #   bash bench/gpu.sh serve          # pdserve up (PD, then unified) on one GPU at 7B dimensions, pdserve bench at 1 and 64
 #   bash bench/gpu.sh fp8            # the FP8 tests on the GPU, bench/probes/fp8_probe.py, then bench/gpu_engine.py in
 #                                    # bf16 and FP8 variants in one call (gpu_engine_NAME.json; logs in fp8_logs.tgz)
@@ -106,6 +109,21 @@ kv_tiers)  # Mooncake Store included: the CUDA 13 Mooncake wheel and Debian's li
   # its own logs only (a caller's logs in the same folder stay as they are)
   (cd "$out" && logs=$(ls kv_tiers_gpu_*.log test_gpu_kv_tiers.log make_dummy_model.log 2> /dev/null || true) \
     && [ -n "$logs" ] && tar -czf kv_tiers_logs.tgz $logs && rm -f $logs)
+  ;;
+tiers_writes)  # LIMIT: seconds a run (two runs; ~100 s each on an H100)
+  { df -h /tmp /dev/shm; for f in dirty_ratio dirty_background_ratio dirty_expire_centisecs dirty_writeback_centisecs; do
+      echo "vm.$f $(cat /proc/sys/vm/$f)"; done; } > "$out/tiers_writes_env.txt" 2>&1
+  for where in disk shm; do
+    extra=$([ $where = shm ] && echo "--tmp-dir /dev/shm" || true)
+    OUT="$out/$where" TESTS=0 PREFIXES=512 LIMIT=${LIMIT:-100} ARGS="--step-times --no-chat --no-store $extra \
+      --profile-dir $out/$where/prof --profile-prompt 2" bash "$0" kv_tiers
+    timeout 20 python3 -c "import json, sys
+for name, r in json.load(open(sys.argv[1]))['restart'].items():
+    if isinstance(r, dict):
+        print(sys.argv[2], name, r['ttft_ms_each'], [(o['minflt'], o['nivcsw'], o['nr_dirty_before'], o['nr_writeback_before'])
+              for o in r.get('os_each', [])])" "$out/$where/kv_tiers_gpu_512.json" $where
+  done
+  (cd "$out" && tar -czf tiers_writes.tgz disk shm tiers_writes_env.txt && rm -rf disk shm tiers_writes_env.txt)
   ;;
 serve)  # MODES (default "pd unified"), each a fresh pdserve up on port 8050 for at most SERVE_LIMIT seconds
   timeout 60 python3 bench/make_dummy_model.py --dims qwen2.5-7b --out /tmp/qwen7b > "$out/make_dummy_model.log" 2>&1
