@@ -122,24 +122,27 @@ async def test_a_draining_decode_worker_hands_its_stream_back_at_once(
     second_ready = asyncio.Event()
     n = 200
     params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
-    gaps: list[float] = []
-    last = [time.monotonic()]
+    reasons: list[str] = []
+    migrate = gateway.migrate
+
+    def migrating(live: Any, reason: str) -> None:
+        reasons.append(reason)
+        migrate(live, reason)
+
+    gateway.migrate = migrating  # type: ignore[method-assign]
 
     async def on_token(run: Run, chunk: TokenChunk) -> None:
-        now = time.monotonic()
-        if second_ready.is_set():
-            gaps.append(now - last[0])
-        last[0] = now
         if len(run.tokens) >= 30 and not second_ready.is_set():
             await workers("decode")
             second_ready.set()
-            last[0] = time.monotonic()
             await first.shutdown()  # SIGTERM: stop taking work, hand back with the tokens so far
 
     run = await stream(gateway, params, "drained", on_token)
     assert run.tokens == reference(tiny_model_dir, PROMPT, n)
     assert first.counters["handed_back"] == 1 and gateway.stats.migrations == 1
-    assert max(gaps) < 1.5  # resumed on the hand-back, not after a stall timeout
+    # resumed on the hand-back, not after the gateway's stall timeout (a gap of tokens timed
+    # here against that timeout read 1.7 s on a busy 2-core machine, the shutdown's own time in it)
+    assert len(reasons) == 1 and reasons[0].endswith("handed the request back"), reasons
     assert first.engine.pages.num_used_pages == 0
 
 
