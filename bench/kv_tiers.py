@@ -34,6 +34,7 @@ import gc
 import json
 import os
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -363,20 +364,18 @@ class OsCounters:
     THREAD = ("ru_minflt", "ru_majflt", "ru_nvcsw", "ru_nivcsw")
     SYSTEM = ("nr_dirty", "nr_writeback")
 
-    def __init__(self) -> None:
-        import resource
+    WHO = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)  # the calling thread, on Linux
 
-        self._who = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
-        self._getrusage = resource.getrusage
+    def __init__(self) -> None:
         self._began: tuple[Any, dict[str, int]] | None = None
 
     def start(self) -> None:
-        self._began = (self._getrusage(self._who), _vmstat(*self.SYSTEM))
+        self._began = (resource.getrusage(self.WHO), _vmstat(*self.SYSTEM))
 
     def stop(self) -> dict[str, Any]:
         assert self._began is not None
         usage, system = self._began
-        now = self._getrusage(self._who)
+        now = resource.getrusage(self.WHO)
         out: dict[str, Any] = {k.removeprefix("ru_"): getattr(now, k) - getattr(usage, k) for k in self.THREAD}
         out |= {f"{k}_before": v for k, v in system.items()}
         out |= {f"{k}_after": v for k, v in _vmstat(*self.SYSTEM).items()}
