@@ -120,7 +120,7 @@ tiers_writes)  # LIMIT: seconds a run (two runs; ~100 s each on an H100)
     timeout 20 python3 -c "import json, sys
 for name, r in json.load(open(sys.argv[1]))['restart'].items():
     if isinstance(r, dict):
-        print(sys.argv[2], name, r['ttft_ms_each'], [(o['minflt'], o['nivcsw'], o['nr_dirty_before'], o['nr_writeback_before'])
+        print(sys.argv[2], name, r['ttft_ms_each'], [(o['minflt'], o['nvcsw'], o['nivcsw'], o['nr_dirty_before'], o['nr_writeback_before'])
               for o in r.get('os_each', [])])" "$out/$where/kv_tiers_gpu_512.json" $where
   done
   (cd "$out" && tar -czf tiers_writes.tgz disk shm tiers_writes_env.txt && rm -rf disk shm tiers_writes_env.txt)

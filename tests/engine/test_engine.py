@@ -241,7 +241,11 @@ def test_prompt_logprobs_equal_transformers_in_chunks_past_the_prefix_cache(tiny
         got = scored[f"s{i}"]
         want = ref[torch.arange(len(p) - 1), torch.tensor(p[1:])]
         assert torch.allclose(torch.tensor(got.logprobs), want, atol=1e-4)
-        assert list(got.ranks) == ((ref[:-1] > want[:, None]).sum(-1) + 1).tolist()
+        # a rank is the tokens above plus one: those within the logprobs' tolerance of the token's
+        # own may fall either side (a rank 2765 read 2764 on another CPU's float32 sums, 2026-12-07)
+        ranks = torch.tensor(got.ranks)
+        assert (ranks >= (ref[:-1] > want[:, None] + 1e-4).sum(-1) + 1).all()
+        assert (ranks <= (ref[:-1] > want[:, None] - 1e-4).sum(-1) + 1).all()
         top = ref[:-1].topk(2, dim=-1)
         assert torch.equal(torch.tensor(got.top_ids).view(-1, 2), top.indices)
         assert torch.allclose(torch.tensor(got.top_logprobs).view(-1, 2), top.values, atol=1e-4)
