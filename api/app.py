@@ -53,24 +53,36 @@ async def health(request: Request) -> Response:
     return ORJSONResponse(body, status_code=200 if ready else 503)
 
 
+def _model_card(info: ModelInfo) -> dict[str, object]:
+    return {
+        "id": info.name,
+        "object": "model",
+        "created": info.created,
+        "owned_by": "pdserve",
+        "root": str(info.path),
+        "parent": None,
+        "max_model_len": info.context_length,
+    }
+
+
 async def models(request: Request) -> Response:
+    return ORJSONResponse({"object": "list", "data": [_model_card(state_of(request).info)]})
+
+
+async def model_by_id(request: Request) -> Response:
+    """OpenAI's ``GET /v1/models/{model}`` (the SDK's ``models.retrieve``): the served model's
+    card, or 404 ``model_not_found`` (an id may hold a ``/``: a hub id)."""
     info = state_of(request).info
-    return ORJSONResponse(
-        {
-            "object": "list",
-            "data": [
-                {
-                    "id": info.name,
-                    "object": "model",
-                    "created": info.created,
-                    "owned_by": "pdserve",
-                    "root": str(info.path),
-                    "parent": None,
-                    "max_model_len": info.context_length,
-                }
-            ],
-        }
-    )
+    model = request.path_params["model"]
+    if model != info.name:
+        raise APIError(
+            f"the model '{model}' does not exist; this server serves '{info.name}'",
+            404,
+            "invalid_request_error",
+            "model_not_found",
+            "model",
+        )
+    return ORJSONResponse(_model_card(info))
 
 
 async def model_info(request: Request) -> Response:
@@ -277,6 +289,7 @@ def create_app(config: ApiConfig, info: ModelInfo | None = None, collectors: Seq
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model_by_id, methods=["GET"]),
         Route("/get_model_info", model_info, methods=["GET"]),
         Route("/workers", workers, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

@@ -347,6 +347,21 @@ def _get(path: str, summary: str, media: str, schema: Schema, config: ApiConfig)
     return {"get": {"summary": summary, "responses": {"200": ok, **_errors(path, config)}}}
 
 
+def _model_by_id(config: ApiConfig) -> Schema:
+    """OpenAI's model retrieval: the card of the served model, 404 for any other id."""
+    path = "/v1/models/{model}"
+    item = _get(
+        path,
+        "the served model by its id (404 model_not_found for another)",
+        "application/json",
+        {"type": "object"},
+        config,
+    )
+    item["get"]["parameters"] = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
+    item["get"]["responses"]["404"] = _json({"$ref": "#/components/schemas/Error"}, "no model of that id here")
+    return item
+
+
 def describe(config: ApiConfig, info: ModelInfo) -> Schema:
     """The OpenAPI document of this server."""
     obj, text = {"type": "object"}, {"type": "string"}
@@ -360,6 +375,7 @@ def describe(config: ApiConfig, info: ModelInfo) -> Schema:
             "/health", "whether the API can serve (503 if not), and its totals", "application/json", obj, config
         ),
         "/v1/models": _get("/v1/models", "the served model", "application/json", obj, config),
+        "/v1/models/{model}": _model_by_id(config),
         "/get_model_info": _get("/get_model_info", "the served model (SGLang)", "application/json", obj, config),
         "/workers": _get("/workers", "the worker registry", "application/json", {"type": "array"}, config),
         "/metrics": _get("/metrics", "Prometheus metrics", "text/plain", text, config),

@@ -120,7 +120,9 @@ async def test_the_hub_id_is_served_under_its_name_from_the_cached_snapshot(fron
         models = (await http.get("/v1/models")).json()["data"]
         info = (await http.get("/get_model_info")).json()
         workers = (await http.get("/workers")).json()
+        by_id = await http.get(f"/v1/models/{FAKE_ID}")  # a hub id holds a '/'
     assert [m["id"] for m in models] == [FAKE_ID]
+    assert by_id.status_code == 200 and by_id.json() == models[0]
     assert Path(models[0]["root"]) == front.model_dir.resolve()
     assert {w["model"] for w in workers} == {FAKE_ID}
     assert info["served_model_name"] == FAKE_ID and info["generation_config"] == front.generation_config

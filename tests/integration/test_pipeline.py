@@ -216,9 +216,14 @@ async def test_health_models_and_workers(pd_system) -> None:
     async with httpx.AsyncClient(base_url=pd_system.url, timeout=10) as client:
         health = await client.get("/health")
         models = (await client.get("/v1/models")).json()
+        one = await client.get(f"/v1/models/{pd_system.model_name}")
+        other = await client.get("/v1/models/no-such-model")
         workers = (await client.get("/workers")).json()
     assert health.status_code == 200 and health.json()["workers"] == {"prefill": 1, "decode": 1, "unified": 0}
     assert models["data"][0]["id"] == pd_system.model_name
+    assert one.status_code == 200 and one.json() == models["data"][0]  # OpenAI's models.retrieve
+    assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
+    assert pd_system.model_name in other.json()["error"]["message"]
     assert Path(models["data"][0]["root"]) == pd_system.model_dir.resolve()
     for w in workers:
         assert {"id", "role", "host", "pid", "capacity", "pages_total", "pages_used", "requests_in_flight"} <= set(w)
