@@ -14,6 +14,8 @@
 #   bash bench/gpu.sh tiers_writes   # why a first process writing its disk at 512 tokens read 1.55x cold: the fresh
 #                                    # processes alone (kv_tiers --no-chat --no-store --step-times, the OS counters, a
 #                                    # trace of the third prompt) with the files on the disk, then on /dev/shm (no writeback)
+#   bash bench/gpu.sh pending        # what waits for a device, the most decisive first: FP8 with and without the fused
+#                                    # MLP (fp8_act.FUSED) through bench/gpu_engine.py, the mlp_act probe, then tiers_writes
 #   bash bench/gpu.sh serve          # pdserve up (PD, then unified) on one GPU at 7B dimensions, pdserve bench at 1 and 64
 #   bash bench/gpu.sh fp8            # the FP8 tests on the GPU, bench/probes/fp8_probe.py, then bench/gpu_engine.py in
 #                                    # bf16 and FP8 variants in one call (gpu_engine_NAME.json; logs in fp8_logs.tgz)
@@ -124,6 +126,16 @@ for name, r in json.load(open(sys.argv[1]))['restart'].items():
               for o in r.get('os_each', [])])" "$out/$where/kv_tiers_gpu_512.json" $where
   done
   (cd "$out" && tar -czf tiers_writes.tgz disk shm tiers_writes_env.txt && rm -rf disk shm tiers_writes_env.txt)
+  ;;
+pending)  # ENGINE_LIMIT seconds an engine run; LIMIT a tiers_writes run (the three parts ~200, ~60 and ~200 s on an H100)
+  for run in "fp8|" "fp8_fused|--fp8-fused-act"; do
+    name=${run%%|*}
+    timeout -k 10 ${ENGINE_LIMIT:-100} python3 bench/gpu_engine.py --quantization fp8 --skip-transformers ${run#*|} \
+      --json "$out/gpu_engine_$name.json" > "$out/gpu_engine_$name.log" 2>&1
+    echo "== $name"; quiet < "$out/gpu_engine_$name.log" | grep -v scaled_dot_product | tail -9
+  done
+  PROBES=mlp_act bash "$0" probes
+  LIMIT=${LIMIT:-100} bash "$0" tiers_writes
   ;;
 serve)  # MODES (default "pd unified"), each a fresh pdserve up on port 8050 for at most SERVE_LIMIT seconds
   timeout 60 python3 bench/make_dummy_model.py --dims qwen2.5-7b --out /tmp/qwen7b > "$out/make_dummy_model.log" 2>&1
