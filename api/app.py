@@ -53,9 +53,9 @@ async def health(request: Request) -> Response:
     return ORJSONResponse(body, status_code=200 if ready else 503)
 
 
-def _model_card(info: ModelInfo) -> dict[str, object]:
+def _model_card(info: ModelInfo, name: str) -> dict[str, object]:
     return {
-        "id": info.name,
+        "id": name,
         "object": "model",
         "created": info.created,
         "owned_by": "pdserve",
@@ -66,23 +66,18 @@ def _model_card(info: ModelInfo) -> dict[str, object]:
 
 
 async def models(request: Request) -> Response:
-    return ORJSONResponse({"object": "list", "data": [_model_card(state_of(request).info)]})
+    info = state_of(request).info
+    return ORJSONResponse({"object": "list", "data": [_model_card(info, name) for name in info.names]})
 
 
 async def model_by_id(request: Request) -> Response:
-    """OpenAI's ``GET /v1/models/{model}`` (the SDK's ``models.retrieve``): the served model's
-    card, or 404 ``model_not_found`` (an id may hold a ``/``: a hub id)."""
+    """OpenAI's ``GET /v1/models/{model}`` (the SDK's ``models.retrieve``): the card of the served
+    model or of an alias, else 404 ``model_not_found`` (an id may hold a ``/``: a hub id)."""
     info = state_of(request).info
     model = request.path_params["model"]
-    if model != info.name:
-        raise APIError(
-            f"the model '{model}' does not exist; this server serves '{info.name}'",
-            404,
-            "invalid_request_error",
-            "model_not_found",
-            "model",
-        )
-    return ORJSONResponse(_model_card(info))
+    if model not in info.names:
+        raise APIError(info.not_found(model), 404, "invalid_request_error", "model_not_found", "model")
+    return ORJSONResponse(_model_card(info, model))
 
 
 async def model_info(request: Request) -> Response:
@@ -246,6 +241,7 @@ def create_app(config: ApiConfig, info: ModelInfo | None = None, collectors: Seq
             config.generation_config,
             config.tool_call_parser,
             config.reasoning_parser,
+            config.model_aliases,
         )
         gateway = Gateway(
             config.nats_url,

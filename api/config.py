@@ -37,6 +37,7 @@ class ApiConfig:
     model_path: Path
     nats_auth: NatsAuth = NatsAuth()
     model_name: str | None = None
+    model_aliases: tuple[str, ...] = ()  # other names requests may use (--served-model-alias)
     host: str = "127.0.0.1"
     port: int = 8000
     api_id: str | None = None

@@ -23,6 +23,7 @@ class ModelInfo:
     context_length: int
     eos_token_ids: frozenset[int]
     created: int
+    aliases: tuple[str, ...] = ()  # other names requests may use for it (answers name it ``name``)
     max_token_chars: int = 0  # the longest token's text; 0: unknown
     # What a request that does not set them samples with (``generation_config.json``'s).
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
@@ -36,6 +37,16 @@ class ModelInfo:
         """Text longer than this cannot fit the context whatever it tokenizes to (each token
         covers at most ``max_token_chars`` characters; doubled for normalizers); 0: no bound."""
         return 2 * self.max_token_chars * self.context_length
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every name a request may use: the served one first, then its aliases."""
+        return (self.name, *self.aliases)
+
+    def not_found(self, model: str) -> str:
+        """What a request naming ``model``, not one of :attr:`names`, is told."""
+        served = " or ".join(f"'{n}'" for n in self.names)
+        return f"the model '{model}' does not exist; this server serves {served}"
 
     @property
     def has_chat_template(self) -> bool:
@@ -92,6 +103,7 @@ def load_model_info(
     generation_config: str = "auto",
     tool_call_parser: str = "auto",
     reasoning_parser: str = "auto",
+    aliases: tuple[str, ...] = (),
 ) -> ModelInfo:
     """Tokenizer, limits and sampling defaults of the model in the local directory ``path``
     (no weights are loaded); ``name`` is the served name (default: the directory's)."""
@@ -111,8 +123,10 @@ def load_model_info(
         eos.update(value if isinstance(value, list) else [value] if value is not None else [])
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
+    served = name or path.name
     return ModelInfo(
-        name=name or path.name,
+        name=served,
+        aliases=tuple(dict.fromkeys(a for a in aliases if a != served)),
         path=path.resolve(),
         tokenizer=tokenizer,
         context_length=int(context),

@@ -121,7 +121,7 @@ def completion_body(info: ModelInfo, config: ApiConfig) -> Schema:
         "type": "object",
         "required": ["prompt"],
         "properties": {
-            "model": {"anyOf": [{"type": "string", "enum": [info.name]}, {"type": "null"}]},
+            "model": {"anyOf": [{"type": "string", "enum": list(info.names)}, {"type": "null"}]},
             "prompt": _prompt(info, config),
             **_sampling(100.0, _max_tokens(info, config, 0)),
             "logprobs": _integer(0, MAX_COMPLETION_LOGPROBS),
@@ -210,7 +210,7 @@ def chat_body(info: ModelInfo, config: ApiConfig) -> Schema:
         "type": "object",
         "required": ["messages"],
         "properties": {
-            "model": {"anyOf": [{"type": "string", "enum": [info.name]}, {"type": "null"}]},
+            "model": {"anyOf": [{"type": "string", "enum": list(info.names)}, {"type": "null"}]},
             "messages": {"type": "array", "items": message, "minItems": 1},
             **_sampling(2.0, max_tokens),
             "max_completion_tokens": max_tokens,
@@ -248,7 +248,7 @@ def generate_body(info: ModelInfo, config: ApiConfig) -> Schema:
         "type": "object",
         "oneOf": [{"required": ["text"]}, {"required": ["input_ids"]}],
         "properties": {
-            "model": _maybe({"type": "string", "enum": [info.name]}),
+            "model": _maybe({"type": "string", "enum": list(info.names)}),
             "text": _prompt(info, config, ids=False),
             "input_ids": _prompt(info, config, text=False),
             "sampling_params": _maybe({"type": "object", "properties": sampling}),

@@ -332,10 +332,8 @@ def check_model(body: dict[str, Any], info: ModelInfo) -> None:
         return
     if not isinstance(model, str):
         raise bad_request("'model' must be a string", "model")
-    if model != info.name:
-        raise bad_request(
-            f"the model '{model}' does not exist; this server serves '{info.name}'", "model", "model_not_found"
-        )
+    if model not in info.names:
+        raise bad_request(info.not_found(model), "model", "model_not_found")
 
 
 def _n(body: dict[str, Any]) -> int:

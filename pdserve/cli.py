@@ -32,7 +32,16 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add_flags(up, flags.common())
     flags.add_flags(up, flags.MODEL, "model")
     flags.add_flags(up, flags.ENGINE, "engine")
-    flags.add_flags(up, (*flags.HTTP, flags.GENERATION_CONFIG, flags.TOOL_CALL_PARSER, flags.REASONING_PARSER))
+    flags.add_flags(
+        up,
+        (
+            *flags.HTTP,
+            flags.SERVED_MODEL_ALIAS,
+            flags.GENERATION_CONFIG,
+            flags.TOOL_CALL_PARSER,
+            flags.REASONING_PARSER,
+        ),
+    )
     flags.add_flags(up, flags.GUARD, "access and limits")
     flags.add_flags(up, flags.RECOVERY, "recovery")
     flags.add_flags(up, flags.PLACEMENT, "placement")
@@ -82,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
             *flags.HTTP,
             flags.nats_url(),
             *flags.API,
+            flags.SERVED_MODEL_ALIAS,
             flags.GENERATION_CONFIG,
             flags.TOOL_CALL_PARSER,
             flags.REASONING_PARSER,

@@ -475,6 +475,7 @@ def api_config(
         api_keys=api_keys(args),
         model_path=model_path,
         model_name=model_name(args, model_path),
+        model_aliases=tuple(getattr(args, "served_model_alias", None) or ()),
         host=args.host,
         port=args.port,
         trust_remote_code=args.trust_remote_code,

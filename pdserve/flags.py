@@ -482,6 +482,12 @@ ENABLE_FLUSH_CACHE = Flag(
     help="serve /flush_cache, which makes every worker forget its cached prefixes (for benchmarks; off by default)",
 )
 GUARD = (API_KEY, API_KEY_FILE, *LIMITS, ENABLE_FLUSH_CACHE)
+SERVED_MODEL_ALIAS = Flag(
+    "--served-model-alias",
+    many=True,
+    help="another name requests may use for the served model (repeatable; as vLLM's further --served-model-name "
+    "values): listed in /v1/models, accepted as 'model'; answers name the served model",
+)
 GENERATION_CONFIG = Flag(
     "--generation-config",
     ApiConfig.generation_config,
@@ -712,6 +718,7 @@ def api_forwarded() -> tuple[Flag, ...]:
         nats_url(),
         *NATS_AUTH,
         *API,
+        SERVED_MODEL_ALIAS,
         GENERATION_CONFIG,
         TOOL_CALL_PARSER,
         REASONING_PARSER,

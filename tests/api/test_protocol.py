@@ -262,6 +262,20 @@ def test_completion_unknown_model(info: ModelInfo) -> None:
     assert "gpt-4" in exc.message
 
 
+def test_an_alias_names_the_served_model(tiny_model_dir: Path) -> None:
+    """``--served-model-alias``: a request may name the model by an alias (the served name
+    repeated among them is dropped); any other name is still refused, naming them all."""
+    aliased = load_model_info(tiny_model_dir, "served", aliases=("gpt-x", "served", "org/other", "gpt-x"))
+    assert aliased.names == ("served", "gpt-x", "org/other")
+    want = parse_completion({"model": "served", "prompt": "x"}, aliased, Limits(DEFAULT_MAX)).jobs[0].prompt_ids
+    for alias in ("gpt-x", "org/other"):
+        assert (
+            parse_completion({"model": alias, "prompt": "x"}, aliased, Limits(DEFAULT_MAX)).jobs[0].prompt_ids == want
+        )
+    exc = _bad(parse_completion, {"model": "gpt-4", "prompt": "x"}, aliased, code="model_not_found", param="model")
+    assert all(f"'{n}'" in exc.message for n in aliased.names)
+
+
 def test_completion_batch_cannot_stream(info: ModelInfo, name: str) -> None:
     _bad(parse_completion, {"model": name, "prompt": ["a", "b"], "stream": True}, info, param="stream")
 

@@ -37,6 +37,7 @@ SCHEMA = {
     "additionalProperties": False,
 }
 PROMPT_IDS = [(17 * i + 5) % 4000 + 3 for i in range(40)]
+ALIAS = "org/alias-model"  # --served-model-alias: a name with a '/', as a hub id has
 
 
 @pytest.fixture(scope="module", params=["pd", "unified"])
@@ -50,7 +51,10 @@ def system(
     start, stop = system_control
     mode = request.param
     s = start(
-        tmp_path_factory.mktemp(mode), tiny_model_dir, nats_for_module.url, "--mode", mode, "--enable-flush-cache"
+        tmp_path_factory.mktemp(mode),
+        tiny_model_dir,
+        nats_for_module.url,
+        *("--mode", mode, "--enable-flush-cache", "--served-model-alias", ALIAS),
     )
     s.mode = mode
     yield s
@@ -80,6 +84,24 @@ async def generate(system: Any, body: dict[str, Any]) -> Any:
         r = await http.post("/generate", json=body)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+# ---- the model's names ---------------------------------------------------------------------
+async def test_the_openai_client_lists_retrieves_and_calls_the_model_by_its_names(system: Any, client: Any) -> None:
+    """``/v1/models`` lists the served name then the alias; ``models.retrieve`` finds either
+    (404 ``model_not_found`` for another); a request naming the alias gets the served model,
+    named as served (as vLLM answers its further names)."""
+    assert [m.id for m in (await client.models.list()).data] == [system.model_name, ALIAS]
+    for name in (system.model_name, ALIAS):
+        assert (await client.models.retrieve(name)).id == name
+    with pytest.raises(openai.NotFoundError) as missing:
+        await client.models.retrieve("no-such-model")
+    assert missing.value.body["code"] == "model_not_found"
+    by_name, by_alias = [
+        await client.completions.create(model=m, prompt=PROMPT_IDS, max_tokens=6, temperature=0)
+        for m in (system.model_name, ALIAS)
+    ]
+    assert by_alias.choices[0].text == by_name.choices[0].text and by_alias.model == system.model_name
 
 
 # ---- n -------------------------------------------------------------------------------

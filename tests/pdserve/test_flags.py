@@ -143,6 +143,7 @@ def test_an_extra_api_process_parses_what_up_means() -> None:
     up = parser.parse_args(
         ["up", "--api-processes", "3", "--port", "8123", "--host", "0.0.0.0", "--served-model-name", "served"]
         + ["--stall-timeout", "4.5", "--max-migrations", "5", "--log-level", "debug"]
+        + ["--served-model-alias", "gpt-x", "--served-model-alias", "org/other"]
     )
     size_consumers(up, plan_roles(up))
     argv = api_argv(up, MODEL, "nats://n:1")
@@ -150,6 +151,7 @@ def test_an_extra_api_process_parses_what_up_means() -> None:
     assert argv[3] == "api" and api.reuse_port and api.exit_with_parent and api.log_level == "DEBUG"
     # The same API config as the process `up` runs itself (whose port it shares).
     assert api_config(api, "nats://n:1", MODEL) == api_config(up, "nats://n:1", MODEL)
+    assert api_config(api, "nats://n:1", MODEL).model_aliases == ("gpt-x", "org/other")
 
 
 def test_up_places_workers_on_the_devices_given_in_turn() -> None:
