@@ -126,7 +126,7 @@ def load_model_info(
     served = name or path.name
     return ModelInfo(
         name=served,
-        aliases=tuple(dict.fromkeys(a for a in aliases if a != served)),
+        aliases=tuple(dict.fromkeys(a for a in aliases if a and a != served)),
         path=path.resolve(),
         tokenizer=tokenizer,
         context_length=int(context),
