@@ -348,11 +348,11 @@ def _get(path: str, summary: str, media: str, schema: Schema, config: ApiConfig)
 
 
 def _model_by_id(config: ApiConfig) -> Schema:
-    """OpenAI's model retrieval: the card of the served model, 404 for any other id."""
+    """OpenAI's model retrieval: the card of the served model or of an alias, 404 for any other id."""
     path = "/v1/models/{model}"
     item = _get(
         path,
-        "the served model by its id (404 model_not_found for another)",
+        "the served model by its name or an alias (404 model_not_found for another)",
         "application/json",
         {"type": "object"},
         config,
@@ -374,7 +374,7 @@ def describe(config: ApiConfig, info: ModelInfo) -> Schema:
         "/health": _get(
             "/health", "whether the API can serve (503 if not), and its totals", "application/json", obj, config
         ),
-        "/v1/models": _get("/v1/models", "the served model", "application/json", obj, config),
+        "/v1/models": _get("/v1/models", "the served model, then its aliases", "application/json", obj, config),
         "/v1/models/{model}": _model_by_id(config),
         "/get_model_info": _get("/get_model_info", "the served model (SGLang)", "application/json", obj, config),
         "/workers": _get("/workers", "the worker registry", "application/json", {"type": "array"}, config),
