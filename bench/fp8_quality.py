@@ -24,8 +24,7 @@ prefill does) in five variants, each with exact float8_e4m3fn rounding (``engine
   * asked for by name: ``fp8_k_only``, ``fp8_v_only`` (the keys alone, the values alone) and
     ``fp8_weights_g128``, ``fp8_both_g128`` (activation scales per 128 columns of a row, as the
     batched kernel's ``tile`` mode computes them: a lever measured, not the default), and
-    ``fp8_weights_down_g128``, ``fp8_both_down_g128`` (down's input alone so, as
-    ``fp8_act.FUSED`` computes decode batches).
+    ``fp8_weights_down_g128``, ``fp8_both_down_g128`` (down's input alone so).
 
 Per variant: perplexity and its ratio to bf16, mean KL(bf16 || variant) of the next-token
 distributions in nats (and against float32), the max and mean absolute logit error against
@@ -163,7 +162,7 @@ def quantize_weights(model: torch.nn.Module, keep: Sequence[str] = (), activatio
         parent, _, attr = name.rpartition(".")
         owner = layers.get_submodule(parent)
         mode = activations
-        if activations == "down_group":  # down's input by blocks (fp8_act.FUSED), the others per row
+        if activations == "down_group":  # down's input by blocks, the others per row
             mode = "group" if attr == "down_proj" else "token"
         elif activations.startswith("a16:"):  # those projections' inputs as they are, the others per row
             mode = "none" if attr in activations.removeprefix("a16:").split(",") else "token"
@@ -484,8 +483,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "token": "W8A8: each row rounded to float8_e4m3fn with its own scale, as prefill and batched decode compute",
             "none": "W8A16: bf16 activations, as the batch-1 GEMV computes (variants ending _a16)",
             "group": f"W8A8 with a scale per {GROUP} columns of a row (variants ending _g128)",
-            "down_group": f"W8A8, down's input with a scale per {GROUP} columns of a row (as fp8_act.FUSED "
-            "computes decode batches), the others per row (variants ending _down_g128)",
+            "down_group": f"W8A8, down's input with a scale per {GROUP} columns of a row, the others per row "
+            "(variants ending _down_g128)",
             "a16:NAMES": "W8A8 but the inputs of the projections NAMES in 16 bits (W8A16 there; variants "
             "fp8_both_a16_qkv, _o, _gate_up, _down)",
         },

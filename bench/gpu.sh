@@ -14,8 +14,7 @@
 #   bash bench/gpu.sh tiers_writes   # why a first process writing its disk at 512 tokens read 1.55x cold: the fresh
 #                                    # processes alone (kv_tiers --no-chat --no-store --step-times, the OS counters, a
 #                                    # trace of the third prompt) with the files on the disk, then on /dev/shm (no writeback)
-#   bash bench/gpu.sh pending        # what waits for a device, the most decisive first: FP8 with and without the fused
-#                                    # MLP (fp8_act.FUSED) through bench/gpu_engine.py, the mlp_act probe, then tiers_writes
+#   bash bench/gpu.sh pending        # what waits for a device: the KV tiers at 512 and 2,048 tokens (kv_tiers, TESTS=0)
 #   bash bench/gpu.sh serve          # pdserve up (PD, then unified) on one GPU at 7B dimensions, pdserve bench at 1 and 64
 #   bash bench/gpu.sh fp8            # the FP8 tests on the GPU, bench/probes/fp8_probe.py, then bench/gpu_engine.py in
 #                                    # bf16 and FP8 variants in one call (gpu_engine_NAME.json; logs in fp8_logs.tgz)
@@ -23,8 +22,7 @@
 #                                    # verify: speculative verify steps against plain decode, quant: FP8 row quantization,
 #                                    # attention_fp8: the decode attention over an FP8 pool; attention_tiles: at the
 #                                    # engine's launch settings, bf16 KV, FP8 KV, and FP8 KV read in float16 tiles;
-#                                    # sdpa: a whole prompt's attention the first time its length is met, per backend;
-#                                    # mlp_act: a 7B layer's FP8 MLP with down's input quantized in gate/up's epilogue)
+#                                    # sdpa: a whole prompt's attention the first time its length is met, per backend)
 #   bash bench/gpu.sh two_gpu_pd     # 2 GPUs: the p2p tests, then bench/two_gpu_pd.py (NCCL KV, PD against 2 unified)
 #   bash bench/gpu.sh two_tp         # 2 GPUs: the TP tests, then bench/tensor_parallel.py (TP 1 against TP 2)
 #   bash bench/gpu.sh xpyd           # 4 GPUs: bench/xpyd.py, some systems a call (ARGS="--configs 2P2D,4U"; XPYD_JSON:
@@ -127,15 +125,8 @@ for name, r in json.load(open(sys.argv[1]))['restart'].items():
   done
   (cd "$out" && tar -czf tiers_writes.tgz disk shm tiers_writes_env.txt && rm -rf disk shm tiers_writes_env.txt)
   ;;
-pending)  # ENGINE_LIMIT seconds an engine run; LIMIT a tiers_writes run (the three parts ~200, ~60 and ~200 s on an H100)
-  for run in "fp8|" "fp8_fused|--fp8-fused-act"; do
-    name=${run%%|*}
-    timeout -k 10 ${ENGINE_LIMIT:-100} python3 bench/gpu_engine.py --quantization fp8 --skip-transformers ${run#*|} \
-      --json "$out/gpu_engine_$name.json" > "$out/gpu_engine_$name.log" 2>&1
-    echo "== $name"; quiet < "$out/gpu_engine_$name.log" | grep -v scaled_dot_product | tail -9
-  done
-  PROBES=mlp_act bash "$0" probes
-  LIMIT=${LIMIT:-100} bash "$0" tiers_writes
+pending)  # LIMIT seconds a run (~100 and ~110 s on an H100)
+  TESTS=0 PREFIXES="512 2048" LIMIT=${LIMIT:-200} bash "$0" kv_tiers
   ;;
 serve)  # MODES (default "pd unified"), each a fresh pdserve up on port 8050 for at most SERVE_LIMIT seconds
   timeout 60 python3 bench/make_dummy_model.py --dims qwen2.5-7b --out /tmp/qwen7b > "$out/make_dummy_model.log" 2>&1
@@ -194,8 +185,7 @@ probes)
     quant) timeout -k 10 120 python3 bench/probes/quant_probe.py --out "$out/quant_probe.json" ;;
     rope) timeout -k 10 120 python3 bench/probes/rope_store_probe.py --out "$out/rope_store_probe.json" ;;
     sdpa) timeout -k 10 120 python3 bench/probes/sdpa_shapes_probe.py --out "$out/sdpa_shapes_probe.json" ;;
-    mlp_act) timeout -k 10 150 python3 bench/probes/mlp_act_probe.py --out "$out/mlp_act_probe.json" ;;
-    *) echo "unknown probe: $probe (diag, gemv, attention, attention_fp8, attention_tiles, fp32, reading, ipc, verify, quant, rope, sdpa, mlp_act)" ;;
+    *) echo "unknown probe: $probe (diag, gemv, attention, attention_fp8, attention_tiles, fp32, reading, ipc, verify, quant, rope, sdpa)" ;;
     esac > "$out/probe_$probe.log" 2>&1
     echo "== $probe"; grep -v "^  " "$out/probe_$probe.log" | tail -14
   done

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from pdserve.engine.engine import Engine
-from pdserve.engine.kernels import fp8, fp8_act, paged
+from pdserve.engine.kernels import fp8, paged
 from pdserve.schemas import SamplingParams
 
 
@@ -45,12 +45,6 @@ def add_fp8_flags(parser: argparse.ArgumentParser) -> None:
         "--fp8-mm-tma",
         action="store_true",
         help="FP8: the batched kernel reads its tiles by TMA (fp8.MATMUL_TMA; off: no faster on an H100, 2026-12-06)",
-    )
-    parser.add_argument(
-        "--fp8-fused-act",
-        action="store_true",
-        help="FP8: decode batches' MLP quantizes down's input in gate/up's epilogue, a scale per row per 128 "
-        "columns (fp8_act.FUSED; off until measured)",
     )
     parser.add_argument(
         "--fp8-accum",
@@ -146,8 +140,6 @@ def configure_fp8(args: argparse.Namespace) -> dict[str, object]:
         fp8.MATMUL_RULE = args.fp8_mm_rule
     if args.fp8_mm_tma:
         fp8.MATMUL_TMA = True
-    if args.fp8_fused_act:
-        fp8_act.FUSED = True
     if args.fp8_kv_tiles:
         paged.FP8_F16_TILES = args.fp8_kv_tiles == "f16"
     if args.fp8_mm_tiles:
@@ -160,7 +152,6 @@ def configure_fp8(args: argparse.Namespace) -> dict[str, object]:
         "matmul_tiles": {f"{m}x{n}x{k}": t for (m, n, k), t in fp8.MATMUL_TILES.items()},
         "matmul_rule": fp8.MATMUL_RULE,
         "matmul_tma": fp8.MATMUL_TMA,
-        "fused_act": fp8_act.FUSED,
         "matmul_tiles_64_rows": {
             name: fp8.matmul_tiles(64, n, k)
             for name, (n, k) in {

@@ -129,8 +129,6 @@ def _matmul_kernel(
     stride_xm,
     stride_om,
     X_FP8: tl.constexpr,
-    X_GROUPS: tl.constexpr,
-    ROW_SCALE: tl.constexpr,
     TILE_QUANT: tl.constexpr,
     SILU_MUL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -176,14 +174,7 @@ def _matmul_kernel(
             k_ok = rk < k_end
             w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             x = _x_tile(x_rows, rk, m_ok[:, None] & k_ok[None, :], K, SILU_MUL)
-        if X_GROUPS:  # x quantized in blocks of this K tile's width, a scale per row each (fp8_act)
-            if WIDEN:
-                part = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)))
-            else:
-                part = tl.dot(w, tl.trans(x))
-            x_block = tl.load(xs_ptr + rm.to(tl.int64) * tl.cdiv(K, BLOCK_K) + k0 // BLOCK_K, mask=m_ok, other=0.0)
-            acc += part * x_block[None, :]
-        elif TILE_QUANT:  # x quantized here, a scale per row of this K tile (quant.quantize_groups_fp8)
+        if TILE_QUANT:  # x quantized here, a scale per row of this K tile (quant.quantize_groups_fp8)
             xf = x.to(tl.float32)
             amax = tl.maximum(tl.max(tl.abs(xf), 1), 1e-12)
             xq = tl.minimum(tl.maximum(xf * tl.math.div_rn(amax * 0.0 + 448.0, amax)[:, None], -448.0), 448.0)
@@ -212,12 +203,12 @@ def _matmul_kernel(
             for j in tl.static_range(SPLIT_K):  # in split order: the sum does not depend on who came last
                 acc += tl.load(part + j * M * N, mask=keep, other=0.0, cache_modifier=".cg")
             _matmul_store(
-                acc, xs_ptr, ws_ptr, b_ptr, out_ptr, rm, rn, m_ok, n_ok, keep, stride_om, ROW_SCALE, HAS_BIAS, HAS_SCALE
+                acc, xs_ptr, ws_ptr, b_ptr, out_ptr, rm, rn, m_ok, n_ok, keep, stride_om, X_FP8, HAS_BIAS, HAS_SCALE
             )
             tl.atomic_xchg(counter, 0)  # ready for the next launch (and the next graph replay)
     else:
         _matmul_store(
-            acc, xs_ptr, ws_ptr, b_ptr, out_ptr, rm, rn, m_ok, n_ok, keep, stride_om, ROW_SCALE, HAS_BIAS, HAS_SCALE
+            acc, xs_ptr, ws_ptr, b_ptr, out_ptr, rm, rn, m_ok, n_ok, keep, stride_om, X_FP8, HAS_BIAS, HAS_SCALE
         )
 
 
@@ -325,7 +316,6 @@ def matmul(
     precise: bool = True,
     tile_quant: bool = False,
     tma: bool = False,
-    x_group_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ (w.q * w.scale[:, None]).T (+ bias)`` for a few to a few hundred rows, one program
     per tile of ``block_n`` output channels and ``block_m`` rows (``x``'s tile loaded once per
@@ -344,23 +334,14 @@ def matmul(
     dtype in registers.
     ``out_dtype``: by default ``x``'s (bf16 for FP8 ``x``). ``tma`` (W8A8 only): the tiles of
     ``w`` and ``x`` read by the tensor memory accelerator (:data:`MATMUL_TMA`); both need rows
-    16-byte aligned. ``x_group_scale`` instead of ``x_scale``: ``x`` FP8 in blocks of ``block_k``
-    columns, ``x_group_scale [M, ceil(K / block_k)]`` a scale per row per block
-    (:func:`.fp8_act.gate_up_act`'s output; each K tile's products times its blocks' scales)."""
+    16-byte aligned."""
     m = x.shape[0]
     k = w.shape[1]
-    if x_group_scale is not None:
-        assert x_scale is None and not tma and not tile_quant and not silu_mul_input
-        assert x.dtype == FP8 and x_group_scale.dtype == torch.float32
-        assert x_group_scale.shape == (m, triton.cdiv(k, block_k)), "a scale per row per block_k columns"
-        assert x_group_scale.is_contiguous()
-        x_scale = x_group_scale
     fp8_x = x_scale is not None
     assert x.stride(1) == 1 and x.shape[1] == (2 * k if silu_mul_input else k)
     if fp8_x:
         assert x.dtype == FP8 and not silu_mul_input, "W8A8 reads quantized rows (quantize_rows fuses SiLU·up)"
-        assert x_scale.dtype == torch.float32 and x_scale.shape[0] == m  # type: ignore[union-attr]
-        assert x_group_scale is not None or x_scale.shape == (m,)  # type: ignore[union-attr]
+        assert x_scale.dtype == torch.float32 and x_scale.shape == (m,)  # type: ignore[union-attr]
     else:
         assert x.dtype != FP8, "FP8 activations need their row scales"
     assert not tile_quant or (not fp8_x and block_k == GROUP), f"tile_quant: 16-bit x, block_k {GROUP}"
@@ -376,9 +357,7 @@ def matmul(
     tiles |= {"num_warps": num_warps, "num_stages": num_stages}
     if tma:
         tiles["tma"] = True
-    return _launch(
-        x, x_scale, w.q, w.scale, bias, out_dtype, silu_mul_input, tiles, precise, tile_quant, x_group_scale is not None
-    )
+    return _launch(x, x_scale, w.q, w.scale, bias, out_dtype, silu_mul_input, tiles, precise, tile_quant)
 
 
 def _launch(
@@ -392,7 +371,6 @@ def _launch(
     t: dict[str, int],
     precise: bool = True,
     tile_quant: bool = False,
-    x_groups: bool = False,
 ) -> torch.Tensor:
     """:func:`_matmul_kernel` over ``x [M, K]`` and ``w [N, K]`` at tiles ``t`` (scales where given)."""
     m, (n, k) = x.shape[0], w.shape
@@ -427,8 +405,6 @@ def _launch(
         x.stride(0),
         out.stride(0),
         X_FP8=x_scale is not None,
-        X_GROUPS=x_groups,
-        ROW_SCALE=x_scale is not None and not x_groups,  # (blocks' scales: applied per K tile)
         TILE_QUANT=tile_quant,
         SILU_MUL=silu_mul_input,
         HAS_BIAS=bias is not None,

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.kernels import elementwise, fp8, fp8_act, gemv, paged, paged_prefill, rope
+from pdserve.engine.kernels import elementwise, fp8, gemv, paged, paged_prefill, rope
 from pdserve.engine.models.batch import StepBatch
 from pdserve.engine.models.llama_weights import FusedDecoder, Layer, Weight
 from pdserve.engine.quant import Fp8Weight, kv_key_rotation
@@ -269,10 +269,7 @@ class LlamaFamily(FusedDecoder):
             h = self._linear(out, layer.o_weight, layer.o_bias, GEMV_O, pdl)
             if self.tp is not None:
                 self.tp.all_reduce(h)
-            if self._fused_act(layer, rows):  # down's input quantized in gate/up's epilogue
-                h, residual = self._mlp_fused_act(h, residual, layer, rows)
-            else:
-                h, residual = self._mlp(h, residual, layer, rows, pdl)
+            h, residual = self._mlp(h, residual, layer, rows, pdl)
             if self.tp is not None:
                 self.tp.all_reduce(h)
         h, _ = elementwise.add_rms_norm(h, residual, self.norm, self.eps, pdl)
@@ -294,34 +291,6 @@ class LlamaFamily(FusedDecoder):
             out = gemv.gemv(gate_up, down, layer.down_bias, silu_mul_input=True, pdl=pdl, **gemv.model_tiles(GEMV_DOWN))
             return out, residual
         return F.linear(elementwise.silu_mul(gate_up), down, layer.down_bias), residual
-
-    def _fused_act(self, layer: Layer, rows: int) -> bool:
-        """Whether this layer's MLP over ``rows`` takes :mod:`.fp8_act` (down's input quantized in
-        gate/up's epilogue): :data:`fp8_act.FUSED`, FP8 gate/up and down (no gate/up bias), rows
-        the batched W8A8 kernel quantizes per row."""
-        gemv_rows = fp8.GEMV_MAX_ROWS if self.use_gemv else 0
-        return (
-            fp8_act.FUSED
-            and isinstance(layer.gate_up_weight, Fp8Weight)
-            and isinstance(layer.down_weight, Fp8Weight)
-            and layer.gate_up_bias is None
-            and fp8.takes_quantized_rows(rows, gemv_rows)
-            and rows <= fp8.BATCHED_MAX_ROWS
-        )
-
-    def _mlp_fused_act(
-        self, h: torch.Tensor, residual: torch.Tensor | None, layer: Layer, rows: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(mlp(add_rms_norm(h, residual)), h + residual)`` by :mod:`.fp8_act`: the norm's rows
-        quantized per row, gate/up's product with SiLU·up quantized a scale per row per 128
-        columns in its epilogue, then down's product over those blocks."""
-        gate_up, down = layer.gate_up_weight, layer.down_weight
-        assert isinstance(gate_up, Fp8Weight) and isinstance(down, Fp8Weight)
-        (xq, xs), residual = elementwise.add_rms_norm_fp8(h, residual, layer.post_norm, self.eps)
-        aq, a_scale = fp8_act.gate_up_act(xq, xs, gate_up, act_dtype=h.dtype, **fp8_act.act_tiles(rows))
-        tiles = fp8_act.down_tiles(rows, down.shape[0], down.shape[1])
-        out = fp8.matmul(aq, down, layer.down_bias, out_dtype=h.dtype, x_group_scale=a_scale, **tiles)
-        return out, residual
 
     def _linear(
         self, x: torch.Tensor, w: Weight, b: torch.Tensor | None, tiles: dict[str, int], pdl: bool = False

@@ -23,7 +23,7 @@ from pdserve.bench import shapes
 from pdserve.engine import quant
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.kernels import elementwise, fp8, fp8_act
+from pdserve.engine.kernels import elementwise, fp8
 from pdserve.engine.loader import quiet_transformers
 from pdserve.engine.model_runner import ModelRunner, ModelSpec
 from pdserve.engine.models import fp8_reason
@@ -170,38 +170,3 @@ def test_fp8_is_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch, tmp
     assert fp8_reason(model, torch.device("cuda"), "pdserve") is None
     with pytest.raises(ValueError, match="quantization is fp8 or None"):
         EngineConfig(quantization="int8")
-
-
-def test_fp8_mlp_with_down_s_input_quantized_in_gate_up_equals_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With :data:`fp8_act.FUSED` (no GEMVs: every step's rows through the batched W8A8
-    kernel), down's input is quantized a scale per row per 128 columns in gate/up's epilogue:
-    greedy output equals ``transformers`` over the FP8-rounded weights with every projection's
-    input quantized per token but down's, quantized so per block; the path is taken, and down's
-    input is never quantized per row."""
-    quiet_transformers()
-    monkeypatch.setattr(fp8_act, "FUSED", True)
-    model = shapes.small_model("qwen2", DEVICE)
-    reference = fp8_reference(model, quantize_activations=True)
-    for name, m in reference.named_modules():
-        if name.endswith("down_proj"):
-            m._forward_pre_hooks.clear()
-
-            def per_block(_: torch.nn.Module, args: tuple) -> tuple:
-                (x,) = args
-                q, scale = quant.quantize_groups_fp8(x.reshape(-1, x.shape[-1]))
-                x32 = q.to(torch.float32) * scale.repeat_interleave(quant.GROUP, dim=1)[:, : q.shape[1]]
-                return (x32.to(x.dtype).reshape(x.shape),)
-
-            m.register_forward_pre_hook(per_block)
-    rng = random.Random("fused")
-    prompts = [[rng.randrange(300) for _ in range(n)] for n in (4, 21)]
-    expected = hf_greedy(reference, prompts, NEW)
-    config = fp8_config()
-    runner = ModelRunner(ModelSpec(Path("qwen2")), config, model=model)
-    assert isinstance(runner.fast, llama.LlamaFamily)
-    runner.fast.use_gemv = False
-    calls = counted(monkeypatch, act=(fp8_act, "gate_up_act"), rows=(fp8, "quantize_rows"))
-    ours = run(Engine(runner, config), prompts, NEW)
-    assert_greedy_equal(reference, prompts, ours, expected)
-    # every layer's MLP of every step took it; o alone quantizes its own rows (qkv's come from the norm)
-    assert calls["act"] > 0 and calls["rows"] == calls["act"]
