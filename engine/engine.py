@@ -62,6 +62,11 @@ log = logging.getLogger(__name__)
 # with the next, the floor a step does not go below (kv_cost.prefill_floor: on a GPU the host's
 # launches), which bounds what loading part of a prompt saves.
 PREFILL_PROBES = (64, 256, 1024, 4096)
+# Rounds of them timed after the first (which compiles), by device type, each size's fastest
+# kept (CostEstimates.keep_fastest): a GPU's steps of a few hundred tokens are mostly the host's
+# launches, and a slow spell of the host in one round left a restarted worker no floor
+# (2026-12-07); a CPU's steps are its own arithmetic (and a round there takes seconds).
+PROBE_ROUNDS = {"cuda": 2, "cpu": 1}
 
 
 def probe_sizes(limit: int, gpu: bool) -> list[int]:
@@ -155,9 +160,10 @@ class Engine(Appending, Admission):
         self.measure_prefill()
 
     def measure_prefill(self) -> bool:
-        """Time two prefills of :data:`PREFILL_PROBES` tokens for the KV tiers' cost rule (the
-        second round's: the first compiles kernels; the floor too, where they show one), where
-        a disk or store tier decides by cost and nothing has run yet. Nothing of them is cached, offered to the tiers or
+        """Time prefills of :data:`PREFILL_PROBES` tokens for the KV tiers' cost rule (a first
+        round compiles kernels, then :data:`PROBE_ROUNDS` rounds are timed and each size's fastest
+        kept; the floor too, where they show one), where a disk or store tier decides by cost and
+        nothing has run yet. Nothing of them is cached, offered to the tiers or
         counted in :attr:`stats`. Returns whether it measured."""
         tiers = self.tiers
         if tiers is None or not tiers.groups or tiers.config.load != "cost" or self.has_work():
@@ -171,15 +177,17 @@ class Engine(Appending, Admission):
         saved, self.stats = self.stats, EngineStats()
         self.pages.enable_prefix_cache = False
         try:
-            for round_ in range(2):
-                tiers.estimates.clear_prefill()
+            for round_ in range(1 + PROBE_ROUNDS.get(self.runner.device.type, 1)):
+                if round_ < 2:  # (the first round's readings paid the compiles)
+                    tiers.estimates.clear_prefill()
                 for n in sizes:
                     self.add_request(
                         f"prefill-probe-{round_}-{n}", [rng.randrange(self.runner.vocab_size) for _ in range(n)], greedy
                     )
                     while self.has_work():
                         self.step()
-            tiers.estimates.measure_floor()  # the second round's steps
+            tiers.estimates.keep_fastest()
+            tiers.estimates.measure_floor()  # the timed rounds' steps
         finally:
             self.pages.enable_prefix_cache = True
             self.stats = saved

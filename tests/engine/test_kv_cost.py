@@ -346,6 +346,30 @@ def test_readings_of_one_size_keep_the_line_measured_when_they_spread() -> None:
     assert e.prefill_s_per_token != line[1]
 
 
+def test_of_probes_timed_twice_each_size_s_fastest_is_kept_and_shows_the_floor() -> None:
+    """A restarted worker's probes on an H100 in one timed round: 96, 192 and 384 tokens in
+    36.7, 19.1 and 28.0 ms (a slow spell of the host), no floor, and its disk loaded 512-token
+    prefixes at 1.7x a fresh process's computing them (2026-12-07). With a second round at the
+    usual ~10 ms, each size's fastest reading is kept, in its place, and the floor shows."""
+    e = CostEstimates()
+    slow = [(96, 36.7e-3, 4608.0), (192, 19.1e-3, 18432.0), (384, 28.0e-3, 73728.0)]
+    usual = [(96, 10.0e-3, 4608.0), (192, 20.5e-3, 18432.0), (384, 10.6e-3, 73728.0)]
+    for r in slow:
+        e.note_prefill(*r)
+    assert not e.measure_floor()
+    for r in usual:
+        e.note_prefill(*r)
+    e.keep_fastest()
+    assert list(e.prefill_readings) == [usual[0], slow[1], usual[2]]
+    assert e.measure_floor() and e.prefill_floor_s == pytest.approx(10.0e-3, rel=0.1)
+    again = list(e.prefill_readings)
+    e.keep_fastest()  # nothing left to merge
+    assert list(e.prefill_readings) == again
+    e.note_prefill(96, 9.0e-3, 1000.0)  # another size of pairs (a chunk after others) is another reading
+    e.keep_fastest()
+    assert len(e.prefill_readings) == 4
+
+
 def test_the_floor_of_a_step_bounds_what_a_load_saves() -> None:
     """On an H100 a 7B model's prefill steps of 96 to 384 tokens all took ~10 ms (the host's
     launches), one of 544 tokens 14-15: loading 480 of a chat turn's 548 tokens saves the ~5 ms

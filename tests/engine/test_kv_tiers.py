@@ -673,6 +673,35 @@ def test_groups_every_tier_holds_are_not_copied_again(
     second.close()
 
 
+def test_a_worker_s_probes_keep_each_size_s_fastest_of_the_rounds_timed(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At start a worker whose disk decides by cost times its prefill probes in a first round
+    (compiles, no reading) and then :data:`engine.PROBE_ROUNDS` rounds (here two on the CPU, as
+    on a GPU): the rule keeps, for each size, the fastest of the timed rounds' readings."""
+    from pdserve.engine import engine as engine_module
+
+    monkeypatch.setitem(engine_module.PROBE_ROUNDS, "cpu", 2)
+    noted: list[tuple[int, float, float]] = []
+    note = CostEstimates.note_prefill
+
+    def recorded(self: CostEstimates, tokens: int, seconds: float, pairs: float = 0.0) -> None:
+        noted.append((tokens, seconds, pairs))
+        note(self, tokens, seconds, pairs)
+
+    monkeypatch.setattr(CostEstimates, "note_prefill", recorded)
+    engine = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4, load="cost")
+    assert engine.tiers is not None
+    readings = list(engine.tiers.estimates.prefill_readings)
+    sizes = [(t, p) for t, _, p in readings]
+    assert len(sizes) == len(set(sizes)) >= 2
+    assert len(noted) == 3 * len(readings), "three rounds of the same steps"
+    timed = noted[len(readings) :]
+    for tokens, seconds, pairs in readings:
+        assert seconds == min(sec for t, sec, p in timed if (t, p) == (tokens, pairs))
+    engine.close()
+
+
 def test_the_rule_is_fitted_as_a_step_launches_not_in_a_requests_lookup(tiny_model_dir: Path, tmp_path: Path) -> None:
     """The prefill steps' readings are fitted once the next step is launched (while the device
     runs it), so a request's lookup finds the rule's line fitted and fits nothing before its
