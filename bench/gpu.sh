@@ -11,9 +11,9 @@
 #                                    # host's grammar work per step (bench/probes/grammar_host.py)
 #   bash bench/gpu.sh kv_tiers       # the tier tests on the GPU, then bench/kv_tiers.py at 7B dimensions, a run per
 #                                    # context length (PREFIXES, default "8192 2048 512"; logs in kv_tiers_logs.tgz)
-#   bash bench/gpu.sh tiers_writes   # why a first process writing its disk at 512 tokens read 1.55x cold: the fresh
-#                                    # processes alone (kv_tiers --no-chat --no-store --step-times, the OS counters, a
-#                                    # trace of the third prompt) with the files on the disk, then on /dev/shm (no writeback)
+#   bash bench/gpu.sh tiers_writes   # a first process writing its disk at 512 tokens, against fresh processes: alone
+#                                    # (kv_tiers --no-chat --no-store --step-times, the OS counters, a trace of the
+#                                    # third prompt) with the files on the disk, then on /dev/shm (no writeback)
 #   bash bench/gpu.sh pending        # what waits for a device: the KV tiers at 512 and 2,048 tokens (kv_tiers, TESTS=0)
 #   bash bench/gpu.sh serve          # pdserve up (PD, then unified) on one GPU at 7B dimensions, pdserve bench at 1 and 64
 #   bash bench/gpu.sh fp8            # the FP8 tests on the GPU, bench/probes/fp8_probe.py, then bench/gpu_engine.py in
