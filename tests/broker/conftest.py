@@ -54,11 +54,16 @@ def make_request() -> Callable[..., GenerateRequest]:
 async def _eventually(
     check: Callable[[], Awaitable[Any]], timeout: float = 10.0, interval: float = 0.02, what: str = "condition"
 ) -> Any:
-    """Poll ``check`` until it returns something truthy; fail after ``timeout`` seconds."""
+    """Poll ``check`` until it returns something truthy; fail after ``timeout`` seconds, also
+    where one call of ``check`` is still waiting then (a hang is named here, with the await it
+    was stuck in, not left to the suite's timeout minutes later)."""
     deadline = time.monotonic() + timeout
     last: Any = None
     while True:
-        last = await check()
+        try:
+            last = await asyncio.wait_for(check(), timeout=max(deadline - time.monotonic(), interval))
+        except TimeoutError:
+            pytest.fail(f"{what}: a check was still waiting after {timeout}s (traceback: where it waited)")
         if last:
             return last
         if time.monotonic() > deadline:
