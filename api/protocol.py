@@ -266,7 +266,7 @@ def _sampling(
     floor_key = "min_new_tokens" if "min_new_tokens" in src else "min_tokens"  # SGLang's, vLLM's
     floor = _int(src, floor_key, 0, 0, max_tokens)
     if prompt_logprobs is not None:
-        _check_scoring(num_prompt, prompt_logprobs, n, limits)
+        _check_scoring(num_prompt, prompt_logprobs, limits)
     stop_ids = src.get("stop_token_ids")
     body = src if body is None else body
     default = info.sampling_defaults  # the model's generation config, where the request is silent
@@ -299,10 +299,8 @@ def _sampling(
         raise bad_request(str(exc)) from None
 
 
-def _check_scoring(num_prompt: int, k: int, n: int, limits: Limits) -> None:
-    """A prompt's log-probabilities are one sample's (``n`` 1) and travel in one message."""
-    if n > 1:
-        raise bad_request("the prompt's log-probabilities are served with n = 1 only", "n")
+def _check_scoring(num_prompt: int, k: int, limits: Limits) -> None:
+    """A prompt's log-probabilities travel in one message (each sample's first, where ``n`` > 1)."""
     size = prompt_logprobs_bytes(num_prompt, k)
     if limits.max_message_bytes is not None and size > limits.max_message_bytes:
         raise bad_request(

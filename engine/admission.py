@@ -13,7 +13,7 @@ from pdserve.engine.outputs import RequestError
 from pdserve.engine.page_manager import OutOfPages, PageManager
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import PromptScores, Sequence, Status
-from pdserve.schemas import SamplingParams
+from pdserve.schemas import PromptLogprobs, SamplingParams
 from pdserve.schemas.sampling import sample_rid
 
 log = logging.getLogger("pdserve.engine.engine")
@@ -94,6 +94,11 @@ class Admission:
         head.forks = [sample(i, t, sample_rid(rid, i)) for i, t in picks[1:]]
         for fork in head.forks:
             fork.forked = True
+        if sampling.prompt_logprobs is not None and firsts is None:  # (an import's client has them)
+            head.prompt_scores = PromptScores(sampling.prompt_logprobs)
+            cell: list[PromptLogprobs | None] = [None]
+            for seq in (head, *head.forks):
+                seq.shared_scores = cell
         return head
 
     def check_token_ids(self, *ids: list[int]) -> None:

@@ -45,6 +45,12 @@ class Appending:
             if seq.prompt_scores is not None:  # sent once; a recompute after preemption may use the cache
                 assert seq.prompt_scores.num == len(seq.prompt_ids) - 1, "prompt scored in part"
                 scores, seq.prompt_scores = seq.prompt_scores.wire(), None
+                if seq.shared_scores is not None:  # an n > 1 request's head: its samples' too
+                    seq.shared_scores[0] = scores
+            elif seq.shared_scores is not None:  # a sample: its head came first (the step's order)
+                scores = seq.shared_scores[0]
+                assert scores is not None, "a sample's first token before its head's"
+            seq.shared_scores = None
         seq.output_ids.append(token)
         self.stats.generated_tokens += 1
         if seq.matcher is not None:

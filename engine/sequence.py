@@ -60,6 +60,9 @@ class Sequence:
     # The prompt's own tokens scored as its prefill computes them (sampling.prompt_logprobs):
     # ``None`` when not asked for (or for a request resumed or imported with its KV).
     prompt_scores: PromptScores | None = None
+    # An ``n > 1`` request's scores, one cell its samples share: the head scores the prompt and
+    # puts them there at its first token, each sample's first output carries them.
+    shared_scores: list[PromptLogprobs | None] | None = None
 
     @property
     def out_rid(self) -> str:

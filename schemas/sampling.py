@@ -38,7 +38,8 @@ class SamplingParams:
     top_logprobs: int = 0
     # The prompt's own tokens' log-probabilities (each given the tokens before it, from the
     # second on), with this many alternatives each; ``None``: not wanted. Computed in full:
-    # such a request takes nothing from the prefix cache.
+    # such a request takes nothing from the prefix cache. With ``n`` > 1, once, on every
+    # sample's first chunk.
     prompt_logprobs: int | None = None
     n: int = 1
     logit_bias: dict[str, float] | None = None
@@ -61,7 +62,6 @@ class SamplingParams:
             self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS,
             f"prompt_logprobs must be between 0 and {MAX_TOP_LOGPROBS}",
         )
-        _require(self.prompt_logprobs is None or self.n == 1, "prompt_logprobs is served with n = 1 only")
         _require(len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings")
         _require(all(s for s in self.stop), "stop strings must not be empty")
         _require(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative")

@@ -702,7 +702,8 @@ def test_prompt_logprobs_requests(info: ModelInfo, name: str) -> None:
         is None
     )  # logprob_start_len -1, SGLang's default: the output's alone
     _bad(parse_completion, {"prompt": ids, "max_tokens": 0}, info, param="max_tokens")
-    _bad(parse_completion, {"prompt": ids, "prompt_logprobs": 1, "n": 3}, info, param="n")
+    several = parse_completion({"prompt": ids, "prompt_logprobs": 1, "n": 3}, info, Limits(DEFAULT_MAX))
+    assert several.jobs[0].sampling.n == 3 and several.jobs[0].sampling.prompt_logprobs == 1  # each sample shows them
     _bad(parse_chat, {**chat, "prompt_logprobs": 21}, info, param="prompt_logprobs")
     small = Limits(DEFAULT_MAX, max_message_bytes=1 << 14)
     assert parse_completion({"prompt": ids, "prompt_logprobs": 0}, info, small).jobs  # 200 tokens fit

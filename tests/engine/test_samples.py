@@ -90,6 +90,35 @@ def test_n_samples_over_the_prefill_decode_hand_off(tiny_model_dir: Path) -> Non
     assert decode.pages.num_used_pages == 0
 
 
+@pytest.mark.parametrize("prefill_only", [False, True])
+def test_n_samples_each_carry_the_prompt_s_log_probabilities(tiny_model_dir: Path, prefill_only: bool) -> None:
+    """An ``n > 1`` request asking for its prompt's log-probabilities: the prompt is scored
+    once (its head's prefill, in chunks past the prefix cache) and every sample's first output
+    carries the same scores, those of the request with ``n`` 1; a prefill worker's samples
+    too (their first tokens go to the client before the hand-off). No later output has them."""
+    params = SamplingParams(max_new_tokens=4, temperature=0.9, seed=11, ignore_eos=True, prompt_logprobs=2)
+    alone = make_engine(tiny_model_dir, chunked_prefill_size=16)
+    alone.add_request("a", PROMPT, params)
+    (want,) = [o.prompt_logprobs for o in iter_outputs(alone) if o.prompt_logprobs is not None]
+    engine = make_engine(tiny_model_dir, chunked_prefill_size=16)
+    engine.add_request("warm", PROMPT, SamplingParams(max_new_tokens=1, temperature=0.0))  # the prefix cached
+    run_all(engine)
+    engine.add_request("g", PROMPT, SamplingParams(**{**_fields(params), "n": 3}), prefill_only=prefill_only)
+    scored: dict[str, list[int]] = {}
+    for o in iter_outputs(engine):
+        if o.prompt_logprobs is not None:
+            assert o.index == 0 and o.rid not in scored
+            scored[o.rid] = o.prompt_logprobs
+    assert sorted(scored) == [sample_rid("g", i) for i in range(3)]
+    for got in scored.values():
+        assert got.ranks == want.ranks and got.top_ids == want.top_ids
+        assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5)
+    assert engine.stats.scored_prompt_tokens == len(PROMPT) - 1  # scored once
+    if prefill_only:
+        assert engine.release("g")
+    assert engine.pages.num_used_pages == 0
+
+
 def test_a_sample_can_be_aborted_alone_or_with_its_request(tiny_model_dir: Path) -> None:
     engine = make_engine(tiny_model_dir)
     engine.add_request("g", PROMPT, SamplingParams(max_new_tokens=50, temperature=0.0, ignore_eos=True, n=3))

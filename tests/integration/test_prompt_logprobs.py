@@ -188,10 +188,50 @@ async def test_sglang_input_logprobs(system: Any, reference: torch.Tensor) -> No
     assert all(text == tokenizer.decode([t]) for top in meta["input_top_logprobs"][1:] for _, t, text in top)
 
 
+async def test_every_sample_shows_the_prompt_s_log_probabilities(system: Any, reference: torch.Tensor) -> None:
+    """With ``n`` > 1 the prompt is computed once and every choice shows its scores, as vLLM
+    serves them: the legacy ``echo`` with ``logprobs`` (whole and streamed: each choice's first
+    piece starts with the prompt's tokens), vLLM's ``prompt_logprobs``, and SGLang's
+    ``logprob_start_len`` on /generate."""
+    want = expected(reference)
+    body = {"prompt": PROMPT_IDS, "max_tokens": 2, "n": 3, "temperature": 1.0, "seed": 7, "echo": True, "logprobs": 1}
+    r = await post(system, "/v1/completions", {**body, "prompt_logprobs": 1})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert sorted(c["index"] for c in choices) == [0, 1, 2]
+    for c in choices:
+        assert_close(c["logprobs"]["token_logprobs"][1 : len(PROMPT_IDS)], want)
+        entries = c["prompt_logprobs"]
+        assert entries[0] is None and len(entries) == len(PROMPT_IDS)
+        assert_close([e[str(t)]["logprob"] for e, t in zip(entries[1:], PROMPT_IDS[1:], strict=True)], want)
+    assert r.json()["usage"]["prompt_tokens"] == len(PROMPT_IDS) and r.json()["usage"]["completion_tokens"] == 6
+    async with httpx.AsyncClient(base_url=system.url, timeout=120) as http:
+        async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
+            lines = [line async for line in stream.aiter_lines() if line.startswith("data: {")]
+    firsts: dict[int, Any] = {}
+    for chunk in (json.loads(line[6:]) for line in lines):
+        for c in chunk["choices"]:
+            firsts.setdefault(c["index"], c)
+    assert sorted(firsts) == [0, 1, 2]
+    for c in firsts.values():  # each choice's first piece: the prompt echoed with its scores
+        assert_close(c["logprobs"]["token_logprobs"][1 : len(PROMPT_IDS)], want)
+    sglang = {
+        "input_ids": PROMPT_IDS,
+        "sampling_params": {"max_new_tokens": 1, "n": 2},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
+    r = await post(system, "/generate", sglang)
+    assert r.status_code == 200, r.text
+    bodies = r.json()
+    assert isinstance(bodies, list) and len(bodies) == 2
+    for b in bodies:
+        assert_close([e[0] for e in b["meta_info"]["input_token_logprobs"][1:]], want)
+
+
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
-        ("/v1/completions", {"prompt": PROMPT_IDS, "prompt_logprobs": 1, "n": 2}, "n"),
         ("/v1/completions", {"prompt": PROMPT_IDS, "prompt_logprobs": 21}, "prompt_logprobs"),
         (
             "/v1/chat/completions",
