@@ -29,3 +29,20 @@ def test_a_prompt_s_os_counters_see_the_thread_s_faults_and_the_system_s_dirty_p
     assert {"majflt", "nvcsw", "nivcsw"} <= reading.keys()
     for name in ("nr_dirty", "nr_writeback"):
         assert isinstance(reading[f"{name}_before"], int) and isinstance(reading[f"{name}_after"], int)
+
+
+def test_the_chat_s_later_turn_shapes_are_met_before_the_turns(tiny_model_dir: Path) -> None:
+    """``warm_up_turns`` computes a prompt of the longest turn's length whole, then that prompt
+    with a message more, its prefix taken from the device's cache (the step of a turn whose
+    context was loaded); the engine is idle after."""
+    from kv_tiers import warm_up_turns
+
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.loader import build_engine
+
+    engine = build_engine(tiny_model_dir, EngineConfig(max_total_tokens=1024))
+    warm_up_turns(engine, 300, 32)
+    assert engine.stats.prompt_tokens == 300 + 332
+    assert engine.stats.cached_tokens >= 288  # the second's prefix: the first's full pages
+    assert not engine.has_work()
+    engine.close()
