@@ -325,7 +325,9 @@ def chat(
         engine = build_engine(model, config, load_format=args.load_format, model=shared)
         warm_up(engine)
         if not runs and tiers == KVTierConfig():  # the first, without tiers: nothing of it is written
-            warm_up_turns(engine, args.prefix + args.turns * args.message + (args.turns - 1) * args.answer, args.message)
+            warm_up_turns(
+                engine, args.prefix + args.turns * args.message + (args.turns - 1) * args.answer, args.message
+            )
         runs[name] = Run(engine, [list(o) for o in openings])
     names = list(runs)
     frozen = freeze_heap() if args.gc_freeze else 0  # as a worker does once its engine is built
