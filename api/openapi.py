@@ -15,7 +15,7 @@ from pdserve.api.access import LIMITED_PATHS, OPEN_PATHS
 from pdserve.api.config import ApiConfig
 from pdserve.api.model_info import ModelInfo
 from pdserve.api.protocol import INT64, MAX_COMPLETION_LOGPROBS
-from pdserve.schemas.sampling import MAX_LOGIT_BIAS, MAX_SAMPLES, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+from pdserve.schemas.sampling import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_SAMPLES, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 
 Schema = dict[str, Any]
 
@@ -111,6 +111,9 @@ def _vllm_extras(info: ModelInfo) -> dict[str, Schema]:
         "include_stop_str_in_output": BOOL,
         "truncate_prompt_tokens": _integer(-1),
         "allowed_token_ids": _maybe({"type": "array", "items": token, "minItems": 1}),
+        "bad_words": _maybe(
+            {"type": "array", "items": {"type": "string", "pattern": r"\S"}, "maxItems": MAX_BAD_WORDS // 2}
+        ),
         "return_tokens_as_token_ids": BOOL,
         "guided_choice": _maybe({"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1}),
     }

@@ -17,7 +17,7 @@ from pdserve.api import constraints, reasoning, tools
 from pdserve.api.errors import bad_request
 from pdserve.api.model_info import ModelInfo
 from pdserve.schemas import SamplingParams
-from pdserve.schemas.sampling import MAX_SAMPLES, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+from pdserve.schemas.sampling import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_SAMPLES, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 from pdserve.schemas.tokens import prompt_logprobs_bytes
 
 MAX_COMPLETION_LOGPROBS = 5
@@ -171,7 +171,6 @@ def _set(value: Any) -> bool:
 VLLM_UNSERVED: tuple[tuple[str, Callable[[Any], bool]], ...] = (
     ("use_beam_search", _set),
     ("length_penalty", lambda v: v not in (None, 1, 1.0)),
-    ("bad_words", _set),
     ("logits_processors", _set),
     ("guided_whitespace_pattern", _set),
     ("priority", _set),
@@ -293,6 +292,7 @@ def _sampling(
             n=n,
             logit_bias=constraints.logit_bias(src, len(info.tokenizer)),
             allowed_token_ids=_allowed(src, info),
+            bad_words=_bad_words(src, info),
             **constraints.constraint(body, src),
         )
     except ValueError as exc:
@@ -310,6 +310,32 @@ def _check_scoring(num_prompt: int, k: int, limits: Limits) -> None:
             "prompt_logprobs",
             "prompt_logprobs_too_large",
         )
+
+
+def _bad_words(src: dict[str, Any], info: ModelInfo) -> tuple[tuple[int, ...], ...]:
+    """vLLM's ``bad_words``: each word's tokens as it stands and, where that tokenizes to
+    another first token of the same length, after a space (a word starting the text and one
+    inside it); a sequence once."""
+    value = src.get("bad_words")
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(w, str) for w in value):
+        raise bad_request("'bad_words' must be a list of strings", "bad_words")
+    if len(value) > MAX_BAD_WORDS // 2:  # (each word is at most two sequences)
+        raise bad_request(f"'bad_words' may hold at most {MAX_BAD_WORDS // 2} words", "bad_words")
+    out: dict[tuple[int, ...], None] = {}
+    for word in value:
+        bare = word.strip()
+        if not bare:
+            raise bad_request("'bad_words' strings must not be empty", "bad_words")
+        ids = tuple(info.tokenizer.encode(bare, add_special_tokens=False))
+        spaced = tuple(info.tokenizer.encode(" " + bare, add_special_tokens=False))
+        out[ids] = None
+        if spaced and len(spaced) == len(ids) and spaced[0] != ids[0]:
+            out[spaced] = None
+    if any(len(w) > MAX_BAD_WORD_TOKENS for w in out):
+        raise bad_request(f"each of 'bad_words' may be at most {MAX_BAD_WORD_TOKENS} tokens long", "bad_words")
+    return tuple(out)
 
 
 def _allowed(src: dict[str, Any], info: ModelInfo) -> tuple[int, ...]:

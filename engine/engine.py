@@ -333,7 +333,7 @@ class Engine(Appending, Admission):
                 SampleRequest(
                     seq.sampling,
                     seq.prompt_ids,
-                    seq.output_ids + draft[:t] if seq.sampling.has_penalties else seq.output_ids,
+                    seq.output_ids + draft[:t] if seq.sampling.reads_history else seq.output_ids,
                     index=seq.num_outputs + t,
                 )
                 for t in range(len(draft) + 1)
@@ -522,7 +522,7 @@ class Engine(Appending, Admission):
     def _may_overlap(self, launched: Launched) -> bool:
         """Whether the next step may be scheduled before this one's tokens are known: only
         decodes in it (no prefill progress to account), tokens on the device, and no row
-        whose sampling reads its own history (penalties). A constrained row may: the next
+        whose sampling reads its own history (penalties, bad words). A constrained row may: the next
         step's launch hands its grammar the token before filling its mask (``_catch_up``)."""
         batch = launched.batch
         held = (
@@ -530,7 +530,7 @@ class Engine(Appending, Admission):
             and launched.tokens is not None
             and not batch.prefills
             and not batch.verifies
-            and not any(s.sampling.has_penalties for s in batch.decodes)
+            and not any(s.sampling.reads_history for s in batch.decodes)
         )
         speculator = self.speculator
         if held and speculator is not None and any(speculator.due(s, len(batch.decodes)) for s in batch.decodes):

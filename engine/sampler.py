@@ -8,8 +8,8 @@ preemption, and whatever else shares the batch. Log-probabilities are those of t
 model's raw distribution (before penalties, bias, constraints and temperature).
 
 Before the choice, in this order: repetition/frequency/presence penalties, ``logit_bias``,
-and a structured-output constraint's token mask (``masks``, filled by the engine from each
-row's grammar).
+``allowed_token_ids``, ``bad_words`` and a structured-output constraint's token mask
+(``masks``, filled by the engine from each row's grammar).
 """
 
 from __future__ import annotations
@@ -127,6 +127,8 @@ class Sampler:
                     self._mask_ends(logits[i], r.params)
                 if r.params.allowed_token_ids:
                     _keep_only(logits[i], r.params.allowed_token_ids)
+                if r.params.bad_words:
+                    _bar_bad_words(logits[i], r)
         return logits
 
     def _mask_ends(self, row: torch.Tensor, p: SamplingParams) -> None:
@@ -204,12 +206,25 @@ def _below_floor(r: SampleRequest) -> bool:
 def _processes(r: SampleRequest) -> bool:
     """The row's logits change before it draws (:meth:`Sampler.processed`)."""
     p = r.params
-    return p.has_penalties or p.has_bias or bool(p.allowed_token_ids) or _below_floor(r)
+    return p.has_penalties or p.has_bias or bool(p.allowed_token_ids) or bool(p.bad_words) or _below_floor(r)
 
 
 def _plain(r: SampleRequest) -> bool:
     """A row whose token is the raw logits' argmax."""
     return r.params.is_greedy and not _processes(r)
+
+
+def _bar_bad_words(row: torch.Tensor, r: SampleRequest) -> None:
+    """In place: the last token of each bad word whose other tokens end the output made
+    impossible (a one-token word's always; ids past the vocabulary ignored)."""
+    out = r.output_ids
+    barred = {
+        w[-1]
+        for w in r.params.bad_words
+        if w[-1] < row.shape[0] and len(w) - 1 <= len(out) and tuple(out[len(out) - len(w) + 1 :]) == w[:-1]
+    }
+    if barred:
+        row[_tensor(sorted(barred), torch.long, row.device)] = _MASK
 
 
 def _keep_only(row: torch.Tensor, allowed: tuple[int, ...]) -> None:

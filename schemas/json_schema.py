@@ -25,7 +25,15 @@ from pdserve.schemas.kv import KVLease, KVLeaseReply, KVReady, KVRelease
 from pdserve.schemas.kv_events import KVEvents, PlacementClaim
 from pdserve.schemas.link import KVLink, KVLinkReply, KVPush, KVPushReply
 from pdserve.schemas.request import GenerateRequest
-from pdserve.schemas.sampling import MAX_LOGIT_BIAS, MAX_SAMPLES, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SamplingParams
+from pdserve.schemas.sampling import (
+    MAX_BAD_WORD_TOKENS,
+    MAX_BAD_WORDS,
+    MAX_LOGIT_BIAS,
+    MAX_SAMPLES,
+    MAX_STOP_STRINGS,
+    MAX_TOP_LOGPROBS,
+    SamplingParams,
+)
 from pdserve.schemas.tokens import STATES, TokenBatch, TokenChunk
 from pdserve.schemas.worker import WorkerInfo
 
@@ -72,6 +80,10 @@ RULES: dict[type, dict[str, dict[str, Any]]] = {
         "stop": {"maxItems": MAX_STOP_STRINGS, "items": {"type": "string", "minLength": 1}},
         "stop_token_ids": {"items": _NON_NEGATIVE_INT},
         "allowed_token_ids": {"items": _NON_NEGATIVE_INT},
+        "bad_words": {
+            "maxItems": MAX_BAD_WORDS,
+            "items": {"minItems": 1, "maxItems": MAX_BAD_WORD_TOKENS, "items": _NON_NEGATIVE_INT},
+        },
         "n": {"minimum": 1, "maximum": MAX_SAMPLES},
         "logit_bias": {
             "maxProperties": MAX_LOGIT_BIAS,
@@ -123,10 +135,11 @@ DESCRIPTIONS: dict[type, dict[str, str]] = {
         "repetition_penalty": "Multiplicative repetition penalty; 1 disables it.",
         "logprobs": "Send each token's log probability.",
         "top_logprobs": "Also send the n most likely alternatives per token.",
-        "prompt_logprobs": "Send the prompt's tokens' log probabilities (from the second token on) with this many alternatives each, on the first chunk (null: none). n must be 1; the prompt is computed in full (no prefix cache).",
+        "prompt_logprobs": "Send the prompt's tokens' log probabilities (from the second token on) with this many alternatives each, on the first chunk (null: none; with n > 1 on each sample's first chunk). The prompt is computed in full (no prefix cache).",
         "n": "Parallel samples of the prompt (one prefill, its KV shared): sample i streams as rid#i, with seed + i when seeded.",
         "logit_bias": "Token id (a decimal string) -> bias in [-100, 100] added to its logit before sampling (OpenAI's logit_bias).",
         "allowed_token_ids": "Non-empty: only these tokens may be drawn (every other token's logit masked; vLLM's allowed_token_ids).",
+        "bad_words": "Token sequences the output may not complete: a sequence's last token is masked where the output's last tokens are the rest of it (a one-token sequence: everywhere). vLLM's bad_words, tokenized.",
         "json_schema": "Structured output: the output is JSON valid against this JSON Schema (a JSON text). At most one of json_schema, regex, ebnf.",
         "regex": "Structured output: the output matches this regular expression.",
         "ebnf": "Structured output: the output is a sentence of this EBNF grammar (GBNF dialect, start rule root).",

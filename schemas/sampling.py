@@ -8,6 +8,8 @@ MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 MAX_SAMPLES = 64  # n: parallel samples of one prompt
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
+MAX_BAD_WORDS = 256  # token sequences of bad_words (a word tokenized two ways counts twice)
+MAX_BAD_WORD_TOKENS = 32
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -44,6 +46,10 @@ class SamplingParams:
     n: int = 1
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: tuple[int, ...] = ()  # non-empty: only these tokens may be drawn (vLLM's)
+    # Token sequences the output may not complete (vLLM's bad_words, each word tokenized by the
+    # API): a sequence's last token is barred where the output's last tokens are the rest of it
+    # (a sequence of one token: everywhere). The output's own tokens, as vLLM reads them.
+    bad_words: tuple[tuple[int, ...], ...] = ()
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
@@ -68,6 +74,11 @@ class SamplingParams:
         _require(self.seed is None or 0 <= self.seed < 2**63, "seed must be a non-negative 64-bit integer")
         _require(1 <= self.n <= MAX_SAMPLES, f"n must be between 1 and {MAX_SAMPLES}")
         _require(all(t >= 0 for t in self.allowed_token_ids), "allowed_token_ids must be non-negative")
+        _require(len(self.bad_words) <= MAX_BAD_WORDS, f"bad_words may hold at most {MAX_BAD_WORDS} token sequences")
+        _require(
+            all(1 <= len(w) <= MAX_BAD_WORD_TOKENS and min(w) >= 0 for w in self.bad_words),
+            f"each of bad_words must be 1 to {MAX_BAD_WORD_TOKENS} non-negative token ids",
+        )
         bias = self.logit_bias or {}
         _require(len(bias) <= MAX_LOGIT_BIAS, f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries")
         _require(all(k.isdigit() for k in bias), "logit_bias keys must be token ids (non-negative integers)")
@@ -84,6 +95,12 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether a token's draw reads the output before it: penalties, or a bad word of more
+        than one token (such a row's tokens are on the host before its next draw)."""
+        return self.has_penalties or any(len(w) > 1 for w in self.bad_words)
 
     @property
     def has_bias(self) -> bool:

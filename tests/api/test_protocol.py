@@ -712,12 +712,37 @@ def test_prompt_logprobs_requests(info: ModelInfo, name: str) -> None:
     assert refused.value.code == "prompt_logprobs_too_large" and "5 alternatives" in refused.value.message
 
 
+def test_bad_words_are_each_word_s_tokens_as_it_stands_and_after_a_space(info: ModelInfo, name: str) -> None:
+    """vLLM's ``bad_words``: a word's tokens as it stands, and where a space before it gives
+    another first token of the same length, those too (a word opening the text and one inside
+    it); the same sequence once; on completions, chat and /generate's sampling_params."""
+    tok = info.tokenizer
+    chat = {"model": name, "messages": [{"role": "user", "content": "hi"}]}
+    for word in ("hello", "blue sky", "  the"):
+        bare, spaced = word.strip(), " " + word.strip()
+        want = {tuple(tok.encode(bare, add_special_tokens=False))}
+        other = tuple(tok.encode(spaced, add_special_tokens=False))
+        if len(other) == len(next(iter(want))) and other[0] != next(iter(want))[0]:
+            want.add(other)
+        for parse, body in (
+            (parse_completion, {"prompt": "x", "bad_words": [word, word]}),
+            (parse_chat, {**chat, "bad_words": [word]}),
+            (parse_generate, {"text": "x", "sampling_params": {"bad_words": [word]}}),
+        ):
+            got = parse(body, info, Limits(DEFAULT_MAX)).jobs[0].sampling.bad_words
+            assert set(got) == want and len(got) == len(want), (word, got)
+    _bad(parse_completion, {"prompt": "x", "bad_words": "hello"}, info, param="bad_words")
+    _bad(parse_completion, {"prompt": "x", "bad_words": [""]}, info, param="bad_words")
+    _bad(parse_completion, {"prompt": "x", "bad_words": [1]}, info, param="bad_words")
+    _bad(parse_completion, {"prompt": "x", "bad_words": [f"w{i}" for i in range(129)]}, info, param="bad_words")
+    _bad(parse_completion, {"prompt": "x", "bad_words": ["x" * 400]}, info, param="bad_words")  # over 32 tokens
+
+
 @pytest.mark.parametrize(
     ("key", "value", "where"),
     [
         ("use_beam_search", True, "both"),
         ("length_penalty", 0.5, "both"),
-        ("bad_words", ["no"], "both"),
         ("logits_processors", ["x"], "both"),
         ("guided_whitespace_pattern", " ", "both"),
         ("priority", 3, "both"),

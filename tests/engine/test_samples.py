@@ -12,7 +12,11 @@ import jsonschema
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
-from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
+from transformers.generation.logits_process import (
+    NoBadWordsLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+)
 
 from pdserve.engine.engine import Engine
 from pdserve.engine.loader import quiet_transformers
@@ -188,6 +192,51 @@ def test_penalties_and_bias_equal_transformers_logits_processors(tiny_model_dir:
     assert outs == expected
     assert outs["c0"] != plain and outs["c2"] != plain  # each did something
     assert banned not in outs["c2"]
+
+
+def test_bad_words_equal_transformers_no_bad_words(mixing_model_dir: Path) -> None:
+    """vLLM's ``bad_words`` as token sequences: a one-token word is never drawn, a two-token
+    word's last token is barred only right after its first; greedy output equals ``generate``
+    with ``NoBadWordsLogitsProcessor`` over the same sequences (whose tails here lie in the
+    output: transformers reads the prompt too, vLLM the output alone)."""
+    (plain,) = hf_greedy(mixing_model_dir, [PROMPT], 16)
+    k = next(i for i in range(2, 12) if plain[i] not in plain[:i] and plain[i] != PROMPT[-1])
+    pair = (plain[k], plain[k + 1])
+    cases = {"one": ((plain[0],),), "pair": (pair,), "both": ((plain[0],), pair)}
+    engine = make_engine(mixing_model_dir)
+    expected = {}
+    for name, words in cases.items():
+        params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True, bad_words=words)
+        engine.add_request(name, PROMPT, params)
+        expected[name] = hf_processed(
+            mixing_model_dir, PROMPT, 16, [NoBadWordsLogitsProcessor([list(w) for w in words])]
+        )
+    outs = run_all(engine)
+    assert outs == expected
+    assert plain[0] not in outs["one"] and outs["pair"][: k + 1] == plain[: k + 1] and outs["pair"][k + 1] != pair[1]
+    for out in outs.values():
+        assert all(out[i : i + 2] != list(pair) for i in range(len(out) - 1)) or out is outs["one"]
+
+
+def test_a_bad_word_bars_its_last_token_after_the_rest() -> None:
+    """The sampler's rule alone: a one-token word everywhere, a longer one only where the output
+    ends with its other tokens (not the prompt: vLLM's reading), ids past the vocabulary ignored."""
+    from pdserve.engine.sampler import Sampler, SampleRequest
+
+    sampler = Sampler(torch.device("cpu"))
+    params = SamplingParams(temperature=0.0, bad_words=((5,), (1, 2, 7), (3, 99)))
+    logits = torch.zeros(3, 10)
+    rows = [
+        SampleRequest(params, [1, 2], []),  # the prompt ends with 1, 2: not the output's
+        SampleRequest(params, [0], [4, 1, 2]),
+        SampleRequest(params, [0], [3]),  # 99 is past the vocabulary
+    ]
+    out = sampler.processed(logits, rows)
+    barred = [set(torch.nonzero(out[i] == float("-inf")).flatten().tolist()) for i in range(3)]
+    assert barred == [{5}, {5, 7}, {5}]
+    # a word of more than one token reads the output: such rows wait for their tokens (no
+    # overlapped step, drafts verified after their own tokens), as penalties do
+    assert params.reads_history and not SamplingParams(bad_words=((5,),)).reads_history
 
 
 # ---- structured output -----------------------------------------------------------------

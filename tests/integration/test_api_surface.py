@@ -292,6 +292,29 @@ async def test_vllm_extensions_through_the_system(system: Any, client: Any) -> N
     assert all(k.startswith("token_id:") for top in named.choices[0].logprobs.top_logprobs[1:] for k in top)
 
 
+async def test_bad_words_through_the_system(system: Any, client: Any) -> None:
+    """vLLM's ``bad_words``: the output is ``generate``'s with ``NoBadWordsLogitsProcessor`` over
+    the word's token sequences (as the API tokenizes it), and never holds them."""
+    from transformers.generation.logits_process import NoBadWordsLogitsProcessor
+
+    from pdserve.api.model_info import load_model_info
+    from pdserve.api.protocol import Limits, parse_completion
+
+    tokenizer = AutoTokenizer.from_pretrained(system.model_dir)
+    plain = hf(system.model_dir, PROMPT_IDS, 6)
+    word = tokenizer.decode(plain[:1])
+    body = {"prompt": PROMPT_IDS, "max_tokens": 6, "temperature": 0, "bad_words": [word], "ignore_eos": True}
+    words = parse_completion(body, load_model_info(system.model_dir), Limits(64)).jobs[0].sampling.bad_words
+    assert words
+    out = await client.completions.create(
+        model=system.model_name, prompt=PROMPT_IDS, max_tokens=6, temperature=0, logprobs=0,
+        extra_body={"bad_words": [word], "ignore_eos": True, "return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    ids = [int(t.removeprefix("token_id:")) for t in out.choices[0].logprobs.tokens]
+    assert ids == hf(system.model_dir, PROMPT_IDS, 6, [NoBadWordsLogitsProcessor([list(w) for w in words])])
+    assert ids != plain and all(ids[i : i + len(w)] != list(w) for w in words for i in range(len(ids)))
+
+
 # ---- structured output -------------------------------------------------------------------
 async def test_json_schema_output_always_validates_100_samples_at_temperature_1(system: Any, client: Any) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
