@@ -115,6 +115,7 @@ def _vllm_extras(info: ModelInfo) -> dict[str, Schema]:
             {"type": "array", "items": {"type": "string", "pattern": r"\S"}, "maxItems": MAX_BAD_WORDS // 2}
         ),
         "return_tokens_as_token_ids": BOOL,
+        "return_token_ids": BOOL,
         "guided_choice": _maybe({"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1}),
     }
 

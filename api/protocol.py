@@ -73,6 +73,7 @@ class Parsed:
     input_logprobs_from: int = -1
     text_in_logprobs: bool = False  # /generate: SGLang's return_text_in_logprobs
     tokens_as_ids: bool = False  # completions, chat: vLLM's return_tokens_as_token_ids
+    token_ids: bool = False  # completions, chat: vLLM's return_token_ids (the prompt's and each choice's ids)
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -175,7 +176,6 @@ VLLM_UNSERVED: tuple[tuple[str, Callable[[Any], bool]], ...] = (
     ("guided_whitespace_pattern", _set),
     ("priority", _set),
     ("spaces_between_special_tokens", lambda v: v is False),
-    ("return_token_ids", _set),
     ("cache_salt", _set),
     ("kv_transfer_params", _set),
     ("structural_tag", _set),
@@ -460,6 +460,7 @@ def parse_completion(body: dict[str, Any], info: ModelInfo, limits: Limits) -> P
         prompt_logprobs=shown,
         echo_logprobs=echo_logprobs,
         tokens_as_ids=_bool(body, "return_tokens_as_token_ids", False),
+        token_ids=_bool(body, "return_token_ids", False),
     )
 
 
@@ -643,6 +644,7 @@ def parse_chat(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Parsed:
         thinking=None if not info.reasoning.on or sampling.json_schema else reasoning.opens_thinking(text),
         prompt_logprobs=shown,
         tokens_as_ids=_bool(body, "return_tokens_as_token_ids", False),
+        token_ids=_bool(body, "return_token_ids", False),
     )
 
 

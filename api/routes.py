@@ -231,10 +231,17 @@ async def completions(request: Request) -> Response:
         unsent = set(range(job.sampling.n)) if parsed.echo else set()
         usage = _Usage(job.sampling.n)
 
+        first_piece = set(range(job.sampling.n))
+
         def render(i: int, d: Delta) -> list[Any]:
             usage.add(d)
             choice = _completion_choice(state, parsed, job, i, d.text, d.token_ids, d.logprobs, i in unsent, d)
             unsent.discard(i)
+            if parsed.token_ids:  # vLLM's return_token_ids: the prompt's on a choice's first piece
+                choice["token_ids"] = list(d.token_ids)
+                if i in first_piece:
+                    choice["prompt_token_ids"] = list(job.prompt_ids)
+            first_piece.discard(i)
             return [{**head, "choices": [{**choice, "finish_reason": formats.openai_finish(d.finish_reason)}]}]
 
         body = _sse_body(first, rest, render, _stream_end(head, usage, parsed.include_usage))
@@ -251,6 +258,8 @@ async def completions(request: Request) -> Response:
             continue
         for k, r in enumerate(samples):
             choice = _completion_choice(state, parsed, job, i * n + k, r.text, r.token_ids, r.logprobs, parsed.echo, r)
+            if parsed.token_ids:  # vLLM's return_token_ids
+                choice |= {"token_ids": list(r.token_ids), "prompt_token_ids": list(job.prompt_ids)}
             choices.append({**choice, "finish_reason": formats.openai_finish(r.finish_reason)})
     return ORJSONResponse({**head, "choices": choices, "usage": _sum_usage(results)})
 
@@ -328,6 +337,7 @@ class _ChatStream:
         self.readers = [_SampleReader(parsed) for _ in range(n)]
         self.plain = parsed.tools is None and parsed.thinking is None  # the text is the content as it comes
         self.sent_calls = [0] * n
+        self.sent_prompt_ids = False
 
     def render(self, i: int, d: Delta) -> list[Any]:
         self.usage.add(d)
@@ -351,7 +361,13 @@ class _ChatStream:
             prompt = self.parsed.jobs[0].prompt_ids
             names = _names(self.state, self.parsed)
             choice["prompt_logprobs"] = formats.vllm_prompt_logprobs(names, prompt, d.prompt_logprobs)
-        return [{**self.head, "choices": [choice]}]
+        chunk = {**self.head, "choices": [choice]}
+        if self.parsed.token_ids:  # vLLM's return_token_ids: the prompt's on the stream's first chunk
+            choice["token_ids"] = list(d.token_ids)
+            if not self.sent_prompt_ids:
+                chunk["prompt_token_ids"] = list(self.parsed.jobs[0].prompt_ids)
+                self.sent_prompt_ids = True
+        return [chunk]
 
     def _read(self, i: int, d: Delta, delta: dict[str, Any]) -> str | None:
         reader = self.readers[i]
@@ -408,6 +424,8 @@ def _chat_choice(state: AppState, parsed: Parsed, k: int, r: Result) -> dict[str
         choice["prompt_logprobs"] = formats.vllm_prompt_logprobs(
             _names(state, parsed), parsed.jobs[0].prompt_ids, r.prompt_logprobs
         )
+    if parsed.token_ids:  # vLLM's return_token_ids
+        choice["token_ids"] = list(r.token_ids)
     return choice
 
 
@@ -434,6 +452,7 @@ async def chat_completions(request: Request) -> Response:
             "model": name,
             "choices": [_chat_choice(state, parsed, k, r) for k, r in enumerate(samples)],
             "usage": formats.usage_body(total_usage(samples)),
+            **({"prompt_token_ids": list(job.prompt_ids)} if parsed.token_ids else {}),
         }
     )
 

@@ -315,6 +315,58 @@ async def test_bad_words_through_the_system(system: Any, client: Any) -> None:
     assert ids != plain and all(ids[i : i + len(w)] != list(w) for w in words for i in range(len(ids)))
 
 
+async def test_return_token_ids_gives_the_prompt_s_and_each_choice_s_ids(system: Any, client: Any) -> None:
+    """vLLM's ``return_token_ids``: on completions each choice's ``token_ids`` (its output) and
+    ``prompt_token_ids``; on chat the response's ``prompt_token_ids`` (the templated prompt)
+    and each choice's ``token_ids``; streamed, the ids of each piece, the prompt's once (a
+    completion choice's first piece, a chat stream's first chunk)."""
+    want = hf(system.model_dir, PROMPT_IDS, 5)
+    body = {
+        "prompt": PROMPT_IDS,
+        "max_tokens": 5,
+        "temperature": 0,
+        "n": 2,
+        "return_token_ids": True,
+        "ignore_eos": True,
+    }
+    r = await generate_raw_path(system, "/v1/completions", body)
+    assert [(c["token_ids"], c["prompt_token_ids"]) for c in r["choices"]] == [(want, PROMPT_IDS)] * 2
+    chunks = await stream_path(system, "/v1/completions", {**body, "stream": True})
+    for index in (0, 1):
+        pieces = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+        assert [t for p in pieces for t in p["token_ids"]] == want
+        assert [p.get("prompt_token_ids") for p in pieces if "prompt_token_ids" in p] == [PROMPT_IDS]
+        assert "prompt_token_ids" in pieces[0]
+    tokenizer = AutoTokenizer.from_pretrained(system.model_dir)
+    messages = [{"role": "user", "content": "Name three colours."}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt = tokenizer.encode(text, add_special_tokens=False)
+    chat = {"messages": messages, "max_tokens": 4, "temperature": 0, "return_token_ids": True, "ignore_eos": True}
+    whole = await generate_raw_path(system, "/v1/chat/completions", chat)
+    assert whole["prompt_token_ids"] == prompt
+    assert whole["choices"][0]["token_ids"] == hf(system.model_dir, prompt, 4)
+    chunks = await stream_path(system, "/v1/chat/completions", {**chat, "stream": True})
+    assert [c.get("prompt_token_ids") for c in chunks if "prompt_token_ids" in c] == [prompt]
+    assert "prompt_token_ids" in chunks[0]
+    assert [t for c in chunks if c["choices"] for t in c["choices"][0]["token_ids"]] == whole["choices"][0]["token_ids"]
+    plain = await generate_raw_path(system, "/v1/completions", {**body, "return_token_ids": False})
+    assert all("token_ids" not in c and "prompt_token_ids" not in c for c in plain["choices"])
+
+
+async def generate_raw_path(system: Any, path: str, body: dict[str, Any]) -> Any:
+    async with httpx.AsyncClient(base_url=system.url, timeout=120) as http:
+        r = await http.post(path, json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+async def stream_path(system: Any, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    async with httpx.AsyncClient(base_url=system.url, timeout=120) as http:
+        async with http.stream("POST", path, json=body) as stream:
+            lines = [line async for line in stream.aiter_lines() if line.startswith("data: {")]
+    return [json.loads(line[6:]) for line in lines]
+
+
 # ---- structured output -------------------------------------------------------------------
 async def test_json_schema_output_always_validates_100_samples_at_temperature_1(system: Any, client: Any) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
