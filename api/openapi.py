@@ -15,7 +15,14 @@ from pdserve.api.access import LIMITED_PATHS, OPEN_PATHS
 from pdserve.api.config import ApiConfig
 from pdserve.api.model_info import ModelInfo
 from pdserve.api.protocol import INT64, MAX_COMPLETION_LOGPROBS
-from pdserve.schemas.sampling import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_SAMPLES, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+from pdserve.schemas.sampling import (
+    MAX_BAD_WORDS,
+    MAX_CACHE_SALT,
+    MAX_LOGIT_BIAS,
+    MAX_SAMPLES,
+    MAX_STOP_STRINGS,
+    MAX_TOP_LOGPROBS,
+)
 
 Schema = dict[str, Any]
 
@@ -116,6 +123,7 @@ def _vllm_extras(info: ModelInfo) -> dict[str, Schema]:
         ),
         "return_tokens_as_token_ids": BOOL,
         "return_token_ids": BOOL,
+        "cache_salt": _maybe({"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT}),
         "guided_choice": _maybe({"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1}),
     }
 

@@ -73,13 +73,13 @@ class PrefixIndex:
     def workers(self) -> set[str]:
         return set(self.page_sizes)
 
-    def matches(self, prompt: tuple[int, ...] | list[int]) -> dict[str, int]:
+    def matches(self, prompt: tuple[int, ...] | list[int], root: bytes | None = None) -> dict[str, int]:
         """Each worker's longest run of leading prompt tokens the index believes it caches
-        (workers with none left out)."""
+        (workers with none left out); ``root``: the salted chain's start (``cache_salt``)."""
         found: dict[str, int] = {}
         for page_size in sorted(set(self.page_sizes.values())):
             alive = {w for w, size in self.page_sizes.items() if size == page_size}
-            for i, h in enumerate(page_hashes(prompt, page_size)):
+            for i, h in enumerate(page_hashes(prompt, page_size, root)):
                 holders = self._holders.get(h.hex())
                 if holders is None:
                     break

@@ -17,7 +17,14 @@ from pdserve.api import constraints, reasoning, tools
 from pdserve.api.errors import bad_request
 from pdserve.api.model_info import ModelInfo
 from pdserve.schemas import SamplingParams
-from pdserve.schemas.sampling import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_SAMPLES, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+from pdserve.schemas.sampling import (
+    MAX_BAD_WORD_TOKENS,
+    MAX_BAD_WORDS,
+    MAX_CACHE_SALT,
+    MAX_SAMPLES,
+    MAX_STOP_STRINGS,
+    MAX_TOP_LOGPROBS,
+)
 from pdserve.schemas.tokens import prompt_logprobs_bytes
 
 MAX_COMPLETION_LOGPROBS = 5
@@ -176,7 +183,6 @@ VLLM_UNSERVED: tuple[tuple[str, Callable[[Any], bool]], ...] = (
     ("guided_whitespace_pattern", _set),
     ("priority", _set),
     ("spaces_between_special_tokens", lambda v: v is False),
-    ("cache_salt", _set),
     ("kv_transfer_params", _set),
     ("structural_tag", _set),
     ("vllm_xargs", _set),
@@ -293,6 +299,7 @@ def _sampling(
             logit_bias=constraints.logit_bias(src, len(info.tokenizer)),
             allowed_token_ids=_allowed(src, info),
             bad_words=_bad_words(src, info),
+            cache_salt=_cache_salt(src),
             **constraints.constraint(body, src),
         )
     except ValueError as exc:
@@ -310,6 +317,16 @@ def _check_scoring(num_prompt: int, k: int, limits: Limits) -> None:
             "prompt_logprobs",
             "prompt_logprobs_too_large",
         )
+
+
+def _cache_salt(src: dict[str, Any]) -> str | None:
+    """vLLM's ``cache_salt``: a non-empty string, or none."""
+    value = src.get("cache_salt")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_CACHE_SALT:
+        raise bad_request(f"'cache_salt' must be a string of 1 to {MAX_CACHE_SALT} characters", "cache_salt")
+    return value
 
 
 def _bad_words(src: dict[str, Any], info: ModelInfo) -> tuple[tuple[int, ...], ...]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pdserve.engine.sequence import Sequence as Seq
-from pdserve.schemas.kv_events import page_hashes
+from pdserve.schemas.kv_events import page_hashes, salt_root
 
 
 class PrefixTiers(Protocol):
@@ -105,9 +105,10 @@ class PageManager:
     def ref_count(self, page: int) -> int:
         return self._refs[page]
 
-    def match_prefix(self, tokens: Sequence[int]) -> list[bytes]:
-        """Hashes of the leading full pages of ``tokens`` (whether or not cached)."""
-        return page_hashes(tokens, self.page_size)
+    def match_prefix(self, tokens: Sequence[int], root: bytes | None = None) -> list[bytes]:
+        """Hashes of the leading full pages of ``tokens`` (whether or not cached); ``root``: the
+        chain's start (:func:`~pdserve.schemas.kv_events.salt_root` of a request's salt)."""
+        return page_hashes(tokens, self.page_size, root)
 
     def lookup(self, hashes: Sequence[bytes]) -> list[int]:
         """Cached pages for the longest run of leading ``hashes`` found in the index."""
@@ -230,10 +231,11 @@ class PageManager:
         then :meth:`finish_tail`)."""
         assert not seq.page_table, f"{seq.rid} already has pages"
         limit = max_tokens // self.page_size
+        root = salt_root(seq.sampling.cache_salt)
         if self.tiers is None:  # hashed as far as the index knows the prefix; the rest later (hash_pages)
-            seq.page_hashes = self._known_prefix(seq.tokens, limit)
+            seq.page_hashes = self._known_prefix(seq.tokens, limit, root)
         elif len(seq.page_hashes) != len(seq.tokens) // self.page_size:  # the tiers below may know more of it
-            seq.page_hashes = self.match_prefix(seq.tokens)  # (unless prefetch hashed the prompt already)
+            seq.page_hashes = self.match_prefix(seq.tokens, root)  # (unless prefetch hashed the prompt already)
         cached = self.lookup(seq.page_hashes)[:limit]
         self.share(cached)
         seq.page_table = list(cached)
@@ -252,11 +254,13 @@ class PageManager:
         whether it was asked."""
         if self.tiers is None or not self.enable_prefix_cache or seq.page_table:
             return False
-        hashes = seq.page_hashes = self.match_prefix(seq.tokens)  # attach_prefix takes them as they are
+        hashes = seq.page_hashes = self.match_prefix(
+            seq.tokens, salt_root(seq.sampling.cache_salt)
+        )  # as attach_prefix takes them
         start = len(self.lookup(hashes))
         return start < len(hashes) and self.tiers.prefetch(hashes, start, ahead)
 
-    def _known_prefix(self, tokens: Sequence[int], limit: int) -> list[bytes]:
+    def _known_prefix(self, tokens: Sequence[int], limit: int, root: bytes | None = None) -> list[bytes]:
         """Hashes of the leading full pages of ``tokens``, computed a block of pages at a time
         while the index holds them all (at most ``limit`` pages; the block of the first miss
         is kept whole): a cold prompt costs one block, not every page."""
@@ -265,7 +269,7 @@ class PageManager:
         block = 16
         while len(hashes) < limit and self.enable_prefix_cache:
             start = len(hashes)
-            new = page_hashes(tokens[start * size : (start + block) * size], size, hashes[-1] if hashes else None)
+            new = page_hashes(tokens[start * size : (start + block) * size], size, hashes[-1] if hashes else root)
             hashes += new
             if len(new) < block or any(h not in self._page_of for h in new):
                 break
@@ -279,7 +283,8 @@ class PageManager:
         have = len(seq.page_hashes)
         if num_tokens // self.page_size > have:
             tokens = seq.tokens[have * self.page_size : num_tokens]
-            seq.page_hashes += page_hashes(tokens, self.page_size, seq.page_hashes[-1] if have else None)
+            parent = seq.page_hashes[-1] if have else salt_root(seq.sampling.cache_salt)
+            seq.page_hashes += page_hashes(tokens, self.page_size, parent)
 
     def _promote(self, seq: Seq, start: int, limit: int, overlap_reserve: int | None) -> tuple[list[int], int]:
         """Pages for ``seq.page_hashes[start:]`` loaded from the tiers below (at most

@@ -20,6 +20,14 @@ def page_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
     return h.digest()
 
 
+def salt_root(salt: str | None) -> bytes | None:
+    """The hash a salted prompt's page chain starts from (``cache_salt``): its first page's
+    ``parent``; ``None`` without a salt (the chain every unsalted prompt shares)."""
+    if salt is None:
+        return None
+    return hashlib.blake2b(b"pdserve-cache-salt\0" + salt.encode(), digest_size=16).digest()
+
+
 def page_hashes(tokens: Sequence[int], page_size: int, parent: bytes | None = None) -> list[bytes]:
     """The chained hashes of the leading full pages of ``tokens`` (:func:`page_hash` of each,
     the tokens packed once: a 4,096-token prompt's 256 pages in a third of the time).

@@ -10,6 +10,7 @@ MAX_SAMPLES = 64  # n: parallel samples of one prompt
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
 MAX_BAD_WORDS = 256  # token sequences of bad_words (a word tokenized two ways counts twice)
 MAX_BAD_WORD_TOKENS = 32
+MAX_CACHE_SALT = 256  # characters of cache_salt
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -50,6 +51,11 @@ class SamplingParams:
     # API): a sequence's last token is barred where the output's last tokens are the rest of it
     # (a sequence of one token: everywhere). The output's own tokens, as vLLM reads them.
     bad_words: tuple[tuple[int, ...], ...] = ()
+    # vLLM's cache_salt: the prompt's page hashes start from this salt, so its prefix is found
+    # in the caches (the device's, the KV tiers', the API's placement index) only by requests
+    # that give the same salt (one tenant's prompts kept from another's timing). Not sampling,
+    # but the parameters every worker that hashes the prompt receives.
+    cache_salt: str | None = None
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
@@ -74,6 +80,10 @@ class SamplingParams:
         _require(self.seed is None or 0 <= self.seed < 2**63, "seed must be a non-negative 64-bit integer")
         _require(1 <= self.n <= MAX_SAMPLES, f"n must be between 1 and {MAX_SAMPLES}")
         _require(all(t >= 0 for t in self.allowed_token_ids), "allowed_token_ids must be non-negative")
+        _require(
+            self.cache_salt is None or 1 <= len(self.cache_salt) <= MAX_CACHE_SALT,
+            f"cache_salt must be 1 to {MAX_CACHE_SALT} characters",
+        )
         _require(len(self.bad_words) <= MAX_BAD_WORDS, f"bad_words may hold at most {MAX_BAD_WORDS} token sequences")
         _require(
             all(1 <= len(w) <= MAX_BAD_WORD_TOKENS and min(w) >= 0 for w in self.bad_words),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pdserve.api.prefix_index import PrefixIndex, Target, best_worker, coldest_worker
 from pdserve.schemas import KVEvents
-from pdserve.schemas.kv_events import page_hashes
+from pdserve.schemas.kv_events import page_hashes, salt_root
 
 PAGE = 4
 PROMPT = list(range(10, 30))  # five pages
@@ -21,6 +21,20 @@ def test_a_worker_matches_the_leading_pages_it_announced() -> None:
     assert index.matches(PROMPT) == {"a": 12, "b": 4}
     assert index.matches([99, *PROMPT]) == {}, "a different first page is a different prefix"
     assert index.matches(PROMPT[:11]) == {"a": 8, "b": 4}, "only full pages count"
+
+
+def test_a_salted_prompt_matches_only_pages_announced_under_its_salt() -> None:
+    """``cache_salt``: a salted prompt's chain starts from its salt's root, so the index finds
+    it only where a worker announced pages hashed under the same salt."""
+    index = PrefixIndex()
+    salted = tuple(h.hex() for h in page_hashes(PROMPT[:12], PAGE, salt_root("tenant-a")))
+    assert set(salted).isdisjoint(hexes(PROMPT[:12]))
+    index.apply(KVEvents("a", "m", PAGE, stored=salted))
+    index.apply(KVEvents("b", "m", PAGE, stored=hexes(PROMPT[:8])))
+    assert index.matches(PROMPT, salt_root("tenant-a")) == {"a": 12}
+    assert index.matches(PROMPT, salt_root("tenant-b")) == {}
+    assert index.matches(PROMPT) == {"b": 8}
+    assert salt_root(None) is None and salt_root("x") != salt_root("y")
 
 
 def test_evictions_and_departures_are_forgotten() -> None:

@@ -712,6 +712,18 @@ def test_prompt_logprobs_requests(info: ModelInfo, name: str) -> None:
     assert refused.value.code == "prompt_logprobs_too_large" and "5 alternatives" in refused.value.message
 
 
+def test_cache_salt_is_a_string_carried_to_the_workers(info: ModelInfo, name: str) -> None:
+    chat = {"model": name, "messages": [{"role": "user", "content": "hi"}]}
+    assert (
+        parse_completion({"prompt": "x", "cache_salt": "t1"}, info, Limits(DEFAULT_MAX)).jobs[0].sampling.cache_salt
+        == "t1"
+    )
+    assert parse_chat({**chat, "cache_salt": "t2"}, info, Limits(DEFAULT_MAX)).jobs[0].sampling.cache_salt == "t2"
+    assert parse_completion({"prompt": "x"}, info, Limits(DEFAULT_MAX)).jobs[0].sampling.cache_salt is None
+    for bad in ("", 7, "s" * 257):
+        _bad(parse_completion, {"prompt": "x", "cache_salt": bad}, info, param="cache_salt")
+
+
 def test_bad_words_are_each_word_s_tokens_as_it_stands_and_after_a_space(info: ModelInfo, name: str) -> None:
     """vLLM's ``bad_words``: a word's tokens as it stands, and where a space before it gives
     another first token of the same length, those too (a word opening the text and one inside
@@ -747,7 +759,6 @@ def test_bad_words_are_each_word_s_tokens_as_it_stands_and_after_a_space(info: M
         ("guided_whitespace_pattern", " ", "both"),
         ("priority", 3, "both"),
         ("spaces_between_special_tokens", False, "both"),
-        ("cache_salt", "tenant-1", "both"),
         ("kv_transfer_params", {"do_remote_decode": True}, "both"),
         ("echo", True, "chat"),
         ("chat_template", "{{ messages }}", "chat"),

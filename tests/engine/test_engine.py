@@ -254,6 +254,30 @@ def test_prompt_logprobs_equal_transformers_in_chunks_past_the_prefix_cache(tiny
     assert engine.stats.cached_tokens > 0  # the request that does not score took the cached prefix
 
 
+def test_a_salted_prompt_shares_its_cached_prefix_only_with_the_same_salt(tiny_model_dir: Path) -> None:
+    """``cache_salt``: the prompt's page hashes start from the salt, so the device's prefix
+    cache gives a prompt's pages only to a request with the same salt (none to an unsalted or
+    differently salted one, and a salted one takes nothing an unsalted one computed); outputs
+    are the same."""
+    (prompt,) = random_prompts(1, 4000, seed=12, low=70, high=70)
+    engine = make_engine(tiny_model_dir)
+    cached: dict[str, int] = {}
+    outs: dict[str, list[int]] = {}
+    for rid, salt in (
+        ("plain", None),
+        ("a", "tenant-a"),
+        ("b", "tenant-b"),
+        ("a-again", "tenant-a"),
+        ("plain-again", None),
+    ):
+        engine.add_request(rid, prompt, SamplingParams(max_new_tokens=3, temperature=0.0, cache_salt=salt))
+        for o in iter_outputs(engine):
+            outs.setdefault(o.rid, []).extend(o.token_ids)
+            cached.setdefault(o.rid, o.cached_tokens)
+    assert cached == {"plain": 0, "a": 0, "b": 0, "a-again": 64, "plain-again": 64}
+    assert len({tuple(v) for v in outs.values()}) == 1
+
+
 def test_a_prompt_to_score_is_computed_in_bounded_chunks(tiny_model_dir: Path) -> None:
     """Every row of a scored prompt keeps its logits: its chunks are at most SCORED_ROWS
     tokens whatever the step's budget (a prompt not scored beside it takes the budget)."""

@@ -353,6 +353,28 @@ async def test_return_token_ids_gives_the_prompt_s_and_each_choice_s_ids(system:
     assert all("token_ids" not in c and "prompt_token_ids" not in c for c in plain["choices"])
 
 
+async def test_cache_salt_keeps_a_prompt_s_cached_prefix_to_its_own_salt(system: Any, client: Any) -> None:
+    """vLLM's ``cache_salt``: a prompt computed under one salt is found cached by a request
+    with the same salt and not by one with another salt or none; the answers are the same."""
+    prompt = [(37 * i + 11) % 4000 + 3 for i in range(96)]
+
+    async def ask(salt: str | None) -> Any:
+        extra = {"ignore_eos": True} | ({"cache_salt": salt} if salt else {})
+        return await client.completions.create(
+            model=system.model_name, prompt=prompt, max_tokens=2, temperature=0, extra_body=extra
+        )
+
+    def cached(reply: Any) -> int:
+        details = reply.usage.prompt_tokens_details
+        return details.cached_tokens if details else 0
+
+    first = await ask("tenant-a")
+    assert cached(first) == 0
+    other, plain, again = await ask("tenant-b"), await ask(None), await ask("tenant-a")
+    assert cached(other) == 0 and cached(plain) == 0 and cached(again) > 0
+    assert {r.choices[0].text for r in (first, other, plain, again)} == {first.choices[0].text}
+
+
 async def generate_raw_path(system: Any, path: str, body: dict[str, Any]) -> Any:
     async with httpx.AsyncClient(base_url=system.url, timeout=120) as http:
         r = await http.post(path, json=body)
