@@ -14,7 +14,7 @@ from typing import Any
 from pdserve.api.access import LIMITED_PATHS, OPEN_PATHS
 from pdserve.api.config import ApiConfig
 from pdserve.api.model_info import ModelInfo
-from pdserve.api.protocol import INT64, MAX_COMPLETION_LOGPROBS
+from pdserve.api.protocol import INT64, MAX_COMPLETION_LOGPROBS, REASONING_EFFORTS
 from pdserve.schemas.sampling import (
     MAX_BAD_WORDS,
     MAX_CACHE_SALT,
@@ -143,7 +143,9 @@ def completion_body(info: ModelInfo, config: ApiConfig) -> Schema:
             "user": _maybe({"type": "string"}),
             "response_format": RESPONSE_FORMAT,
             "stream": BOOL,
-            "stream_options": _maybe({"type": "object", "properties": {"include_usage": BOOL}}),
+            "stream_options": _maybe(
+                {"type": "object", "properties": {"include_usage": BOOL, "continuous_usage_stats": BOOL}}
+            ),
         },
     }
 
@@ -238,10 +240,13 @@ def chat_body(info: ModelInfo, config: ApiConfig) -> Schema:
             },
             "parallel_tool_calls": BOOL,
             "chat_template_kwargs": _maybe({"type": "object"}),
+            "reasoning_effort": _maybe({"type": "string", "enum": list(REASONING_EFFORTS)}),
             "add_generation_prompt": BOOL,
             "continue_final_message": BOOL,
             "stream": BOOL,
-            "stream_options": _maybe({"type": "object", "properties": {"include_usage": BOOL}}),
+            "stream_options": _maybe(
+                {"type": "object", "properties": {"include_usage": BOOL, "continuous_usage_stats": BOOL}}
+            ),
         },
     }
 

@@ -66,6 +66,7 @@ class Parsed:
     jobs: list[Job]
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats
     echo: bool = False
     skip_special_tokens: bool = True
     rid: str | list[str] | None = None  # /generate: one id, or one per prompt of a batch
@@ -187,7 +188,14 @@ VLLM_UNSERVED: tuple[tuple[str, Callable[[Any], bool]], ...] = (
     ("structural_tag", _set),
     ("vllm_xargs", _set),
 )
+# OpenAI's own parameters that ask for what pdserve does not do (a value that asks nothing passes).
+COMPLETION_UNSERVED: tuple[tuple[str, Callable[[Any], bool]], ...] = (
+    ("suffix", _set),  # text inserted after the completion (fill-in-the-middle)
+    ("best_of", lambda v: v not in (None, 1)),  # several drawn, the best returned
+)
 CHAT_UNSERVED: tuple[tuple[str, Callable[[Any], bool]], ...] = (
+    ("modalities", lambda v: v not in (None, ["text"])),  # audio out
+    ("audio", _set),
     ("echo", _set),
     ("chat_template", _set),  # a template in the request: vLLM takes it only when told to trust requests
     ("documents", _set),
@@ -444,7 +452,7 @@ def parse_completion(body: dict[str, Any], info: ModelInfo, limits: Limits) -> P
     _user(body)
     if "prompt" not in body:
         raise bad_request("'prompt' is required", "prompt")
-    unserved(body, VLLM_UNSERVED)
+    unserved(body, VLLM_UNSERVED + COMPLETION_UNSERVED)
     special = _bool(body, "add_special_tokens", True)
     prompts, batch = _prompts(body["prompt"], info, "prompt", limits.max_batch, special)
     prompts = [truncated(body, ids, text) for ids, text in prompts]
@@ -471,6 +479,7 @@ def parse_completion(body: dict[str, Any], info: ModelInfo, limits: Limits) -> P
         jobs,
         stream=stream,
         include_usage=_stream_usage(body),
+        continuous_usage=_continuous_usage(body),
         echo=echo,
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
         batch=batch,
@@ -481,13 +490,22 @@ def parse_completion(body: dict[str, Any], info: ModelInfo, limits: Limits) -> P
     )
 
 
-def _stream_usage(body: dict[str, Any]) -> bool:
+def _stream_options(body: dict[str, Any]) -> dict[str, Any]:
     options = body.get("stream_options")
     if options is None:
-        return False
+        return {}
     if not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object", "stream_options")
-    return _bool(options, "include_usage", False)
+    return options
+
+
+def _stream_usage(body: dict[str, Any]) -> bool:
+    return _bool(_stream_options(body), "include_usage", False)
+
+
+def _continuous_usage(body: dict[str, Any]) -> bool:
+    """vLLM's ``stream_options.continuous_usage_stats``: the usage so far on every chunk."""
+    return _bool(_stream_options(body), "continuous_usage_stats", False)
 
 
 # ---- /v1/chat/completions -----------------------------------------------------------
@@ -558,14 +576,30 @@ def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     """vLLM's ``chat_template_kwargs``: more variables for the chat template (Qwen3's
     ``enable_thinking``, for one)."""
     value = body.get("chat_template_kwargs")
+    effort = _reasoning_effort(body)
     if value is None:
-        return {}
+        return effort
     if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
         raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
     taken = sorted(_RESERVED_TEMPLATE_KEYS & value.keys())
     if taken:
         raise bad_request(f"'chat_template_kwargs' may not set {', '.join(taken)}", "chat_template_kwargs")
-    return dict(value)
+    return effort | value  # (what the request sets explicitly wins)
+
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
+def _reasoning_effort(body: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's ``reasoning_effort``, as vLLM hands it to the chat template: the value as
+    ``reasoning_effort``, and ``enable_thinking`` off for ``none``, on otherwise (a template
+    that reads neither is not changed by it)."""
+    effort = body.get("reasoning_effort")
+    if effort is None:
+        return {}
+    if effort not in REASONING_EFFORTS:
+        raise bad_request(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}", "reasoning_effort")
+    return {"reasoning_effort": effort, "enable_thinking": effort != "none"}
 
 
 def prompt_mode(body: dict[str, Any], messages: list[dict[str, Any]]) -> tuple[bool, bool]:
@@ -655,6 +689,7 @@ def parse_chat(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Parsed:
         [Job(ids, sampling, text, keep_stop=_keep_stop(body))],
         stream=_bool(body, "stream", False),
         include_usage=_stream_usage(body),
+        continuous_usage=_continuous_usage(body),
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
         tools=tool_request if tool_request is not None and tool_request.shown else None,
         # a reply held to a JSON Schema is all answer (the grammar leaves no room to think)

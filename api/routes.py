@@ -182,15 +182,25 @@ async def _sse_body(
 class _Usage:
     """A streamed job's usage: its prompt once, every sample's output, once all have finished."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, prompt_tokens: int = 0) -> None:
         self.open = n
         self.usages: list[Usage] = []
+        self.prompt_tokens = prompt_tokens
+        self.generated = 0  # every sample's tokens so far
+        self.cached = 0  # the prompt's cached part, once a sample has told it
 
     def add(self, d: Delta) -> None:
+        self.generated += len(d.token_ids)
+        if d.usage is not None:
+            self.cached = d.usage.cached_tokens
         if d.finish_reason is not None:
             self.open -= 1
             if d.usage is not None:
                 self.usages.append(d.usage)
+
+    def so_far(self) -> dict[str, Any] | None:
+        """vLLM's ``continuous_usage_stats``: the prompt and every token sent up to this chunk."""
+        return formats.usage_body(Usage(self.prompt_tokens, self.generated, self.cached))
 
     def total(self) -> Usage | None:
         if not self.usages:
@@ -229,7 +239,7 @@ async def completions(request: Request) -> Response:
         job = parsed.jobs[0]
         first, rest = await _open_stream(request, state, job, rid, parsed.skip_special_tokens)
         unsent = set(range(job.sampling.n)) if parsed.echo else set()
-        usage = _Usage(job.sampling.n)
+        usage = _Usage(job.sampling.n, len(job.prompt_ids))
 
         first_piece = set(range(job.sampling.n))
 
@@ -242,7 +252,10 @@ async def completions(request: Request) -> Response:
                 if i in first_piece:
                     choice["prompt_token_ids"] = list(job.prompt_ids)
             first_piece.discard(i)
-            return [{**head, "choices": [{**choice, "finish_reason": formats.openai_finish(d.finish_reason)}]}]
+            chunk = {**head, "choices": [{**choice, "finish_reason": formats.openai_finish(d.finish_reason)}]}
+            if parsed.continuous_usage:
+                chunk["usage"] = usage.so_far()
+            return [chunk]
 
         body = _sse_body(first, rest, render, _stream_end(head, usage, parsed.include_usage))
         return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
@@ -367,6 +380,8 @@ class _ChatStream:
             if not self.sent_prompt_ids:
                 chunk["prompt_token_ids"] = list(self.parsed.jobs[0].prompt_ids)
                 self.sent_prompt_ids = True
+        if self.parsed.continuous_usage:
+            chunk["usage"] = self.usage.so_far()
         return [chunk]
 
     def _read(self, i: int, d: Delta, delta: dict[str, Any]) -> str | None:
@@ -438,7 +453,7 @@ async def chat_completions(request: Request) -> Response:
     if parsed.stream:
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name}
         first, rest = await _open_stream(request, state, job, rid, parsed.skip_special_tokens)
-        usage = _Usage(job.sampling.n)
+        usage = _Usage(job.sampling.n, len(job.prompt_ids))
         chat = _ChatStream(state, head, parsed, usage)
         body = _sse_body(first, rest, chat.render, _stream_end(head, usage, parsed.include_usage))
         return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)

@@ -766,6 +766,10 @@ def test_bad_words_are_each_word_s_tokens_as_it_stands_and_after_a_space(info: M
         ("lora_path", "adapter", "generate"),
         ("image_data", "http://x/y.png", "generate"),
         ("return_hidden_states", True, "generate"),
+        ("suffix", "}", "completion"),
+        ("best_of", 3, "completion"),
+        ("modalities", ["text", "audio"], "chat"),
+        ("audio", {"voice": "alloy", "format": "wav"}, "chat"),
     ],
 )
 def test_what_vllm_and_sglang_serve_and_pdserve_does_not_is_refused_not_ignored(
@@ -775,14 +779,37 @@ def test_what_vllm_and_sglang_serve_and_pdserve_does_not_is_refused_not_ignored(
     bodies = {
         "both": [(parse_completion, {"prompt": "x"}), (parse_chat, chat)],
         "chat": [(parse_chat, chat)],
+        "completion": [(parse_completion, {"prompt": "x"})],
         "generate": [(parse_generate, {"text": "hi"})],
     }[where]
     for parse, body in bodies:
         _bad(parse, {**body, key: value}, info, code="unsupported_parameter", param=key)
-    defaults = {"use_beam_search": False, "length_penalty": 1.0, "spaces_between_special_tokens": True, "echo": False}
+    defaults = {
+        "use_beam_search": False,
+        "length_penalty": 1.0,
+        "spaces_between_special_tokens": True,
+        "echo": False,
+        "best_of": 1,
+        "modalities": ["text"],
+    }
     if key in defaults:  # the value that asks for nothing is taken
         for parse, body in bodies:
             assert parse({**body, key: defaults[key]}, info, Limits(DEFAULT_MAX)).jobs
+
+
+def test_reasoning_effort_reaches_the_chat_template_as_vllm_hands_it() -> None:
+    """OpenAI's ``reasoning_effort``: the template gets it, and ``enable_thinking`` off for
+    ``none``, on otherwise; ``chat_template_kwargs`` set explicitly win; another value is a 400."""
+    from pdserve.api.protocol import template_kwargs
+
+    assert template_kwargs({"reasoning_effort": "none"}) == {"reasoning_effort": "none", "enable_thinking": False}
+    assert template_kwargs({"reasoning_effort": "high"}) == {"reasoning_effort": "high", "enable_thinking": True}
+    both = {"reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": False}}
+    assert template_kwargs(both) == {"reasoning_effort": "low", "enable_thinking": False}
+    assert template_kwargs({}) == {}
+    with pytest.raises(APIError) as refused:
+        template_kwargs({"reasoning_effort": "extreme"})
+    assert refused.value.param == "reasoning_effort"
 
 
 def test_vllm_extensions_that_are_served(info: ModelInfo, name: str) -> None:

@@ -94,6 +94,16 @@ def test_chat_template_kwargs_reach_the_template_and_may_not_replace_its_inputs(
         with pytest.raises(APIError) as refused:
             parse_chat({**body, "chat_template_kwargs": bad}, info, Limits(16))
         assert refused.value.param == "chat_template_kwargs"
+    # OpenAI's reasoning_effort reaches a template that reads it (Qwen3's enable_thinking too)
+    tokenizer.chat_template = (
+        "{{ messages[0].content }}{% if enable_thinking is defined and not enable_thinking %} /no_think{% endif %}"
+        "{% if reasoning_effort is defined %} [{{ reasoning_effort }}]{% endif %}"
+    )
+    texts = {
+        e: parse_chat({**body, "reasoning_effort": e}, info, Limits(16)).jobs[0].prompt_text for e in ("none", "high")
+    }
+    assert texts == {"none": "hi /no_think [none]", "high": "hi [high]"}
+    assert parse_chat(body, info, Limits(16)).jobs[0].prompt_text == "hi"
     tokenizer.chat_template = "{{ messages[0].content + bos }}"  # a value the template cannot add
     with pytest.raises(APIError) as failed:
         parse_chat({**body, "chat_template_kwargs": {"bos": 5}}, info, Limits(16))

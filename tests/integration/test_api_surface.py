@@ -375,6 +375,33 @@ async def test_cache_salt_keeps_a_prompt_s_cached_prefix_to_its_own_salt(system:
     assert {r.choices[0].text for r in (first, other, plain, again)} == {first.choices[0].text}
 
 
+async def test_continuous_usage_stats_count_every_chunk(system: Any) -> None:
+    """vLLM's ``stream_options.continuous_usage_stats``: every chunk carries the usage so far
+    (the prompt, and every sample's tokens sent up to it), the last chunk's equal to the final
+    usage chunk's; on completions and chat."""
+    for path, body in (
+        ("/v1/completions", {"prompt": PROMPT_IDS, "n": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
+        options = {"include_usage": True, "continuous_usage_stats": True}
+        full = {
+            **body,
+            "max_tokens": 5,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": options,
+        }
+        chunks = await stream_path(system, path, full)
+        pieces, end = [c for c in chunks if c["choices"]], chunks[-1]
+        assert not end["choices"] and all("usage" in c for c in pieces)
+        done = [c["usage"]["completion_tokens"] for c in pieces]
+        assert done == sorted(done) and done[-1] == end["usage"]["completion_tokens"] == 5 * body.get("n", 1)
+        assert {c["usage"]["prompt_tokens"] for c in pieces} == {end["usage"]["prompt_tokens"]}
+    plain = await stream_path(system, "/v1/completions", {"prompt": PROMPT_IDS, "max_tokens": 2, "stream": True})
+    assert all("usage" not in c for c in plain)
+
+
 async def generate_raw_path(system: Any, path: str, body: dict[str, Any]) -> Any:
     async with httpx.AsyncClient(base_url=system.url, timeout=120) as http:
         r = await http.post(path, json=body)
