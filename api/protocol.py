@@ -213,6 +213,13 @@ SGLANG_UNSERVED: tuple[tuple[str, Callable[[Any], bool]], ...] = (
 )
 
 
+# SGLang's sampling_params that ask for what pdserve does not do
+SGLANG_SAMPLING_UNSERVED: tuple[tuple[str, Callable[[Any], bool]], ...] = (
+    ("stop_regex", _set),
+    ("structural_tag", _set),
+)
+
+
 def unserved(src: dict[str, Any], table: tuple[tuple[str, Callable[[Any], bool]], ...]) -> None:
     """A 400 for the first key of ``table`` that ``src`` sets to a value asking for something."""
     for key, asks in table:
@@ -737,6 +744,9 @@ def parse_generate(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Par
     top = {k: body[k] for k in _SGLANG_SAMPLING if k in body}
     merged = {**top, **params}
     unserved(body, SGLANG_UNSERVED)
+    unserved(merged, SGLANG_SAMPLING_UNSERVED)
+    if "sampling_seed" in merged and merged.get("seed") is None:  # SGLang's name for the seed
+        merged["seed"] = merged["sampling_seed"]
     if ("text" in body) == ("input_ids" in body):
         raise bad_request("give exactly one of 'text' and 'input_ids'", "text")
     key = "text" if "text" in body else "input_ids"

@@ -797,6 +797,23 @@ def test_what_vllm_and_sglang_serve_and_pdserve_does_not_is_refused_not_ignored(
             assert parse({**body, key: defaults[key]}, info, Limits(DEFAULT_MAX)).jobs
 
 
+def test_sglang_s_sampling_seed_is_the_seed_and_what_it_does_not_serve_is_refused(info: ModelInfo) -> None:
+    """SGLang's ``sampling_seed`` seeds the request (``seed`` wins where both are given); its
+    ``stop_regex`` and ``structural_tag`` are refused, not ignored."""
+    seeded = parse_generate({"text": "hi", "sampling_params": {"sampling_seed": 5}}, info, Limits(DEFAULT_MAX))
+    assert seeded.jobs[0].sampling.seed == 5
+    both = parse_generate({"text": "hi", "sampling_params": {"sampling_seed": 5, "seed": 6}}, info, Limits(DEFAULT_MAX))
+    assert both.jobs[0].sampling.seed == 6
+    for key, value in (("stop_regex", "a+"), ("structural_tag", '{"type": "structural_tag"}')):
+        _bad(
+            parse_generate,
+            {"text": "hi", "sampling_params": {key: value}},
+            info,
+            code="unsupported_parameter",
+            param=key,
+        )
+
+
 def test_reasoning_effort_reaches_the_chat_template_as_vllm_hands_it() -> None:
     """OpenAI's ``reasoning_effort``: the template gets it, and ``enable_thinking`` off for
     ``none``, on otherwise; ``chat_template_kwargs`` set explicitly win; another value is a 400."""
