@@ -187,6 +187,7 @@ VLLM_UNSERVED: tuple[tuple[str, Callable[[Any], bool]], ...] = (
     ("kv_transfer_params", _set),
     ("structural_tag", _set),
     ("vllm_xargs", _set),
+    ("prompt_embeds", _set),
 )
 # OpenAI's own parameters that ask for what pdserve does not do (a value that asks nothing passes).
 COMPLETION_UNSERVED: tuple[tuple[str, Callable[[Any], bool]], ...] = (

@@ -767,6 +767,7 @@ def test_bad_words_are_each_word_s_tokens_as_it_stands_and_after_a_space(info: M
         ("image_data", "http://x/y.png", "generate"),
         ("return_hidden_states", True, "generate"),
         ("suffix", "}", "completion"),
+        ("prompt_embeds", "AAAA", "both"),
         ("best_of", 3, "completion"),
         ("modalities", ["text", "audio"], "chat"),
         ("audio", {"voice": "alloy", "format": "wav"}, "chat"),
