@@ -127,19 +127,22 @@ async def test_a_local_request_is_redelivered_to_another_decode_worker(
     """With the API's stall timeout out of the way, JetStream itself hands the local
     request to the other decode worker after ``ack_wait``, as any work message."""
     broker = streams.BrokerConfig(ack_wait=2.0)
-    first = await workers("decode", broker=broker)
-    await until(lambda: len(gateway.load.decode) == 1)
+    # Both up before the request, the one streaming it killed at 20 tokens (starting the second
+    # then, the first finished all 120 tokens meanwhile on a loaded machine: nothing redelivered)
+    decodes = [await workers("decode", broker=broker), await workers("decode", broker=broker)]
+    await until(lambda: len(gateway.load.decode) == 2)
     state: dict[str, Any] = {}
 
     async def on_chunk(tokens: list[int], chunk: TokenChunk) -> None:
-        if len(tokens) >= 20 and "second" not in state:
-            state["second"] = await workers("decode", broker=broker)
-            await kill(first)
+        if len(tokens) >= 20 and "killed" not in state:
+            state["killed"] = next(w for w in decodes if w.worker_id == chunk.worker_id)
+            await kill(state["killed"])
 
     tokens, seen = await run(gateway, SHORT, 120, "local-redelivered", on_chunk)
     assert tokens == reference(tiny_model_dir, SHORT, 120)
-    second = state["second"]
-    assert seen == [first.worker_id, second.worker_id]
+    killed = state["killed"]
+    (second,) = [w for w in decodes if w is not killed]
+    assert seen == [killed.worker_id, second.worker_id]
     assert second.counters["redeliveries"] == 1 and second.counters["local_prefills"] == 1
     assert gateway.stats.migrations == 0
 
