@@ -16,7 +16,6 @@ from pdserve.api.placement import LOCAL, PLACED, Load, choose
 from pdserve.api.prefix_index import PrefixIndex, Target, best_worker, coldest_worker
 from pdserve.broker import contract, queues, streams
 from pdserve.schemas import GenerateRequest, KVEvents
-from pdserve.schemas.kv_events import salt_root
 
 if TYPE_CHECKING:
     from pdserve.broker.claims import Claims
@@ -75,12 +74,12 @@ class Placing(ClusterQueries):
         if pending:
             self.cold_pages[events.worker_id] = max(pending - len(events.stored), 0)
 
-    def cached_estimate(self, prompt_ids: tuple[int, ...], salt: str | None = None) -> int:
-        """Prompt tokens a decode worker is believed to cache (0: unknown, or prefix-aware
-        placement off: no index); ``salt``: the request's ``cache_salt``."""
+    def cached_estimate(self, request: GenerateRequest) -> int:
+        """Prompt tokens a decode worker is believed to cache of ``request``'s prompt (0:
+        unknown, or prefix-aware placement off: no index)."""
         if not self.placement.prefix_aware or not self.decoders:
             return 0
-        matches = self.index.matches(prompt_ids, salt_root(salt))
+        matches = self.index.matches(request.prompt_ids, request.sampling.page_root)
         return max((matches.get(w, 0) for w in self.decoders), default=0)
 
     def _prefix_target(self, request: GenerateRequest) -> Target | None:
@@ -89,7 +88,7 @@ class Placing(ClusterQueries):
             return None
         if len(self.placeable) < self.placement.prefix_min_workers:  # none, or one the shared queue reaches
             return None
-        matches = self.index.matches(request.prompt_ids, salt_root(request.sampling.cache_salt))
+        matches = self.index.matches(request.prompt_ids, request.sampling.page_root)
         target = best_worker(matches, self.placeable, self.placement.prefix_min_tokens, self.busy)
         if target is not None or len(request.prompt_ids) < self.placement.prefix_min_tokens:
             return target
@@ -153,9 +152,7 @@ class Placing(ClusterQueries):
     def _channel(self, request: GenerateRequest) -> contract.WorkChannel[GenerateRequest]:
         """The work channel of ``request``'s first attempt, counted by path."""
         prompt = request.prompt_ids
-        decision = choose(
-            len(prompt), self.cached_estimate(prompt, request.sampling.cache_salt), self.load, self.placement
-        )
+        decision = choose(len(prompt), self.cached_estimate(request), self.load, self.placement)
         self.metrics.placed(decision.path)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("placed", extra={"rid": request.rid, "path": decision.path, "reason": decision.reason})

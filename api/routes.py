@@ -238,20 +238,20 @@ async def completions(request: Request) -> Response:
     if parsed.stream:
         job = parsed.jobs[0]
         first, rest = await _open_stream(request, state, job, rid, parsed.skip_special_tokens)
-        unsent = set(range(job.sampling.n)) if parsed.echo else set()
         usage = _Usage(job.sampling.n, len(job.prompt_ids))
-
-        first_piece = set(range(job.sampling.n))
+        unsent = set(range(job.sampling.n))  # choices whose first piece is still to come
 
         def render(i: int, d: Delta) -> list[Any]:
             usage.add(d)
-            choice = _completion_choice(state, parsed, job, i, d.text, d.token_ids, d.logprobs, i in unsent, d)
+            first = i in unsent
             unsent.discard(i)
+            choice = _completion_choice(
+                state, parsed, job, i, d.text, d.token_ids, d.logprobs, parsed.echo and first, d
+            )
             if parsed.token_ids:  # vLLM's return_token_ids: the prompt's on a choice's first piece
                 choice["token_ids"] = list(d.token_ids)
-                if i in first_piece:
+                if first:
                     choice["prompt_token_ids"] = list(job.prompt_ids)
-            first_piece.discard(i)
             chunk = {**head, "choices": [{**choice, "finish_reason": formats.openai_finish(d.finish_reason)}]}
             if parsed.continuous_usage:
                 chunk["usage"] = usage.so_far()

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pdserve.engine.sequence import Sequence as Seq
-from pdserve.schemas.kv_events import page_hashes, salt_root
+from pdserve.schemas.kv_events import page_hashes
 
 
 class PrefixTiers(Protocol):
@@ -107,7 +107,7 @@ class PageManager:
 
     def match_prefix(self, tokens: Sequence[int], root: bytes | None = None) -> list[bytes]:
         """Hashes of the leading full pages of ``tokens`` (whether or not cached); ``root``: the
-        chain's start (:func:`~pdserve.schemas.kv_events.salt_root` of a request's salt)."""
+        chain's start (a request's ``sampling.page_root``)."""
         return page_hashes(tokens, self.page_size, root)
 
     def lookup(self, hashes: Sequence[bytes]) -> list[int]:
@@ -231,7 +231,7 @@ class PageManager:
         then :meth:`finish_tail`)."""
         assert not seq.page_table, f"{seq.rid} already has pages"
         limit = max_tokens // self.page_size
-        root = salt_root(seq.sampling.cache_salt)
+        root = seq.sampling.page_root
         if self.tiers is None:  # hashed as far as the index knows the prefix; the rest later (hash_pages)
             seq.page_hashes = self._known_prefix(seq.tokens, limit, root)
         elif len(seq.page_hashes) != len(seq.tokens) // self.page_size:  # the tiers below may know more of it
@@ -254,9 +254,7 @@ class PageManager:
         whether it was asked."""
         if self.tiers is None or not self.enable_prefix_cache or seq.page_table:
             return False
-        hashes = seq.page_hashes = self.match_prefix(
-            seq.tokens, salt_root(seq.sampling.cache_salt)
-        )  # as attach_prefix takes them
+        hashes = seq.page_hashes = self.match_prefix(seq.tokens, seq.sampling.page_root)  # attach_prefix takes them
         start = len(self.lookup(hashes))
         return start < len(hashes) and self.tiers.prefetch(hashes, start, ahead)
 
@@ -283,7 +281,7 @@ class PageManager:
         have = len(seq.page_hashes)
         if num_tokens // self.page_size > have:
             tokens = seq.tokens[have * self.page_size : num_tokens]
-            parent = seq.page_hashes[-1] if have else salt_root(seq.sampling.cache_salt)
+            parent = seq.page_hashes[-1] if have else seq.sampling.page_root
             seq.page_hashes += page_hashes(tokens, self.page_size, parent)
 
     def _promote(self, seq: Seq, start: int, limit: int, overlap_reserve: int | None) -> tuple[list[int], int]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from pdserve.schemas.kv_events import salt_root
+
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 MAX_SAMPLES = 64  # n: parallel samples of one prompt
@@ -105,6 +107,12 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def page_root(self) -> bytes | None:
+        """Where the prompt's page-hash chain starts: :func:`~.kv_events.salt_root` of
+        ``cache_salt`` (``None``: the chain every unsalted prompt shares)."""
+        return salt_root(self.cache_salt)
 
     @property
     def reads_history(self) -> bool:
