@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from pdserve.engine import kv_tiers
 from pdserve.engine.config import EngineConfig, KVTierConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.loader import build_engine, freeze_heap
@@ -569,11 +570,14 @@ def sdpa_backend(name: str) -> contextlib.AbstractContextManager[object]:
     return sdpa_kernel([getattr(SDPBackend, backend)])
 
 
-def in_new_process(args: argparse.Namespace, model: Path, seed: int, tiers: dict[str, Any]) -> dict[str, Any]:
+def in_new_process(
+    args: argparse.Namespace, model: Path, seed: int, tiers: dict[str, Any], warm_up: bool = True
+) -> dict[str, Any]:
     cmd = [
         sys.executable,
         __file__,
         "--one-prompt",
+        *([] if warm_up else ["--no-warm-up"]),
         "--model",
         str(model),
         "--seed",
@@ -722,10 +726,19 @@ def main() -> None:
         help="the chat also runs a disk whose rule may load a found run's leading groups alone (disk_cut: "
         "--kv-tier-cut-runs), beside the disk as it is by default",
     )
+    p.add_argument(
+        "--compare-warm-up",
+        action="store_true",
+        help="a restarted worker and a second store worker also run without the start-up warm-up of a load "
+        "(KVTiers.warm_up), before the ones with it (restarted_process_disk_no_warm_up, ...)",
+    )
+    p.add_argument("--no-warm-up", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--one-prompt", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--tiers-json", default="{}", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one_prompt:
+        if args.no_warm_up:
+            kv_tiers.WARM_UP = False
         with sdpa_backend(args.sdpa_backend):
             one_prompt(args)
         return
@@ -777,17 +790,21 @@ def main() -> None:
             print("process", json.dumps(results["chat_process"]), flush=True)
         disk = {"disk_dir": str(Path(tmp) / "disk-restart"), **overlap}
         cold = in_new_process(args, model, seed + 1, {})
-        results["restart"] = {
-            "first_process_disk": in_new_process(args, model, seed + 1, disk),
-            "restarted_process_disk": in_new_process(args, model, seed + 1, disk),
-            "fresh_process_no_tiers": dict(cold),
-        }
+        results["restart"] = {"first_process_disk": in_new_process(args, model, seed + 1, disk)}
+        if args.compare_warm_up:  # (first: the files are in the page cache for both)
+            results["restart"]["restarted_process_disk_no_warm_up"] = in_new_process(
+                args, model, seed + 1, disk, warm_up=False
+            )
+        results["restart"]["restarted_process_disk"] = in_new_process(args, model, seed + 1, disk)
+        results["restart"]["fresh_process_no_tiers"] = dict(cold)
         if store is not None:
-            results["store_shared"] = {
-                "first_worker_store": in_new_process(args, model, seed + 1, store),
-                "second_worker_store": in_new_process(args, model, seed + 1, store),
-                "fresh_process_no_tiers": dict(cold),
-            }
+            results["store_shared"] = {"first_worker_store": in_new_process(args, model, seed + 1, store)}
+            if args.compare_warm_up:
+                results["store_shared"]["second_worker_store_no_warm_up"] = in_new_process(
+                    args, model, seed + 1, store, warm_up=False
+                )
+            results["store_shared"]["second_worker_store"] = in_new_process(args, model, seed + 1, store)
+            results["store_shared"]["fresh_process_no_tiers"] = dict(cold)
         # a second cold process after the others: how far two processes doing the same work
         # differ (a short prompt's step is mostly the host's launches, which vary by process)
         again = in_new_process(args, model, seed + 1, {})

@@ -158,6 +158,8 @@ class Engine(Appending, Admission):
             self.stream = torch.cuda.current_stream(runner.device)
             self._default_stream = torch.cuda.default_stream(runner.device)
         self.measure_prefill()
+        if self.tiers is not None:
+            self.tiers.warm_up()  # a load's and a write's device work, once before the first request
 
     def measure_prefill(self) -> bool:
         """Time prefills of :data:`PREFILL_PROBES` tokens for the KV tiers' cost rule (a first

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -60,6 +61,10 @@ READ_BATCH = LOAD_THREADS
 RECHECK_EVERY = 16
 
 log = logging.getLogger(__name__)
+
+# KVTiers.warm_up runs at a worker's start (bench/kv_tiers.py --compare-warm-up turns it off in
+# one restarted worker of two)
+WARM_UP = True
 
 
 @dataclass
@@ -496,9 +501,7 @@ class KVTiers(WriteThrough, ReadAhead):
                         self._unmark(step.key, step.tier)
                     else:
                         source = got.source
-                        index = page_index(target, self.pool.device)
-                        src = got.group[step.skip : step.skip + n]
-                        self.pool.tensor.index_copy_(0, index, src.to(self.pool.device, non_blocking=True))
+                        self._copy_in(target, got.group[step.skip : step.skip + n])
                     if i in held:
                         self._give_back(held.pop(i))
                 if source is None:
@@ -523,6 +526,47 @@ class KVTiers(WriteThrough, ReadAhead):
             self.estimates.note_load(source, nbytes, seconds)
         self._timed("load", began)
         return loaded
+
+    def _copy_in(self, pages: Sequence[int], src: torch.Tensor) -> None:
+        """Copy a group's pages ``src`` (on the host) into pool ``pages`` (queued on a GPU)."""
+        index = page_index(pages, self.pool.device)
+        self.pool.tensor.index_copy_(0, index, src.to(self.pool.device, non_blocking=True))
+
+    def warm_up(self) -> None:
+        """Run a disk's or store's load and write on the device once before the worker takes a
+        request, without a tier: the pool's first group of pages (free at start) snapshotted as
+        a write does and copied back through a read buffer as a load does, the pool left as it
+        was, and the loaders' threads started. A process's first load paid these first times
+        (the copy's kernel loaded, threads started) in the request's time to first token, and
+        its tier's rate reading with them: on an H100 a restarted worker's first load of a
+        512-token prefix took 14.4 and 16.9 ms where its later ones took 12.3-12.6, and where
+        it read dear the rule declined the rest (2026-12-07). Nothing is counted or written.
+        (:data:`WARM_UP` off: not run, for a benchmark's comparison.)"""
+        if not WARM_UP or not self.groups or self.pool.num_pages < self.group_pages:
+            return
+        with self._fetch_lock:
+            if self._loaders is None:
+                self._loaders = helper_pool(LOAD_THREADS, "kv-tier-load")
+        meet = threading.Barrier(LOAD_THREADS)  # each task waits for all: every thread started
+        for future in [self._loaders.submit(meet.wait, 10.0) for _ in range(LOAD_THREADS)]:
+            future.result()
+        pages = list(range(self.group_pages))
+        (write,) = self._snapshot([(b"warm-up", pages, ())])
+        if write.ready is not None:
+            write.ready.synchronize()
+        buffer = self._read_buffers.take()
+        if buffer is None:  # (all out: not at start)
+            return
+        start = buffer.offset + kv_blob.HEADER_BYTES  # where a read blob's pages lie (see _checked)
+        nbytes = write.pages.numel() * write.pages.element_size()
+        group = buffer.data[start : start + nbytes].view(write.pages.dtype).view(write.pages.shape)
+        group.copy_(write.pages)
+        self._copy_in(pages, group)
+        self._give_back(buffer)
+        if write.ready is not None:
+            self._release_pinned(write.pages)
+        if self.pool.device.type == "cuda":
+            torch.cuda.current_stream(self.pool.device).synchronize()
 
     def _give_back(self, buffer: ReadBuffer) -> None:
         """``buffer`` back, once the copy out of it queued on the device has run."""

@@ -338,12 +338,21 @@ class WriteThrough:
                 self._pinned_free.append(buf)
 
     def _enqueue(self, groups: Sequence[tuple[bytes, Sequence[int], tuple[str, ...]]]) -> None:
-        """Snapshot the pages of ``groups`` (key, pages) for the writer: one gather of all of
-        them, then a host copy of each group (on a GPU, per group a launch or two on the engine's
-        thread, where a gather, an event and an index of its own each had cost a 512-token prompt
-        of a 7B model 1.4 ms with a disk tier on an H100, 2026-12-06)."""
+        """Snapshot the pages of ``groups`` (key, pages, tiers) and queue them for the writer."""
         if not groups:
             return
+        for item in self._snapshot(groups):
+            try:
+                self._queue.put_nowait(item)
+            except queue.Full:
+                self.stats.write_drops += 1
+                self._written.pop(item.key, None)  # offered again next time it is computed
+
+    def _snapshot(self, groups: Sequence[tuple[bytes, Sequence[int], tuple[str, ...]]]) -> list[_Write]:
+        """The pages of ``groups`` (key, pages, tiers) copied to the host for the writer: one
+        gather of all of them, then a host copy of each group (on a GPU, per group a launch or
+        two on the engine's thread, where a gather, an event and an index of its own each had
+        cost a 512-token prompt of a 7B model 1.4 ms with a disk tier on an H100, 2026-12-06)."""
         index = page_index([page for _, pages, _ in groups for page in pages], self.pool.device)
         items: list[_Write] = []
         if self.pool.device.type == "cuda":
@@ -377,12 +386,7 @@ class WriteThrough:
             for key, pages, tiers in groups:
                 items.append(_Write(key, gathered[start : start + len(pages)], None, tiers))
                 start += len(pages)
-        for item in items:
-            try:
-                self._queue.put_nowait(item)
-            except queue.Full:
-                self.stats.write_drops += 1
-                self._written.pop(item.key, None)  # offered again next time it is computed
+        return items
 
     def _write_loop(self) -> None:
         while True:

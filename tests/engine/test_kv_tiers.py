@@ -25,6 +25,7 @@ from pdserve.engine.kv_disk import DiskTier
 from pdserve.engine.kv_host import HostTier
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.kv_tiers import KVTiers
+from pdserve.engine.kv_write import TierCounters
 from pdserve.engine.loader import build_engine
 from pdserve.kv_store import StoreMaster, plan_master, running_store, start
 from pdserve.schemas import KVLayout, SamplingParams, WorkerCounters, WorkerInfo
@@ -313,6 +314,33 @@ def test_a_load_is_one_reading_of_its_tier_s_rate(tiny_model_dir: Path, tmp_path
     # the load's one reading (a calibration's reads, blobs with their headers, are no multiple of a page)
     assert [n for tier, n in readings if tier == "disk" and n % page == 0] == [pages * page]
     restarted.close()
+
+
+def test_a_worker_runs_a_load_and_a_write_once_at_start_leaving_no_trace(tmp_path: Path) -> None:
+    """Before its first request a worker with a disk or store runs a write's snapshot and a
+    load's copy into the pool once (a restarted worker's first load paid those first times on
+    an H100, 2026-12-07): the pool is as it was, nothing is written, counted or read, the
+    loaders' threads are up, and every read buffer is back."""
+    pool = random_pool(num_pages=8)
+    before = pool.tensor.clone()
+    tiers = KVTiers(pool, KVTierConfig(disk_dir=str(tmp_path), group_pages=2), IDENT)
+    assert tiers._loaders is None
+    tiers.warm_up()
+    tiers.drain()
+    assert torch.equal(pool.tensor, before)
+    assert tiers._loaders is not None and len(tiers._loaders._threads) == 4
+    assert tiers._read_buffers.free == tiers._read_buffers.count
+    assert not any(tiers.totals().values())
+    assert all(counters == TierCounters() for counters in tiers.stats.tiers.values())
+    assert not list(tmp_path.rglob("*.kv"))
+    tiers.close()
+
+
+def test_an_engine_with_a_group_tier_warms_its_loads_at_start(tiny_model_dir: Path, tmp_path: Path) -> None:
+    engine = tiered_engine(tiny_model_dir, disk_dir=str(tmp_path), group_pages=4)
+    assert engine.tiers is not None and engine.tiers._loaders is not None
+    assert engine.stats.steps == 0 and engine.pages.num_cached_pages == 0
+    engine.close()
 
 
 def test_a_tier_is_measured_off_the_request_path(tiny_model_dir: Path, tmp_path: Path) -> None:
