@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import statistics
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -400,7 +401,9 @@ class CostEstimates:
         if seconds > 0.0:
             calls = self._calls.setdefault(tier, deque(maxlen=CALLS))
             calls.append(seconds)
-            self.call_seconds[tier] = float(np.median(calls))
+            # (statistics', not numpy's: np.median imports numpy.ma at its first call, 9 ms of a
+            # worker's first lookup on a request's path on this project's CPU, 2026-12-07)
+            self.call_seconds[tier] = statistics.median(calls)
 
     def load_seconds(self, tier: str, nbytes: int, calls: int = 1) -> float | None:
         """Expected time to load ``nbytes`` from ``tier`` in ``calls`` round trips (each as

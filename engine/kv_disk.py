@@ -41,6 +41,7 @@ class DiskTier:
         self.num_bytes = 0
         self.num_evicted = 0
         self._lock = threading.Lock()  # the writer thread puts, the engine's loop reads
+        self._prefix = os.path.join(str(self.dir), "")  # of a file's path (contains)
         self._scan()
 
     def _scan(self) -> None:
@@ -68,7 +69,9 @@ class DiskTier:
         return [bytes.fromhex(name.removesuffix(".kv")) for name in names]
 
     def contains(self, key: bytes) -> bool:
-        return self.path(key).exists()
+        # (a stat of a joined string: through pathlib each took 3x as long, on the engine's
+        # thread at every lookup)
+        return os.path.exists(self._prefix + key.hex() + ".kv")
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         return [self.contains(k) for k in keys]
