@@ -23,7 +23,9 @@
 #                                    # verify: speculative verify steps against plain decode, quant: FP8 row quantization,
 #                                    # attention_fp8: the decode attention over an FP8 pool; attention_tiles: at the
 #                                    # engine's launch settings, bf16 KV, FP8 KV, and FP8 KV read in float16 tiles;
-#                                    # sdpa: a whole prompt's attention the first time its length is met, per backend)
+#                                    # sdpa: a whole prompt's attention the first time its length is met, per backend;
+#                                    # first_load: a restarted worker's first disk load against its later ones, with
+#                                    # and without the start-up warm-up, 512 tokens at 7B dimensions)
 #   bash bench/gpu.sh two_gpu_pd     # 2 GPUs: the p2p tests, then bench/two_gpu_pd.py (NCCL KV, PD against 2 unified)
 #   bash bench/gpu.sh two_tp         # 2 GPUs: the TP tests, then bench/tensor_parallel.py (TP 1 against TP 2)
 #   bash bench/gpu.sh xpyd           # 4 GPUs: bench/xpyd.py, some systems a call (ARGS="--configs 2P2D,4U"; XPYD_JSON:
@@ -186,7 +188,9 @@ probes)
     quant) timeout -k 10 120 python3 bench/probes/quant_probe.py --out "$out/quant_probe.json" ;;
     rope) timeout -k 10 120 python3 bench/probes/rope_store_probe.py --out "$out/rope_store_probe.json" ;;
     sdpa) timeout -k 10 120 python3 bench/probes/sdpa_shapes_probe.py --out "$out/sdpa_shapes_probe.json" ;;
-    *) echo "unknown probe: $probe (diag, gemv, attention, attention_fp8, attention_tiles, fp32, reading, ipc, verify, quant, rope, sdpa)" ;;
+    first_load) dummy_7b; timeout -k 10 200 python3 bench/probes/first_load_probe.py --device cuda --model /tmp/m7b \
+      --load-format dummy --prefix 512 --out "$out/first_load_probe_gpu.json" ;;
+    *) echo "unknown probe: $probe (diag, gemv, attention, attention_fp8, attention_tiles, fp32, reading, ipc, verify, quant, rope, sdpa, first_load)" ;;
     esac > "$out/probe_$probe.log" 2>&1
     echo "== $probe"; grep -v "^  " "$out/probe_$probe.log" | tail -14
   done
