@@ -91,6 +91,14 @@ _COUNTERS = {
         "pdserve_prompt_tokens_scored",
         "prompt tokens whose log-probabilities requests asked for (computed in full: no prefix cache)",
     ),
+    "overlapped_steps": (
+        "pdserve_engine_overlapped_steps",
+        "decode steps left queued on the device while the next one was scheduled (overlap)",
+    ),
+    "history_unoverlapped_steps": (
+        "pdserve_engine_history_unoverlapped_steps",
+        "decode steps not left queued because a row's sampling reads its own output (penalties, bad words)",
+    ),
 }
 _STATS_GAUGES = {"waiting", "running", "prefill_tokens_waiting"}
 # TierCounts fields → (metric name, help); labels worker, role and tier.

@@ -527,13 +527,10 @@ class Engine(Appending, Admission):
         whose sampling reads its own history (penalties, bad words). A constrained row may: the next
         step's launch hands its grammar the token before filling its mask (``_catch_up``)."""
         batch = launched.batch
-        held = (
-            self.overlap
-            and launched.tokens is not None
-            and not batch.prefills
-            and not batch.verifies
-            and not any(s.sampling.reads_history for s in batch.decodes)
-        )
+        held = self.overlap and launched.tokens is not None and not batch.prefills and not batch.verifies
+        if held and any(s.sampling.reads_history for s in batch.decodes):
+            held = False  # (the slower path: counted, as a user's penalties or bad words cost it)
+            self.stats.history_unoverlapped_steps += 1
         speculator = self.speculator
         if held and speculator is not None and any(speculator.due(s, len(batch.decodes)) for s in batch.decodes):
             held = False  # the next step drafts for it: its last token must be on the host by then

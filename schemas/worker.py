@@ -134,7 +134,10 @@ class WorkerStats:
     KV pulls (decode); ``waiting``/``running``: sequences the scheduler holds now;
     ``prefill_tokens_waiting``: prompt tokens admitted but not computed yet;
     ``grammar_refusals``: sampled tokens a constrained sequence's grammar refused (0 unless a bug);
-    ``scored_prompt_tokens``: prompt tokens whose log-probabilities a request asked for.
+    ``scored_prompt_tokens``: prompt tokens whose log-probabilities a request asked for;
+    ``overlapped_steps``: decode steps left queued on the device while the next one was
+    scheduled (overlap, on by default on a GPU); ``history_unoverlapped_steps``: decode steps that were
+    not, because a row's sampling reads its own output (penalties, multi-token bad words).
     """
 
     steps: int = 0
@@ -150,6 +153,8 @@ class WorkerStats:
     prefill_tokens_waiting: int = 0
     grammar_refusals: int = 0
     scored_prompt_tokens: int = 0
+    overlapped_steps: int = 0
+    history_unoverlapped_steps: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -248,6 +248,8 @@ class WorkerRuntime(Housekeeping):
             prefill_tokens_waiting=engine.num_prefill_tokens_waiting,
             grammar_refusals=engine.stats.grammar_refusals,
             scored_prompt_tokens=engine.stats.scored_prompt_tokens,
+            overlapped_steps=engine.stats.overlapped_steps,
+            history_unoverlapped_steps=engine.stats.history_unoverlapped_steps,
         )
         return WorkerInfo(
             worker_id=self.worker_id,

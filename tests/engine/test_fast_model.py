@@ -243,6 +243,7 @@ def test_overlapped_steps_equal_plain_steps() -> None:
         results.append(collect_all(engine, requests, abort=None if tokens == 4096 else "4"))
         assert (engine.scheduler.num_preemptions > 0) is (tokens == 80)
         assert (engine.stats.overlapped_steps > 0) is overlap
+        assert engine.stats.history_unoverlapped_steps == 0  # no row reads its history here
     reference, plain, overlapped = results
     for result in (plain, overlapped):
         cut = result["tokens"].pop("4", [])  # aborted part way: what it got is the reference's start

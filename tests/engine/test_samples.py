@@ -239,6 +239,26 @@ def test_a_bad_word_bars_its_last_token_after_the_rest() -> None:
     assert params.reads_history and not SamplingParams(bad_words=((5,),)).reads_history
 
 
+def test_a_row_that_reads_its_history_takes_unoverlapped_steps_counted(tiny_model_dir: Path) -> None:
+    """A penalized row's next step waits for its token (the slower path), counted; plain rows
+    beside it take overlapped steps as before, and the draws are the plain steps' draws."""
+    runs = []
+    for overlap in (False, True):
+        engine = make_engine(tiny_model_dir, overlap_schedule=overlap, model_impl="pdserve")
+        assert engine.overlap is overlap and engine.runner.fast is not None
+        engine.runner.fast.use_gemv = False  # interpreted, it is slow; the greedy tests cover it
+        engine.add_request("plain", PROMPT, SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))
+        run_all(engine)
+        assert engine.stats.history_unoverlapped_steps == 0  # the normal path
+        assert (engine.stats.overlapped_steps > 0) is overlap
+        engine.add_request(
+            "pen", PROMPT, SamplingParams(max_new_tokens=6, temperature=0.0, repetition_penalty=1.3, ignore_eos=True)
+        )
+        runs.append(run_all(engine))
+        assert (engine.stats.history_unoverlapped_steps > 0) is overlap
+    assert runs[0] == runs[1]
+
+
 # ---- structured output -----------------------------------------------------------------
 SCHEMA = {
     "type": "object",
