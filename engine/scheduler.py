@@ -1,9 +1,12 @@
 """Continuous batching with chunked prefill and prefix reuse. Policy only: no tensors, no I/O.
 
 Each step the scheduler takes every running sequence for one decode token (growing
-its pages as needed, preempting the newest sequence when pages run out), with speculative
-decoding on gives those whose draft pays a verify of it instead (``engine/speculative.py``),
-then spends the rest of the token budget on prefill chunks of waiting sequences, oldest first.
+its pages as needed, preempting the newest sequence of the lowest priority when pages run
+out), with speculative decoding on gives those whose draft pays a verify of it instead
+(``engine/speculative.py``), then spends the rest of the token budget on prefill chunks of
+waiting sequences, by priority (a request's ``priority``, lower first), then oldest first. A
+waiting request that a full batch keeps out takes the seat of a running one of a lower
+priority (which waits again, its pages cached, to be recomputed).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_priority_preemptions = 0  # of those, running requests that gave a higher-priority one their seat
         self.num_tail_tokens = 0  # prompt tokens loaded from a tier beside the computing of the part before them
         self.speculator: Speculator | None = None  # speculative decoding's drafter (the engine sets it)
 
@@ -36,9 +40,28 @@ class Scheduler:
         return self.pages.page_size
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        ahead = self._wait(seq)
         if seq.prompt_scores is None:  # the KV tiers read its cached prefix ahead while it waits
-            self.pages.prefetch(seq, len(self.waiting) - 1)
+            self.pages.prefetch(seq, ahead)
+
+    def _wait(self, seq: Sequence, first: bool = False) -> int:
+        """Queue ``seq`` behind the waiting sequences of its priority or a higher one (lower
+        values), or with ``first`` (a preempted one) ahead of those of its own; returns how
+        many wait ahead of it."""
+        waiting = self.waiting
+        p = seq.sampling.priority
+        if first:
+            if not waiting or waiting[0].sampling.priority >= p:
+                waiting.appendleft(seq)
+                return 0
+            at = next((i for i, s in enumerate(waiting) if s.sampling.priority >= p), len(waiting))
+        else:
+            if not waiting or waiting[-1].sampling.priority <= p:
+                waiting.append(seq)
+                return len(waiting) - 1
+            at = next(i for i, s in enumerate(waiting) if s.sampling.priority > p)
+        waiting.insert(at, seq)
+        return at
 
     def fits_ever(self, num_tokens: int) -> bool:
         """Whether a sequence of ``num_tokens`` (+1 to decode) could fit in an empty pool."""
@@ -48,6 +71,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
+        self._seat_by_priority()
         decodes = self._schedule_decodes()
         verifies = self._schedule_drafts(decodes) if self.speculator is not None and decodes else []
         if verifies:
@@ -56,6 +80,24 @@ class Scheduler:
         used = len(decodes) + sum(len(d) + 1 for _, d in verifies)
         prefills = self._schedule_prefills(self.config.chunked_prefill_size - used)
         return ScheduledBatch(decodes, prefills, verifies=verifies)
+
+    def _seat_by_priority(self) -> None:
+        """The first waiting request not started that a full batch keeps out takes the seat
+        of the running request of the lowest priority below its own (the newest of them),
+        which waits again (its full pages stay cached: recomputing is a prefix hit), as
+        many as it needs (an ``n > 1`` request a seat a sample). Preempted this way:
+        :attr:`num_priority_preemptions`."""
+        seat = self.config.max_num_seqs
+        best = next((s for s in self.waiting if not s.page_table and s.num_computed == 0 and not s.num_pending), None)
+        if best is None or not self.running:
+            return
+        need = 1 + len(best.forks)
+        while len(self.running) + need > seat:
+            worst = max(self.running, key=_rank)
+            if worst.sampling.priority <= best.sampling.priority:
+                return
+            self.preempt(worst)
+            self.num_priority_preemptions += 1
 
     def _schedule_drafts(self, decodes: list[Sequence]) -> list[tuple[Sequence, list[int]]]:
         """The decodes that verify a speculative draft this step, with their drafts (pages
@@ -76,7 +118,7 @@ class Scheduler:
 
     # ---- decode ------------------------------------------------------------
     def _schedule_decodes(self) -> list[Sequence]:
-        self.running.sort(key=lambda s: s.arrival)
+        self.running.sort(key=_rank)  # the last is the one preempted first
         scheduled: list[Sequence] = []
         i = 0
         while i < len(self.running):
@@ -101,7 +143,7 @@ class Scheduler:
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self._wait(seq, first=True)
 
     # ---- prefill -----------------------------------------------------------
     def _schedule_prefills(self, budget: int) -> list[tuple[Sequence, int]]:
@@ -183,6 +225,11 @@ class Scheduler:
             self.running.remove(seq)
         if not keep_pages:
             self.pages.release(seq)
+
+
+def _rank(seq: Sequence) -> tuple[int, float]:
+    """Scheduling order: priority (lower first), then arrival."""
+    return seq.sampling.priority, seq.arrival
 
 
 def _reusable(seq: Sequence) -> int:

@@ -13,6 +13,7 @@ MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
 MAX_BAD_WORDS = 256  # token sequences of bad_words (a word tokenized two ways counts twice)
 MAX_BAD_WORD_TOKENS = 32
 MAX_CACHE_SALT = 256  # characters of cache_salt
+MAX_PRIORITY = 1 << 31  # |priority|
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -58,6 +59,9 @@ class SamplingParams:
     # that give the same salt (one tenant's prompts kept from another's timing). Not sampling,
     # but the parameters every worker that hashes the prompt receives.
     cache_salt: str | None = None
+    # Scheduling, not sampling, but it goes wherever the request is scheduled (prefill, decode,
+    # unified): lower values first (vLLM's ``priority``), ties by arrival; 0 is the default.
+    priority: int = 0
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
@@ -85,6 +89,12 @@ class SamplingParams:
         _require(
             self.cache_salt is None or 1 <= len(self.cache_salt) <= MAX_CACHE_SALT,
             f"cache_salt must be 1 to {MAX_CACHE_SALT} characters",
+        )
+        _require(
+            isinstance(self.priority, int)
+            and not isinstance(self.priority, bool)
+            and abs(self.priority) <= MAX_PRIORITY,
+            f"priority must be an integer from -{MAX_PRIORITY} to {MAX_PRIORITY}",
         )
         _require(len(self.bad_words) <= MAX_BAD_WORDS, f"bad_words may hold at most {MAX_BAD_WORDS} token sequences")
         _require(

@@ -367,6 +367,29 @@ def test_min_new_tokens_equals_transformers(mixing_model_dir: Path, spec: bool) 
         assert engine.speculator is not None and engine.speculator.stats.verifies > 0
 
 
+def test_a_higher_priority_request_preempts_and_every_output_stays_greedy(tiny_model_dir: Path, reference) -> None:
+    """A request of a higher priority takes a running one's seat mid-decode; the preempted one
+    is recomputed from its cached prefix and its output goes on as transformers' would."""
+    prompts, expected = reference
+    engine = make_engine(tiny_model_dir, max_num_seqs=2)
+    low = dataclasses.replace(GREEDY, priority=1)
+    for i in range(2):
+        engine.add_request(f"r{i}", prompts[i], low)
+    outs: dict[str, list[int]] = {}
+    finished: list[str] = []
+    for _ in range(5):
+        for o in engine.step():
+            outs.setdefault(o.rid, []).extend(o.token_ids)
+    engine.add_request("r2", prompts[2], dataclasses.replace(GREEDY, priority=-1))
+    for o in iter_outputs(engine):
+        outs.setdefault(o.rid, []).extend(o.token_ids)
+        if o.finish_reason is not None:
+            finished.append(o.rid)
+    assert engine.scheduler.num_priority_preemptions == 1
+    assert finished == ["r0", "r2", "r1"]  # r1, the newer of the two, gave its seat
+    assert [outs[f"r{i}"] for i in range(3)] == expected[:3]
+
+
 def iter_outputs(engine: Engine):
     while engine.has_work():
         yield from engine.step()

@@ -38,8 +38,8 @@ def _sched(num_pages: int, **kw: int | bool) -> Scheduler:
     return Scheduler(config, PageManager(num_pages, config.page_size, config.enable_prefix_cache))
 
 
-def _seq(rid: str, prompt: list[int], arrival: float, max_new: int = 8) -> Sequence:
-    return Sequence(rid, list(prompt), SamplingParams(max_new_tokens=max_new), arrival=arrival)
+def _seq(rid: str, prompt: list[int], arrival: float, max_new: int = 8, priority: int = 0) -> Sequence:
+    return Sequence(rid, list(prompt), SamplingParams(max_new_tokens=max_new, priority=priority), arrival=arrival)
 
 
 @dataclass
@@ -203,6 +203,62 @@ def test_oldest_waiting_first() -> None:
     assert [s.rid for s, _ in eng.step().prefills] == ["x"]
     assert [s.rid for s, _ in eng.step().prefills] == ["x"]
     assert [(s.rid, n) for s, n in eng.step().prefills] == [("x", 4), ("y", 4)]
+
+
+def test_waiting_requests_go_by_priority_then_arrival() -> None:
+    """Lower values first (vLLM's priority), ties in the order they came."""
+    sched = _sched(64, max_num_seqs=1)
+    eng = FakeEngine(sched)
+    for rid, arrival, priority in (("a", 0.0, 0), ("b", 1.0, 5), ("c", 2.0, 0), ("d", 3.0, -2), ("e", 4.0, 5)):
+        eng.add(_seq(rid, [1, 2, 3], arrival, priority=priority), 1)
+    assert [s.rid for s in sched.waiting] == ["d", "a", "c", "b", "e"]
+    eng.run()
+    assert [s.rid for s in eng.finished] == ["d", "a", "c", "b", "e"]
+    assert sched.num_priority_preemptions == 0
+
+
+def test_a_higher_priority_request_takes_the_seat_of_a_lower_one() -> None:
+    """A full batch: the newest running request of the lowest priority below the newcomer's
+    waits again (ahead of the others of its priority), and comes back after."""
+    sched = _sched(64, max_num_seqs=2)
+    eng = FakeEngine(sched)
+    a, b = _seq("a", [1] * 5, 0.0), _seq("b", [2] * 5, 1.0, priority=3)
+    eng.add(a, 6)
+    eng.add(b, 6)
+    eng.step()
+    eng.step()
+    assert {s.rid for s in sched.running} == {"a", "b"}
+    late = _seq("late", [4] * 5, 2.0, priority=3)  # the same priority as b: waits its turn
+    eng.add(late, 3)
+    eng.step()
+    assert sched.num_priority_preemptions == 0 and late in sched.waiting
+    urgent = _seq("urgent", [3] * 5, 3.0, priority=-1)
+    eng.add(urgent, 3)
+    batch = eng.step()
+    assert sched.num_priority_preemptions == 1 and b.status is Status.WAITING and b.num_preemptions == 1
+    assert [s.rid for s, _ in batch.prefills] == ["urgent"] and [s.rid for s in batch.decodes] == ["a"]
+    assert [s.rid for s in sched.waiting] == ["b", "late"]  # b back ahead of its priority's others
+    eng.run()
+    order = [s.rid for s in eng.finished]
+    assert set(order[:2]) == {"a", "urgent"} and order[2:] == ["b", "late"]
+    assert all(len(s.output_ids) == eng.outputs[s.rid] for s in eng.finished)
+    assert sched.num_priority_preemptions == 1  # a, of the same priority, was never asked to
+
+
+def test_pages_short_preempt_the_lowest_priority_first() -> None:
+    sched = _sched(6)
+    eng = FakeEngine(sched)
+    a = _seq("a", [1] * 7, 1.0, priority=-1)
+    b = _seq("b", [2] * 7, 2.0, priority=4)
+    c = _seq("c", [3] * 7, 3.0)
+    for s in (a, b, c):
+        eng.add(s, 10)
+    eng.step()
+    eng.step()
+    eng.step()  # each needs a third page; the pool is dry: b, the lowest priority, goes (not c, the newest)
+    assert sched.num_preemptions == 1 and b.status is Status.WAITING and c.status is Status.RUNNING
+    eng.run()
+    assert {s.rid for s in eng.finished} == {"a", "b", "c"}
 
 
 # ---- decode -------------------------------------------------------------------------------
