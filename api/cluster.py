@@ -59,19 +59,13 @@ class ClusterQueries:
             await streams.worker_bucket(self.js, self.broker)
             return []
 
-    async def queue_depths(self) -> dict[str, streams.QueueDepth]:
-        assert self.js is not None
-        depths: dict[str, streams.QueueDepth] = {}
-        for role, channel in (("prefill", contract.REQUESTS), ("decode", contract.KV_READY)):
-            depths[role] = await streams.queue_depth(self.js, channel.stream, channel.consumer(self.model))
-        return depths
-
     async def queues(self) -> list[QueueReading]:
         """Each work queue of the model: waiting, in hand, and the age of its oldest message."""
         assert self.js is not None
         readings = []
         channels: list[tuple[str, contract.WorkChannel[Any]]] = [
             ("prefill", contract.REQUESTS),
+            ("urgent", contract.URGENT_REQUESTS),
             ("decode", contract.KV_READY),
         ]
         if self.placement.conditional_disagg:

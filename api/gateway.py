@@ -267,8 +267,9 @@ class Gateway(Placing):
         assert self.nc is not None
         while self.live.get(request.rid) is live:
             try:
+                channel = contract.request_channel(request)
                 await queues.submit(
-                    self.nc, contract.REQUESTS, request, self.model, request.rid, request.attempt, trace=live.trace
+                    self.nc, channel, request, self.model, request.rid, request.attempt, trace=live.trace
                 )
                 return
             except Exception as exc:

@@ -19,6 +19,7 @@ from pdserve.schemas.sampling import (
     MAX_BAD_WORDS,
     MAX_CACHE_SALT,
     MAX_LOGIT_BIAS,
+    MAX_PRIORITY,
     MAX_SAMPLES,
     MAX_STOP_STRINGS,
     MAX_TOP_LOGPROBS,
@@ -124,6 +125,7 @@ def _vllm_extras(info: ModelInfo) -> dict[str, Schema]:
         "return_tokens_as_token_ids": BOOL,
         "return_token_ids": BOOL,
         "cache_salt": _maybe({"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT}),
+        "priority": _integer(-MAX_PRIORITY, MAX_PRIORITY),
         "guided_choice": _maybe({"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1}),
     }
 
@@ -274,6 +276,7 @@ def generate_body(info: ModelInfo, config: ApiConfig) -> Schema:
             "top_logprobs_num": _integer(0, MAX_TOP_LOGPROBS),
             "logprob_start_len": _integer(-1, max(info.context_length - 1, 1)),
             "return_text_in_logprobs": BOOL,
+            "priority": _integer(-MAX_PRIORITY, MAX_PRIORITY),
             "stream": BOOL,
             "rid": {"anyOf": [rid, {"type": "array", "items": rid}, {"type": "null"}]},
         },

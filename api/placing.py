@@ -83,8 +83,9 @@ class Placing(ClusterQueries):
         return max((matches.get(w, 0) for w in self.decoders), default=0)
 
     def _prefix_target(self, request: GenerateRequest) -> Target | None:
-        """The prefill or unified worker believed to cache most of ``request``'s prompt."""
-        if not self.placement.prefix_aware or request.sampling.n > 1:
+        """The prefill or unified worker believed to cache most of ``request``'s prompt (none
+        for an urgent one, ``priority`` below 0: its own queue reaches a worker even when full)."""
+        if not self.placement.prefix_aware or request.sampling.n > 1 or request.sampling.priority < 0:
             return None
         if len(self.placeable) < self.placement.prefix_min_workers:  # none, or one the shared queue reaches
             return None
@@ -156,4 +157,4 @@ class Placing(ClusterQueries):
         self.metrics.placed(decision.path)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("placed", extra={"rid": request.rid, "path": decision.path, "reason": decision.reason})
-        return contract.LOCAL_REQUESTS if decision.path == LOCAL else contract.REQUESTS
+        return contract.LOCAL_REQUESTS if decision.path == LOCAL else contract.request_channel(request)

@@ -21,6 +21,7 @@ from pdserve.schemas.sampling import (
     MAX_BAD_WORD_TOKENS,
     MAX_BAD_WORDS,
     MAX_CACHE_SALT,
+    MAX_PRIORITY,
     MAX_SAMPLES,
     MAX_STOP_STRINGS,
     MAX_TOP_LOGPROBS,
@@ -182,7 +183,6 @@ VLLM_UNSERVED: tuple[tuple[str, Callable[[Any], bool]], ...] = (
     ("length_penalty", lambda v: v not in (None, 1, 1.0)),
     ("logits_processors", _set),
     ("guided_whitespace_pattern", _set),
-    ("priority", _set),
     ("spaces_between_special_tokens", lambda v: v is False),
     ("kv_transfer_params", _set),
     ("structural_tag", _set),
@@ -256,9 +256,11 @@ def _sampling(
     n: int = 1,
     body: dict[str, Any] | None = None,
     prompt_logprobs: int | None = None,
+    priority: int = 0,
 ) -> SamplingParams:
     """``src``: where the sampling keys are (``/generate``: its merged ``sampling_params``);
-    ``body``: the whole body (``response_format`` lives there)."""
+    ``body``: the whole body (``response_format`` lives there); ``priority``: lower first
+    (:func:`priority`)."""
     if limits.max_prompt_tokens is not None and num_prompt > limits.max_prompt_tokens:
         raise bad_request(
             f"the prompt has {num_prompt} tokens; this server takes at most {limits.max_prompt_tokens}",
@@ -316,6 +318,7 @@ def _sampling(
             allowed_token_ids=_allowed(src, info),
             bad_words=_bad_words(src, info),
             cache_salt=_cache_salt(src),
+            priority=priority,
             **constraints.constraint(body, src),
         )
     except ValueError as exc:
@@ -333,6 +336,15 @@ def _check_scoring(num_prompt: int, k: int, limits: Limits) -> None:
             "prompt_logprobs",
             "prompt_logprobs_too_large",
         )
+
+
+def priority(body: dict[str, Any], higher_first: bool = False) -> int:
+    """A request's ``priority`` as the engines order it, lower first: vLLM's as it is
+    (lower values first, 0 the default); SGLang's (``/generate``, ``higher_first``: higher
+    values first, as SGLang schedules by default) negated."""
+    value = _int(body, "priority", 0, -MAX_PRIORITY, MAX_PRIORITY)
+    assert value is not None
+    return -value if higher_first else value
 
 
 def _cache_salt(src: dict[str, Any]) -> str | None:
@@ -480,7 +492,17 @@ def parse_completion(body: dict[str, Any], info: ModelInfo, limits: Limits) -> P
         )
         assert max_tokens is not None
         sampling = _sampling(
-            body, max(max_tokens, 1), info, limits, len(ids), logprobs is not None, logprobs or 0, n, None, scoring
+            body,
+            max(max_tokens, 1),
+            info,
+            limits,
+            len(ids),
+            logprobs is not None,
+            logprobs or 0,
+            n,
+            None,
+            scoring,
+            priority(body),
         )
         jobs.append(Job(ids, sampling, text, show_output=max_tokens > 0, keep_stop=_keep_stop(body)))
     return Parsed(
@@ -681,7 +703,7 @@ def parse_chat(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Parsed:
     if top and not logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     shown = _int(body, "prompt_logprobs", None, 0, MAX_TOP_LOGPROBS)  # vLLM's
-    sampling = _sampling(body, max_tokens, info, limits, len(ids), logprobs, top, n, None, shown)
+    sampling = _sampling(body, max_tokens, info, limits, len(ids), logprobs, top, n, None, shown, priority(body))
     if tool_request is not None and tool_request.forced:
         if sampling.json_schema or sampling.regex or sampling.ebnf:
             raise bad_request(
@@ -748,6 +770,7 @@ def parse_generate(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Par
     unserved(merged, SGLANG_SAMPLING_UNSERVED)
     if "sampling_seed" in merged and merged.get("seed") is None:  # SGLang's name for the seed
         merged["seed"] = merged["sampling_seed"]
+    rank = priority(body, higher_first=True)  # SGLang's request field: higher values first
     if ("text" in body) == ("input_ids" in body):
         raise bad_request("give exactly one of 'text' and 'input_ids'", "text")
     key = "text" if "text" in body else "input_ids"
@@ -774,7 +797,7 @@ def parse_generate(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Par
             )
         scoring = top_num if start >= 0 else None
         sampling = _sampling(
-            src, max(max_new, 1), info, limits, len(ids), want_logprobs, top_num, _n(src), body, scoring
+            src, max(max_new, 1), info, limits, len(ids), want_logprobs, top_num, _n(src), body, scoring, rank
         )
         return Job(ids, sampling, text, show_output=max_new > 0, keep_stop=_keep_stop(src))
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from pdserve.broker.contract import KV_READY, REQUESTS, WorkChannel
+from pdserve.broker.contract import KV_READY, REQUESTS, URGENT_REQUESTS, WorkChannel
 from pdserve.schemas import GenerateRequest, KVReady, Message, MessageError
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,15 @@ class Backlog:
     def lag(self) -> int:
         return self.pending + self.ack_pending
 
+    def __add__(self, other: Backlog) -> Backlog:
+        """Two queues one pool takes from (the requests' shared queue and its urgent lane)."""
+        return Backlog(
+            self.pending + other.pending,
+            self.ack_pending + other.ack_pending,
+            self.pending_tokens + other.pending_tokens,
+            self.sampled + other.sampled,
+        )
+
 
 def work_tokens(message: Message) -> int:
     """The tokens a work message asks a worker to hold: a request's prompt (plus the output a
@@ -45,6 +54,18 @@ def work_tokens(message: Message) -> int:
     if isinstance(message, GenerateRequest | KVReady):
         return len(message.prompt_ids) + len(message.output_ids)
     return 0
+
+
+async def pool_backlog(js: JetStreamContext, role: str, model: str, sample: int = DEFAULT_SAMPLE) -> Backlog:
+    """The backlog of ``role``'s pool: decode's queue; prefill's shared queue and its urgent
+    lane together (a lane not made yet, by workers of an older version, reads empty)."""
+    if role == "decode":
+        return await read_backlog(js, KV_READY, model, sample)
+    backlog = await read_backlog(js, REQUESTS, model, sample)
+    try:
+        return backlog + await read_backlog(js, URGENT_REQUESTS, model, sample)
+    except NotFoundError:
+        return backlog
 
 
 async def read_backlog(
@@ -55,7 +76,7 @@ async def read_backlog(
 ) -> Backlog:
     """``channel``'s backlog for ``model``. Raises what nats-py raises when the broker is
     away or the consumer does not exist yet (``NotFoundError``)."""
-    assert channel in (REQUESTS, KV_READY)
+    assert channel in (REQUESTS, URGENT_REQUESTS, KV_READY)
     info = await js.consumer_info(channel.stream, channel.consumer(model))
     pending, ack_pending = info.num_pending or 0, info.num_ack_pending or 0
     total = sampled = 0

@@ -5,6 +5,7 @@ send and receive on it.
 | channel | message | travels on | sender → receiver |
 | --- | --- | --- | --- |
 | ``REQUESTS`` | ``GenerateRequest`` | stream ``PD_REQUESTS``, ``pd.req.<model>``, pull consumer ``prefill-<model>`` | API → prefill and unified workers |
+| ``URGENT_REQUESTS`` | ``GenerateRequest`` | stream ``PD_REQUESTS``, ``pd.urgent.<model>``, pull consumer ``urgent-<model>`` | API → prefill and unified workers, for a request whose ``priority`` is below 0: taken even while a worker is full (it gives such a request the seat of one of a lower priority) |
 | ``LOCAL_REQUESTS`` | ``GenerateRequest`` | stream ``PD_REQUESTS``, ``pd.local.<model>``, pull consumer ``local-<model>`` | API → decode workers, which prefill it themselves |
 | ``PLACED`` | ``GenerateRequest`` | stream ``PD_REQUESTS``, ``pd.place.<model>.<worker-id>``, pull consumer ``place-<model>-<worker-id>`` | API → the one worker it placed the request on |
 | ``KV_READY`` | ``KVReady`` | stream ``PD_KV``, ``pd.kv.<model>``, pull consumer ``decode-<model>`` | prefill → decode |
@@ -151,6 +152,17 @@ REQUESTS = WorkChannel(
     subjects.prefill_consumer,
     sender="API (or any direct publisher)",
     receiver="prefill and unified workers",
+    senders=("api", "client"),
+    receivers=("prefill", "unified"),
+)
+URGENT_REQUESTS = WorkChannel(
+    "urgent_requests",
+    GenerateRequest,
+    subjects.REQUEST_STREAM,
+    subjects.urgent_requests,
+    subjects.urgent_consumer,
+    sender="API (or any direct publisher), for a request whose priority is below 0",
+    receiver="prefill and unified workers, even while full of requests of a lower priority",
     senders=("api", "client"),
     receivers=("prefill", "unified"),
 )
@@ -306,6 +318,7 @@ CLAIMS = Bucket(
 
 CHANNELS = (
     REQUESTS,
+    URGENT_REQUESTS,
     LOCAL_REQUESTS,
     PLACED,
     KV_READY,
@@ -321,6 +334,12 @@ CHANNELS = (
     WORKERS,
     CLAIMS,
 )
+
+
+def request_channel(request: GenerateRequest) -> WorkChannel[GenerateRequest]:
+    """The shared queue a request goes to: :data:`URGENT_REQUESTS` for a priority above the
+    default (``priority`` below 0), else :data:`REQUESTS`."""
+    return URGENT_REQUESTS if request.sampling.priority < 0 else REQUESTS
 
 
 # ---- core NATS ---------------------------------------------------------------------

@@ -99,6 +99,14 @@ _COUNTERS = {
         "pdserve_engine_history_unoverlapped_steps",
         "decode steps not left queued because a row's sampling reads its own output (penalties, bad words)",
     ),
+    "preemptions": (
+        "pdserve_engine_preemptions",
+        "running requests sent back to wait, their KV to be recomputed (pages ran out, or a higher priority came)",
+    ),
+    "priority_preemptions": (
+        "pdserve_engine_priority_preemptions",
+        "of those, requests whose seat a request of a higher priority took",
+    ),
 }
 _STATS_GAUGES = {"waiting", "running", "prefill_tokens_waiting"}
 # TierCounts fields → (metric name, help); labels worker, role and tier.

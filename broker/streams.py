@@ -61,7 +61,12 @@ def _storage(config: BrokerConfig) -> js_api.StorageType:
 def request_stream(config: BrokerConfig) -> js_api.StreamConfig:
     return js_api.StreamConfig(
         name=subjects.REQUEST_STREAM,
-        subjects=[subjects.REQUEST_SUBJECTS, subjects.LOCAL_SUBJECTS, subjects.PLACED_SUBJECTS],
+        subjects=[
+            subjects.REQUEST_SUBJECTS,
+            subjects.URGENT_SUBJECTS,
+            subjects.LOCAL_SUBJECTS,
+            subjects.PLACED_SUBJECTS,
+        ],
         retention=js_api.RetentionPolicy.WORK_QUEUE,
         storage=_storage(config),
         num_replicas=config.replicas,
@@ -138,8 +143,8 @@ async def _ensure_consumer(js: JetStreamContext, stream: str, consumer: js_api.C
 
 
 async def ensure_model(js: JetStreamContext, model: str, config: BrokerConfig) -> None:
-    """Create (or update) the streams and the model's consumers (prefill, decode, and the
-    decode workers' local prefill). Idempotent."""
+    """Create (or update) the streams and the model's consumers (prefill, its urgent lane,
+    decode, and the decode workers' local prefill). Idempotent."""
     await _ensure_stream(js, request_stream(config))
     await _ensure_stream(js, kv_stream(config))
     await _ensure_stream(js, dead_stream(config))
@@ -147,6 +152,13 @@ async def ensure_model(js: JetStreamContext, model: str, config: BrokerConfig) -
         js,
         subjects.REQUEST_STREAM,
         _consumer(subjects.prefill_consumer(model), subjects.requests(model), config.prefill_max_ack_pending, config),
+    )
+    await _ensure_consumer(
+        js,
+        subjects.REQUEST_STREAM,
+        _consumer(
+            subjects.urgent_consumer(model), subjects.urgent_requests(model), config.prefill_max_ack_pending, config
+        ),
     )
     await _ensure_consumer(
         js,

@@ -37,6 +37,12 @@ def requests(model: str) -> str:
     return f"pd.req.{token(model)}"
 
 
+def urgent_requests(model: str) -> str:
+    """Requests of a priority above the default (``priority`` below 0): their own queue,
+    which workers take from even while full of others."""
+    return f"pd.urgent.{token(model)}"
+
+
 def local_requests(model: str) -> str:
     """Requests a decode worker prefills itself (conditional disaggregation)."""
     return f"pd.local.{token(model)}"
@@ -106,6 +112,10 @@ def prefill_consumer(model: str) -> str:
     return f"prefill-{token(model)}"
 
 
+def urgent_consumer(model: str) -> str:
+    return f"urgent-{token(model)}"
+
+
 def local_consumer(model: str) -> str:
     return f"local-{token(model)}"
 
@@ -159,6 +169,7 @@ def pull_next(stream: str, consumer: str) -> str:
 
 
 REQUEST_SUBJECTS = "pd.req.*"
+URGENT_SUBJECTS = "pd.urgent.*"
 LOCAL_SUBJECTS = "pd.local.*"
 PLACED_SUBJECTS = "pd.place.*.*"
 KV_SUBJECTS = "pd.kv.*"

@@ -554,6 +554,12 @@ class Engine(Appending, Admission):
         return len(self.scheduler.running)
 
     @property
+    def num_urgent(self) -> int:
+        """Sequences held (waiting or running) of a priority above the default (below 0)."""
+        sched = self.scheduler
+        return sum(1 for seq in (*sched.waiting, *sched.running) if seq.sampling.priority < 0)
+
+    @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 

@@ -82,22 +82,24 @@ class Scheduler:
         return ScheduledBatch(decodes, prefills, verifies=verifies)
 
     def _seat_by_priority(self) -> None:
-        """The first waiting request not started that a full batch keeps out takes the seat
-        of the running request of the lowest priority below its own (the newest of them),
-        which waits again (its full pages stay cached: recomputing is a prefix hit), as
-        many as it needs (an ``n > 1`` request a seat a sample). Preempted this way:
-        :attr:`num_priority_preemptions`."""
-        seat = self.config.max_num_seqs
+        """The first waiting request not started that a full batch (or a pool too short for
+        its first chunk) keeps out takes the seat and pages of the running request of the
+        lowest priority below its own (the newest of them), which waits again (its full
+        pages stay cached: recomputing is a prefix hit), as many as it needs (an ``n > 1``
+        request a seat a sample). Preempted this way: :attr:`num_priority_preemptions`."""
         best = next((s for s in self.waiting if not s.page_table and s.num_computed == 0 and not s.num_pending), None)
         if best is None or not self.running:
             return
-        need = 1 + len(best.forks)
-        while len(self.running) + need > seat:
+        seats = self.config.max_num_seqs - 1 - len(best.forks)
+        chunk = self.pages.pages_for(min(best.num_tokens, self.config.chunked_prefill_size) + 1)
+        while len(self.running) > seats or not self.pages.can_allocate(chunk + len(self.running)):
             worst = max(self.running, key=_rank)
             if worst.sampling.priority <= best.sampling.priority:
                 return
             self.preempt(worst)
             self.num_priority_preemptions += 1
+            if not self.running:
+                return
 
     def _schedule_drafts(self, decodes: list[Sequence]) -> list[tuple[Sequence, list[int]]]:
         """The decodes that verify a speculative draft this step, with their drafts (pages

@@ -32,9 +32,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from pdserve.broker.auth import NatsAuth
-from pdserve.broker.backlog import Backlog, read_backlog
+from pdserve.broker.backlog import Backlog, pool_backlog
 from pdserve.broker.connection import connect
-from pdserve.broker.contract import KV_READY, REQUESTS, WorkChannel
 from pdserve.broker.registry import WorkerRegistry
 from pdserve.broker.streams import BrokerConfig, worker_bucket
 from pdserve.children import Child, tend, threads_per_worker, worker_argv
@@ -49,12 +48,11 @@ from pdserve.scaling import (
     ServiceRates,
     WorkerSample,
 )
-from pdserve.schemas import GenerateRequest, KVReady, WorkerInfo
+from pdserve.schemas import WorkerInfo
 
 log = logging.getLogger("pdserve.autoscale")
 
 EXIT_FAILED = 70
-CHANNELS: dict[str, WorkChannel[GenerateRequest] | WorkChannel[KVReady]] = {"prefill": REQUESTS, "decode": KV_READY}
 
 
 class Pool:
@@ -174,7 +172,7 @@ class Autoscale:
 
     async def tick(self, js: JetStreamContext, registry: WorkerRegistry) -> dict[str, Decision]:
         try:
-            backlogs = {role: await read_backlog(js, CHANNELS[role], self.model) for role in self.pools}
+            backlogs = {role: await pool_backlog(js, role, self.model) for role in self.pools}
             workers = [w for w in await registry.list() if w.model == self.model]
         except NotFoundError:  # no worker has made the streams yet
             log.debug("no work queues yet; holding")

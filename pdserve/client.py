@@ -256,7 +256,7 @@ class Client:
         text = _Text(self.tokenizer, sampling.stop)
         try:
             try:
-                stored = await queues.submit(self.nc, contract.REQUESTS, request, self.model, rid)
+                stored = await queues.submit(self.nc, contract.request_channel(request), request, self.model, rid)
             except QueueFullError:
                 finished = True  # refused: nothing to cancel (any other failure may hide a stored request)
                 raise
@@ -368,7 +368,7 @@ class Client:
             now = time.time()
             await self._publish_cancel(Cancel(rid=rid, reason="superseded", attempt=attempt, issued_at=now))
             request = replace(live.request, output_ids=output, published_at=now, attempt=attempt)
-            await queues.submit(self.nc, contract.REQUESTS, request, self.model, rid, attempt)
+            await queues.submit(self.nc, contract.request_channel(request), request, self.model, rid, attempt)
         except Exception as exc:
             stream.queue.put_nowait(_error_chunk(rid, stream, f"could not resubmit after '{reason}': {exc}"))
         finally:

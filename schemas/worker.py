@@ -137,7 +137,10 @@ class WorkerStats:
     ``scored_prompt_tokens``: prompt tokens whose log-probabilities a request asked for;
     ``overlapped_steps``: decode steps left queued on the device while the next one was
     scheduled (overlap, on by default on a GPU); ``history_unoverlapped_steps``: decode steps that were
-    not, because a row's sampling reads its own output (penalties, multi-token bad words).
+    not, because a row's sampling reads its own output (penalties, multi-token bad words);
+    ``preemptions``: running requests sent back to wait (their KV dropped, recomputed later:
+    pages ran out, or a request of a higher priority took the seat), ``priority_preemptions``
+    of those for a higher priority.
     """
 
     steps: int = 0
@@ -155,6 +158,8 @@ class WorkerStats:
     scored_prompt_tokens: int = 0
     overlapped_steps: int = 0
     history_unoverlapped_steps: int = 0
+    preemptions: int = 0
+    priority_preemptions: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

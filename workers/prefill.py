@@ -47,6 +47,7 @@ class PrefillWorker(WorkerRuntime):
         await contract.subscribe(self.nc, contract.KV_RELEASE, self._on_release, self.worker_id)
         await contract.answer(self.nc, contract.KV_LEASE, self._on_lease, self.worker_id)
         self.intake = await self.request_intake(prefill_only=True)
+        self.side_intakes.append(await self.urgent_intake(prefill_only=True))
         if self.config.prefix_placement:
             self.side_intakes.append(await self.placed_intake(prefill_only=True))
 

@@ -250,6 +250,8 @@ class WorkerRuntime(Housekeeping):
             scored_prompt_tokens=engine.stats.scored_prompt_tokens,
             overlapped_steps=engine.stats.overlapped_steps,
             history_unoverlapped_steps=engine.stats.history_unoverlapped_steps,
+            preemptions=engine.scheduler.num_preemptions,
+            priority_preemptions=engine.scheduler.num_priority_preemptions,
         )
         return WorkerInfo(
             worker_id=self.worker_id,
@@ -304,6 +306,17 @@ class WorkerRuntime(Housekeeping):
             self.wake()
 
         return Intake(queue, room, take, REQUEST_BATCH, self.config.fetch_timeout, idle_wait=0.01)
+
+    async def urgent_intake(self, prefill_only: bool) -> Intake[GenerateRequest]:
+        """Intake of the requests of a priority above the default (``priority`` below 0),
+        from their own queue, taken while fewer than a batch of them are held here however
+        full the batch is with others (the scheduler gives each the seat of one of a lower
+        priority: :meth:`room_for_urgent`)."""
+        return await self.request_intake(prefill_only, contract.URGENT_REQUESTS, self.room_for_urgent)
+
+    def room_for_urgent(self) -> int:
+        engine = self.engine
+        return max(engine.config.max_num_seqs - engine.num_urgent, 0)
 
     async def placed_intake(self, prefill_only: bool) -> Intake[GenerateRequest]:
         """Intake of the requests the API placed on this worker (prefix-aware placement):

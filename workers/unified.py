@@ -13,6 +13,7 @@ from pdserve.workers.runtime import WorkerRuntime
 class UnifiedWorker(WorkerRuntime):
     async def setup(self) -> None:
         self.intake = await self.request_intake(prefill_only=False)
+        self.side_intakes.append(await self.urgent_intake(prefill_only=False))
         if self.config.prefix_placement:
             self.side_intakes.append(await self.placed_intake(prefill_only=False))
 

@@ -750,6 +750,22 @@ def test_bad_words_are_each_word_s_tokens_as_it_stands_and_after_a_space(info: M
     _bad(parse_completion, {"prompt": "x", "bad_words": ["x" * 400]}, info, param="bad_words")  # over 32 tokens
 
 
+def test_priority_is_vllm_s_on_completions_and_chat_and_sglang_s_on_generate(info: ModelInfo, name: str) -> None:
+    """vLLM's priority (lower first) as it is; SGLang's on /generate (higher first, as SGLang
+    schedules by default) negated; 0 by default; an integer within bounds."""
+    chat = {"model": name, "messages": [{"role": "user", "content": "hi"}]}
+    for parse, body in ((parse_completion, {"prompt": "x"}), (parse_chat, chat)):
+        assert parse(body, info, Limits(DEFAULT_MAX)).jobs[0].sampling.priority == 0
+        assert parse({**body, "priority": -5}, info, Limits(DEFAULT_MAX)).jobs[0].sampling.priority == -5
+        _bad(parse, {**body, "priority": 1.5}, info, param="priority")
+        _bad(parse, {**body, "priority": "high"}, info, param="priority")
+        _bad(parse, {**body, "priority": 1 << 40}, info, param="priority")
+    generate = parse_generate({"text": "hi", "priority": 7}, info, Limits(DEFAULT_MAX))
+    assert generate.jobs[0].sampling.priority == -7
+    batch = parse_generate({"text": ["a", "b"], "priority": -2}, info, Limits(DEFAULT_MAX))
+    assert [job.sampling.priority for job in batch.jobs] == [2, 2]
+
+
 @pytest.mark.parametrize(
     ("key", "value", "where"),
     [
@@ -757,7 +773,6 @@ def test_bad_words_are_each_word_s_tokens_as_it_stands_and_after_a_space(info: M
         ("length_penalty", 0.5, "both"),
         ("logits_processors", ["x"], "both"),
         ("guided_whitespace_pattern", " ", "both"),
-        ("priority", 3, "both"),
         ("spaces_between_special_tokens", False, "both"),
         ("kv_transfer_params", {"do_remote_decode": True}, "both"),
         ("echo", True, "chat"),

@@ -168,7 +168,7 @@ def test_every_channel_names_its_roles_and_each_role_gets_its_subjects() -> None
     with pytest.raises(ValueError, match="id"):
         permissions.for_role(permissions.CLIENT)
     publisher = permissions.for_role(permissions.CLIENT, PUBLISHER)
-    assert set(publisher.publish) == {"pd.req.*", "pd.cancel"}
+    assert set(publisher.publish) == {"pd.req.*", "pd.urgent.*", "pd.cancel"}
     assert set(publisher.subscribe) == {f"_INBOX.{PUBLISHER}.>", f"pd.tokens.{PUBLISHER}.*", f"pd.tokens.{PUBLISHER}"}
     with pytest.raises(ValueError, match="unique"):
         EmbeddedCredentials.create(Path("/nonexistent"), [API], [API])

@@ -89,14 +89,24 @@ async def test_a_request_stream_of_an_older_release_gains_the_local_and_placed_s
     await js.add_stream(older)
     await ensure_model(js, model, CONFIG)
     info = await js.stream_info(subjects.REQUEST_STREAM)
-    assert info.config.subjects == [subjects.REQUEST_SUBJECTS, subjects.LOCAL_SUBJECTS, subjects.PLACED_SUBJECTS]
+    assert info.config.subjects == [
+        subjects.REQUEST_SUBJECTS,
+        subjects.URGENT_SUBJECTS,
+        subjects.LOCAL_SUBJECTS,
+        subjects.PLACED_SUBJECTS,
+    ]
 
 
 async def test_ensure_model_creates_streams_and_consumers(js: JetStreamContext, model: str) -> None:
     await ensure_model(js, model, CONFIG)
 
     req = (await js.stream_info(subjects.REQUEST_STREAM)).config
-    assert req.subjects == [subjects.REQUEST_SUBJECTS, subjects.LOCAL_SUBJECTS, subjects.PLACED_SUBJECTS]
+    assert req.subjects == [
+        subjects.REQUEST_SUBJECTS,
+        subjects.URGENT_SUBJECTS,
+        subjects.LOCAL_SUBJECTS,
+        subjects.PLACED_SUBJECTS,
+    ]
     assert req.retention == js_api.RetentionPolicy.WORK_QUEUE
     assert req.storage == js_api.StorageType.FILE
     assert req.discard == js_api.DiscardPolicy.NEW
@@ -116,6 +126,7 @@ async def test_ensure_model_creates_streams_and_consumers(js: JetStreamContext, 
 
     for stream, name, subject, max_ack_pending in (
         (subjects.REQUEST_STREAM, subjects.prefill_consumer(model), subjects.requests(model), 11),
+        (subjects.REQUEST_STREAM, subjects.urgent_consumer(model), subjects.urgent_requests(model), 11),
         (subjects.REQUEST_STREAM, subjects.local_consumer(model), subjects.local_requests(model), 13),
         (subjects.KV_STREAM, subjects.decode_consumer(model), subjects.kv_ready(model), 13),
     ):
@@ -150,6 +161,7 @@ async def test_ensure_model_is_idempotent(nc: Client, js: JetStreamContext, mode
     assert sorted(c.name for c in await js.consumers_info(subjects.REQUEST_STREAM)) == [
         subjects.local_consumer(model),
         subjects.prefill_consumer(model),
+        subjects.urgent_consumer(model),
     ]
     assert [c.name for c in await js.consumers_info(subjects.KV_STREAM)] == [subjects.decode_consumer(model)]
     # Nothing lost, nothing delivered by re-running it.
@@ -162,7 +174,7 @@ async def test_ensure_model_concurrent_callers(js: JetStreamContext, model: str)
     """Several processes start at once: whoever is first creates, the others must not fail."""
     await asyncio.gather(*(ensure_model(js, model, CONFIG) for _ in range(4)))
     assert len(await js.streams_info()) == 3
-    assert len(await js.consumers_info(subjects.REQUEST_STREAM)) == 2  # prefill, local
+    assert len(await js.consumers_info(subjects.REQUEST_STREAM)) == 3  # prefill, urgent, local
 
 
 async def test_two_models_share_the_streams(nc: Client, js: JetStreamContext, make_request: Any) -> None:
@@ -170,7 +182,9 @@ async def test_two_models_share_the_streams(nc: Client, js: JetStreamContext, ma
     await ensure_model(js, "model.b", CONFIG)
     names = sorted(c.name for c in await js.consumers_info(subjects.REQUEST_STREAM))
     assert names == sorted(
-        f(m) for m in ("model-a", "model.b") for f in (subjects.prefill_consumer, subjects.local_consumer)
+        f(m)
+        for m in ("model-a", "model.b")
+        for f in (subjects.prefill_consumer, subjects.urgent_consumer, subjects.local_consumer)
     )
     for m in ("model-a", "model.b"):
         req = make_request(f"for-{m}", model=m)

@@ -67,12 +67,15 @@ def test_a_scaled_object_per_pool_with_the_fields_keda_requires(role: str) -> No
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_the_jetstream_trigger_reads_the_pools_consumer(role: str) -> None:
     doc = load(role)
-    (nats,) = [t["metadata"] for t in doc["spec"]["triggers"] if t["type"] == "nats-jetstream"]
+    triggers = [t["metadata"] for t in doc["spec"]["triggers"] if t["type"] == "nats-jetstream"]
     model = doc["metadata"]["annotations"]["pdserve/served-model-name"]
-    assert nats["stream"] == STREAMS[role]
-    assert nats["consumer"] == CONSUMERS[role](model)
-    assert int(nats["lagThreshold"]) == LAG[role], "the same lag per replica as `pdserve autoscale`"
-    assert nats["natsServerMonitoringEndpoint"].endswith(":8222")
+    # prefill: its shared queue and the urgent lane (priority below 0) it also takes from
+    lanes = [CONSUMERS[role]] + ([subjects.urgent_consumer] if role == "prefill" else [])
+    assert [nats["consumer"] for nats in triggers] == [lane(model) for lane in lanes]
+    for nats in triggers:
+        assert nats["stream"] == STREAMS[role]
+        assert int(nats["lagThreshold"]) == LAG[role], "the same lag per replica as `pdserve autoscale`"
+        assert nats["natsServerMonitoringEndpoint"].endswith(":8222")
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])

@@ -182,11 +182,13 @@ def test_each_deployment_runs_a_command_pdserve_parses(rendered: list[dict[str, 
     if role != "api":
         keda = find(rendered, "ScaledObject", f"pdserve-{role}")
         assert keda["metadata"]["annotations"]["pdserve/served-model-name"] == model
-        (lag,) = [t["metadata"] for t in keda["spec"]["triggers"] if t["type"] == "nats-jetstream"]
-        consumer = subjects.prefill_consumer if role == "prefill" else subjects.decode_consumer
-        assert lag["consumer"] == consumer(model)
-        # On a cluster KEDA follows the consumer to its leader as <pod>.<this host>.
-        assert lag["natsServerMonitoringEndpoint"].startswith("nats-headless.pdserve.svc")
+        lags = [t["metadata"] for t in keda["spec"]["triggers"] if t["type"] == "nats-jetstream"]
+        consumers = (
+            [subjects.prefill_consumer, subjects.urgent_consumer] if role == "prefill" else [subjects.decode_consumer]
+        )
+        assert [lag["consumer"] for lag in lags] == [consumer(model) for consumer in consumers]
+        for lag in lags:  # on a cluster KEDA follows the consumer to its leader as <pod>.<this host>
+            assert lag["natsServerMonitoringEndpoint"].startswith("nats-headless.pdserve.svc")
     config = find(rendered, "ConfigMap", "pdserve-config")["data"]
     assert config["PDSERVE_NATS_URL"].startswith("nats://nats.pdserve.svc") and config["OTEL_EXPORTER_OTLP_ENDPOINT"]
     assert {"configMapRef": {"name": "pdserve-config"}} in container["envFrom"]

@@ -375,6 +375,33 @@ async def test_cache_salt_keeps_a_prompt_s_cached_prefix_to_its_own_salt(system:
     assert {r.choices[0].text for r in (first, other, plain, again)} == {first.choices[0].text}
 
 
+async def test_a_request_s_priority_takes_its_lane_and_answers_as_any(system: Any, client: Any) -> None:
+    """vLLM's ``priority`` on completions and chat, SGLang's on /generate: a request of a
+    higher priority than the default travels the urgent queue to the workers; every answer
+    is the one without it, and transformers'."""
+    prompt = PROMPT_IDS
+    want = hf(system.model_dir, prompt, 6)
+    texts = set()
+    for priority in (-3, 0, 4):
+        reply = await client.completions.create(
+            model=system.model_name,
+            prompt=prompt,
+            max_tokens=6,
+            temperature=0,
+            extra_body={"priority": priority, "ignore_eos": True, "return_token_ids": True},
+        )
+        assert reply.choices[0].token_ids == want
+        texts.add(reply.choices[0].text)
+    async with httpx.AsyncClient(timeout=60) as http:
+        body = {"input_ids": prompt, "priority": 9, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+        body["sampling_params"]["ignore_eos"] = True
+        generated = (await http.post(system.url + "/generate", json=body)).json()
+        assert generated["output_ids"] == want
+        bad = await http.post(system.url + "/v1/completions", json={"prompt": "x", "priority": "urgent"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority"
+    assert len(texts) == 1
+
+
 async def test_continuous_usage_stats_count_every_chunk(system: Any) -> None:
     """vLLM's ``stream_options.continuous_usage_stats``: every chunk carries the usage so far
     (the prompt, and every sample's tokens sent up to it), the last chunk's equal to the final

@@ -451,3 +451,46 @@ async def test_pd_usage_reports_the_prefill_workers_cached_tokens(workers, nats_
     reported, prefill_hit = usages[1]
     assert reported == prefill_hit
     assert (prefill_hit > 0) == prefill_cache
+
+
+async def test_an_urgent_request_passes_a_full_worker_s_queue(workers, nats_server, tiny_model_dir: Path) -> None:
+    """A unified worker with one seat, busy with a long request, three more waiting in the
+    shared queue: a request of priority -1 goes to the urgent queue, is taken at once, takes
+    the long one's seat (which waits, then goes on), and is done before the ones that waited.
+    Every output is transformers' greedy one, the preempted request's too."""
+    worker = await workers("unified", engine=EngineConfig(max_total_tokens=16 * 512, max_num_seqs=1))
+    gateway = Gateway(nats_server.url, tiny_model_dir.name, streams.BrokerConfig())
+    await gateway.start()
+    prompts = {rid: list(range(5 + i, 30 + 2 * i)) for i, rid in enumerate(("long", "w0", "w1", "w2", "urgent"))}
+    short = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    params = {rid: short for rid in prompts}
+    params["long"] = SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True)
+    params["urgent"] = dataclasses.replace(short, priority=-1)
+    done: list[str] = []
+    streaming = asyncio.Event()
+
+    async def one(rid: str) -> list[int]:
+        tokens: list[int] = []
+        async for chunk in gateway.generate(prompts[rid], params[rid], rid=rid):
+            tokens.extend(chunk.token_ids)
+            streaming.set()
+            if chunk.finish_reason:
+                break
+        done.append(rid)
+        return tokens
+
+    try:
+        first = asyncio.create_task(one("long"))
+        await asyncio.wait_for(streaming.wait(), 30)
+        queued = [asyncio.create_task(one(rid)) for rid in ("w0", "w1", "w2")]
+        await until(lambda: len(gateway.live) == 4)
+        await asyncio.sleep(0.2)  # (published: the worker, full, takes none of them)
+        assert worker.engine.num_waiting == 0 and worker.engine.num_running == 1
+        got = await asyncio.gather(one("urgent"), first, *queued)
+        received = dict(zip(("urgent", "long", "w0", "w1", "w2"), got, strict=True))
+        assert done[:2] == ["urgent", "long"] and sorted(done[2:]) == ["w0", "w1", "w2"]
+        assert worker.engine.scheduler.num_priority_preemptions == 1
+        for rid, tokens in received.items():
+            assert tokens == reference(tiny_model_dir, prompts[rid], params[rid].max_new_tokens), rid
+    finally:
+        await gateway.stop()
