@@ -71,6 +71,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
+        self.running.sort(key=_rank)  # the last is the one preempted first
         self._seat_by_priority()
         decodes = self._schedule_decodes()
         verifies = self._schedule_drafts(decodes) if self.speculator is not None and decodes else []
@@ -93,7 +94,7 @@ class Scheduler:
         seats = self.config.max_num_seqs - 1 - len(best.forks)
         chunk = self.pages.pages_for(min(best.num_tokens, self.config.chunked_prefill_size) + 1)
         while len(self.running) > seats or not self.pages.can_allocate(chunk + len(self.running)):
-            worst = max(self.running, key=_rank)
+            worst = self.running[-1]  # (sorted by rank)
             if worst.sampling.priority <= best.sampling.priority:
                 return
             self.preempt(worst)
@@ -120,7 +121,7 @@ class Scheduler:
 
     # ---- decode ------------------------------------------------------------
     def _schedule_decodes(self) -> list[Sequence]:
-        self.running.sort(key=_rank)  # the last is the one preempted first
+        """(``running`` sorted by rank: :meth:`schedule`.)"""
         scheduled: list[Sequence] = []
         i = 0
         while i < len(self.running):
