@@ -3,6 +3,7 @@ waiting weighed in tokens, read off the waiting messages themselves."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -12,9 +13,9 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from pdserve.broker import contract, queues
-from pdserve.broker.backlog import Backlog, read_backlog, work_tokens
+from pdserve.broker.backlog import Backlog, pool_backlog, read_backlog, work_tokens
 from pdserve.broker.streams import BrokerConfig, ensure_model
-from pdserve.schemas import GenerateRequest
+from pdserve.schemas import GenerateRequest, SamplingParams
 
 
 def _request(rid: str, model: str, prompt_len: int, output_len: int = 0) -> GenerateRequest:
@@ -84,6 +85,28 @@ async def test_a_deep_queue_is_estimated_from_its_oldest_messages(
     await eventually(all_counted, what="the consumer counting all 40")
     backlog = await read_backlog(js, contract.REQUESTS, model, sample=8)
     assert backlog == Backlog(pending=40, ack_pending=0, pending_tokens=40 * 200, sampled=8)
+
+
+async def test_the_prefill_pool_s_backlog_counts_its_urgent_lane(
+    nc: Client, js: JetStreamContext, model: str, eventually: Callable[..., Awaitable[Any]]
+) -> None:
+    """Requests of priority below 0 wait in their own queue, which the prefill pool also
+    takes from: its backlog is both queues'."""
+    await ensure_model(js, model, BrokerConfig())
+    await _submit(nc, model, [10, 20])
+    for i, n in enumerate((300, 400, 500)):
+        request = _request(f"u{i}", model, n)
+        request = dataclasses.replace(request, sampling=SamplingParams(priority=-1))
+        assert contract.request_channel(request) is contract.URGENT_REQUESTS
+        assert await queues.submit(nc, contract.URGENT_REQUESTS, request, model, request.rid)
+
+    async def counted() -> bool:
+        return (await pool_backlog(js, "prefill", model)).pending == 5
+
+    await eventually(counted, what="both queues counted")
+    assert await pool_backlog(js, "prefill", model) == Backlog(5, 0, 10 + 20 + 300 + 400 + 500, 5)
+    assert await read_backlog(js, contract.REQUESTS, model) == Backlog(2, 0, 30, 2)
+    assert await pool_backlog(js, "decode", model) == Backlog(0, 0, 0, 0)
 
 
 async def test_no_consumer_yet_is_the_brokers_error(js: JetStreamContext, model: str) -> None:
