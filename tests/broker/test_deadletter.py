@@ -6,18 +6,21 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from pdserve.broker import contract, queues, subjects
 from pdserve.broker.deadletter import watch_dead_letters
 from pdserve.broker.streams import BrokerConfig, ensure_model
-from pdserve.schemas import GenerateRequest, TokenChunk
+from pdserve.schemas import GenerateRequest, SamplingParams, TokenChunk
 
 
+@pytest.mark.parametrize("urgent", [False, True])
 async def test_a_poison_request_goes_to_the_dead_letters_and_its_client_hears(
-    nc: Client, js: JetStreamContext, model: str, eventually: Any
+    nc: Client, js: JetStreamContext, model: str, eventually: Any, urgent: bool
 ) -> None:
+    """From the shared queue, and from its urgent lane (a request of priority below 0)."""
     await ensure_model(js, model, BrokerConfig(max_deliver=2, ack_wait=0.5))
     moved: list[str] = []
 
@@ -31,9 +34,14 @@ async def test_a_poison_request_goes_to_the_dead_letters_and_its_client_hears(
         await replies.put(TokenChunk.decode(msg.data))
 
     await nc.subscribe("pd.tokens.api.poison", cb=on_reply)
-    req = GenerateRequest(rid="poison", model=model, prompt_ids=(1, 2), reply_to="pd.tokens.api.poison", attempt=2)
-    await queues.submit(nc, contract.REQUESTS, req, model, req.rid)
-    queue = queues.WorkQueue(nc, contract.REQUESTS, model, "w")
+    sampling = SamplingParams(priority=-1 if urgent else 0)
+    req = GenerateRequest(
+        rid="poison", model=model, prompt_ids=(1, 2), reply_to="pd.tokens.api.poison", attempt=2, sampling=sampling
+    )
+    channel = contract.request_channel(req)
+    assert channel is (contract.URGENT_REQUESTS if urgent else contract.REQUESTS)
+    await queues.submit(nc, channel, req, model, req.rid)
+    queue = queues.WorkQueue(nc, channel, model, "w")
     await queue.start()
     try:
         for _ in range(2):  # each worker that takes it dies (here: gives it back)
