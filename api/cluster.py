@@ -67,6 +67,7 @@ class ClusterQueries:
             ("prefill", contract.REQUESTS),
             ("urgent", contract.URGENT_REQUESTS),
             ("decode", contract.KV_READY),
+            ("urgent_decode", contract.URGENT_KV_READY),
         ]
         if self.placement.conditional_disagg:
             channels.append(("local", contract.LOCAL_REQUESTS))

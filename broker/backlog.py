@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from pdserve.broker.contract import KV_READY, REQUESTS, URGENT_REQUESTS, WorkChannel
+from pdserve.broker.contract import KV_READY, REQUESTS, URGENT_KV_READY, URGENT_REQUESTS, WorkChannel
 from pdserve.schemas import GenerateRequest, KVReady, Message, MessageError
 
 log = logging.getLogger(__name__)
@@ -57,13 +57,12 @@ def work_tokens(message: Message) -> int:
 
 
 async def pool_backlog(js: JetStreamContext, role: str, model: str, sample: int = DEFAULT_SAMPLE) -> Backlog:
-    """The backlog of ``role``'s pool: decode's queue; prefill's shared queue and its urgent
-    lane together (a lane not made yet, by workers of an older version, reads empty)."""
-    if role == "decode":
-        return await read_backlog(js, KV_READY, model, sample)
-    backlog = await read_backlog(js, REQUESTS, model, sample)
+    """The backlog of ``role``'s pool: its shared queue and its urgent lane together (a lane
+    not made yet, by workers of an older version, reads empty)."""
+    shared, urgent = (KV_READY, URGENT_KV_READY) if role == "decode" else (REQUESTS, URGENT_REQUESTS)
+    backlog = await read_backlog(js, shared, model, sample)
     try:
-        return backlog + await read_backlog(js, URGENT_REQUESTS, model, sample)
+        return backlog + await read_backlog(js, urgent, model, sample)
     except NotFoundError:
         return backlog
 
@@ -76,7 +75,7 @@ async def read_backlog(
 ) -> Backlog:
     """``channel``'s backlog for ``model``. Raises what nats-py raises when the broker is
     away or the consumer does not exist yet (``NotFoundError``)."""
-    assert channel in (REQUESTS, URGENT_REQUESTS, KV_READY)
+    assert channel in (REQUESTS, URGENT_REQUESTS, KV_READY, URGENT_KV_READY)
     info = await js.consumer_info(channel.stream, channel.consumer(model))
     pending, ack_pending = info.num_pending or 0, info.num_ack_pending or 0
     total = sampled = 0

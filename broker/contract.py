@@ -9,6 +9,7 @@ send and receive on it.
 | ``LOCAL_REQUESTS`` | ``GenerateRequest`` | stream ``PD_REQUESTS``, ``pd.local.<model>``, pull consumer ``local-<model>`` | API → decode workers, which prefill it themselves |
 | ``PLACED`` | ``GenerateRequest`` | stream ``PD_REQUESTS``, ``pd.place.<model>.<worker-id>``, pull consumer ``place-<model>-<worker-id>`` | API → the one worker it placed the request on |
 | ``KV_READY`` | ``KVReady`` | stream ``PD_KV``, ``pd.kv.<model>``, pull consumer ``decode-<model>`` | prefill → decode |
+| ``URGENT_KV_READY`` | ``KVReady`` | stream ``PD_KV``, ``pd.kvurgent.<model>``, pull consumer ``decode-urgent-<model>`` | prefill → decode, for a request whose ``priority`` is below 0: taken even while a decode worker is full |
 | ``TOKENS`` | ``TokenChunk`` | core ``pd.tokens.<api-id>.<rid>`` (the request's ``reply_to``) | workers → the API that asked |
 | ``TOKEN_BATCHES`` | ``TokenBatch`` | core ``pd.tokens.<api-id>`` (the request's ``batch_to``) | decode and unified workers, one per step and API → that API |
 | ``CANCEL`` | ``Cancel`` | core ``pd.cancel``, fan-out | API → every worker |
@@ -199,6 +200,17 @@ KV_READY = WorkChannel(
     senders=("prefill",),
     receivers=("decode",),
 )
+URGENT_KV_READY = WorkChannel(
+    "urgent_kv_ready",
+    KVReady,
+    subjects.KV_STREAM,
+    subjects.urgent_kv_ready,
+    subjects.urgent_decode_consumer,
+    sender="prefill worker, for a request whose priority is below 0",
+    receiver="decode workers, even while full of requests of a lower priority",
+    senders=("prefill",),
+    receivers=("decode",),
+)
 TOKENS = Channel(
     "tokens",
     TokenChunk,
@@ -322,6 +334,7 @@ CHANNELS = (
     LOCAL_REQUESTS,
     PLACED,
     KV_READY,
+    URGENT_KV_READY,
     TOKENS,
     TOKEN_BATCHES,
     CANCEL,
@@ -340,6 +353,12 @@ def request_channel(request: GenerateRequest) -> WorkChannel[GenerateRequest]:
     """The shared queue a request goes to: :data:`URGENT_REQUESTS` for a priority above the
     default (``priority`` below 0), else :data:`REQUESTS`."""
     return URGENT_REQUESTS if request.sampling.priority < 0 else REQUESTS
+
+
+def kv_ready_channel(ready: KVReady) -> WorkChannel[KVReady]:
+    """The queue a prefilled request goes to: :data:`URGENT_KV_READY` for a priority above
+    the default, else :data:`KV_READY`."""
+    return URGENT_KV_READY if ready.sampling.priority < 0 else KV_READY
 
 
 # ---- core NATS ---------------------------------------------------------------------

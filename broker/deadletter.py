@@ -33,7 +33,8 @@ async def watch_dead_letters(
     """Listen for the max-deliveries advisories of ``model``'s work consumers and handle
     each (see the module). ``on_moved(rid)`` is told of every message moved here."""
     subs = []
-    for channel in (contract.REQUESTS, contract.URGENT_REQUESTS, contract.LOCAL_REQUESTS, contract.KV_READY):
+    channels = (contract.REQUESTS, contract.URGENT_REQUESTS, contract.LOCAL_REQUESTS, contract.KV_READY)
+    for channel in (*channels, contract.URGENT_KV_READY):
 
         async def on_advisory(msg: Msg, channel: contract.WorkChannel = channel) -> None:  # type: ignore[type-arg]
             try:

@@ -81,7 +81,7 @@ def request_stream(config: BrokerConfig) -> js_api.StreamConfig:
 def kv_stream(config: BrokerConfig) -> js_api.StreamConfig:
     return js_api.StreamConfig(
         name=subjects.KV_STREAM,
-        subjects=[subjects.KV_SUBJECTS],
+        subjects=[subjects.KV_SUBJECTS, subjects.URGENT_KV_SUBJECTS],
         retention=js_api.RetentionPolicy.WORK_QUEUE,
         storage=_storage(config),
         num_replicas=config.replicas,
@@ -143,8 +143,8 @@ async def _ensure_consumer(js: JetStreamContext, stream: str, consumer: js_api.C
 
 
 async def ensure_model(js: JetStreamContext, model: str, config: BrokerConfig) -> None:
-    """Create (or update) the streams and the model's consumers (prefill, its urgent lane,
-    decode, and the decode workers' local prefill). Idempotent."""
+    """Create (or update) the streams and the model's consumers (prefill and decode, each with
+    its urgent lane, and the decode workers' local prefill). Idempotent."""
     await _ensure_stream(js, request_stream(config))
     await _ensure_stream(js, kv_stream(config))
     await _ensure_stream(js, dead_stream(config))
@@ -171,6 +171,16 @@ async def ensure_model(js: JetStreamContext, model: str, config: BrokerConfig) -
         js,
         subjects.KV_STREAM,
         _consumer(subjects.decode_consumer(model), subjects.kv_ready(model), config.decode_max_ack_pending, config),
+    )
+    await _ensure_consumer(
+        js,
+        subjects.KV_STREAM,
+        _consumer(
+            subjects.urgent_decode_consumer(model),
+            subjects.urgent_kv_ready(model),
+            config.decode_max_ack_pending,
+            config,
+        ),
     )
 
 

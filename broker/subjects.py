@@ -62,6 +62,12 @@ def kv_ready(model: str) -> str:
     return f"pd.kv.{token(model)}"
 
 
+def urgent_kv_ready(model: str) -> str:
+    """KV-ready events of requests of a priority above the default: their own queue, which
+    decode workers take from even while full of others."""
+    return f"pd.kvurgent.{token(model)}"
+
+
 def kv_release(prefill_id: str) -> str:
     return f"pd.release.{token(prefill_id)}"
 
@@ -128,6 +134,10 @@ def decode_consumer(model: str) -> str:
     return f"decode-{token(model)}"
 
 
+def urgent_decode_consumer(model: str) -> str:
+    return f"decode-urgent-{token(model)}"
+
+
 def worker_key(worker_id: str) -> str:
     return token(worker_id)
 
@@ -173,4 +183,5 @@ URGENT_SUBJECTS = "pd.urgent.*"
 LOCAL_SUBJECTS = "pd.local.*"
 PLACED_SUBJECTS = "pd.place.*.*"
 KV_SUBJECTS = "pd.kv.*"
+URGENT_KV_SUBJECTS = "pd.kvurgent.*"
 DEAD_SUBJECTS = "pd.dead.>"

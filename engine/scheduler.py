@@ -87,7 +87,15 @@ class Scheduler:
         its first chunk) keeps out takes the seat and pages of the running request of the
         lowest priority below its own (the newest of them), which waits again (its full
         pages stay cached: recomputing is a prefix hit), as many as it needs (an ``n > 1``
-        request a seat a sample). Preempted this way: :attr:`num_priority_preemptions`."""
+        request a seat a sample); a batch grown past its size by imported requests of a
+        higher priority gives back as many seats. Preempted this way:
+        :attr:`num_priority_preemptions`."""
+        running = self.running
+        # requests imported past a full batch for their priority (a decode worker's urgent
+        # lane): the batch back to its size by those of the lowest priority below the highest
+        while len(running) > self.config.max_num_seqs and running[-1].sampling.priority > running[0].sampling.priority:
+            self.preempt(running[-1])
+            self.num_priority_preemptions += 1
         best = next((s for s in self.waiting if not s.page_table and s.num_computed == 0 and not s.num_pending), None)
         if best is None or not self.running:
             return

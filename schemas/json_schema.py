@@ -144,7 +144,7 @@ DESCRIPTIONS: dict[type, dict[str, str]] = {
         "logit_bias": "Token id (a decimal string) -> bias in [-100, 100] added to its logit before sampling (OpenAI's logit_bias).",
         "allowed_token_ids": "Non-empty: only these tokens may be drawn (every other token's logit masked; vLLM's allowed_token_ids).",
         "cache_salt": "The prompt's page hashes start from this salt: its prefix is found in the caches (the workers' prefix caches, the KV tiers, placement) only by requests with the same salt (vLLM's cache_salt; null: none).",
-        "priority": "Scheduling order, lower first (vLLM's priority; 0 the default, ties by arrival). Below 0 the request goes to its model's urgent queue, which workers take from even when full, giving it the seat of a running request of a lower priority.",
+        "priority": "Scheduling order, lower first (vLLM's priority; 0 the default, ties by arrival). Below 0 the request goes to its model's urgent queues (pd.urgent.<model>, then pd.kvurgent.<model> in PD mode), which workers take from even when full, giving it the seat of a running request of a lower priority.",
         "bad_words": "Token sequences the output may not complete: a sequence's last token is masked where the output's last tokens are the rest of it (a one-token sequence: everywhere). vLLM's bad_words, tokenized.",
         "json_schema": "Structured output: the output is JSON valid against this JSON Schema (a JSON text). At most one of json_schema, regex, ebnf.",
         "regex": "Structured output: the output matches this regular expression.",

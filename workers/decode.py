@@ -70,6 +70,11 @@ class DecodeWorker(WorkerRuntime):
         queue = queues.WorkQueue(self.nc, contract.KV_READY, self.config.model_name, self.worker_id)
         await queue.start()
         self.intake = Intake(queue, self._room, self._take, KV_READY_BATCH, self.config.fetch_timeout, idle_wait=0.02)
+        urgent = queues.WorkQueue(self.nc, contract.URGENT_KV_READY, self.config.model_name, self.worker_id)
+        await urgent.start()
+        self.side_intakes.append(
+            Intake(urgent, self._urgent_room, self._take, KV_READY_BATCH, self.config.fetch_timeout, idle_wait=0.02)
+        )
         local = await self.request_intake(False, contract.LOCAL_REQUESTS, self.room_for_local)
         self.side_intakes.append(local)
 
@@ -100,6 +105,20 @@ class DecodeWorker(WorkerRuntime):
         await self._drain_backlog()
         return self.room()
 
+    async def _urgent_room(self) -> int:
+        """Events of requests of a priority above the default (``priority`` below 0): taken
+        while fewer than a batch of them are held here, however full the batch is with others
+        (they are claimed ahead of the backlog, and the scheduler gives each the seat of a
+        running request of a lower priority)."""
+        await self._drain_backlog()
+        engine = self.engine
+        urgent = engine.num_urgent + sum(1 for rid in self.importing if self._urgent(rid))
+        return max(engine.config.max_num_seqs - urgent, 0)
+
+    def _urgent(self, rid: str) -> bool:
+        seq = self.engine.seqs.get(rid)
+        return seq is not None and seq.sampling.priority < 0
+
     async def _take(self, deliveries: list[Delivery[KVReady]]) -> None:
         taken = []
         for d in deliveries:
@@ -121,8 +140,15 @@ class DecodeWorker(WorkerRuntime):
         for t, ready in taken:
             if await self._drop_if_stale(t, ready):
                 continue
-            if self.backlog or not await self._claim(t, ready):
-                self.backlog.append((t, ready))
+            urgent = ready.sampling.priority < 0  # claimed ahead of the backlog, waits ahead of it
+            if (self.backlog and not urgent) or not await self._claim(t, ready):
+                self._wait_for_pages(t, ready)
+
+    def _wait_for_pages(self, t: Tracked, ready: KVReady) -> None:
+        """Into the backlog, behind those of its priority or a higher one (lower values)."""
+        p = ready.sampling.priority
+        at = next((i for i, (_, r) in enumerate(self.backlog) if r.sampling.priority > p), len(self.backlog))
+        self.backlog.insert(at, (t, ready))
 
     async def _drain_backlog(self) -> None:
         while self.backlog:

@@ -157,7 +157,7 @@ class PrefillWorker(WorkerRuntime):
         )
         try:
             fresh = await queues.submit(
-                self.nc, contract.KV_READY, ready, req.model, req.rid, req.attempt, trace=t.trace
+                self.nc, contract.kv_ready_channel(ready), ready, req.model, req.rid, req.attempt, trace=t.trace
             )
         except Exception as exc:  # the stream is full or the broker is away
             log.error("could not publish KVReady", extra={"rid": req.rid, "error": str(exc)})

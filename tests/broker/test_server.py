@@ -92,7 +92,7 @@ async def test_monitoring_jsz(nats_server: NatsServer, model: str) -> None:
         await nc.close()
     jsz = await asyncio.to_thread(_get_json, nats_server.monitor_url + "/jsz?streams=true&consumers=true")
     assert jsz["streams"] == 3  # requests, KV events, dead letters
-    assert jsz["consumers"] == 4  # prefill, its urgent lane, local prefill, decode
+    assert jsz["consumers"] == 5  # prefill and decode with their urgent lanes, local prefill
     # /healthz is what a supervisor would poll.
     health = await asyncio.to_thread(_get_json, nats_server.monitor_url + "/healthz")
     assert health.get("status") == "ok"

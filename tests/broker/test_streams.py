@@ -116,7 +116,7 @@ async def test_ensure_model_creates_streams_and_consumers(js: JetStreamContext, 
     assert req.duplicate_window == pytest.approx(CONFIG.dedup_window)
 
     kv = (await js.stream_info(subjects.KV_STREAM)).config
-    assert kv.subjects == [subjects.KV_SUBJECTS]
+    assert kv.subjects == [subjects.KV_SUBJECTS, subjects.URGENT_KV_SUBJECTS]
     assert kv.retention == js_api.RetentionPolicy.WORK_QUEUE
     assert kv.storage == js_api.StorageType.FILE
     assert kv.discard == js_api.DiscardPolicy.NEW
@@ -129,6 +129,7 @@ async def test_ensure_model_creates_streams_and_consumers(js: JetStreamContext, 
         (subjects.REQUEST_STREAM, subjects.urgent_consumer(model), subjects.urgent_requests(model), 11),
         (subjects.REQUEST_STREAM, subjects.local_consumer(model), subjects.local_requests(model), 13),
         (subjects.KV_STREAM, subjects.decode_consumer(model), subjects.kv_ready(model), 13),
+        (subjects.KV_STREAM, subjects.urgent_decode_consumer(model), subjects.urgent_kv_ready(model), 13),
     ):
         info = await js.consumer_info(stream, name)
         cfg = info.config
@@ -163,7 +164,10 @@ async def test_ensure_model_is_idempotent(nc: Client, js: JetStreamContext, mode
         subjects.prefill_consumer(model),
         subjects.urgent_consumer(model),
     ]
-    assert [c.name for c in await js.consumers_info(subjects.KV_STREAM)] == [subjects.decode_consumer(model)]
+    assert sorted(c.name for c in await js.consumers_info(subjects.KV_STREAM)) == [
+        subjects.decode_consumer(model),
+        subjects.urgent_decode_consumer(model),
+    ]
     # Nothing lost, nothing delivered by re-running it.
     assert await _messages(js, subjects.REQUEST_STREAM) == 1
     depth = await queue_depth(js, subjects.REQUEST_STREAM, subjects.prefill_consumer(model))

@@ -69,8 +69,8 @@ def test_the_jetstream_trigger_reads_the_pools_consumer(role: str) -> None:
     doc = load(role)
     triggers = [t["metadata"] for t in doc["spec"]["triggers"] if t["type"] == "nats-jetstream"]
     model = doc["metadata"]["annotations"]["pdserve/served-model-name"]
-    # prefill: its shared queue and the urgent lane (priority below 0) it also takes from
-    lanes = [CONSUMERS[role]] + ([subjects.urgent_consumer] if role == "prefill" else [])
+    # each pool: its shared queue and the urgent lane (priority below 0) it also takes from
+    lanes = [CONSUMERS[role], subjects.urgent_consumer if role == "prefill" else subjects.urgent_decode_consumer]
     assert [nats["consumer"] for nats in triggers] == [lane(model) for lane in lanes]
     for nats in triggers:
         assert nats["stream"] == STREAMS[role]

@@ -184,7 +184,9 @@ def test_each_deployment_runs_a_command_pdserve_parses(rendered: list[dict[str, 
         assert keda["metadata"]["annotations"]["pdserve/served-model-name"] == model
         lags = [t["metadata"] for t in keda["spec"]["triggers"] if t["type"] == "nats-jetstream"]
         consumers = (
-            [subjects.prefill_consumer, subjects.urgent_consumer] if role == "prefill" else [subjects.decode_consumer]
+            [subjects.prefill_consumer, subjects.urgent_consumer]
+            if role == "prefill"
+            else [subjects.decode_consumer, subjects.urgent_decode_consumer]
         )
         assert [lag["consumer"] for lag in lags] == [consumer(model) for consumer in consumers]
         for lag in lags:  # on a cluster KEDA follows the consumer to its leader as <pod>.<this host>

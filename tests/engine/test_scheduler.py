@@ -245,6 +245,30 @@ def test_a_higher_priority_request_takes_the_seat_of_a_lower_one() -> None:
     assert sched.num_priority_preemptions == 1  # a, of the same priority, was never asked to
 
 
+def test_a_batch_grown_past_its_size_by_a_higher_priority_gives_back_the_lowest() -> None:
+    """A decode worker imports an urgent request into a full batch: the next step sends the
+    newest of the lowest priority back to wait; a batch of one priority is left as it is."""
+    sched = _sched(64, max_num_seqs=2)
+    eng = FakeEngine(sched)
+    a, b = _seq("a", [1] * 5, 0.0), _seq("b", [2] * 5, 1.0, priority=2)
+    eng.add(a, 6)
+    eng.add(b, 6)
+    eng.step()
+    urgent = _seq("urgent", [3] * 5, 2.0, priority=-1)  # imported as Engine.reserve_import and commit_import do
+    urgent.output_ids.append(1000)  # its first token, from the prefill worker
+    eng.outputs["urgent"] = 3
+    assert sched.pages.reserve_prompt(urgent, reserve=len(sched.running))
+    eng._write(urgent, 0, urgent.num_tokens - 1)  # the KV pulled in
+    urgent.num_computed = 0
+    sched.on_computed(urgent, urgent.num_tokens - 1)
+    sched.start_running(urgent)
+    assert len(sched.running) == 3
+    eng.step()
+    assert b.status is Status.WAITING and sched.num_priority_preemptions == 1 and len(sched.running) == 2
+    eng.run()
+    assert {s.rid for s in eng.finished} == {"a", "b", "urgent"}
+
+
 def test_pages_short_preempt_the_lowest_priority_first() -> None:
     sched = _sched(6)
     eng = FakeEngine(sched)

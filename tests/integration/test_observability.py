@@ -188,7 +188,7 @@ def test_metrics_parse_and_move_as_requests_run(traced_system: Any) -> None:
     assert roles == {"prefill", "decode"}
     assert all(s.value > 0 for s in before["pdserve_kv_pages_total"])
     stages = {s.labels["stage"] for s in before["pdserve_queue_oldest_age_seconds"]}
-    assert stages == {"prefill", "urgent", "decode"}
+    assert stages == {"prefill", "urgent", "decode", "urgent_decode"}
     for i in range(3):
         _generate(traced_system, f"metered-{i}", [7, *range(200, 264)], max_new_tokens=16)
     time.sleep(1.2)
