@@ -109,8 +109,8 @@ class DecodeWorker(WorkerRuntime):
         """Events of requests of a priority above the default (``priority`` below 0): taken
         while fewer than a batch of them are held here, however full the batch is with others
         (they are claimed ahead of the backlog, and the scheduler gives each the seat of a
-        running request of a lower priority)."""
-        await self._drain_backlog()
+        running request of a lower priority). The backlog is drained by the main intake's
+        :meth:`_room` alone (two drains at once could claim one event twice)."""
         engine = self.engine
         urgent = engine.num_urgent + sum(1 for rid in self.importing if self._urgent(rid))
         return max(engine.config.max_num_seqs - urgent, 0)
