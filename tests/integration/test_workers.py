@@ -453,17 +453,16 @@ async def test_pd_usage_reports_the_prefill_workers_cached_tokens(workers, nats_
     assert (prefill_hit > 0) == prefill_cache
 
 
-async def test_an_urgent_request_passes_a_full_worker_s_queue(workers, nats_server, tiny_model_dir: Path) -> None:
-    """A unified worker with one seat, busy with a long request, three more waiting in the
-    shared queue: a request of priority -1 goes to the urgent queue, is taken at once, takes
-    the long one's seat (which waits, then goes on), and is done before the ones that waited.
-    Every output is transformers' greedy one, the preempted request's too."""
-    worker = await workers("unified", engine=EngineConfig(max_total_tokens=16 * 512, max_num_seqs=1))
-    gateway = Gateway(nats_server.url, tiny_model_dir.name, streams.BrokerConfig())
+async def urgent_passes(worker: Any, nats_url: str, model_dir: Path, settle: float) -> None:
+    """``worker`` (one seat) busy with a long request, three more queued before it: a request of
+    priority -1 is done first, the long one next (it gave its seat and went on), then the
+    three; every output is transformers' greedy one, the preempted request's too."""
+    gateway = Gateway(nats_url, model_dir.name, streams.BrokerConfig())
     await gateway.start()
-    prompts = {rid: list(range(5 + i, 30 + 2 * i)) for i, rid in enumerate(("long", "w0", "w1", "w2", "urgent"))}
+    prompts = {rid: list(range(9 + i, 40 + 2 * i)) for i, rid in enumerate(("long", "w0", "w1", "w2", "urgent"))}
     short = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
     params = {rid: short for rid in prompts}
+    # long enough to be running still when the urgent one arrives on a loaded 2-core machine
     params["long"] = SamplingParams(max_new_tokens=900, temperature=0.0, ignore_eos=True)
     params["urgent"] = dataclasses.replace(short, priority=-1)
     done: list[str] = []
@@ -473,7 +472,8 @@ async def test_an_urgent_request_passes_a_full_worker_s_queue(workers, nats_serv
         tokens: list[int] = []
         async for chunk in gateway.generate(prompts[rid], params[rid], rid=rid):
             tokens.extend(chunk.token_ids)
-            streaming.set()
+            if len(tokens) > 1:  # (past the first token: decoding, also in PD mode)
+                streaming.set()
             if chunk.finish_reason:
                 break
         done.append(rid)
@@ -484,60 +484,31 @@ async def test_an_urgent_request_passes_a_full_worker_s_queue(workers, nats_serv
         await asyncio.wait_for(streaming.wait(), 30)
         queued = [asyncio.create_task(one(rid)) for rid in ("w0", "w1", "w2")]
         await until(lambda: len(gateway.live) == 4)
-        await asyncio.sleep(0.2)  # (published: the worker, full, takes none of them)
-        assert worker.engine.num_waiting == 0 and worker.engine.num_running == 1 and "long" not in done
+        await asyncio.sleep(settle)  # (queued: the worker, full, takes none of them)
+        assert worker.engine.num_running == 1 and len(worker.tracked) == 1 and "long" not in done
         got = await asyncio.gather(one("urgent"), first, *queued)
         received = dict(zip(("urgent", "long", "w0", "w1", "w2"), got, strict=True))
         assert done[:2] == ["urgent", "long"] and sorted(done[2:]) == ["w0", "w1", "w2"]
         assert worker.engine.scheduler.num_priority_preemptions == 1
         for rid, tokens in received.items():
-            assert tokens == reference(tiny_model_dir, prompts[rid], params[rid].max_new_tokens), rid
+            assert tokens == reference(model_dir, prompts[rid], params[rid].max_new_tokens), rid
     finally:
         await gateway.stop()
+
+
+async def test_an_urgent_request_passes_a_full_worker_s_queue(workers, nats_server, tiny_model_dir: Path) -> None:
+    """Unified: the request of priority -1 goes to the urgent queue, which the full worker
+    takes from; it takes the long request's seat."""
+    worker = await workers("unified", engine=EngineConfig(max_total_tokens=16 * 512, max_num_seqs=1))
+    await urgent_passes(worker, nats_server.url, tiny_model_dir, settle=0.2)
 
 
 async def test_an_urgent_request_passes_a_full_decode_worker_s_queue(
     workers, nats_server, tiny_model_dir: Path
 ) -> None:
-    """PD: a decode worker with one seat, busy with a long request, three more prefilled and
-    waiting for it: a request of priority -1 is prefilled, its KV-ready event goes to the
-    decode pool's urgent queue, which the full worker takes from; the long request gives its
-    seat (recomputed here later) and every output is transformers' greedy one."""
+    """PD: the three wait prefilled; the urgent request is prefilled, its KV-ready event goes
+    to the decode pool's urgent queue, which the full decode worker takes from; the long
+    request gives its seat (recomputed there later)."""
     await workers("prefill")
     decode = await workers("decode", engine=EngineConfig(max_total_tokens=16 * 512, max_num_seqs=1))
-    gateway = Gateway(nats_server.url, tiny_model_dir.name, streams.BrokerConfig())
-    await gateway.start()
-    prompts = {rid: list(range(9 + i, 40 + 2 * i)) for i, rid in enumerate(("long", "w0", "w1", "w2", "urgent"))}
-    short = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
-    params = {rid: short for rid in prompts}
-    params["long"] = SamplingParams(max_new_tokens=900, temperature=0.0, ignore_eos=True)
-    params["urgent"] = dataclasses.replace(short, priority=-1)
-    done: list[str] = []
-    streaming = asyncio.Event()
-
-    async def one(rid: str) -> list[int]:
-        tokens: list[int] = []
-        async for chunk in gateway.generate(prompts[rid], params[rid], rid=rid):
-            tokens.extend(chunk.token_ids)
-            if len(tokens) > 1:
-                streaming.set()
-            if chunk.finish_reason:
-                break
-        done.append(rid)
-        return tokens
-
-    try:
-        first = asyncio.create_task(one("long"))
-        await asyncio.wait_for(streaming.wait(), 30)  # decoding on the decode worker
-        queued = [asyncio.create_task(one(rid)) for rid in ("w0", "w1", "w2")]
-        await until(lambda: len(gateway.live) == 4)
-        await asyncio.sleep(0.5)  # (prefilled; the decode worker, full, takes none of them)
-        assert decode.engine.num_running == 1 and len(decode.tracked) == 1 and "long" not in done
-        got = await asyncio.gather(one("urgent"), first, *queued)
-        received = dict(zip(("urgent", "long", "w0", "w1", "w2"), got, strict=True))
-        assert done[:2] == ["urgent", "long"] and sorted(done[2:]) == ["w0", "w1", "w2"]
-        assert decode.engine.scheduler.num_priority_preemptions == 1
-        for rid, tokens in received.items():
-            assert tokens == reference(tiny_model_dir, prompts[rid], params[rid].max_new_tokens), rid
-    finally:
-        await gateway.stop()
+    await urgent_passes(decode, nats_server.url, tiny_model_dir, settle=0.5)
