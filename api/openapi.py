@@ -14,7 +14,7 @@ from typing import Any
 from pdserve.api.access import LIMITED_PATHS, OPEN_PATHS
 from pdserve.api.config import ApiConfig
 from pdserve.api.model_info import ModelInfo
-from pdserve.api.protocol import INT64, MAX_COMPLETION_LOGPROBS, REASONING_EFFORTS
+from pdserve.api.protocol import INT64, MAX_COMPLETION_LOGPROBS, MAX_DOCUMENTS, REASONING_EFFORTS
 from pdserve.schemas.sampling import (
     MAX_BAD_WORDS,
     MAX_CACHE_SALT,
@@ -242,6 +242,13 @@ def chat_body(info: ModelInfo, config: ApiConfig) -> Schema:
             },
             "parallel_tool_calls": BOOL,
             "chat_template_kwargs": _maybe({"type": "object"}),
+            "documents": _maybe(
+                {
+                    "type": "array",
+                    "items": {"type": "object", "minProperties": 1, "additionalProperties": {"type": "string"}},
+                    "maxItems": MAX_DOCUMENTS,
+                }
+            ),
             "reasoning_effort": _maybe({"type": "string", "enum": list(REASONING_EFFORTS)}),
             "add_generation_prompt": BOOL,
             "continue_final_message": BOOL,

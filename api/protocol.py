@@ -199,7 +199,6 @@ CHAT_UNSERVED: tuple[tuple[str, Callable[[Any], bool]], ...] = (
     ("audio", _set),
     ("echo", _set),
     ("chat_template", _set),  # a template in the request: vLLM takes it only when told to trust requests
-    ("documents", _set),
     ("mm_processor_kwargs", _set),
 )
 SGLANG_UNSERVED: tuple[tuple[str, Callable[[Any], bool]], ...] = (
@@ -604,9 +603,10 @@ _RESERVED_TEMPLATE_KEYS = {
 
 def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     """vLLM's ``chat_template_kwargs``: more variables for the chat template (Qwen3's
-    ``enable_thinking``, for one)."""
+    ``enable_thinking``, for one); and its ``documents`` (retrieved texts for a template that
+    takes them, as transformers hands them over)."""
     value = body.get("chat_template_kwargs")
-    effort = _reasoning_effort(body)
+    effort = _reasoning_effort(body) | _documents(body)
     if value is None:
         return effort
     if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
@@ -615,6 +615,29 @@ def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     if taken:
         raise bad_request(f"'chat_template_kwargs' may not set {', '.join(taken)}", "chat_template_kwargs")
     return effort | value  # (what the request sets explicitly wins)
+
+
+MAX_DOCUMENTS = 256
+
+
+def _documents(body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's ``documents``: a list of objects of strings (e.g. ``title``, ``text``), for the
+    chat template's ``documents`` (a template that reads none ignores them)."""
+    value = body.get("documents")
+    if value is None:
+        return {}
+    if (
+        not isinstance(value, list)
+        or len(value) > MAX_DOCUMENTS
+        or not all(
+            isinstance(d, dict) and d and all(isinstance(k, str) and isinstance(v, str) for k, v in d.items())
+            for d in value
+        )
+    ):
+        raise bad_request(
+            f"'documents' must be a list of at most {MAX_DOCUMENTS} objects whose values are strings", "documents"
+        )
+    return {"documents": value}
 
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")

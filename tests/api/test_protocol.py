@@ -777,7 +777,6 @@ def test_priority_is_vllm_s_on_completions_and_chat_and_sglang_s_on_generate(inf
         ("kv_transfer_params", {"do_remote_decode": True}, "both"),
         ("echo", True, "chat"),
         ("chat_template", "{{ messages }}", "chat"),
-        ("documents", [{"text": "x"}], "chat"),
         ("lora_path", "adapter", "generate"),
         ("image_data", "http://x/y.png", "generate"),
         ("return_hidden_states", True, "generate"),
@@ -843,6 +842,30 @@ def test_reasoning_effort_reaches_the_chat_template_as_vllm_hands_it() -> None:
     with pytest.raises(APIError) as refused:
         template_kwargs({"reasoning_effort": "extreme"})
     assert refused.value.param == "reasoning_effort"
+
+
+def test_documents_reach_a_chat_template_that_reads_them(info: ModelInfo, name: str) -> None:
+    """vLLM's ``documents``: handed to the chat template (retrieval templates render them); a
+    template that reads none is not changed by them; a malformed list is a 400."""
+    chat = {"model": name, "messages": [{"role": "user", "content": "what is said?"}]}
+    docs = [{"title": "a note", "text": "the sky is green"}, {"text": "grass is blue"}]
+    plain = parse_chat(chat, info, Limits(DEFAULT_MAX)).jobs[0].prompt_ids
+    assert parse_chat({**chat, "documents": docs}, info, Limits(DEFAULT_MAX)).jobs[0].prompt_ids == plain
+    tokenizer = info.tokenizer
+    template = tokenizer.chat_template
+    tokenizer.chat_template = (
+        "{% for d in documents or [] %}[doc {{ d.get('title', loop.index) }}] {{ d['text'] }}\n{% endfor %}"
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    )
+    try:
+        ids = parse_chat({**chat, "documents": docs}, info, Limits(DEFAULT_MAX)).jobs[0].prompt_ids
+        text = tokenizer.decode(ids)
+        assert "[doc a note] the sky is green" in text and "[doc 2] grass is blue" in text
+        assert "user: what is said?" in text
+    finally:
+        tokenizer.chat_template = template
+    for bad in ("text", [{"text": 1}], [{}], [[("text", "x")]]):
+        _bad(parse_chat, {**chat, "documents": bad}, info, param="documents")
 
 
 def test_vllm_extensions_that_are_served(info: ModelInfo, name: str) -> None:
