@@ -69,9 +69,61 @@ def response_format(body: dict[str, Any]) -> dict[str, str]:
     if kind == "json_schema":
         assert isinstance(spec, dict)
         return {"json_schema": _schema_text(spec["schema"], "response_format")}
+    if kind == "structural_tag":  # vLLM's: the response format is the tag itself
+        return {"structural_tag": structural_tag(value, "response_format")}
     raise bad_request(
-        f"'response_format.type' must be text, json_object or json_schema; got {kind!r}", "response_format"
+        f"'response_format.type' must be text, json_object, json_schema or structural_tag; got {kind!r}",
+        "response_format",
     )
+
+
+def structural_tag(value: Any, param: str) -> str:
+    """A structural tag (an object, or its JSON text) as xgrammar's JSON: ``{"type":
+    "structural_tag", "format": ...}`` as it stands; the earlier form vLLM and SGLang take,
+    ``{"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}`` (free text, each
+    part that starts with a trigger one of the structures: its begin, JSON valid against its
+    schema, its end), as the same format's ``triggered_tags``."""
+    if isinstance(value, str):
+        try:
+            value = orjson.loads(value)
+        except orjson.JSONDecodeError:
+            raise bad_request(f"'{param}' is not valid JSON", param) from None
+    if not isinstance(value, dict):
+        raise bad_request(f"'{param}' must be a structural tag (an object)", param)
+    if "format" in value:
+        return orjson.dumps({"type": "structural_tag", "format": value["format"]}).decode()
+    structures, triggers = value.get("structures"), value.get("triggers")
+    if (
+        not isinstance(structures, list)
+        or not structures
+        or not all(
+            isinstance(t, dict)
+            and isinstance(t.get("begin"), str)
+            and isinstance(t.get("end"), str)
+            and isinstance(t.get("schema"), dict)
+            for t in structures
+        )
+        or not isinstance(triggers, list)
+        or not triggers
+        or not all(isinstance(t, str) and t for t in triggers)
+    ):
+        raise bad_request(
+            f"'{param}' must hold a 'format', or 'structures' (objects with 'begin', 'schema' and 'end') "
+            "and 'triggers' (non-empty strings)",
+            param,
+        )
+    tags = [
+        {
+            "type": "tag",
+            "begin": t["begin"],
+            "content": {"type": "json_schema", "json_schema": t["schema"]},
+            "end": t["end"],
+        }
+        for t in structures
+    ]
+    return orjson.dumps(
+        {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": triggers, "tags": tags}}
+    ).decode()
 
 
 def guided(src: dict[str, Any]) -> dict[str, str]:
@@ -88,6 +140,8 @@ def guided(src: dict[str, Any]) -> dict[str, str]:
         if src.get("regex") is not None or src.get("guided_regex") is not None:
             raise bad_request("give at most one of guided_choice and a regex", "guided_choice")
         out["regex"] = "(" + "|".join(_literal(c) for c in choices) + ")"
+    if src.get("structural_tag") is not None:  # vLLM's and SGLang's (a JSON text)
+        out["structural_tag"] = structural_tag(src["structural_tag"], "structural_tag")
     for key, field in (("regex", "regex"), ("guided_regex", "regex"), ("ebnf", "ebnf"), ("guided_grammar", "ebnf")):
         value = src.get(key)
         if value is None:
@@ -112,7 +166,9 @@ def constraint(body: dict[str, Any], src: dict[str, Any]) -> dict[str, str]:
     """The one constraint a request asks for, checked to compile; {} for none."""
     found = {**response_format(body), **guided(src)}
     if len(found) > 1:
-        raise bad_request("give at most one of response_format, json_schema, regex and ebnf", "response_format")
+        raise bad_request(
+            "give at most one of response_format, json_schema, regex, ebnf and structural_tag", "response_format"
+        )
     for kind, spec in found.items():
         check(kind, spec)
     return found
@@ -127,6 +183,8 @@ def check(kind: str, spec: str) -> None:
             xgr.Grammar.from_json_schema(spec)
         elif kind == "regex":
             xgr.Grammar.from_regex(spec)
+        elif kind == "structural_tag":
+            xgr.Grammar.from_structural_tag(spec)
         else:
             xgr.Grammar.from_ebnf(spec)
     except (RuntimeError, ValueError, TypeError) as exc:

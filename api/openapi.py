@@ -99,7 +99,7 @@ RESPONSE_FORMAT: Schema = _maybe(
         "type": "object",
         "required": ["type"],
         "properties": {
-            "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+            "type": {"type": "string", "enum": ["text", "json_object", "json_schema", "structural_tag"]},
             "json_schema": {
                 "type": "object",
                 "required": ["schema"],
@@ -127,6 +127,7 @@ def _vllm_extras(info: ModelInfo) -> dict[str, Schema]:
         "cache_salt": _maybe({"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT}),
         "priority": _integer(-MAX_PRIORITY, MAX_PRIORITY),
         "guided_choice": _maybe({"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1}),
+        "structural_tag": _maybe({"type": "string", "minLength": 2}),
     }
 
 

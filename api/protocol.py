@@ -185,7 +185,6 @@ VLLM_UNSERVED: tuple[tuple[str, Callable[[Any], bool]], ...] = (
     ("guided_whitespace_pattern", _set),
     ("spaces_between_special_tokens", lambda v: v is False),
     ("kv_transfer_params", _set),
-    ("structural_tag", _set),
     ("vllm_xargs", _set),
     ("prompt_embeds", _set),
 )
@@ -214,10 +213,7 @@ SGLANG_UNSERVED: tuple[tuple[str, Callable[[Any], bool]], ...] = (
 
 
 # SGLang's sampling_params that ask for what pdserve does not do
-SGLANG_SAMPLING_UNSERVED: tuple[tuple[str, Callable[[Any], bool]], ...] = (
-    ("stop_regex", _set),
-    ("structural_tag", _set),
-)
+SGLANG_SAMPLING_UNSERVED: tuple[tuple[str, Callable[[Any], bool]], ...] = (("stop_regex", _set),)
 
 
 def unserved(src: dict[str, Any], table: tuple[tuple[str, Callable[[Any], bool]], ...]) -> None:
@@ -728,7 +724,7 @@ def parse_chat(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Parsed:
     shown = _int(body, "prompt_logprobs", None, 0, MAX_TOP_LOGPROBS)  # vLLM's
     sampling = _sampling(body, max_tokens, info, limits, len(ids), logprobs, top, n, None, shown, priority(body))
     if tool_request is not None and tool_request.forced:
-        if sampling.json_schema or sampling.regex or sampling.ebnf:
+        if sampling.constraint is not None:
             raise bad_request(
                 "tool_choice 'required' or a named function constrains the output itself: drop response_format",
                 "tool_choice",
@@ -774,6 +770,7 @@ _SGLANG_SAMPLING = (
     "json_schema",
     "regex",
     "ebnf",
+    "structural_tag",
     "logit_bias",
 )
 

@@ -202,6 +202,8 @@ class Grammars:
                 compiled = self._compiler.compile_json_schema(spec, any_whitespace=False)
             elif kind == "regex":
                 compiled = self._compiler.compile_regex(spec)
+            elif kind == "structural_tag":
+                compiled = self._compiler.compile_structural_tag(spec)
             else:
                 compiled = self._compiler.compile_grammar(spec)
         except (RuntimeError, ValueError, TypeError) as exc:

@@ -97,6 +97,7 @@ RULES: dict[type, dict[str, dict[str, Any]]] = {
         "json_schema": {"minLength": 1},
         "regex": {"minLength": 1},
         "ebnf": {"minLength": 1},
+        "structural_tag": {"minLength": 2},
     },
     GenerateRequest: {
         "rid": {"minLength": 1},
@@ -146,9 +147,10 @@ DESCRIPTIONS: dict[type, dict[str, str]] = {
         "cache_salt": "The prompt's page hashes start from this salt: its prefix is found in the caches (the workers' prefix caches, the KV tiers, placement) only by requests with the same salt (vLLM's cache_salt; null: none).",
         "priority": "Scheduling order, lower first (vLLM's priority; 0 the default, ties by arrival). Below 0 the request goes to its model's urgent queues (pd.urgent.<model>, then pd.kvurgent.<model> in PD mode), which workers take from even when full, giving it the seat of a running request of a lower priority.",
         "bad_words": "Token sequences the output may not complete: a sequence's last token is masked where the output's last tokens are the rest of it (a one-token sequence: everywhere). vLLM's bad_words, tokenized.",
-        "json_schema": "Structured output: the output is JSON valid against this JSON Schema (a JSON text). At most one of json_schema, regex, ebnf.",
+        "json_schema": "Structured output: the output is JSON valid against this JSON Schema (a JSON text). At most one of json_schema, regex, ebnf, structural_tag.",
         "regex": "Structured output: the output matches this regular expression.",
         "ebnf": "Structured output: the output is a sentence of this EBNF grammar (GBNF dialect, start rule root).",
+        "structural_tag": 'Structured output: xgrammar\'s structural tag as JSON text ({"type": "structural_tag", "format": ...}), e.g. free text whose parts after a trigger are tags with JSON valid against a schema (tool calls). At most one of json_schema, regex, ebnf, structural_tag.',
     },
     TokenChunk: {
         "rid": "The request's id.",

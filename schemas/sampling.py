@@ -65,6 +65,9 @@ class SamplingParams:
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # xgrammar's structural tag (a JSON text, {"type": "structural_tag", "format": ...}): free text
+    # with tagged parts constrained, as vLLM and SGLang take it for tool calls
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         _require(self.max_new_tokens >= 1, "max_new_tokens must be at least 1")
@@ -105,8 +108,8 @@ class SamplingParams:
         _require(len(bias) <= MAX_LOGIT_BIAS, f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries")
         _require(all(k.isdigit() for k in bias), "logit_bias keys must be token ids (non-negative integers)")
         _require(all(-100.0 <= v <= 100.0 for v in bias.values()), "logit_bias values must be between -100 and 100")
-        constraints = [c for c in (self.json_schema, self.regex, self.ebnf) if c is not None]
-        _require(len(constraints) <= 1, "give at most one of json_schema, regex and ebnf")
+        constraints = [c for c in (self.json_schema, self.regex, self.ebnf, self.structural_tag) if c is not None]
+        _require(len(constraints) <= 1, "give at most one of json_schema, regex, ebnf and structural_tag")
         _require(not (constraints and self.min_new_tokens), "min_new_tokens does not go with structured output")
         _require(all(constraints), "a constraint must not be empty")
 
@@ -137,8 +140,8 @@ class SamplingParams:
     @property
     def constraint(self) -> tuple[str, str] | None:
         """``(kind, spec)`` of the structured-output constraint: ``json_schema``, ``regex``
-        or ``ebnf``; ``None`` when the output is free."""
-        for kind in ("json_schema", "regex", "ebnf"):
+        ``ebnf`` or ``structural_tag``; ``None`` when the output is free."""
+        for kind in ("json_schema", "regex", "ebnf", "structural_tag"):
             spec = getattr(self, kind)
             if spec is not None:
                 return kind, spec

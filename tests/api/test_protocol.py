@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -814,12 +815,12 @@ def test_what_vllm_and_sglang_serve_and_pdserve_does_not_is_refused_not_ignored(
 
 def test_sglang_s_sampling_seed_is_the_seed_and_what_it_does_not_serve_is_refused(info: ModelInfo) -> None:
     """SGLang's ``sampling_seed`` seeds the request (``seed`` wins where both are given); its
-    ``stop_regex`` and ``structural_tag`` are refused, not ignored."""
+    ``stop_regex`` is refused, not ignored."""
     seeded = parse_generate({"text": "hi", "sampling_params": {"sampling_seed": 5}}, info, Limits(DEFAULT_MAX))
     assert seeded.jobs[0].sampling.seed == 5
     both = parse_generate({"text": "hi", "sampling_params": {"sampling_seed": 5, "seed": 6}}, info, Limits(DEFAULT_MAX))
     assert both.jobs[0].sampling.seed == 6
-    for key, value in (("stop_regex", "a+"), ("structural_tag", '{"type": "structural_tag"}')):
+    for key, value in (("stop_regex", "a+"),):
         _bad(
             parse_generate,
             {"text": "hi", "sampling_params": {key: value}},
@@ -827,6 +828,47 @@ def test_sglang_s_sampling_seed_is_the_seed_and_what_it_does_not_serve_is_refuse
             code="unsupported_parameter",
             param=key,
         )
+
+
+def test_a_structural_tag_is_taken_in_each_api_s_form(info: ModelInfo, name: str) -> None:
+    """vLLM's response_format ``structural_tag`` and ``structural_tag`` field, SGLang's in
+    ``sampling_params``: xgrammar's format as it stands, the earlier ``structures`` and
+    ``triggers`` as its ``triggered_tags``; one that is malformed or does not compile is a 400."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    legacy = {
+        "type": "structural_tag",
+        "structures": [{"begin": "<f>", "schema": schema, "end": "</f>"}],
+        "triggers": ["<f"],
+    }
+    fmt = {"type": "tag", "begin": "<f>", "content": {"type": "json_schema", "json_schema": schema}, "end": "</f>"}
+    triggered = {
+        "type": "triggered_tags",
+        "triggers": ["<f"],
+        "tags": [
+            {"type": "tag", "begin": "<f>", "content": {"type": "json_schema", "json_schema": schema}, "end": "</f>"}
+        ],
+    }
+    chat = {"model": name, "messages": [{"role": "user", "content": "hi"}]}
+    limits = Limits(DEFAULT_MAX)
+
+    def tag_of(parsed: Any) -> dict[str, Any]:
+        text = parsed.jobs[0].sampling.structural_tag
+        assert parsed.jobs[0].sampling.constraint == ("structural_tag", text)
+        return dict(json.loads(text))
+
+    assert tag_of(parse_chat({**chat, "response_format": legacy}, info, limits))["format"] == triggered
+    new = {"type": "structural_tag", "format": fmt}
+    assert tag_of(parse_chat({**chat, "response_format": new}, info, limits))["format"] == fmt
+    as_text = {"prompt": "x", "structural_tag": json.dumps(legacy)}
+    assert tag_of(parse_completion(as_text, info, limits))["format"] == triggered
+    sglang = {"text": "hi", "sampling_params": {"structural_tag": json.dumps(new)}}
+    assert tag_of(parse_generate(sglang, info, limits))["format"] == fmt
+    for bad in ("{", [], {"structures": [], "triggers": ["<f"]}, {"structures": legacy["structures"]}):
+        _bad(parse_completion, {"prompt": "x", "structural_tag": bad}, info, param="structural_tag")
+    wrong = {"type": "structural_tag", "format": {"type": "no-such-format"}}
+    _bad(parse_chat, {**chat, "response_format": wrong}, info, param="structural_tag")
+    both = {"prompt": "x", "structural_tag": json.dumps(new), "regex": "a+"}
+    _bad(parse_completion, both, info, param="response_format")
 
 
 def test_reasoning_effort_reaches_the_chat_template_as_vllm_hands_it() -> None:

@@ -299,6 +299,33 @@ def test_json_schema_outputs_validate_at_temperature_one(tiny_model_dir: Path) -
     assert engine.stats.grammar_refusals == 0  # every sampled token was one its mask allowed
 
 
+def test_a_structural_tag_constrains_the_tagged_part(tiny_model_dir: Path) -> None:
+    """xgrammar's structural tag: a sequence of a tag (its begin, a city name by a regular
+    expression, its end) and a JSON object, at temperature one, over several seeds. (JSON
+    between tags may hold any whitespace, which a random model can spin on: a short one.)"""
+    city = {
+        "type": "tag",
+        "begin": "<city>",
+        "content": {"type": "regex", "pattern": "[A-Z][a-z]{2,6}"},
+        "end": "</city>",
+    }
+    flag = {"type": "json_schema", "json_schema": {"type": "boolean"}}
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [city, flag]}}
+    engine = make_engine(tiny_model_dir)
+    for i in range(4):
+        params = SamplingParams(max_new_tokens=60, temperature=1.0, seed=i, structural_tag=json.dumps(tag))
+        engine.add_request(f"t{i}", PROMPT[: 5 + i], params)
+    tokens: dict[str, list[int]] = {}
+    reasons: dict[str, str | None] = {}
+    for o in iter_outputs(engine):
+        tokens.setdefault(o.rid, []).extend(o.token_ids)
+        reasons[o.rid] = o.finish_reason
+    texts = [_text(engine, ids) for ids in tokens.values()]
+    for text in texts:
+        assert re.fullmatch(r"<city>[A-Z][a-z]{2,6}</city>\s*(true|false)\s*", text), text
+    assert set(reasons.values()) == {"stop"} and engine.stats.grammar_refusals == 0
+
+
 def test_a_token_its_grammar_refuses_is_counted_and_logged(
     tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
