@@ -14,8 +14,8 @@
 #   bash bench/gpu.sh tiers_writes   # a first process writing its disk at 512 tokens, against fresh processes: alone
 #                                    # (kv_tiers --no-chat --no-store --step-times, the OS counters, a trace of the
 #                                    # third prompt) with the files on the disk, then on /dev/shm (no writeback)
-#   bash bench/gpu.sh pending        # what waits for a device: the KV tiers at 512 and 2,048 tokens (kv_tiers, TESTS=0,
-#                                    # --compare-warm-up)
+#   bash bench/gpu.sh pending        # what waits for a device: the first_load probe, then the KV tiers at 512 and
+#                                    # 2,048 tokens (kv_tiers, TESTS=0, --compare-warm-up)
 #   bash bench/gpu.sh serve          # pdserve up (PD, then unified) on one GPU at 7B dimensions, pdserve bench at 1 and 64
 #   bash bench/gpu.sh fp8            # the FP8 tests on the GPU, bench/probes/fp8_probe.py, then bench/gpu_engine.py in
 #                                    # bf16 and FP8 variants in one call (gpu_engine_NAME.json; logs in fp8_logs.tgz)
@@ -129,6 +129,7 @@ for name, r in json.load(open(sys.argv[1]))['restart'].items():
   (cd "$out" && tar -czf tiers_writes.tgz disk shm tiers_writes_env.txt && rm -rf disk shm tiers_writes_env.txt)
   ;;
 pending)  # LIMIT seconds a run (~100 and ~110 s on an H100); restarted and second workers with and without the warm-up
+  PROBES=first_load bash "$0" probes
   TESTS=0 PREFIXES="512 2048" LIMIT=${LIMIT:-200} ARGS="--compare-warm-up ${ARGS:-}" bash "$0" kv_tiers
   ;;
 serve)  # MODES (default "pd unified"), each a fresh pdserve up on port 8050 for at most SERVE_LIMIT seconds
