@@ -8,6 +8,7 @@ there a float32 near tie may go either way (``tests/engine/reference.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 from typing import Any
@@ -207,6 +208,50 @@ def collect_all(engine: Engine, requests: list[tuple[list[int], SamplingParams]]
     engine.pages.check_invariants()
     assert engine.pages.num_used_pages == 0
     return {"tokens": outs, "reasons": reasons}
+
+
+def test_a_priority_preemption_of_a_row_with_a_token_on_the_device_changes_no_output() -> None:
+    """Overlap on: a request of a higher priority takes the seat of a running one whose next
+    token is still on the device (its step left queued); every output, the preempted one's
+    too, is what plain steps of the same requests without priorities give."""
+    model = small_model("qwen2")
+    rng = random.Random(5)
+    prompts = [[rng.randrange(300) for _ in range(rng.randint(17, 30))] for _ in range(3)]
+    greedy = SamplingParams(max_new_tokens=14, temperature=0.0, ignore_eos=True)
+    results = []
+    for overlap in (False, True):
+        config = EngineConfig(
+            device=str(DEVICE),
+            max_total_tokens=4096,
+            model_impl="pdserve",
+            overlap_schedule=overlap,
+            cuda_graph_max_batch=0,
+            max_num_seqs=2,
+        )
+        engine = Engine(ModelRunner(ModelSpec(Path("m")), config, model=model), config)
+        assert engine.overlap is overlap and engine.runner.fast is not None
+        engine.runner.fast.use_gemv = False  # interpreted, it is slow; the greedy tests cover it
+        urgent = dataclasses.replace(greedy, priority=-1 if overlap else 0)
+        pending: list[int] = []  # each preempted row's tokens still on the device then
+        preempt = engine.scheduler.preempt
+        engine.scheduler.preempt = lambda seq: (pending.append(seq.num_pending), preempt(seq))[1]  # type: ignore[method-assign]
+        for i in range(2):
+            engine.add_request(str(i), prompts[i], greedy)
+        outs: dict[str, list[int]] = {}
+        for step in range(40):
+            if step == 4:
+                engine.add_request("2", prompts[2], urgent)
+            if not engine.has_work() and step > 4:
+                break
+            for o in engine.step():
+                outs.setdefault(o.rid, []).extend(o.token_ids)
+        assert not engine.has_work()
+        engine.pages.check_invariants()
+        assert (engine.scheduler.num_priority_preemptions == 1) is overlap
+        assert pending == ([1] if overlap else [])
+        results.append(outs)
+    plain, preempted = results
+    assert preempted == plain and all(len(t) == 14 for t in plain.values())
 
 
 def test_overlapped_steps_equal_plain_steps() -> None:
