@@ -233,8 +233,12 @@ def test_a_priority_preemption_of_a_row_with_a_token_on_the_device_changes_no_ou
         engine.runner.fast.use_gemv = False  # interpreted, it is slow; the greedy tests cover it
         urgent = dataclasses.replace(greedy, priority=-1 if overlap else 0)
         pending: list[int] = []  # each preempted row's tokens still on the device then
-        preempt = engine.scheduler.preempt
-        engine.scheduler.preempt = lambda seq: (pending.append(seq.num_pending), preempt(seq))[1]  # type: ignore[method-assign]
+
+        def noted(seq: Any, preempt: Any = engine.scheduler.preempt, pending: list[int] = pending) -> None:
+            pending.append(seq.num_pending)
+            preempt(seq)
+
+        engine.scheduler.preempt = noted  # type: ignore[method-assign]
         for i in range(2):
             engine.add_request(str(i), prompts[i], greedy)
         outs: dict[str, list[int]] = {}
