@@ -352,7 +352,7 @@ from tests.engine.test_kv_tiers import serve, tiered_engine
 model, disk = Path(sys.argv[1]), sys.argv[2]
 prompts = [list(range(5 + i, 205 + i)) + [1, 2, 3] for i in range(2)]
 for _ in range(2):  # the second: a restarted worker, which loads the prompts' groups
-    engine = tiered_engine(model, disk_dir=disk, group_pages=4, load="cost")
+    engine = tiered_engine(model, disk_dir=disk, group_pages=4)  # (load "always": it loads, whatever the timing)
     engine.tiers.drain()
     before = set(sys.modules)
     for prompt in prompts:
