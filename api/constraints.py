@@ -34,15 +34,20 @@ def logit_bias(body: dict[str, Any], vocab: int) -> dict[str, float] | None:
     return out or None
 
 
-def _schema_text(value: Any, param: str) -> str:
+def _object(value: Any, param: str, what: str) -> dict[str, Any]:
+    """``value``, an object or its JSON text, as an object; a 400 naming ``what`` it must be."""
     if isinstance(value, str):
         try:
             value = orjson.loads(value)
         except orjson.JSONDecodeError:
             raise bad_request(f"'{param}' is not valid JSON", param) from None
     if not isinstance(value, dict):
-        raise bad_request(f"'{param}' must be a JSON Schema (an object)", param)
-    return orjson.dumps(value).decode()
+        raise bad_request(f"'{param}' must be {what} (an object)", param)
+    return value
+
+
+def _schema_text(value: Any, param: str) -> str:
+    return orjson.dumps(_object(value, param, "a JSON Schema")).decode()
 
 
 def response_format(body: dict[str, Any]) -> dict[str, str]:
@@ -83,13 +88,7 @@ def structural_tag(value: Any, param: str) -> str:
     ``{"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}`` (free text, each
     part that starts with a trigger one of the structures: its begin, JSON valid against its
     schema, its end), as the same format's ``triggered_tags``."""
-    if isinstance(value, str):
-        try:
-            value = orjson.loads(value)
-        except orjson.JSONDecodeError:
-            raise bad_request(f"'{param}' is not valid JSON", param) from None
-    if not isinstance(value, dict):
-        raise bad_request(f"'{param}' must be a structural tag (an object)", param)
+    value = _object(value, param, "a structural tag")
     if "format" in value:
         return orjson.dumps({"type": "structural_tag", "format": value["format"]}).decode()
     structures, triggers = value.get("structures"), value.get("triggers")
