@@ -10,7 +10,7 @@ round: the probes' time to first token and to their last token (in PD mode the f
 comes from the prefill pool, and the decode pool's queue shows in the latency), the burst's
 mean latency and
 the round's length (what the probes' priority costs the others), and the workers'
-preemptions from the API's ``/metrics``. Figures: medians over the rounds, and the median of
+preemptions and prefix-cache hits (cached tokens: 0 in a cold round) from the API's ``/metrics``. Figures: medians over the rounds, and the median of
 the pairs' ratios (priority against default, the same round seed).
 
     python bench/priority.py --json docs/data/priority_cpu.json
@@ -64,14 +64,21 @@ async def one(http: httpx.AsyncClient, prompt: list[int], max_tokens: int, prior
     return {"ttft": first if first is not None else float("nan"), "latency": time.perf_counter() - began}
 
 
-async def preemptions(http: httpx.AsyncClient) -> dict[str, float]:
-    """The workers' preemption totals on the API's /metrics."""
+TOTALS = {
+    "preemptions": "pdserve_engine_preemptions_total",
+    "priority_preemptions": "pdserve_engine_priority_preemptions_total",
+    "cached_tokens": "pdserve_prefix_cache_hit_tokens_total",  # (a cold run: 0)
+}
+
+
+async def worker_totals(http: httpx.AsyncClient) -> dict[str, float]:
+    """The workers' preemptions and prefix-cache hits, summed, on the API's /metrics."""
     text = (await http.get("/metrics")).text
-    totals = {"preemptions": 0.0, "priority_preemptions": 0.0}
+    totals = dict.fromkeys(TOTALS, 0.0)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            for key in totals:
-                if sample.name == f"pdserve_engine_{key}_total":
+            for key, name in TOTALS.items():
+                if sample.name == name:
                     totals[key] += sample.value
     return totals
 
@@ -85,7 +92,7 @@ async def round_(url: str, args: argparse.Namespace, seed: int, priority: int) -
     burst_prompts = [prompt() for _ in range(args.burst)]
     probe_prompts = [prompt() for _ in range(args.probes)]
     async with httpx.AsyncClient(base_url=url, timeout=600) as http:
-        before = await preemptions(http)
+        before = await worker_totals(http)
         began = time.perf_counter()
         burst = [asyncio.create_task(one(http, p, args.burst_out, 0)) for p in burst_prompts]
         await asyncio.sleep(args.probe_after)
@@ -97,7 +104,7 @@ async def round_(url: str, args: argparse.Namespace, seed: int, priority: int) -
         burst_times = await asyncio.gather(*burst)
         length = time.perf_counter() - began
         await asyncio.sleep(1.2)  # two heartbeats: the workers' counters reach the registry
-        after = await preemptions(http)
+        after = await worker_totals(http)
     return {
         "seed": seed,
         "priority": priority,
@@ -107,8 +114,7 @@ async def round_(url: str, args: argparse.Namespace, seed: int, priority: int) -
         "probe_latency_median_ms": round(statistics.median(t["latency"] for t in probe_times) * 1e3, 1),
         "burst_latency_mean_ms": round(statistics.fmean(t["latency"] for t in burst_times) * 1e3, 1),
         "round_s": round(length, 2),
-        "preemptions": after["preemptions"] - before["preemptions"],
-        "priority_preemptions": after["priority_preemptions"] - before["priority_preemptions"],
+        **{key: after[key] - before[key] for key in TOTALS},
     }
 
 
@@ -160,6 +166,7 @@ def main() -> None:
             "burst_latency_mean_ms": statistics.median(r["burst_latency_mean_ms"] for r in mine),
             "round_s": statistics.median(r["round_s"] for r in mine),
             "preemptions": statistics.median(r["preemptions"] for r in mine),
+            "cached_tokens": max(r["cached_tokens"] for r in mine),
         }
     pairs = [
         (
