@@ -20,6 +20,7 @@ from pdserve.api.tools import (
     CallReader,
     ToolFormat,
     ToolRequest,
+    finish_reason,
     parse_tools,
     read_whole,
     resolve_format,
@@ -245,3 +246,16 @@ def test_content_is_given_out_as_soon_as_it_cannot_begin_a_call() -> None:
     assert reader.feed("Hello <to").content == "Hello "
     assert reader.feed("day").content == "<today"
     assert reader.feed("<tool_call>{").content == ""
+
+
+def test_an_array_closed_by_the_last_token_allowed_is_read_and_its_reason_stays_length() -> None:
+    """``required``'s array closed exactly at max_tokens: its calls are given, the reason says
+    the model did not end by itself; an array cut before it closes comes back as content."""
+    request = ToolRequest(TOOLS, "required", format="hermes")
+    whole = read_whole(request, '[{"name": "get_time", "arguments": {}}]')
+    assert whole.content is None and whole.failures == 0 and [c.name for c in whole.calls] == ["get_time"]
+    assert finish_reason("length", len(whole.calls)) == "length"
+    assert finish_reason("stop", len(whole.calls)) == "tool_calls"
+    cut = read_whole(request, '[{"name": "get_time", "argu')
+    assert cut.calls == [] and cut.content == '[{"name": "get_time", "argu' and cut.failures == 1
+    assert finish_reason("length", 0) == "length" and finish_reason("stop", 0) == "stop"
