@@ -5,6 +5,7 @@ in this process; ``kill`` does to a worker what kill -9 does)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -130,11 +131,24 @@ async def test_a_draining_decode_worker_hands_its_stream_back_at_once(
         migrate(live, reason)
 
     gateway.migrate = migrating  # type: ignore[method-assign]
+    # the first worker's steps wait while the second starts: on a loaded 2-core machine the
+    # start took longer than the first's last 170 tokens once, and nothing was left to hand back
+    going = threading.Event()
+    going.set()
+    launch = first.engine.launch
+
+    def gated(batch: Any) -> Any:
+        going.wait()
+        return launch(batch)
+
+    first.engine.launch = gated  # type: ignore[method-assign]
 
     async def on_token(run: Run, chunk: TokenChunk) -> None:
         if len(run.tokens) >= 30 and not second_ready.is_set():
+            going.clear()
             await workers("decode")
             second_ready.set()
+            going.set()
             await first.shutdown()  # SIGTERM: stop taking work, hand back with the tokens so far
 
     run = await stream(gateway, params, "drained", on_token)
