@@ -25,7 +25,9 @@
 #                                    # engine's launch settings, bf16 KV, FP8 KV, and FP8 KV read in float16 tiles;
 #                                    # sdpa: a whole prompt's attention the first time its length is met, per backend;
 #                                    # first_load: a restarted worker's first disk load against its later ones, with
-#                                    # and without the start-up warm-up, 512 tokens at 7B dimensions)
+#                                    # and without the start-up warm-up, 512 tokens at 7B dimensions; prefixed: a
+#                                    # prompt's chunks after a prefix through the paged kernel against flash attention
+#                                    # over their gathered pages, at 7B dimensions)
 #   bash bench/gpu.sh two_gpu_pd     # 2 GPUs: the p2p tests, then bench/two_gpu_pd.py (NCCL KV, PD against 2 unified)
 #   bash bench/gpu.sh two_tp         # 2 GPUs: the TP tests, then bench/tensor_parallel.py (TP 1 against TP 2)
 #   bash bench/gpu.sh xpyd           # 4 GPUs: bench/xpyd.py, some systems a call (ARGS="--configs 2P2D,4U"; XPYD_JSON:
@@ -50,7 +52,9 @@ export PYTHONUNBUFFERED=1 MC_LOG_LEVEL=ERROR TOKENIZERS_PARALLELISM=false
 timeout 20 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1
 gpu_tests=(tests/engine/test_gpu.py tests/engine/test_kernels.py tests/engine/test_sampler.py
   tests/workers/test_ipc_transfer.py
-  "tests/engine/test_fast_model.py::test_fast_path_greedy_equals_transformers")
+  "tests/engine/test_fast_model.py::test_fast_path_greedy_equals_transformers"
+  "tests/engine/test_fast_model.py::test_prefixed_sdpa_attends_as_the_paged_prefill_kernel"
+  "tests/engine/test_fast_model.py::test_long_chunks_after_a_prefix_take_the_gathered_attention_and_equal_transformers")
 # structured output's GPU tests need xgrammar and jsonschema (EXTRA_WHEELS of device-bundle)
 python3 -c "import xgrammar, jsonschema" 2> /dev/null && gpu_tests+=(tests/engine/test_speculative_grammar.py::test_constrained_speculation_on_a_gpu_is_the_output_without)
 quiet() { grep -v -E "^WARNING: Logging|Local segment descriptor| step |Warning|DEBUG|^[IWE][0-9]{4} "; }
@@ -191,7 +195,9 @@ probes)
     sdpa) timeout -k 10 120 python3 bench/probes/sdpa_shapes_probe.py --out "$out/sdpa_shapes_probe.json" ;;
     first_load) dummy_7b; timeout -k 10 200 python3 bench/probes/first_load_probe.py --device cuda --model /tmp/m7b \
       --load-format dummy --prefix 512 --out "$out/first_load_probe_gpu.json" ;;
-    *) echo "unknown probe: $probe (diag, gemv, attention, attention_fp8, attention_tiles, fp32, reading, ipc, verify, quant, rope, sdpa, first_load)" ;;
+    prefixed) dummy_7b; timeout -k 10 200 python3 bench/probes/prefixed_probe.py --device cuda --model /tmp/m7b \
+      --load-format dummy --out "$out/prefixed_probe_gpu.json" ;;
+    *) echo "unknown probe: $probe (diag, gemv, attention, attention_fp8, attention_tiles, fp32, reading, ipc, verify, quant, rope, sdpa, first_load, prefixed)" ;;
     esac > "$out/probe_$probe.log" 2>&1
     echo "== $probe"; grep -v "^  " "$out/probe_$probe.log" | tail -14
   done

@@ -297,7 +297,13 @@ class ModelRunner:
             return seqs, self.fast.forward(rows)
         if batch.verifies:
             self.verify_paths["chunks"] += 1
-        step, seqs = build_step(batch, self.config.page_size, self.device, self._splits(len(batch.decodes)))
+        step, seqs = build_step(
+            batch,
+            self.config.page_size,
+            self.device,
+            self._splits(len(batch.decodes)),
+            getattr(self.fast, "prefixed_sdpa_rows", 0),
+        )
         if feed is not None:
             from pdserve.engine.kernels import elementwise  # the fast path has Triton
 

@@ -7,7 +7,7 @@ a :class:`~pdserve.engine.sequence.ScheduledBatch` is :func:`build_step`'s job.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +26,15 @@ class PrefillChunks:
     spans: list[tuple[int, int]]  # (q_start, q_len) on the host
     is_fresh: bool  # no chunk has a prefix: each attends only to itself
     num_verifies: int = 0  # the last chunks are speculative verifies (each row attends as a decode would)
+    # Chunks of at least build_step's ``prefixed_rows`` rows after a prefix, which the model
+    # attends with the library's attention over their gathered pages, as (span, q_start,
+    # q_len, ctx_len): the others' lengths in ``paged_q_lens`` (0 for these), up to
+    # ``paged_max_q_len`` (0: none left for the paged kernel)
+    prefixed: list[tuple[int, int, int, int]] = field(default_factory=list)
+    paged_q_lens: torch.Tensor | None = None
+    paged_max_q_len: int = 0
+    # the prefixed chunks' page rows of layer 0 (attention.page_rows), made at their first layer
+    prefixed_page_rows: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -67,14 +76,15 @@ def _table(rows: list[list[int]], width: int) -> torch.Tensor:
 
 
 def build_step(
-    batch: ScheduledBatch, page_size: int, device: torch.device, splits_for: int
+    batch: ScheduledBatch, page_size: int, device: torch.device, splits_for: int, prefixed_rows: int = 0
 ) -> tuple[StepBatch, list[Sequence]]:
     """Pack ``batch`` for a fast model; returns it and the sequences that get a token.
 
     ``splits_for`` is the decode-attention split count to use for this step. Verifies are
     packed as prefill chunks after the prompts' (over their own KV); their rows come after the
     sampled rows, every row of each, and are not in the returned sequences; the prompt rows to
-    score (``batch.scored``) come last.
+    score (``batch.scored``) come last. ``prefixed_rows`` (0: none): prompt chunks of at least
+    this many rows after a prefix are listed in the chunks' ``prefixed``.
     """
     ids: list[int] = []
     pos: list[int] = []
@@ -143,15 +153,27 @@ def build_step(
     num_tokens = ids_t.shape[0]
     prefill = None
     if spans:
+        q_lens = [n for _, n in spans]
+        prefixed = [
+            (i, q_start, n, chunk_ctx[i])
+            for i, (q_start, n) in enumerate(spans[: len(batch.prefills)])
+            if 0 < prefixed_rows <= n < chunk_ctx[i]
+        ]
+        paged = list(q_lens)
+        for i, *_ in prefixed:
+            paged[i] = 0
         prefill = PrefillChunks(
             q_starts=to_device(torch.tensor([s for s, _ in spans], dtype=torch.int32), device),
-            q_lens=to_device(torch.tensor([n for _, n in spans], dtype=torch.int32), device),
+            q_lens=to_device(torch.tensor(q_lens, dtype=torch.int32), device),
             ctx_lens=to_device(torch.tensor(chunk_ctx, dtype=torch.int32), device),
             page_tables=to_device(_table(chunk_rows, max(len(r) for r in chunk_rows)), device),
-            max_q_len=max(n for _, n in spans),
+            max_q_len=max(q_lens),
             spans=spans,
             is_fresh=fresh,
             num_verifies=len(batch.verifies),
+            prefixed=prefixed,
+            paged_q_lens=to_device(torch.tensor(paged, dtype=torch.int32), device) if prefixed else None,
+            paged_max_q_len=max(paged),
         )
     width = max((len(r) for r in decode_rows), default=1)
     step = StepBatch(

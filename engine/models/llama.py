@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from pdserve.engine.attention import page_rows
 from pdserve.engine.kernels import elementwise, fp8, gemv, paged, paged_prefill, rope
 from pdserve.engine.models.batch import StepBatch
 from pdserve.engine.models.llama_weights import FusedDecoder, Layer, Weight
@@ -55,6 +56,12 @@ PREFILL_WARM_ROWS = (1, paged_prefill.SHORT_CHUNK + 1)  # a chunk of each of the
 # tokens apart), each met once at start (:meth:`LlamaFamily.warm_up_sdpa`).
 SDPA_BUCKETS = 16
 SDPA_MIN_BUCKET = 64
+# A chunk of at least this many rows after a cached or earlier prefix attends with flash
+# attention over its pages gathered (:func:`prefixed_sdpa`), shorter ones with the paged
+# prefill kernel, which read a long chunk's keys once a query head (on an H100 a 7B model's
+# 1,988-token chunk after 128 cached tokens took 48.6 ms against 40.3 for 2,048 fresh ones,
+# so that loading a prefix from a KV tier could make its prompt slower, 2026-12-07).
+PREFIXED_SDPA_ROWS = 1024
 
 
 def sdpa_length(n: int) -> int:
@@ -106,11 +113,37 @@ def causal_sdpa(rows: torch.Tensor, heads: int, kv_heads: int, dim: int, scale: 
     return out[:, :, :n]
 
 
+def prefixed_sdpa(
+    q: torch.Tensor, pool: torch.Tensor, layer: int, page_rows: torch.Tensor, ctx: int, scale: float
+) -> torch.Tensor:
+    """A chunk's queries ``q [n, heads, dim]`` (at positions ``ctx - n`` to ``ctx - 1``) attending
+    causally to the ``ctx`` tokens of K/V in their pages, which hold the chunk's own by now
+    (``page_rows``: layer 0's rows ``[2, 1, kv_heads, pages]`` of
+    :func:`pdserve.engine.attention.page_rows`), gathered in one ``index_select`` a layer:
+    ``[1, heads, n, dim]``. In 16 bits on a GPU through flash attention, whose causal mask is
+    aligned to the last key (bottom-right, as a chunk after a prefix wants; the library's
+    ``is_causal`` aligns it to the first), its query heads grouped over the key heads in the
+    kernel; elsewhere (the CPU's tests, a float32 model) the same mask spelled out."""
+    _, _, _, kv_heads, page, dim = pool.shape
+    n = q.shape[0]
+    blocks = (page_rows + layer * 2 * kv_heads).view(-1)
+    kv = pool.view(-1, page * dim).index_select(0, blocks).view(2, 1, kv_heads, -1, dim)
+    k, v = kv[0, :, :, :ctx], kv[1, :, :, :ctx]
+    qs = q.transpose(0, 1)[None]
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        return torch.ops.aten._scaled_dot_product_flash_attention(qs, k, v, 0.0, True, False, scale=scale)[0]
+    mask = torch.ones((n, ctx), dtype=torch.bool, device=q.device).tril(ctx - n)
+    return F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
 class LlamaFamily(FusedDecoder):
     """Forward pass over a :class:`StepBatch`; the KV pool is written and read in place.
 
     ``sdpa_prefill``: whole prompts (no cached prefix) attend with the library's SDPA over
-    their own q, k, v (:func:`causal_sdpa`); otherwise with the paged prefill kernel.
+    their own q, k, v (:func:`causal_sdpa`); chunks of at least ``prefixed_sdpa_rows`` rows
+    after a prefix with flash attention over their gathered pages (:func:`prefixed_sdpa`; on a
+    GPU, :data:`PREFIXED_SDPA_ROWS`; 0: none), in layers without a window, from a 16-bit pool;
+    the others with the paged prefill kernel.
     ``use_gemv``: a step of one token multiplies with the GEMV kernels. ``fused_merge``:
     decode attention merges its context splits itself (measured slower on an H200: off).
     ``l2_prefetch``: in a one-token step on a GPU, the o projection's weights are read into
@@ -151,6 +184,8 @@ class LlamaFamily(FusedDecoder):
         super().__init__(model, pool, max_positions, tp, kv_scales)
         device = self.embed.device
         self._counters: torch.Tensor | None = None  # fused_merge's per-(sequence, kv head) counters
+        # (read by the runner as it packs a step: build_step's prefixed_rows)
+        self.prefixed_sdpa_rows = PREFIXED_SDPA_ROWS if device.type == "cuda" and self.sdpa_prefill else 0
         if self.kv_scales is not None:  # the FP8 pool's key rotation, made before any graph is captured
             kv_key_rotation(self.head_dim, self.embed.dtype, device)
         if device.type == "cuda":
@@ -358,15 +393,28 @@ class LlamaFamily(FusedDecoder):
                 sl = slice(start, start + n)
                 out[sl] = self._sdpa(qkv, sl)[0].transpose(0, 1)
             return out
+        q_lens, max_q_len = chunks.q_lens, chunks.max_q_len
+        if chunks.prefixed and layer.window is None and self.kv_scales is None:
+            for span, start, n, ctx in chunks.prefixed:
+                rows0 = chunks.prefixed_page_rows.get(span)
+                if rows0 is None:  # (the step's first layer)
+                    table = chunks.page_tables[span : span + 1, : -(-ctx // self.pool.shape[4])].long()
+                    rows0 = chunks.prefixed_page_rows[span] = page_rows(self.pool, table)
+                o = prefixed_sdpa(q[start : start + n], self.pool, index, rows0, ctx, self.scale)
+                out[start : start + n] = o[0].transpose(0, 1)
+            assert chunks.paged_q_lens is not None
+            q_lens, max_q_len = chunks.paged_q_lens, chunks.paged_max_q_len
+            if max_q_len == 0:
+                return out
         paged_prefill.prefill_attention(
             q,
             self.pool,
             index,
             chunks.page_tables,
             chunks.q_starts,
-            chunks.q_lens,
+            q_lens,
             chunks.ctx_lens,
-            chunks.max_q_len,
+            max_q_len,
             self.scale,
             out,
             layer.window,

@@ -384,3 +384,78 @@ def test_speculative_verifies_run_as_decode_rows(monkeypatch: pytest.MonkeyPatch
     spec = engine.stats.spec
     assert spec is not None and spec.verifies > 0 and spec.accepted > 0
     assert runner.verify_paths["rows"] > 0 and runner.verify_paths["chunks"] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16] if DEVICE.type == "cuda" else [torch.float32])
+def test_prefixed_sdpa_attends_as_the_paged_prefill_kernel(dtype: torch.dtype) -> None:
+    """A chunk after a prefix, over its pages gathered (flash attention in 16 bits on a GPU),
+    equals the paged prefill kernel's output for it: query heads grouped over key heads, a
+    context that ends inside a page, pages out of order."""
+    from pdserve.engine.attention import page_rows
+    from pdserve.engine.kernels import paged_prefill
+
+    gen = torch.Generator().manual_seed(5)
+    pages, layers, kv_heads, page, dim, heads = 12, 2, 2, 16, 64, 4
+    pool = torch.randn((pages, layers, 2, kv_heads, page, dim), generator=gen).to(DEVICE, dtype)
+    table = torch.tensor([[7, 2, 9, 0, 5]], dtype=torch.int32, device=DEVICE)
+    for n, ctx in ((40, 75), (75 - 64, 75), (16, 80)):
+        q = torch.randn((n, heads, dim), generator=gen).to(DEVICE, dtype)
+        want = torch.zeros_like(q)
+        lens = torch.tensor([n], dtype=torch.int32, device=DEVICE)
+        for layer in range(layers):
+            paged_prefill.prefill_attention(
+                q, pool, layer, table, torch.zeros(1, dtype=torch.int32, device=DEVICE), lens,
+                torch.tensor([ctx], dtype=torch.int32, device=DEVICE), n, 0.125, want,
+            )  # fmt: skip
+            rows = page_rows(pool, table[:, : -(-ctx // page)].long())
+            got = llama.prefixed_sdpa(q, pool, layer, rows, ctx, 0.125)
+            assert got.shape == (1, heads, n, dim)
+            tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+            torch.testing.assert_close(got[0].transpose(0, 1), want, **tol)
+
+
+def test_long_chunks_after_a_prefix_take_the_gathered_attention_and_equal_transformers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Chunks of at least ``prefixed_sdpa_rows`` rows after a cached or earlier prefix attend
+    through :func:`llama.prefixed_sdpa`, shorter ones (and fresh ones) through the paged
+    kernel, in the same step where both come: greedy output equal to transformers'."""
+    from pdserve.engine.kernels import paged_prefill
+
+    quiet_transformers()
+    model = small_model("qwen2")
+    rng = random.Random(11)
+    first = [rng.randrange(300) for _ in range(40)]
+    prompts = [first, first[:32] + [rng.randrange(300) for _ in range(30)]]
+    expected = hf_greedy(model, prompts, NEW)
+    config = EngineConfig(
+        device=str(DEVICE), max_total_tokens=1024, model_impl="pdserve", chunked_prefill_size=24, cuda_graph_max_batch=0
+    )
+    runner = ModelRunner(ModelSpec(Path("w")), config, model=model)
+    assert isinstance(runner.fast, llama.LlamaFamily)
+    assert runner.fast.prefixed_sdpa_rows == (llama.PREFIXED_SDPA_ROWS if DEVICE.type == "cuda" else 0)
+    runner.fast.prefixed_sdpa_rows = 12
+    gathered: list[tuple[int, int]] = []
+    paged: list[int] = []
+    real_gathered, real_paged = llama.prefixed_sdpa, paged_prefill.prefill_attention
+
+    def spy_gathered(q: torch.Tensor, *args: Any) -> torch.Tensor:
+        gathered.append((q.shape[0], args[3]))  # rows, context
+        return real_gathered(q, *args)
+
+    def spy_paged(q: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        paged.append(int(args[6]))  # max_q_len
+        return real_paged(q, *args, **kwargs)
+
+    monkeypatch.setattr(llama, "prefixed_sdpa", spy_gathered)
+    monkeypatch.setattr(paged_prefill, "prefill_attention", spy_paged)
+    engine = Engine(runner, config)
+    ours = run(engine, prompts[:1], NEW) + run(engine, prompts[1:], NEW)
+    assert_greedy_equal(model, prompts, ours, expected)
+    assert engine.stats.cached_tokens == 32
+    layers = len(runner.fast.layers)
+    # the first prompt: 24 fresh rows (paged), then 16 after them (gathered); the second: 32
+    # cached, then 24 rows (gathered) and 6 (paged)
+    assert gathered == [(16, 40)] * layers + [(24, 56)] * layers
+    # (on a GPU a fresh chunk attends through the library's SDPA: sdpa_prefill)
+    assert paged == ([] if DEVICE.type == "cuda" else [24] * layers) + [6] * layers
