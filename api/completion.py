@@ -55,7 +55,7 @@ async def deltas(
 ) -> AsyncIterator[Delta]:
     """Stream ``job``; text is cut exactly before the first stop string."""
     detok = IncrementalDetokenizer(info.tokenizer, skip_special_tokens)
-    stop = StopMatcher(job.sampling.stop)
+    stop = StopMatcher(job.sampling.stop, job.sampling.stop_regex)
     chunks = gateway.generate(job.prompt_ids, job.sampling, rid, timeout)
     async with contextlib.aclosing(chunks):
         async for delta in _deltas(chunks, job, detok, stop):
@@ -98,7 +98,7 @@ async def _deltas(
         if stop.matched is not None:
             usage = chunk.usage or Usage(len(job.prompt_ids), num_tokens)
             yield Delta(
-                text + stop.matched if job.keep_stop else text,
+                text + stop.matched_text if job.keep_stop else text,
                 list(chunk.token_ids),
                 list(chunk.logprobs or ()),
                 "stop",
@@ -142,7 +142,7 @@ async def _sample(
     chunks: AsyncIterator[TokenChunk], info: ModelInfo, job: Job, skip_special_tokens: bool
 ) -> AsyncIterator[Delta]:
     detok = IncrementalDetokenizer(info.tokenizer, skip_special_tokens)
-    stop = StopMatcher(job.sampling.stop)
+    stop = StopMatcher(job.sampling.stop, job.sampling.stop_regex)
     async with contextlib.aclosing(chunks):  # type: ignore[type-var]
         async for delta in _deltas(chunks, job, detok, stop):
             yield delta

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pdserve.api import detokenizer
 from pdserve.api.window import Window
 from pdserve.broker.metrics import QueueReading, queue_families, worker_families
 from pdserve.schemas import WorkerInfo
@@ -60,6 +61,11 @@ class _Live(Collector):
             "pdserve_prefill_tokens_waiting",
             "prompt tokens of this API's requests that have no token back yet",
             value=tokens_waiting,
+        )
+        yield CounterMetricFamily(
+            "pdserve_api_stop_regex_timeouts",
+            "stop_regex patterns this API gave up, a search past its time limit (no stop by them after)",
+            value=detokenizer.TIMEOUTS[0],
         )
         yield from worker_families(m.view.workers)
         yield from queue_families(m.view.queues)

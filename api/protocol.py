@@ -23,8 +23,10 @@ from pdserve.schemas.sampling import (
     MAX_CACHE_SALT,
     MAX_PRIORITY,
     MAX_SAMPLES,
+    MAX_STOP_REGEX,
     MAX_STOP_STRINGS,
     MAX_TOP_LOGPROBS,
+    stop_pattern,
 )
 from pdserve.schemas.tokens import prompt_logprobs_bytes
 
@@ -212,10 +214,6 @@ SGLANG_UNSERVED: tuple[tuple[str, Callable[[Any], bool]], ...] = (
 )
 
 
-# SGLang's sampling_params that ask for what pdserve does not do
-SGLANG_SAMPLING_UNSERVED: tuple[tuple[str, Callable[[Any], bool]], ...] = (("stop_regex", _set),)
-
-
 def unserved(src: dict[str, Any], table: tuple[tuple[str, Callable[[Any], bool]], ...]) -> None:
     """A 400 for the first key of ``table`` that ``src`` sets to a value asking for something."""
     for key, asks in table:
@@ -232,6 +230,20 @@ def truncated(body: dict[str, Any], ids: list[int], text: str | None) -> tuple[l
     if k == 0:
         raise bad_request("'truncate_prompt_tokens' must be at least 1 (or -1)", "truncate_prompt_tokens")
     return ids[-k:], None
+
+
+def _stop_regex(src: dict[str, Any]) -> tuple[str, ...]:
+    """SGLang's ``stop_regex``: a pattern or a list of them, each compiled here (a 400 names it)."""
+    patterns = _stops(src, "stop_regex")
+    for p in patterns:
+        if len(p) > MAX_STOP_REGEX:
+            raise bad_request(f"'stop_regex' patterns may have at most {MAX_STOP_REGEX} characters", "stop_regex")
+        compiled = stop_pattern(p)
+        if compiled is None:
+            raise bad_request(f"'stop_regex' {p!r} is not a valid regular expression", "stop_regex")
+        if compiled.fullmatch("") is not None:
+            raise bad_request(f"'stop_regex' {p!r} matches the empty text", "stop_regex")
+    return patterns
 
 
 def _keep_stop(src: dict[str, Any]) -> bool:
@@ -301,6 +313,7 @@ def _sampling(
             seed=_int(src, "seed", None, 0, 2**63 - 1),
             stop=_stops(src),
             stop_token_ids=tuple(_token_ids(stop_ids, "stop_token_ids") if stop_ids is not None else ()),
+            stop_regex=_stop_regex(src),
             ignore_eos=_bool(src, "ignore_eos", False),
             frequency_penalty=_f(src, "frequency_penalty", 0.0, -2.0, 2.0),
             presence_penalty=_f(src, "presence_penalty", 0.0, -2.0, 2.0),
@@ -759,6 +772,7 @@ _SGLANG_SAMPLING = (
     "min_p",
     "stop",
     "stop_token_ids",
+    "stop_regex",
     "ignore_eos",
     "frequency_penalty",
     "presence_penalty",
@@ -787,7 +801,6 @@ def parse_generate(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Par
     top = {k: body[k] for k in _SGLANG_SAMPLING if k in body}
     merged = {**top, **params}
     unserved(body, SGLANG_UNSERVED)
-    unserved(merged, SGLANG_SAMPLING_UNSERVED)
     if "sampling_seed" in merged and merged.get("seed") is None:  # SGLang's name for the seed
         merged["seed"] = merged["sampling_seed"]
     rank = priority(body, higher_first=True)  # SGLang's request field: higher values first

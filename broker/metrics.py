@@ -107,6 +107,10 @@ _COUNTERS = {
         "pdserve_engine_priority_preemptions",
         "of those, requests whose seat a request of a higher priority took",
     ),
+    "stop_regex_timeouts": (
+        "pdserve_stop_regex_timeouts",
+        "requests' stop_regex patterns given up by a worker, a search past its time limit (no stop by them after)",
+    ),
 }
 _STATS_GAUGES = {"waiting", "running", "prefill_tokens_waiting"}
 # TierCounts fields → (metric name, help); labels worker, role and tier.

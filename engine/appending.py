@@ -14,8 +14,12 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence, Status
 from pdserve.engine.speculative import Speculator
 from pdserve.schemas import TokenLogprob
+from pdserve.schemas.sampling import stop_match, stop_pattern
 
 log = logging.getLogger(__name__)
+
+# A worker looks for a stop_regex match in the text of the output's last this many tokens
+STOP_REGEX_TOKENS = 64
 
 
 class Appending:
@@ -119,6 +123,21 @@ class Appending:
             for s in p.stop:
                 if s in tail:
                     return "stop", s
+        if p.stop_regex and self.detokenize is not None and len(seq.output_ids) > p.min_new_tokens:
+            # the text of the last STOP_REGEX_TOKENS tokens after the first min_new_tokens (a
+            # longer match is the API's to find: it then ends the request)
+            tail = self.detokenize(seq.output_ids[max(len(seq.output_ids) - STOP_REGEX_TOKENS, p.min_new_tokens) :])
+            for pattern in p.stop_regex:
+                compiled = stop_pattern(pattern)
+                if compiled is None or pattern in seq.stop_regex_off:
+                    continue
+                try:
+                    if stop_match(compiled, tail) is not None:
+                        return "stop", pattern
+                except TimeoutError:  # given up for this request: loud, counted
+                    seq.stop_regex_off.add(pattern)
+                    self.stats.stop_regex_timeouts += 1
+                    log.warning("a stop_regex took too long: not searched again", extra={"rid": seq.out_rid})
         if len(seq.output_ids) >= p.max_new_tokens:
             return "length", None
         if seq.num_tokens >= self.max_model_len:

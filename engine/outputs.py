@@ -93,6 +93,7 @@ class EngineStats:
     turn_wait_seconds: float = 0.0  # steps' waits for other workers' steps on shared cores
     overlapped_steps: int = 0  # steps left queued on the device while the next was launched
     history_unoverlapped_steps: int = 0  # decode steps not left queued: a row's sampling reads its history
+    stop_regex_timeouts: int = 0  # a request's stop_regex given up, its search past STOP_REGEX_TIMEOUT
     grammar_refusals: int = 0  # sampled tokens a sequence's own grammar refused (0 unless a bug)
     scored_prompt_tokens: int = 0  # prompt tokens whose log-probabilities were asked for and computed
     spec: SpecStats | None = None  # speculative decoding's counters, when it is on

@@ -31,6 +31,7 @@ class Sequence:
     sampling: SamplingParams
     output_ids: list[int] = field(default_factory=list)
     page_table: list[int] = field(default_factory=list)
+    stop_regex_off: set[str] = field(default_factory=set)  # its stop_regex patterns given up (too slow)
     num_computed: int = 0
     num_cached: int = 0
     num_registered_pages: int = 0

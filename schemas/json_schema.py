@@ -32,6 +32,7 @@ from pdserve.schemas.sampling import (
     MAX_LOGIT_BIAS,
     MAX_PRIORITY,
     MAX_SAMPLES,
+    MAX_STOP_REGEX,
     MAX_STOP_STRINGS,
     MAX_TOP_LOGPROBS,
     SamplingParams,
@@ -81,6 +82,10 @@ RULES: dict[type, dict[str, dict[str, Any]]] = {
         "prompt_logprobs": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS},
         "stop": {"maxItems": MAX_STOP_STRINGS, "items": {"type": "string", "minLength": 1}},
         "stop_token_ids": {"items": _NON_NEGATIVE_INT},
+        "stop_regex": {
+            "maxItems": MAX_STOP_STRINGS,
+            "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_REGEX},
+        },
         "allowed_token_ids": {"items": _NON_NEGATIVE_INT},
         "bad_words": {
             "maxItems": MAX_BAD_WORDS,
@@ -134,6 +139,7 @@ DESCRIPTIONS: dict[type, dict[str, str]] = {
         "seed": "Per-request seed: the same seed gives the same tokens whatever else runs (null: unseeded).",
         "stop": "Stop strings: generation stops once the text contains one (the receiver cuts the text before it).",
         "stop_token_ids": "Token ids that end generation (the token is part of the output).",
+        "stop_regex": "Regular expressions (SGLang's stop_regex; Python's syntax, as the regex package reads it): generation stops once the text matches one with a match that is not empty (the receiver cuts the text before the match; a worker looks in its last 64 tokens).",
         "ignore_eos": "Go on past the model's end-of-sequence tokens.",
         "frequency_penalty": "OpenAI-style frequency penalty.",
         "presence_penalty": "OpenAI-style presence penalty.",

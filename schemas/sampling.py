@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+
+import regex
 
 from pdserve.schemas.kv_events import salt_root
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_REGEX = 256  # characters of one stop_regex pattern
 MAX_TOP_LOGPROBS = 20
 MAX_SAMPLES = 64  # n: parallel samples of one prompt
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
@@ -36,6 +40,9 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    # SGLang's stop_regex: generation stops once the text matches one (Python's regular
+    # expressions, as the ``regex`` package reads them; the text is cut before the match)
+    stop_regex: tuple[str, ...] = ()
     ignore_eos: bool = False
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -86,6 +93,18 @@ class SamplingParams:
         _require(len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings")
         _require(all(s for s in self.stop), "stop strings must not be empty")
         _require(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative")
+        _require(len(self.stop_regex) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop_regex patterns")
+        for pattern in self.stop_regex:
+            _require(
+                isinstance(pattern, str) and 1 <= len(pattern) <= MAX_STOP_REGEX,
+                f"each stop_regex must be 1 to {MAX_STOP_REGEX} characters",
+            )
+            compiled = stop_pattern(pattern)
+            _require(compiled is not None, f"stop_regex {pattern!r} is not a valid regular expression")
+            _require(
+                compiled is not None and compiled.fullmatch("") is None,
+                f"stop_regex {pattern!r} matches the empty text",
+            )
         _require(self.seed is None or 0 <= self.seed < 2**63, "seed must be a non-negative 64-bit integer")
         _require(1 <= self.n <= MAX_SAMPLES, f"n must be between 1 and {MAX_SAMPLES}")
         _require(all(t >= 0 for t in self.allowed_token_ids), "allowed_token_ids must be non-negative")
@@ -161,6 +180,33 @@ class SamplingParams:
 def sample_rid(rid: str, index: int) -> str:
     """The request id that sample ``index`` of an ``n > 1`` request ``rid`` streams under."""
     return f"{rid}#{index}"
+
+
+@functools.lru_cache(maxsize=256)
+def stop_pattern(pattern: str) -> regex.Pattern[str] | None:
+    """``pattern`` compiled (``None`` where it is not a regular expression), once a process."""
+    try:
+        return regex.compile(pattern)
+    except (regex.error, ValueError, OverflowError, RecursionError):
+        return None
+
+
+# Seconds a stop_regex may search one text (a pattern that backtracks without end, such as
+# ``(a|aa)+$x``, would otherwise hold a worker's engine thread or the API's event loop): past
+# it ``TimeoutError``, and the caller gives that pattern up for the request, counted
+STOP_REGEX_TIMEOUT = 0.01
+
+
+def stop_match(
+    pattern: regex.Pattern[str], text: str, partial: bool = False, timeout: float = STOP_REGEX_TIMEOUT
+) -> regex.Match[str] | None:
+    """The first match of ``pattern`` in ``text`` that is not empty (a zero-width assertion's
+    is no stop); with ``partial``, one that the text's end may still complete counts too.
+    ``TimeoutError`` after ``timeout`` seconds."""
+    for m in pattern.finditer(text, partial=partial, timeout=timeout):
+        if m.end() > m.start() or m.partial:
+            return m
+    return None
 
 
 def _require(condition: bool, message: str) -> None:

@@ -140,7 +140,8 @@ class WorkerStats:
     not, because a row's sampling reads its own output (penalties, multi-token bad words);
     ``preemptions``: running requests sent back to wait (their KV dropped, recomputed later:
     pages ran out, or a request of a higher priority took the seat), ``priority_preemptions``
-    of those for a higher priority.
+    of those for a higher priority; ``stop_regex_timeouts``: requests' stop_regex patterns given
+    up, a search of theirs past its time limit (the pattern backtracks without end).
     """
 
     steps: int = 0
@@ -160,6 +161,7 @@ class WorkerStats:
     history_unoverlapped_steps: int = 0
     preemptions: int = 0
     priority_preemptions: int = 0
+    stop_regex_timeouts: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -252,6 +252,7 @@ class WorkerRuntime(Housekeeping):
             history_unoverlapped_steps=engine.stats.history_unoverlapped_steps,
             preemptions=engine.scheduler.num_preemptions,
             priority_preemptions=engine.scheduler.num_priority_preemptions,
+            stop_regex_timeouts=engine.stats.stop_regex_timeouts,
         )
         return WorkerInfo(
             worker_id=self.worker_id,

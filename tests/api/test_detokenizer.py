@@ -7,9 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import regex
 from transformers import AutoTokenizer
 
-from pdserve.api.detokenizer import IncrementalDetokenizer, StopMatcher
+from pdserve.api import detokenizer
+from pdserve.api.detokenizer import REGEX_HOLD, IncrementalDetokenizer, StopMatcher
 
 TEXTS = [
     "請介紹一下你自己",
@@ -266,3 +268,59 @@ def test_detokenizer_and_stop_matcher_together(tokenizer: Any) -> None:
     m = StopMatcher(["😀\n\n"])
     out = "".join(m.feed(detok.add([i])) for i in ids) + m.feed(detok.flush()) + m.flush()
     assert out == "第一行答案"
+
+
+# ---- StopMatcher: stop_regex ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("patterns", "stops", "text", "out", "matched", "matched_text"),
+    [
+        ([r"\d+\."], [], "step 12. then", "step ", r"\d+\.", "12."),
+        ([r"\n\n+"], [], "a\nb\n\n\nc", "a\nb", r"\n\n+", None),  # (its length: as the pieces came)
+        ([r"(?i)the end"], ["zzz"], "and THE END", "and ", r"(?i)the end", "THE END"),
+        ([r"b+"], ["a"], "xa bb", "x", "a", "a"),  # the earliest of strings and patterns
+        ([r"[.!?] "], [], "no stop here", "no stop here", None, ""),
+        ([r"\b", r"x(?=y)"], [], "ab xz xy", "ab xz ", r"x(?=y)", "x"),  # an empty match is no stop
+    ],
+)
+def test_a_stop_regex_cuts_the_text_before_its_first_match_in_any_pieces(
+    patterns: list[str], stops: list[str], text: str, out: str, matched: str | None, matched_text: str | None
+) -> None:
+    """The text stops as soon as a match is there: a greedy pattern's match is as long as
+    the pieces had made it by then."""
+    for size in (1, 2, 3, len(text)):
+        m = StopMatcher(stops, patterns)
+        pieces = [text[i : i + size] for i in range(0, len(text), size)]
+        assert _feed_all(m, pieces) == out, size
+        assert m.matched == matched
+        if matched_text is not None:
+            assert m.matched_text == matched_text
+        elif matched is not None:
+            assert regex.fullmatch(matched, m.matched_text) and text.startswith(out + m.matched_text)
+
+
+def test_a_stop_regex_holds_back_what_may_begin_a_match_and_no_more_than_its_limit() -> None:
+    m = StopMatcher([], [r"</answer>"])
+    assert m.feed("42 </ans") == "42 "
+    assert m.buffer == "</ans"
+    assert m.feed("wers") == "</answers"  # it did not match
+    # a match that may run on is held up to REGEX_HOLD characters: a longer one is not found
+    short = StopMatcher([], [r"a[^!]*END"])
+    assert short.feed("x a" + "b" * 100) == "x "
+    assert short.feed("bEND!") == "" and short.matched_text == "a" + "b" * 101 + "END"
+    long = StopMatcher([], [r"a[^!]*END"])
+    assert long.feed("x a" + "b" * 100) == "x "
+    assert long.feed("b" * (REGEX_HOLD + 1)) == "a" + "b" * (REGEX_HOLD + 101)
+    assert long.feed("END!") + long.flush() == "END!" and long.matched is None
+
+
+def test_a_stop_regex_past_its_time_limit_is_given_up_and_counted() -> None:
+    """A pattern that backtracks without end (here once the text is 30 characters long) stops
+    nothing after its first search past the limit; the text flows; the API counts it."""
+    before = detokenizer.TIMEOUTS[0]
+    m = StopMatcher(["END"], [r"(?:.|..)+$a", r"b{3}"])
+    assert m.feed("a" * 10) == ""  # it may begin a match: held
+    assert m.feed("a" * 40) == "a" * 50 and detokenizer.TIMEOUTS[0] == before + 1
+    assert [p for p, _ in m.patterns] == [r"b{3}"]
+    assert m.feed("xbbbEND") == "x" and m.matched == r"b{3}"

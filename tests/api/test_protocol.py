@@ -813,21 +813,32 @@ def test_what_vllm_and_sglang_serve_and_pdserve_does_not_is_refused_not_ignored(
             assert parse({**body, key: defaults[key]}, info, Limits(DEFAULT_MAX)).jobs
 
 
-def test_sglang_s_sampling_seed_is_the_seed_and_what_it_does_not_serve_is_refused(info: ModelInfo) -> None:
-    """SGLang's ``sampling_seed`` seeds the request (``seed`` wins where both are given); its
-    ``stop_regex`` is refused, not ignored."""
+def test_sglang_s_sampling_seed_is_the_seed(info: ModelInfo) -> None:
+    """SGLang's ``sampling_seed`` seeds the request (``seed`` wins where both are given)."""
     seeded = parse_generate({"text": "hi", "sampling_params": {"sampling_seed": 5}}, info, Limits(DEFAULT_MAX))
     assert seeded.jobs[0].sampling.seed == 5
     both = parse_generate({"text": "hi", "sampling_params": {"sampling_seed": 5, "seed": 6}}, info, Limits(DEFAULT_MAX))
     assert both.jobs[0].sampling.seed == 6
-    for key, value in (("stop_regex", "a+"),):
-        _bad(
-            parse_generate,
-            {"text": "hi", "sampling_params": {key: value}},
-            info,
-            code="unsupported_parameter",
-            param=key,
-        )
+
+
+def test_stop_regex_is_taken_as_a_pattern_or_a_list_and_a_bad_one_is_a_400(info: ModelInfo) -> None:
+    """SGLang's ``stop_regex`` (in ``sampling_params`` or at the top of /generate; on
+    completions and chat as an extra field, as SGLang's OpenAI API takes it): a pattern or a
+    list of them; one that does not compile, matches the empty text, is too long, or too many
+    of them, is a 400 naming it."""
+    limits = Limits(DEFAULT_MAX)
+    one = parse_generate({"text": "hi", "sampling_params": {"stop_regex": r"\d+\."}}, info, limits)
+    assert one.jobs[0].sampling.stop_regex == (r"\d+\.",)
+    top = parse_generate({"text": "hi", "stop_regex": ["END", "x{2}"]}, info, limits)
+    assert top.jobs[0].sampling.stop_regex == ("END", "x{2}")
+    chat = parse_chat(
+        {"model": info.name, "messages": [{"role": "user", "content": "hi"}], "stop_regex": "a+b"}, info, limits
+    )
+    assert chat.jobs[0].sampling.stop_regex == ("a+b",)
+    done = parse_completion({"model": info.name, "prompt": "hi", "stop_regex": ["(?i)done"]}, info, limits)
+    assert done.jobs[0].sampling.stop_regex == ("(?i)done",)
+    for value in ("(", "a*", "x" * 257, [""], ["a"] * 17, 3, [1]):
+        _bad(parse_generate, {"text": "hi", "sampling_params": {"stop_regex": value}}, info, param="stop_regex")
 
 
 def test_a_structural_tag_is_taken_in_each_api_s_form(info: ModelInfo, name: str) -> None:

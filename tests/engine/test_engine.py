@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import regex
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -198,6 +199,43 @@ def test_stop_conditions(tiny_model_dir: Path) -> None:
     assert stop_text in engine.detokenize(outs["text"])  # type: ignore[misc]
     assert len(outs["text"]) <= 8
     assert outs["len"] == free_run[:3] and finals["len"] == ("length", None)
+
+
+def test_a_stop_regex_ends_the_request_at_the_token_that_completes_a_match(tiny_model_dir: Path) -> None:
+    """``stop_regex``: the request ends (reason ``stop``, the pattern named) at the first
+    token after which the text of its last tokens matches; not before ``min_new_tokens``
+    tokens, nor on an empty match; a pattern whose search runs past its time limit is given up
+    for its request, counted."""
+    engine = make_engine(tiny_model_dir)
+    detok = engine.detokenize
+    assert detok is not None
+    prompt = [*range(30, 80), 276, 285, 279]  # its greedy output repeats one token of text
+    free_run = run_all_again(tiny_model_dir, prompt, GREEDY)
+    word = detok(free_run[:1])
+    assert free_run == free_run[:1] * len(free_run) and word.strip() and "\ufffd" not in word, word
+    three = f"(?:{regex.escape(word)}){{3}}"
+    cases = {
+        "regex": SamplingParams(max_new_tokens=20, temperature=0.0, stop_regex=("@@", three)),
+        "late": SamplingParams(max_new_tokens=20, temperature=0.0, stop_regex=(three,), min_new_tokens=2),
+        "never": SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, stop_regex=(r"\b(?=@)", "@@")),
+        # a pattern that backtracks without end once the text is ten tokens long: given up, counted
+        "slow": SamplingParams(
+            max_new_tokens=16, temperature=0.0, ignore_eos=True, stop_regex=(f"(?:.|..)+${regex.escape(word[0])}",)
+        ),
+    }
+    for rid, params in cases.items():
+        engine.add_request(rid, prompt, params)
+    finals, outs = {}, {}
+    while engine.has_work():
+        for o in engine.step():
+            outs.setdefault(o.rid, []).extend(o.token_ids)
+            if o.finish_reason:
+                finals[o.rid] = (o.finish_reason, o.stop_reason)
+    assert outs["regex"] == free_run[:3] and finals["regex"] == ("stop", three)
+    assert outs["late"] == free_run[:5] and finals["late"] == ("stop", three)  # the match after the first two
+    assert outs["never"] == free_run[:12] and finals["never"] == ("length", None)
+    assert outs["slow"] == free_run[:16] and finals["slow"] == ("length", None)
+    assert engine.stats.stop_regex_timeouts == 1
 
 
 def test_logprobs_are_the_model_distribution(tiny_model_dir: Path) -> None:

@@ -13,6 +13,7 @@ import httpx
 import nats
 import orjson
 import pytest
+import regex
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -176,6 +177,31 @@ async def test_stop_string_cuts_text_exactly(pd_system) -> None:
     assert cut["choices"][0]["text"] == free[: free.index(stop)]
     assert cut["choices"][0]["finish_reason"] == "stop"
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == free[: free.index(stop)]
+
+
+async def test_a_stop_regex_cuts_the_text_before_its_match_through_the_pipeline(pd_system) -> None:
+    """SGLang's ``stop_regex`` on /generate, whole and streamed: the text cut before the first
+    match, the pattern named in ``finish_reason``; ``no_stop_trim`` keeps the match."""
+    body = {"text": "Serving systems", "sampling_params": {"max_new_tokens": 24, "temperature": 0}}
+    async with httpx.AsyncClient(base_url=pd_system.url, timeout=60) as client:
+        free = (await client.post("/generate", json=body)).json()["text"]
+        stop = next(
+            free[i : i + 2]
+            for i in range(4, len(free) - 2)
+            if free[i : i + 2].strip() and "\ufffd" not in free[i : i + 2]
+        )
+        pattern = f"{regex.escape(stop[0])}[{regex.escape(stop[1])}]+"
+        params = {**body["sampling_params"], "stop_regex": [pattern]}
+        cut = (await client.post("/generate", json={**body, "sampling_params": params})).json()
+        kept = (
+            await client.post("/generate", json={**body, "sampling_params": {**params, "no_stop_trim": True}})
+        ).json()
+        events = await stream_post(client, "/generate", {**body, "sampling_params": params, "stream": True})
+    want = free[: free.index(stop)]
+    assert cut["text"] == want
+    assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
+    assert kept["text"].startswith(want + stop) and regex.fullmatch(pattern, kept["text"][len(want) :])
+    assert events[-2]["text"] == want and events[-2]["meta_info"]["finish_reason"]["matched"] == pattern
 
 
 async def _pages_settle(url: str, timeout: float = 20.0) -> list[dict[str, Any]]:
