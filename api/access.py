@@ -10,6 +10,7 @@ flight (streams included, until their last byte is sent); one more gets 429 with
 
 from __future__ import annotations
 
+import contextvars
 import hmac
 import ipaddress
 from collections import Counter
@@ -23,6 +24,9 @@ LIMITED_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions
 RETRY_AFTER_SECONDS = 1
 # Where the key a request was allowed with is kept in its ASGI scope (``None``: no keys configured).
 KEY_SCOPE = "pdserve.api_key"
+# The same, for what the request's handling calls (the gateway records who published a
+# request, so that /abort_request aborts only the caller's own): -1 without keys.
+CALLER: contextvars.ContextVar[int] = contextvars.ContextVar("pdserve_caller", default=-1)
 
 
 def match_key(header: str | None, keys: tuple[bytes, ...]) -> int | None:
@@ -83,6 +87,7 @@ class AccessMiddleware:
                 return
             who = index
             scope[KEY_SCOPE] = index
+        CALLER.set(who)  # (this request's task: the app runs in it)
         if not self.max_concurrent or path not in LIMITED_PATHS:
             await self.app(scope, receive, send)
             return

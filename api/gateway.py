@@ -28,6 +28,7 @@ from nats.js import JetStreamContext
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
+from pdserve.api import access
 from pdserve.api.live import GatewayStats, Live
 from pdserve.api.metrics import ApiMetrics
 from pdserve.api.placement import Load, PlacementConfig
@@ -334,7 +335,7 @@ class Gateway(Placing):
             )
             for i in range(sampling.n)
         ]
-        lives = self._register(singles)
+        lives = self._register(singles, rid)
         published = await self._submit(group, lives)
         return [self._follow(live, published, timeout) for live in lives]
 
@@ -351,12 +352,17 @@ class Gateway(Placing):
             published_at=now,
         )
 
-    def _register(self, requests: list[GenerateRequest]) -> list[Live]:
-        """A stream per request id, or :class:`DuplicateRequestError` if one is in use."""
+    def _register(self, requests: list[GenerateRequest], group: str = "") -> list[Live]:
+        """A stream per request id, or :class:`DuplicateRequestError` if one is in use
+        (``group``: the request id of samples)."""
         for request in requests:
             if request.rid in self.live:
                 raise DuplicateRequestError(f"request id {request.rid!r} is in use")
-        lives = [Live(request, TokenStream(request.rid, heard_at=time.monotonic())) for request in requests]
+        caller = access.CALLER.get()
+        lives = [
+            Live(request, TokenStream(request.rid, heard_at=time.monotonic()), caller=caller, group=group)
+            for request in requests
+        ]
         for live in lives:
             if tracing.is_on():
                 live.trace = otel_context.get_current()
@@ -430,6 +436,31 @@ class Gateway(Placing):
                 # A task of its own: this generator may be closing inside a cancelled
                 # scope (client disconnect), where any await here would be cancelled too.
                 self._spawn(self.cancel(rid, "client went away"))
+
+    async def abort(self, rid: str | None, caller: int) -> list[str]:
+        """End the streams of request ``rid`` (its samples too; ``None``: every request)
+        that ``caller`` published (-1: no keys configured, any): each ends with a chunk of
+        finish reason ``abort``, and its workers are told to cancel it. Returns their ids."""
+        ended = []
+        for live in list(self.live.values()):
+            if rid is not None and rid not in (live.request.rid, live.group):
+                continue
+            if caller != -1 and live.caller != caller:
+                continue
+            stream = live.stream
+            usage = Usage(len(live.request.prompt_ids), len(stream.output_ids))
+            stream.queue.put_nowait(
+                TokenChunk(
+                    rid=live.request.rid,
+                    seq=stream.next_seq,
+                    finish_reason="abort",
+                    usage=usage,
+                    attempt=stream.attempt,
+                )
+            )
+            ended.append(live.request.rid)
+            await self.cancel(live.request.rid, "aborted by /abort_request")
+        return ended
 
     async def cancel(self, rid: str, reason: str) -> None:
         """Cancel every attempt of ``rid`` published until now."""

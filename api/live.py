@@ -41,3 +41,5 @@ class Live:
     reasons: list[str] = field(default_factory=list)
     taken: bool = False  # a worker sent a chunk of it
     placed_seq: int = 0  # its placed copy in the request stream (prefix-aware placement)
+    caller: int = -1  # the API key it came with (access.CALLER; -1: no keys configured)
+    group: str = ""  # a sample of an n > 1 request: the request's id

@@ -291,6 +291,12 @@ def generate_body(info: ModelInfo, config: ApiConfig) -> Schema:
     }
 
 
+ABORT: Schema = {
+    "type": "object",
+    "oneOf": [{"required": ["rid"]}, {"required": ["abort_all"]}],
+    "properties": {"rid": {"type": "string", "minLength": 1}, "abort_all": {"type": "boolean", "enum": [True]}},
+}
+
 TOKENIZE: Schema = {
     "type": "object",
     "properties": {
@@ -417,6 +423,17 @@ def describe(config: ApiConfig, info: ModelInfo) -> Schema:
             "/get_server_info", "the server and its limits (SGLang)", "application/json", obj, config
         ),
     }
+    paths["/health_generate"] = _get(
+        "/health_generate",
+        "one token generated through the whole pipeline (SGLang): 200 with its seconds, 503 if not within 20 s",
+        "application/json",
+        obj,
+        config,
+    )
+    paths["/health_generate"]["get"]["responses"]["503"] = _json(obj, "no token in time, or a worker failed it")
+    paths["/abort_request"] = _generation(
+        "/abort_request", "end a request of the caller's, or all of them (SGLang): the ids ended", ABORT, config
+    )
     if config.enable_flush_cache:
         paths["/flush_cache"] = _generation("/flush_cache", "every worker forgets its cached prefixes", obj, config)
     paths["/health"]["get"]["responses"]["503"] = _json(obj, "no worker pool can serve yet")

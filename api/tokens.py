@@ -1,9 +1,14 @@
 """The endpoints around generation that clients call: ``/tokenize`` and ``/detokenize``
-(vLLM's shapes), ``/version``, SGLang's ``/get_server_info``, and the benchmark-only
-``/flush_cache`` (off unless ``--enable-flush-cache``)."""
+(vLLM's shapes), ``/version``, SGLang's ``/get_server_info``, ``/health_generate`` and
+``/abort_request``, and the benchmark-only ``/flush_cache`` (off unless
+``--enable-flush-cache``)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
+import uuid
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -11,8 +16,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from pdserve.api import tools
+from pdserve.api import access, tools
 from pdserve.api.errors import APIError, bad_request
+from pdserve.api.gateway import StreamError
 from pdserve.api.http import ORJSONResponse, read_body, state_of
 from pdserve.api.model_info import ModelInfo
 from pdserve.api.protocol import (
@@ -25,7 +31,8 @@ from pdserve.api.protocol import (
     render_chat,
     template_kwargs,
 )
-from pdserve.schemas import FlushCacheReply
+from pdserve.broker.connection import QueueFullError
+from pdserve.schemas import FlushCacheReply, SamplingParams
 
 
 def pdserve_version() -> str:
@@ -135,6 +142,55 @@ async def flush_cache(request: Request) -> Response:
     return ORJSONResponse(body, status_code=200 if not failed else 503)
 
 
+# /health_generate's one-token request: answered within this many seconds, or 503 (SGLang's 20)
+HEALTH_GENERATE_SECONDS = 20.0
+HEALTH_SAMPLING = SamplingParams(max_new_tokens=1, temperature=0.0)
+
+
+async def health_generate(request: Request) -> Response:
+    """SGLang's ``/health_generate``: one token generated through the whole pipeline (the
+    broker, a prefill and a decode worker or a unified one) within
+    :data:`HEALTH_GENERATE_SECONDS`: 200 with its seconds, else 503 saying why (no worker
+    took it in time, a worker failed it, the queue is full)."""
+    state = state_of(request)
+    ids = state.info.tokenizer.encode("ping", add_special_tokens=False)[:1] or [0]
+    rid = f"health-{uuid.uuid4().hex}"
+    began = time.perf_counter()
+    try:
+        async with asyncio.timeout(HEALTH_GENERATE_SECONDS):
+            chunks = state.gateway.generate(ids, HEALTH_SAMPLING, rid, HEALTH_GENERATE_SECONDS)
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    if chunk.finish_reason is not None:
+                        break
+    except TimeoutError:
+        return _unhealthy(f"no token within {HEALTH_GENERATE_SECONDS:.0f}s")
+    except (StreamError, QueueFullError) as exc:
+        return _unhealthy(str(exc))
+    return ORJSONResponse({"status": "ok", "seconds": round(time.perf_counter() - began, 4)})
+
+
+def _unhealthy(why: str) -> Response:
+    return ORJSONResponse({"status": "unavailable", "error": why}, status_code=503)
+
+
+async def abort_request(request: Request) -> Response:
+    """SGLang's ``/abort_request``: ``{"rid": id}`` ends that request's streams (its samples'
+    too), ``{"abort_all": true}`` every request, of those the caller's API key published
+    (without keys, anyone's): each ends with finish reason ``abort`` (SGLang's), and its
+    workers cancel it. Answers the ids it ended (none is no error: the request may be done)."""
+    state = state_of(request)
+    body = parse_json(await read_body(request, state.config.max_body_bytes))
+    if "abort_all" in body and body["abort_all"] is not True:
+        raise bad_request("'abort_all' may only be true (or left out)", "abort_all")
+    every = "abort_all" in body
+    rid = body.get("rid")
+    if every == ("rid" in body) or ("rid" in body and not (isinstance(rid, str) and rid)):
+        raise bad_request("give either 'rid' (a request id) or 'abort_all': true", "rid")
+    ended = await state.gateway.abort(None if every else rid, access.CALLER.get())
+    return ORJSONResponse({"aborted": ended})
+
+
 def routes() -> list[Route]:
     return [
         Route("/tokenize", tokenize, methods=["POST"]),
@@ -142,4 +198,6 @@ def routes() -> list[Route]:
         Route("/version", server_version, methods=["GET"]),
         Route("/get_server_info", server_info, methods=["GET"]),
         Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
+        Route("/health_generate", health_generate, methods=["GET"]),
+        Route("/abort_request", abort_request, methods=["POST"]),
     ]

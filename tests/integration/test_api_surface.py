@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -540,6 +541,65 @@ async def test_flush_cache_empties_every_workers_prefix_cache(system: Any) -> No
     assert flushed["flushed"] and len(flushed["workers"]) == (2 if system.mode == "pd" else 1)
     assert sum(w["pages_freed"] for w in flushed["workers"]) > 0
     assert (await generate(system, body))["meta_info"]["cached_tokens"] == 0
+
+
+async def test_health_generate_answers_with_one_token_through_the_pipeline(system: Any) -> None:
+    async with httpx.AsyncClient(base_url=system.url, timeout=30) as http:
+        before = (await http.get("/health")).json()["requests"]["requests"]
+        r = await http.get("/health_generate")
+        after = (await http.get("/health")).json()["requests"]["requests"]
+    assert r.status_code == 200, r.text
+    assert r.json()["status"] == "ok" and 0 < r.json()["seconds"] < 20
+    assert after == before + 1  # a request of its own went through the gateway
+
+
+async def test_abort_request_ends_a_stream_and_its_samples_with_abort(system: Any) -> None:
+    """SGLang's /abort_request: a request streaming (one of n samples, and a single one)
+    ends at once with finish reason ``abort``, its workers' pages given back; a bad body is a
+    400; an unknown id ends nothing."""
+    long = {"sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}, "stream": True}
+    async with httpx.AsyncClient(base_url=system.url, timeout=60) as http:
+
+        async def stream_until_aborted(body: dict[str, Any], rid: str) -> list[dict[str, Any]]:
+            events: list[dict[str, Any]] = []
+            async with http.stream("POST", "/generate", json={**body, "rid": rid}) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    events.append(json.loads(line[6:]))
+                    if len(events) == 3:
+                        aborted = (await http.post("/abort_request", json={"rid": rid})).json()["aborted"]
+                        assert aborted == [rid] or sorted(aborted) == [f"{rid}#0", f"{rid}#1"], aborted
+            return events
+
+        tag = uuid.uuid4().hex[:8]  # (request ids are kept by the broker's dedup window)
+        one = await stream_until_aborted({"text": "tell me", **long}, f"to-abort-{tag}")
+        assert one[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+        assert len(one[-1]["output_ids"]) < 3000
+        two = await stream_until_aborted(
+            {"text": "tell me", **long, "sampling_params": {**long["sampling_params"], "n": 2}}, f"to-abort-n-{tag}"
+        )
+        assert {e["index"] for e in two if e["meta_info"]["finish_reason"]} == {0, 1}
+        assert all(e["meta_info"]["finish_reason"]["type"] == "abort" for e in two if e["meta_info"]["finish_reason"])
+        assert (await http.post("/abort_request", json={"rid": "nobody"})).json() == {"aborted": []}
+        for bad, param in (
+            ({}, "rid"),
+            ({"rid": ""}, "rid"),
+            ({"rid": 5}, "rid"),
+            ({"rid": "x", "abort_all": True}, "rid"),
+            ({"abort_all": False}, "abort_all"),
+            ({"rid": "x", "abort_all": False}, "abort_all"),
+        ):
+            r = await http.post("/abort_request", json=bad)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, bad
+        deadline = asyncio.get_running_loop().time() + 20
+        while True:  # the workers cancelled it: every page back
+            listing = (await http.get("/workers")).json()
+            if all(w["pages_used"] == 0 and w["requests_in_flight"] == 0 for w in listing):
+                break
+            assert asyncio.get_running_loop().time() < deadline, listing
+            await asyncio.sleep(0.2)
 
 
 BAD = [

@@ -422,3 +422,38 @@ async def test_constrained_samples_outlive_their_decode_worker(
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     for sample in tokens:
         jsonschema.validate(json.loads(tokenizer.decode(sample, skip_special_tokens=True)), PERSON)
+
+
+async def test_an_abort_ends_only_the_callers_own_request(workers, gateway: Gateway) -> None:
+    """``Gateway.abort`` (``/abort_request``): a request published under one API key is not
+    ended by another key's abort, and is by its own: its stream's last chunk says ``abort``
+    and carries the tokens so far; the unified worker gives its pages back."""
+    from pdserve.api import access
+
+    worker = await workers("unified")
+    params = SamplingParams(max_new_tokens=2000, temperature=0.0, ignore_eos=True)
+    chunks: list[Any] = []
+    going = asyncio.Event()
+
+    async def as_caller(key: int) -> None:
+        access.CALLER.set(key)  # (this task's: as the access middleware sets it for a request)
+        async for chunk in gateway.generate(PROMPT, params, rid="owned"):
+            chunks.append(chunk)
+            if len(chunks) >= 3:
+                going.set()
+            if chunk.finish_reason:
+                return
+
+    task = asyncio.create_task(as_caller(1))
+    await asyncio.wait_for(going.wait(), 60)
+    assert await gateway.abort("owned", caller=2) == [] and await gateway.abort(None, caller=2) == []
+    assert not task.done()
+    assert await gateway.abort("owned", caller=1) == ["owned"]
+    await asyncio.wait_for(task, 10)
+    last = chunks[-1]
+    assert last.finish_reason == "abort" and last.usage.completion_tokens == sum(len(c.token_ids) for c in chunks)
+    assert last.usage.completion_tokens < 2000
+    deadline = time.monotonic() + 20
+    while worker.engine.pages.num_used_pages or worker.engine.has_work():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.1)
