@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pdserve.api.errors import APIError, error_response
 
 OPEN_PATHS = frozenset({"/health"})
-LIMITED_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
+LIMITED_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses"})
 RETRY_AFTER_SECONDS = 1
 # Where the key a request was allowed with is kept in its ASGI scope (``None``: no keys configured).
 KEY_SCOPE = "pdserve.api_key"

@@ -291,6 +291,22 @@ def generate_body(info: ModelInfo, config: ApiConfig) -> Schema:
     }
 
 
+def responses_body(info: ModelInfo) -> Schema:
+    """OpenAI's Responses request, as far as its shape goes (``/v1/responses`` checks the rest:
+    the items, the tools, what it does not serve)."""
+    item = {"type": "object", "properties": {"type": {"type": "string"}, "role": {"type": "string"}}}
+    return {
+        "type": "object",
+        "required": ["input"],
+        "properties": {
+            "model": _maybe({"type": "string", "enum": list(info.names)}),
+            "input": {"anyOf": [{"type": "string"}, {"type": "array", "items": item, "minItems": 1}]},
+            "instructions": _maybe({"type": "string"}),
+            "stream": BOOL,
+        },
+    }
+
+
 ABORT: Schema = {
     "type": "object",
     "oneOf": [{"required": ["rid"]}, {"required": ["abort_all"]}],
@@ -405,6 +421,9 @@ def describe(config: ApiConfig, info: ModelInfo) -> Schema:
             "/v1/chat/completions", "OpenAI chat completions", chat_body(info, config), config
         ),
         "/generate": _generation("/generate", "SGLang generate", generate_body(info, config), config),
+        "/v1/responses": _generation(
+            "/v1/responses", "OpenAI responses: text and function tools, nothing stored", responses_body(info), config
+        ),
         "/health": _get(
             "/health", "whether the API can serve (503 if not), and its totals", "application/json", obj, config
         ),
