@@ -85,6 +85,9 @@ class Parsed:
     text_in_logprobs: bool = False  # /generate: SGLang's return_text_in_logprobs
     tokens_as_ids: bool = False  # completions, chat: vLLM's return_tokens_as_token_ids
     token_ids: bool = False  # completions, chat: vLLM's return_token_ids (the prompt's and each choice's ids)
+    # chat: vLLM's ``echo``: the last message's text, which each choice's content begins with
+    # (where that message is the reply's role: an assistant message the reply goes on with)
+    echo_text: str | None = None
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -198,7 +201,6 @@ COMPLETION_UNSERVED: tuple[tuple[str, Callable[[Any], bool]], ...] = (
 CHAT_UNSERVED: tuple[tuple[str, Callable[[Any], bool]], ...] = (
     ("modalities", lambda v: v not in (None, ["text"])),  # audio out
     ("audio", _set),
-    ("echo", _set),
     ("chat_template", _set),  # a template in the request: vLLM takes it only when told to trust requests
     ("mm_processor_kwargs", _set),
 )
@@ -721,6 +723,11 @@ def parse_chat(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Parsed:
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
     generation, carry_on = prompt_mode(body, messages)
     text = render_chat(info, messages, tool_request, generation, template_kwargs(body), carry_on)
+    echo_text = None
+    if _bool(body, "echo", False):  # the reply's role: the assistant's, or the last message's when continued
+        last = messages[-1]
+        role = "assistant" if generation else last["role"]
+        echo_text = (last.get("content") or "") if last["role"] == role else ""
     unserved(body, VLLM_UNSERVED + CHAT_UNSERVED)
     ids, _ = truncated(body, _encode(info, text, "messages", special=_bool(body, "add_special_tokens", False)), text)
     ceiling = limits.max_output_tokens or info.context_length - 1  # both are checked, the first given is used
@@ -759,6 +766,7 @@ def parse_chat(body: dict[str, Any], info: ModelInfo, limits: Limits) -> Parsed:
         prompt_logprobs=shown,
         tokens_as_ids=_bool(body, "return_tokens_as_token_ids", False),
         token_ids=_bool(body, "return_token_ids", False),
+        echo_text=echo_text,
     )
 
 

@@ -355,15 +355,19 @@ class _ChatStream:
     def render(self, i: int, d: Delta) -> list[Any]:
         self.usage.add(d)
         delta: dict[str, Any] = {}
+        echo = ""
         if i in self.unsent_role:
             delta["role"] = "assistant"
             self.unsent_role.discard(i)
+            echo = self.parsed.echo_text or ""  # vLLM's echo: the last message's text leads
         reason = d.finish_reason
         if self.plain:
             if d.text:
                 delta["content"] = d.text
         else:
             reason = self._read(i, d, delta)
+        if echo:
+            delta["content"] = echo + delta.get("content", "")
         choice = {
             "index": i,
             "delta": delta,
@@ -429,6 +433,8 @@ def _chat_choice(state: AppState, parsed: Parsed, k: int, r: Result) -> dict[str
             message["tool_calls"] = [c.body() for c in reply.calls]
         state.gateway.metrics.tool_reply(len(reply.calls), reply.failures)
         reason = tools.finish_reason(reason, len(reply.calls))
+    if parsed.echo_text:  # vLLM's echo
+        message["content"] = parsed.echo_text + (message["content"] or "")
     choice = {
         "index": k,
         "message": message,

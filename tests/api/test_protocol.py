@@ -776,7 +776,6 @@ def test_priority_is_vllm_s_on_completions_and_chat_and_sglang_s_on_generate(inf
         ("guided_whitespace_pattern", " ", "both"),
         ("spaces_between_special_tokens", False, "both"),
         ("kv_transfer_params", {"do_remote_decode": True}, "both"),
-        ("echo", True, "chat"),
         ("chat_template", "{{ messages }}", "chat"),
         ("lora_path", "adapter", "generate"),
         ("image_data", "http://x/y.png", "generate"),
@@ -959,3 +958,16 @@ def test_vllm_extensions_that_are_served(info: ModelInfo, name: str) -> None:
     assert choice.jobs[0].sampling.regex == r"(yes|no \(maybe\))"
     _bad(parse_chat, {**chat, "guided_choice": ["a"], "guided_regex": "b"}, info, param="guided_choice")
     _bad(parse_chat, {**chat, "guided_choice": []}, info, param="guided_choice")
+
+
+def test_chat_echo_takes_the_last_message_where_it_is_the_reply_s_role(info: ModelInfo, name: str) -> None:
+    """vLLM's ``echo`` on chat: the last message's text leads each choice where that message is
+    the reply's role (an assistant message the reply goes on with); else nothing is echoed."""
+    limits = Limits(DEFAULT_MAX)
+    asked = [{"role": "user", "content": "hi"}]
+    going = [*asked, {"role": "assistant", "content": [{"type": "text", "text": "Well,"}]}]
+    body = {"model": name, "messages": going, "continue_final_message": True, "echo": True}
+    assert parse_chat(body, info, limits).echo_text == "Well,"
+    assert parse_chat({"model": name, "messages": asked, "echo": True}, info, limits).echo_text == ""
+    assert parse_chat({"model": name, "messages": asked}, info, limits).echo_text is None
+    _bad(parse_chat, {"model": name, "messages": asked, "echo": "yes"}, info, param="echo")

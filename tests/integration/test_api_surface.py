@@ -444,6 +444,23 @@ async def stream_path(system: Any, path: str, body: dict[str, Any]) -> list[dict
     return [json.loads(line[6:]) for line in lines]
 
 
+async def test_chat_echo_leads_each_choice_with_the_message_it_continues(system: Any) -> None:
+    """vLLM's ``echo`` with ``continue_final_message``: each choice's content is the last
+    (assistant) message's text and then the continuation, whole and streamed; without it the
+    continuation alone."""
+    messages = [{"role": "user", "content": "Count."}, {"role": "assistant", "content": "One, two,"}]
+    body = {"model": system.model_name, "messages": messages, "continue_final_message": True, "max_tokens": 5}
+    body |= {"temperature": 0, "n": 2}
+    plain = await generate_raw_path(system, "/v1/chat/completions", body)
+    echoed = await generate_raw_path(system, "/v1/chat/completions", {**body, "echo": True})
+    for a, b in zip(plain["choices"], echoed["choices"], strict=True):
+        assert b["message"]["content"] == "One, two," + a["message"]["content"]
+    events = await stream_path(system, "/v1/chat/completions", {**body, "echo": True, "stream": True})
+    for k in range(2):
+        text = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"][0]["index"] == k)
+        assert text == echoed["choices"][k]["message"]["content"]
+
+
 # ---- structured output -------------------------------------------------------------------
 async def test_json_schema_output_always_validates_100_samples_at_temperature_1(system: Any, client: Any) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
