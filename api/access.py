@@ -1,7 +1,7 @@
 """Who may call the API, and how much at once.
 
 With API keys configured, every route but ``/health`` needs ``Authorization: Bearer
-<key>``; anything else gets 401 with an OpenAI-style body before the route runs (before
+<key>`` (or, as Anthropic's clients send it, ``x-api-key: <key>``); anything else gets 401 with an OpenAI-style body before the route runs (before
 the body is read). Keys are compared in constant time, each against every configured
 key. A generation route may have ``max_concurrent_requests`` requests of one key in
 flight (streams included, until their last byte is sent); one more gets 429 with
@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pdserve.api.errors import APIError, error_response
 
 OPEN_PATHS = frozenset({"/health"})
-LIMITED_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses"})
+LIMITED_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"})
 RETRY_AFTER_SECONDS = 1
 # Where the key a request was allowed with is kept in its ASGI scope (``None``: no keys configured).
 KEY_SCOPE = "pdserve.api_key"
@@ -81,6 +81,8 @@ class AccessMiddleware:
         if self.keys and path not in OPEN_PATHS:
             headers = dict(scope["headers"])
             raw = headers.get(b"authorization")
+            if raw is None and b"x-api-key" in headers:  # Anthropic's clients send the key so
+                raw = b"Bearer " + headers[b"x-api-key"]
             index = match_key(raw.decode("latin-1") if raw is not None else None, self.keys)
             if index is None:
                 await self._refuse(scope, receive, send, raw is not None)

@@ -307,6 +307,21 @@ def responses_body(info: ModelInfo) -> Schema:
     }
 
 
+def messages_body(info: ModelInfo) -> Schema:
+    """Anthropic's Messages request, as far as its shape goes (``/v1/messages`` checks the rest)."""
+    message = {"type": "object", "required": ["role"], "properties": {"role": {"enum": ["user", "assistant"]}}}
+    return {
+        "type": "object",
+        "required": ["max_tokens", "messages"],
+        "properties": {
+            "model": _maybe({"type": "string", "enum": list(info.names)}),
+            "max_tokens": {"type": "integer", "minimum": 1},
+            "messages": {"type": "array", "items": message, "minItems": 1},
+            "stream": BOOL,
+        },
+    }
+
+
 ABORT: Schema = {
     "type": "object",
     "oneOf": [{"required": ["rid"]}, {"required": ["abort_all"]}],
@@ -421,6 +436,9 @@ def describe(config: ApiConfig, info: ModelInfo) -> Schema:
             "/v1/chat/completions", "OpenAI chat completions", chat_body(info, config), config
         ),
         "/generate": _generation("/generate", "SGLang generate", generate_body(info, config), config),
+        "/v1/messages": _generation(
+            "/v1/messages", "Anthropic messages: text and custom tools", messages_body(info), config
+        ),
         "/v1/responses": _generation(
             "/v1/responses", "OpenAI responses: text and function tools, nothing stored", responses_body(info), config
         ),

@@ -541,11 +541,12 @@ async def generate(request: Request) -> Response:
 
 
 def generation_routes() -> list[Route]:
-    from pdserve.api import responses  # (it builds on this module)
+    from pdserve.api import messages, responses  # (they build on this module)
 
     return [
         Route("/generate", generate, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/responses", responses.responses, methods=["POST"]),
+        Route("/v1/messages", messages.messages, methods=["POST"]),
     ]

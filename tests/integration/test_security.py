@@ -59,7 +59,13 @@ def test_every_route_but_health_needs_a_key(secured: Any) -> None:
     operations = _operations(secured)
     assert {path for _, path in operations} >= {"/generate", "/v1/completions", "/workers", "/metrics", "/dashboard"}
     for method, path in [*operations, ("GET", "/no-such-route")]:
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEYS[0]}"}):
+        for headers in (
+            {},
+            {"Authorization": "Bearer wrong"},
+            {"Authorization": f"Basic {KEYS[0]}"},
+            {"x-api-key": "wrong"},
+            {"x-api-key": f"Bearer {KEYS[0]}"},
+        ):
             response = httpx.request(method, secured.url + path, headers=headers, json={}, timeout=10)
             if path == "/health":
                 assert response.status_code == 200
@@ -67,6 +73,8 @@ def test_every_route_but_health_needs_a_key(secured: Any) -> None:
             assert response.status_code == 401, (method, path, headers)
             assert response.json()["error"]["code"] == "invalid_api_key"
             assert response.headers["www-authenticate"] == "Bearer"
+    # Anthropic's clients send the key as x-api-key
+    assert httpx.get(secured.url + "/workers", headers={"x-api-key": KEYS[2]}, timeout=10).status_code == 200
     listing = httpx.get(secured.url + "/workers", headers=_auth(3), timeout=10).json()
     assert listing and all(w["transfer_endpoint"] for w in listing)
 
