@@ -1,8 +1,8 @@
 """Who may call the API, and how much at once.
 
 With API keys configured, every route but ``/health`` needs ``Authorization: Bearer
-<key>`` (or, as Anthropic's clients send it, ``x-api-key: <key>``); anything else gets 401 with an OpenAI-style body before the route runs (before
-the body is read). Keys are compared in constant time, each against every configured
+<key>`` (or, as Anthropic's clients send it, ``x-api-key: <key>``); anything else gets 401
+with an OpenAI-style body before the route runs (before the body is read). Keys are compared in constant time, each against every configured
 key. A generation route may have ``max_concurrent_requests`` requests of one key in
 flight (streams included, until their last byte is sent); one more gets 429 with
 ``Retry-After``. Without keys every client shares one budget.
