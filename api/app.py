@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, Response
 from starlette.routing import Route
 
+from pdserve.api import messages, responses
 from pdserve.api.access import AccessMiddleware, is_trusted
 from pdserve.api.config import ApiConfig
 from pdserve.api.errors import APIError, error_response
@@ -293,6 +294,8 @@ def create_app(config: ApiConfig, info: ModelInfo | None = None, collectors: Seq
         Route("/dashboard/data", dashboard_data, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
         *generation_routes(),
+        Route("/v1/responses", responses.responses, methods=["POST"]),
+        Route("/v1/messages", messages.messages, methods=["POST"]),
         *token_routes(),
     ]
     access = Middleware(AccessMiddleware, keys=config.api_keys, max_concurrent=config.max_concurrent_requests)

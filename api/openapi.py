@@ -275,7 +275,7 @@ def generate_body(info: ModelInfo, config: ApiConfig) -> Schema:
         "type": "object",
         "oneOf": [{"required": ["text"]}, {"required": ["input_ids"]}],
         "properties": {
-            "model": _maybe({"type": "string", "enum": list(info.names)}),
+            "model": {"anyOf": [{"type": "string", "enum": list(info.names)}, {"type": "null"}]},
             "text": _prompt(info, config, ids=False),
             "input_ids": _prompt(info, config, text=False),
             "sampling_params": _maybe({"type": "object", "properties": sampling}),
@@ -299,7 +299,7 @@ def responses_body(info: ModelInfo) -> Schema:
         "type": "object",
         "required": ["input"],
         "properties": {
-            "model": _maybe({"type": "string", "enum": list(info.names)}),
+            "model": {"anyOf": [{"type": "string", "enum": list(info.names)}, {"type": "null"}]},
             "input": {"anyOf": [{"type": "string"}, {"type": "array", "items": item, "minItems": 1}]},
             "instructions": _maybe({"type": "string"}),
             "stream": BOOL,
@@ -314,7 +314,7 @@ def messages_body(info: ModelInfo) -> Schema:
         "type": "object",
         "required": ["max_tokens", "messages"],
         "properties": {
-            "model": _maybe({"type": "string", "enum": list(info.names)}),
+            "model": {"anyOf": [{"type": "string", "enum": list(info.names)}, {"type": "null"}]},
             "max_tokens": {"type": "integer", "minimum": 1},
             "messages": {"type": "array", "items": message, "minItems": 1},
             "stream": BOOL,

@@ -541,12 +541,10 @@ async def generate(request: Request) -> Response:
 
 
 def generation_routes() -> list[Route]:
-    from pdserve.api import messages, responses  # (they build on this module)
-
+    """The generation routes of this module (``/v1/responses`` and ``/v1/messages``, which
+    build on it, are their modules' own)."""
     return [
         Route("/generate", generate, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/responses", responses.responses, methods=["POST"]),
-        Route("/v1/messages", messages.messages, methods=["POST"]),
     ]
