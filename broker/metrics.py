@@ -180,6 +180,10 @@ _TIER_GAUGES = {
         "pdserve_kv_tier_recompute_floor_seconds",
         "the least a prefill step takes however few its tokens (0: none seen): bounds what a load saves",
     ),
+    "load_s_per_page_one_call": (
+        "pdserve_kv_tier_load_seconds_per_page_one_call",
+        "a page's time in one batch call of the tier alone, as a load of no more than one call is priced (0: none)",
+    ),
 }
 _TOTALS = [f.name for cls in (WorkerCounters, WorkerStats) for f in dataclasses.fields(cls)]
 assert set(_TOTALS) == set(_COUNTERS) | _STATS_GAUGES, "every worker total has a metric"

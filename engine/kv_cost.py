@@ -246,6 +246,9 @@ class CostEstimates:
         prefill_floor_s_per_token: float = 0.0,
     ) -> None:
         self.bytes_per_s: dict[str, float] = dict(bytes_per_s or {})
+        # a tier that reads in batches: the bytes of one batch call alone and its seconds (a
+        # load of no more than that is one call, without the calls in flight a long load keeps)
+        self.one_call: dict[str, tuple[int, float]] = {}
         self.call_seconds: dict[str, float] = {}  # a round trip to each tier (its lookups'): the median of
         self._calls: dict[str, deque[float]] = {}  # the last CALLS
         self.prefill_readings: deque[tuple[int, float, float]] = deque(maxlen=READINGS)
@@ -410,11 +413,26 @@ class CostEstimates:
         long as its lookups took: a load of a store's groups asks its master first, as a
         lookup does); None before its first load. Short loads are what the round trip
         weighs on: a store's single group at 512 tokens of a 7B model on an H100 looked
-        worth loading by its bytes alone, and the store was asked at every turn (1.07x)."""
+        worth loading by its bytes alone, and the store was asked at every turn (1.07x).
+        A load (``calls`` at least 1) of no more bytes than one batch call of the tier reads
+        (:attr:`one_call`) is priced at least at that call's rate: the rate a long load
+        reads at keeps two calls in flight, which a load of one call does not (on an H100 a
+        store read 1.7-1.9 GB/s a call alone where its long loads ran at 3.1-4.1, and a second
+        worker's 512-token loads, one call each, took 21 ms where computing took 14: priced
+        by the long loads' rate, 2026-12-06)."""
         rate = self.bytes_per_s.get(tier, 0.0)
         if rate <= 0.0:
             return None
-        return nbytes / rate + calls * self.call_seconds.get(tier, 0.0)
+        seconds = nbytes / rate + calls * self.call_seconds.get(tier, 0.0)
+        one = self.one_call.get(tier)
+        if calls >= 1 and one is not None and 0 < nbytes <= one[0]:
+            seconds = max(seconds, nbytes * one[1] / one[0])
+        return seconds
+
+    def note_one_call(self, tier: str, nbytes: int, seconds: float) -> None:
+        """One batch call of ``tier`` alone read ``nbytes`` in ``seconds`` (its calibration's)."""
+        if nbytes > 0 and seconds > 0.0:
+            self.one_call[tier] = (nbytes, seconds)
 
     def recompute_seconds(self, tokens: int, start: int = 0) -> float | None:
         """Expected time to compute ``tokens`` prompt tokens after ``start`` others (their

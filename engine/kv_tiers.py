@@ -187,10 +187,15 @@ class KVTiers(WriteThrough, ReadAhead):
                 recompute_s_per_pair=self.estimates.prefill_s_per_pair,
                 load_s_per_call=self.estimates.call_seconds.get(name, 0.0),
                 recompute_floor_s=self.estimates.prefill_floor_s,
+                load_s_per_page_one_call=self._one_call_page_seconds(name, page),
             )
             for name, tier in present.items()
             if tier is not None
         )
+
+    def _one_call_page_seconds(self, name: str, page: int) -> float:
+        one = self.estimates.one_call.get(name)
+        return page * one[1] / one[0] if one is not None else 0.0
 
     def totals(self) -> dict[str, int]:
         """The tiers' :class:`WorkerCounters` fields."""

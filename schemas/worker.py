@@ -82,8 +82,9 @@ class TierCounts:
     page after ``c`` tokens costs ``page_size * c`` of them more), ``load_s_per_call`` (a round
     trip to the tier, as its lookups took: each load's fixed part) and ``recompute_floor_s``
     (the least a prefill step takes however few its tokens, where the worker's start-up probes
-    showed one: what loading part of a prompt saves is bounded by the step's time above it), 0
-    until measured;
+    showed one: what loading part of a prompt saves is bounded by the step's time above it) and
+    ``load_s_per_page_one_call`` (a tier that reads in batches: a page's time in one batch call
+    alone, which a load of no more than one call is priced at), 0 until measured;
     ``prefetched_groups``: groups read ahead into host memory while their request waited,
     ``prefetch_hits`` of them then loaded from memory, ``prefetch_wasted`` dropped unused;
     ``calibrations``: groups read back off the request path to measure the tier's rate (its
@@ -110,6 +111,7 @@ class TierCounts:
     recompute_s_per_pair: float = 0.0
     load_s_per_call: float = 0.0
     recompute_floor_s: float = 0.0
+    load_s_per_page_one_call: float = 0.0
     prefetched_groups: int = 0
     prefetch_hits: int = 0
     prefetch_wasted: int = 0

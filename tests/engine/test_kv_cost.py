@@ -592,6 +592,25 @@ def test_a_round_trip_weighs_on_short_loads() -> None:
     assert d.pages == 32 and d.saved_seconds == pytest.approx(512 * 23e-6 - 1.25 * (8 * 0.0008 + 0.0005))
 
 
+def test_a_load_of_one_batch_call_is_priced_at_least_at_that_call_s_rate_alone() -> None:
+    """A store's long loads keep two batch calls in flight (3.6 GB/s here); one call alone
+    reads slower (1.8 GB/s). A load of no more than one call's bytes is priced at least at the
+    lone call's rate, a longer one at the long loads' rate; a page's share of a load (``calls``
+    0, as the overlap split weighs a tail) keeps the long rate."""
+    group = 4 * 28 * 2 * 4 * 128 * 16 * 2  # four 16-token pages of Qwen2.5-7B's KV in bf16
+    e = CostEstimates(bytes_per_s={"store": 3.6e9}, prefill_s_per_token=8e-6, prefill_floor_s=0.010)
+    e.note_call("store", 0.0003)
+    long_only = e.load_seconds("store", 4 * group)
+    assert long_only == pytest.approx(4 * group / 3.6e9 + 0.0003)
+    e.note_one_call("store", 4 * group, 4 * group / 1.8e9)
+    assert e.load_seconds("store", 4 * group) == pytest.approx(4 * group / 1.8e9)
+    assert e.load_seconds("store", group) == pytest.approx(group / 1.8e9)
+    assert e.load_seconds("store", 8 * group) == pytest.approx(8 * group / 3.6e9 + 0.0003)
+    assert e.load_seconds("store", group, calls=0) == pytest.approx(group / 3.6e9)
+    e.note_one_call("store", 0, 1.0)  # (no bytes: no reading)
+    assert e.one_call["store"] == (4 * group, 4 * group / 1.8e9)
+
+
 def test_a_tier_s_round_trip_is_the_median_of_its_recent_calls() -> None:
     """A client's first call sets up its connection (a store's lookups on this CPU: 8 and 4 ms,
     then 0.1): the round trip a load is priced at is the median of the last CALLS, so those

@@ -1085,6 +1085,8 @@ def test_a_store_is_measured_at_start_on_probe_groups_every_worker_shares(
         store = tiers.stats.tiers["store"]
         assert store.calibrations == 1 and store.stored_pages == 0 and tiers._width["store"] == kv_write.LOAD_THREADS
         assert tiers.estimates.load_seconds("store", 1) is not None
+        (counts,) = [c for c in tiers.counts() if c.tier == "store"]
+        assert counts.load_s_per_page_one_call > 0  # a load of one call's groups is priced by it
         tier = tiers.tier("store")
         assert tier is not None and tier.contains_many(keys) == [True] * 4
         engine.close()
@@ -1095,7 +1097,9 @@ def test_a_store_is_measured_as_a_long_load_reads_it_two_batch_reads_at_once(
 ) -> None:
     """A load of a long prefix keeps two batch reads of the store in flight; a calibration
     reads the same way (its keys by each call, both calls at once: a barrier of two that a
-    lone call would time out on, each call made several times), its reading every byte."""
+    lone call would time out on, each call made several times), its reading every byte; then
+    one call alone, a few times, as a load of no more groups reads (its rate prices such a
+    load: ``CostEstimates.one_call``)."""
     import hashlib
     import threading
 
@@ -1113,9 +1117,12 @@ def test_a_store_is_measured_as_a_long_load_reads_it_two_batch_reads_at_once(
     wrapped = tier.get_many_into
     calls: list[int] = []
 
+    made = kv_write.CALIBRATION_CALLS * kv_write.CALIBRATION_ROUNDS
+
     def at_once(asked: Sequence[bytes], buffers: Any) -> Any:
         calls.append(len(asked))
-        both.wait()  # BrokenBarrierError (raised by calibrate) unless the other call is in flight
+        if len(calls) <= made:
+            both.wait()  # BrokenBarrierError (raised by calibrate) unless the other call is in flight
         return wrapped(asked, buffers)
 
     tier.get_many_into = at_once  # type: ignore[method-assign]
@@ -1127,11 +1134,13 @@ def test_a_store_is_measured_as_a_long_load_reads_it_two_batch_reads_at_once(
         note_load(name, nbytes, seconds)
 
     tiers.estimates.note_load = noting  # type: ignore[method-assign]
+    tiers.estimates.one_call.clear()
     assert tiers.calibrate(tier, keys)
-    made = kv_write.CALIBRATION_CALLS * kv_write.CALIBRATION_ROUNDS
-    assert calls == [len(keys)] * made
+    assert calls == [len(keys)] * (made + kv_write.CALIBRATION_ROUNDS)
     blob_bytes = len(tier.get(keys[0]) or b"")
     assert noted == [blob_bytes * len(keys) * made] and tiers._width["store"] == len(keys)
+    one_bytes, one_seconds = tiers.estimates.one_call["store"]
+    assert one_bytes == blob_bytes * len(keys) and one_seconds > 0
     engine.close()
 
 
