@@ -25,7 +25,7 @@ from starlette.responses import Response, StreamingResponse
 from pdserve.api import routes
 from pdserve.api.completion import Delta, Result, total_usage
 from pdserve.api.errors import APIError, bad_request
-from pdserve.api.http import ORJSONResponse, translate
+from pdserve.api.http import ORJSONResponse
 from pdserve.api.protocol import Limits, Parsed, parse_chat
 from pdserve.schemas import Usage
 
@@ -316,15 +316,8 @@ class _Events:
             "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0},
         }
         yield self._event("message_start", message=start)
-        try:
-            if first is not None:
-                for event in self.render(*first):
-                    yield event
-            async for i, d in rest:
-                for event in self.render(i, d):
-                    yield event
-        except Exception as exc:
-            error = translate(exc)
-            yield self._event("error", error={"type": error.type, "message": error.message})
-        finally:
-            await rest.aclose()  # type: ignore[attr-defined]
+        async for event in routes.events_body(first, rest, self.render, self._error):
+            yield event
+
+    def _error(self, error: APIError) -> bytes:
+        return self._event("error", error={"type": error.type, "message": error.message})

@@ -28,7 +28,7 @@ from starlette.responses import Response, StreamingResponse
 from pdserve.api import routes
 from pdserve.api.completion import Delta, total_usage
 from pdserve.api.errors import APIError, bad_request
-from pdserve.api.http import ORJSONResponse, translate
+from pdserve.api.http import ORJSONResponse
 from pdserve.api.protocol import Limits, Parsed, parse_chat
 from pdserve.schemas import Usage
 
@@ -408,15 +408,8 @@ class _Events:
     ) -> AsyncIterator[bytes]:
         yield self._event("response.created", response=self.response.render("in_progress"))
         yield self._event("response.in_progress", response=self.response.render("in_progress"))
-        try:
-            if first is not None:
-                for event in self.render(*first):
-                    yield event
-            async for i, d in rest:
-                for event in self.render(i, d):
-                    yield event
-        except Exception as exc:
-            error = translate(exc)
-            yield self._event("error", code=error.code, message=error.message, param=error.param)
-        finally:
-            await rest.aclose()  # type: ignore[attr-defined]
+        async for event in routes.events_body(first, rest, self.render, self._error):
+            yield event
+
+    def _error(self, error: APIError) -> bytes:
+        return self._event("error", code=error.code, message=error.message, param=error.param)

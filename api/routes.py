@@ -179,6 +179,27 @@ async def _sse_body(
     yield _DONE
 
 
+async def events_body(
+    first: tuple[int, Delta] | None,
+    rest: AsyncIterator[tuple[int, Delta]],
+    render: Callable[[int, Delta], list[bytes]],
+    error: Callable[[APIError], bytes],
+) -> AsyncIterator[bytes]:
+    """A stream's deltas as ``render`` writes them (server-sent events already framed, as the
+    Responses and Messages APIs name each), an error as ``error`` writes it; no ``[DONE]``."""
+    try:
+        if first is not None:
+            for event in render(*first):
+                yield event
+        async for i, d in rest:
+            for event in render(i, d):
+                yield event
+    except Exception as exc:
+        yield error(translate(exc))
+    finally:
+        await rest.aclose()  # type: ignore[attr-defined]
+
+
 class _Usage:
     """A streamed job's usage: its prompt once, every sample's output, once all have finished."""
 
