@@ -97,8 +97,8 @@ class Scheduler:
             self.preempt(running[-1])
             self.num_priority_preemptions += 1
         best = next((s for s in self.waiting if not s.page_table and s.num_computed == 0 and not s.num_pending), None)
-        if best is None or not self.running:
-            return
+        if best is None or not running or running[-1].sampling.priority <= best.sampling.priority:
+            return  # (no running request of a lower priority: every step of equal priorities ends here)
         seats = self.config.max_num_seqs - 1 - len(best.forks)
         chunk = self.pages.pages_for(min(best.num_tokens, self.config.chunked_prefill_size) + 1)
         while len(self.running) > seats or not self.pages.can_allocate(chunk + len(self.running)):
